@@ -1,0 +1,34 @@
+# ckptflow: `make demo` runs the pipeline on a fresh DeepSpeed checkpoint, `make test` runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+export DS_ACCELERATOR := cpu
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
+export HF_HUB_DISABLE_XET := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test demo clean
+
+install: $(STAMP)
+
+# torch goes in first, from its exact pin, so that no dependency can pull a CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	set -o pipefail; $(PY) -m pip install -q -c constraints.txt -e '.[test]' 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -c "import torch, deepspeed, prefect, ckptflow" 2>/dev/null
+	touch $(STAMP)
+
+test: install
+	$(VENV)/bin/pytest -q
+
+demo: install
+	$(PY) -m flows.demo
+
+clean:
+	rm -rf $(VENV) .cache demo-output
