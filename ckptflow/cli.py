@@ -30,6 +30,11 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
+@app.callback()
+def _root() -> None:
+    """Validate, consolidate, reshard and publish DeepSpeed ZeRO checkpoints."""
+
+
 def fail(exc: BaseException) -> typer.Exit:
     """Print `exc` as one red line and return the exit to raise."""
     err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
@@ -45,7 +50,10 @@ def validate(
 ) -> None:
     """Check that a ZeRO checkpoint is complete and consistent. Exit 0 valid, 1 not."""
     from ckptflow.validate import validate as run_validate
+    from ckptflow.zero import check_tag
 
+    if tag is not None and check_tag(tag, "--tag"):
+        raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
     try:
         report = run_validate(src, tag=tag, deep=deep)
     except CkptflowError as exc:

@@ -1,0 +1,464 @@
+"""Torch zip archives (`torch.save` files), read lazily and safely from any fsspec URI.
+
+This is the one module that turns checkpoint pickles into data. Its unpickler resolves globals
+through an allow-list of the names real DeepSpeed checkpoints use, each mapped to plain data; any
+other global is refused with `UnsafePickleError` before anything runs. Tensors come back as
+`TensorRef`s: dtype, shape, stride, storage offset and the exact byte range of their storage in the
+file. Opening an archive reads its zip directory, its pickle and the 30-byte local headers of its
+storages; no tensor byte is read until `read_tensor` asks for one tensor's range.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptflow.errors import CheckpointNotFoundError, CorruptFileError, UnsafePickleError
+from ckptflow.storage import open_fs
+
+if TYPE_CHECKING:
+    import torch
+
+# Storage class name -> (dtype name, item size in bytes).
+STORAGE_DTYPES: dict[str, tuple[str, int]] = {
+    "DoubleStorage": ("float64", 8),
+    "FloatStorage": ("float32", 4),
+    "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2),
+    "LongStorage": ("int64", 8),
+    "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2),
+    "CharStorage": ("int8", 1),
+    "ByteStorage": ("uint8", 1),
+    "BoolStorage": ("bool", 1),
+    "ComplexFloatStorage": ("complex64", 8),
+    "ComplexDoubleStorage": ("complex128", 16),
+}
+DTYPE_SIZES: dict[str, int] = {name: size for name, size in STORAGE_DTYPES.values()}
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_LOCAL_HEADER_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where a tensor's bytes are: everything needed to read exactly them, and nothing read yet."""
+
+    uri: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_numel: int
+    data_offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for dim, step in zip(reversed(self.shape), reversed(self.stride)):
+            if dim != 1 and step != expected:
+                return False
+            expected *= dim
+        return True
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        """[start, end) of this tensor's elements in the file; contiguous tensors only."""
+        assert self.is_contiguous, "byte_range of a strided tensor"
+        start = self.data_offset + self.storage_offset * self.itemsize
+        return start, start + self.nbytes
+
+    def element_range(self, start: int, numel: int) -> tuple[int, int]:
+        """[start, end) bytes of `numel` flat elements from element `start` of a contiguous tensor."""
+        begin = self.byte_range[0] + start * self.itemsize
+        return begin, begin + numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class PickledObject:
+    """A DeepSpeed object from the allow-list, kept as its qualified name and plain state."""
+
+    qualname: str
+    args: tuple[Any, ...]
+    state: Any
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if isinstance(self.state, dict):
+            return self.state.get(name, default)
+        return default
+
+
+def _record_class(qualname: str) -> type:
+    """A stand-in class for one allowed DeepSpeed global: it stores arguments and state, runs nothing."""
+
+    class Record:
+        def __init__(self, *args: Any) -> None:
+            self.args = args
+            self.state: Any = None
+
+        def __new__(cls, *args: Any) -> "Record":
+            obj = object.__new__(cls)
+            obj.args = args
+            obj.state = None
+            return obj
+
+        def __setstate__(self, state: Any) -> None:
+            self.state = state
+
+    Record.__qualname__ = Record.__name__ = qualname
+    return Record
+
+
+def _enum_value(value: Any) -> int:
+    if not isinstance(value, int):
+        raise pickle.UnpicklingError(f"enum value {value!r} is not an int")
+    return value
+
+
+# DeepSpeed's own classes as they appear in checkpoints; they become `PickledObject`s or ints.
+DEEPSPEED_RECORDS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+DEEPSPEED_ENUMS = ("deepspeed.runtime.zero.config.ZeroStageEnum",)
+
+
+class _Storage:
+    """A storage reference from a pickle: its key, dtype and element count."""
+
+    __slots__ = ("key", "dtype", "numel")
+
+    def __init__(self, key: str, dtype: str, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _StorageType:
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class _Marker:
+    """A class named by the pickle only as a type tag (torch.Tensor, Parameter): never instantiated."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Archive:
+    """One torch zip archive: its plain-data object tree with `TensorRef`s in place of tensors."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.fs, self.path = open_fs(uri)
+        self._entries: dict[str, zipfile.ZipInfo] = {}
+        self._data_offsets: dict[str, int] = {}
+        self._records: dict[str, type] = {name: _record_class(name) for name in DEEPSPEED_RECORDS}
+        self.size = 0
+        self.obj: Any = None
+
+    # ---- opening ---------------------------------------------------------------------------------
+
+    def open(self) -> "Archive":
+        try:
+            self.size = self.fs.size(self.path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{self.uri} does not exist", file=self.uri, hint="check the path and the tag"
+            ) from None
+        if not self.size:
+            raise CorruptFileError(
+                f"{self.uri} is empty (0 bytes)", file=self.uri,
+                hint="the save was interrupted or the upload is incomplete; copy the file again",
+            )
+        try:
+            with self.fs.open(self.path, "rb", block_size=1 << 16) as fh:
+                with zipfile.ZipFile(fh) as zf:
+                    infos = zf.infolist()
+                    pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+                    if pkl is None:
+                        raise CorruptFileError(
+                            f"{self.uri} is a zip file but not a torch archive (no data.pkl)", file=self.uri,
+                            hint="pass a file written by torch.save / DeepSpeed",
+                        )
+                    prefix = pkl.filename[: -len("data.pkl")]
+                    names = {i.filename: i for i in infos}
+                    order = names.get(prefix + "byteorder")
+                    if order is not None and zf.read(order).strip() != b"little":
+                        raise CorruptFileError(
+                            f"{self.uri} was written on a big-endian machine", file=self.uri,
+                            hint="re-save it on a little-endian machine",
+                        )
+                    data_pkl = zf.read(pkl)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError) as exc:
+            if isinstance(exc, CorruptFileError):
+                raise
+            raise CorruptFileError(
+                f"{self.uri} is not a readable torch archive ({exc})", file=self.uri,
+                hint="the file is truncated or not a checkpoint; copy it again from the training run",
+            ) from None
+        self._entries = {
+            name[len(prefix) + len("data/"):]: info
+            for name, info in names.items()
+            if name.startswith(prefix + "data/")
+        }
+        for info in self._entries.values():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptFileError(
+                    f"{self.uri}: storage {info.filename} is compressed", file=self.uri,
+                    hint="torch never compresses storages; the file was repacked by another tool",
+                )
+        self.obj = self._unpickle(data_pkl)
+        return self
+
+    def _unpickle(self, data: bytes) -> Any:
+        storages: dict[str, _Storage] = {}
+        archive = self
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> Any:
+                return archive._find_class(module, name)
+
+            def persistent_load(self, pid: Any) -> Any:
+                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                    raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
+                _, stype, key, _location, numel = pid
+                if not isinstance(stype, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
+                    raise pickle.UnpicklingError(f"malformed storage reference {pid!r:.80}")
+                if key not in archive._entries:
+                    raise pickle.UnpicklingError(f"storage {key} is named in the pickle but missing from the archive")
+                expected = numel * DTYPE_SIZES[stype.dtype]
+                if archive._entries[key].file_size != expected:
+                    raise pickle.UnpicklingError(
+                        f"storage {key} holds {archive._entries[key].file_size} bytes, expected {expected}"
+                    )
+                storage = storages.get(key)
+                if storage is None:
+                    storage = storages[key] = _Storage(key, stype.dtype, numel)
+                return storage
+
+        try:
+            obj = Unpickler(io.BytesIO(data)).load()
+        except UnsafePickleError:
+            raise
+        except Exception as exc:  # any malformed pickle: never let it escape as a traceback
+            raise CorruptFileError(
+                f"{self.uri}: cannot read its pickle ({type(exc).__name__}: {exc})", file=self.uri,
+                hint="the file is corrupt or truncated; copy it again from the training run",
+            ) from None
+        self._resolve_offsets(sorted(storages))
+        return _to_plain(obj, self)
+
+    def _find_class(self, module: str, name: str) -> Any:
+        qual = f"{module}.{name}"
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _StorageType(STORAGE_DTYPES[name][0])
+        if qual in _SAFE_GLOBALS:
+            return _SAFE_GLOBALS[qual]
+        if qual in self._records:
+            return self._records[qual]
+        if qual in DEEPSPEED_ENUMS:
+            return _enum_value
+        if module == "torch" and name in DTYPE_SIZES:
+            return name
+        raise UnsafePickleError(
+            f"{self.uri} refers to {qual}, which ckptflow does not load", file=self.uri, actual=qual,
+            hint="refused without running anything; only torch tensors and DeepSpeed's checkpoint "
+            "classes are allowed; if this file is yours, re-save it without custom objects",
+        )
+
+    def _resolve_offsets(self, keys: list[str]) -> None:
+        """Read the local header of each storage entry to find where its bytes start."""
+        if not keys:
+            return
+        infos = [self._entries[k] for k in keys]
+        starts = [i.header_offset for i in infos]
+        try:
+            headers = self.fs.cat_ranges([self.path] * len(infos), starts, [s + _LOCAL_HEADER.size for s in starts])
+        except Exception as exc:
+            raise CorruptFileError(
+                f"{self.uri}: cannot read the storage headers ({exc})", file=self.uri,
+                hint="the file is truncated; copy it again",
+            ) from None
+        for key, info, raw in zip(keys, infos, headers):
+            if isinstance(raw, BaseException) or len(raw) != _LOCAL_HEADER.size:
+                raise CorruptFileError(
+                    f"{self.uri}: storage {key} lies past the end of the file", file=self.uri,
+                    hint="the file is truncated; copy it again",
+                )
+            fields = _LOCAL_HEADER.unpack(raw)
+            if fields[0] != _LOCAL_HEADER_MAGIC:
+                raise CorruptFileError(
+                    f"{self.uri}: storage {key} has a damaged zip header", file=self.uri,
+                    hint="the file is corrupt; copy it again",
+                )
+            offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+            if offset + info.file_size > self.size:
+                raise CorruptFileError(
+                    f"{self.uri}: storage {key} ends at byte {offset + info.file_size} but the file has "
+                    f"{self.size}", file=self.uri, expected=offset + info.file_size, actual=self.size,
+                    hint="the file is truncated; copy it again",
+                )
+            self._data_offsets[key] = offset
+
+    def tensor(self, storage: _Storage, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> TensorRef:
+        ref = TensorRef(
+            uri=self.uri, key=storage.key, dtype=storage.dtype, shape=tuple(shape), stride=tuple(stride),
+            storage_offset=offset, storage_numel=storage.numel, data_offset=self._data_offsets[storage.key],
+        )
+        if ref.numel:
+            last = offset + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride))
+            if offset < 0 or last >= storage.numel:
+                raise CorruptFileError(
+                    f"{self.uri}: a tensor reaches past its storage {storage.key}", file=self.uri,
+                    hint="the file is corrupt; copy it again",
+                )
+        return ref
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> tuple:
+    if not isinstance(storage, _Storage):
+        raise pickle.UnpicklingError("tensor without a storage")
+    return ("__tensor__", storage, int(offset), tuple(int(x) for x in size), tuple(int(x) for x in stride))
+
+
+def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
+    return data
+
+
+def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
+    if func is not _rebuild_tensor and func is not _rebuild_parameter:
+        raise pickle.UnpicklingError("tensor rebuilt through an unexpected function")
+    return func(*args)
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    return tuple(int(d) for d in dims)
+
+
+def _device(kind: Any, index: Any = None) -> str:
+    return f"{kind}:{index}" if index is not None else str(kind)
+
+
+def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8"):
+        raise pickle.UnpicklingError("unexpected _codecs.encode call")
+    return text.encode(encoding)
+
+
+_SAFE_GLOBALS: dict[str, Any] = {
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+    "torch.Tensor": _Marker("torch.Tensor"),
+    "torch.nn.parameter.Parameter": _Marker("torch.nn.parameter.Parameter"),
+    "torch.Size": _size,
+    "torch.device": _device,
+    "collections.OrderedDict": OrderedDict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.slice": slice,
+    "_codecs.encode": _codecs_encode,
+}
+
+
+def _to_plain(obj: Any, archive: Archive) -> Any:
+    """Replace tensor tuples by `TensorRef`s and stand-in records by `PickledObject`s, recursively."""
+    if isinstance(obj, tuple):
+        if len(obj) == 5 and obj[0] == "__tensor__" and isinstance(obj[1], _Storage):
+            return archive.tensor(obj[1], obj[2], obj[3], obj[4])
+        return tuple(_to_plain(x, archive) for x in obj)
+    if isinstance(obj, list):
+        return [_to_plain(x, archive) for x in obj]
+    if isinstance(obj, dict):
+        out = type(obj)() if isinstance(obj, OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = _to_plain(v, archive)
+        return out
+    if type(obj).__name__ in archive._records and type(obj) is archive._records[type(obj).__name__]:
+        return PickledObject(type(obj).__name__, _to_plain(obj.args, archive), _to_plain(obj.state, archive))
+    if isinstance(obj, (_Storage, _StorageType, _Marker)):
+        raise CorruptFileError(f"{archive.uri}: a bare storage in the pickle", file=archive.uri)
+    return obj
+
+
+def open_archive(uri: str) -> Archive:
+    """Open the torch archive at `uri`: its directory, pickle and storage offsets, no tensor bytes."""
+    return Archive(uri).open()
+
+
+def read_tensor(ref: TensorRef) -> "torch.Tensor":
+    """Read exactly `ref`'s bytes and return a tensor that owns them."""
+    import torch
+
+    dtype = getattr(torch, ref.dtype)
+    if ref.numel == 0:
+        return torch.empty(ref.shape, dtype=dtype)
+    fs, path = open_fs(ref.uri)
+    if ref.is_contiguous:
+        start, end = ref.byte_range
+        raw = fs.cat_file(path, start=start, end=end)
+        _check_length(ref, raw, end - start)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(ref.shape)
+    span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride))
+    start = ref.data_offset + ref.storage_offset * ref.itemsize
+    raw = fs.cat_file(path, start=start, end=start + span * ref.itemsize)
+    _check_length(ref, raw, span * ref.itemsize)
+    flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+    return flat.as_strided(ref.shape, ref.stride).clone()
+
+
+def read_elements(ref: TensorRef, start: int, numel: int) -> "torch.Tensor":
+    """Flat elements [start, start + numel) of a contiguous tensor, reading only their bytes."""
+    import torch
+
+    dtype = getattr(torch, ref.dtype)
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    fs, path = open_fs(ref.uri)
+    begin, end = ref.element_range(start, numel)
+    raw = fs.cat_file(path, start=begin, end=end)
+    _check_length(ref, raw, end - begin)
+    return torch.frombuffer(bytearray(raw), dtype=dtype)
+
+
+def iter_chunks(ref: TensorRef, chunk_bytes: int = 64 << 20) -> Iterator["torch.Tensor"]:
+    """A contiguous tensor's flat elements in chunks of at most `chunk_bytes`, for bounded memory."""
+    step = max(1, chunk_bytes // ref.itemsize)
+    for start in range(0, ref.numel, step):
+        yield read_elements(ref, start, min(step, ref.numel - start))
+
+
+def _check_length(ref: TensorRef, raw: bytes, expected: int) -> None:
+    if len(raw) != expected:
+        raise CorruptFileError(
+            f"{ref.uri}: read {len(raw)} bytes of storage {ref.key}, expected {expected}", file=ref.uri,
+            expected=expected, actual=len(raw), hint="the file changed or was truncated while being read",
+        )

@@ -1,0 +1,688 @@
+"""The DeepSpeed ZeRO checkpoint layout (stages 1, 2 and 3), read into an immutable index.
+
+`inspect` reads a checkpoint cheapest-first (the `latest` pointer, the folder listing, rank 0's model
+states, then every rank file) and returns the index together with every problem it found on the way.
+`load_index` is the same for callers that only want a good index. Nothing here reads tensor bytes:
+the index says, for every parameter, which bytes of which rank file hold its fp32 master weights and
+optimizer moments, so consolidation and resharding can plan before they read.
+
+Layout facts (DeepSpeed 0.19.8):
+- ZeRO-1/2: one `mp_rank_00_model_states.pt` (16-bit module copy, buffers, shapes, frozen params) and
+  `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt` per rank. Each param group is flattened in
+  `param_shapes` order (plus `param_alignment_paddings`), padded at the end and cut into equal
+  partitions; each rank saves its partition without the tail padding (`group_paddings`).
+- ZeRO-3: `zero_pp_rank_<r>_mp_rank_00_model_states.pt` and an optim file per rank. Every parameter
+  is cut into ceil(numel / world_size) pieces (the last ones padded); a rank's flat group is its
+  pieces of the group's parameters, concatenated.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import re
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.storage import join, open_fs
+from ckptflow.torchzip import PickledObject, TensorRef, open_archive
+
+SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
+MODEL_FILE_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint: a stable code, a one-line message, and where."""
+
+    code: str
+    message: str
+    file: str | None = None
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "file": self.file, "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A run of a parameter's flat elements inside one rank's flat partition of its param group."""
+
+    rank: int
+    group: int
+    offset: int
+    numel: int
+    param_offset: int
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: shape, training dtype, and where its values live."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    group: int | None
+    fragments: tuple[Fragment, ...] = ()
+    frozen_pieces: tuple[TensorRef, ...] = ()
+
+    @property
+    def frozen(self) -> bool:
+        return self.group is None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    ref: TensorRef
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One optimizer param group: its hyper-parameters and its parameters, in flattening order."""
+
+    index: int
+    hyper: Mapping[str, Any]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One rank's flat fp32 partition of one param group and the optimizer state over it.
+
+    `numel` counts the partition's elements including padding; `fp32` holds the first `fp32.numel`
+    of them as saved (ZeRO-1/2 drop the tail padding when saving, ZeRO-3 keep it).
+    """
+
+    rank: int
+    group: int
+    numel: int
+    padding: int
+    fp32: TensorRef
+    state: Mapping[str, TensorRef] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    rank: int
+    optim: str
+    model: str | None
+
+
+@dataclass(frozen=True)
+class ZeroCheckpoint:
+    """Immutable index of a ZeRO checkpoint: what is where, never the tensors themselves."""
+
+    root: str
+    tag: str
+    stage: int
+    world_size: int
+    precision: str
+    step: int
+    ds_version: str
+    files: tuple[RankFiles, ...]
+    params: tuple[Param, ...]
+    buffers: tuple[Buffer, ...]
+    tied: Mapping[str, str]
+    groups: tuple[ParamGroup, ...]
+    partitions: tuple[tuple[Partition, ...], ...]
+    module_order: tuple[str, ...]
+    model_states: tuple[Mapping[str, Any], ...]
+    optim_states: tuple[Mapping[str, Any], ...]
+
+    @property
+    def tag_uri(self) -> str:
+        return join(self.root, self.tag)
+
+    @property
+    def param_by_name(self) -> dict[str, Param]:
+        return {p.name: p for p in self.params}
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def model_file(self, rank: int = 0) -> str:
+        return self.files[rank if self.stage == 3 else 0].model or self.files[0].model or ""
+
+
+def model_file_name(stage: int, rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def optim_file_name(precision: str, rank: int) -> str:
+    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def zero3_piece(numel: int, world_size: int) -> int:
+    """Elements per rank of a ZeRO-3 partitioned parameter (the last ranks' pieces are padded)."""
+    return math.ceil(numel / world_size)
+
+
+def zero2_align(numel: int, world_size: int) -> int:
+    """ZeRO-1/2 round flat groups to a multiple of 2 * world_size elements."""
+    align = 2 * world_size
+    return align * math.ceil(numel / align)
+
+
+# ---- the tag --------------------------------------------------------------------------------------
+
+
+def check_tag(tag: str, where: str) -> str | None:
+    """The problem with `tag` as a folder name, or None when it is safe."""
+    if not tag:
+        return f"{where} is empty"
+    if "/" in tag or "\\" in tag or ".." in tag or "\x00" in tag:
+        return f"{where} names {tag!r}, which is not a plain folder name (path separators or '..')"
+    if not SAFE_TAG.match(tag):
+        return f"{where} names {tag!r}, which has characters DeepSpeed never writes in a tag"
+    return None
+
+
+def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
+    """(root, tag) for a folder holding `latest` or for a tag folder itself."""
+    fs, path = open_fs(uri)
+    if tag is not None:
+        bad = check_tag(tag, "--tag")
+        if bad:
+            raise CheckpointError(bad, uri=uri, hint="pass the name of a folder beside `latest`")
+        return uri.rstrip("/"), tag
+    latest = posixpath.join(path, "latest")
+    if fs.isfile(latest):
+        raw = fs.cat_file(latest)
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            text = ""
+        bad = check_tag(text, f"{join(uri, 'latest')}")
+        if bad:
+            raise CheckpointError(
+                bad, uri=uri, file=join(uri, "latest"),
+                hint="refusing to follow it; fix `latest` or pass --tag",
+            )
+        return uri.rstrip("/"), text
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"{uri} does not exist", uri=uri, hint="check the path or URL")
+    names = [posixpath.basename(p) for p in fs.ls(path, detail=False)]
+    if any(MODEL_FILE_RE.match(n) for n in names):
+        parent = uri.rstrip("/").rsplit("/", 1)
+        return parent[0] if len(parent) == 2 else ".", parent[-1]
+    raise CheckpointNotFoundError(
+        f"no `latest` file in {uri}", uri=uri, file=join(uri, "latest"),
+        hint="point at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass --tag",
+    )
+
+
+# ---- reading --------------------------------------------------------------------------------------
+
+
+class _Problems(Exception):
+    """Raised inside `inspect` to stop at a stage whose problems make later checks meaningless."""
+
+
+@dataclass
+class _Inspection:
+    root: str
+    tag: str
+    problems: list[Problem] = field(default_factory=list)
+
+    def add(self, code: str, message: str, *, file: str | None = None, rank: int | None = None) -> None:
+        self.problems.append(Problem(code, message, file, rank))
+
+    def stop_if_any(self) -> None:
+        if self.problems:
+            raise _Problems
+
+
+def inspect(uri: str, tag: str | None = None) -> tuple[ZeroCheckpoint | None, list[Problem], tuple[str, str] | None]:
+    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+    try:
+        root, tag = resolve_tag(uri, tag)
+    except CkptflowError as exc:
+        code = "latest-missing" if "no `latest`" in str(exc) else "latest-unsafe" if "latest" in str(exc) else "source-missing"
+        if isinstance(exc, CheckpointError) and "--tag" in str(exc).split(" ", 1)[0]:
+            code = "tag-unsafe"
+        return None, [Problem(code, str(exc), exc.file)], None
+    state = _Inspection(root, tag)
+    try:
+        index = _read(state)
+    except _Problems:
+        return None, state.problems, (root, tag)
+    return index, state.problems, (root, tag)
+
+
+def load_index(uri: str, tag: str | None = None) -> ZeroCheckpoint:
+    """The index of a valid checkpoint; `CheckpointError` naming the first problem otherwise."""
+    index, problems, _ = inspect(uri, tag)
+    if problems or index is None:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more problems; run `ckptflow validate {uri}`)" if len(problems) > 1 else ""
+        error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
+        raise error_type(first.message + more, uri=uri, file=first.file, rank=first.rank)
+    return index
+
+
+def _read(st: _Inspection) -> ZeroCheckpoint:
+    tag_uri = join(st.root, st.tag)
+    fs, tag_path = open_fs(tag_uri)
+    if not fs.isdir(tag_path):
+        st.add(
+            "tag-missing",
+            f"tag folder {tag_uri} does not exist; `latest` names a tag that was never saved or not yet "
+            "uploaded: wait for the upload, or point `latest` at an existing tag",
+            file=tag_uri,
+        )
+        st.stop_if_any()
+    names = sorted(posixpath.basename(p) for p in fs.ls(tag_path, detail=False))
+    model_names = {n: MODEL_FILE_RE.match(n) for n in names if MODEL_FILE_RE.match(n)}
+    optim_names = {n: OPTIM_FILE_RE.match(n) for n in names if OPTIM_FILE_RE.match(n)}
+    for name, m in [*model_names.items(), *optim_names.items()]:
+        if int(m.groups()[-1]) != 0:
+            st.add(
+                "unsupported-parallelism",
+                f"{join(tag_uri, name)} belongs to tensor/pipeline-parallel rank {int(m.groups()[-1])}; ckptflow "
+                "handles data-parallel ZeRO checkpoints (mp_rank_00) only",
+                file=join(tag_uri, name),
+            )
+    st.stop_if_any()
+    stage3 = any(m.group(1) is not None for m in model_names.values())
+    first_model = model_file_name(3 if stage3 else 1, 0)
+    if first_model not in model_names:
+        st.add(
+            "model-missing",
+            f"{join(tag_uri, 'mp_rank_00_model_states.pt')} (ZeRO-1/2) or "
+            f"{join(tag_uri, 'zero_pp_rank_0_mp_rank_00_model_states.pt')} (ZeRO-3) is missing; this is not a "
+            "DeepSpeed ZeRO tag folder, or rank 0's upload has not finished",
+            file=tag_uri,
+        )
+        st.stop_if_any()
+
+    model0 = _open(st, join(tag_uri, first_model), rank=0)
+    st.stop_if_any()
+    head = _model_head(st, model0, join(tag_uri, first_model))
+    st.stop_if_any()
+    world_size, precision = head["world_size"], head["precision"]
+    stage = 3 if stage3 else None  # stage 1 vs 2 is read from the optim files
+
+    # Exactly the files the world size implies: none missing, none extra.
+    expected_optim = {optim_file_name(precision, r): r for r in range(world_size)}
+    expected_model = {model_file_name(3, r): r for r in range(world_size)} if stage3 else {first_model: 0}
+    for name, rank in {**expected_model, **expected_optim}.items():
+        if name not in names:
+            st.add(
+                "rank-missing",
+                f"rank {rank} of {world_size} is missing: expected {st.tag}/{name} under {st.root}; the upload may "
+                f"still be in progress, or the checkpoint was saved with fewer ranks",
+                file=join(tag_uri, name), rank=rank,
+            )
+    for name in [*model_names, *optim_names]:
+        if name not in expected_model and name not in expected_optim:
+            m = model_names.get(name) or optim_names.get(name)
+            rank = int(m.group(2) if name in optim_names else (m.group(1) or 0))
+            why = (
+                f"rank {rank} is beyond the world size {world_size} recorded in {first_model}"
+                if rank >= world_size
+                else f"its precision prefix does not match the {precision} training recorded in {first_model}"
+            )
+            st.add(
+                "rank-extra",
+                f"unexpected file {st.tag}/{name}: {why}; it is left over from another save into the same tag "
+                "folder: remove it, or re-save the checkpoint into a fresh folder",
+                file=join(tag_uri, name), rank=rank,
+            )
+    st.stop_if_any()
+
+    # Every file parses (in parallel: remote stores answer slowly, not narrowly).
+    model_uris = [join(tag_uri, model_file_name(3, r)) for r in range(world_size)] if stage3 else [join(tag_uri, first_model)]
+    optim_uris = [join(tag_uri, optim_file_name(precision, r)) for r in range(world_size)]
+    with ThreadPoolExecutor(max_workers=min(16, 2 * world_size + 1)) as pool:
+        models = [model0] + list(pool.map(lambda a: _open(st, a[1], a[0]), list(enumerate(model_uris))[1:]))
+        optims = list(pool.map(lambda a: _open(st, a[1], a[0]), list(enumerate(optim_uris))))
+    st.stop_if_any()
+
+    # Metadata agrees across ranks.
+    heads = [head] + [_model_head(st, m, u) for m, u in zip(models[1:], model_uris[1:])]
+    st.stop_if_any()
+    for key, label in (("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version")):
+        for rank, h in enumerate(heads[1:], start=1):
+            if h[key] != head[key]:
+                st.add(
+                    "ranks-disagree",
+                    f"rank {rank} records {label} {h[key]} in {model_uris[rank]} but rank 0 records {head[key]}; the "
+                    "folder mixes files from different saves: re-copy the tag folder from one save",
+                    file=model_uris[rank], rank=rank,
+                )
+    optim_heads = [_optim_head(st, o, u, r) for r, (o, u) in enumerate(zip(optims, optim_uris))]
+    st.stop_if_any()
+    stage = optim_heads[0]["stage"]
+    if stage3 != (stage == 3):
+        st.add(
+            "ranks-disagree",
+            f"{optim_uris[0]} records ZeRO stage {stage} but the model state files are laid out for "
+            f"{'ZeRO-3' if stage3 else 'ZeRO-1/2'}; the folder mixes saves: re-copy it from one save",
+            file=optim_uris[0], rank=0,
+        )
+    for rank, oh in enumerate(optim_heads):
+        if oh["stage"] != stage:
+            st.add("ranks-disagree", f"rank {rank} records ZeRO stage {oh['stage']} in {optim_uris[rank]} but rank 0 "
+                   f"records {stage}; re-copy the tag folder from one save", file=optim_uris[rank], rank=rank)
+        if oh["world_size"] != world_size:
+            st.add(
+                "world-size-mismatch",
+                f"{optim_uris[rank]} was saved with {oh['world_size']} partitions but {model_uris[0]} records a "
+                f"data-parallel world size of {world_size}; the folder mixes saves of different sizes: re-copy it "
+                "from one save",
+                file=optim_uris[rank], rank=rank,
+            )
+    st.stop_if_any()
+
+    layout = _Layout(st, stage, world_size, precision, models, optims, model_uris, optim_uris)
+    params, groups, partitions = layout.build()
+    st.stop_if_any()
+    module = models[0]["module"]
+    return ZeroCheckpoint(
+        root=st.root,
+        tag=st.tag,
+        stage=stage,
+        world_size=world_size,
+        precision=precision,
+        step=head["step"],
+        ds_version=head["ds_version"],
+        files=tuple(
+            RankFiles(r, optim_uris[r], model_uris[r] if stage3 else (model_uris[0] if r == 0 else None))
+            for r in range(world_size)
+        ),
+        params=params,
+        buffers=tuple(Buffer(n, module[n]) for n in models[0].get("buffer_names", []) if n in module),
+        tied=layout.tied,
+        groups=groups,
+        partitions=partitions,
+        module_order=tuple(module),
+        model_states=tuple(models),
+        optim_states=tuple(optims),
+    )
+
+
+def _open(st: _Inspection, uri: str, rank: int) -> dict[str, Any]:
+    try:
+        obj = open_archive(uri).obj
+    except CkptflowError as exc:
+        code = {"UnsafePickleError": "unsafe-pickle", "CheckpointNotFoundError": "rank-missing"}.get(
+            type(exc).__name__, "corrupt-file"
+        )
+        st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
+        return {}
+    except OSError as exc:
+        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({exc}); check access to the store and retry",
+               file=uri, rank=rank)
+        return {}
+    if not isinstance(obj, dict):
+        st.add("corrupt-file", f"rank {rank}: {uri} holds a {type(obj).__name__}, not a DeepSpeed state dict; the "
+               "file is not a DeepSpeed checkpoint file", file=uri, rank=rank)
+        return {}
+    return obj
+
+
+def _model_head(st: _Inspection, obj: Mapping[str, Any], uri: str) -> dict[str, Any]:
+    missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
+    if missing:
+        st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
+               "it was replaced or written by another tool", file=uri)
+        return {}
+    config = obj.get("ds_config") or {}
+    precision = "fp32"
+    if _enabled(config, "bf16") or _enabled(config, "bfloat16"):
+        precision = "bf16"
+    elif _enabled(config, "fp16"):
+        precision = "fp16"
+    world_size = obj["dp_world_size"]
+    if not isinstance(world_size, int) or world_size < 1:
+        st.add("corrupt-file", f"{uri} records a data-parallel world size of {world_size!r}; the file is damaged", file=uri)
+        return {}
+    if (obj.get("mp_world_size") or 1) != 1:
+        st.add("unsupported-parallelism", f"{uri} was saved with model-parallel size {obj['mp_world_size']}; "
+               "ckptflow handles data-parallel ZeRO checkpoints only", file=uri)
+    return {
+        "world_size": world_size,
+        "precision": precision,
+        "step": obj["global_steps"],
+        "ds_version": str(obj.get("ds_version", "unknown")),
+    }
+
+
+def _enabled(config: Mapping[str, Any], key: str) -> bool:
+    section = config.get(key)
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+
+
+def _optim_head(st: _Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> dict[str, Any]:
+    osd = obj.get("optimizer_state_dict")
+    if not isinstance(osd, Mapping) or "partition_count" not in osd:
+        st.add("corrupt-file", f"rank {rank}: {uri} is a torch file but not a ZeRO optimizer state (no "
+               "optimizer_state_dict.partition_count); it was replaced or written by another tool", file=uri, rank=rank)
+        return {"stage": None, "world_size": None}
+    count = osd["partition_count"]
+    world_size = max(count) if isinstance(count, list) else count
+    if "zero_stage" in osd:
+        stage = int(osd["zero_stage"])
+    else:  # BF16_Optimizer (ZeRO-1 with bf16 weights and fp32 gradient accumulation) has no stage field
+        stage = 1
+    return {"stage": stage, "world_size": world_size}
+
+
+class _Layout:
+    """Parameter fragments and partitions from the rank files, checked as they are worked out."""
+
+    def __init__(self, st: _Inspection, stage: int, world_size: int, precision: str,
+                 models: list[dict[str, Any]], optims: list[dict[str, Any]],
+                 model_uris: list[str], optim_uris: list[str]) -> None:
+        self.st, self.stage, self.ws, self.precision = st, stage, world_size, precision
+        self.models, self.optims = models, optims
+        self.model_uris, self.optim_uris = model_uris, optim_uris
+        self.osds = [o["optimizer_state_dict"] for o in optims]
+        self.tied: dict[str, str] = {}
+
+    def build(self) -> tuple[tuple[Param, ...], tuple[ParamGroup, ...], tuple[tuple[Partition, ...], ...]]:
+        model0 = self.models[0]
+        shapes: list[Mapping[str, tuple[int, ...]]] = model0["param_shapes"]
+        for rank, m in enumerate(self.models[1:], start=1):
+            if m.get("param_shapes") != shapes:
+                self.st.add("ranks-disagree", f"rank {rank}: {self.model_uris[rank]} lists other parameter shapes than "
+                            "rank 0; the folder mixes saves of different models: re-copy it from one save",
+                            file=self.model_uris[rank], rank=rank)
+        if not isinstance(shapes, list) or len(shapes) != len(self._fp32_groups(0)):
+            self.st.add("corrupt-file", f"{self.model_uris[0]} lists {len(shapes)} param groups but "
+                        f"{self.optim_uris[0]} holds {len(self._fp32_groups(0))}; the files come from different saves",
+                        file=self.optim_uris[0], rank=0)
+        self.st.stop_if_any()
+        groups = self._groups(shapes)
+        partitions = tuple(
+            tuple(self._partition(rank, g) for g in range(len(shapes))) for rank in range(self.ws)
+        )
+        self.st.stop_if_any()
+        module = model0["module"]
+        dtypes = {name: ref.dtype for name, ref in module.items() if isinstance(ref, TensorRef)}
+        trainable: dict[str, Param] = {}
+        for g, group_shapes in enumerate(shapes):
+            fragments = self._fragments_zero3(g, group_shapes, partitions) if self.stage == 3 else \
+                self._fragments_zero12(g, group_shapes, partitions)
+            for name, shape in group_shapes.items():
+                trainable[name] = Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()))
+        frozen = self._frozen()
+        self._find_tied(module, {**trainable, **frozen})
+        if self.stage != 3 and model0.get("frozen_param_shapes") is None:
+            frozen = self._frozen_from_module(module, trainable)
+        order = [n for n in module if n in trainable or n in frozen]
+        order += [n for n in [*trainable, *frozen] if n not in order]
+        return tuple((trainable.get(n) or frozen[n]) for n in order), groups, partitions
+
+    def _dtype(self, module_dtype: str | None) -> str:
+        return module_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, "float32")
+
+    def _fp32_groups(self, rank: int) -> list[TensorRef]:
+        osd = self.osds[rank]
+        key = "fp32_flat_groups" if "fp32_flat_groups" in osd else "single_partition_of_fp32_groups"
+        groups = osd.get(key)
+        return groups if isinstance(groups, list) else []
+
+    def _base_state(self, rank: int) -> Mapping[str, Any]:
+        osd = self.osds[rank]
+        base = osd.get("optimizer_state_dict") if self.stage == 3 else osd.get("base_optimizer_state")
+        return base if isinstance(base, Mapping) else {}
+
+    def _groups(self, shapes: list[Mapping[str, Any]]) -> tuple[ParamGroup, ...]:
+        hyper = self._base_state(0).get("param_groups") or [{} for _ in shapes]
+        return tuple(
+            ParamGroup(g, {k: v for k, v in (hyper[g] if g < len(hyper) else {}).items() if k != "params"},
+                       tuple(group_shapes))
+            for g, group_shapes in enumerate(shapes)
+        )
+
+    def _partition(self, rank: int, group: int) -> Partition:
+        uri = self.optim_uris[rank]
+        flat = self._fp32_groups(rank)
+        if group >= len(flat) or not isinstance(flat[group], TensorRef):
+            self.st.add("corrupt-file", f"rank {rank}: {uri} has no fp32 partition for param group {group}",
+                        file=uri, rank=rank)
+            return Partition(rank, group, 0, 0, TensorRef(uri, "", "float32", (0,), (1,), 0, 0, 0))
+        ref = flat[group]
+        padding = 0
+        if self.stage != 3:
+            paddings = self.osds[rank].get("group_paddings") or []
+            padding = paddings[group] if group < len(paddings) else 0
+        state = self._base_state(rank).get("state") or {}
+        group_state = state.get(group) or {}
+        moments = {k: v for k, v in group_state.items() if isinstance(v, TensorRef)}
+        numel = ref.numel + padding
+        for key, moment in moments.items():
+            if moment.numel not in (numel, 1 if key == "step" else numel) or moment.dtype not in ("float32", "float16", "bfloat16"):
+                if key == "step" and moment.numel == 1:
+                    continue
+                self.st.add("partition-mismatch", f"rank {rank}: optimizer state {key} of param group {group} in {uri} "
+                            f"has {moment.numel} elements but the fp32 partition has {numel}; the file is damaged",
+                            file=uri, rank=rank)
+        return Partition(rank, group, numel, padding, ref, moments)
+
+    def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any],
+                          partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
+        sizes = [partitions[r][g].numel for r in range(self.ws)]
+        if len(set(sizes)) != 1:
+            self.st.add("partition-mismatch", f"param group {g}: ranks hold partitions of {sizes} elements (saved + "
+                        "padding); ZeRO-1/2 partitions are equal-sized, so a rank file is damaged or from another save",
+                        file=self.optim_uris[0])
+            return {}
+        size = sizes[0]
+        saved = sum(partitions[r][g].fp32.numel for r in range(self.ws))
+        align_paddings = (self.osds[0].get("param_alignment_paddings") or [None] * (g + 1))[g]
+        offset = 0
+        out: dict[str, tuple[Fragment, ...]] = {}
+        for i, (name, shape) in enumerate(group_shapes.items()):
+            numel = math.prod(shape)
+            frags = []
+            pos = offset
+            while pos < offset + numel:
+                rank, start = divmod(pos, size)
+                take = min(offset + numel - pos, size - start)
+                frags.append(Fragment(rank, g, start, take, pos - offset))
+                pos += take
+            out[name] = tuple(frags)
+            offset += numel + (align_paddings[i] if align_paddings else 0)
+        if offset > saved or zero2_align(offset, self.ws) != zero2_align(saved, self.ws):
+            self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the ranks "
+                        f"saved {saved}; the partition sizes do not add up, so the files do not belong together",
+                        file=self.optim_uris[0])
+        for rank in range(self.ws):
+            mapping = (self.osds[rank].get("param_slice_mappings") or [{}] * (g + 1))[g]
+            for name, addr in (mapping or {}).items():
+                mine = [f for f in out.get(name, ()) if f.rank == rank]
+                if isinstance(addr, PickledObject) and (
+                    len(mine) != 1 or mine[0].offset != addr.get("start") or mine[0].numel != addr.get("numel")
+                ):
+                    self.st.add("partition-mismatch", f"rank {rank}: {self.optim_uris[rank]} places {name} at "
+                                f"{addr.get('start')}+{addr.get('numel')} but the shapes place it at "
+                                f"{[(f.offset, f.numel) for f in mine]}; the file is damaged or from another model",
+                                file=self.optim_uris[rank], rank=rank)
+        return out
+
+    def _fragments_zero3(self, g: int, group_shapes: Mapping[str, Any],
+                         partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
+        out: dict[str, tuple[Fragment, ...]] = {}
+        offset = 0
+        for name, shape in group_shapes.items():
+            numel = math.prod(shape)
+            piece = zero3_piece(numel, self.ws)
+            frags = []
+            for rank in range(self.ws):
+                take = max(0, min(piece, numel - rank * piece))
+                if take:
+                    frags.append(Fragment(rank, g, offset, take, rank * piece))
+            out[name] = tuple(frags)
+            offset += piece
+        for rank in range(self.ws):
+            have = partitions[rank][g].fp32.numel
+            if have != offset:
+                self.st.add("partition-mismatch", f"rank {rank}: param group {g} in {self.optim_uris[rank]} holds "
+                            f"{have} fp32 elements but its parameters need {offset} ({self.ws} ranks); the file is "
+                            "damaged or from a save with another world size", file=self.optim_uris[rank], rank=rank)
+        return out
+
+    def _frozen(self) -> dict[str, Param]:
+        model0 = self.models[0]
+        shapes = model0.get("frozen_param_shapes") or {}
+        out: dict[str, Param] = {}
+        for name, shape in shapes.items():
+            shape = tuple(shape)
+            numel = math.prod(shape)
+            pieces = []
+            models = self.models if self.stage == 3 else [model0]
+            for rank, m in enumerate(models):
+                ref = (m.get("frozen_param_fragments") or {}).get(name)
+                want = zero3_piece(numel, self.ws) if self.stage == 3 else numel
+                if not isinstance(ref, TensorRef) or ref.numel != want:
+                    self.st.add("partition-mismatch", f"rank {rank}: frozen parameter {name} in "
+                                f"{self.model_uris[rank]} has {getattr(ref, 'numel', 'no')} elements, expected {want}; "
+                                "the file is damaged or from another save", file=self.model_uris[rank], rank=rank)
+                    continue
+                pieces.append(ref)
+            dtype = pieces[0].dtype if pieces else "float32"
+            out[name] = Param(name, shape, dtype, None, (), tuple(pieces))
+        return out
+
+    def _frozen_from_module(self, module: Mapping[str, Any], trainable: Mapping[str, Param]) -> dict[str, Param]:
+        """ZeRO-1 records no frozen-parameter list: they are the module's tensors that are neither
+        buffers, nor trainable, nor aliases, and their saved 16-bit (or fp32) copy is their only value."""
+        buffers = set(self.models[0].get("buffer_names") or [])
+        return {
+            name: Param(name, ref.shape, ref.dtype, None, (), (ref,))
+            for name, ref in module.items()
+            if isinstance(ref, TensorRef) and name not in buffers and name not in trainable and name not in self.tied
+        }
+
+    def _find_tied(self, module: Mapping[str, Any], params: Mapping[str, Param]) -> None:
+        """Aliases of parameters: ZeRO-1/2 list them in `shared_params`; ZeRO-3 leaves them in the module
+        state dict sharing the owner's storage."""
+        shared = self.models[0].get("shared_params") or {}
+        for alias, owner in shared.items():
+            if owner in params and alias not in params:
+                self.tied[alias] = owner
+        buffers = set(self.models[0].get("buffer_names") or [])
+        by_storage = {
+            (ref.key, ref.storage_offset, ref.shape): name
+            for name, ref in module.items()
+            if name in params and isinstance(ref, TensorRef)
+        }
+        for name, ref in module.items():
+            if name in params or name in buffers or name in self.tied or not isinstance(ref, TensorRef):
+                continue
+            owner = by_storage.get((ref.key, ref.storage_offset, ref.shape))
+            if owner is not None:
+                self.tied[name] = owner
