@@ -274,6 +274,8 @@ class Archive:
         return _to_plain(obj, self)
 
     def _find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol-2 pickles use Python 2's module name
+            module = "builtins"
         qual = f"{module}.{name}"
         if module == "torch" and name in STORAGE_DTYPES:
             return _StorageType(STORAGE_DTYPES[name][0])
