@@ -59,3 +59,7 @@ class PublishError(CkptflowError, OSError):
 
 class VerificationError(CkptflowError, ValueError):
     """Something written does not match its source."""
+
+
+class SourceReadError(CkptflowError, OSError):
+    """A checkpoint file could not be read during a conversion (store error, file changed underneath)."""

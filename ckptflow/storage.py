@@ -52,3 +52,40 @@ def unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     if proto == "file":
         return path
     return f"{proto}://{path.lstrip('/')}" if proto != "memory" else f"memory://{path}"
+
+
+def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
+    """Fill buffers from byte ranges: each read is (uri, start, end, a writable view of end - start bytes).
+
+    Local files are read with `os.preadv` straight into the views; other stores get one
+    `fs.cat_ranges` call per filesystem, so a batch of ranges costs one round of concurrent requests.
+    A range that ends past the end of its file raises `EOFError`; store errors propagate as raised.
+    """
+    fds: dict[str, int] = {}
+    remote: dict[int, tuple[fsspec.AbstractFileSystem, list[tuple[str, str, int, int, memoryview]]]] = {}
+    try:
+        for uri, start, end, view in reads:
+            if not is_local(uri):
+                fs, path = open_fs(uri)
+                remote.setdefault(id(fs), (fs, []))[1].append((uri, path, start, end, view))
+                continue
+            fd = fds.get(uri)
+            if fd is None:
+                fd = fds[uri] = os.open(local_path(uri), os.O_RDONLY)
+            pos = 0
+            while pos < end - start:
+                n = os.preadv(fd, [view[pos:end - start]], start + pos)
+                if n <= 0:
+                    raise EOFError(f"{uri}: bytes {start}-{end} requested but the file ends at byte {start + pos}")
+                pos += n
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for fs, items in remote.values():
+        blobs = fs.cat_ranges([i[1] for i in items], [i[2] for i in items], [i[3] for i in items], on_error="raise")
+        for (uri, _path, start, end, view), blob in zip(items, blobs):
+            if isinstance(blob, BaseException):
+                raise blob
+            if len(blob) != end - start:
+                raise EOFError(f"{uri}: bytes {start}-{end} requested but {len(blob)} came back")
+            view[:len(blob)] = blob

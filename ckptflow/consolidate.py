@@ -1,0 +1,834 @@
+"""Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder.
+
+Three steps, each usable on its own (the Prefect layer runs the units as tasks):
+
+1. `plan_consolidation(index, options)` is pure: for every output tensor it lists the runs of source
+   elements that make it (fp32 master-weight fragments for trainable parameters, module copies for
+   frozen ones, buffers as saved) and packs the tensors into shards as `save_pretrained` does. One
+   `ShardUnit` per output shard.
+2. `prepare_output` checks OUT and the free space and makes a staging folder beside OUT;
+   `run_unit` streams one shard into it: a safetensors header first, then the tensors in bounded
+   batches of byte-range reads (batched with `fs.cat_ranges` on a bucket, `pread` on a local disk),
+   cast on the way, hashed as written, and with `verify` reopened and checked against the source.
+3. `finalize` adds the config and tokenizer files, a provenance record and the shard index, then
+   moves the staging folder into place: one rename on a local disk, file by file with the index last
+   on a bucket. `abort` removes the staging folder.
+
+`consolidate(src, out, ...)` runs all three with a thread per unit. Memory stays at a few batch
+buffers per worker whatever the model size; only the fp32 master weights are read, never the
+optimizer moments, and never a 16-bit module copy where an fp32 master exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptflow import __version__, hf
+from ckptflow.errors import (
+    CheckpointError,
+    CkptflowError,
+    CorruptFileError,
+    OutputError,
+    SourceReadError,
+)
+from ckptflow.storage import is_local, join, local_path, open_fs
+from ckptflow.torchzip import TensorRef
+from ckptflow.zero import ZeroCheckpoint, load_index, zero3_piece
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+
+PROVENANCE_NAME = "ckptflow_provenance.json"
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+# ---- options --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsolidateOptions:
+    """How to consolidate.
+
+    `dtype` is "fp32", "bf16" or "fp16" (torch names such as "bfloat16" are accepted too);
+    `max_shard_size` is bytes or a string such as "5GB"; `chunk_bytes` bounds each read batch, and so
+    the memory per worker (about three batches).
+    """
+
+    dtype: str = "fp32"
+    max_shard_size: int | str = "5GB"
+    exclude_frozen: bool = False
+    workers: int = 4
+    verify: bool = True
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        names = {**hf.OUTPUT_DTYPES, **{v: v for v in hf.OUTPUT_DTYPES.values()}}
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be one of fp32, bf16, fp16, got {self.dtype!r}")
+        short = {v: k for k, v in hf.OUTPUT_DTYPES.items()}
+        object.__setattr__(self, "dtype", short.get(self.dtype, self.dtype))
+        object.__setattr__(self, "max_shard_size", hf.parse_size(self.max_shard_size))
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        if self.chunk_bytes < 64:
+            raise ValueError(f"chunk_bytes must be at least 64, got {self.chunk_bytes}")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The output dtype as torch names it ("float32", "bfloat16", "float16")."""
+        return hf.OUTPUT_DTYPES[self.dtype]
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """`numel` elements of the source tensor `ref` from its element `start`, landing at element
+    `offset` of an output tensor."""
+
+    ref: TensorRef
+    start: int
+    numel: int
+    offset: int
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        return self.ref.element_range(self.start, self.numel)
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the output: its name, dtype and shape, and the source runs that fill it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    runs: tuple[Run, ...]
+    kind: str  # "param", "frozen" or "buffer"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * hf.itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One output shard: an independent unit of work."""
+
+    index: int
+    filename: str
+    tensors: tuple[OutputTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes in this shard (the header not counted)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(r.numel * r.ref.itemsize for t in self.tensors for r in t.runs)
+
+    def layout(self) -> hf.SafetensorsLayout:
+        return hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in self.tensors], {"format": "pt"})
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    """Everything `run_unit` and `finalize` need, computed from the index alone."""
+
+    root: str
+    tag: str
+    step: int
+    stage: int
+    world_size: int
+    precision: str
+    ds_version: str
+    options: ConsolidateOptions
+    units: tuple[ShardUnit, ...]
+    tied: Mapping[str, str]
+    excluded: tuple[str, ...]
+
+    @property
+    def dtype(self) -> str:
+        return self.options.torch_dtype
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.units) > 1
+
+    @property
+    def total_size(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(t.numel for u in self.units for t in u.tensors if t.kind != "buffer")
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(u.source_bytes for u in self.units)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {t.name: u.filename for u in self.units for t in u.tensors}
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of all shard files, headers included."""
+        return sum(u.layout().file_size for u in self.units)
+
+
+def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None = None) -> ConsolidationPlan:
+    """The consolidation of `index` under `options`: output tensors in state-dict order, packed into
+    shards as `save_pretrained` packs them. Pure: reads nothing.
+
+    Tied parameters are written once, under the owner's name (transformers ties the alias on load);
+    frozen parameters are left out with `exclude_frozen`; buffers keep their dtype.
+    """
+    options = options or ConsolidateOptions()
+    params = index.param_by_name
+    buffers = {b.name: b for b in index.buffers}
+    names = [n for n in index.module_order if n in params or n in buffers]
+    names += [n for n in [*params, *buffers] if n not in names]
+    tensors: list[OutputTensor] = []
+    excluded: list[str] = []
+    for name in names:
+        if name in index.tied:
+            continue
+        if name in buffers:
+            ref = buffers[name].ref
+            tensors.append(OutputTensor(name, ref.dtype, ref.shape, (whole_run(ref, name),), "buffer"))
+            continue
+        param = params[name]
+        if param.frozen and options.exclude_frozen:
+            excluded.append(name)
+            continue
+        runs = frozen_runs(index, param) if param.frozen else trainable_runs(index, param)
+        check_coverage(name, param.numel, runs)
+        kind = "frozen" if param.frozen else "param"
+        tensors.append(OutputTensor(name, options.torch_dtype, param.shape, runs, kind))
+    written = {t.name for t in tensors}
+    shards = hf.pack_shards([(t.name, t.nbytes) for t in tensors], options.max_shard_size)
+    by_name = {t.name: t for t in tensors}
+    units = tuple(
+        ShardUnit(i, hf.shard_filename(i, len(shards)), tuple(by_name[n] for n in shard))
+        for i, shard in enumerate(shards)
+    )
+    return ConsolidationPlan(
+        root=index.root, tag=index.tag, step=index.step, stage=index.stage, world_size=index.world_size,
+        precision=index.precision, ds_version=index.ds_version, options=options, units=units,
+        tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
+    )
+
+
+def trainable_runs(index: ZeroCheckpoint, param: Any) -> tuple[Run, ...]:
+    """The fp32 master-weight runs of a trainable parameter, one per fragment."""
+    runs = []
+    for frag in param.fragments:
+        part = index.partitions[frag.rank][frag.group]
+        if frag.offset + frag.numel > part.fp32.numel:
+            raise CheckpointError(
+                f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of param "
+                f"group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri, rank=frag.rank,
+                tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
+            )
+        runs.append(Run(_contiguous(part.fp32, param.name), frag.offset, frag.numel, frag.param_offset))
+    return tuple(runs)
+
+
+def frozen_runs(index: ZeroCheckpoint, param: Any) -> tuple[Run, ...]:
+    """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, trimmed;
+    ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
+    numel = param.numel
+    if index.stage != 3 or len(param.frozen_pieces) == 1 and index.world_size == 1:
+        if len(param.frozen_pieces) != 1:
+            raise CheckpointError(f"frozen parameter {param.name} has {len(param.frozen_pieces)} saved copies, "
+                                  "expected 1", tensor=param.name, hint="run `ckptflow validate` on the source")
+        return (Run(_contiguous(param.frozen_pieces[0], param.name), 0, numel, 0),)
+    piece = zero3_piece(numel, index.world_size)
+    runs = []
+    for rank, ref in enumerate(param.frozen_pieces):
+        take = max(0, min(piece, numel - rank * piece))
+        if take:
+            runs.append(Run(_contiguous(ref, param.name), 0, take, rank * piece))
+    return tuple(runs)
+
+
+def whole_run(ref: TensorRef, name: str) -> Run:
+    return Run(_contiguous(ref, name), 0, ref.numel, 0)
+
+
+def check_coverage(name: str, numel: int, runs: Sequence[Run]) -> None:
+    """Runs must tile [0, numel) exactly: no gap (padding would leak in), no overlap."""
+    pos = 0
+    for run in sorted(runs, key=lambda r: r.offset):
+        if run.offset != pos or run.numel <= 0 or run.start + run.numel > run.ref.numel:
+            break
+        pos += run.numel
+    else:
+        if pos == numel:
+            return
+    raise CheckpointError(
+        f"{name}: its saved pieces do not add up to its {numel} elements", tensor=name, expected=numel,
+        hint="the checkpoint's partition metadata is inconsistent; run `ckptflow validate` on it",
+    )
+
+
+def _contiguous(ref: TensorRef, name: str) -> TensorRef:
+    if not ref.is_contiguous:
+        raise CheckpointError(
+            f"{name}: its saved tensor in {ref.uri} is a strided view", file=ref.uri, tensor=name,
+            hint="ckptflow reads contiguous tensors by byte range; re-save the checkpoint with DeepSpeed",
+        )
+    return ref
+
+
+# ---- batches: what one unit reads and writes, chunk by chunk (pure) --------------------------------
+
+
+@dataclass(frozen=True)
+class Read:
+    """Bytes [start, end) of `uri` into a buffer at `dest` (the output buffer, or the cast buffer)."""
+
+    uri: str
+    start: int
+    end: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class Cast:
+    """`numel` elements of `src_dtype` at byte `src` of the cast buffer, cast into byte `dest` of the
+    output buffer."""
+
+    src: int
+    src_dtype: str
+    numel: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One bounded step of writing a shard: the bytes [file_start, file_start + out_nbytes) of data."""
+
+    file_start: int
+    out_nbytes: int
+    cast_nbytes: int
+    direct: tuple[Read, ...]
+    staged: tuple[Read, ...]
+    casts: tuple[Cast, ...]
+
+
+def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes: int) -> list[Batch]:
+    """Cut a shard's data into batches of at most `chunk_bytes` output bytes and cast bytes each.
+
+    `slots` is (output dtype, byte offset in the data section, runs) per tensor in file order. A run
+    whose source dtype is the output dtype is read straight into the output buffer; the others are
+    read into the cast buffer and cast. Adjacent reads of adjacent bytes are merged.
+    """
+    from ckptflow.torchzip import DTYPE_SIZES
+
+    batches: list[Batch] = []
+    state = _BatchBuilder(chunk_bytes)
+    for dtype, begin, runs in slots:
+        out_size = DTYPE_SIZES[dtype]
+        numel = sum(r.numel for r in runs)
+        per_elem = max([out_size] + [r.ref.itemsize for r in runs if r.ref.dtype != dtype])
+        ordered = sorted(runs, key=lambda r: r.offset)
+        pos = 0
+        while pos < numel:
+            if state.file_start is None:
+                state.file_start = begin + pos * out_size
+            room = (chunk_bytes - max(state.out_used, state.cast_used + 8)) // per_elem
+            if room <= 0:
+                batches.append(state.close())
+                continue
+            end = min(numel, pos + room)
+            out_base = state.out_used
+            for run in ordered:
+                lo, hi = max(pos, run.offset), min(end, run.offset + run.numel)
+                if lo >= hi:
+                    continue
+                src_lo = run.start + (lo - run.offset)
+                start, stop = run.ref.element_range(src_lo, hi - lo)
+                dest = out_base + (lo - pos) * out_size
+                if run.ref.dtype == dtype:
+                    state.add_direct(Read(run.ref.uri, start, stop, dest))
+                else:
+                    state.add_staged(run.ref, start, stop, hi - lo, dest, out_size)
+            state.out_used += (end - pos) * out_size
+            pos = end
+    if state.file_start is not None:
+        batches.append(state.close())
+    return batches
+
+
+class _BatchBuilder:
+    """Accumulates the reads and casts of the batch being built (used by `plan_batches` only)."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.reset()
+
+    def reset(self) -> None:
+        self.file_start: int | None = None
+        self.out_used = 0
+        self.cast_used = 0
+        self.direct: list[Read] = []
+        self.staged: list[Read] = []
+        self.casts: list[Cast] = []
+
+    def add_direct(self, read: Read) -> None:
+        _append_read(self.direct, read)
+
+    def add_staged(self, ref: TensorRef, start: int, stop: int, numel: int, dest: int, out_size: int) -> None:
+        size = ref.itemsize
+        src = -(-self.cast_used // size) * size  # aligned, for a typed view of the cast buffer
+        _append_read(self.staged, Read(ref.uri, start, stop, src))
+        last = self.casts[-1] if self.casts else None
+        if last is not None and last.src_dtype == ref.dtype and last.src + last.numel * size == src \
+                and last.dest + last.numel * out_size == dest:
+            self.casts[-1] = Cast(last.src, last.src_dtype, last.numel + numel, last.dest)
+        else:
+            self.casts.append(Cast(src, ref.dtype, numel, dest))
+        self.cast_used = src + numel * size
+
+    def close(self) -> Batch:
+        assert self.file_start is not None
+        batch = Batch(self.file_start, self.out_used, self.cast_used, tuple(self.direct), tuple(self.staged),
+                      tuple(self.casts))
+        self.reset()
+        return batch
+
+
+def _append_read(reads: list[Read], read: Read) -> None:
+    last = reads[-1] if reads else None
+    if last is not None and last.uri == read.uri and last.end == read.start and \
+            last.dest + (last.end - last.start) == read.dest:
+        reads[-1] = Read(last.uri, last.start, read.end, last.dest)
+    else:
+        reads.append(read)
+
+
+# ---- running one unit -----------------------------------------------------------------------------
+
+
+class Cancelled(Exception):
+    """Raised inside a unit when another unit failed and the run is being stopped."""
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """One shard written (and, when `verified`, reopened and checked against the source)."""
+
+    index: int
+    filename: str
+    size: int
+    sha256: str
+    verified: bool
+
+
+def run_unit(
+    plan: ConsolidationPlan,
+    unit: ShardUnit,
+    staging: str,
+    *,
+    verify: bool | None = None,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> UnitResult:
+    """Write shard `unit` of `plan` as `staging/<unit.filename>`; with `verify` (default: the plan's
+    option) reopen it and check every byte against the source. Safe to run again: the file is rewritten.
+
+    `progress(done, total)` counts this unit's bytes written plus, with `verify`, bytes checked.
+    """
+    from ckptflow.verify import verify_shard
+
+    verify = plan.options.verify if verify is None else verify
+    layout = unit.layout()
+    by_name = {t.name: t for t in unit.tensors}
+    batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], plan.options.chunk_bytes)
+    uri = join(staging, unit.filename)
+    total = unit.nbytes * (2 if verify else 1)
+    report = (lambda done: progress(done, total)) if progress else (lambda done: None)
+    started = time.monotonic()
+    sha256 = _write_shard(uri, layout, batches, plan.dtype, report, cancel)
+    logger.info("wrote %s (%s) in %.2fs", uri, hf.format_size(layout.file_size), time.monotonic() - started)
+    if verify:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(unit.filename)
+        verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes,
+                     progress=lambda done, _total: report(unit.nbytes + done))
+    return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify)
+
+
+def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], dtype: str,
+                 report: Callable[[int], None], cancel: threading.Event | None) -> str:
+    """Stream the shard: header, then each batch filled (read + cast) in a helper thread while the
+    previous one is written and hashed here. Returns the file's sha256."""
+    import torch
+
+    out_cap = max((b.out_nbytes for b in batches), default=0)
+    cast_cap = max((b.cast_nbytes for b in batches), default=0)
+    buffers = [torch.empty(out_cap, dtype=torch.uint8) for _ in range(2 if len(batches) > 1 else 1)]
+    cast_buffer = torch.empty(cast_cap, dtype=torch.uint8)
+    hasher = hashlib.sha256(layout.header)
+    done = 0
+    try:
+        with _open_output(uri) as fh, ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as reader:
+            fh.write(layout.header)
+            pending = reader.submit(_fill, batches[0], buffers[0], cast_buffer, dtype) if batches else None
+            for i, batch in enumerate(batches):
+                assert pending is not None
+                pending.result()
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(uri)
+                if i + 1 < len(batches):
+                    pending = reader.submit(_fill, batches[i + 1], buffers[(i + 1) % len(buffers)], cast_buffer, dtype)
+                view = memoryview(buffers[i % len(buffers)].numpy())[:batch.out_nbytes]
+                fh.write(view)
+                hasher.update(view)
+                done += batch.out_nbytes
+                report(done)
+            if is_local(uri):
+                fh.flush()
+                os.fsync(fh.fileno())
+    except (CkptflowError, Cancelled):
+        raise
+    except OSError as exc:
+        raise OutputError(f"cannot write {uri} ({exc})", file=uri,
+                          hint="check the destination is writable and has room, then run again") from exc
+    return hasher.hexdigest()
+
+
+def _open_output(uri: str) -> Any:
+    if is_local(uri):
+        return open(local_path(uri), "wb")
+    fs, path = open_fs(uri)
+    return fs.open(path, "wb")
+
+
+def _fill(batch: Batch, out: "torch.Tensor", cast_buffer: "torch.Tensor", dtype: str) -> None:
+    """Read one batch's source bytes and cast them into `out`."""
+    import torch
+
+    out_view = memoryview(out.numpy())
+    cast_view = memoryview(cast_buffer.numpy())
+    reads = [(r.uri, r.start, r.end, out_view[r.dest:r.dest + r.end - r.start]) for r in batch.direct]
+    reads += [(r.uri, r.start, r.end, cast_view[r.dest:r.dest + r.end - r.start]) for r in batch.staged]
+    _read(reads)
+    out_dtype = getattr(torch, dtype)
+    out_size = out_dtype.itemsize
+    for cast in batch.casts:
+        src_dtype = getattr(torch, cast.src_dtype)
+        src = cast_buffer[cast.src:cast.src + cast.numel * src_dtype.itemsize].view(src_dtype)
+        out[cast.dest:cast.dest + cast.numel * out_size].view(out_dtype).copy_(src)
+
+
+def _read(reads: list[tuple[str, int, int, memoryview]]) -> None:
+    from ckptflow.storage import read_into
+
+    try:
+        read_into(reads)
+    except EOFError as exc:
+        uri = str(exc).split(": ", 1)[0]
+        raise CorruptFileError(
+            f"{exc}; the file is shorter than its own index says", file=uri,
+            hint="the file was truncated or replaced while being read; copy it again and re-run",
+        ) from exc
+    except OSError as exc:
+        files = sorted({r[0] for r in reads})
+        raise SourceReadError(
+            f"cannot read the checkpoint: {type(exc).__name__}: {exc} (reading {', '.join(files)})",
+            file=files[0] if len(files) == 1 else None,
+            hint="check access to the store and run again; nothing was written to OUT",
+        ) from exc
+
+
+# ---- output folder: prepare, finalize, abort ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConsolidationResult:
+    """What `consolidate` / `finalize` produced."""
+
+    out: str
+    shards: tuple[UnitResult, ...]
+    side_files: tuple[str, ...]
+    files: tuple[str, ...]
+    total_size: int
+    dtype: str
+    verified: bool
+    plan: ConsolidationPlan = field(repr=False, compare=False)
+
+
+def prepare_output(plan: ConsolidationPlan, out: str) -> str:
+    """Check that OUT is free (absent or an empty folder) and, on a local disk, that there is room;
+    make and return a staging folder beside it."""
+    fs, path = open_fs(out)
+    _check_out_free(fs, path, out)
+    parent, name = posixpath.split(path.rstrip("/"))
+    staging = posixpath.join(parent, f".{name}.ckptflow-{uuid.uuid4().hex[:12]}.partial")
+    if is_local(out):
+        need = plan.file_bytes + _side_bytes(plan.root) + (1 << 20)
+        _check_space(parent or ".", need, out)
+        try:
+            os.makedirs(staging)
+        except OSError as exc:
+            raise OutputError(f"cannot create {staging} beside {out} ({exc})", file=out,
+                              hint="check the destination folder is writable") from exc
+        return staging
+    from ckptflow.storage import unstrip
+
+    staging_uri = unstrip(fs, staging)
+    fs.makedirs(staging, exist_ok=True)
+    return staging_uri
+
+
+def _check_out_free(fs: Any, path: str, out: str) -> None:
+    if not fs.exists(path):
+        return
+    if not fs.isdir(path):
+        raise OutputError(f"{out} exists and is a file", file=out, hint="choose a folder name that does not exist")
+    if fs.ls(path, detail=False):
+        raise OutputError(f"{out} already exists and is not empty", file=out,
+                          hint="choose a new folder, or remove this one first")
+
+
+def _check_space(parent: str, need: int, out: str) -> None:
+    probe = os.path.abspath(parent)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(
+            f"not enough free space for {out}: the output needs {hf.format_size(need)} but {probe} has "
+            f"{hf.format_size(free)} free", file=out, expected=need, actual=free,
+            hint="free some space or choose another OUT",
+        )
+
+
+def _side_bytes(root: str) -> int:
+    fs, path = open_fs(root)
+    return sum(fs.size(posixpath.join(path, n)) for n in hf.find_side_files(root))
+
+
+def provenance(plan: ConsolidationPlan, shards: Sequence[UnitResult]) -> dict[str, Any]:
+    """The record written beside the model: where it came from and what each shard hashes to."""
+    root = os.path.abspath(local_path(plan.root)) if is_local(plan.root) else plan.root
+    return {
+        "ckptflow_version": __version__,
+        "source": {
+            "uri": join(root, plan.tag),
+            "root": root,
+            "tag": plan.tag,
+            "step": plan.step,
+            "zero_stage": plan.stage,
+            "world_size": plan.world_size,
+            "precision": plan.precision,
+            "deepspeed_version": plan.ds_version,
+        },
+        "output": {
+            "dtype": plan.dtype,
+            "max_shard_size": plan.options.max_shard_size,
+            "exclude_frozen": plan.options.exclude_frozen,
+            "excluded": list(plan.excluded),
+            "tied": dict(plan.tied),
+            "total_size": plan.total_size,
+            "total_parameters": plan.total_parameters,
+            "verified": all(s.verified for s in shards),
+        },
+        "shards": {s.filename: {"sha256": s.sha256, "size": s.size} for s in sorted(shards, key=lambda s: s.index)},
+    }
+
+
+def finalize(plan: ConsolidationPlan, results: Sequence[UnitResult], staging: str, out: str) -> ConsolidationResult:
+    """Add config, tokenizer, provenance and index to `staging`, then move it into place as OUT.
+
+    Locally that is one rename of the folder (after every file is synced); on a bucket the files are
+    moved one by one, shards first and the index last. Either way a reader never sees a folder that
+    looks complete before it is.
+    """
+    got = {r.filename: r for r in results}
+    for unit in plan.units:
+        result = got.get(unit.filename)
+        if result is None or result.size != unit.layout().file_size:
+            raise OutputError(f"shard {unit.filename} has not been written to {staging}", file=unit.filename,
+                              hint="run every unit of the plan before finalize")
+    shards = tuple(got[u.filename] for u in plan.units)
+    side = hf.find_side_files(plan.root)
+    hf.copy_side_files(plan.root, side, staging, plan.dtype)
+    fs, staging_path = open_fs(staging)
+    record = json.dumps(provenance(plan, shards), indent=2, sort_keys=True) + "\n"
+    fs.pipe_file(posixpath.join(staging_path, PROVENANCE_NAME), record.encode())
+    order = [u.filename for u in plan.units] + list(side) + [PROVENANCE_NAME]
+    if plan.sharded:
+        text = hf.index_json(plan.weight_map, total_size=plan.total_size, total_parameters=plan.total_parameters)
+        fs.pipe_file(posixpath.join(staging_path, hf.SAFE_WEIGHTS_INDEX_NAME), text.encode())
+        order.append(hf.SAFE_WEIGHTS_INDEX_NAME)
+    else:
+        order = order[1:] + order[:1]  # the only shard goes last: it is what makes the folder loadable
+    _publish(staging, out, order)
+    verified = all(s.verified for s in shards)
+    logger.info("consolidated %s/%s into %s: %d shard(s), %s %s%s", plan.root, plan.tag, out, len(shards),
+                hf.format_size(plan.total_size), plan.dtype, ", verified" if verified else "")
+    return ConsolidationResult(out=out, shards=shards, side_files=tuple(side), files=tuple(order),
+                               total_size=plan.total_size, dtype=plan.dtype, verified=verified, plan=plan)
+
+
+def _publish(staging: str, out: str, order: Sequence[str]) -> None:
+    fs, out_path = open_fs(out)
+    _check_out_free(fs, out_path, out)
+    _, staging_path = open_fs(staging)
+    if is_local(out):
+        for name in order:
+            with open(posixpath.join(staging_path, name), "rb+") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.replace(staging_path, out_path)
+        except OSError as exc:
+            raise OutputError(f"cannot move {staging} to {out} ({exc})", file=out,
+                              hint="OUT appeared while converting, or the destination refused the rename") from exc
+        _fsync_dir(posixpath.dirname(out_path) or ".")
+        return
+    moved = []
+    try:
+        for name in order:
+            fs.mv(posixpath.join(staging_path, name), posixpath.join(out_path, name))
+            moved.append(name)
+    except Exception as exc:
+        for name in moved:
+            try:
+                fs.rm_file(posixpath.join(out_path, name))
+            except Exception:  # best effort: the error below is the one to report
+                logger.warning("could not remove %s after a failed move", posixpath.join(out_path, name))
+        raise OutputError(f"cannot move the output into {out} ({exc})", file=out,
+                          hint="check access to the destination and run again") from exc
+    abort(staging)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def abort(staging: str) -> None:
+    """Remove the staging folder (after a failure, or what is left of it after a move)."""
+    try:
+        fs, path = open_fs(staging)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception as exc:  # cleanup must not hide the error that brought us here
+        logger.warning("could not remove the staging folder %s (%s); remove it by hand", staging, exc)
+
+
+# ---- all together ---------------------------------------------------------------------------------
+
+
+def run_units(plan: ConsolidationPlan, staging: str, *, progress: Progress | None = None) -> list[UnitResult]:
+    """Run every unit on `plan.options.workers` threads; the first failure stops the others."""
+    total = sum(u.nbytes for u in plan.units) * (2 if plan.options.verify else 1)
+    done: dict[int, int] = {}
+    lock = threading.Lock()
+    cancel = threading.Event()
+
+    def report(index: int) -> Progress:
+        def update(unit_done: int, _unit_total: int) -> None:
+            with lock:
+                done[index] = unit_done
+                if progress:
+                    progress(sum(done.values()), total)
+        return update
+
+    if progress:
+        progress(0, total)
+    with ThreadPoolExecutor(min(plan.options.workers, len(plan.units)) or 1, thread_name_prefix="ckptflow-unit") as pool:
+        futures = [pool.submit(run_unit, plan, u, staging, progress=report(u.index), cancel=cancel) for u in plan.units]
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() for f in finished):
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            errors = [f.exception() for f in futures if not f.cancelled() and f.exception()]
+            raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+
+def consolidate(
+    src: str,
+    out: str,
+    *,
+    tag: str | None = None,
+    options: ConsolidateOptions | None = None,
+    progress: Progress | None = None,
+) -> ConsolidationResult:
+    """Consolidate the ZeRO checkpoint at `src` into a Hugging Face model folder `out`.
+
+    `src` is a folder holding `latest` or a tag folder, `out` a folder that does not exist yet (or is
+    empty); both are local paths or fsspec URLs. `progress(done_bytes, total_bytes)` is called as
+    shards are written and checked. On any error nothing is left at `out` and the staging folder is
+    removed.
+    """
+    options = options or ConsolidateOptions()
+    index = load_index(src, tag)
+    plan = plan_consolidation(index, options)
+    logger.info("plan: %d tensors in %d shard(s), %s %s from %s of source", sum(len(u.tensors) for u in plan.units),
+                len(plan.units), hf.format_size(plan.total_size), plan.dtype, hf.format_size(plan.source_bytes))
+    staging = prepare_output(plan, out)
+    try:
+        results = run_units(plan, staging, progress=progress)
+        return finalize(plan, results, staging, out)
+    except BaseException:
+        abort(staging)
+        raise
+
+
+__all__ = [
+    "Batch",
+    "Cancelled",
+    "ConsolidateOptions",
+    "ConsolidationPlan",
+    "ConsolidationResult",
+    "OutputTensor",
+    "PROVENANCE_NAME",
+    "Run",
+    "ShardUnit",
+    "UnitResult",
+    "abort",
+    "consolidate",
+    "finalize",
+    "plan_batches",
+    "plan_consolidation",
+    "prepare_output",
+    "provenance",
+    "run_unit",
+    "run_units",
+]

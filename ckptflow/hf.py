@@ -1,0 +1,295 @@
+"""The Hugging Face model folder: safetensors shards, their index, and the files that travel with them.
+
+Everything here that decides a layout is a pure function of names, dtypes, shapes and sizes:
+
+- `pack_shards` splits tensors into shards exactly as `huggingface_hub.split_torch_state_dict_into_shards`
+  (and so `save_pretrained`) does: in state-dict order, a new shard whenever the next tensor would
+  overflow `max_shard_size`, and a tensor larger than the limit alone in a shard of its own;
+- `safetensors_layout` lays a shard out byte for byte as `safetensors.torch.save` would (tensors sorted
+  by dtype alignment, then name; a compact JSON header padded with spaces to 8 bytes), so a shard can
+  be streamed to any store with its header written first;
+- `index_json` is the `model.safetensors.index.json` that `save_pretrained` writes.
+
+The I/O helpers at the end find and carry over `config.json`, `generation_config.json` and the
+tokenizer files of a Hugging Face Trainer checkpoint, with the config's dtype set to the output's.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckptflow.errors import CheckpointError
+from ckptflow.storage import join, open_fs
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
+
+# torch dtype name -> (safetensors code, item size). The order is safetensors' own: its writer puts
+# tensors of a larger alignment first, in this order (checked against `safetensors.torch.save`).
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "uint64": ("U64", 8),
+    "int64": ("I64", 8),
+    "float64": ("F64", 8),
+    "complex64": ("C64", 8),
+    "float32": ("F32", 4),
+    "uint32": ("U32", 4),
+    "int32": ("I32", 4),
+    "bfloat16": ("BF16", 2),
+    "float16": ("F16", 2),
+    "uint16": ("U16", 2),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
+}
+_DTYPE_RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPES)}
+
+# Output dtype names as users type them -> torch dtype names.
+OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+# Files of a Hugging Face Trainer checkpoint that belong with the model (not the training state).
+CONFIG_NAME = "config.json"
+SIDE_FILES = (
+    CONFIG_NAME,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
+               "TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes in `value`: an int, or a string such as "5GB", "500MB", "2GiB" (units as huggingface_hub)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"a size must be positive, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _SIZE_UNITS and unit != "":
+        raise ValueError(f"cannot read {value!r} as a size; write it like 5GB, 500MB or 2GiB")
+    size = int(float(match.group(1)) * _SIZE_UNITS.get(unit, 1))
+    if size <= 0:
+        raise ValueError(f"a size must be positive, got {value!r}")
+    return size
+
+
+def format_size(n: int) -> str:
+    """`n` bytes for people: 1.2 GB, 340 MB, 12 KB."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---- shards ---------------------------------------------------------------------------------------
+
+
+def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Names per shard, packed as `huggingface_hub.split_state_dict_into_shards_factory` packs them.
+
+    `sizes` is (name, bytes) in state-dict order. A tensor larger than `max_shard_size` is put in a
+    shard of its own at once, ahead of the shard still being filled; the others fill shards in order.
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes:
+        if size > max_shard_size:
+            shards.append([name])
+            continue
+        if current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_filename(index: int, count: int) -> str:
+    """The file name of shard `index` (0-based) of `count`, as `save_pretrained` names it."""
+    return SAFE_WEIGHTS_NAME if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def index_json(weight_map: Mapping[str, str], *, total_size: int, total_parameters: int) -> str:
+    """`model.safetensors.index.json` as `save_pretrained` writes it (sorted keys, indent 2)."""
+    index = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "weight_map": dict(weight_map),
+    }
+    return json.dumps(index, indent=2, sort_keys=True) + "\n"
+
+
+# ---- safetensors layout ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes go in a safetensors file: [begin, end) after the header."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """A safetensors file before any tensor byte is written: its header and each tensor's slot."""
+
+    header: bytes
+    slots: tuple[TensorSlot, ...]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return len(self.header) + (self.slots[-1].end if self.slots else 0)
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return SAFETENSORS_DTYPES[dtype][1]
+    except KeyError:
+        raise CheckpointError(
+            f"dtype {dtype} cannot be stored in safetensors", actual=dtype,
+            hint="safetensors holds bool, integer and float tensors (complex128 and others are not supported)",
+        ) from None
+
+
+def safetensors_layout(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> SafetensorsLayout:
+    """The layout `safetensors.torch.save` gives `tensors` ((name, torch dtype name, shape) each)."""
+    for _name, dtype, _shape in tensors:
+        itemsize(dtype)
+    ordered = sorted(tensors, key=lambda t: (_DTYPE_RANK[t[1]], t[0]))
+    slots = []
+    offset = 0
+    for name, dtype, shape in ordered:
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * SAFETENSORS_DTYPES[dtype][1]
+        slots.append(TensorSlot(name, dtype, tuple(shape), offset, offset + size))
+        offset += size
+    head: dict[str, object] = {}
+    if metadata:
+        head["__metadata__"] = dict(metadata)
+    for slot in slots:
+        head[slot.name] = {
+            "dtype": SAFETENSORS_DTYPES[slot.dtype][0],
+            "shape": list(slot.shape),
+            "data_offsets": [slot.begin, slot.end],
+        }
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return SafetensorsLayout(struct.pack("<Q", len(text)) + text, tuple(slots))
+
+
+def read_header(raw_prefix: bytes) -> tuple[int, dict[str, object]]:
+    """(header length including the 8-byte size, parsed header) from the first bytes of a file."""
+    if len(raw_prefix) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", raw_prefix[:8])
+    if len(raw_prefix) < 8 + size:
+        raise ValueError(f"header of {size} bytes but only {len(raw_prefix) - 8} read")
+    return 8 + size, json.loads(raw_prefix[8:8 + size])
+
+
+# ---- files that travel with the model -------------------------------------------------------------
+
+
+def find_side_files(root: str) -> list[str]:
+    """Names from `SIDE_FILES` present in the checkpoint folder `root` (the folder holding `latest`)."""
+    fs, path = open_fs(root)
+    try:
+        present = {posixpath.basename(p) for p in fs.ls(path, detail=False)}
+    except FileNotFoundError:
+        return []
+    return [name for name in SIDE_FILES if name in present]
+
+
+def rewrite_config(raw: bytes, dtype: str) -> bytes:
+    """`config.json` with its dtype set to `dtype` (a torch dtype name such as "bfloat16").
+
+    transformers 5 writes `dtype`, older versions `torch_dtype`; whichever keys are there are set,
+    and `torch_dtype` is added when neither is.
+    """
+    config = json.loads(raw)
+    if not isinstance(config, dict):
+        raise CheckpointError("config.json does not hold a JSON object", file=CONFIG_NAME,
+                              hint="fix or remove config.json in the checkpoint folder")
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+    for key in keys:
+        config[key] = dtype
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> dict[str, int]:
+    """Copy `names` from `root` into `dest`, rewriting `config.json`'s dtype; {name: bytes written}."""
+    src_fs, src_path = open_fs(root)
+    dst_fs, dst_path = open_fs(dest)
+    written = {}
+    for name in names:
+        raw = src_fs.cat_file(posixpath.join(src_path, name))
+        if name == CONFIG_NAME:
+            try:
+                raw = rewrite_config(raw, dtype)
+            except (ValueError, UnicodeDecodeError) as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointError(
+                    f"{join(root, name)} is not valid JSON ({exc})", file=join(root, name),
+                    hint="fix or remove config.json in the checkpoint folder",
+                ) from None
+        dst_fs.pipe_file(posixpath.join(dst_path, name), raw)
+        written[name] = len(raw)
+    return written
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "OUTPUT_DTYPES",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "SIDE_FILES",
+    "SafetensorsLayout",
+    "TensorSlot",
+    "copy_side_files",
+    "find_side_files",
+    "format_size",
+    "index_json",
+    "pack_shards",
+    "parse_size",
+    "read_header",
+    "rewrite_config",
+    "safetensors_layout",
+    "shard_filename",
+]

@@ -1,0 +1,298 @@
+"""Checks that what was written matches its source.
+
+- `verify_shard(uri, tensors)`: reopen one safetensors shard and check its header (names, dtypes,
+  shapes, offsets, size) and every byte of every tensor against the source, re-read through
+  `torchzip.read_elements`, a different path from the one that wrote it, and cast to the output dtype.
+  `consolidate --verify` runs it on every shard before the output is moved into place.
+- `verify_model(out, source=...)`: load a consolidated folder with transformers, run a forward pass
+  on a fixed input, require finite logits, and compare every loaded tensor with the source weights.
+
+Every mismatch raises `VerificationError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptflow import hf
+from ckptflow.errors import VerificationError
+from ckptflow.storage import is_local, local_path, open_fs, read_into
+from ckptflow.torchzip import TensorRef, read_elements
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+
+
+class _Run(Protocol):
+    ref: TensorRef
+    start: int
+    numel: int
+    offset: int
+
+
+class SourceTensor(Protocol):
+    """What the checks need of an output tensor (`ckptflow.consolidate.OutputTensor` is one)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    runs: tuple[_Run, ...]
+
+
+# ---- reading the source, independently of the writer ----------------------------------------------
+
+
+def read_source(tensor: SourceTensor, dtype: str | None = None, lo: int = 0, hi: int | None = None) -> "torch.Tensor":
+    """Flat elements [lo, hi) of `tensor` read from its source runs and cast to `dtype` (default: the
+    tensor's output dtype)."""
+    import torch
+
+    numel = 1
+    for d in tensor.shape:
+        numel *= d
+    hi = numel if hi is None else hi
+    out = torch.empty(hi - lo, dtype=getattr(torch, dtype or tensor.dtype))
+    for run in tensor.runs:
+        a, b = max(lo, run.offset), min(hi, run.offset + run.numel)
+        if a < b:
+            out[a - lo:b - lo].copy_(read_elements(run.ref, run.start + (a - run.offset), b - a))
+    return out
+
+
+# ---- one shard ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """A shard that passed `verify_shard`."""
+
+    uri: str
+    tensors: int
+    size: int
+    sha256: str | None
+
+
+def verify_shard(
+    uri: str,
+    tensors: Sequence[SourceTensor],
+    *,
+    sha256: str | None = None,
+    chunk_bytes: int = 32 << 20,
+    progress: Progress | None = None,
+) -> ShardCheck:
+    """Check the safetensors file at `uri` holds exactly `tensors`, each equal to its source cast to
+    its dtype, byte for byte. With `sha256`, also check the file hashes to it."""
+    import torch
+
+    expected = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    fs, path = open_fs(uri)
+    try:
+        size = fs.size(path)
+        prefix = fs.cat_file(path, start=0, end=min(size, len(expected.header)))
+    except (OSError, ValueError) as exc:
+        raise VerificationError(f"cannot reopen {uri} ({exc})", file=uri, hint="the shard was not written") from exc
+    _check_header(uri, prefix, expected)
+    if size != expected.file_size:
+        raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,
+                                expected=expected.file_size, actual=size, hint="the write was cut short; run again")
+    if is_local(uri):
+        _check_with_safetensors(local_path(uri), [s.name for s in expected.slots])
+    hasher = hashlib.sha256(prefix) if sha256 else None
+    by_name = {t.name: t for t in tensors}
+    total = expected.file_size - expected.data_start
+    done = 0
+    for slot in expected.slots:
+        tensor = by_name[slot.name]
+        item = hf.itemsize(slot.dtype)
+        numel = (slot.end - slot.begin) // item
+        step = max(1, chunk_bytes // max(item, 4))
+        for lo in range(0, numel, step):
+            hi = min(numel, lo + step)
+            start = expected.data_start + slot.begin + lo * item
+            got = torch.empty((hi - lo) * item, dtype=torch.uint8)
+            try:
+                read_into([(uri, start, start + (hi - lo) * item, memoryview(got.numpy()))])
+            except (OSError, EOFError) as exc:
+                raise VerificationError(f"cannot read {slot.name} back from {uri} ({exc})", file=uri,
+                                        tensor=slot.name, hint="the shard is damaged; run again") from exc
+            want = read_source(tensor, slot.dtype, lo, hi)
+            if not torch.equal(got, want.view(torch.uint8)):
+                _raise_mismatch(uri, slot.name, slot.dtype, got, want, lo)
+            if hasher is not None:
+                hasher.update(memoryview(got.numpy()))
+            done += (hi - lo) * item
+            if progress:
+                progress(done, total)
+    if hasher is not None and hasher.hexdigest() != sha256:
+        raise VerificationError(f"{uri} hashes to {hasher.hexdigest()}, but {sha256} was recorded when it was "
+                                "written", file=uri, expected=sha256, actual=hasher.hexdigest(),
+                                hint="the file changed after it was written; run again")
+    return ShardCheck(uri, len(expected.slots), size, sha256)
+
+
+def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsLayout) -> None:
+    try:
+        _, header = hf.read_header(prefix)
+    except ValueError as exc:
+        raise VerificationError(f"{uri} has no readable safetensors header ({exc})", file=uri,
+                                hint="the shard is damaged; run again") from None
+    header.pop("__metadata__", None)
+    want = {s.name: s for s in expected.slots}
+    for name in sorted(set(want) | set(header)):
+        if name not in header:
+            raise VerificationError(f"{uri} lacks tensor {name}", file=uri, tensor=name)
+        if name not in want:
+            raise VerificationError(f"{uri} holds tensor {name}, which is not in the plan", file=uri, tensor=name)
+        entry, slot = header[name], want[name]
+        wanted = {"dtype": hf.SAFETENSORS_DTYPES[slot.dtype][0], "shape": list(slot.shape),
+                  "data_offsets": [slot.begin, slot.end]}
+        if entry != wanted:
+            raise VerificationError(f"{uri}: tensor {name} is recorded as {entry}, expected {wanted}", file=uri,
+                                    tensor=name, expected=wanted, actual=entry)
+    if prefix != expected.header:
+        raise VerificationError(f"{uri}: the header differs from the planned one", file=uri,
+                                hint="the shard is damaged; run again")
+
+
+def _check_with_safetensors(path: str, names: list[str]) -> None:
+    """The safetensors library itself must accept the file and see the same tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = sorted(f.keys())
+    except Exception as exc:
+        raise VerificationError(f"safetensors cannot open {path} ({exc})", file=path,
+                                hint="the shard is damaged; run again") from None
+    if keys != sorted(names):
+        raise VerificationError(f"safetensors sees other tensors in {path} than were planned", file=path)
+
+
+def _raise_mismatch(uri: str, name: str, dtype: str, got: "torch.Tensor", want: "torch.Tensor", lo: int) -> None:
+    import torch
+
+    item = hf.itemsize(dtype)
+    differ = (got.view(-1, item) != want.view(torch.uint8).view(-1, item)).any(dim=1)
+    first = int(differ.nonzero()[0, 0])
+    value = got[first * item:(first + 1) * item].view(getattr(torch, dtype))
+    raise VerificationError(
+        f"tensor {name} in {uri} differs from the source at element {lo + first}: the file holds "
+        f"{value.item()!r}, the source gives {want[first].item()!r}", file=uri, tensor=name,
+        expected=want[first].item(), actual=value.item(), hint="the output is wrong; report this as a ckptflow bug",
+    )
+
+
+# ---- the whole model ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """A consolidated folder that loaded, ran and (with a source) matched it tensor for tensor."""
+
+    out: str
+    model_class: str
+    device: str
+    dtype: str
+    logits_shape: tuple[int, ...]
+    tensors_compared: int
+    compared_to_source: bool
+
+
+def verify_model(out: str, *, source: str | None = None, tag: str | None = None, device: str | None = None) -> ModelCheck:
+    """Load the model folder `out` with transformers (the class its `config.json` names: a causal LM
+    when it is one, else `AutoModel`), run a forward pass on a fixed input on `device` (CUDA when
+    present, else CPU) and require finite logits. With `source` (a ZeRO checkpoint), compare every
+    loaded tensor with the source weights cast to its dtype; buffers must match exactly."""
+    import torch
+
+    if is_local(out):
+        return _verify_local(local_path(out), out, source, tag, device)
+    fs, path = open_fs(out)
+    with tempfile.TemporaryDirectory(prefix="ckptflow-verify-") as tmp:
+        fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)
+        return _verify_local(tmp, out, source, tag, device)
+
+
+def _verify_local(path: str, out: str, source: str | None, tag: str | None, device: str | None) -> ModelCheck:
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise VerificationError(f"transformers cannot read {out}/config.json ({exc})", file=out,
+                                hint="consolidate from a Hugging Face checkpoint that has a config.json") from None
+    causal = any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
+    cls = AutoModelForCausalLM if causal else AutoModel
+    try:
+        model, info = cls.from_pretrained(path, output_loading_info=True, dtype="auto")
+    except Exception as exc:
+        raise VerificationError(f"transformers cannot load {out} ({type(exc).__name__}: {exc})", file=out) from None
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        found = sorted(str(k) for k in (info.get(key) or ()))
+        if found:
+            raise VerificationError(f"loading {out} reports {key.replace('_', ' ')}: {', '.join(found[:5])}"
+                                    + (f" and {len(found) - 5} more" if len(found) > 5 else ""), file=out,
+                                    tensor=found[0], actual=found)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    vocab = int(getattr(config, "vocab_size", 0) or 0) or 2
+    length = min(16, int(getattr(config, "max_position_embeddings", 16) or 16))
+    ids = (torch.arange(length, dtype=torch.long) * 7 + 3).remainder(vocab).unsqueeze(0).to(device)
+    with torch.no_grad():
+        output = model(input_ids=ids)
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        logits = output.last_hidden_state
+    if not bool(torch.isfinite(logits).all()):
+        raise VerificationError(f"{out}: the forward pass gives non-finite logits", file=out, tensor="logits",
+                                hint="the weights are corrupt or overflow in this dtype")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    compared = _compare_to_source(model, source, tag, out) if source is not None else 0
+    return ModelCheck(out=out, model_class=type(model).__name__, device=str(device), dtype=dtype,
+                      logits_shape=tuple(logits.shape), tensors_compared=compared, compared_to_source=source is not None)
+
+
+def _compare_to_source(model: Any, source: str, tag: str | None, out: str) -> int:
+    import torch
+
+    from ckptflow.consolidate import plan_consolidation
+    from ckptflow.zero import load_index
+
+    index = load_index(source, tag)
+    plan = plan_consolidation(index)
+    tensors = {t.name: t for u in plan.units for t in u.tensors}
+    count = 0
+    for name, loaded in model.state_dict().items():
+        owner = index.tied.get(name, name)
+        tensor = tensors.get(owner)
+        if tensor is None:
+            raise VerificationError(f"{out}: the model holds {name}, which {source} does not", file=out, tensor=name)
+        if tuple(loaded.shape) != tuple(tensor.shape):
+            raise VerificationError(f"{out}: {name} has shape {tuple(loaded.shape)}, the source {tensor.shape}",
+                                    file=out, tensor=name, expected=tensor.shape, actual=tuple(loaded.shape))
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        if getattr(tensor, "kind", None) == "buffer" and dtype != tensor.dtype:
+            raise VerificationError(f"{out}: {name} loaded as {dtype}, the source holds {tensor.dtype}",
+                                    file=out, tensor=name, expected=tensor.dtype, actual=dtype)
+        want = read_source(tensor, dtype).view(tensor.shape)
+        got = loaded.detach().cpu().contiguous()
+        if not torch.equal(got.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+            diff = (got.float() - want.float()).abs().max().item() if got.is_floating_point() else None
+            raise VerificationError(f"{out}: {name} differs from the source ({source})"
+                                    + (f", max abs difference {diff:g}" if diff is not None else ""),
+                                    file=out, tensor=name, hint="the output does not hold the source's weights")
+        count += 1
+    return count
+
+
+__all__ = ["ModelCheck", "ShardCheck", "read_source", "verify_model", "verify_shard"]
