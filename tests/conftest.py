@@ -13,4 +13,5 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # Fixture plugins, one module per area: each registers its own session fixtures.
 pytest_plugins = [
     "tests.fixtures.plugin",
+    "tests.prefect_plugin",
 ]
