@@ -61,5 +61,13 @@ class VerificationError(CkptflowError, ValueError):
     """Something written does not match its source."""
 
 
+class UploadMismatchError(VerificationError):
+    """An object just uploaded reads back different from its source; uploading it again may fix it."""
+
+
 class SourceReadError(CkptflowError, OSError):
     """A checkpoint file could not be read during a conversion (store error, file changed underneath)."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """The checkpoint is valid but uses a DeepSpeed layout ckptflow cannot convert (e.g. elastic ZeRO-1/2)."""

@@ -1,0 +1,293 @@
+"""Publish a folder to the Hugging Face Hub as one commit.
+
+`push_to_hub(src, "hf://ORG/REPO")` creates the repo when it is missing, writes a model card
+(README.md) from the provenance record when the folder has none, and commits every file in one
+commit on the given revision through `huggingface_hub.HfApi`. The endpoint and token come from the
+arguments, else `HF_ENDPOINT` and `HF_TOKEN`, else the Hub's token file.
+
+huggingface_hub retries single requests but not its commit call, so the whole commit is retried on
+transient failures (408, 429, 5xx, resets, timeouts). A retry or a re-run sends only what the Hub
+lacks: the preupload step drops files that did not change, and the LFS batch step skips blobs the
+Hub already stores, including those uploaded by a try that failed before its commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptflow.checksums import Digests
+from ckptflow.errors import PublishError
+from ckptflow.publish import ProgressFn, PushProgress, PushResult, SourceFile, list_source
+from ckptflow.redaction import describe, redact
+from ckptflow.retry import RetryPolicy, causes, is_transient, retry_call, status_code
+from ckptflow.storage import is_local, local_path
+
+# The plain HTTP upload path; with hf_xet installed the library would insist on Xet storage. It is
+# read when huggingface_hub is imported.
+os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+
+logger = logging.getLogger(__name__)
+
+PROVENANCE_NAME = "ckptflow-provenance.json"
+_REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
+_HUB_URL = re.compile(r"^hf://(?:(models|datasets|spaces)/)?([\w.-]+/[\w.-]+)(?:@([^/]+))?/?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HubTarget:
+    """A repo on the Hub: `hf://[datasets/|spaces/]ORG/REPO[@REVISION]`."""
+
+    repo_type: str
+    repo_id: str
+    revision: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> HubTarget:
+        match = _HUB_URL.match(url)
+        if match is None:
+            raise ValueError(
+                f"not a Hub repo URL: {redact(url)!r}; expected hf://ORG/REPO, hf://datasets/ORG/REPO "
+                "or hf://ORG/REPO@REVISION"
+            )
+        kind, repo_id, revision = match.groups()
+        return cls(repo_type=_REPO_TYPES[kind or "models"], repo_id=repo_id, revision=revision)
+
+
+def push_to_hub(
+    src: str,
+    dest: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    workers: int = 8,
+    token: str | None = None,
+    endpoint: str | None = None,
+    progress: ProgressFn | None = None,
+    retry: RetryPolicy | None = None,
+) -> PushResult:
+    """Commit the folder `src` to the Hub repo `dest` (`hf://...`) on `revision` (default: main).
+
+    Creates the repo (private when `private`) and the branch when missing. Adds a README.md model
+    card built from `ckptflow-provenance.json` (or what config.json and safetensors headers tell)
+    when `src` has no README.md. `PushResult.uploaded` lists the files the commit changed,
+    `skipped` those already on the revision with the same content.
+    """
+    from huggingface_hub import HfApi, constants, get_token
+
+    target = HubTarget.parse(dest)
+    if revision and target.revision and revision != target.revision:
+        raise ValueError(f"two revisions given: {target.revision!r} in {redact(dest)} and {revision!r}")
+    revision = revision or target.revision or "main"
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    token = token or get_token()
+    report = progress or (lambda event: None)
+    policy = retry or RetryPolicy()
+    shown = redact(dest, [token])
+    api = HfApi(endpoint=endpoint, token=token, library_name="ckptflow")
+
+    def attempt(fn: Any, what: str) -> Any:
+        try:
+            return retry_call(
+                fn, attempts=policy.attempts, base_delay=policy.base_delay, max_delay=policy.max_delay,
+                on_retry=lambda n, exc, delay: logger.warning("%s failed (%s); retrying", what, describe(exc, [token])),
+            )
+        except Exception as exc:
+            raise _hub_error(exc, what=what, dest=shown, token=token, policy=policy) from None
+
+    with _local_copy(src, policy) as folder, _quiet_progress_bars():
+        _, _, files = list_source(str(folder))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptflow-hash") as pool:
+            hashes = dict(zip((f.path for f in files), pool.map(lambda f: _sha256(folder / f.path, f, report), files)))
+        card = None if any(f.path == "README.md" for f in files) else model_card(folder, files, target.repo_id).encode()
+
+        attempt(lambda: api.create_repo(target.repo_id, repo_type=target.repo_type, private=private, exist_ok=True),
+                f"create the repo {shown}")
+        if revision != "main":
+            attempt(lambda: api.create_branch(target.repo_id, branch=revision, repo_type=target.repo_type, exist_ok=True),
+                    f"create the branch {revision} of {shown}")
+        remote = attempt(lambda: _remote_files(api, target, revision), f"list the files of {shown}@{revision}")
+        unchanged = {f.path for f in files if _same_on_hub(remote.get(f.path), (folder / f.path).read_bytes, f.size, hashes[f.path])}
+        if card is not None and _same_on_hub(remote.get("README.md"), lambda: card, len(card), hashlib.sha256(card).hexdigest()):
+            unchanged.add("README.md")
+
+        def commit() -> Any:
+            from huggingface_hub import CommitOperationAdd
+
+            operations = []
+            for f in files:
+                operation = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(folder / f.path))
+                operation.upload_info.sha256 = bytes.fromhex(hashes[f.path])
+                operations.append(operation)
+            if card is not None:
+                operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card))
+            return api.create_commit(
+                target.repo_id, operations, commit_message=f"Publish {len(files)} files with ckptflow",
+                repo_type=target.repo_type, revision=revision, num_threads=workers,
+            )
+
+        info = attempt(commit, f"commit to {shown}@{revision}")
+
+    pushed = [*files, *([SourceFile(path="README.md", size=len(card))] if card is not None else [])]
+    for f in pushed:
+        report(PushProgress(path=f.path, done=f.size, size=f.size, state="skip" if f.path in unchanged else "done"))
+    uploaded = tuple(f.path for f in pushed if f.path not in unchanged)
+    logger.info("pushed %s@%s: %d files changed, %d unchanged (%s)", shown, revision, len(uploaded), len(unchanged), info.commit_url)
+    return PushResult(
+        dest=shown,
+        uploaded=uploaded,
+        skipped=tuple(f.path for f in pushed if f.path in unchanged),
+        bytes_uploaded=sum(f.size for f in pushed if f.path not in unchanged),
+        commit_url=info.commit_url,
+    )
+
+
+def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str:
+    """A README.md for `folder`: source run, tag, step, dtype and parameter count from the provenance
+    record, else from config.json and the safetensors headers; then the file list. Deterministic, so
+    that pushing the same folder twice changes nothing."""
+    provenance = _read_json(folder / PROVENANCE_NAME)
+    config = _read_json(folder / "config.json")
+    parameters = _first(provenance, "parameters", "num_parameters", "parameter_count")
+    if parameters is None:
+        parameters = _count_safetensors_parameters(folder, files)
+    rows = [
+        ("Source run", _first(provenance, "source", "run", "source_uri")),
+        ("Tag", _first(provenance, "tag")),
+        ("Step", _first(provenance, "step", "global_step")),
+        ("dtype", _first(provenance, "dtype") or _first(config, "torch_dtype", "dtype")),
+        ("Parameters", f"{parameters:,}" if isinstance(parameters, int) else parameters),
+    ]
+    front = ["---", *(["library_name: transformers"] if config else []), "tags:", "- ckptflow", "---"]
+    lines = [*front, "", f"# {repo_id.split('/')[-1]}", ""]
+    lines.append("Published with ckptflow from a DeepSpeed checkpoint." if provenance else "Published with ckptflow.")
+    lines += ["", "| | |", "|---|---|"]
+    lines += [f"| {name} | {redact(str(value)) if value is not None else 'not recorded'} |" for name, value in rows]
+    lines += ["", "## Files", "", "| File | Bytes |", "|---|---:|"]
+    lines += [f"| {f.path} | {f.size:,} |" for f in files]
+    return "\n".join(lines) + "\n"
+
+
+# Helpers.
+
+
+@contextmanager
+def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
+    """`src` as a local folder: itself when local, else a temporary download removed afterwards."""
+    if is_local(src):
+        yield Path(local_path(src))
+        return
+    from ckptflow.storage import open_fs
+
+    fs, root = open_fs(src)
+    tmp = Path(tempfile.mkdtemp(prefix="ckptflow-hub-"))
+    try:
+        retry_call(lambda: fs.get(root.rstrip("/") + "/", str(tmp), recursive=True), attempts=policy.attempts,
+                   base_delay=policy.base_delay, max_delay=policy.max_delay)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sha256(path: Path, f: SourceFile, report: ProgressFn) -> str:
+    digests = Digests()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 * 2**20):
+            digests.update(chunk)
+            report(PushProgress(path=f.path, done=digests.size, size=f.size, state="check"))
+    return digests.sha256
+
+
+def _remote_files(api: Any, target: HubTarget, revision: str) -> dict[str, Any]:
+    from huggingface_hub.hf_api import RepoFile
+
+    entries = api.list_repo_tree(target.repo_id, recursive=True, revision=revision, repo_type=target.repo_type)
+    return {e.path: e for e in entries if isinstance(e, RepoFile)}
+
+
+def _same_on_hub(remote: Any, read: Callable[[], bytes], size: int, sha256: str) -> bool:
+    """Whether the Hub's `remote` file (a RepoFile or None) holds these bytes: by LFS sha256, or by
+    git blob id for regular files (small, so `read()` is cheap)."""
+    if remote is None or remote.size != size:
+        return False
+    if remote.lfs is not None:
+        return remote.lfs.sha256 == sha256
+    from huggingface_hub.utils.sha import git_hash
+
+    return remote.blob_id == git_hash(read())
+
+
+@contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """huggingface_hub's tqdm bars off for the push (progress goes through our callback), then as before."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _first(doc: dict[str, Any], *keys: str) -> Any:
+    return next((doc[k] for k in keys if doc.get(k) is not None), None)
+
+
+def _count_safetensors_parameters(folder: Path, files: tuple[SourceFile, ...]) -> int | None:
+    """Parameters in the safetensors files, from their headers alone (shared tensors count once per file)."""
+    total, seen = 0, False
+    for f in files:
+        if not f.path.endswith(".safetensors"):
+            continue
+        try:
+            with open(folder / f.path, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError):
+            return None
+        for name, meta in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in meta["shape"]:
+                    count *= dim
+                total += count
+        seen = True
+    return total if seen else None
+
+
+def _hub_error(exc: Exception, *, what: str, dest: str, token: str | None, policy: RetryPolicy) -> PublishError:
+    codes = {status_code(e) for e in causes(exc)} - {None}
+    reason = describe(exc, [token])
+    if is_transient(exc):
+        reason = f"still failing after {policy.attempts} tries ({reason})"
+        hint = "the Hub may be overloaded; run the same push again: what is uploaded already is not sent twice"
+    elif codes & {401}:
+        hint = "the Hub did not accept the token: set HF_TOKEN or run `hf auth login`"
+    elif codes & {403}:
+        hint = "the token may not write to this repo: use a token with write access to it"
+    elif codes & {404}:
+        hint = "check the repo name, its type (hf://datasets/... for datasets) and the revision"
+    else:
+        hint = "fix the cause and run the same push again"
+    return PublishError(f"could not {what}: {reason}", uri=dest, hint=hint)

@@ -1,0 +1,580 @@
+"""The publish step: push a folder to an object store, any fsspec URL, or the Hugging Face Hub.
+
+`push(src, dest)` sends `hf://` destinations to `ckptflow.hub` and everything else through fsspec
+(`gs://`, `s3://`, `file://`, local paths, `memory://` ...), configured the way fsspec always is.
+
+How a push to a store stays atomic and resumable:
+
+1. Plan: list SRC once (relative path and size of every file).
+2. Read DEST's manifest, if any. If SRC differs from it (a new version), delete it first, so that no
+   reader trusts a mix of two versions while files are replaced.
+3. One unit per file, on a bounded thread pool. A unit skips a file whose DEST object already holds
+   the same bytes (same size and a checksum the store reports equal to the source's, or an object
+   recorded as verified by an earlier run and not rewritten since). Otherwise it streams the source
+   to DEST, hashing on the way, then checks the object (size and the store's crc32c/md5, or the
+   sha256 of what reads back). Transient failures (408, 429, 5xx, resets, timeouts) retry the whole
+   file with backoff and jitter, reopening the source; anything else stops the push at once.
+4. Each verified file is noted in `ckptflow-manifest.json.partial` at DEST (written every second or
+   so). A re-run after a crash trusts an object only when it checks out against that record or the
+   store's checksum; a half-written object never does.
+5. When every file is verified, write `ckptflow-manifest.json` (every file, size, sha256): the commit
+   marker. Then remove leftovers that are ours and not part of this version, and the partial record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.spec import AbstractBufferedFile
+
+from ckptflow.checksums import Digests, stamp, store_checksum
+from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.manifest import MANIFEST_NAME, Manifest, ManifestEntry
+from ckptflow.redaction import describe, redact
+from ckptflow.retry import RetryPolicy, causes, is_transient, retry_call, status_code
+from ckptflow.storage import join, open_fs, protocol
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+STAGING_NAME = MANIFEST_NAME + ".partial"
+READ_CHUNK = 8 * 2**20
+# Upload block size: what gcsfs's own put_file sends per request; a multiple of 256 KiB (GCS) and
+# at least 5 MiB (S3 parts).
+UPLOAD_BLOCK = 50 * 2**20
+STAGING_FLUSH_SECONDS = 1.0
+_LOCAL_PROTOCOLS = ("file", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushProgress:
+    """One progress report. `state` is 'check' (hashing SRC to compare with DEST), 'upload',
+    'retry' (the file starts over), 'skip' (DEST already holds it) or 'done' (uploaded and verified).
+    `done` counts the bytes of `path` handled so far in the current state."""
+
+    path: str
+    done: int
+    size: int
+    state: str
+
+
+ProgressFn = Callable[[PushProgress], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushResult:
+    """What a push did. `uploaded` and `skipped` are paths relative to SRC; `bytes_uploaded` counts
+    the files uploaded. Store pushes set `manifest_uri`, Hub pushes `commit_url`."""
+
+    dest: str
+    uploaded: tuple[str, ...]
+    skipped: tuple[str, ...]
+    bytes_uploaded: int
+    manifest_uri: str | None = None
+    commit_url: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceFile:
+    """A file to publish: its path relative to SRC ('/'-separated) and its size."""
+
+    path: str
+    size: int
+
+
+def push(
+    src: str,
+    dest: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    workers: int = 8,
+    token: str | None = None,
+    endpoint: str | None = None,
+    progress: ProgressFn | None = None,
+    retry: RetryPolicy | None = None,
+) -> PushResult:
+    """Publish the folder `src` (local path or fsspec URL) to `dest`.
+
+    `dest` is `hf://[datasets/|spaces/]ORG/REPO` for the Hugging Face Hub (`revision`, `private`,
+    `token` and `endpoint` apply there only; see `ckptflow.hub.push_to_hub`), or any fsspec URL or
+    local path (see `push_to_store`). `workers` bounds parallel uploads. `progress` is called from
+    worker threads with a `PushProgress`. Raises PublishError when the push fails for good, with a
+    one-line message naming the file, DEST and what to do; credentials never appear in it.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if dest.startswith("hf://"):
+        from ckptflow.hub import push_to_hub
+
+        return push_to_hub(
+            src, dest, revision=revision, private=private, workers=workers, token=token, endpoint=endpoint,
+            progress=progress, retry=retry,
+        )
+    given = [name for name, value in (("revision", revision), ("token", token), ("endpoint", endpoint)) if value]
+    given += ["private"] if private else []
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} only apply to hf:// destinations; storage credentials and endpoints come "
+            "from fsspec's configuration (FSSPEC_* variables, config files)"
+        )
+    return push_to_store(src, dest, workers=workers, progress=progress, retry=retry)
+
+
+def push_to_store(
+    src: str,
+    dest: str,
+    *,
+    workers: int = 8,
+    progress: ProgressFn | None = None,
+    retry: RetryPolicy | None = None,
+) -> PushResult:
+    """Publish `src` to the fsspec location `dest`, atomically (manifest last) and resumably.
+
+    Pushing the same folder again uploads nothing; a re-run after a failure or a crash uploads only
+    what is not verified at DEST yet. See the module docstring for the protocol.
+    """
+    src_fs, src_root, files = list_source(src)
+    dest_fs, dest_root = open_fs(dest)
+    run = _StorePush(
+        src_fs=src_fs, src_root=src_root, dest_fs=dest_fs, dest_root=dest_root, dest=dest,
+        workers=workers, progress=progress, policy=retry or RetryPolicy(),
+    )
+    return run.run(files)
+
+
+def list_source(src: str) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
+    """The filesystem of `src`, its root, and every file under it, sorted by path.
+
+    A manifest or partial record at the top of `src` is left out: a push writes its own."""
+    fs, root = open_fs(src)
+    shown = redact(src)
+    if not fs.exists(root):
+        raise CheckpointNotFoundError(f"SRC {shown} does not exist", uri=shown, hint="check the path or URL")
+    if not fs.isdir(root):
+        raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
+    prefix = root.rstrip("/") + "/"
+    files = []
+    for path, info in sorted(fs.find(root, withdirs=False, detail=True).items()):
+        rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
+        if rel in (MANIFEST_NAME, STAGING_NAME):
+            logger.info("leaving out %s from SRC: the push writes its own", rel)
+            continue
+        files.append(SourceFile(path=rel, size=int(info["size"])))
+    if not files:
+        raise CheckpointNotFoundError(f"SRC {shown} holds no files", uri=shown, hint="nothing to push")
+    return fs, root, tuple(files)
+
+
+class _Cancelled(Exception):
+    """Another unit failed for good; this one stops where it is."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    path: str
+    size: int
+    sha256: str
+    stamp: dict[str, str]
+    uploaded: bool
+
+
+class _Staging:
+    """The partial record at DEST: files verified so far, with the store's stamp of each object.
+
+    Written at most every STAGING_FLUSH_SECONDS by whichever worker records a file, and at the end.
+    Losing it costs time, never correctness, so failures to write it are logged and ignored."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, entries: dict[str, dict[str, Any]]) -> None:
+        self.fs = fs
+        self.path = path
+        self.entries = entries
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._dirty = False
+        self._last_flush = 0.0
+
+    @classmethod
+    def load(cls, fs: fsspec.AbstractFileSystem, path: str) -> _Staging:
+        try:
+            doc = json.loads(fs.cat_file(path))
+            entries = {p: e for p, e in doc["files"].items() if {"size", "sha256", "stamp"} <= set(e)}
+        except FileNotFoundError:
+            entries = {}
+        except Exception as exc:  # unreadable record: start over, it only saves time
+            logger.warning("ignoring unreadable partial record %s (%s)", path, describe(exc))
+            entries = {}
+        return cls(fs, path, entries)
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self.entries.get(path)
+
+    def record(self, path: str, size: int, sha256: str, object_stamp: dict[str, str]) -> None:
+        with self._lock:
+            self.entries[path] = {"size": size, "sha256": sha256, "stamp": object_stamp}
+            self._dirty = True
+        self.flush()
+
+    def flush(self, *, force: bool = False) -> None:
+        if not (force or time.monotonic() - self._last_flush >= STAGING_FLUSH_SECONDS):
+            return
+        if not self._write_lock.acquire(blocking=force):
+            return  # another worker is writing it now
+        try:
+            with self._lock:
+                if not self._dirty:
+                    return
+                data = json.dumps({"format": "ckptflow-partial", "files": self.entries}, indent=0).encode()
+                self._dirty = False
+            self._last_flush = time.monotonic()
+            self.fs.pipe_file(self.path, data)
+        except Exception as exc:
+            logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
+        finally:
+            self._write_lock.release()
+
+
+class _StorePush:
+    """One push to an fsspec DEST: the shared state of its units and the steps of `run`."""
+
+    def __init__(
+        self,
+        *,
+        src_fs: fsspec.AbstractFileSystem,
+        src_root: str,
+        dest_fs: fsspec.AbstractFileSystem,
+        dest_root: str,
+        dest: str,
+        workers: int,
+        progress: ProgressFn | None,
+        policy: RetryPolicy,
+    ) -> None:
+        self.src_fs = src_fs
+        self.src_root = src_root
+        self.dest_fs = dest_fs
+        self.dest_root = dest_root
+        self.dest = redact(dest)
+        self.workers = workers
+        self.progress = progress or (lambda event: None)
+        self.policy = policy
+        self.local_dest = protocol(dest_fs) in _LOCAL_PROTOCOLS
+        self.want_md5 = protocol(dest_fs) in ("s3", "s3a")  # S3 reports md5 (ETag); GCS crc32c
+        self.cancelled = threading.Event()
+        self.source_digests: dict[str, Digests] = {}
+        self.published: dict[str, ManifestEntry] = {}
+        self.staging = _Staging(dest_fs, self._dest_path(STAGING_NAME), {})
+
+    # The run, step by step.
+
+    def run(self, files: tuple[SourceFile, ...]) -> PushResult:
+        logger.info("pushing %d files (%d bytes) to %s", len(files), sum(f.size for f in files), self.dest)
+        manifest_path = self._dest_path(MANIFEST_NAME)
+        previous = self._read_manifest(manifest_path)
+        self.published = previous.by_path() if previous is not None else {}
+        self.staging = _Staging.load(self.dest_fs, self._dest_path(STAGING_NAME))
+        if previous is not None:
+            self._map(self._hash_source_into_cache, files)
+            if previous != Manifest.of(self._entry_from_cache(f) for f in files):
+                logger.info("%s holds another version: removing its manifest before replacing files", self.dest)
+                self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at", path=MANIFEST_NAME)
+        try:
+            outcomes = self._map(self._publish_file, files)
+        finally:
+            self.staging.flush(force=True)
+        manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp) for o in outcomes)
+        if manifest != previous or any(o.uploaded for o in outcomes):
+            self._write_manifest(manifest_path, manifest)
+        self._clean_up(previous, manifest)
+        uploaded = tuple(o.path for o in outcomes if o.uploaded)
+        logger.info("pushed %s: %d uploaded, %d already there", self.dest, len(uploaded), len(outcomes) - len(uploaded))
+        return PushResult(
+            dest=self.dest,
+            uploaded=uploaded,
+            skipped=tuple(o.path for o in outcomes if not o.uploaded),
+            bytes_uploaded=sum(o.size for o in outcomes if o.uploaded),
+            manifest_uri=join(self.dest, MANIFEST_NAME),
+        )
+
+    def _publish_file(self, f: SourceFile) -> _Outcome:
+        """One unit: skip the file if DEST already holds it, else upload and verify it."""
+        dest_path = self._dest_path(f.path)
+        info = self._retry(lambda: self._dest_info(dest_path), what=f"check {f.path} at", path=f.path)
+        sha256 = self._already_there(f, dest_path, info) if info is not None else None
+        if sha256 is not None:
+            logger.debug("%s already at DEST, verified", f.path)
+            self.staging.record(f.path, f.size, sha256, stamp(info))
+            self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="skip"))
+            return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=False)
+
+        def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
+            logger.warning("upload of %s failed (%s); try %d of %d in %.1fs", f.path, describe(exc), attempt + 1, self.policy.attempts, delay)
+            self.progress(PushProgress(path=f.path, done=0, size=f.size, state="retry"))
+
+        sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path, on_retry=on_retry)
+        self.staging.record(f.path, f.size, sha256, stamp(info))
+        self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="done"))
+        return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=True)
+
+    def _already_there(self, f: SourceFile, dest_path: str, info: dict[str, Any]) -> str | None:
+        """The sha256 of `f` when the object at DEST provably holds its bytes, else None."""
+        if int(info.get("size", -1)) != f.size:
+            return None
+        checksum = store_checksum(info, prefer_md5=self.want_md5)
+        digests = self.source_digests.get(f.path)
+        if digests is None or (checksum is not None and not digests.can_check(checksum)):
+            digests = self._hash_source(f, md5=checksum is not None and checksum.kind != "crc32c")
+        if checksum is not None and digests.can_check(checksum):
+            return digests.sha256 if digests.matches(checksum) else None
+        # No checksum at the store: trust an object recorded as verified and not rewritten since.
+        current = stamp(info)
+        staged = self.staging.get(f.path)
+        if staged is not None and staged["stamp"] == current:
+            return digests.sha256 if staged["sha256"] == digests.sha256 else None
+        published = self.published.get(f.path)
+        if published is not None and published.stamp is not None and dict(published.stamp) == current:
+            return digests.sha256 if published.sha256 == digests.sha256 else None
+        return None  # no checksum and no record: uploading is the way to be sure
+
+    def _upload(self, f: SourceFile, dest_path: str) -> tuple[str, dict[str, Any]]:
+        """One try: stream SRC to DEST hashing it, then verify the object. Returns (sha256, info)."""
+        digests = Digests(md5=self.want_md5)
+        if self.local_dest:
+            self.dest_fs.makedirs(self.dest_fs._parent(dest_path), exist_ok=True)
+        with self.src_fs.open(self._src_path(f.path), "rb") as source:
+            target = self.dest_fs.open(dest_path, "wb", block_size=UPLOAD_BLOCK)
+            try:
+                while chunk := source.read(READ_CHUNK):
+                    if self.cancelled.is_set():
+                        raise _Cancelled()
+                    digests.update(chunk)
+                    target.write(chunk)
+                    self.progress(PushProgress(path=f.path, done=digests.size, size=f.size, state="upload"))
+                if digests.size != f.size:
+                    raise CheckpointError(
+                        f"{f.path} changed size while being pushed ({f.size} bytes listed, {digests.size} read)",
+                        file=f.path, expected=f.size, actual=digests.size, hint="push again once SRC is stable",
+                    )
+                target.close()
+            except BaseException:
+                _abandon(target, self.dest_fs, dest_path)
+                raise
+        info = self._dest_info(dest_path)
+        self._verify(f, dest_path, info, digests)
+        return digests.sha256, info
+
+    def _verify(self, f: SourceFile, dest_path: str, info: dict[str, Any] | None, digests: Digests) -> None:
+        """Raise UploadMismatchError unless the object at DEST holds exactly the bytes sent."""
+        actual_size = None if info is None else int(info.get("size", -1))
+        if actual_size != f.size:
+            raise UploadMismatchError(
+                f"{f.path} at {self.dest} has {actual_size} bytes after upload, expected {f.size}",
+                uri=self.dest, file=f.path, expected=f.size, actual=actual_size,
+            )
+        checksum = store_checksum(info, prefer_md5=self.want_md5)
+        if checksum is not None and digests.can_check(checksum):
+            if not digests.matches(checksum):
+                raise UploadMismatchError(
+                    f"{f.path} at {self.dest}: the store's {checksum.kind} differs from the source's after upload",
+                    uri=self.dest, file=f.path,
+                )
+            return
+        read_back = self._hash_dest(dest_path)
+        if read_back != digests.sha256:
+            raise UploadMismatchError(
+                f"{f.path} at {self.dest} reads back with sha256 {read_back}, expected {digests.sha256}",
+                uri=self.dest, file=f.path, expected=digests.sha256, actual=read_back,
+            )
+
+    def _write_manifest(self, path: str, manifest: Manifest) -> None:
+        data = manifest.to_json()
+
+        def write_and_check() -> None:
+            if self.local_dest:  # a local reader must never see half a manifest
+                tmp = f"{path}.tmp-{threading.get_ident()}"
+                self.dest_fs.pipe_file(tmp, data)
+                self.dest_fs.mv(tmp, path)
+            else:  # an object appears whole or not at all
+                self.dest_fs.pipe_file(path, data)
+            self.dest_fs.invalidate_cache(path)
+            if self.dest_fs.cat_file(path) != data:
+                raise UploadMismatchError(f"the manifest at {self.dest} reads back different", uri=self.dest, file=MANIFEST_NAME)
+
+        self._retry(write_and_check, what=f"write {MANIFEST_NAME} to", path=MANIFEST_NAME)
+
+    def _clean_up(self, previous: Manifest | None, manifest: Manifest) -> None:
+        """Remove what earlier pushes left that this version does not list, then the partial record."""
+        ours = set(self.staging.entries) | (set(previous.by_path()) if previous else set())
+        for rel in sorted(ours - set(manifest.by_path())):
+            try:
+                self.dest_fs.rm_file(self._dest_path(rel))
+                logger.info("removed %s from %s: not part of this version", rel, self.dest)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                logger.warning("could not remove leftover %s at %s (%s)", rel, self.dest, describe(exc))
+        try:
+            self.dest_fs.rm_file(self.staging.path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            logger.warning("could not remove the partial record at %s (%s)", self.dest, describe(exc))
+
+    # Reads, each retried on transient errors.
+
+    def _read_manifest(self, path: str) -> Manifest | None:
+        def read() -> bytes | None:
+            try:
+                return self.dest_fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+
+        data = self._retry(read, what=f"read {MANIFEST_NAME} at", path=MANIFEST_NAME)
+        return None if data is None else Manifest.from_json(data, uri=join(self.dest, MANIFEST_NAME))
+
+    def _dest_info(self, dest_path: str) -> dict[str, Any] | None:
+        self.dest_fs.invalidate_cache(dest_path)
+        try:
+            info = self.dest_fs.info(dest_path)
+        except FileNotFoundError:
+            return None
+        return info if info.get("type", "file") == "file" else None
+
+    def _hash_source(self, f: SourceFile, *, md5: bool = False) -> Digests:
+        def read() -> Digests:
+            digests = Digests(md5=md5)
+            with self.src_fs.open(self._src_path(f.path), "rb") as source:
+                while chunk := source.read(READ_CHUNK):
+                    if self.cancelled.is_set():
+                        raise _Cancelled()
+                    digests.update(chunk)
+                    self.progress(PushProgress(path=f.path, done=digests.size, size=f.size, state="check"))
+            return digests
+
+        return self._retry(read, what=f"read {f.path} in", path=f.path, of_source=True)
+
+    def _hash_source_into_cache(self, f: SourceFile) -> None:
+        self.source_digests[f.path] = self._hash_source(f, md5=self.want_md5)
+
+    def _entry_from_cache(self, f: SourceFile) -> ManifestEntry:
+        return ManifestEntry(path=f.path, size=f.size, sha256=self.source_digests[f.path].sha256)
+
+    def _hash_dest(self, dest_path: str) -> str:
+        digests = Digests()
+        with self.dest_fs.open(dest_path, "rb", block_size=READ_CHUNK) as readback:
+            while chunk := readback.read(READ_CHUNK):
+                digests.update(chunk)
+        return digests.sha256
+
+    # Plumbing.
+
+    def _src_path(self, rel: str) -> str:
+        return f"{self.src_root.rstrip('/')}/{rel}"
+
+    def _dest_path(self, rel: str) -> str:
+        return f"{self.dest_root.rstrip('/')}/{rel}"
+
+    def _map(self, fn: Callable[[SourceFile], T], files: Iterable[SourceFile]) -> list[T]:
+        """`fn` over `files` on the pool, results in order. The first failure cancels the rest and is raised."""
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptflow-push") as pool:
+            futures: list[Future[T]] = [pool.submit(fn, f) for f in files]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [fut for fut in futures if fut.done() and not fut.cancelled() and fut.exception() is not None]
+            if failed:
+                self.cancelled.set()
+                for fut in pending:
+                    fut.cancel()
+                wait(futures)
+                errors = [fut.exception() for fut in futures if fut.done() and not fut.cancelled() and fut.exception()]
+                raise next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
+            return [fut.result() for fut in futures]
+
+    def _retry(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        path: str,
+        on_retry: Callable[[int, BaseException, float], None] | None = None,
+        of_source: bool = False,
+    ) -> T:
+        """`fn()` with the push's retry policy; a failure for good becomes a PublishError."""
+
+        def guarded() -> T:
+            if self.cancelled.is_set():
+                raise _Cancelled()
+            return fn()
+
+        def log_retry(attempt: int, exc: BaseException, delay: float) -> None:
+            logger.warning("could not %s %s (%s); retrying", what, self.dest, describe(exc))
+
+        try:
+            return retry_call(
+                guarded, attempts=self.policy.attempts, base_delay=self.policy.base_delay,
+                max_delay=self.policy.max_delay, on_retry=on_retry or log_retry,
+            )
+        except (_Cancelled, PublishError):
+            raise
+        except CkptflowError as exc:
+            if not isinstance(exc, UploadMismatchError):
+                raise
+            raise self._publish_error(exc, what=what, path=path, of_source=of_source) from None
+        except Exception as exc:
+            raise self._publish_error(exc, what=what, path=path, of_source=of_source) from None
+
+    def _publish_error(self, exc: Exception, *, what: str, path: str, of_source: bool) -> PublishError:
+        where = "SRC" if of_source else self.dest
+        return PublishError(
+            f"could not {what} {where}: {_reason(exc, self.policy)}", uri=self.dest, file=path, hint=_advice(exc, of_source)
+        )
+
+
+def _reason(exc: Exception, policy: RetryPolicy) -> str:
+    code = next((status_code(e) for e in causes(exc) if status_code(e) is not None), None)
+    what = describe(exc)
+    if is_transient(exc):
+        return f"still failing after {policy.attempts} tries ({what})"
+    return f"{what} (HTTP {code})" if code is not None and str(code) not in what else what
+
+
+def _advice(exc: Exception, of_source: bool) -> str:
+    codes = {status_code(e) for e in causes(exc)}
+    text = " ".join(str(e) for e in causes(exc))
+    if isinstance(exc, PermissionError) or codes & {401, 403} or "Forbidden" in text or "AccessDenied" in text:
+        return "check the credentials fsspec uses for this URL and that they allow reading and writing there"
+    if isinstance(exc, FileNotFoundError) or 404 in codes or "NoSuchBucket" in text:
+        return "check that the bucket exists and the URL is right" if not of_source else "check SRC"
+    if isinstance(exc, UploadMismatchError) or is_transient(exc):
+        return "run the same push again to resume; verified files are kept"
+    return "fix the cause and run the same push again; verified files are kept"
+
+
+def _abandon(target: Any, fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Throw away a write in progress, so that no partial object is ever finalized at DEST.
+
+    Closing an fsspec buffered write file commits it, and so would its destructor: `discard` cancels
+    the resumable upload (GCS) or multipart upload (S3), and marking the file closed keeps anything
+    from committing what was buffered. Files written in place (local, memory) are closed and removed."""
+    if isinstance(target, AbstractBufferedFile):
+        try:
+            target.discard()
+        except Exception as exc:
+            logger.debug("cancelling the upload of %s failed (%s); it is never finalized", path, describe(exc))
+        target.closed = True
+        return
+    try:
+        target.close()
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except Exception as exc:
+        logger.warning("could not remove the partial file %s (%s)", path, describe(exc))

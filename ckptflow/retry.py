@@ -1,0 +1,154 @@
+"""Which failures deserve another try, and the one retry loop that acts on that.
+
+`is_transient(exc)` is a plain function of the exception, so Prefect can take it as a
+`retry_condition_fn` as it is. It looks for an HTTP status code on the exception or anything it was
+raised from (gcsfs `HttpError.code`, aiohttp `ClientResponseError.status`, botocore
+`ClientError.response`, requests / httpx / `HfHubHTTPError` `.response.status_code`) and decides by
+the code alone: 408, 429 and 5xx are transient, every other code is not. Without a code, resets,
+dropped connections, truncated bodies and timeouts are transient; anything else is not. Base classes
+say nothing here: `HfHubHTTPError` and gcsfs's 403 are both `OSError`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ckptflow.errors import CkptflowError, UploadMismatchError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# 501 (Not Implemented) and 505 (HTTP Version Not Supported) do not get better with time.
+_PERMANENT_5XX = frozenset({501, 505})
+
+# Exception classes that mean "the connection failed or timed out", by module. They are looked up
+# only in modules already imported: an exception from a library exists only once it is imported.
+_CONNECTION_FAILURES: dict[str, tuple[str, ...]] = {
+    "http.client": ("IncompleteRead", "RemoteDisconnected"),
+    "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
+    "requests.exceptions": ("ConnectionError", "Timeout", "ChunkedEncodingError"),
+    "urllib3.exceptions": ("ProtocolError", "TimeoutError", "NewConnectionError"),
+    "httpx": ("TimeoutException", "NetworkError", "RemoteProtocolError"),
+    "httpx2": ("TimeoutException", "NetworkError", "RemoteProtocolError"),
+    "botocore.exceptions": ("HTTPClientError", "ConnectionError"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How often and how patiently to retry one operation.
+
+    Try `attempts` times in all; before try n+1 sleep a uniformly random time in
+    [0, min(max_delay, base_delay * 2**(n-1))] seconds (exponential backoff with full jitter).
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.5
+    max_delay: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, got {self.attempts}")
+        if self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError(f"delays must be >= 0, got base {self.base_delay}, max {self.max_delay}")
+
+
+def status_code(exc: BaseException) -> int | None:
+    """The HTTP status code carried by `exc` itself, or None."""
+    for value in (getattr(exc, "code", None), getattr(exc, "status", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return value if isinstance(value, int) else None
+    if response is not None:  # requests, httpx, HfHubHTTPError
+        value = getattr(response, "status_code", None)
+        return value if isinstance(value, int) else None
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when trying the same operation again may succeed: 408, 429, 5xx, resets, timeouts.
+
+    Never for 401, 403, 404 or any other 4xx, and never for ckptflow's own verdicts, except an upload
+    that read back different from its source (`UploadMismatchError`), which a new upload may fix.
+    """
+    for link in causes(exc):
+        if isinstance(link, CkptflowError):
+            return isinstance(link, UploadMismatchError)
+        code = status_code(link)
+        if code is not None:
+            return code in (408, 429) or (500 <= code < 600 and code not in _PERMANENT_5XX)
+        if _is_connection_failure(link):
+            return True
+    return False
+
+
+def retry_call(
+    fn: Callable[[], T],
+    *,
+    attempts: int = 6,
+    base_delay: float = 0.5,
+    max_delay: float = 20.0,
+    on_retry: Callable[[int, BaseException, float], None] | None = None,
+) -> T:
+    """`fn()`, tried up to `attempts` times while it fails with a transient error.
+
+    Between tries it sleeps with exponential backoff and full jitter (see `RetryPolicy`).
+    `on_retry(attempt, exc, delay)` is called before each sleep. A permanent error, or the last
+    transient one, is raised as it is.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            if attempt >= attempts or not is_transient(exc):
+                raise
+            delay = random.uniform(0.0, min(max_delay, base_delay * 2 ** (attempt - 1)))
+            logger.debug("try %d of %d failed (%s); retrying in %.2fs", attempt, attempts, type(exc).__name__, delay)
+            if on_retry is not None:
+                on_retry(attempt, exc, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def retry_with(policy: RetryPolicy, fn: Callable[[], T], on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
+    """`retry_call` with the numbers of `policy`."""
+    return retry_call(
+        fn, attempts=policy.attempts, base_delay=policy.base_delay, max_delay=policy.max_delay, on_retry=on_retry
+    )
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what it was raised from or during, outermost first (cycles cut)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        if link.__cause__ is not None:
+            link = link.__cause__
+        else:
+            link = None if link.__suppress_context__ else link.__context__
+
+
+def _is_connection_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    for module_name, class_names in _CONNECTION_FAILURES.items():
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name in class_names:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and isinstance(exc, cls):
+                return True
+    return False
