@@ -1,0 +1,211 @@
+"""The fixture checkpoints exist, have DeepSpeed's layout, and DeepSpeed's own reader agrees with them.
+
+What DeepSpeed 0.19.8 itself cannot do with them, pinned here so that a change shows up:
+
+- ``zero_to_fp32`` refuses the ``BF16_Optimizer`` checkpoint (bf16 ZeRO-1 with fp32 gradient
+  accumulation): its optimizer files carry no ``zero_stage``, "... is not a zero checkpoint".
+- For ZeRO-1 DeepSpeed saves no ``frozen_param_shapes`` / ``frozen_param_fragments`` (only ZeRO-2/3
+  do), so ``zero_to_fp32`` leaves frozen parameters out; they exist only in the module state dict,
+  in the training dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch, write_llama_checkpoint
+from tests.fixtures.cache import _generate_group
+from tests.fixtures.matrix import TRAINER, FixtureSpec
+from tests.fixtures.models import BIG_INT64
+
+NAMES = [spec.name for spec in MATRIX]
+TOY = {spec.name for spec in MATRIX if spec.model == "toy"}
+LLAMA = {spec.name for spec in MATRIX if spec.model == "tiny-llama"}
+
+
+def get_fixture(request: pytest.FixtureRequest, name: str) -> Fixture:
+    if name == "llama-trainer":
+        return request.getfixturevalue("llama_trainer_ckpt")
+    return request.getfixturevalue("ds_fixtures")[name]
+
+
+@pytest.fixture(params=NAMES)
+def fixture(request: pytest.FixtureRequest) -> Fixture:
+    return get_fixture(request, request.param)
+
+
+def expected_files(fixture: Fixture) -> set[str]:
+    prefix = "bf16_" if fixture.dtype == "bf16" else ""
+    ranks = range(fixture.world_size)
+    optim = {f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in ranks}
+    if fixture.stage == 3:
+        return optim | {f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in ranks}
+    return optim | {"mp_rank_00_model_states.pt"}
+
+
+def test_layout_matches_deepspeed(fixture: Fixture) -> None:
+    spec = FixtureSpec.from_json({key: fixture.spec[key] for key in FixtureSpec.__dataclass_fields__})
+    assert (fixture.name, fixture.stage, fixture.dtype, fixture.world_size, fixture.offload) == (
+        spec.name,
+        spec.stage,
+        spec.dtype,
+        spec.world_size,
+        spec.offload,
+    )
+    assert (fixture.dir / "latest").read_text().strip() == fixture.tag == spec.tag
+    assert {path.name for path in fixture.tag_dir.iterdir()} == expected_files(fixture)
+    assert fixture.buffers_path.is_file() and fixture.expected_path.is_file()
+
+
+def test_deepspeed_chose_the_expected_optimizers(fixture: Fixture) -> None:
+    spec = fixture.spec
+    if fixture.stage == 3:
+        wrapper = "DeepSpeedZeroOptimizer_Stage3"
+    elif spec["grad_accum_dtype"] == "fp32":
+        wrapper = "BF16_Optimizer"
+    else:
+        wrapper = "DeepSpeedZeroOptimizer"
+    if spec["launcher"] == TRAINER:
+        base = "AdamW"
+    else:
+        base = "DeepSpeedCPUAdam" if fixture.offload else "FusedAdam"
+    assert (spec["optimizer"], spec["base_optimizer"]) == (wrapper, base)
+
+
+def test_buffers_keep_their_real_dtypes(fixture: Fixture) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    buffers = load_file(fixture.buffers_path)
+    if fixture.name in LLAMA:
+        assert buffers == {}  # rotary inv_freq is not persistent
+        return
+    assert {name: str(t.dtype).removeprefix("torch.") for name, t in buffers.items()} == {
+        "big": "int64",
+        "scale": "bfloat16",
+        "updates": "int32",
+        "mask": "bool",
+    }
+    assert buffers["big"].tolist() == [BIG_INT64]
+    assert buffers["updates"].tolist() == [fixture.spec["steps"]] * 3
+    assert torch.equal(buffers["mask"], torch.tensor([True, False, True, True, False]))
+
+
+def test_zero_to_fp32_matches_the_live_engine(fixture: Fixture) -> None:
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    if fixture.spec["optimizer"] == "BF16_Optimizer":
+        with pytest.raises(ValueError, match="is not a zero checkpoint"):
+            get_fp32_state_dict_from_zero_checkpoint(str(fixture.dir))
+        return
+    state = get_fp32_state_dict_from_zero_checkpoint(str(fixture.dir))
+    expected = load_file(fixture.expected_path)
+    for key, value in expected.items():
+        kind, name = key.split("/", 1)
+        if kind == "fp32":
+            assert torch.equal(state[name], value), name
+        elif kind == "frozen" and fixture.stage == 1:
+            assert name not in state  # ZeRO-1 saves no frozen fragments
+        elif kind == "frozen":
+            assert torch.equal(state[name], value.float()), name
+    tied = ("head.weight", "emb.weight") if fixture.name in TOY else ("lm_head.weight", "model.embed_tokens.weight")
+    assert torch.equal(state[tied[0]], state[tied[1]])
+    if fixture.name in TOY:
+        assert state["big"].dtype == torch.int64 and state["big"].tolist() == [BIG_INT64]
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA))
+def test_hugging_face_files_sit_next_to_latest(request: pytest.FixtureRequest, name: str) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    fixture = get_fixture(request, name)
+    names = {path.name for path in fixture.dir.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    if fixture.spec["launcher"] == TRAINER:
+        assert {"trainer_state.json", "training_args.bin", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+        assert json.loads((fixture.dir / "trainer_state.json").read_text())["global_step"] == fixture.spec["steps"]
+    config = AutoConfig.from_pretrained(fixture.dir)
+    tokenizer = AutoTokenizer.from_pretrained(fixture.dir)
+    assert config.tie_word_embeddings and config.vocab_size == len(tokenizer)
+    assert tokenizer("the quick brown fox")["input_ids"][0] != tokenizer.unk_token_id
+
+
+def test_build_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown fixture z9-fp8-ws2; known fixtures: z1-fp32-ws2, "):
+        build(["z9-fp8-ws2"])
+
+
+def test_failed_generation_leaves_nothing_behind(tmp_path: Path) -> None:
+    broken = FixtureSpec(name="broken", model="no-such-model", stage=1, dtype="fp32", world_size=1)
+    with pytest.raises(LaunchError, match="unknown fixture model 'no-such-model'"):
+        _generate_group(tmp_path, [broken], timeout=120)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_launch_stops_the_other_ranks_and_shows_the_failing_log(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "print(f'rank {rank} of {os.environ[\"WORLD_SIZE\"]} says hello', flush=True)\n"
+        "sys.exit(3) if rank == 1 else time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as raised:
+        launch(script, 3, timeout=30)
+    assert time.monotonic() - started < 20
+    error = raised.value
+    assert (error.rank, error.returncode) == (1, 3)
+    assert f"rank 1 of 3 running {script} exited with code 3; the other ranks were stopped." in str(error)
+    assert "rank 1 of 3 says hello" in error.tails[1]
+
+
+def test_launch_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(LaunchError, match="ran past its time limit") as raised:
+        launch(script, 2, timeout=1)
+    assert raised.value.rank is None
+
+
+def test_launch_passes_args_and_env(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    script.write_text(
+        "import os, sys\n"
+        "out = sys.argv[1]\n"
+        "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'DS_ACCELERATOR', 'EXTRA']\n"
+        "open(f\"{out}/{os.environ['RANK']}\", 'w').write(' '.join(os.environ[k] for k in keys))\n"
+    )
+    launch(script, 2, [str(tmp_path)], env={"EXTRA": "yes"}, timeout=30)
+    assert (tmp_path / "1").read_text() == "1 1 2 127.0.0.1 cpu yes"
+
+
+def test_write_llama_checkpoint_leaves_a_training_run_folder(tmp_path: Path) -> None:
+    out = write_llama_checkpoint(tmp_path / "run", stage=3, dtype="bf16", world_size=1, steps=2)
+    names = {path.name for path in out.iterdir()}
+    assert {"latest", "global_step2", "config.json", "generation_config.json", "tokenizer.json"} <= names
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+    with pytest.raises(FileExistsError, match="is not empty; pass overwrite=True"):
+        write_llama_checkpoint(out, world_size=1, steps=2)
+
+
+def test_cli_lists_the_matrix() -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.fixtures", "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert result.stdout.split() == NAMES
