@@ -65,6 +65,54 @@ def validate(
     raise typer.Exit(0 if report.ok else 1)
 
 
+@app.command("consolidate")
+def consolidate_command(
+    src: str = typer.Argument(..., help="Folder holding `latest` (or a tag folder), local or URL."),
+    dest: str = typer.Argument(..., metavar="OUT", help="Model folder to create, local or URL; must not exist."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Tag to convert instead of the one `latest` names."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Output dtype: fp32, bf16 or fp16."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB or 500MB."),
+    exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="Leave frozen parameters out."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Shards written at once."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Reopen every shard and check it against the source."),
+) -> None:
+    """Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from ckptflow.consolidate import ConsolidateOptions, consolidate
+    from ckptflow.hf import format_size
+    from ckptflow.zero import check_tag
+
+    if tag is not None and check_tag(tag, "--tag"):
+        raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
+    try:
+        options = ConsolidateOptions(dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
+                                     workers=workers, verify=verify)
+    except ValueError as exc:
+        hint = "--dtype" if "dtype" in str(exc) else "--max-shard-size"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    started = time.monotonic()
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("writing + verifying" if verify else "writing", total=None)
+        try:
+            result = consolidate(src, dest, tag=tag, options=options,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except CkptflowError as exc:
+            raise fail(exc) from None
+    shards = len(result.shards)
+    out.print(
+        f"[green]consolidated[/green] {result.plan.root}/{result.plan.tag} into {dest}: {shards} shard"
+        f"{'s' if shards > 1 else ''}, {format_size(result.total_size)} {result.dtype}"
+        f"{', verified' if result.verified else ''}, {len(result.side_files)} config/tokenizer file(s), "
+        f"{time.monotonic() - started:.1f}s",
+        soft_wrap=True,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

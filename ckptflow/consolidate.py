@@ -35,7 +35,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptflow import __version__, hf
+from ckptflow import hf
 from ckptflow.errors import (
     CheckpointError,
     CkptflowError,
@@ -637,11 +637,26 @@ def _side_bytes(root: str) -> int:
     return sum(fs.size(posixpath.join(path, n)) for n in hf.find_side_files(root))
 
 
+def ckptflow_version() -> str:
+    """This package's version (from its metadata when an editable install hides `ckptflow.__version__`)."""
+    try:
+        from ckptflow import __version__
+
+        return __version__
+    except ImportError:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("ckptflow")
+        except PackageNotFoundError:
+            return "unknown"
+
+
 def provenance(plan: ConsolidationPlan, shards: Sequence[UnitResult]) -> dict[str, Any]:
     """The record written beside the model: where it came from and what each shard hashes to."""
     root = os.path.abspath(local_path(plan.root)) if is_local(plan.root) else plan.root
     return {
-        "ckptflow_version": __version__,
+        "ckptflow_version": ckptflow_version(),
         "source": {
             "uri": join(root, plan.tag),
             "root": root,

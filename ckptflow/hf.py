@@ -239,17 +239,17 @@ def find_side_files(root: str) -> list[str]:
 def rewrite_config(raw: bytes, dtype: str) -> bytes:
     """`config.json` with its dtype set to `dtype` (a torch dtype name such as "bfloat16").
 
-    transformers 5 writes `dtype`, older versions `torch_dtype`; whichever keys are there are set,
-    and `torch_dtype` is added when neither is.
+    `torch_dtype` (what transformers 4 reads) is always set; `dtype` (what transformers 5 writes and
+    prefers) is set too when the config has it. Everything else is kept as it was, in its order.
     """
     config = json.loads(raw)
     if not isinstance(config, dict):
         raise CheckpointError("config.json does not hold a JSON object", file=CONFIG_NAME,
                               hint="fix or remove config.json in the checkpoint folder")
-    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
-    for key in keys:
-        config[key] = dtype
-    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    if "dtype" in config:
+        config["dtype"] = dtype
+    config["torch_dtype"] = dtype
+    return (json.dumps(config, indent=2) + "\n").encode("utf-8")
 
 
 def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> dict[str, int]:
