@@ -102,13 +102,16 @@ def _check_optimizer_steps(index: ZeroCheckpoint) -> list[Problem]:
     steps: dict[int, float] = {}
     for rank, parts in enumerate(index.partitions):
         for part in parts:
-            ref = part.state.get("step")
-            if isinstance(ref, TensorRef):
-                try:
-                    steps.setdefault(rank, float(read_tensor(ref).reshape(-1)[0]))
-                except (CkptflowError, OSError) as exc:
-                    problems.append(Problem("unreadable-file", f"rank {rank}: cannot read the optimizer step ({exc})",
-                                            index.files[rank].optim, rank))
+            step = part.state.get("step")
+            try:
+                if isinstance(step, TensorRef):
+                    step = float(read_tensor(step).reshape(-1)[0])
+            except (CkptflowError, OSError) as exc:
+                problems.append(Problem("unreadable-file", f"rank {rank}: cannot read the optimizer step ({exc})",
+                                        index.files[rank].optim, rank))
+                break
+            if isinstance(step, (int, float)):
+                steps.setdefault(rank, float(step))
                 break
     if steps and len(set(steps.values())) > 1:
         first = steps[min(steps)]
@@ -133,7 +136,7 @@ def _scan_finite(index: ZeroCheckpoint, progress: Progress | None) -> list[Probl
             part = index.partitions[frag.rank][frag.group]
             jobs.append((param.name, "weights", frag, part.fp32, index.files[frag.rank].optim))
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in part.state:
+                if isinstance(part.state.get(key), TensorRef):
                     jobs.append((param.name, key, frag, part.state[key], index.files[frag.rank].optim))
         for rank, piece in enumerate(param.frozen_pieces):
             jobs.append((param.name, "weights", None, piece, (index.files[rank].model or index.model_file())))

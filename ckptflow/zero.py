@@ -99,8 +99,10 @@ class ParamGroup:
 class Partition:
     """One rank's flat fp32 partition of one param group and the optimizer state over it.
 
-    `numel` counts the partition's elements including padding; `fp32` holds the first `fp32.numel`
-    of them as saved (ZeRO-1/2 drop the tail padding when saving, ZeRO-3 keep it).
+    `numel` counts the partition's elements including its tail `padding`; `fp32` holds the first
+    `fp32.numel` of them as saved (the ZeRO-1/2 optimizer drops the tail padding when saving;
+    BF16_Optimizer and ZeRO-3 keep it). `state` is the base optimizer's state over the partition:
+    `exp_avg`/`exp_avg_sq` as `TensorRef`s of `numel` elements, `step` as a tensor or a number.
     """
 
     rank: int
@@ -108,7 +110,7 @@ class Partition:
     numel: int
     padding: int
     fp32: TensorRef
-    state: Mapping[str, TensorRef] = field(default_factory=dict)
+    state: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -489,6 +491,7 @@ class _Layout:
         self.models, self.optims = models, optims
         self.model_uris, self.optim_uris = model_uris, optim_uris
         self.osds = [o["optimizer_state_dict"] for o in optims]
+        self.padding_saved = stage != 3 and "zero_stage" not in self.osds[0]  # BF16_Optimizer
         self.tied: dict[str, str] = {}
 
     def build(self) -> tuple[tuple[Param, ...], tuple[ParamGroup, ...], tuple[tuple[Partition, ...], ...]]:
@@ -561,16 +564,16 @@ class _Layout:
             padding = paddings[group] if group < len(paddings) else 0
         state = self._base_state(rank).get("state") or {}
         group_state = state.get(group) or {}
-        moments = {k: v for k, v in group_state.items() if isinstance(v, TensorRef)}
-        numel = ref.numel + padding
-        for key, moment in moments.items():
-            if moment.numel not in (numel, 1 if key == "step" else numel) or moment.dtype not in ("float32", "float16", "bfloat16"):
-                if key == "step" and moment.numel == 1:
-                    continue
+        # ZeRO-1/2 save their partition without its tail padding; BF16_Optimizer saves it whole.
+        numel = ref.numel if self.padding_saved else ref.numel + padding
+        for key, value in group_state.items():
+            if key == "step" or not isinstance(value, TensorRef):
+                continue
+            if value.numel != numel:
                 self.st.add("partition-mismatch", f"rank {rank}: optimizer state {key} of param group {group} in {uri} "
-                            f"has {moment.numel} elements but the fp32 partition has {numel}; the file is damaged",
+                            f"has {value.numel} elements but the fp32 partition has {numel}; the file is damaged",
                             file=uri, rank=rank)
-        return Partition(rank, group, numel, padding, ref, moments)
+        return Partition(rank, group, numel, padding, ref, dict(group_state))
 
     def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any],
                           partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
@@ -596,7 +599,12 @@ class _Layout:
                 pos += take
             out[name] = tuple(frags)
             offset += numel + (align_paddings[i] if align_paddings else 0)
-        if offset > saved or zero2_align(offset, self.ws) != zero2_align(saved, self.ws):
+        if self.padding_saved:
+            saved -= sum(partitions[r][g].padding for r in range(self.ws))
+            misfit = offset != saved
+        else:  # ZeRO-1/2 round both ends to 2 * world_size in ways only the live optimizer knows exactly
+            misfit = offset > saved or zero2_align(offset, self.ws) != zero2_align(saved, self.ws)
+        if misfit:
             self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the ranks "
                         f"saved {saved}; the partition sizes do not add up, so the files do not belong together",
                         file=self.optim_uris[0])
