@@ -12,7 +12,6 @@ session's temporary folder, and yields its API URL. Tests that only need a task'
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import subprocess
@@ -34,10 +33,12 @@ if "PREFECT_HOME" not in os.environ:
 # Task retries in tests wait fractions of a second, not seconds.
 os.environ.setdefault("CKPTFLOW_TASK_RETRY_BACKOFF", "0.05")
 
-# Work pools `infra/prefect.yaml` deploys to: name -> (type, base job template file).
-WORK_POOLS = {
-    "cpu": ("docker", "docker-cpu.json"),
+# Work pools: name -> (type, base job template in infra/work-pools/, or None for the type's default).
+# `cpu` and `gpu` are the ones infra/prefect.yaml deploys to; `gpu-docker` checks the Docker template.
+WORK_POOLS: dict[str, tuple[str, str | None]] = {
+    "cpu": ("process", None),
     "gpu": ("kubernetes", "kubernetes-gpu.json"),
+    "gpu-docker": ("docker", "docker-gpu.json"),
 }
 
 
@@ -70,12 +71,10 @@ def prefect_cli(api_url: str, *args: str, timeout: float = 180.0) -> subprocess.
 
 @pytest.fixture(scope="session")
 def work_pools(prefect_server: str) -> dict[str, str]:
-    """The work pools of `infra/work-pools/`, created with `prefect work-pool create --base-job-template`."""
+    """The work pools of `WORK_POOLS`, created with `prefect work-pool create [--base-job-template]`."""
     for name, (kind, template) in WORK_POOLS.items():
-        result = prefect_cli(
-            prefect_server, "work-pool", "create", name, "--type", kind,
-            "--base-job-template", str(INFRA / "work-pools" / template), "--overwrite",
-        )
+        extra = ["--base-job-template", str(INFRA / "work-pools" / template)] if template else []
+        result = prefect_cli(prefect_server, "work-pool", "create", name, "--type", kind, *extra, "--overwrite")
         assert result.returncode == 0, f"work-pool create {name} failed:\n{result.stdout}\n{result.stderr}"
     return {name: kind for name, (kind, _) in WORK_POOLS.items()}
 
@@ -87,6 +86,3 @@ def deployed(prefect_server: str, work_pools: dict[str, str]) -> subprocess.Comp
     assert result.returncode == 0, f"prefect deploy --all failed:\n{result.stdout}\n{result.stderr}"
     return result
 
-
-def load_json(path: Path) -> dict:
-    return json.loads(path.read_text())

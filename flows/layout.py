@@ -1,0 +1,81 @@
+"""Where the lifecycle flow writes and publishes: the workspace layout and the destination layout.
+
+Workspace (outputs before publishing; a bucket URL when a GPU deployment writes the model)::
+
+    <workspace>/<run-slug>/<tag>-<identity>/model-<dtype>-<options digest>/
+    <workspace>/<run-slug>/<tag>-<identity>/zero-ws<N>/
+
+The content identity in the path means a checkpoint rewritten under the same tag builds into a fresh
+folder. Destinations: a bucket or folder URL gets `<uri>/<tag>/model/` and `<uri>/<tag>/zero-ws<N>/`;
+a Hub repo gets the model on its revision (default branch when empty) and resharded checkpoint N on
+the branch `zero-ws<N>` (or `<revision>-zero-ws<N>`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from ckptflow.storage import join, open_fs
+from flows.params import ConsolidationOptions, Destination
+from tasks.models import Checkpoint
+
+WORKSPACE_ENV = "CKPTFLOW_WORKSPACE"
+
+
+def default_workspace() -> str:
+    """`$CKPTFLOW_WORKSPACE`, else `~/.cache/ckptflow/work` on the machine running the flow."""
+    return os.environ.get(WORKSPACE_ENV) or str(Path.home() / ".cache" / "ckptflow" / "work")
+
+
+def run_slug(root: str) -> str:
+    """A readable, unique folder name for a run folder URI: its last two parts and a digest."""
+    parts = [p for p in re.split(r"[/:]+", root) if p and p not in (".", "..")]
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts[-2:]))[:80].strip("-.") or "run"
+    return f"{readable}-{hashlib.sha256(root.encode()).hexdigest()[:8]}"
+
+
+def checkpoint_workspace(checkpoint: Checkpoint, workspace: str | None) -> str:
+    return join(workspace or default_workspace(), run_slug(checkpoint.root), f"{checkpoint.tag}-{checkpoint.identity[:12]}")
+
+
+def model_folder(base: str, options: ConsolidationOptions) -> str:
+    shape = {"max_shard_size": options.max_shard_size, "exclude_frozen": options.exclude_frozen}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:6]
+    return join(base, f"model-{options.dtype}-{digest}")
+
+
+def reshard_folder(base: str, world_size: int) -> str:
+    return join(base, f"zero-ws{world_size}")
+
+
+def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
+    """(URI, revision) the model goes to."""
+    if dest.is_hub:
+        return dest.uri, dest.revision
+    return join(dest.uri, tag, "model"), None
+
+
+def reshard_destination(dest: Destination, tag: str, world_size: int) -> tuple[str, str | None]:
+    """(URI, revision) resharded checkpoint `world_size` goes to."""
+    if dest.is_hub:
+        branch = f"zero-ws{world_size}"
+        return dest.uri, f"{dest.revision}-{branch}" if dest.revision else branch
+    return join(dest.uri, tag, f"zero-ws{world_size}"), None
+
+
+def exists(uri: str) -> bool:
+    """True when something is at `uri` (a cached step's output folder is still there)."""
+    fs, path = open_fs(uri)
+    fs.invalidate_cache(path)
+    return bool(fs.exists(path))
+
+
+def remove(uri: str) -> None:
+    """Remove the folder `uri` if it is there (to rebuild it on `refresh`)."""
+    fs, path = open_fs(uri)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

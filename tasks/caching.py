@@ -1,0 +1,43 @@
+"""Cache keys on (source URI, tag, content identity, options): the same checkpoint is never built twice.
+
+A task given `cache_key_fn=checkpoint_cache_key` is keyed on its name and its parameters, where a
+`Checkpoint` parameter counts only by its root, tag and content identity (the digest of its tag
+folder's listing, see `ckptflow.watch.content_identity`): a checkpoint whose files are rewritten gets
+a new key, one that is only re-validated keeps its key. Setting a cache key turns on result
+persistence, so a flow run again for the same checkpoint reads the finished steps' results back.
+
+Results go to Prefect's result storage (`PREFECT_LOCAL_STORAGE_PATH` by default; set
+`PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK` so that workers on different machines share it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+# Bump to invalidate every cached result when the meaning of a task's output changes.
+CACHE_VERSION = "1"
+
+
+def checkpoint_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """Prefect `cache_key_fn`: the task's name and its parameters, checkpoints by identity."""
+    name = getattr(getattr(context, "task", None), "name", "task")
+    payload = {k: _identity(v) for k, v in sorted(parameters.items()) if not callable(v)}
+    text = json.dumps([CACHE_VERSION, name, payload], sort_keys=True, default=str)
+    return f"ckptflow-{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+def _identity(value: Any) -> Any:
+    cache_identity = getattr(value, "cache_identity", None)
+    if callable(cache_identity):
+        return cache_identity()
+    if isinstance(value, BaseModel):
+        return {k: _identity(getattr(value, k)) for k in type(value).model_fields}
+    if isinstance(value, dict):
+        return {str(k): _identity(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_identity(v) for v in value]
+    return value

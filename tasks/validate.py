@@ -1,0 +1,99 @@
+"""The validation task: `ckptflow.validate.validate`, re-checked while rank files are still arriving.
+
+When a checkpoint is synced into a bucket by another process, `latest` can land before the other
+ranks' files. So while every problem in the report is of the "not there yet" kind, the task waits
+`poll_seconds` and validates again, for up to `settle_seconds`; then it fails with the report. Any
+other problem fails at once. The report is left as a table artifact either way.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from ckptflow.errors import CheckpointError
+from ckptflow.validate import ValidationReport, validate
+from ckptflow.watch import content_identity
+from tasks.artifacts import artifact_key, table
+from tasks.models import Checkpoint
+from tasks.retries import io_retries
+
+# Problems that mean "some files are not there yet": worth waiting for, within the settle time.
+ARRIVING = frozenset({"tag-missing", "model-missing", "rank-missing", "unreadable-file"})
+
+
+def still_arriving(report: ValidationReport) -> bool:
+    """True when every problem in `report` may go away once a sync in progress finishes."""
+    return bool(report.problems) and all(p.code in ARRIVING for p in report.problems)
+
+
+def report_rows(report: ValidationReport) -> list[dict[str, Any]]:
+    """The report as table rows: one per problem, or one summary row for a valid checkpoint."""
+    if report.ok:
+        s = report.summary()
+        return [{"check": "valid", "where": f"{report.root}/{report.tag}", **{k: s[k] for k in sorted(s)}}]
+    return [
+        {"problem": p.code, "rank": "" if p.rank is None else p.rank, "file": p.file or "", "message": p.message}
+        for p in report.problems
+    ]
+
+
+@task(name="validate-checkpoint", task_run_name="validate {source}", **io_retries())
+def validate_checkpoint(
+    source: str,
+    tag: str | None = None,
+    *,
+    deep: bool = False,
+    settle_seconds: float = 300.0,
+    poll_seconds: float = 15.0,
+) -> Checkpoint:
+    """Validate the checkpoint at `source`, waiting up to `settle_seconds` for files still arriving.
+
+    Returns the validated `Checkpoint` (with its content identity); raises `CheckpointError` listing
+    every problem when the checkpoint is not valid.
+    """
+    logger = get_run_logger()
+    deadline = time.monotonic() + settle_seconds
+    attempt = 0
+    while True:
+        attempt += 1
+        report = validate(source, tag=tag, deep=deep)
+        if report.ok or not still_arriving(report) or time.monotonic() + poll_seconds > deadline:
+            break
+        missing = ", ".join(sorted({p.file.rsplit("/", 1)[-1] for p in report.problems if p.file})) or "files"
+        logger.info(
+            "%s: %d file(s) not there yet (%s); checking again in %.0f s (settle time left %.0f s)",
+            source, len(report.problems), missing, poll_seconds, deadline - time.monotonic(),
+        )
+        time.sleep(poll_seconds)
+
+    table(
+        report_rows(report),
+        key=artifact_key("validation", report.tag or "report"),
+        description=f"Validation of {report.root or source} at {report.tag or 'latest'}: "
+        + ("valid" if report.ok else f"{len(report.problems)} problem(s)"),
+    )
+    if not report.ok:
+        where = f"{report.root}/{report.tag}" if report.tag else source
+        waited = f" after waiting {settle_seconds:.0f} s for files to arrive" if still_arriving(report) and attempt > 1 else ""
+        lines = "; ".join(f"{p.code}: {p.message}" for p in report.problems[:5])
+        more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
+        raise CheckpointError(f"{where} is not a valid checkpoint{waited}: {lines}{more}", uri=source)
+
+    index = report.index
+    assert index is not None and report.root is not None and report.tag is not None
+    logger.info("%s/%s is valid: ZeRO-%d, %d ranks, %s", report.root, report.tag, index.stage, index.world_size,
+                index.precision)
+    return Checkpoint(
+        source=source,
+        root=report.root,
+        tag=report.tag,
+        identity=content_identity(report.root, report.tag),
+        stage=index.stage,
+        world_size=index.world_size,
+        precision=index.precision,
+        step=index.step,
+        summary=report.summary(),
+    )
