@@ -219,11 +219,22 @@ class _Staging:
         with self._lock:
             return self.entries.get(path)
 
-    def record(self, path: str, size: int, sha256: str, object_stamp: dict[str, str]) -> None:
+    def record(self, path: str, size: int, sha256: str, object_stamp: dict[str, str], *, uploaded: bool) -> None:
+        """Note a verified file. Only uploads make the record worth writing: a file found in place
+        is found in place again by the next run."""
         with self._lock:
             self.entries[path] = {"size": size, "sha256": sha256, "stamp": object_stamp}
-            self._dirty = True
+            self._dirty = self._dirty or uploaded
         self.flush()
+
+    def adopt(self, entries: Iterable[ManifestEntry]) -> None:
+        """Carry the files of a manifest about to be removed into the record, so that a later run
+        still knows them: to skip them when unchanged, to remove them when no longer listed."""
+        with self._lock:
+            for e in entries:
+                if e.path not in self.entries:
+                    self.entries[e.path] = {"size": e.size, "sha256": e.sha256, "stamp": dict(e.stamp or {})}
+                    self._dirty = True
 
     def flush(self, *, force: bool = False) -> None:
         if not (force or time.monotonic() - self._last_flush >= STAGING_FLUSH_SECONDS):
@@ -286,6 +297,8 @@ class _StorePush:
             self._map(self._hash_source_into_cache, files)
             if previous != Manifest.of(self._entry_from_cache(f) for f in files):
                 logger.info("%s holds another version: removing its manifest before replacing files", self.dest)
+                self.staging.adopt(previous.files)
+                self.staging.flush(force=True)
                 self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at", path=MANIFEST_NAME)
         try:
             outcomes = self._map(self._publish_file, files)
@@ -312,7 +325,7 @@ class _StorePush:
         sha256 = self._already_there(f, dest_path, info) if info is not None else None
         if sha256 is not None:
             logger.debug("%s already at DEST, verified", f.path)
-            self.staging.record(f.path, f.size, sha256, stamp(info))
+            self.staging.record(f.path, f.size, sha256, stamp(info), uploaded=False)
             self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="skip"))
             return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=False)
 
@@ -321,7 +334,7 @@ class _StorePush:
             self.progress(PushProgress(path=f.path, done=0, size=f.size, state="retry"))
 
         sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path, on_retry=on_retry)
-        self.staging.record(f.path, f.size, sha256, stamp(info))
+        self.staging.record(f.path, f.size, sha256, stamp(info), uploaded=True)
         self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="done"))
         return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=True)
 

@@ -30,7 +30,13 @@ _PATTERNS = (
     (re.compile(r"\bhf_[A-Za-z0-9]{8,}"), MASK),
     # Authorization headers and bearer tokens, in reprs of header dicts too.
     (re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"), rf"\1{MASK}"),
-    (re.compile(r"(?i)(['\"]?(?:authorization|x-amz-security-token|x-goog-api-key)['\"]?\s*[:=]\s*['\"]?)[^'\",}\n]+"), rf"\1{MASK}"),
+    (
+        re.compile(
+            r"(?i)(['\"]?(?:authorization|x-amz-security-token|x-goog-api-key)['\"]?\s*[:=]\s*['\"]?)"
+            r"(?:(?:bearer|basic|token)\s+)?[^\s'\",}]+"
+        ),
+        rf"\1{MASK}",
+    ),
     # Signed URLs and token query parameters.
     (
         re.compile(

@@ -14,4 +14,5 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 pytest_plugins = [
     "tests.fixtures.plugin",
     "tests.prefect_plugin",
+    "tests.servers",
 ]

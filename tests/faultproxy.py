@@ -1,0 +1,251 @@
+"""A fault-injecting HTTP proxy on loopback, for pushing through unreliable networks in tests.
+
+It sits in front of one upstream server (the GCS emulator, moto's S3) and forwards each request on a
+fresh upstream connection, one request per client connection. A seeded share of requests fails:
+
+- "503": answered with 503 and never forwarded (the server never saw it);
+- "reset": the connection is dropped (RST) after the request was read, never forwarded;
+- "truncate": a GET is forwarded and its response cut off halfway through the body (other methods
+  get a 503 instead: a lost response to a write the server applied is a case no emulator here
+  models the way the real service does).
+
+`status=403` (say) answers every targeted request with that status instead (permanent errors), and
+`delay` slows every request down. Faults are drawn from `random.Random(seed)` and bounded by
+`max_faults`; `requests` and `faults` count what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+KINDS = ("503", "reset", "truncate")
+
+
+@dataclass
+class FaultPlan:
+    """What the proxy does to the requests it forwards."""
+
+    rate: float = 0.0
+    kinds: tuple[str, ...] = KINDS
+    seed: int = 0
+    max_faults: int | None = None
+    status: int | None = None
+    delay: float = 0.0
+    only_paths: tuple[str, ...] = ()  # when set, faults hit only request paths containing one of these
+    spare_first: int = 0  # let this many targeted requests through before any fault
+
+
+@dataclass
+class _Counters:
+    requests: int = 0
+    targeted: int = 0
+    faults: Counter = field(default_factory=Counter)
+    log: list = field(default_factory=list)
+
+
+class FaultProxy:
+    """`FaultProxy(upstream_port).start()`; its `url` is what clients use instead of the upstream's.
+    `xml_errors` makes injected errors S3-style XML instead of GCS-style JSON."""
+
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", *, xml_errors: bool = False) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.xml = xml_errors
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.plan = FaultPlan()
+        self._rng = random.Random(0)
+        self.counters = _Counters()
+
+    def start(self) -> FaultProxy:
+        threading.Thread(target=self._accept_loop, name="faultproxy", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._sock.close()
+
+    def configure(self, **plan: object) -> None:
+        """Replace the plan (unset fields take their defaults) and reset the counters."""
+        with self._lock:
+            self.plan = FaultPlan(**plan)  # type: ignore[arg-type]
+            self._rng = random.Random(self.plan.seed)
+            self.counters = _Counters()
+
+    def reset(self) -> None:
+        self.configure()
+
+    @property
+    def requests(self) -> int:
+        return self.counters.requests
+
+    @property
+    def faults(self) -> Counter:
+        return self.counters.faults
+
+    # Internals.
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _decide(self, method: str, path: str) -> str | None:
+        with self._lock:
+            plan, counters = self.plan, self.counters
+            counters.requests += 1
+            fault = None
+            targeted = not plan.only_paths or any(p in path for p in plan.only_paths)
+            if targeted:
+                counters.targeted += 1
+                targeted = counters.targeted > plan.spare_first
+            if plan.status is not None and targeted:
+                fault = "status"
+            elif plan.rate > 0 and targeted:
+                if plan.max_faults is None or sum(counters.faults.values()) < plan.max_faults:
+                    if self._rng.random() < plan.rate:
+                        fault = self._rng.choice(plan.kinds)
+                        if fault == "truncate" and method != "GET":
+                            fault = "503"
+            if fault is not None:
+                counters.faults[fault] += 1
+            counters.log.append((method, path, fault))
+            return fault
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            head, body = _read_request(client)
+            if head is None:
+                return
+            method, path = head.split(b" ", 2)[:2]
+            fault = self._decide(method.decode(), path.decode("latin-1"))
+            if self.plan.delay:
+                time.sleep(self.plan.delay)
+            if fault == "status":
+                _respond(client, method.decode(), self.plan.status or 500, "injected permanent error", xml=self.xml)
+            elif fault == "503":
+                _respond(client, method.decode(), 503, "injected: service unavailable", xml=self.xml)
+            elif fault == "reset":
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:
+                self._forward(client, head, body, truncate=fault == "truncate")
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool) -> None:
+        upstream = socket.create_connection(self.upstream, timeout=120)
+        try:
+            upstream.sendall(_with_header(head, b"Connection", b"close") + body)
+            response = _read_until(upstream, b"\r\n\r\n")
+            resp_head, _, rest = response.partition(b"\r\n\r\n")
+            resp_head = _with_header(resp_head + b"\r\n\r\n", b"Connection", b"close")
+            length = _header(resp_head, b"content-length")
+            if truncate and length is not None and int(length) > 1:
+                client.sendall(resp_head)
+                cut = int(length) // 2
+                while len(rest) < cut:
+                    more = upstream.recv(1 << 20)
+                    if not more:
+                        break
+                    rest += more
+                client.sendall(rest[:cut])
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
+            client.sendall(resp_head + rest)
+            while more := upstream.recv(1 << 20):
+                client.sendall(more)
+        finally:
+            upstream.close()
+
+
+_S3_CODES = {403: "AccessDenied", 404: "NoSuchBucket", 503: "SlowDown"}
+
+
+def _respond(client: socket.socket, method: str, status: int, message: str, *, xml: bool) -> None:
+    """An error response in the upstream's dialect (GCS JSON or S3 XML); no body for HEAD."""
+    if xml:
+        code = _S3_CODES.get(status, "InternalError")
+        body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        content_type = "application/xml"
+    else:
+        body = json.dumps({"error": {"code": status, "message": message}}).encode()
+        content_type = "application/json"
+    reason = {403: "Forbidden", 404: "Not Found", 503: "Service Unavailable"}.get(status, "Error")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    client.sendall(head if method == "HEAD" else head + body)
+
+
+def _read_until(sock: socket.socket, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        more = sock.recv(65536)
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _read_request(client: socket.socket) -> tuple[bytes | None, bytes]:
+    """The request head (with its blank line) and its whole body; answers `Expect: 100-continue`."""
+    data = _read_until(client, b"\r\n\r\n")
+    if b"\r\n\r\n" not in data:
+        return None, b""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    head += b"\r\n\r\n"
+    if (_header(head, b"expect") or b"").lower() == b"100-continue":
+        head = _without_header(head, b"Expect")
+        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    length = _header(head, b"content-length")
+    if length is not None:
+        while len(rest) < int(length):
+            more = client.recv(1 << 20)
+            if not more:
+                break
+            rest += more
+        return head, rest
+    if (_header(head, b"transfer-encoding") or b"").lower() == b"chunked":
+        while not rest.endswith(b"0\r\n\r\n"):
+            more = client.recv(1 << 20)
+            if not more:
+                break
+            rest += more
+    return head, rest
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def _without_header(head: bytes, name: bytes) -> bytes:
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    kept = [lines[0]] + [line for line in lines[1:] if line.partition(b":")[0].strip().lower() != name.lower()]
+    return b"\r\n".join(kept) + b"\r\n\r\n"
+
+
+def _with_header(head: bytes, name: bytes, value: bytes) -> bytes:
+    stripped = _without_header(head, name)
+    return stripped[:-2] + name + b": " + value + b"\r\n\r\n"
