@@ -30,6 +30,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -488,32 +489,44 @@ def run_unit(
 
 def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], dtype: str,
                  report: Callable[[int], None], cancel: threading.Event | None) -> str:
-    """Stream the shard: header, then each batch filled (read + cast) in a helper thread while the
-    previous one is written and hashed here. Returns the file's sha256."""
+    """Stream the shard: the header, then each batch. Three stages overlap, on up to three buffers:
+    a reader thread fills batch i+2 (reads + casts) while this thread writes batch i+1 and a hasher
+    thread hashes batch i. Returns the file's sha256."""
     import torch
 
     out_cap = max((b.out_nbytes for b in batches), default=0)
-    cast_cap = max((b.cast_nbytes for b in batches), default=0)
-    buffers = [torch.empty(out_cap, dtype=torch.uint8) for _ in range(2 if len(batches) > 1 else 1)]
-    cast_buffer = torch.empty(cast_cap, dtype=torch.uint8)
+    cast_buffer = torch.empty(max((b.cast_nbytes for b in batches), default=0), dtype=torch.uint8)
+    buffers = [torch.empty(out_cap, dtype=torch.uint8) for _ in range(max(1, min(3, len(batches))))]
+    hashed: list[Any] = [None] * len(buffers)  # the pending hash of what each buffer holds
     hasher = hashlib.sha256(layout.header)
     done = 0
     try:
-        with _open_output(uri) as fh, ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as reader:
+        with _open_output(uri) as fh, ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as reader, \
+                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-hash") as hashing:
+
+            def fill(j: int) -> Any:
+                slot = j % len(buffers)
+                if hashed[slot] is not None:
+                    hashed[slot].result()
+                return reader.submit(_fill, batches[j], buffers[slot], cast_buffer, dtype)
+
             fh.write(layout.header)
-            pending = reader.submit(_fill, batches[0], buffers[0], cast_buffer, dtype) if batches else None
+            pending = deque(fill(j) for j in range(min(len(buffers) - 1 or 1, len(batches))))
             for i, batch in enumerate(batches):
-                assert pending is not None
-                pending.result()
+                pending.popleft().result()
                 if cancel is not None and cancel.is_set():
                     raise Cancelled(uri)
-                if i + 1 < len(batches):
-                    pending = reader.submit(_fill, batches[i + 1], buffers[(i + 1) % len(buffers)], cast_buffer, dtype)
+                ahead = i + max(1, len(buffers) - 1)
+                if ahead < len(batches) and len(pending) < max(1, len(buffers) - 1):
+                    pending.append(fill(ahead))
                 view = memoryview(buffers[i % len(buffers)].numpy())[:batch.out_nbytes]
+                hashed[i % len(buffers)] = hashing.submit(hasher.update, view)
                 fh.write(view)
-                hasher.update(view)
                 done += batch.out_nbytes
                 report(done)
+            for future in hashed:
+                if future is not None:
+                    future.result()
             if is_local(uri):
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -2,7 +2,7 @@
 
 - `verify_shard(uri, tensors)`: reopen one safetensors shard and check its header (names, dtypes,
   shapes, offsets, size) and every byte of every tensor against the source, re-read through
-  `torchzip.read_elements`, a different path from the one that wrote it, and cast to the output dtype.
+  its own byte ranges (not the writer's batches), and cast to the output dtype.
   `consolidate --verify` runs it on every shard before the output is moved into place.
 - `verify_model(out, source=...)`: load a consolidated folder with transformers, run a forward pass
   on a fixed input, require finite logits, and compare every loaded tensor with the source weights.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckptflow import hf
 from ckptflow.errors import VerificationError
 from ckptflow.storage import is_local, local_path, open_fs, read_into
-from ckptflow.torchzip import TensorRef, read_elements
+from ckptflow.torchzip import TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -61,11 +61,46 @@ def read_source(tensor: SourceTensor, dtype: str | None = None, lo: int = 0, hi:
         numel *= d
     hi = numel if hi is None else hi
     out = torch.empty(hi - lo, dtype=getattr(torch, dtype or tensor.dtype))
+    _read_source_into(tensor, lo, hi, out, torch.empty(0, dtype=torch.uint8))
+    return out
+
+
+def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: "torch.Tensor", scratch: "torch.Tensor") -> None:
+    """Fill `out` (typed, hi - lo elements) from the source runs, reading each run's byte range by
+    itself (not through the writer's batches) and casting it; `scratch` is reused when big enough."""
+    import torch
+
     for run in tensor.runs:
         a, b = max(lo, run.offset), min(hi, run.offset + run.numel)
-        if a < b:
-            out[a - lo:b - lo].copy_(read_elements(run.ref, run.start + (a - run.offset), b - a))
-    return out
+        if a >= b:
+            continue
+        start, end = run.ref.element_range(run.start + (a - run.offset), b - a)
+        dest = out[a - lo:b - lo]
+        src_dtype = getattr(torch, run.ref.dtype)
+        if src_dtype == out.dtype:
+            _read_checked([(run.ref.uri, start, end, memoryview(dest.view(torch.uint8).numpy()))])
+            continue
+        raw = scratch[:end - start] if scratch.numel() >= end - start else torch.empty(end - start, dtype=torch.uint8)
+        _read_checked([(run.ref.uri, start, end, memoryview(raw.numpy()))])
+        dest.copy_(raw.view(src_dtype))
+
+
+def _read_checked(reads: list[tuple[str, int, int, memoryview]]) -> None:
+    try:
+        read_into(reads)
+    except (OSError, EOFError) as exc:
+        raise VerificationError(f"cannot read the source again to check the output ({exc})", file=reads[0][0],
+                                hint="the checkpoint changed or became unreadable while converting; run again") from exc
+
+
+def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    """Byte equality of two uint8 tensors, compared eight bytes at a time where the length allows."""
+    import torch
+
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if a.numel() % size == 0 and a.numel() == b.numel():
+            return torch.equal(a.view(dtype), b.view(dtype))
+    return torch.equal(a, b)
 
 
 # ---- one shard ------------------------------------------------------------------------------------
@@ -97,7 +132,9 @@ def verify_shard(
     fs, path = open_fs(uri)
     try:
         size = fs.size(path)
-        prefix = fs.cat_file(path, start=0, end=min(size, len(expected.header)))
+        head = fs.cat_file(path, start=0, end=min(size, 8))
+        length = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
+        prefix = fs.cat_file(path, start=0, end=min(size, length, 8 + (100 << 20)))
     except (OSError, ValueError) as exc:
         raise VerificationError(f"cannot reopen {uri} ({exc})", file=uri, hint="the shard was not written") from exc
     _check_header(uri, prefix, expected)
@@ -110,26 +147,31 @@ def verify_shard(
     by_name = {t.name: t for t in tensors}
     total = expected.file_size - expected.data_start
     done = 0
+    step = max(8, chunk_bytes // 8)  # elements per chunk: at most chunk_bytes of the widest dtype
+    got_buffer = torch.empty(step * 8, dtype=torch.uint8)
+    want_buffer = torch.empty(step * 8, dtype=torch.uint8)
+    scratch = torch.empty(step * 8, dtype=torch.uint8)
     for slot in expected.slots:
         tensor = by_name[slot.name]
         item = hf.itemsize(slot.dtype)
         numel = (slot.end - slot.begin) // item
-        step = max(1, chunk_bytes // max(item, 4))
         for lo in range(0, numel, step):
             hi = min(numel, lo + step)
+            nbytes = (hi - lo) * item
             start = expected.data_start + slot.begin + lo * item
-            got = torch.empty((hi - lo) * item, dtype=torch.uint8)
+            got = got_buffer[:nbytes]
             try:
-                read_into([(uri, start, start + (hi - lo) * item, memoryview(got.numpy()))])
+                read_into([(uri, start, start + nbytes, memoryview(got.numpy()))])
             except (OSError, EOFError) as exc:
                 raise VerificationError(f"cannot read {slot.name} back from {uri} ({exc})", file=uri,
                                         tensor=slot.name, hint="the shard is damaged; run again") from exc
-            want = read_source(tensor, slot.dtype, lo, hi)
-            if not torch.equal(got, want.view(torch.uint8)):
+            want = want_buffer[:nbytes].view(getattr(torch, slot.dtype))
+            _read_source_into(tensor, lo, hi, want, scratch)
+            if not _same_bytes(got, want.view(torch.uint8)):
                 _raise_mismatch(uri, slot.name, slot.dtype, got, want, lo)
             if hasher is not None:
                 hasher.update(memoryview(got.numpy()))
-            done += (hi - lo) * item
+            done += nbytes
             if progress:
                 progress(done, total)
     if hasher is not None and hasher.hexdigest() != sha256:
@@ -147,11 +189,11 @@ def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsLayout) -> No
                                 hint="the shard is damaged; run again") from None
     header.pop("__metadata__", None)
     want = {s.name: s for s in expected.slots}
-    for name in sorted(set(want) | set(header)):
-        if name not in header:
-            raise VerificationError(f"{uri} lacks tensor {name}", file=uri, tensor=name)
-        if name not in want:
-            raise VerificationError(f"{uri} holds tensor {name}, which is not in the plan", file=uri, tensor=name)
+    for name in sorted(set(header) - set(want)):
+        raise VerificationError(f"{uri} holds tensor {name}, which is not in the plan", file=uri, tensor=name)
+    for name in sorted(set(want) - set(header)):
+        raise VerificationError(f"{uri} lacks tensor {name}", file=uri, tensor=name)
+    for name in sorted(want):
         entry, slot = header[name], want[name]
         wanted = {"dtype": hf.SAFETENSORS_DTYPES[slot.dtype][0], "shape": list(slot.shape),
                   "data_offsets": [slot.begin, slot.end]}

@@ -41,14 +41,7 @@ from tests.fixtures import MATRIX, Fixture
 from tests.fixtures.matrix import WRITER
 from tests.fixtures.models import BIG_INT64, build_model
 
-# DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) saves each rank's partition
-# with its padding; `zero.load_index` still adds `group_paddings` on top and rejects the files.
-BF16_OPTIMIZER = pytest.mark.xfail(strict=True, raises=CheckpointError,
-                                   reason="zero.load_index miscounts BF16_Optimizer partitions (padding is saved)")
-WRITER_NAMES = [
-    pytest.param(spec.name, marks=BF16_OPTIMIZER) if spec.grad_accum_dtype else spec.name
-    for spec in MATRIX if spec.launcher == WRITER
-]
+WRITER_NAMES = [spec.name for spec in MATRIX if spec.launcher == WRITER]
 
 
 # ---- helpers --------------------------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""Benchmark: `ckptflow consolidate --dtype bf16` against DeepSpeed's converter and an I/O floor.
+
+On the same cached checkpoints (written by DeepSpeed on CPU, see `benchmarks/ckpt_builder.py`):
+
+- `ckptflow consolidate CKPT OUT --dtype bf16` (the CLI, with its default `--verify`, and with
+  `--no-verify`);
+- DeepSpeed's `zero_to_torch.py CKPT OUT --dtype bfloat16`, the copy DeepSpeed put in the checkpoint;
+- an I/O floor: a plain-Python process that reads exactly the fp32 master bytes and writes as many
+  bytes as the bf16 output, then fsyncs (no torch, no cast, no hash).
+
+Each runs in its own subprocess under `/usr/bin/time` (wall time and peak RSS), `--repeat` times on a
+warm page cache; the median is reported. The main model is 16 layers of 4096 (about 268M parameters,
+ZeRO-3 and ZeRO-2, bf16, 2 ranks); a half-size ZeRO-3 model (8 layers) shows whether peak memory
+stays flat as the model grows.
+
+    .venv/bin/python -m benchmarks.consolidate [--repeat 3] [--write-results]
+
+`--write-results` replaces the "Consolidate" section of `benchmarks/RESULTS.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
+SECTION = "## Consolidate"
+
+
+@dataclass(frozen=True)
+class Measure:
+    label: str
+    seconds: float
+    peak_rss: int  # bytes
+
+
+def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of one subprocess run under /usr/bin/time."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as timing:
+        started = time.monotonic()
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", timing.name, *command],
+                              env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        seconds = time.monotonic() - started
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
+        rss_kb = int(timing.read().strip().splitlines()[-1])
+    return seconds, rss_kb * 1024
+
+
+def warm(ckpt: Path) -> None:
+    """Read every file of the checkpoint once, so that every contender starts on a warm page cache."""
+    for path in sorted(ckpt.rglob("*.pt")):
+        with open(path, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def floor_plan(ckpt: Path) -> dict[str, object]:
+    """The fp32 master byte ranges of every rank and the size of the bf16 output."""
+    from ckptflow.consolidate import ConsolidateOptions, plan_consolidation
+    from ckptflow.zero import load_index
+
+    index = load_index(str(ckpt))
+    plan = plan_consolidation(index, ConsolidateOptions(dtype="bf16"))
+    ranges = [[part.fp32.uri, *part.fp32.byte_range] for row in index.partitions for part in row]
+    return {"ranges": ranges, "out_bytes": plan.file_bytes, "params": index.numel}
+
+
+def io_floor(spec_path: str, out: str) -> None:
+    """Subprocess body of the I/O floor: read the ranges, write out_bytes, fsync. Plain Python."""
+    spec = json.loads(Path(spec_path).read_text())
+    buffer = bytearray(32 << 20)
+    view = memoryview(buffer)
+    for uri, start, end in spec["ranges"]:
+        with open(uri, "rb", buffering=0) as fh:
+            fh.seek(start)
+            while start < end:
+                start += fh.readinto(view[:min(len(view), end - start)])
+    written = 0
+    with open(out, "wb", buffering=0) as fh:
+        while written < spec["out_bytes"]:
+            written += fh.write(view[:min(len(view), spec["out_bytes"] - written)])
+        os.fsync(fh.fileno())
+
+
+def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
+    py = sys.executable
+    return {
+        "ckptflow (verify)": [py, "-m", "ckptflow.cli", "consolidate", str(ckpt), str(out), "--dtype", "bf16"],
+        "ckptflow --no-verify": [py, "-m", "ckptflow.cli", "consolidate", str(ckpt), str(out), "--dtype", "bf16",
+                                 "--no-verify"],
+        "deepspeed zero_to_torch.py": [py, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out), "--dtype", "bfloat16"],
+        "I/O floor": [py, str(Path(__file__).resolve()), "--io-floor", str(floor_spec), str(out / "floor.bin")],
+    }
+
+
+def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[Measure], dict[str, object]]:
+    plan = floor_plan(ckpt)
+    scratch = Path(tempfile.mkdtemp(prefix="ckptflow-bench-", dir=REPO_ROOT / "benchmarks" / ".data"))
+    try:
+        spec = scratch / "floor.json"
+        spec.write_text(json.dumps(plan))
+        out = scratch / "out"
+        warm(ckpt)
+        runs: dict[str, list[tuple[float, int]]] = {}
+        for _ in range(repeat):
+            for label, command in contenders(ckpt, out, spec).items():
+                if only and label not in only:
+                    continue
+                shutil.rmtree(out, ignore_errors=True)
+                if label == "I/O floor":
+                    out.mkdir()
+                runs.setdefault(label, []).append(
+                    run_measured(command, env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO_ROOT)}))
+                shutil.rmtree(out, ignore_errors=True)
+        measures = [Measure(label, statistics.median(s for s, _ in r), int(statistics.median(m for _, m in r)))
+                    for label, r in runs.items()]
+        return measures, plan
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def table(title: str, measures: list[Measure]) -> list[str]:
+    by = {m.label: m for m in measures}
+    ds = by.get("deepspeed zero_to_torch.py")
+    floor = by.get("I/O floor")
+    lines = [f"**{title}**", "", "| run | wall | peak RSS | vs DeepSpeed: speed-up, memory | vs I/O floor |",
+             "|---|---:|---:|---|---:|"]
+    for m in measures:
+        vs_ds = f"{ds.seconds / m.seconds:.2f}x faster, {m.peak_rss / ds.peak_rss:.2f}x memory" if ds and m is not ds else ""
+        vs_floor = f"{m.seconds / floor.seconds:.2f}x" if floor and m is not floor else ""
+        lines.append(f"| {m.label} | {m.seconds:.2f} s | {m.peak_rss / 2**20:.0f} MiB | {vs_ds} | {vs_floor} |")
+    return lines + [""]
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    load = os.getloadavg()
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM, "
+            f"Python {platform.python_version()}, load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Benchmark ckptflow consolidate against DeepSpeed and an I/O floor.")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--write-results", action="store_true", help="replace the Consolidate section of RESULTS.md")
+    parser.add_argument("--io-floor", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.io_floor:
+        io_floor(*args.io_floor)
+        return
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.ckpt_builder import BenchSpec, build
+
+    started = machine()
+    lines = [SECTION, "", f"Machine: {started}. Page cache warm; median of {args.repeat} runs; each run is a "
+             "fresh process (imports included) measured by `/usr/bin/time`. Command: "
+             "`.venv/bin/python -m benchmarks.consolidate --write-results`.", ""]
+    flat: dict[str, dict[int, Measure]] = {}
+    for stage, layers in ((3, args.layers), (2, args.layers), (3, args.layers // 2)):
+        spec = BenchSpec(stage=stage, layers=layers)
+        ckpt = build(spec)
+        only = None if layers == args.layers else {"ckptflow (verify)", "ckptflow --no-verify", "deepspeed zero_to_torch.py"}
+        measures, plan = bench(ckpt, args.repeat, only)
+        size = sum(p.stat().st_size for p in ckpt.rglob("*.pt"))
+        title = (f"ZeRO-{stage}, bf16, 2 ranks, {layers} x 4096 linear ({plan['params'] / 1e6:.0f}M params): "
+                 f"checkpoint {gb(size)}, bf16 output {gb(plan['out_bytes'])}")
+        block = table(title, measures)
+        print("\n".join(block), flush=True)
+        lines += block
+        if stage == 3:
+            for m in measures:
+                flat.setdefault(m.label, {})[layers] = m
+    full, half = args.layers, args.layers // 2
+    lines += [f"**Peak memory as the ZeRO-3 model doubles ({half} -> {full} layers)**", "",
+              "| run | peak RSS, half | peak RSS, full | growth |", "|---|---:|---:|---:|"]
+    for label, by_size in flat.items():
+        if half in by_size and full in by_size:
+            a, b = by_size[half].peak_rss, by_size[full].peak_rss
+            lines.append(f"| {label} | {a / 2**20:.0f} MiB | {b / 2**20:.0f} MiB | {b / a:.2f}x |")
+    lines.append("")
+    print("\n".join(lines[-(len(flat) + 4):]))
+    if args.write_results:
+        write_section(lines)
+
+
+def write_section(lines: list[str]) -> None:
+    """Replace (or append) the Consolidate section of RESULTS.md, leaving other sections alone."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
+    body = "\n".join(lines).rstrip() + "\n"
+    start = text.find(SECTION + "\n")
+    if start < 0:
+        text = text.rstrip() + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
+    RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
