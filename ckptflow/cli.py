@@ -113,6 +113,43 @@ def consolidate_command(
     )
 
 
+@app.command("reshard")
+def reshard_command(
+    src: str = typer.Argument(..., help="Folder holding `latest` (or a tag folder), local or URL."),
+    dest: str = typer.Argument(..., metavar="OUT", help="Checkpoint folder to create, local or URL; absent or empty."),
+    world_size: int = typer.Option(..., "--world-size", min=1, help="Data-parallel ranks the output is for."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Target ranks written at once."),
+) -> None:
+    """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) to another world size.
+
+    DeepSpeed loads OUT natively at --world-size ranks; config, tokenizer and trainer files are
+    carried over so a Hugging Face Trainer run can resume from it.
+    """
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from ckptflow.reshard import reshard
+    from ckptflow.zero import check_tag
+
+    if tag is not None and check_tag(tag, "--tag"):
+        raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("resharding", total=None)
+        try:
+            result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers,
+                             progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except CkptflowError as exc:
+            raise fail(exc) from None
+    out.print(
+        f"[green]resharded[/green] {src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
+        f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
+        f"{result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f}s",
+        soft_wrap=True,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
