@@ -46,6 +46,7 @@ class FaultPlan:
 class _Counters:
     requests: int = 0
     targeted: int = 0
+    bytes_down: int = 0  # response bytes sent to clients, headers included
     faults: Counter = field(default_factory=Counter)
     log: list = field(default_factory=list)
 
@@ -169,8 +170,12 @@ class FaultProxy:
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return
             client.sendall(resp_head + rest)
+            sent = len(resp_head) + len(rest)
             while more := upstream.recv(1 << 20):
                 client.sendall(more)
+                sent += len(more)
+            with self._lock:
+                self.counters.bytes_down += sent
         finally:
             upstream.close()
 
