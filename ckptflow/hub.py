@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptflow.checksums import Digests
+from ckptflow.consolidate import PROVENANCE_NAME
 from ckptflow.errors import PublishError
 from ckptflow.publish import ProgressFn, PushProgress, PushResult, SourceFile, list_source
 from ckptflow.redaction import describe, redact
@@ -40,7 +41,6 @@ os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 
 logger = logging.getLogger(__name__)
 
-PROVENANCE_NAME = "ckptflow-provenance.json"
 _REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _HUB_URL = re.compile(r"^hf://(?:(models|datasets|spaces)/)?([\w.-]+/[\w.-]+)(?:@([^/]+))?/?$")
 
@@ -80,7 +80,7 @@ def push_to_hub(
     """Commit the folder `src` to the Hub repo `dest` (`hf://...`) on `revision` (default: main).
 
     Creates the repo (private when `private`) and the branch when missing. Adds a README.md model
-    card built from `ckptflow-provenance.json` (or what config.json and safetensors headers tell)
+    card built from the provenance record (or what config.json and safetensors headers tell)
     when `src` has no README.md. `PushResult.uploaded` lists the files the commit changed,
     `skipped` those already on the revision with the same content.
     """
@@ -112,8 +112,9 @@ def push_to_hub(
             hashes = dict(zip((f.path for f in files), pool.map(lambda f: _sha256(folder / f.path, f, report), files)))
         card = None if any(f.path == "README.md" for f in files) else model_card(folder, files, target.repo_id).encode()
 
-        attempt(lambda: api.create_repo(target.repo_id, repo_type=target.repo_type, private=private, exist_ok=True),
-                f"create the repo {shown}")
+        if not attempt(lambda: api.repo_exists(target.repo_id, repo_type=target.repo_type), f"look up the repo {shown}"):
+            attempt(lambda: api.create_repo(target.repo_id, repo_type=target.repo_type, private=private, exist_ok=True),
+                    f"create the repo {shown}")
         if revision != "main":
             attempt(lambda: api.create_branch(target.repo_id, branch=revision, repo_type=target.repo_type, exist_ok=True),
                     f"create the branch {revision} of {shown}")
@@ -155,23 +156,25 @@ def push_to_hub(
 
 def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str:
     """A README.md for `folder`: source run, tag, step, dtype and parameter count from the provenance
-    record, else from config.json and the safetensors headers; then the file list. Deterministic, so
-    that pushing the same folder twice changes nothing."""
-    provenance = _read_json(folder / PROVENANCE_NAME)
+    record `consolidate` writes, else from config.json and the safetensors headers; then the file
+    list. Deterministic, so that pushing the same folder twice changes nothing."""
+    record = _read_json(folder / PROVENANCE_NAME)
+    source, output = record.get("source") or {}, record.get("output") or {}
     config = _read_json(folder / "config.json")
-    parameters = _first(provenance, "parameters", "num_parameters", "parameter_count")
+    parameters = output.get("total_parameters")
     if parameters is None:
         parameters = _count_safetensors_parameters(folder, files)
     rows = [
-        ("Source run", _first(provenance, "source", "run", "source_uri")),
-        ("Tag", _first(provenance, "tag")),
-        ("Step", _first(provenance, "step", "global_step")),
-        ("dtype", _first(provenance, "dtype") or _first(config, "torch_dtype", "dtype")),
+        ("Source run", source.get("uri")),
+        ("Tag", source.get("tag")),
+        ("Step", source.get("step")),
+        ("ZeRO stage, ranks", f"{source['zero_stage']}, {source['world_size']}" if "zero_stage" in source else None),
+        ("dtype", output.get("dtype") or config.get("torch_dtype") or config.get("dtype")),
         ("Parameters", f"{parameters:,}" if isinstance(parameters, int) else parameters),
     ]
     front = ["---", *(["library_name: transformers"] if config else []), "tags:", "- ckptflow", "---"]
     lines = [*front, "", f"# {repo_id.split('/')[-1]}", ""]
-    lines.append("Published with ckptflow from a DeepSpeed checkpoint." if provenance else "Published with ckptflow.")
+    lines.append("Consolidated from a DeepSpeed checkpoint and published with ckptflow." if record else "Published with ckptflow.")
     lines += ["", "| | |", "|---|---|"]
     lines += [f"| {name} | {redact(str(value)) if value is not None else 'not recorded'} |" for name, value in rows]
     lines += ["", "## Files", "", "| File | Bytes |", "|---|---:|"]
@@ -248,10 +251,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
-
-
-def _first(doc: dict[str, Any], *keys: str) -> Any:
-    return next((doc[k] for k in keys if doc.get(k) is not None), None)
 
 
 def _count_safetensors_parameters(folder: Path, files: tuple[SourceFile, ...]) -> int | None:

@@ -4,7 +4,7 @@ download with HF_HUB_DISABLE_XET=1.
 Push: POST /api/repos/create, POST /api/validate-yaml, POST /api/{type}s/{repo}/branch/{name},
 POST /api/{type}s/{repo}/preupload/{rev}, POST /{prefix}{repo}.git/info/lfs/objects/batch,
 PUT /lfs/upload/{oid}, POST /lfs/verify/{oid}, and the ndjson POST /api/{type}s/{repo}/commit/{rev}.
-Download: GET /api/{type}s/{repo}/revision/{rev}, GET /api/{type}s/{repo}/tree/{rev}[/{path}],
+Download: GET /api/{type}s/{repo}[/revision/{rev}], GET /api/{type}s/{repo}/tree/{rev}[/{path}],
 HEAD/GET /{prefix}{repo}/resolve/{rev}/{path} (with ranges).
 
 State lives in memory: repos (branches pointing at commits, each commit a full tree) and LFS blobs by
@@ -194,6 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
             }.get((method, action))
             if handler is not None:
                 return handler(repo_type, repo_id, rev, unquote(rest))
+        m = re.fullmatch(r"/api/(models|datasets|spaces)/([^/]+/[^/]+)", path)
+        if method == "GET" and m:
+            return self._revision(_TYPES[m[1]], m[2], "main", "")
         if method == "POST" and path == "/api/repos/create":
             return self._create_repo()
         if method == "POST" and path == "/api/validate-yaml":
