@@ -150,6 +150,54 @@ def reshard_command(
     )
 
 
+@app.command("push")
+def push_command(
+    src: str = typer.Argument(..., metavar="SRC", help="Folder to publish, local or URL: a model, a checkpoint, any folder."),
+    dest: str = typer.Argument(..., metavar="DEST", help="hf://ORG/REPO (or hf://datasets/ORG/REPO), or a bucket or folder URL."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch to commit to (default main); hf:// only."),
+    private: bool = typer.Option(False, "--private", help="Create a missing Hub repo as private; hf:// only."),
+    workers: int = typer.Option(8, "--workers", min=1, help="Files uploaded at once."),
+) -> None:
+    """Publish a folder to the Hugging Face Hub or to a bucket, verified and resumable.
+
+    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there. The
+    Hub gets one commit. After a failure, run the same command again: what is verified is not sent again.
+    """
+    import threading
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from ckptflow.hf import format_size
+    from ckptflow.publish import PushProgress, push
+
+    if not dest.startswith("hf://") and (revision or private):
+        raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
+    done: dict[str, int] = {}
+    lock = threading.Lock()
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("uploading", total=None)
+
+        def on_progress(event: PushProgress) -> None:
+            if event.state != "check":  # hashing SRC to compare with DEST is not upload progress
+                with lock:
+                    done[event.path] = 0 if event.state == "retry" else event.done
+                    bar.update(task, completed=sum(done.values()))
+
+        try:
+            result = push(src, dest, revision=revision, private=private, workers=workers, progress=on_progress)
+        except CkptflowError as exc:
+            raise fail(exc) from None
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="DEST") from None
+    where = result.commit_url or result.manifest_uri
+    out.print(
+        f"[green]pushed[/green] {src} to {result.dest}: {len(result.uploaded)} file(s) uploaded "
+        f"({format_size(result.bytes_uploaded)}), {len(result.skipped)} already there; {where}",
+        soft_wrap=True,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

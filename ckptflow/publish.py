@@ -143,7 +143,7 @@ def push_to_store(
     Pushing the same folder again uploads nothing; a re-run after a failure or a crash uploads only
     what is not verified at DEST yet. See the module docstring for the protocol.
     """
-    src_fs, src_root, files = list_source(src)
+    src_fs, src_root, files = list_source(src, retry=retry)
     dest_fs, dest_root = open_fs(dest)
     run = _StorePush(
         src_fs=src_fs, src_root=src_root, dest_fs=dest_fs, dest_root=dest_root, dest=dest,
@@ -152,19 +152,34 @@ def push_to_store(
     return run.run(files)
 
 
-def list_source(src: str) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
+def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
     """The filesystem of `src`, its root, and every file under it, sorted by path.
 
     A manifest or partial record at the top of `src` is left out: a push writes its own."""
+    policy = retry or RetryPolicy()
     fs, root = open_fs(src)
     shown = redact(src)
-    if not fs.exists(root):
+
+    def listing() -> dict[str, dict[str, Any]] | None:
+        if not fs.exists(root):
+            return None
+        if not fs.isdir(root):
+            raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
+        return fs.find(root, withdirs=False, detail=True)
+
+    try:
+        found = retry_call(listing, attempts=policy.attempts, base_delay=policy.base_delay, max_delay=policy.max_delay)
+    except CkptflowError:
+        raise
+    except Exception as exc:
+        raise PublishError(
+            f"could not list SRC {shown}: {_reason(exc, policy)}", uri=shown, hint=_advice(exc, of_source=True)
+        ) from None
+    if found is None:
         raise CheckpointNotFoundError(f"SRC {shown} does not exist", uri=shown, hint="check the path or URL")
-    if not fs.isdir(root):
-        raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
     prefix = root.rstrip("/") + "/"
     files = []
-    for path, info in sorted(fs.find(root, withdirs=False, detail=True).items()):
+    for path, info in sorted(found.items()):
         rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
         if rel in (MANIFEST_NAME, STAGING_NAME):
             logger.info("leaving out %s from SRC: the push writes its own", rel)

@@ -414,3 +414,32 @@ def test_redact() -> None:
     for secret in ("hf_abcdefghijklmnopqrstuvwxyz", "pa55word", "deadbeef", "AKIAABCDEFGHIJKLMNOP", "my-secret-value"):
         assert secret not in out
     assert "https://***@host/x?X-Amz-Signature=***&a=1" in out
+
+
+# The command line.
+
+
+def test_cli_push(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    folder = make_folder(tmp_path / "model", {"a.bin": 1000, "b/c.json": 20})
+    runner = CliRunner()
+
+    ok = runner.invoke(app, ["push", str(folder), "memory://cli/out", "--workers", "2"])
+    assert ok.exit_code == 0, ok.output
+    assert ok.stdout.strip() == (
+        f"pushed {folder} to memory://cli/out: 2 file(s) uploaded (1.0 KB), 0 already there; "
+        f"memory://cli/out/{MANIFEST_NAME}"
+    )
+
+    missing = runner.invoke(app, ["push", str(tmp_path / "nope"), "memory://cli/out"])
+    assert missing.exit_code == 1
+    assert missing.stderr.strip() == f"error: SRC {tmp_path}/nope does not exist; check the path or URL"
+
+    usage = runner.invoke(app, ["push", str(folder), "memory://cli/out", "--revision", "v1"])
+    assert usage.exit_code == 2 and "Invalid value for DEST: --revision and --private are for hf://" in usage.stderr
+    bad_hub = runner.invoke(app, ["push", str(folder), "hf://nope"])
+    assert bad_hub.exit_code == 2 and "Invalid value for DEST: not a Hub repo URL" in bad_hub.stderr
+    assert "Traceback" not in missing.output + usage.output + bad_hub.output
