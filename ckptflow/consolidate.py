@@ -44,7 +44,7 @@ from ckptflow.errors import (
     OutputError,
     SourceReadError,
 )
-from ckptflow.storage import is_local, join, local_path, open_fs
+from ckptflow.storage import is_local, join, local_path, mapped, open_fs, read_ranges
 from ckptflow.torchzip import TensorRef
 from ckptflow.zero import ZeroCheckpoint, load_index, zero3_piece
 
@@ -312,127 +312,81 @@ def _contiguous(ref: TensorRef, name: str) -> TensorRef:
 
 
 @dataclass(frozen=True)
-class Read:
-    """Bytes [start, end) of `uri` into a buffer at `dest` (the output buffer, or the cast buffer)."""
+class Copy:
+    """Bytes [start, end) of `uri`, elements of `dtype`, copied to byte `dest` of the batch's output
+    buffer as `out_dtype` (cast when the two differ)."""
 
     uri: str
     start: int
     end: int
+    dtype: str
     dest: int
-
-
-@dataclass(frozen=True)
-class Cast:
-    """`numel` elements of `src_dtype` at byte `src` of the cast buffer, cast into byte `dest` of the
-    output buffer."""
-
-    src: int
-    src_dtype: str
-    numel: int
-    dest: int
+    out_dtype: str
 
 
 @dataclass(frozen=True)
 class Batch:
-    """One bounded step of writing a shard: the bytes [file_start, file_start + out_nbytes) of data."""
+    """One bounded step of writing a shard: the data bytes [file_start, file_start + out_nbytes),
+    made of `copies` that read `src_nbytes` source bytes in all."""
 
     file_start: int
     out_nbytes: int
-    cast_nbytes: int
-    direct: tuple[Read, ...]
-    staged: tuple[Read, ...]
-    casts: tuple[Cast, ...]
+    src_nbytes: int
+    copies: tuple[Copy, ...]
 
 
 def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes: int) -> list[Batch]:
-    """Cut a shard's data into batches of at most `chunk_bytes` output bytes and cast bytes each.
+    """Cut a shard's data into batches of at most `chunk_bytes` output bytes and source bytes each.
 
-    `slots` is (output dtype, byte offset in the data section, runs) per tensor in file order. A run
-    whose source dtype is the output dtype is read straight into the output buffer; the others are
-    read into the cast buffer and cast. Adjacent reads of adjacent bytes are merged.
+    `slots` is (output dtype, byte offset in the data section, runs) per tensor in file order.
+    Copies of adjacent source bytes to adjacent output bytes are merged into one.
     """
     from ckptflow.torchzip import DTYPE_SIZES
 
     batches: list[Batch] = []
-    state = _BatchBuilder(chunk_bytes)
+    copies: list[Copy] = []
+    file_start: int | None = None
+    out_used = src_used = 0
     for dtype, begin, runs in slots:
         out_size = DTYPE_SIZES[dtype]
         numel = sum(r.numel for r in runs)
-        per_elem = max([out_size] + [r.ref.itemsize for r in runs if r.ref.dtype != dtype])
+        per_elem = max([out_size] + [r.ref.itemsize for r in runs])
         ordered = sorted(runs, key=lambda r: r.offset)
         pos = 0
         while pos < numel:
-            if state.file_start is None:
-                state.file_start = begin + pos * out_size
-            room = (chunk_bytes - max(state.out_used, state.cast_used + 8)) // per_elem
+            room = (chunk_bytes - max(out_used, src_used)) // per_elem
             if room <= 0:
-                batches.append(state.close())
+                assert file_start is not None
+                batches.append(Batch(file_start, out_used, src_used, tuple(copies)))
+                copies, file_start, out_used, src_used = [], None, 0, 0
                 continue
+            if file_start is None:
+                file_start = begin + pos * out_size
             end = min(numel, pos + room)
-            out_base = state.out_used
             for run in ordered:
                 lo, hi = max(pos, run.offset), min(end, run.offset + run.numel)
-                if lo >= hi:
-                    continue
-                src_lo = run.start + (lo - run.offset)
-                start, stop = run.ref.element_range(src_lo, hi - lo)
-                dest = out_base + (lo - pos) * out_size
-                if run.ref.dtype == dtype:
-                    state.add_direct(Read(run.ref.uri, start, stop, dest))
-                else:
-                    state.add_staged(run.ref, start, stop, hi - lo, dest, out_size)
-            state.out_used += (end - pos) * out_size
+                if lo < hi:
+                    start, stop = run.ref.element_range(run.start + (lo - run.offset), hi - lo)
+                    _append_copy(copies, Copy(run.ref.uri, start, stop, run.ref.dtype,
+                                              out_used + (lo - pos) * out_size, dtype))
+                    src_used += stop - start
+            out_used += (end - pos) * out_size
             pos = end
-    if state.file_start is not None:
-        batches.append(state.close())
+    if file_start is not None:
+        batches.append(Batch(file_start, out_used, src_used, tuple(copies)))
     return batches
 
 
-class _BatchBuilder:
-    """Accumulates the reads and casts of the batch being built (used by `plan_batches` only)."""
+def _append_copy(copies: list[Copy], copy: Copy) -> None:
+    from ckptflow.torchzip import DTYPE_SIZES
 
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.reset()
-
-    def reset(self) -> None:
-        self.file_start: int | None = None
-        self.out_used = 0
-        self.cast_used = 0
-        self.direct: list[Read] = []
-        self.staged: list[Read] = []
-        self.casts: list[Cast] = []
-
-    def add_direct(self, read: Read) -> None:
-        _append_read(self.direct, read)
-
-    def add_staged(self, ref: TensorRef, start: int, stop: int, numel: int, dest: int, out_size: int) -> None:
-        size = ref.itemsize
-        src = -(-self.cast_used // size) * size  # aligned, for a typed view of the cast buffer
-        _append_read(self.staged, Read(ref.uri, start, stop, src))
-        last = self.casts[-1] if self.casts else None
-        if last is not None and last.src_dtype == ref.dtype and last.src + last.numel * size == src \
-                and last.dest + last.numel * out_size == dest:
-            self.casts[-1] = Cast(last.src, last.src_dtype, last.numel + numel, last.dest)
-        else:
-            self.casts.append(Cast(src, ref.dtype, numel, dest))
-        self.cast_used = src + numel * size
-
-    def close(self) -> Batch:
-        assert self.file_start is not None
-        batch = Batch(self.file_start, self.out_used, self.cast_used, tuple(self.direct), tuple(self.staged),
-                      tuple(self.casts))
-        self.reset()
-        return batch
-
-
-def _append_read(reads: list[Read], read: Read) -> None:
-    last = reads[-1] if reads else None
-    if last is not None and last.uri == read.uri and last.end == read.start and \
-            last.dest + (last.end - last.start) == read.dest:
-        reads[-1] = Read(last.uri, last.start, read.end, last.dest)
+    last = copies[-1] if copies else None
+    if last is not None and (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype,
+                                                                                 copy.out_dtype) and \
+            last.dest + (last.end - last.start) // DTYPE_SIZES[last.dtype] * DTYPE_SIZES[last.out_dtype] == copy.dest:
+        copies[-1] = Copy(last.uri, last.start, copy.end, last.dtype, last.dest, last.out_dtype)
     else:
-        reads.append(read)
+        copies.append(copy)
 
 
 # ---- running one unit -----------------------------------------------------------------------------
@@ -477,7 +431,7 @@ def run_unit(
     total = unit.nbytes * (2 if verify else 1)
     report = (lambda done: progress(done, total)) if progress else (lambda done: None)
     started = time.monotonic()
-    sha256 = _write_shard(uri, layout, batches, plan.dtype, report, cancel)
+    sha256 = _write_shard(uri, layout, batches, report, cancel)
     logger.info("wrote %s (%s) in %.2fs", uri, hf.format_size(layout.file_size), time.monotonic() - started)
     if verify:
         if cancel is not None and cancel.is_set():
@@ -487,7 +441,7 @@ def run_unit(
     return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify)
 
 
-def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], dtype: str,
+def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
                  report: Callable[[int], None], cancel: threading.Event | None) -> str:
     """Stream the shard: the header, then each batch. Three stages overlap, on up to three buffers:
     a reader thread fills batch i+2 (reads + casts) while this thread writes batch i+1 and a hasher
@@ -495,7 +449,6 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     import torch
 
     out_cap = max((b.out_nbytes for b in batches), default=0)
-    cast_buffer = torch.empty(max((b.cast_nbytes for b in batches), default=0), dtype=torch.uint8)
     buffers = [torch.empty(out_cap, dtype=torch.uint8) for _ in range(max(1, min(3, len(batches))))]
     hashed: list[Any] = [None] * len(buffers)  # the pending hash of what each buffer holds
     hasher = hashlib.sha256(layout.header)
@@ -508,7 +461,7 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                 slot = j % len(buffers)
                 if hashed[slot] is not None:
                     hashed[slot].result()
-                return reader.submit(_fill, batches[j], buffers[slot], cast_buffer, dtype)
+                return reader.submit(_fill, batches[j], buffers[slot])
 
             fh.write(layout.header)
             pending = deque(fill(j) for j in range(min(len(buffers) - 1 or 1, len(batches))))
@@ -532,6 +485,8 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                 os.fsync(fh.fileno())
     except (CkptflowError, Cancelled):
         raise
+    except EOFError as exc:
+        raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
     except OSError as exc:
         raise OutputError(f"cannot write {uri} ({exc})", file=uri,
                           hint="check the destination is writable and has room, then run again") from exc
@@ -545,41 +500,46 @@ def _open_output(uri: str) -> Any:
     return fs.open(path, "wb")
 
 
-def _fill(batch: Batch, out: "torch.Tensor", cast_buffer: "torch.Tensor", dtype: str) -> None:
-    """Read one batch's source bytes and cast them into `out`."""
+def _fill(batch: Batch, out: "torch.Tensor") -> None:
+    """Copy (and cast) one batch's source bytes into `out`: local files through memory-mapped windows,
+    other stores through one `fs.cat_ranges` round for the whole batch."""
     import torch
 
-    out_view = memoryview(out.numpy())
-    cast_view = memoryview(cast_buffer.numpy())
-    reads = [(r.uri, r.start, r.end, out_view[r.dest:r.dest + r.end - r.start]) for r in batch.direct]
-    reads += [(r.uri, r.start, r.end, cast_view[r.dest:r.dest + r.end - r.start]) for r in batch.staged]
-    _read(reads)
-    out_dtype = getattr(torch, dtype)
-    out_size = out_dtype.itemsize
-    for cast in batch.casts:
-        src_dtype = getattr(torch, cast.src_dtype)
-        src = cast_buffer[cast.src:cast.src + cast.numel * src_dtype.itemsize].view(src_dtype)
-        out[cast.dest:cast.dest + cast.numel * out_size].view(out_dtype).copy_(src)
-
-
-def _read(reads: list[tuple[str, int, int, memoryview]]) -> None:
-    from ckptflow.storage import read_into
-
+    remote = [i for i, c in enumerate(batch.copies) if not is_local(c.uri)]
     try:
-        read_into(reads)
-    except EOFError as exc:
+        fetched = read_ranges([(batch.copies[i].uri, batch.copies[i].start, batch.copies[i].end) for i in remote])
+        blobs = dict(zip(remote, fetched))
+        for i, copy in enumerate(batch.copies):
+            src_dtype, out_dtype = getattr(torch, copy.dtype), getattr(torch, copy.out_dtype)
+            numel = (copy.end - copy.start) // src_dtype.itemsize
+            dest = out[copy.dest:copy.dest + numel * out_dtype.itemsize].view(out_dtype)
+            blob = blobs.get(i)
+            if blob is not None:
+                dest.copy_(torch.frombuffer(bytearray(blob), dtype=src_dtype))
+                continue
+            with mapped(copy.uri, copy.start, copy.end) as view:
+                src = torch.frombuffer(view, dtype=src_dtype)
+                dest.copy_(src)
+                del src
+    except EOFError:
+        raise
+    except OSError as exc:
+        raise _source_error(exc, [c.uri for c in batch.copies]) from exc
+
+
+def _source_error(exc: BaseException, uris: Sequence[str]) -> CkptflowError:
+    files = sorted(set(uris))
+    if isinstance(exc, EOFError):
         uri = str(exc).split(": ", 1)[0]
-        raise CorruptFileError(
+        return CorruptFileError(
             f"{exc}; the file is shorter than its own index says", file=uri,
             hint="the file was truncated or replaced while being read; copy it again and re-run",
-        ) from exc
-    except OSError as exc:
-        files = sorted({r[0] for r in reads})
-        raise SourceReadError(
-            f"cannot read the checkpoint: {type(exc).__name__}: {exc} (reading {', '.join(files)})",
-            file=files[0] if len(files) == 1 else None,
-            hint="check access to the store and run again; nothing was written to OUT",
-        ) from exc
+        )
+    return SourceReadError(
+        f"cannot read the checkpoint: {type(exc).__name__}: {exc} (reading {', '.join(files)})",
+        file=files[0] if len(files) == 1 else None,
+        hint="check access to the store and run again; nothing was written to OUT",
+    )
 
 
 # ---- output folder: prepare, finalize, abort ------------------------------------------------------
@@ -842,6 +802,7 @@ def consolidate(
 __all__ = [
     "Batch",
     "Cancelled",
+    "Copy",
     "ConsolidateOptions",
     "ConsolidationPlan",
     "ConsolidationResult",

@@ -7,7 +7,9 @@ FSSPEC_S3_ENDPOINT_URL, config files) applies to `gs://`, `s3://`, `memory://` a
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -89,3 +91,54 @@ def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
             if len(blob) != end - start:
                 raise EOFError(f"{uri}: bytes {start}-{end} requested but {len(blob)} came back")
             view[:len(blob)] = blob
+
+
+def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
+    """The bytes of each (uri, start, end), one `fs.cat_ranges` call per filesystem (concurrent
+    requests on a bucket). A range past the end of its file raises `EOFError`."""
+    out: list[bytes] = [b""] * len(ranges)
+    groups: dict[int, tuple[fsspec.AbstractFileSystem, list[tuple[int, str]]]] = {}
+    for i, (uri, _start, _end) in enumerate(ranges):
+        fs, path = open_fs(uri)
+        groups.setdefault(id(fs), (fs, []))[1].append((i, path))
+    for fs, items in groups.values():
+        blobs = fs.cat_ranges([p for _, p in items], [ranges[i][1] for i, _ in items], [ranges[i][2] for i, _ in items],
+                              on_error="raise")
+        for (i, _path), blob in zip(items, blobs):
+            if isinstance(blob, BaseException):
+                raise blob
+            uri, start, end = ranges[i]
+            if len(blob) != end - start:
+                raise EOFError(f"{uri}: bytes {start}-{end} requested but {len(blob)} came back")
+            out[i] = blob
+    return out
+
+
+@contextlib.contextmanager
+def mapped(uri: str, start: int, end: int) -> Iterator[memoryview]:
+    """Bytes [start, end) of the local file `uri` through a memory map of just that window, unmapped
+    on exit, so bytes go from the page cache to their destination without an intermediate copy and
+    without the mapped pages piling up in the process. `EOFError` when the file is shorter.
+
+    The view is writable (a private copy-on-write map, never written) so torch can wrap it as it is.
+    """
+    import mmap
+
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    with open(local_path(uri), "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if end > size:
+            raise EOFError(f"{uri}: bytes {start}-{end} requested but the file ends at byte {size}")
+        if end <= start:
+            yield memoryview(bytearray(0))
+            return
+        window = mmap.mmap(fh.fileno(), end - base, access=mmap.ACCESS_COPY, offset=base)
+    view = memoryview(window)[start - base:]
+    try:
+        yield view
+    finally:
+        try:
+            view.release()
+            window.close()
+        except BufferError:  # still referenced (e.g. by a traceback): unmapped when collected
+            pass

@@ -12,16 +12,17 @@ Every mismatch raises `VerificationError` naming the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptflow import hf
 from ckptflow.errors import VerificationError
-from ckptflow.storage import is_local, local_path, open_fs, read_into
+from ckptflow.storage import is_local, local_path, mapped, open_fs, read_into
 from ckptflow.torchzip import TensorRef
 
 if TYPE_CHECKING:
@@ -61,13 +62,39 @@ def read_source(tensor: SourceTensor, dtype: str | None = None, lo: int = 0, hi:
         numel *= d
     hi = numel if hi is None else hi
     out = torch.empty(hi - lo, dtype=getattr(torch, dtype or tensor.dtype))
-    _read_source_into(tensor, lo, hi, out, torch.empty(0, dtype=torch.uint8))
+    _read_source_into(tensor, lo, hi, out, _Bytes(0))
     return out
 
 
-def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: "torch.Tensor", scratch: "torch.Tensor") -> None:
-    """Fill `out` (typed, hi - lo elements) from the source runs, reading each run's byte range by
-    itself (not through the writer's batches) and casting it; `scratch` is reused when big enough."""
+class _Bytes:
+    """Byte ranges as uint8 tensors, valid inside `with bytes.get(...)`: local files through a
+    memory-mapped window (no copy), other stores through a range read into a reused scratch buffer."""
+
+    def __init__(self, scratch_bytes: int) -> None:
+        import torch
+
+        self.scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+
+    @contextlib.contextmanager
+    def get(self, uri: str, start: int, end: int) -> Iterator["torch.Tensor"]:
+        import torch
+
+        if is_local(uri):
+            with mapped(uri, start, end) as view:
+                raw = torch.frombuffer(view, dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
+                yield raw
+                del raw
+            return
+        if self.scratch.numel() < end - start:
+            self.scratch = torch.empty(end - start, dtype=torch.uint8)
+        raw = self.scratch[:end - start]
+        read_into([(uri, start, end, memoryview(raw.numpy()))])
+        yield raw
+
+
+def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: "torch.Tensor", source: _Bytes) -> None:
+    """Fill `out` (typed, hi - lo elements) from the source runs, each run's byte range computed here
+    from its `TensorRef` (not taken from the writer's batches), and cast."""
     import torch
 
     for run in tensor.runs:
@@ -75,22 +102,13 @@ def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: "torch.Tensor
         if a >= b:
             continue
         start, end = run.ref.element_range(run.start + (a - run.offset), b - a)
-        dest = out[a - lo:b - lo]
-        src_dtype = getattr(torch, run.ref.dtype)
-        if src_dtype == out.dtype:
-            _read_checked([(run.ref.uri, start, end, memoryview(dest.view(torch.uint8).numpy()))])
-            continue
-        raw = scratch[:end - start] if scratch.numel() >= end - start else torch.empty(end - start, dtype=torch.uint8)
-        _read_checked([(run.ref.uri, start, end, memoryview(raw.numpy()))])
-        dest.copy_(raw.view(src_dtype))
-
-
-def _read_checked(reads: list[tuple[str, int, int, memoryview]]) -> None:
-    try:
-        read_into(reads)
-    except (OSError, EOFError) as exc:
-        raise VerificationError(f"cannot read the source again to check the output ({exc})", file=reads[0][0],
-                                hint="the checkpoint changed or became unreadable while converting; run again") from exc
+        try:
+            with source.get(run.ref.uri, start, end) as raw:
+                out[a - lo:b - lo].copy_(raw.view(getattr(torch, run.ref.dtype)))
+        except (OSError, EOFError) as exc:
+            raise VerificationError(f"cannot read the source again to check the output ({exc})", file=run.ref.uri,
+                                    hint="the checkpoint changed or became unreadable while converting; run again",
+                                    ) from exc
 
 
 def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
@@ -148,9 +166,8 @@ def verify_shard(
     total = expected.file_size - expected.data_start
     done = 0
     step = max(8, chunk_bytes // 8)  # elements per chunk: at most chunk_bytes of the widest dtype
-    got_buffer = torch.empty(step * 8, dtype=torch.uint8)
     want_buffer = torch.empty(step * 8, dtype=torch.uint8)
-    scratch = torch.empty(step * 8, dtype=torch.uint8)
+    shard, source = _Bytes(step * 8), _Bytes(step * 8)
     for slot in expected.slots:
         tensor = by_name[slot.name]
         item = hf.itemsize(slot.dtype)
@@ -159,18 +176,17 @@ def verify_shard(
             hi = min(numel, lo + step)
             nbytes = (hi - lo) * item
             start = expected.data_start + slot.begin + lo * item
-            got = got_buffer[:nbytes]
+            want = want_buffer[:nbytes].view(getattr(torch, slot.dtype))
+            _read_source_into(tensor, lo, hi, want, source)
             try:
-                read_into([(uri, start, start + nbytes, memoryview(got.numpy()))])
+                with shard.get(uri, start, start + nbytes) as got:
+                    if not _same_bytes(got, want.view(torch.uint8)):
+                        _raise_mismatch(uri, slot.name, slot.dtype, got, want, lo)
+                    if hasher is not None:
+                        hasher.update(memoryview(got.numpy()))
             except (OSError, EOFError) as exc:
                 raise VerificationError(f"cannot read {slot.name} back from {uri} ({exc})", file=uri,
                                         tensor=slot.name, hint="the shard is damaged; run again") from exc
-            want = want_buffer[:nbytes].view(getattr(torch, slot.dtype))
-            _read_source_into(tensor, lo, hi, want, scratch)
-            if not _same_bytes(got, want.view(torch.uint8)):
-                _raise_mismatch(uri, slot.name, slot.dtype, got, want, lo)
-            if hasher is not None:
-                hasher.update(memoryview(got.numpy()))
             done += nbytes
             if progress:
                 progress(done, total)

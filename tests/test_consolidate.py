@@ -23,6 +23,7 @@ from ckptflow.consolidate import (
     PROVENANCE_NAME,
     ConsolidateOptions,
     ConsolidationPlan,
+    Copy,
     OutputTensor,
     Run,
     ShardUnit,
@@ -150,23 +151,30 @@ def test_safetensors_layout_is_byte_identical_to_safetensors() -> None:
 
 
 def test_plan_batches_bounds_merges_and_covers() -> None:
-    # Three output tensors in file order: fp32 -> bf16 (cast), bf16 -> bf16 (direct), int64 buffer.
+    # Three output tensors in file order: fp32 -> bf16 (cast), bf16 -> bf16, an int64 buffer.
     a = (Run(ref("r0", 100, data_offset=1000), 10, 60, 0), Run(ref("r1", 100, data_offset=5000), 0, 40, 60))
     b = (Run(ref("m", 50, "bfloat16", data_offset=64), 0, 50, 0),)
     c = (Run(ref("m", 1, "int64", data_offset=8), 0, 1, 0),)
     slots = [("bfloat16", 0, a), ("bfloat16", 200, b), ("int64", 300, c)]
     batches = plan_batches(slots, chunk_bytes=128)
-    assert all(bt.out_nbytes <= 128 and bt.cast_nbytes <= 128 for bt in batches)
+    assert len(batches) == 4 and all(bt.out_nbytes <= 128 and bt.src_nbytes <= 128 for bt in batches)
     assert [bt.file_start for bt in batches] == [sum(x.out_nbytes for x in batches[:i]) for i in range(len(batches))]
     assert sum(bt.out_nbytes for bt in batches) == 308
-    staged = [(r.uri, r.start, r.end) for bt in batches for r in bt.staged]
-    direct = [(r.uri, r.start, r.end) for bt in batches for r in bt.direct]
-    assert sum(e - s for _, s, e in staged) == 400  # 100 fp32 elements, nothing else
-    assert {u for u, _, _ in staged} == {"r0", "r1"} and staged[0][:2] == ("r0", 1040)  # element 10 of r0
-    assert sum(e - s for _, s, e in direct) == 108 and direct[-1] == ("m", 8, 16)
-    # One big batch: adjacent ranges of one file merge into one read.
-    (whole,) = plan_batches([("bfloat16", 0, b), ("bfloat16", 100, (Run(b[0].ref, 0, 50, 0),))][:1], 1 << 20)
-    assert [(r.start, r.end) for r in whole.direct] == [(64, 164)]
+    for bt in batches:
+        assert bt.src_nbytes == sum(cp.end - cp.start for cp in bt.copies)
+        for cp in bt.copies:
+            sizes = {"int64": 8, "float32": 4, "bfloat16": 2}
+            assert cp.dest + (cp.end - cp.start) // sizes[cp.dtype] * sizes[cp.out_dtype] <= bt.out_nbytes
+    copies = [cp for bt in batches for cp in bt.copies]
+    assert sum(cp.end - cp.start for cp in copies if cp.dtype == "float32") == 400  # 100 fp32 elements
+    assert (copies[0].uri, copies[0].start) == ("r0", 1040)  # element 10 of r0
+    assert sum(cp.end - cp.start for cp in copies if cp.dtype == "bfloat16") == 100
+    assert copies[-1] == Copy("m", 8, 16, "int64", copies[-1].dest, "int64")
+    # One big batch: each run is one copy, adjacent pieces merged.
+    (whole,) = plan_batches(slots, 1 << 20)
+    assert whole.copies == (Copy("r0", 1040, 1280, "float32", 0, "bfloat16"), Copy("r1", 5000, 5160, "float32", 120,
+                            "bfloat16"), Copy("m", 64, 164, "bfloat16", 200, "bfloat16"), Copy("m", 8, 16, "int64", 300,
+                            "int64"))
 
 
 def test_coverage_rejects_gaps_and_overlaps() -> None:
