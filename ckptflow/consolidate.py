@@ -8,8 +8,9 @@ Three steps, each usable on its own (the Prefect layer runs the units as tasks):
    `ShardUnit` per output shard.
 2. `prepare_output` checks OUT and the free space and makes a staging folder beside OUT;
    `run_unit` streams one shard into it: a safetensors header first, then the tensors in bounded
-   batches of byte-range reads (batched with `fs.cat_ranges` on a bucket, `pread` on a local disk),
-   cast on the way, hashed as written, and with `verify` reopened and checked against the source.
+   batches of byte-range reads (one `fs.cat_ranges` round per batch on a bucket, memory-mapped
+   windows on a local disk), cast on the way, hashed as written, and with `verify` reopened and
+   checked against the source.
 3. `finalize` adds the config and tokenizer files, a provenance record and the shard index, then
    moves the staging folder into place: one rename on a local disk, file by file with the index last
    on a bucket. `abort` removes the staging folder.
@@ -46,7 +47,7 @@ from ckptflow.errors import (
 )
 from ckptflow.storage import is_local, join, local_path, mapped, open_fs, read_ranges
 from ckptflow.torchzip import TensorRef
-from ckptflow.zero import ZeroCheckpoint, load_index, zero3_piece
+from ckptflow.zero import Param, ZeroCheckpoint, load_index, zero3_piece
 
 if TYPE_CHECKING:
     import torch
@@ -232,6 +233,12 @@ def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None
         check_coverage(name, param.numel, runs)
         kind = "frozen" if param.frozen else "param"
         tensors.append(OutputTensor(name, options.torch_dtype, param.shape, runs, kind))
+    if not tensors:
+        raise CheckpointError(
+            f"{index.root}/{index.tag} has nothing to write: no parameters or buffers"
+            + (" once frozen parameters are excluded" if excluded else ""), uri=index.root,
+            hint="drop --exclude-frozen" if excluded else "check the source is the checkpoint you meant",
+        )
     written = {t.name for t in tensors}
     shards = hf.pack_shards([(t.name, t.nbytes) for t in tensors], options.max_shard_size)
     by_name = {t.name: t for t in tensors}
@@ -246,7 +253,7 @@ def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None
     )
 
 
-def trainable_runs(index: ZeroCheckpoint, param: Any) -> tuple[Run, ...]:
+def trainable_runs(index: ZeroCheckpoint, param: Param) -> tuple[Run, ...]:
     """The fp32 master-weight runs of a trainable parameter, one per fragment."""
     runs = []
     for frag in param.fragments:
@@ -261,7 +268,7 @@ def trainable_runs(index: ZeroCheckpoint, param: Any) -> tuple[Run, ...]:
     return tuple(runs)
 
 
-def frozen_runs(index: ZeroCheckpoint, param: Any) -> tuple[Run, ...]:
+def frozen_runs(index: ZeroCheckpoint, param: Param) -> tuple[Run, ...]:
     """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, trimmed;
     ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
     numel = param.numel
@@ -464,14 +471,14 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                 return reader.submit(_fill, batches[j], buffers[slot])
 
             fh.write(layout.header)
-            pending = deque(fill(j) for j in range(min(len(buffers) - 1 or 1, len(batches))))
+            depth = max(1, len(buffers) - 1)  # batches being filled ahead of the one being written
+            pending = deque(fill(j) for j in range(min(depth, len(batches))))
             for i, batch in enumerate(batches):
                 pending.popleft().result()
                 if cancel is not None and cancel.is_set():
                     raise Cancelled(uri)
-                ahead = i + max(1, len(buffers) - 1)
-                if ahead < len(batches) and len(pending) < max(1, len(buffers) - 1):
-                    pending.append(fill(ahead))
+                if i + depth < len(batches):
+                    pending.append(fill(i + depth))
                 view = memoryview(buffers[i % len(buffers)].numpy())[:batch.out_nbytes]
                 hashed[i % len(buffers)] = hashing.submit(hasher.update, view)
                 fh.write(view)
@@ -521,8 +528,6 @@ def _fill(batch: Batch, out: "torch.Tensor") -> None:
                 src = torch.frombuffer(view, dtype=src_dtype)
                 dest.copy_(src)
                 del src
-    except EOFError:
-        raise
     except OSError as exc:
         raise _source_error(exc, [c.uri for c in batch.copies]) from exc
 
@@ -759,7 +764,13 @@ def run_units(plan: ConsolidationPlan, staging: str, *, progress: Progress | Non
         progress(0, total)
     with ThreadPoolExecutor(min(plan.options.workers, len(plan.units)) or 1, thread_name_prefix="ckptflow-unit") as pool:
         futures = [pool.submit(run_unit, plan, u, staging, progress=report(u.index), cancel=cancel) for u in plan.units]
-        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        try:
+            finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:  # Ctrl-C: stop the running units at their next batch, drop the queued ones
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            raise
         if any(f.exception() for f in finished):
             cancel.set()
             for f in futures:
