@@ -1,8 +1,11 @@
 """Rank script for the reshard oracle: DeepSpeed itself loads checkpoints natively and saves them again.
 
 Run on M ranks by ``launch("tests.reshard_oracle", M, ["--jobs", FILE])``. ``FILE`` holds a JSON list of
-jobs; each builds the fixture model at this world size with the fixture's DeepSpeed config, calls
-``engine.load_checkpoint(job["load"])`` (no universal-checkpoint flag), and then:
+jobs, run in order; each builds the fixture model at this world size with the fixture's DeepSpeed
+config (``"dtype": "fp16"`` adds an fp16 section, see ``allow_fp16_on_cpu``), and then either
+
+- with ``"write"``: trains ``"steps"`` steps from scratch and saves a source checkpoint there, or
+- calls ``engine.load_checkpoint(job["load"])`` (no universal-checkpoint flag), and then:
 
 - with ``"save"``: ``engine.save_checkpoint(job["save"], tag=<the loaded tag>)``, so the state
   DeepSpeed now holds can be compared with the source through DeepSpeed's own readers;
@@ -19,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,23 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 from tests.fixtures import models  # noqa: E402
+
+
+# fp16 with a dynamic loss scaler that moves within a few steps (loss_scale_window 2).
+FP16_CONFIG = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+
+
+def allow_fp16_on_cpu() -> None:
+    """Lift DeepSpeed's "Type fp16 is not supported on your device" gate for the CPU accelerator.
+
+    torch computes in fp16 on CPU; DeepSpeed only refuses because its CPU accelerator reports no fp16
+    support. With the gate lifted, DeepSpeed's own fp16 path (FP16 flat groups, DynamicLossScaler,
+    overflow checks) runs unchanged and writes a real fp16 checkpoint: the closest to a GPU run this
+    machine allows. It is still not a GPU run.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
 
 
 def global_batch(name: str, step: int, size: int, seed: int = 1234) -> dict[str, torch.Tensor]:
@@ -42,8 +63,13 @@ def global_batch(name: str, step: int, size: int, seed: int = 1234) -> dict[str,
 def run_job(job: dict[str, Any]) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = models.build_model(job["model"], job.get("seed", 0))
-    config = models.ds_config(stage=job["stage"], dtype=job["dtype"], offload=job.get("offload", False),
-                              world_size=world_size, grad_accum_dtype=job.get("grad_accum_dtype"))
+    fp16 = job["dtype"] == "fp16"
+    config = models.ds_config(stage=job["stage"], dtype="fp32" if fp16 else job["dtype"],
+                              offload=job.get("offload", False), world_size=world_size,
+                              grad_accum_dtype=job.get("grad_accum_dtype"))
+    if fp16:
+        allow_fp16_on_cpu()
+        config["fp16"] = dict(FP16_CONFIG)
     steps = int(job.get("train_steps", 0))
     if steps:
         batch = int(job["global_batch"])
@@ -52,6 +78,15 @@ def run_job(job: dict[str, Any]) -> None:
         config["train_batch_size"] = batch
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, job["model"]),
                                            config=config)
+    if job.get("write"):  # a source checkpoint: train from scratch on the fixtures' batches, save
+        for step in range(int(job.get("steps", 3))):
+            loss = models.loss_of(engine(**models.make_batch(job["model"], step=step, rank=rank)))
+            engine.backward(loss)
+            engine.step()
+        engine.save_checkpoint(job["write"])
+        dist.barrier()
+        engine.destroy()
+        return
     tag = Path(job["load"], "latest").read_text().strip()
     path, _ = engine.load_checkpoint(job["load"], tag=tag)
     if path is None:
@@ -86,6 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for job in json.loads(options.jobs.read_text()):
         run_job(job)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+    # Every job is done and flushed. Leave without running C++ static destructors: with several
+    # engines created and destroyed in one process, gloo's threads sometimes abort the exit
+    # ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -290,29 +290,33 @@ def test_cli(ds_fixtures, tmp_path: Path) -> None:
 
 # ---- the oracle: DeepSpeed loads, saves, trains ------------------------------------------------------
 
-# (fixture, target world size); "z2-bf16-ws1*" is z2-bf16-ws2 resharded to 1 rank, loaded and saved
-# again by DeepSpeed at 1 rank: a DeepSpeed-written ZeRO-2 checkpoint at one rank.
+# (source, target world size). Sources are the fixtures, plus:
+# - "z2-bf16-ws1*": z2-bf16-ws2 resharded to 1 rank, then loaded and saved again by DeepSpeed at 1 rank
+#   (a DeepSpeed-written ZeRO-2 checkpoint at one rank, which the fixtures do not have);
+# - "z<stage>-fp16-ws2*": written by the oracle's 2-rank launch through DeepSpeed's fp16 path (dynamic
+#   loss scaler) on CPU, with DeepSpeed's "fp16 is not supported on your device" gate lifted.
 CASES = (
     # 2 -> 1
     ("z1-bf16-ws2", 1), ("z2-bf16-ws2", 1), ("z3-bf16-ws2", 1), ("z1-fp32-ws2", 1), ("z2-fp32-ws2", 1),
-    ("z3-fp32-ws2", 1),
+    ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 1), ("z3-fp16-ws2*", 1),
     # 2 -> 3
     ("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-bf16-ws2", 3), ("llama-z3-bf16-ws2", 3),
-    ("z2-bf16-ws2-offload", 3), ("z1-bf16-ws2-fp32accum", 3),
+    ("z2-bf16-ws2-offload", 3), ("z1-bf16-ws2-fp32accum", 3), ("z1-fp16-ws2*", 3), ("z3-fp16-ws2*", 3),
     # 4 -> 2 and 3 -> 2
     ("z1-bf16-ws4", 2), ("z2-fp32-ws4", 2), ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
     # 1 -> 4, 3 -> 4, 2 -> 4
     ("z1-fp32-ws1", 4), ("z3-bf16-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-fp32-ws3", 4), ("z3-bf16-ws2-offload", 4),
 )
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
-LAUNCH_ORDER = (1, 3, 2, 4)  # 4 reshards a checkpoint the 1-rank launch wrote
+FP16 = {f"z{stage}-fp16-ws2*": stage for stage in (1, 2, 3)}
+LAUNCH_ORDER = (2, 1, 3, 4)  # 2 writes the fp16 sources; 4 reshards a checkpoint the 1-rank launch wrote
 # Loss curves: k steps at the source's world size from the source against k steps at the new one.
-CURVES = (("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-fp32-ws2", 1))
+CURVES = (("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 3))
 CURVE_STEPS, GLOBAL_BATCH = 3, 12
 
 
 def _case_id(case: tuple[str, int]) -> str:
-    return f"{case[0]}-to{case[1]}"
+    return f"{case[0].rstrip('*')}-to{case[1]}"
 
 
 def _job(spec: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
@@ -324,32 +328,36 @@ def _job(spec: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
 def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
     """Reshard every case, then have DeepSpeed load and re-save each at its world size and train."""
     root = tmp_path_factory.mktemp("reshard-oracle")
-    specs = {name: fixture.spec for name, fixture in ds_fixtures.items()}
-    sources = {name: fixture.dir for name, fixture in ds_fixtures.items()}
+    (root / "curve").mkdir()
+    specs: dict[str, Mapping[str, Any]] = {name: fixture.spec for name, fixture in ds_fixtures.items()}
+    sources: dict[str, Path] = {name: fixture.dir for name, fixture in ds_fixtures.items()}
     for alias, (name, _) in CHAINED.items():
         specs[alias] = specs[name]
         sources[alias] = root / "resaved" / _case_id((name, 1))
+    for alias, stage in FP16.items():
+        specs[alias] = {"model": "toy", "stage": stage, "dtype": "fp16", "offload": False, "grad_accum_dtype": None,
+                        "seed": 0, "world_size": 2, "optimizer": "DeepSpeedZeroOptimizer"}
+        sources[alias] = root / "fp16" / alias.rstrip("*")
     outs = {case: root / "out" / _case_id(case) for case in CASES}
     resaved = {case: root / "resaved" / _case_id(case) for case in CASES}
     losses: dict[tuple[str, int], Path] = {}
     for world_size in LAUNCH_ORDER:
-        jobs = []
+        jobs = [_job(specs[alias], write=str(sources[alias])) for alias in FP16 if world_size == 2]
         for case in (c for c in CASES if c[1] == world_size):
             reshard(str(sources[case[0]]), str(outs[case]), world_size=world_size)
             jobs.append(_job(specs[case[0]], load=str(outs[case]), save=str(resaved[case])))
         for name, target in CURVES:
             spec = specs[name]
             if target == world_size:
-                out = root / "curve" / f"{name}-to{target}"
+                out = root / "curve" / _case_id((name, target))
                 reshard(str(sources[name]), str(out), world_size=target)
-                losses[(name, target)] = root / "curve" / f"{name}-to{target}.json"
+                losses[(name, target)] = out.with_suffix(".json")
                 jobs.append(_job(spec, load=str(out), train_steps=CURVE_STEPS, global_batch=GLOBAL_BATCH,
                                  losses=str(losses[(name, target)])))
             if spec["world_size"] == world_size and (name, world_size) not in losses:
-                losses[(name, world_size)] = root / "curve" / f"{name}-at{world_size}.json"
+                losses[(name, world_size)] = root / "curve" / f"{name.rstrip('*')}-at{world_size}.json"
                 jobs.append(_job(spec, load=str(sources[name]), train_steps=CURVE_STEPS, global_batch=GLOBAL_BATCH,
                                  losses=str(losses[(name, world_size)])))
-        (root / "curve").mkdir(exist_ok=True)
         jobs_file = root / f"jobs-{world_size}.json"
         jobs_file.write_text(json.dumps(jobs, indent=1))
         launch("tests.reshard_oracle", world_size, ["--jobs", str(jobs_file)], log_dir=root / f"logs-{world_size}")
@@ -413,7 +421,13 @@ def _load_plain(path: Path) -> Any:
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             return [walk(v) for v in obj]
-        return obj if isinstance(obj, (int, float, str, bool, type(None))) else repr(obj)
+        if isinstance(obj, (int, float, str, bool, type(None))):
+            return obj
+        if isinstance(obj, torch.dtype):
+            return str(obj)
+        if hasattr(obj, "__dict__"):  # DeepSpeed's loss scaler (whose repr fails on its fp16 dtype), enums
+            return (type(obj).__qualname__, walk(vars(obj)))
+        return repr(obj)
 
     return walk(torch.load(path, map_location="cpu", weights_only=False))
 
@@ -502,7 +516,7 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
 @pytest.mark.parametrize("curve", CURVES, ids=_case_id)
 def test_training_resumes_on_the_same_loss_curve(oracle, curve) -> None:
     name, target = curve
-    source_ws = int(name.rsplit("-ws", 1)[1])
+    source_ws = int(name.rsplit("-ws", 1)[1].rstrip("*"))
     resumed = json.loads(oracle["losses"][curve].read_text())
     original = json.loads(oracle["losses"][(name, source_ws)].read_text())
     assert len(resumed) == len(original) == CURVE_STEPS
