@@ -520,7 +520,10 @@ def test_training_resumes_on_the_same_loss_curve(oracle, curve) -> None:
     resumed = json.loads(oracle["losses"][curve].read_text())
     original = json.loads(oracle["losses"][(name, source_ws)].read_text())
     assert len(resumed) == len(original) == CURVE_STEPS
-    assert resumed == pytest.approx(original, rel=1e-5, abs=0), (resumed, original)
+    # Reduction order differs between world sizes: ~1e-7 relative in fp32; fp16 gradients are
+    # all-reduced in fp16, which moves the loss by ~1e-5 relative after a few steps.
+    tolerance = 2e-4 if oracle["specs"][name]["dtype"] == "fp16" else 1e-5
+    assert resumed == pytest.approx(original, rel=tolerance, abs=0), (resumed, original)
     assert 0.5 < resumed[0] < 10  # a real loss, not a freshly initialised or diverged model
 
 
