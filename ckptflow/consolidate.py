@@ -580,9 +580,7 @@ def prepare_output(plan: ConsolidationPlan, out: str) -> str:
             raise OutputError(f"cannot create {staging} beside {out} ({exc})", file=out,
                               hint="check the destination folder is writable") from exc
         return staging
-    from ckptflow.storage import unstrip
-
-    staging_uri = unstrip(fs, staging)
+    staging_uri = f"{out.rstrip('/').rsplit('/', 1)[0]}/{posixpath.basename(staging)}"  # same scheme as OUT
     fs.makedirs(staging, exist_ok=True)
     return staging_uri
 
@@ -710,6 +708,7 @@ def _publish(staging: str, out: str, order: Sequence[str]) -> None:
         return
     moved = []
     try:
+        fs.makedirs(out_path, exist_ok=True)  # a no-op on object stores; needed where folders are real
         for name in order:
             fs.mv(posixpath.join(staging_path, name), posixpath.join(out_path, name))
             moved.append(name)

@@ -35,7 +35,7 @@ from ckptflow.consolidate import (
     prepare_output,
     run_unit,
 )
-from ckptflow.errors import CheckpointError, CorruptFileError, OutputError, SourceReadError
+from ckptflow.errors import CheckpointError, CorruptFileError, OutputError, SourceReadError, VerificationError
 from ckptflow.torchzip import TensorRef
 from ckptflow.zero import load_index
 from tests.fixtures import MATRIX, Fixture
@@ -379,8 +379,54 @@ class FailingFileSystem(LocalFileSystem):
         return super().cat_file(path, start=start, end=end, **kwargs)
 
 
+class _FlipOneByte:
+    """A file being written whose byte `at` is flipped on the way to the disk."""
+
+    def __init__(self, inner: Any, at: int) -> None:
+        self.inner, self.at, self.pos = inner, at, 0
+
+    def write(self, data: Any) -> int:
+        raw = bytearray(data)
+        if self.pos <= self.at < self.pos + len(raw):
+            raw[self.at - self.pos] ^= 0xFF
+        self.pos += len(raw)
+        return self.inner.write(bytes(raw))
+
+    def __enter__(self) -> "_FlipOneByte":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.inner.close()
+
+
+class CorruptingFileSystem(LocalFileSystem):
+    """A local filesystem under `corrupting://` that flips the last byte of every shard written
+    through it and logs the order in which files are moved."""
+
+    protocol = "corrupting"
+    flip: ClassVar[bool] = True
+    moves: ClassVar[list[str]] = []
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return super()._strip_protocol(str(path).removeprefix("corrupting://"))
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        inner = super().open(path, mode, **kwargs)
+        if self.flip and "w" in mode and str(path).endswith(".safetensors"):
+            return _FlipOneByte(inner, at=self.size_hint[self._strip_protocol(path).rsplit("/", 1)[-1]] - 1)
+        return inner
+
+    size_hint: ClassVar[dict[str, int]] = {}
+
+    def mv(self, path1: str, path2: str, **kwargs: Any) -> None:
+        self.moves.append(str(path2).rsplit("/", 1)[-1])
+        super().mv(path1, path2, **kwargs)
+
+
 fsspec.register_implementation("recording", RecordingFileSystem, clobber=True)
 fsspec.register_implementation("failing", FailingFileSystem, clobber=True)
+fsspec.register_implementation("corrupting", CorruptingFileSystem, clobber=True)
 
 
 def test_reads_fp32_masters_by_byte_range_only(ds_fixtures: Mapping[str, Fixture], tmp_path: Path) -> None:
@@ -527,3 +573,38 @@ def test_cli(ds_fixtures: Mapping[str, Fixture], tmp_path: Path) -> None:
     assert "Traceback" not in again.output
     bad = runner.invoke(app, ["consolidate", str(fixture.dir), str(tmp_path / "x"), "--dtype", "int4"])
     assert bad.exit_code == 2 and "dtype must be one of fp32, bf16, fp16" in bad.output
+
+
+def test_verify_catches_a_bad_write_and_publishes_index_last(ds_fixtures: Mapping[str, Fixture],
+                                                               tmp_path: Path) -> None:
+    fixture = ds_fixtures["z2-fp32-ws2"]
+    options = ConsolidateOptions(max_shard_size="1KB", workers=2)
+    plan = plan_consolidation(load_index(str(fixture.dir)), options)
+    CorruptingFileSystem.size_hint = {u.filename: u.layout().file_size for u in plan.units}
+    CorruptingFileSystem.flip = True
+    with pytest.raises(VerificationError, match=r"^tensor \S+ in corrupting://.*model-000\d\d-of-000\d\d.safetensors "
+                                                r"differs from the source at element \d+"):
+        consolidate(str(fixture.dir), f"corrupting://{tmp_path}/out", options=options)
+    assert_nothing_left(tmp_path, tmp_path / "out")
+    CorruptingFileSystem.flip = False
+    CorruptingFileSystem.moves.clear()
+    consolidate(str(fixture.dir), f"corrupting://{tmp_path}/out", options=options)
+    assert CorruptingFileSystem.moves[-1] == hf.SAFE_WEIGHTS_INDEX_NAME
+    assert CorruptingFileSystem.moves[:len(plan.units)] == [u.filename for u in plan.units]
+    check_against_sources(fixture, tmp_path / "out", torch.float32)
+    assert_nothing_left(tmp_path, tmp_path / "nothing")
+
+
+def test_config_rewrite_and_sizes() -> None:
+    raw = json.dumps({"architectures": ["X"], "dtype": "float32", "vocab_size": 3}).encode()
+    assert json.loads(hf.rewrite_config(raw, "bfloat16")) == {
+        "architectures": ["X"], "dtype": "bfloat16", "vocab_size": 3, "torch_dtype": "bfloat16"}
+    assert json.loads(hf.rewrite_config(b'{"torch_dtype": "float32"}', "float16")) == {"torch_dtype": "float16"}
+    with pytest.raises(CheckpointError, match="config.json does not hold a JSON object"):
+        hf.rewrite_config(b"[]", "float16")
+    assert [hf.parse_size(v) for v in ("5GB", "500MB", "2GiB", "1.5KB", 7, " 10 kb ")] == [
+        5 * 10**9, 5 * 10**8, 2 * 2**30, 1500, 7, 10_000]
+    for bad in ("", "GB", "-1MB", "5 XB", 0):
+        with pytest.raises(ValueError):
+            hf.parse_size(bad)
+
