@@ -6,7 +6,9 @@ On the same cached checkpoints (written by DeepSpeed on CPU, see `benchmarks/ckp
   `--no-verify`);
 - DeepSpeed's `zero_to_torch.py CKPT OUT --dtype bfloat16`, the copy DeepSpeed put in the checkpoint;
 - an I/O floor: a plain-Python process that reads exactly the fp32 master bytes and writes as many
-  bytes as the bf16 output, then fsyncs (no torch, no cast, no hash).
+  bytes as the bf16 output, then fsyncs (no torch, no cast, no hash);
+- "work only" rows: the same two conversions as library calls, timed inside the process after their
+  imports (torch alone takes over a second to import here), to separate the work from start-up.
 
 Each runs in its own subprocess under `/usr/bin/time` (wall time and peak RSS), `--repeat` times on a
 warm page cache; the median is reported. The main model is 16 layers of 4096 (about 268M parameters,
@@ -46,16 +48,38 @@ class Measure:
 
 
 def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one subprocess run under /usr/bin/time."""
+    """(wall seconds, peak RSS bytes) of one subprocess run under /usr/bin/time. A process that prints
+    a line `WORK_SECONDS=<s>` reports the time of its work alone (imports excluded) instead."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as timing:
         started = time.monotonic()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", timing.name, *command],
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", timing.name, *command], cwd=REPO_ROOT,
                               env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         seconds = time.monotonic() - started
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
         rss_kb = int(timing.read().strip().splitlines()[-1])
+    for line in proc.stdout.decode(errors="replace").splitlines():
+        if line.startswith("WORK_SECONDS="):
+            seconds = float(line.split("=", 1)[1])
     return seconds, rss_kb * 1024
+
+
+def work(kind: str, ckpt: str, out: str, verify: bool) -> None:
+    """Subprocess body of the in-process timings: import first, then time only the conversion."""
+    if kind == "ckptflow":
+        import torch  # noqa: F401  (imported before the clock starts, as the converter needs it)
+
+        from ckptflow.consolidate import ConsolidateOptions, consolidate
+
+        started = time.monotonic()
+        consolidate(ckpt, out, options=ConsolidateOptions(dtype="bf16", verify=verify))
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+        started = time.monotonic()
+        convert_zero_checkpoint_to_state_dict(ckpt, out, dtype="bfloat16")
+    print(f"WORK_SECONDS={time.monotonic() - started:.4f}", flush=True)
 
 
 def warm(ckpt: Path) -> None:
@@ -102,6 +126,10 @@ def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
                                  "--no-verify"],
         "deepspeed zero_to_torch.py": [py, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out), "--dtype", "bfloat16"],
         "I/O floor": [py, str(Path(__file__).resolve()), "--io-floor", str(floor_spec), str(out / "floor.bin")],
+        "work only: ckptflow (verify)": [py, str(Path(__file__).resolve()), "--work", "ckptflow", str(ckpt), str(out)],
+        "work only: ckptflow --no-verify": [py, str(Path(__file__).resolve()), "--work", "ckptflow-no-verify",
+                                            str(ckpt), str(out)],
+        "work only: deepspeed": [py, str(Path(__file__).resolve()), "--work", "deepspeed", str(ckpt), str(out)],
     }
 
 
@@ -137,11 +165,11 @@ def gb(n: float) -> str:
 
 def table(title: str, measures: list[Measure]) -> list[str]:
     by = {m.label: m for m in measures}
-    ds = by.get("deepspeed zero_to_torch.py")
     floor = by.get("I/O floor")
     lines = [f"**{title}**", "", "| run | wall | peak RSS | vs DeepSpeed: speed-up, memory | vs I/O floor |",
              "|---|---:|---:|---|---:|"]
     for m in measures:
+        ds = by.get("work only: deepspeed" if m.label.startswith("work only") else "deepspeed zero_to_torch.py")
         vs_ds = f"{ds.seconds / m.seconds:.2f}x faster, {m.peak_rss / ds.peak_rss:.2f}x memory" if ds and m is not ds else ""
         vs_floor = f"{m.seconds / floor.seconds:.2f}x" if floor and m is not floor else ""
         lines.append(f"| {m.label} | {m.seconds:.2f} s | {m.peak_rss / 2**20:.0f} MiB | {vs_ds} | {vs_floor} |")
@@ -161,9 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--write-results", action="store_true", help="replace the Consolidate section of RESULTS.md")
     parser.add_argument("--io-floor", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--work", nargs=3, metavar=("KIND", "CKPT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.io_floor:
         io_floor(*args.io_floor)
+        return
+    if args.work:
+        kind, ckpt, out = args.work
+        work(kind.removesuffix("-no-verify"), ckpt, out, verify=not kind.endswith("-no-verify"))
         return
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.ckpt_builder import BenchSpec, build
@@ -176,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     for stage, layers in ((3, args.layers), (2, args.layers), (3, args.layers // 2)):
         spec = BenchSpec(stage=stage, layers=layers)
         ckpt = build(spec)
-        only = None if layers == args.layers else {"ckptflow (verify)", "ckptflow --no-verify", "deepspeed zero_to_torch.py"}
+        only = None if layers == args.layers else {"ckptflow (verify)", "ckptflow --no-verify", "deepspeed zero_to_torch.py",
+                                                   "work only: ckptflow (verify)", "work only: deepspeed"}
         measures, plan = bench(ckpt, args.repeat, only)
         size = sum(p.stat().st_size for p in ckpt.rglob("*.pt"))
         title = (f"ZeRO-{stage}, bf16, 2 ranks, {layers} x 4096 linear ({plan['params'] / 1e6:.0f}M params): "
