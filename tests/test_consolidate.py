@@ -286,7 +286,7 @@ def test_same_files_as_save_pretrained(llama_trainer_ckpt: Fixture, tmp_path: Pa
     assert model.dtype == torch.bfloat16
 
 
-# ---- fp16 (built on CPU from a real fp32 checkpoint; no GPU wrote it) -----------------------------
+# ---- fp16 (no GPU here: a rewritten fp32 checkpoint, and DeepSpeed's fp16 path run on CPU) ---------
 
 
 def make_fp16_checkpoint(fixture: Fixture, dest: Path) -> Path:
@@ -337,6 +337,63 @@ def test_fp16_training_checkpoint(name: str, ds_fixtures: Mapping[str, Fixture],
                 assert torch.equal(tensor, reference[pname].to(torch_dtype)), pname
         assert torch.equal(got["frozen.weight"], engine["frozen/frozen.weight"].half().to(torch_dtype))
         assert got["big"].tolist() == [BIG_INT64]
+
+
+@pytest.fixture(scope="session")
+def fp16_checkpoints() -> dict[int, Path]:
+    """Real fp16 checkpoints of the toy model (ZeRO-1, 2 and 3, 2 ranks, 3 steps, dynamic loss scaler),
+    written by DeepSpeed's own fp16 path on CPU with its "fp16 not supported" device gate lifted (the
+    reshard tests' rank script, tests/reshard_oracle.py). Cached in .cache/ by a hash of the scripts."""
+    import hashlib
+    import tempfile
+
+    import deepspeed
+
+    from tests.fixtures.launch import REPO_ROOT, launch
+
+    digest = hashlib.sha256(f"{torch.__version__} {deepspeed.__version__}".encode())
+    for script in ("tests/reshard_oracle.py", "tests/fixtures/models.py"):
+        digest.update((REPO_ROOT / script).read_bytes())
+    root = REPO_ROOT / ".cache" / "consolidate-fp16" / digest.hexdigest()[:16]
+    if not (root / "done").exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root.parent))
+        try:
+            jobs = [{"model": "toy", "stage": stage, "dtype": "fp16", "write": str(tmp / f"z{stage}"), "steps": 3}
+                    for stage in (1, 2, 3)]
+            (tmp / "jobs.json").write_text(json.dumps(jobs))
+            launch("tests.reshard_oracle", 2, ["--jobs", str(tmp / "jobs.json")])
+            (tmp / "done").write_text("")
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {stage: root / f"z{stage}" for stage in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_real_fp16_checkpoint(stage: int, fp16_checkpoints: dict[int, Path], tmp_path: Path) -> None:
+    ckpt = fp16_checkpoints[stage]
+    index = load_index(str(ckpt))
+    assert (index.stage, index.precision, index.world_size) == (stage, "fp16", 2)
+    assert not list(ckpt.glob("*/bf16_*")) and all(p.dtype == "float16" for p in index.params)
+    reference = deepspeed_state_dict(ckpt)
+    names, tied = model_keys(Fixture(name="fp16", root=ckpt, dir=ckpt, stage=stage, dtype="fp16", world_size=2,
+                                     offload=False, spec={"model": "toy"}, buffers_path=ckpt, expected_path=ckpt))
+    for dtype, torch_dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
+        consolidate(str(ckpt), str(tmp_path / dtype), options=ConsolidateOptions(dtype=dtype, max_shard_size="1KB"))
+        got = read_output(tmp_path / dtype)
+        assert set(got) == set(names) and not set(tied) & set(got)
+        for name, tensor in got.items():
+            if name in index.param_by_name and name in reference:
+                assert tensor.dtype == torch_dtype and torch.equal(tensor, reference[name].to(torch_dtype)), name
+            elif name in index.param_by_name:  # ZeRO-1 frozen: DeepSpeed drops them; the module copy is all there is
+                assert stage == 1
+                module = torch.load(ckpt / index.tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+                assert torch.equal(tensor, module[name].to(torch_dtype)), name
+            else:  # buffers keep the dtype they were saved in (DeepSpeed's reader turns floats into fp32)
+                assert torch.equal(tensor.to(reference[name].dtype), reference[name]), name
+        assert got["big"].dtype == torch.int64 and got["big"].tolist() == [BIG_INT64]
 
 
 # ---- storage: buckets, byte ranges, no optimizer moments -----------------------------------------
