@@ -113,6 +113,92 @@ def consolidate_command(
     )
 
 
+@app.command("run")
+def run_command(
+    src: str = typer.Argument(..., help="Folder holding `latest`, local or URL."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Tag to process instead of the one `latest` names."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Consolidated model dtype: bf16, fp16 or fp32."),
+    consolidate: bool = typer.Option(True, "--consolidate/--no-consolidate", help="Build the Hugging Face model."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest model shard, e.g. 5GB."),
+    reshard: Optional[str] = typer.Option(None, "--reshard", help="World sizes to reshard to, e.g. 1,4."),
+    to: list[str] = typer.Option([], "--to", help="Publish to DEST: hf://org/repo or a bucket/folder URL (repeatable)."),
+    publish: str = typer.Option("both", "--publish", help="What goes to each --to: model, reshards or both."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Load the model with transformers and check it."),
+    settle: float = typer.Option(60.0, "--settle", min=0, help="Seconds to wait for rank files still arriving."),
+    workspace: Optional[str] = typer.Option(None, "--workspace", help="Where outputs are built before publishing."),
+    gpu_deployment: Optional[str] = typer.Option(None, "--gpu-deployment", help="Consolidate as this deployment."),
+    refresh: bool = typer.Option(False, "--refresh", help="Ignore cached results and redo every step."),
+) -> None:
+    """Run the whole pipeline (validate, consolidate + verify, reshard, publish) as a Prefect flow.
+
+    Uses the Prefect server at PREFECT_API_URL when set, else Prefect's embedded defaults.
+    """
+    from flows.commands import FlowFailed, api_url, lifecycle_parameters, run_lifecycle
+
+    if publish not in ("model", "reshards", "both"):
+        raise typer.BadParameter(f"must be model, reshards or both, got {publish!r}", param_hint="--publish")
+    try:
+        params = lifecycle_parameters(
+            src, tag=tag, dtype=dtype, consolidate=consolidate, max_shard_size=max_shard_size, reshard=reshard,
+            destinations=to, publish=publish, verify=verify, settle=settle, workspace=workspace,
+            gpu_deployment=gpu_deployment, refresh=refresh,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    server = api_url()
+    try:
+        outcome = run_lifecycle(params)
+    except FlowFailed as exc:
+        raise fail(exc) from None
+    summary = outcome.result
+    out.print(f"[green]done[/green] {summary['headline']}", soft_wrap=True)
+    if summary.get("model"):
+        out.print(f"  model:     {summary['model']['uri']}", soft_wrap=True)
+    for n, reshard_out in sorted(summary.get("reshards", {}).items(), key=lambda kv: int(kv[0])):
+        if reshard_out:
+            out.print(f"  {n} rank(s): {reshard_out['uri']}", soft_wrap=True)
+    for p in summary.get("published", []):
+        out.print(f"  published: {p['kind']} -> {p['destination']}", soft_wrap=True)
+    where = server.rstrip("/").removesuffix("/api") if server else "embedded Prefect (no server was configured)"
+    out.print(f"  flow run:  {outcome.flow_run_name} on {where}", soft_wrap=True)
+
+
+@app.command("watch")
+def watch_command(
+    roots: list[str] = typer.Argument(..., help="Folders or bucket URLs to search for `latest` pointers."),
+    once: bool = typer.Option(False, "--once", help="Look once and exit, instead of every --interval seconds."),
+    interval: float = typer.Option(300.0, "--interval", min=1, help="Seconds between looks."),
+    state: str = typer.Option("ckptflow-watch", "--state", help="Name of the block that remembers what was seen."),
+    baseline: bool = typer.Option(False, "--baseline", help="Record what is there now without emitting events."),
+    exclude: list[str] = typer.Option([], "--exclude", help="Glob of run folders to ignore (repeatable)."),
+) -> None:
+    """Emit one Prefect event per new checkpoint tag under ROOTs (needs PREFECT_API_URL)."""
+    import time
+
+    from flows.commands import FlowFailed, watch_once
+
+    while True:
+        try:
+            outcome = watch_once(roots, state=state, baseline=baseline, exclude=exclude)
+        except FlowFailed as exc:
+            if once:
+                raise fail(exc) from None
+            err.print(f"[red]error:[/red] {exc}; trying again in {interval:.0f}s", soft_wrap=True)
+        else:
+            result = outcome.result
+            new = result["recorded"] if baseline else result["emitted"]
+            verb = "recorded" if baseline else "new"
+            out.print(f"{result['checkpoints']} checkpoint(s) under {len(roots)} root(s), {len(new)} {verb}"
+                      + (f", {len(result['unreadable'])} unreadable" if result["unreadable"] else ""), soft_wrap=True)
+            for s in new:
+                out.print(f"  {verb}: {s['root']} @ {s['tag']}", soft_wrap=True)
+            for u in result["unreadable"]:
+                out.print(f"  [yellow]skipped[/yellow] {u['where']}: {u['reason']}", soft_wrap=True)
+        if once:
+            return
+        time.sleep(interval)
+
+
 @app.command("reshard")
 def reshard_command(
     src: str = typer.Argument(..., help="Folder holding `latest` (or a tag folder), local or URL."),

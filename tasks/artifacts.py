@@ -2,6 +2,7 @@
 
 Artifact keys must be lowercase letters, digits and dashes; `artifact_key` makes one from free text.
 Creating an artifact never fails the work it describes: an error is logged and the work goes on.
+Outside a flow or task run (a task's `.fn` called directly) no artifact is made at all.
 """
 
 from __future__ import annotations
@@ -34,8 +35,17 @@ def artifact_key(*parts: object) -> str:
     return re.sub(r"-{2,}", "-", key)[:100].strip("-") or "ckptflow"
 
 
+def in_run() -> bool:
+    """True inside a Prefect flow or task run, where artifacts belong."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
 def table(rows: Sequence[Mapping[str, Any]], *, key: str | None, description: str) -> None:
     """A table artifact, one row per mapping."""
+    if not in_run():
+        return
     try:
         create_table_artifact(table=[dict(r) for r in rows], key=key, description=description)
     except Exception:
@@ -44,6 +54,8 @@ def table(rows: Sequence[Mapping[str, Any]], *, key: str | None, description: st
 
 def markdown(text: str, *, key: str | None, description: str) -> None:
     """A markdown artifact."""
+    if not in_run():
+        return
     try:
         create_markdown_artifact(markdown=text, key=key, description=description)
     except Exception:
@@ -65,6 +77,8 @@ class ProgressArtifact:
         self._last_percent = -1.0
         self._context = contextvars.copy_context()
         self._id: UUID | None = None
+        if not in_run():
+            return
         try:
             self._id = create_progress_artifact(progress=0.0, key=key, description=description)
         except Exception:

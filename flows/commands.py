@@ -1,0 +1,131 @@
+"""What `ckptflow run` and `ckptflow watch` do, minus the printing (which stays in `ckptflow.cli`).
+
+`ckptflow run` runs `checkpoint_lifecycle` in this process: against `PREFECT_API_URL` when it is
+set, else with Prefect's embedded defaults (a temporary local server, nothing to start). `ckptflow
+watch` needs a real Prefect API: the watcher's memory and the events live there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from flows.params import ConsolidationOptions, Destination, ReshardOptions, ValidationOptions, VerificationOptions
+
+
+class FlowFailed(RuntimeError):
+    """The flow run ended in a state other than Completed; the message is its reason."""
+
+    def __init__(self, message: str, flow_run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.flow_run_id = flow_run_id
+
+
+@dataclass(frozen=True)
+class FlowOutcome:
+    flow_run_id: str
+    flow_run_name: str
+    result: Any
+
+
+def api_url() -> str | None:
+    """The configured Prefect API URL, or None (embedded defaults)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+def parse_world_sizes(text: str | None) -> list[int]:
+    """'1,4' -> [1, 4]; ValueError naming the bad part."""
+    if not text:
+        return []
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--reshard takes world sizes like 1,4; {part!r} is not a positive integer")
+        sizes.append(int(part))
+    return sizes
+
+
+def lifecycle_parameters(
+    src: str,
+    *,
+    tag: str | None,
+    dtype: str,
+    consolidate: bool,
+    max_shard_size: str,
+    reshard: str | None,
+    destinations: Sequence[str],
+    publish: str,
+    verify: bool,
+    settle: float,
+    workspace: str | None,
+    gpu_deployment: str | None,
+    refresh: bool,
+) -> dict[str, Any]:
+    """The flow's parameters from command-line values; ValueError with a readable message."""
+    try:
+        return {
+            "source": src,
+            "tag": tag,
+            "validation": ValidationOptions(settle_seconds=settle, poll_seconds=min(15.0, max(settle / 10, 1.0))),
+            "consolidation": ConsolidationOptions(
+                enabled=consolidate, dtype=dtype, max_shard_size=max_shard_size, deployment=gpu_deployment
+            ),
+            "reshard": ReshardOptions(world_sizes=parse_world_sizes(reshard)),
+            "verification": VerificationOptions(enabled=verify and consolidate),
+            "destinations": [Destination(uri=d, what=publish) for d in destinations],
+            "workspace": workspace,
+            "refresh": refresh,
+        }
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(problems) from None
+
+
+def run_lifecycle(parameters: dict[str, Any]) -> FlowOutcome:
+    """Run `checkpoint_lifecycle` here; its summary, or FlowFailed with the run's reason."""
+    from flows.lifecycle import checkpoint_lifecycle
+
+    state = checkpoint_lifecycle(**parameters, return_state=True)
+    return _outcome(state)
+
+
+def watch_once(roots: Sequence[str], *, state: str, baseline: bool, exclude: Sequence[str]) -> FlowOutcome:
+    """One run of the watcher flow against the configured API."""
+    if not os.environ.get("PREFECT_API_URL") and not api_url():
+        raise FlowFailed(
+            "the watcher keeps what it saw and sends its events through a Prefect server: set PREFECT_API_URL "
+            "(e.g. http://localhost:4200/api) to the server your lifecycle deployments run on"
+        )
+    from flows.watch import watch_latest
+
+    run_state = watch_latest(roots=list(roots), state=state, baseline=baseline, exclude=list(exclude), return_state=True)
+    return _outcome(run_state)
+
+
+def _outcome(state: Any) -> FlowOutcome:
+    run_id = str(getattr(state, "state_details", None) and state.state_details.flow_run_id)
+    if not state.is_completed():
+        message = state.message or state.name
+        try:
+            state.result()
+        except Exception as exc:  # the flow's own exception says it best
+            message = str(exc) or message
+        raise FlowFailed(message, run_id)
+    return FlowOutcome(flow_run_id=run_id, flow_run_name=_run_name(run_id), result=state.result())
+
+
+def _run_name(run_id: str) -> str:
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(run_id).name
+    except Exception:
+        return run_id

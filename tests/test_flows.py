@@ -1,0 +1,284 @@
+"""The lifecycle flow on a real DeepSpeed checkpoint in the GCS emulator, under a Prefect server.
+
+One full run (validate, consolidate + verify, reshard to 1 and 4 ranks, publish back to the bucket)
+is shared by the end-to-end and idempotence tests; the retry tests reuse its cached builds and only
+publish, through the fault-injecting proxies in front of the emulators. The task-level tests at the
+top call `task.fn` without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from ckptflow.errors import CheckpointError, PublishError
+from tasks.validate import validate_checkpoint
+
+# ---- tasks without a server -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def incomplete_copy(llama_bf16_ckpt, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the tiny Llama checkpoint whose rank-1 optimizer file has not arrived yet."""
+    src = Path(llama_bf16_ckpt.dir)
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    late = run / llama_bf16_ckpt.tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    held = tmp_path / "held.pt"
+    late.rename(held)
+    return run, late, held
+
+
+def test_validation_waits_for_rank_files_still_arriving(incomplete_copy) -> None:
+    from prefect.logging import disable_run_logger
+
+    run, late, held = incomplete_copy
+    threading.Timer(1.0, lambda: shutil.move(held, late)).start()
+    started = time.monotonic()
+    with disable_run_logger():
+        checkpoint = validate_checkpoint.fn(str(run), settle_seconds=30, poll_seconds=0.25)
+    assert 1.0 <= time.monotonic() - started < 10
+    assert (checkpoint.tag, checkpoint.world_size, checkpoint.stage) == ("global_step3", 2, 3)
+    assert checkpoint.root == str(run) and len(checkpoint.identity) == 20
+
+
+def test_validation_fails_after_the_settle_time(incomplete_copy) -> None:
+    from prefect.logging import disable_run_logger
+
+    run, _, _ = incomplete_copy
+    with disable_run_logger(), pytest.raises(CheckpointError) as caught:
+        validate_checkpoint.fn(str(run), settle_seconds=1, poll_seconds=0.25)
+    message = str(caught.value)
+    assert f"{run}/global_step3 is not a valid checkpoint after waiting 1 s for files to arrive" in message
+    assert "rank-missing: rank 1 of 2 is missing" in message
+
+
+def test_validation_does_not_wait_for_problems_time_cannot_fix(incomplete_copy) -> None:
+    from prefect.logging import disable_run_logger
+
+    run, late, held = incomplete_copy
+    late.write_bytes(held.read_bytes()[:100])  # truncated: no upload in progress makes this right
+    started = time.monotonic()
+    with disable_run_logger(), pytest.raises(CheckpointError, match="corrupt-file"):
+        validate_checkpoint.fn(str(run), settle_seconds=30, poll_seconds=0.25)
+    assert time.monotonic() - started < 5
+
+
+def test_retry_condition_is_a_plain_function_that_retries_only_transient_errors() -> None:
+    import inspect
+
+    from prefect.states import Failed
+
+    from tasks.publish import publish_output
+    from tasks.retries import retry_if_transient
+
+    class HttpError(Exception):
+        def __init__(self, code: int) -> None:
+            super().__init__(f"HTTP {code}")
+            self.code = code
+
+    assert inspect.isfunction(retry_if_transient)
+    assert publish_output.retry_condition_fn is retry_if_transient and publish_output.retries == 4
+    assert publish_output.retry_jitter_factor == 0.5
+    assert retry_if_transient(None, None, Failed(data=HttpError(503)))
+    assert retry_if_transient(None, None, Failed(data=ConnectionResetError("reset by peer")))
+    assert not retry_if_transient(None, None, Failed(data=HttpError(403)))
+    assert not retry_if_transient(None, None, Failed(data=PublishError("gs://b/x: 403 Forbidden")))
+    assert not retry_if_transient(None, None, Failed(data=ValueError("bad input")))
+
+
+def test_cache_key_is_source_tag_identity_and_options() -> None:
+    from types import SimpleNamespace
+
+    from tasks.caching import checkpoint_cache_key
+    from tasks.models import Checkpoint
+
+    def ckpt(identity: str, **extra: Any) -> Checkpoint:
+        return Checkpoint(source="gs://b/run", root="gs://b/run", tag="global_step3", identity=identity, stage=3,
+                          world_size=2, precision="bf16", **extra)
+
+    ctx = SimpleNamespace(task=SimpleNamespace(name="consolidate"))
+
+    def key(**params: Any) -> str:
+        return checkpoint_cache_key(ctx, {"out": "gs://b/work/model", "dtype": "bf16", **params})
+
+    base = key(checkpoint=ckpt("aaa"))
+    assert key(checkpoint=ckpt("aaa", summary={"seen": "again"}, step=3)) == base  # same files, same key
+    assert key(checkpoint=ckpt("bbb")) != base  # files rewritten
+    assert key(checkpoint=ckpt("aaa"), dtype="fp32") != base  # other options
+    other_task = SimpleNamespace(task=SimpleNamespace(name="reshard"))
+    assert checkpoint_cache_key(other_task, {"out": "gs://b/work/model", "dtype": "bf16", "checkpoint": ckpt("aaa")}) != base
+
+
+# ---- the flow against a server and the emulators ----------------------------------------------------
+
+RESHARD_TO = [1, 4]
+
+
+@pytest.fixture(scope="module")
+def bucket_run(gcs_server, llama_trainer_ckpt, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The Trainer-written tiny Llama (ZeRO-3, 2 ranks) uploaded to a fresh prefix of the emulator.
+
+    The workspace is a local folder: outputs are moved into place by rename there, where the
+    emulator lacks the `moveTo` call gcsfs tries first (and retries for half a minute per file).
+    """
+    from tests.servers import GCS_BUCKET
+
+    base = f"gs://{GCS_BUCKET}/flows-{uuid.uuid4().hex[:10]}"
+    fs = fsspec.filesystem("gs")
+    fs.put(str(llama_trainer_ckpt.dir) + "/", f"{base}/runs/llama/", recursive=True)
+    fs.invalidate_cache()
+    work = tmp_path_factory.mktemp("workspace")
+    return {"base": base, "source": f"{base}/runs/llama", "tag": llama_trainer_ckpt.tag, "workspace": str(work)}
+
+
+def lifecycle_parameters(bucket_run: dict[str, str], destinations: list[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "source": bucket_run["source"],
+        "consolidation": {"dtype": "bf16", "max_shard_size": "100KB"},
+        "reshard": {"world_sizes": RESHARD_TO},
+        "destinations": destinations,
+        "workspace": bucket_run["workspace"],
+        "validation": {"settle_seconds": 0},
+    }
+
+
+def run_lifecycle(parameters: dict[str, Any]) -> Any:
+    from flows.lifecycle import checkpoint_lifecycle
+
+    return checkpoint_lifecycle(**parameters, return_state=True)
+
+
+def task_runs(flow_run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_server: str, bucket_run: dict[str, str]) -> dict[str, Any]:
+    published = f"{bucket_run['base']}/published"
+    params = lifecycle_parameters(bucket_run, [{"uri": published, "what": "both"}])
+    started = time.monotonic()
+    state = run_lifecycle(params)
+    return {"params": params, "state": state, "seconds": time.monotonic() - started, "published": published}
+
+
+def test_lifecycle_end_to_end_from_and_to_the_bucket(
+    first_run: dict[str, Any], bucket_run: dict[str, str], tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from safetensors import safe_open
+
+    from ckptflow.validate import validate
+
+    state = first_run["state"]
+    assert state.is_completed(), state.message
+    summary = state.result()
+    tag = bucket_run["tag"]
+    assert summary["failures"] == []
+    assert summary["checkpoint"]["root"] == bucket_run["source"] and summary["checkpoint"]["tag"] == tag
+    assert summary["verification"]["ok"] and summary["verification"]["tensors_compared"] > 0
+    assert summary["verification"]["logits_shape"][0] == 1
+    assert sorted(summary["reshards"]) == ["1", "4"]
+    assert len(summary["published"]) == 3
+
+    fs = fsspec.filesystem("gs")
+    fs.invalidate_cache()
+    dest = first_run["published"]
+    model = f"{dest}/{tag}/model"
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(model)}
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "ckptflow-manifest.json"} <= names
+    shard = sorted(n for n in names if n.endswith(".safetensors"))[0]
+    local = tmp_path / shard
+    fs.get(f"{model}/{shard}", str(local))
+    with safe_open(str(local), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
+    for n in RESHARD_TO:
+        report = validate(f"{dest}/{tag}/zero-ws{n}")
+        assert report.ok, report.problems
+        assert report.index.world_size == n and report.index.tag == tag
+
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    by_type: dict[str, list[Any]] = {}
+    for a in artifacts:
+        by_type.setdefault(a.type, []).append(a)
+    assert any(a.key == "validation-global-step3" for a in by_type["table"])
+    assert len(by_type["progress"]) >= 1 + len(RESHARD_TO) + 3
+    assert all(a.data == 100.0 for a in by_type["progress"])
+    summary_md = next(a for a in by_type["markdown"] if a.key == "lifecycle-global-step3")
+    assert "## Published" in summary_md.data and f"{dest}/{tag}/zero-ws4" in summary_md.data
+
+
+def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:
+    fs = fsspec.filesystem("gs")
+    fs.invalidate_cache()
+    before = {p: i.get("generation") for p, i in fs.find(first_run["published"], detail=True).items()}
+
+    state = run_lifecycle(first_run["params"])
+
+    assert state.is_completed(), state.message
+    runs = task_runs(state.state_details.flow_run_id)
+    by_name: dict[str, list[str]] = {}
+    for r in runs:
+        by_name.setdefault(r.task_key.rsplit("-", 1)[0], []).append(r.state.name)
+    assert by_name["consolidate_model"] == ["Cached"]
+    assert by_name["verify_output"] == ["Cached"]
+    assert by_name["reshard_checkpoint"] == ["Cached", "Cached"]
+    assert by_name["publish_output"] == ["Cached"] * 3
+    assert "write_shard" not in by_name and "write_rank" not in by_name  # no unit ran again
+    fs.invalidate_cache()
+    assert {p: i.get("generation") for p, i in fs.find(first_run["published"], detail=True).items()} == before
+    assert state.result()["published"] == first_run["state"].result()["published"]
+
+
+def test_transient_publish_failures_are_retried(first_run: dict[str, Any], bucket_run: dict[str, str], gcs_server) -> None:
+    proxy, _ = gcs_server
+    token = f"pub{uuid.uuid4().hex[:8]}"
+    dest = f"{bucket_run['base']}/{token}"
+    params = lifecycle_parameters(bucket_run, [{"uri": dest, "what": "model"}])
+    proxy.configure(rate=1.0, kinds=("503", "reset"), only_paths=(token,), max_faults=4, seed=1)
+    try:
+        state = run_lifecycle(params)
+    finally:
+        faults = sum(proxy.faults.values())
+        proxy.reset()
+
+    assert faults == 4
+    assert state.is_completed(), state.message
+    fs = fsspec.filesystem("gs")
+    fs.invalidate_cache()
+    manifest = json.loads(fs.cat_file(f"{dest}/{bucket_run['tag']}/model/ckptflow-manifest.json"))
+    assert len(manifest["files"]) == state.result()["published"][0]["files"]
+
+
+def test_permanent_publish_failure_fails_the_flow_and_publishes_nothing(
+    first_run: dict[str, Any], bucket_run: dict[str, str], s3
+) -> None:
+    params = lifecycle_parameters(bucket_run, [{"uri": s3.url, "what": "both"}])
+    s3.proxy.configure(status=403)
+    try:
+        state = run_lifecycle(params)
+    finally:
+        s3.proxy.reset()
+
+    assert state.is_failed()
+    message = state.message
+    assert f"publishing model to {s3.url}/{bucket_run['tag']}/model failed" in message
+    assert "403" in message or "denied" in message.lower() or "forbidden" in message.lower()
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert fs.find(s3.url) == []

@@ -1,0 +1,177 @@
+"""`infra/` is real: the work-pool templates are accepted, `prefect deploy --all` registers every
+deployment of `infra/prefect.yaml`, and the lifecycle's parameter form renders with titles,
+descriptions and types. The server is the session's Prefect test server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+
+EXPECTED_DEPLOYMENTS = {
+    "checkpoint-lifecycle/manual",
+    "checkpoint-lifecycle/on-checkpoint",
+    "post-training/post-training",
+    "watch-latest/interval",
+    "consolidate-checkpoint/gpu",
+}
+
+
+@pytest.fixture(scope="module")
+def client(prefect_server: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        yield c
+
+
+def _deployment(client: Any, name: str) -> Any:
+    return client.read_deployment_by_name(name)
+
+
+# ---- templates, without a server ------------------------------------------------------------------
+
+
+def _render(template: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """The job configuration a worker would get: the template with variable defaults filled in."""
+    from prefect.utilities.templating import apply_values
+
+    values = {k: v["default"] for k, v in template["variables"]["properties"].items() if "default" in v}
+    return apply_values(template["job_configuration"], {**values, **overrides})
+
+
+def test_kubernetes_template_requests_gpus() -> None:
+    template = json.loads((INFRA / "work-pools" / "kubernetes-gpu.json").read_text())
+    pod = _render(template, gpu_count=2)["job_manifest"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/dev/shm", "/scratch"}
+    assert container["image"] == "ckptflow-gpu:latest"
+
+
+def test_docker_template_passes_gpus_through() -> None:
+    template = json.loads((INFRA / "work-pools" / "docker-gpu.json").read_text())
+    job = _render(template)
+    (request,) = job["container_create_kwargs"]["device_requests"]
+    assert request["capabilities"] == [["gpu"]] and request["count"] == -1
+    assert job["image"] == "ckptflow-gpu:latest"
+
+
+def test_compose_file_wires_server_database_and_worker() -> None:
+    compose = yaml.safe_load((INFRA / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "prefect-server", "setup", "worker"} <= set(services)
+    assert services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"].startswith(
+        "postgresql+asyncpg://")
+    for name in ("setup", "worker"):
+        assert services[name]["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    dockerfile = services["setup"]["build"]["dockerfile"]
+    assert (INFRA.parent / dockerfile).is_file() and (INFRA / "docker" / "Dockerfile.gpu").is_file()
+    assert services["setup"]["command"] == ["bash", "infra/bootstrap.sh"] and (INFRA / "bootstrap.sh").is_file()
+
+
+# ---- against the server -----------------------------------------------------------------------------
+
+
+def test_work_pool_templates_are_accepted(work_pools: dict[str, str], client: Any) -> None:
+    for name, kind in work_pools.items():
+        pool = client.read_work_pool(name)
+        assert pool.type == kind
+    gpu = client.read_work_pool("gpu").base_job_template
+    assert "nvidia.com/gpu" in json.dumps(gpu["job_configuration"])
+    docker = client.read_work_pool("gpu-docker").base_job_template
+    assert "device_requests" in json.dumps(docker["variables"])
+
+
+def test_deploy_all_registers_every_deployment(deployed, client: Any) -> None:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    found = {name: _deployment(client, name) for name in EXPECTED_DEPLOYMENTS}
+
+    manual = found["checkpoint-lifecycle/manual"]
+    assert manual.work_pool_name == "cpu" and manual.schedules == []
+    gpu = found["consolidate-checkpoint/gpu"]
+    assert gpu.work_pool_name == "gpu" and gpu.job_variables == {"image": "ckptflow-gpu:latest"}
+
+    (cron,) = found["post-training/post-training"].schedules
+    assert cron.schedule.cron == "0 */6 * * *"
+    (interval,) = found["watch-latest/interval"].schedules
+    assert interval.schedule.interval.total_seconds() == 300
+    assert found["watch-latest/interval"].global_concurrency_limit.limit == 1
+
+    on_checkpoint = found["checkpoint-lifecycle/on-checkpoint"]
+    assert on_checkpoint.global_concurrency_limit.limit == 2
+    automations = client.read_automations_by_name("ckptflow-checkpoint-saved")
+    assert len(automations) == 1
+    trigger = automations[0].trigger
+    assert trigger.expect == {"ckptflow.checkpoint.saved"}
+    assert trigger.for_each == {"prefect.resource.id"}
+    (action,) = automations[0].actions
+    assert action.deployment_id == on_checkpoint.id
+    assert action.parameters == {"source": "{{ event.payload.source }}", "tag": "{{ event.payload.tag }}"}
+    assert client.read_deployments(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[d.id for d in found.values()]))
+    ), "deployments are listed"
+
+
+def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref") or (node.get("allOf") or [{}])[0].get("$ref")
+    if ref:
+        return schema["definitions"][ref.rsplit("/", 1)[-1]]
+    return node
+
+
+def _has_type(schema: dict[str, Any], node: dict[str, Any]) -> bool:
+    if "type" in node or "enum" in node or "const" in node:
+        return True
+    if "anyOf" in node:
+        return all(_has_type(schema, option) for option in node["anyOf"])
+    resolved = _resolve(schema, node)
+    return resolved is not node and _has_type(schema, resolved)
+
+
+def _fields(schema: dict[str, Any], node: dict[str, Any], where: str):
+    for name, field in node.get("properties", {}).items():
+        yield f"{where}{name}", field
+        target = _resolve(schema, field)
+        items = field.get("items")
+        if target is not field:
+            yield from _fields(schema, target, f"{where}{name}.")
+        elif items is not None and _resolve(schema, items) is not items:
+            yield from _fields(schema, _resolve(schema, items), f"{where}{name}[].")
+
+
+@pytest.mark.parametrize("name", ["checkpoint-lifecycle/manual", "post-training/post-training"])
+def test_parameter_form_renders(deployed, client: Any, name: str) -> None:
+    schema = _deployment(client, name).parameter_openapi_schema
+    fields = list(_fields(schema, schema, ""))
+    assert len(fields) > 15
+    missing = [
+        f"{path}: " + ", ".join(k for k, ok in (("title", "title" in f), ("description", "description" in f),
+                                                  ("type", _has_type(schema, f))) if not ok)
+        for path, f in fields
+        if not ("title" in f and "description" in f and _has_type(schema, f))
+    ]
+    assert missing == [], "form fields without a title, description or type:\n" + "\n".join(missing)
+
+
+def test_lifecycle_schema_fields() -> None:
+    """The same check without a server, straight from the flow's signature."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.lifecycle import checkpoint_lifecycle
+
+    schema = parameter_schema(checkpoint_lifecycle).model_dump()
+    top = set(schema["properties"])
+    assert top == {"source", "tag", "validation", "consolidation", "reshard", "verification", "destinations",
+                   "publishing", "workspace", "refresh"}
+    assert schema["required"] == ["source"]
+    destination = schema["definitions"]["Destination"]["properties"]
+    assert destination["what"]["enum"] == ["model", "reshards", "both"]
