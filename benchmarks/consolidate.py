@@ -10,8 +10,8 @@ On the same cached checkpoints (written by DeepSpeed on CPU, see `benchmarks/ckp
 - "work only" rows: the same two conversions as library calls, timed inside the process after their
   imports (torch alone takes over a second to import here), to separate the work from start-up.
 
-Each runs in its own subprocess under `/usr/bin/time` (wall time and peak RSS), `--repeat` times on a
-warm page cache; the median is reported. The main model is 16 layers of 4096 (about 268M parameters,
+Each runs in its own subprocess under `/usr/bin/time` (wall time and peak RSS), `--repeat` times, each
+time right after the bytes it reads were read once (warm page cache); the median is reported. The main model is 16 layers of 4096 (about 268M parameters,
 ZeRO-3 and ZeRO-2, bf16, 2 ranks); a half-size ZeRO-3 model (8 layers) shows whether peak memory
 stays flat as the model grows.
 
@@ -45,23 +45,24 @@ class Measure:
     label: str
     seconds: float
     peak_rss: int  # bytes
+    cpu: float  # user + system seconds of the whole process
 
 
-def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one subprocess run under /usr/bin/time. A process that prints
-    a line `WORK_SECONDS=<s>` reports the time of its work alone (imports excluded) instead."""
+def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS bytes, CPU seconds) of one subprocess run under /usr/bin/time. A process
+    that prints a line `WORK_SECONDS=<s>` reports the wall time of its work alone (imports excluded)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as timing:
         started = time.monotonic()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", timing.name, *command], cwd=REPO_ROOT,
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", timing.name, *command], cwd=REPO_ROOT,
                               env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         seconds = time.monotonic() - started
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
-        rss_kb = int(timing.read().strip().splitlines()[-1])
+        rss_kb, user, system = timing.read().strip().splitlines()[-1].split()
     for line in proc.stdout.decode(errors="replace").splitlines():
         if line.startswith("WORK_SECONDS="):
             seconds = float(line.split("=", 1)[1])
-    return seconds, rss_kb * 1024
+    return seconds, int(rss_kb) * 1024, float(user) + float(system)
 
 
 def work(kind: str, ckpt: str, out: str, verify: bool) -> None:
@@ -82,12 +83,16 @@ def work(kind: str, ckpt: str, out: str, verify: bool) -> None:
     print(f"WORK_SECONDS={time.monotonic() - started:.4f}", flush=True)
 
 
-def warm(ckpt: Path) -> None:
-    """Read every file of the checkpoint once, so that every contender starts on a warm page cache."""
-    for path in sorted(ckpt.rglob("*.pt")):
-        with open(path, "rb", buffering=0) as fh:
-            while fh.read(64 << 20):
-                pass
+def warm(ckpt: Path, ranges: list[list]) -> None:
+    """Read what every contender reads (the fp32 master ranges and the model-state files) once, so
+    that all of them start on a warm page cache without crowding it with optimizer moments."""
+    for uri, start, end in ranges:
+        with open(uri, "rb", buffering=0) as fh:
+            fh.seek(start)
+            while start < end:
+                start += len(fh.read(min(64 << 20, end - start)) or b"x" * (end - start))
+    for path in sorted(ckpt.rglob("*model_states.pt")):
+        path.read_bytes()
 
 
 def floor_plan(ckpt: Path) -> dict[str, object]:
@@ -140,20 +145,20 @@ def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[M
         spec = scratch / "floor.json"
         spec.write_text(json.dumps(plan))
         out = scratch / "out"
-        warm(ckpt)
-        runs: dict[str, list[tuple[float, int]]] = {}
+        runs: dict[str, list[tuple[float, int, float]]] = {}
         for _ in range(repeat):
             for label, command in contenders(ckpt, out, spec).items():
                 if only and label not in only:
                     continue
                 shutil.rmtree(out, ignore_errors=True)
+                warm(ckpt, plan["ranges"])  # type: ignore[arg-type]
                 if label == "I/O floor":
                     out.mkdir()
                 runs.setdefault(label, []).append(
                     run_measured(command, env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO_ROOT)}))
                 shutil.rmtree(out, ignore_errors=True)
-        measures = [Measure(label, statistics.median(s for s, _ in r), int(statistics.median(m for _, m in r)))
-                    for label, r in runs.items()]
+        measures = [Measure(label, statistics.median(x[0] for x in r), int(statistics.median(x[1] for x in r)),
+                            statistics.median(x[2] for x in r)) for label, r in runs.items()]
         return measures, plan
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -166,13 +171,15 @@ def gb(n: float) -> str:
 def table(title: str, measures: list[Measure]) -> list[str]:
     by = {m.label: m for m in measures}
     floor = by.get("I/O floor")
-    lines = [f"**{title}**", "", "| run | wall | peak RSS | vs DeepSpeed: speed-up, memory | vs I/O floor |",
-             "|---|---:|---:|---|---:|"]
+    lines = [f"**{title}**", "",
+             "| run | wall | CPU (user+sys) | peak RSS | vs DeepSpeed: speed-up, memory | vs I/O floor |",
+             "|---|---:|---:|---:|---|---:|"]
     for m in measures:
         ds = by.get("work only: deepspeed" if m.label.startswith("work only") else "deepspeed zero_to_torch.py")
         vs_ds = f"{ds.seconds / m.seconds:.2f}x faster, {m.peak_rss / ds.peak_rss:.2f}x memory" if ds and m is not ds else ""
         vs_floor = f"{m.seconds / floor.seconds:.2f}x" if floor and m is not floor else ""
-        lines.append(f"| {m.label} | {m.seconds:.2f} s | {m.peak_rss / 2**20:.0f} MiB | {vs_ds} | {vs_floor} |")
+        lines.append(f"| {m.label} | {m.seconds:.2f} s | {m.cpu:.2f} s | {m.peak_rss / 2**20:.0f} MiB | {vs_ds} | "
+                     f"{vs_floor} |")
     return lines + [""]
 
 
