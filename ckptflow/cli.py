@@ -206,6 +206,8 @@ def reshard_command(
     world_size: int = typer.Option(..., "--world-size", min=1, help="Data-parallel ranks the output is for."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
     workers: int = typer.Option(4, "--workers", min=1, help="Target ranks written at once."),
+    fsync: bool = typer.Option(True, "--fsync/--no-fsync",
+                               help="Flush each file to disk before moving OUT into place (local outputs)."),
 ) -> None:
     """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) to another world size.
 
@@ -224,7 +226,7 @@ def reshard_command(
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("resharding", total=None)
         try:
-            result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers,
+            result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
                              progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None

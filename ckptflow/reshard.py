@@ -37,7 +37,8 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError, VerificationError
 from ckptflow.storage import is_local, join, local_path, open_fs, unstrip
-from ckptflow.torchsave import CHUNK_BYTES, OutStorage, OutTensor, SourceReader, Span, write_archive
+from ckptflow.torchsave import (CHUNK_BYTES, Call, Global, Instance, OutStorage, OutTensor, SourceReader, Span,
+                                write_archive)
 from ckptflow.torchzip import DTYPE_SIZES, PickledObject, TensorRef
 from ckptflow.zero import (MODEL_FILE_RE, OPTIM_FILE_RE, Param, ZeroCheckpoint, inspect, model_file_name,
                            optim_file_name)
@@ -507,43 +508,35 @@ _DEEPSPEED_CLASSES = {
 }
 
 
-def _deepspeed_object(record: PickledObject, tree: _Tree) -> Any:
-    """The DeepSpeed object `record` stands for, rebuilt the way unpickling would (no __init__)."""
-    import importlib
+def _global(qualname: str) -> Global:
+    module, _, name = qualname.rpartition(".")
+    return Global(module, name)
 
-    import torch
 
+def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
+    """The DeepSpeed object `record` stands for, written back the way pickle wrote it."""
     if record.qualname not in _DEEPSPEED_CLASSES:
         raise CheckpointError(f"cannot write a {record.qualname} back")
-    module, _, name = record.qualname.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    obj = cls.__new__(cls, *record.args)
     state = record.state
-    if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
-        state = {**(state[0] or {}), **(state[1] or {})}
-    for key, value in (state or {}).items():
-        if key == "dtype" and isinstance(value, str) and value in DTYPE_SIZES:
-            value = getattr(torch, value)  # the reader keeps torch dtypes as their names
-        setattr(obj, key, tree.convert(value))
-    return obj
+    if isinstance(state, dict):
+        # The reader keeps torch dtypes (DynamicLossScaler.dtype) as their names.
+        state = {k: Global("torch", v) if k == "dtype" and isinstance(v, str) and v in DTYPE_SIZES else tree.convert(v)
+                 for k, v in state.items()}
+    else:
+        state = tree.convert(state)
+    return Instance(_global(record.qualname), state, tree.convert(record.args))
 
 
-def _zero_stage(value: int) -> Any:
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return ZeroStageEnum(int(value))
+def _zero_stage(value: int) -> Call:
+    return Call(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(value),))
 
 
-def _fragment_address(start: int, numel: int) -> Any:
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return fragment_address(numel=numel, start=start)
+def _fragment_address(start: int, numel: int) -> Instance:
+    return Instance(Global("deepspeed.utils.tensor_fragment", "fragment_address"), {"numel": numel, "start": start})
 
 
-def _size(shape: Sequence[int]) -> Any:
-    import torch
-
-    return torch.Size(shape)
+def _size(shape: Sequence[int]) -> Call:
+    return Call(Global("torch", "Size"), (tuple(int(d) for d in shape),))
 
 
 def _gathered(flat: TargetFlat, refs: Callable[[int, int], TensorRef], dtype: str) -> OutStorage:
@@ -710,7 +703,7 @@ def _frozen_fragments(plan: ReshardPlan, unit: RankUnit, source: Mapping[str, An
 # ---- finishing ----------------------------------------------------------------------------------------
 
 
-def finalize(plan: ReshardPlan, staging: str, out: str) -> None:
+def finalize(plan: ReshardPlan, staging: str, out: str, *, durable: bool = True) -> None:
     """Check the staged checkpoint, carry the source's other files over, write `latest` and move the
     whole into place at `out` (`latest` last). Raises `VerificationError` when the staged files do not
     read back as a checkpoint at the new world size; the staging folder is then left for `discard`."""
@@ -724,14 +717,23 @@ def finalize(plan: ReshardPlan, staging: str, out: str) -> None:
             f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
             f"{len(index.params)} parameters, expected ZeRO-{plan.stage} at {plan.world_size} with "
             f"{len(plan.index.params)}", uri=staging, expected=plan.world_size, actual=index.world_size)
-    _carry_over(plan, staging, out)
+    _carry_over(plan, staging, out, durable=durable)
     fs, path = open_fs(staging)
-    with fs.open(posixpath.join(path, "latest"), "w") as fh:
-        fh.write(plan.tag)
-    _move_into_place(staging, out)
+    with fs.open(posixpath.join(path, "latest"), "wb") as fh:
+        fh.write(plan.tag.encode())
+        _sync(fh, staging, durable)
+    _move_into_place(staging, out, plan.tag, durable=durable)
 
 
-def _carry_over(plan: ReshardPlan, staging: str, out: str) -> None:
+def _sync(fh: Any, uri: str, durable: bool) -> None:
+    if durable and is_local(uri):
+        import os
+
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _carry_over(plan: ReshardPlan, staging: str, out: str, *, durable: bool = True) -> None:
     """Copy the source folder's files that are not this checkpoint's DeepSpeed files."""
     src_fs, root = open_fs(plan.root)
     _, staging_path = open_fs(staging)
@@ -753,10 +755,10 @@ def _carry_over(plan: ReshardPlan, staging: str, out: str) -> None:
             files = [path]
         for file in files:
             rel = posixpath.relpath(file, root)
-            _copy_file(unstrip(src_fs, file), join(staging, rel))
+            _copy_file(unstrip(src_fs, file), join(staging, rel), durable=durable)
 
 
-def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES) -> None:
+def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> None:
     src_fs, src_path = open_fs(src)
     dst_fs, dst_path = open_fs(dst)
     dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
@@ -766,9 +768,10 @@ def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES) -> None:
             if not data:
                 break
             fout.write(data)
+        _sync(fout, dst, durable)
 
 
-def _move_into_place(staging: str, out: str) -> None:
+def _move_into_place(staging: str, out: str, tag: str, *, durable: bool = True) -> None:
     fs, staging_path = open_fs(staging)
     _, out_path = open_fs(out)
     if is_local(staging) and is_local(out):
@@ -778,6 +781,13 @@ def _move_into_place(staging: str, out: str) -> None:
         if os.path.isdir(target):
             os.rmdir(target)  # empty, checked by prepare_output
         os.rename(local_path(staging), target)
+        if durable:  # the rename itself, and the tag folder's entries
+            for folder in (os.path.dirname(os.path.abspath(target)), target, os.path.join(target, tag)):
+                fd = os.open(folder, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         return
     files = [f for f in fs.find(staging_path) if posixpath.basename(f) != "latest"]
     for file in files:
@@ -845,7 +855,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
             with ThreadPoolExecutor(max_workers=count, thread_name_prefix="reshard") as pool:
                 results = list(pool.map(lambda u: run_unit(plan, u, staging, progress=step, durable=durable),
                                         plan.units))
-        finalize(plan, staging, out)
+        finalize(plan, staging, out, durable=durable)
     except BaseException:
         discard(staging)
         raise

@@ -17,7 +17,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
 import struct
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +36,7 @@ except ImportError:  # pragma: no cover - isal is a dependency, zlib is the fall
 
 STORAGE_CLASSES: dict[str, str] = {dtype: cls for cls, (dtype, _size) in STORAGE_DTYPES.items()}
 ALIGNMENT = 64
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 8 << 20
 _MAX32 = 0xFFFFFFFF
 _ZIP64_LIMIT = _MAX32  # sizes and offsets from here on go to zip64 fields (lowered by tests)
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names (what torch writes)
@@ -90,12 +92,6 @@ class OutTensor:
         self.shape = tuple(shape) if shape is not None else (storage.numel,)
         self.stride = tuple(stride) if stride is not None else _contiguous_stride(self.shape)
 
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        import torch._utils
-
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, self.offset, self.shape, self.stride, False, OrderedDict()))
-
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, step = [], 1
@@ -105,33 +101,107 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+class Global:
+    """A module-level name (class, function, dtype) written into the pickle by name, never imported.
+
+    Writing needs neither torch nor DeepSpeed in the process: the pickle only names them, and they are
+    imported when the file is loaded.
+    """
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __repr__(self) -> str:
+        return f"Global({self.module}.{self.name})"
+
+
+class Call:
+    """`func(*args)` at load time, as pickle writes objects that reduce to a call (torch.Size, enums)."""
+
+    __slots__ = ("func", "args")
+
+    def __init__(self, func: Global, args: tuple[Any, ...]) -> None:
+        self.func, self.args = func, tuple(args)
+
+
+class Instance:
+    """An instance of class `cls` restored from `state` without `__init__`, as pickle writes plain
+    objects (`cls.__new__(cls, *args)`, then `__setstate__` or `__dict__.update(state)`)."""
+
+    __slots__ = ("cls", "args", "state")
+
+    def __init__(self, cls: Global, state: Any, args: tuple[Any, ...] = ()) -> None:
+        self.cls, self.state, self.args = cls, state, tuple(args)
+
+
+REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
+_STORAGE_GLOBALS = {dtype: Global("torch", cls) for dtype, cls in STORAGE_CLASSES.items()}
+
+
+class _Pickler(pickle._Pickler):  # the Python implementation: its dispatch table can be extended
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__(file, protocol=2)
+        self.storages: list[OutStorage] = []
+        self.keys: dict[int, str] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, OutStorage):
+            return None
+        key = self.keys.get(id(obj))
+        if key is None:
+            key = self.keys[id(obj)] = str(len(self.storages))
+            self.storages.append(obj)
+        return ("storage", _STORAGE_GLOBALS[obj.dtype], key, "cpu", obj.numel)
+
+    def save_global_name(self, obj: Global) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("utf-8"))
+        self.memoize(obj)
+
+    def save_call(self, obj: Call) -> None:
+        self.save(obj.func)
+        self.save(obj.args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    def save_instance(self, obj: Instance) -> None:
+        self.save(obj.cls)
+        self.save(obj.args)
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        self.save(obj.state)
+        self.write(pickle.BUILD)
+
+    def save_tensor(self, obj: OutTensor) -> None:
+        self.save_call(Call(REBUILD_TENSOR, (obj.storage, obj.offset, obj.shape, obj.stride, False, OrderedDict())))
+
+    dispatch[Global] = save_global_name
+    dispatch[Call] = save_call
+    dispatch[Instance] = save_instance
+    dispatch[OutTensor] = save_tensor
+
+
 def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
-    """The pickle of `obj` (protocol 2, as torch writes it) and its storages in key order."""
-    import torch
+    """The pickle of `obj` (protocol 2, as torch writes it) and its storages in key order.
 
-    storages: list[OutStorage] = []
-    keys: dict[int, str] = {}
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, item: Any) -> Any:
-            if not isinstance(item, OutStorage):
-                return None
-            key = keys.get(id(item))
-            if key is None:
-                key = keys[id(item)] = str(len(storages))
-                storages.append(item)
-            return ("storage", getattr(torch, STORAGE_CLASSES[item.dtype]), key, "cpu", item.numel)
-
+    `obj` is plain data (dicts, lists, tuples, numbers, strings, OrderedDicts) with `OutTensor`,
+    `Global`, `Call` and `Instance` stand-ins for everything torch or DeepSpeed would pickle.
+    """
     buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump(obj)
-    return buf.getvalue(), storages
+    pickler = _Pickler(buf)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.storages
 
 
 class SourceReader:
-    """Reads byte ranges of source files into one reusable buffer, keeping the files open."""
+    """Reads byte ranges of source files, keeping the files open; counts what it read."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.buffer = memoryview(bytearray(chunk_bytes))
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, depth: int = 3) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.depth = depth
         self._files: dict[str, BinaryIO] = {}
         self.bytes_read = 0
 
@@ -146,33 +216,78 @@ class SourceReader:
             self._files[uri] = fh
         return fh
 
-    def chunks(self, span: Span) -> Iterator[memoryview]:
-        """The span's bytes in chunks that stay valid until the next chunk is asked for."""
-        fh = self._file(span.uri)
-        fh.seek(span.start)
-        left = span.length
-        while left:
-            view = self.buffer[: min(left, len(self.buffer))]
-            got = 0
-            while got < len(view):
-                n = fh.readinto(view[got:])
-                if not n:
-                    from ckptflow.errors import CorruptFileError
+    def read_into(self, uri: str, start: int, view: memoryview) -> None:
+        """Fill `view` with the bytes of `uri` from byte `start`."""
+        fh = self._file(uri)
+        fh.seek(start)
+        got = 0
+        while got < len(view):
+            n = fh.readinto(view[got:])
+            if not n:
+                from ckptflow.errors import CorruptFileError
 
-                    raise CorruptFileError(
-                        f"{span.uri} ended at byte {span.start + span.length - left + got} while reading "
-                        f"{span.length} bytes from byte {span.start}", file=span.uri,
-                        hint="the file changed or was truncated while being read; copy it again",
-                    )
-                got += n
-            self.bytes_read += got
-            left -= got
-            yield view
+                raise CorruptFileError(
+                    f"{uri} ended at byte {start + got} while reading {len(view)} bytes from byte {start}", file=uri,
+                    hint="the file changed or was truncated while being read; copy it again",
+                )
+            got += n
+        self.bytes_read += got
 
     def close(self) -> None:
         for fh in self._files.values():
             fh.close()
         self._files.clear()
+
+
+class _ReadAhead:
+    """Reads a sequence of spans on a background thread, `depth` chunks ahead of the consumer, so that
+    reading the source overlaps checksumming and writing the output (the GIL is released in both)."""
+
+    def __init__(self, reader: SourceReader, spans: Iterable[Span]) -> None:
+        self.reader = reader
+        self.free: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(reader.depth):
+            self.free.put(memoryview(bytearray(reader.chunk_bytes)))
+        self.ready: queue.Queue[Any] = queue.Queue()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(list(spans),), name="ckptflow-read-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self, spans: list[Span]) -> None:
+        try:
+            for span in spans:
+                for offset in range(0, span.length, self.reader.chunk_bytes):
+                    while True:
+                        if self.stop.is_set():
+                            return
+                        try:
+                            buffer = self.free.get(timeout=0.1)
+                            break
+                        except queue.Empty:
+                            continue
+                    view = buffer[: min(self.reader.chunk_bytes, span.length - offset)]
+                    self.reader.read_into(span.uri, span.start + offset, view)
+                    self.ready.put((buffer, view))
+        except BaseException as exc:  # handed to the consumer, raised there
+            self.ready.put(exc)
+
+    def chunks(self, span: Span) -> Iterator[memoryview]:
+        """The chunks of `span`, the next span the reader thread reads; each is valid until the next."""
+        left = span.length
+        while left:
+            item = self.ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            buffer, view = item
+            try:
+                yield view
+            finally:
+                self.free.put(buffer)
+            left -= len(view)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 class _ZipWriter:
@@ -238,9 +353,30 @@ class _ZipWriter:
 
 
 _ZEROS = bytes(1 << 20)
+_WRITEBACK_BYTES = 64 << 20
 
 
-def _storage_chunks(storage: OutStorage, reader: SourceReader, progress: Progress | None) -> Iterator[memoryview | bytes]:
+class _EarlyWriteback:
+    """A local output file that asks the kernel to start writing back every 64 MiB as it goes
+    (`POSIX_FADV_DONTNEED` starts writeback of dirty pages without waiting for it), so that the
+    final fsync finds most of the file on disk already instead of all of it in the page cache."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.pos = 0
+        self.flushed = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = self.fh.write(data)
+        self.pos += len(data)
+        if self.pos - self.flushed >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):
+            self.fh.flush()
+            os.posix_fadvise(self.fh.fileno(), self.flushed, self.pos - self.flushed, os.POSIX_FADV_DONTNEED)
+            self.flushed = self.pos
+        return n
+
+
+def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Progress | None) -> Iterator[memoryview | bytes]:
     pos = 0
     for span in [*storage.spans, Span("", 0, 0, storage.nbytes)]:
         while pos < span.dst:
@@ -248,7 +384,7 @@ def _storage_chunks(storage: OutStorage, reader: SourceReader, progress: Progres
             yield _ZEROS[:n]
             pos += n
         if span.length:
-            for chunk in reader.chunks(span):
+            for chunk in source.chunks(span):
                 yield chunk
                 if progress is not None:
                     progress(len(chunk))
@@ -257,10 +393,10 @@ def _storage_chunks(storage: OutStorage, reader: SourceReader, progress: Progres
 
 def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progress | None = None,
                   durable: bool = True) -> int:
-    """Write `obj` (plain data, `OutTensor`s, picklable objects) to `uri` as torch.save would.
+    """Write `obj` (see `dumps`) to `uri` as torch.save would.
 
-    Storage bytes are streamed from their spans through `reader`'s buffer; nothing larger than one
-    chunk is held. Returns the file size. With `durable`, a local file is fsynced before returning.
+    Storage bytes are streamed from their spans, read a few chunks ahead on a thread; nothing larger
+    than `reader.depth` chunks is held. Returns the file size. With `durable`, a local file is fsynced before returning.
     """
     data, storages = dumps(obj)
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
@@ -269,14 +405,15 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
     else:
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
+    source = _ReadAhead(reader, [span for storage in storages for span in storage.spans if span.length])
     try:
-        zw = _ZipWriter(fh, name)
+        zw = _ZipWriter(_EarlyWriteback(fh) if durable and is_local(uri) else fh, name)
         zw.record("data.pkl", [data], len(data))
         zw.record(".format_version", [b"1"], 1)
         zw.record(".storage_alignment", [str(ALIGNMENT).encode()], len(str(ALIGNMENT)))
         zw.record("byteorder", [b"little"], 6)
         for key, storage in enumerate(storages):
-            zw.record(f"data/{key}", _storage_chunks(storage, reader, progress), storage.nbytes)
+            zw.record(f"data/{key}", _storage_chunks(storage, source, progress), storage.nbytes)
         zw.record("version", [b"3\n"], 2)
         serial = str(uuid.uuid4().int).rjust(40, "0")[:40].encode()
         zw.record(".data/serialization_id", [serial], len(serial))
@@ -285,5 +422,6 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
             fh.flush()
             os.fsync(fh.fileno())
     finally:
+        source.close()
         fh.close()
     return zw.pos

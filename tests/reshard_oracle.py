@@ -2,7 +2,8 @@
 
 Run on M ranks by ``launch("tests.reshard_oracle", M, ["--jobs", FILE])``. ``FILE`` holds a JSON list of
 jobs, run in order; each builds the fixture model at this world size with the fixture's DeepSpeed
-config (``"dtype": "fp16"`` adds an fp16 section, see ``allow_fp16_on_cpu``), and then either
+config (``"dtype": "fp16"`` adds an fp16 section, see ``allow_fp16_on_cpu``; ``"zero"`` holds extra
+``zero_optimization`` settings), and then either
 
 - with ``"write"``: trains ``"steps"`` steps from scratch and saves a source checkpoint there, or
 - calls ``engine.load_checkpoint(job["load"])`` (no universal-checkpoint flag), and then:
@@ -70,6 +71,7 @@ def run_job(job: dict[str, Any]) -> None:
     if fp16:
         allow_fp16_on_cpu()
         config["fp16"] = dict(FP16_CONFIG)
+    config["zero_optimization"].update(job.get("zero") or {})
     steps = int(job.get("train_steps", 0))
     if steps:
         batch = int(job["global_batch"])

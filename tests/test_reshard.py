@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptflow.errors import CheckpointError, OutputError
+from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError
 from ckptflow.reshard import discard, finalize, plan_reshard, prepare_output, reshard, run_unit
 from ckptflow.torchzip import PickledObject, TensorRef, open_archive, read_tensor
 from ckptflow.zero import load_index
@@ -293,23 +293,33 @@ def test_cli(ds_fixtures, tmp_path: Path) -> None:
 # (source, target world size). Sources are the fixtures, plus:
 # - "z2-bf16-ws1*": z2-bf16-ws2 resharded to 1 rank, then loaded and saved again by DeepSpeed at 1 rank
 #   (a DeepSpeed-written ZeRO-2 checkpoint at one rank, which the fixtures do not have);
-# - "z<stage>-fp16-ws2*": written by the oracle's 2-rank launch through DeepSpeed's fp16 path (dynamic
-#   loss scaler) on CPU, with DeepSpeed's "fp16 is not supported on your device" gate lifted.
+# - the WRITTEN sources, trained and saved by the oracle's 2-rank launch: fp16 through DeepSpeed's fp16
+#   path (dynamic loss scaler) on CPU with its "fp16 is not supported on your device" gate lifted, and
+#   ZeRO settings that change the layout (parameter alignment, and a ZeRO-3 sub_group_size that splits a
+#   group into sub-groups at 1 rank but not at 2). Round-robin gradients are covered by the integer
+#   tests only: DeepSpeed 0.19.8 records their param_slice_mappings in the optimizer's original order
+#   while it flattens in round-robin order, and `validate` rightly refuses the inconsistent files.
 CASES = (
     # 2 -> 1
     ("z1-bf16-ws2", 1), ("z2-bf16-ws2", 1), ("z3-bf16-ws2", 1), ("z1-fp32-ws2", 1), ("z2-fp32-ws2", 1),
-    ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 1), ("z3-fp16-ws2*", 1),
+    ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 1), ("z3-fp16-ws2*", 1), ("z3-subgroups-ws2*", 1),
     # 2 -> 3
     ("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-bf16-ws2", 3), ("llama-z3-bf16-ws2", 3),
     ("z2-bf16-ws2-offload", 3), ("z1-bf16-ws2-fp32accum", 3), ("z1-fp16-ws2*", 3), ("z3-fp16-ws2*", 3),
+    ("z1-aligned-ws2*", 3),
     # 4 -> 2 and 3 -> 2
     ("z1-bf16-ws4", 2), ("z2-fp32-ws4", 2), ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
     # 1 -> 4, 3 -> 4, 2 -> 4
     ("z1-fp32-ws1", 4), ("z3-bf16-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-fp32-ws3", 4), ("z3-bf16-ws2-offload", 4),
+    ("z1-aligned-ws2*", 4),
 )
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
-FP16 = {f"z{stage}-fp16-ws2*": stage for stage in (1, 2, 3)}
-LAUNCH_ORDER = (2, 1, 3, 4)  # 2 writes the fp16 sources; 4 reshards a checkpoint the 1-rank launch wrote
+WRITTEN = {
+    **{f"z{stage}-fp16-ws2*": {"stage": stage, "dtype": "fp16"} for stage in (1, 2, 3)},
+    "z1-aligned-ws2*": {"stage": 1, "dtype": "bf16", "zero": {"parameter_alignment": True}},
+    "z3-subgroups-ws2*": {"stage": 3, "dtype": "fp32", "zero": {"sub_group_size": 300}},
+}
+LAUNCH_ORDER = (2, 1, 3, 4)  # 2 writes the WRITTEN sources; 4 reshards a checkpoint the 1-rank launch wrote
 # Loss curves: k steps at the source's world size from the source against k steps at the new one.
 CURVES = (("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 3))
 CURVE_STEPS, GLOBAL_BATCH = 3, 12
@@ -320,8 +330,8 @@ def _case_id(case: tuple[str, int]) -> str:
 
 
 def _job(spec: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    keys = ("model", "stage", "dtype", "offload", "grad_accum_dtype", "seed")
-    return {**{k: spec[k] for k in keys}, **extra}
+    keys = ("model", "stage", "dtype", "offload", "grad_accum_dtype", "seed", "zero")
+    return {**{k: spec[k] for k in keys if k in spec}, **extra}
 
 
 @pytest.fixture(scope="session")
@@ -334,15 +344,15 @@ def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
     for alias, (name, _) in CHAINED.items():
         specs[alias] = specs[name]
         sources[alias] = root / "resaved" / _case_id((name, 1))
-    for alias, stage in FP16.items():
-        specs[alias] = {"model": "toy", "stage": stage, "dtype": "fp16", "offload": False, "grad_accum_dtype": None,
-                        "seed": 0, "world_size": 2, "optimizer": "DeepSpeedZeroOptimizer"}
-        sources[alias] = root / "fp16" / alias.rstrip("*")
+    for alias, settings in WRITTEN.items():
+        specs[alias] = {"model": "toy", "offload": False, "grad_accum_dtype": None, "seed": 0, "world_size": 2,
+                        "optimizer": "DeepSpeedZeroOptimizer", **settings}
+        sources[alias] = root / "written" / alias.rstrip("*")
     outs = {case: root / "out" / _case_id(case) for case in CASES}
     resaved = {case: root / "resaved" / _case_id(case) for case in CASES}
     losses: dict[tuple[str, int], Path] = {}
     for world_size in LAUNCH_ORDER:
-        jobs = [_job(specs[alias], write=str(sources[alias])) for alias in FP16 if world_size == 2]
+        jobs = [_job(specs[alias], write=str(sources[alias])) for alias in WRITTEN if world_size == 2]
         for case in (c for c in CASES if c[1] == world_size):
             reshard(str(sources[case[0]]), str(outs[case]), world_size=world_size)
             jobs.append(_job(specs[case[0]], load=str(outs[case]), save=str(resaved[case])))
@@ -453,13 +463,31 @@ def test_deepspeed_writes_the_same_files(oracle, case) -> None:
 
 # Fields that depend on the world size; everything else in the model and optimizer files must match.
 _PER_WORLD_SIZE = {"dp_world_size", "ds_config", "single_partition_of_fp32_groups", "fp32_flat_groups",
-                   "group_paddings", "partition_count", "param_slice_mappings", "frozen_param_fragments"}
+                   "group_paddings", "partition_count", "param_slice_mappings", "frozen_param_fragments",
+                   "param_shapes", "param_alignment_paddings"}
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _hyper(groups: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups without their flat-partition ids (ZeRO-3 sub-groups change those)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _scalars(state: Mapping[Any, Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """The optimizer's per-partition scalars (step), whatever the partitions."""
+    return sorted({(k, repr(v)) for part in state.values() for k, v in part.items() if k not in _MOMENTS})
+
+
+def _shapes(model_states: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: shape for flat in model_states["param_shapes"] for name, shape in flat.items()}
 
 
 def _common_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in state.items() if k not in _PER_WORLD_SIZE}
     if isinstance(out.get("optimizer_state_dict"), Mapping):
-        out["optimizer_state_dict"] = out["optimizer_state_dict"]["param_groups"]
+        out["optimizer_state_dict"] = _hyper(out["optimizer_state_dict"]["param_groups"])
+    if isinstance(out.get("param_groups"), list):
+        out["param_groups"] = _hyper(out["param_groups"])
     return out
 
 
@@ -499,18 +527,28 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
         mine = {k: v for k, v in mine.items() if k not in skip}
         theirs = {k: v for k, v in theirs.items() if k not in skip}
         assert not _differences(theirs, mine)
+        assert _shapes(out_ix.model_states[0]) == _shapes(src_ix.model_states[0])
         osd_mine = _plain(out_ix.optim_states[rank]["optimizer_state_dict"], storage=False)
         osd_theirs = _plain(src_ix.optim_states[min(rank, src_ix.world_size - 1)]["optimizer_state_dict"],
                             storage=False)
         for key in set(osd_theirs) - _PER_WORLD_SIZE:
             if key in ("base_optimizer_state", "optimizer_state_dict"):
-                assert osd_mine[key]["param_groups"] == osd_theirs[key]["param_groups"]
-                for g, state in osd_theirs[key]["state"].items():
-                    scalars = {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")}
-                    assert {k: osd_mine[key]["state"][g][k] for k in scalars} == scalars
+                assert _hyper(osd_mine[key]["param_groups"]) == _hyper(osd_theirs[key]["param_groups"])
+                assert _scalars(osd_mine[key]["state"]) == _scalars(osd_theirs[key]["state"])
             else:
                 assert osd_mine[key] == osd_theirs[key], key
     assert src_ix.model_states[0]["global_steps"] == out_ix.model_states[0]["global_steps"] == 3
+
+
+def test_zero3_sub_groups_in_the_source_are_refused(oracle, tmp_path: Path) -> None:
+    """At 1 rank a sub_group_size of 300 splits the toy model's first group; the index reads such a
+    checkpoint with one flat per sub-group, which ckptflow does not reshard yet (it writes them)."""
+    source = oracle["resaved"][("z3-subgroups-ws2*", 1)]
+    assert len(load_index(str(source)).model_states[0]["param_shapes"]) == 3
+    with pytest.raises(UnsupportedCheckpointError, match=r"has 2 optimizer param groups but 3 flat groups; ZeRO-3 "
+                                                         r"sub-groups .* are not supported"):
+        reshard(str(source), str(tmp_path / "out"), world_size=2)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("curve", CURVES, ids=_case_id)
