@@ -35,7 +35,14 @@ from ckptflow.consolidate import (
     prepare_output,
     run_unit,
 )
-from ckptflow.errors import CheckpointError, CorruptFileError, OutputError, SourceReadError, VerificationError
+from ckptflow.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptFileError,
+    OutputError,
+    SourceReadError,
+    VerificationError,
+)
 from ckptflow.torchzip import TensorRef
 from ckptflow.zero import load_index
 from tests.fixtures import MATRIX, Fixture
@@ -665,3 +672,14 @@ def test_config_rewrite_and_sizes() -> None:
         with pytest.raises(ValueError):
             hf.parse_size(bad)
 
+
+
+def test_source_as_tag_folder_or_tag_option(ds_fixtures: Mapping[str, Fixture], tmp_path: Path) -> None:
+    fixture = ds_fixtures["z3-fp32-ws3"]
+    a = consolidate(str(fixture.tag_dir), str(tmp_path / "a"))
+    b = consolidate(str(fixture.dir), str(tmp_path / "b"), tag=fixture.tag)
+    assert (a.plan.root, a.plan.tag) == (b.plan.root, b.plan.tag) == (str(fixture.dir), fixture.tag)
+    assert (tmp_path / "a" / hf.SAFE_WEIGHTS_NAME).read_bytes() == (tmp_path / "b" / hf.SAFE_WEIGHTS_NAME).read_bytes()
+    with pytest.raises(CheckpointNotFoundError, match="global_step9 does not exist"):
+        consolidate(str(fixture.dir), str(tmp_path / "c"), tag="global_step9")
+    assert_nothing_left(tmp_path, tmp_path / "c")
