@@ -11,7 +11,8 @@ source folder (config.json, tokenizer, trainer_state.json, scheduler and RNG fil
 The work comes in four steps, so that an orchestrator can run the middle one in parallel:
 
 1. `plan_reshard(index, M)`: pure; one `RankUnit` per target rank, each a list of element copies
-   from source partitions (DeepSpeed's partition arithmetic lives in `ckptflow.zero_layout`).
+   from source partitions (DeepSpeed's partition arithmetic lives in `ckptflow.zero_layout`; which
+   fields of which file change with the world size, in `ckptflow.reshard_files`).
 2. `prepare_output(out)`: refuses an existing non-empty OUT and creates a staging folder beside it.
 3. `run_unit(plan, unit, staging)`: writes one target rank's files, streaming bytes from the source
    (each source byte of weights and moments is read by exactly one unit; memory stays at one chunk).
@@ -23,36 +24,30 @@ The work comes in four steps, so that an orchestrator can run the middle one in 
 
 from __future__ import annotations
 
-import copy
 import logging
 import posixpath
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError, VerificationError
+from ckptflow.reshard_files import is_partition_tensor, model_states, optim_states
 from ckptflow.storage import is_local, join, local_path, open_fs, unstrip
-from ckptflow.torchsave import (CHUNK_BYTES, Call, Global, Instance, OutStorage, OutTensor, SourceReader, Span,
-                                write_archive)
-from ckptflow.torchzip import DTYPE_SIZES, PickledObject, TensorRef
-from ckptflow.zero import (MODEL_FILE_RE, OPTIM_FILE_RE, Param, ZeroCheckpoint, inspect, model_file_name,
-                           optim_file_name)
-from ckptflow.zero_layout import (DEFAULT_SUB_GROUP_SIZE, Copy, Extent, moves, param_alignment, piece_offsets,
-                                  round_robin_order, zero3_moves, zero3_piece, zero3_sub_groups,
+from ckptflow.torchsave import CHUNK_BYTES, SourceReader, write_archive
+from ckptflow.torchzip import DTYPE_SIZES
+from ckptflow.zero import MODEL_FILE_RE, OPTIM_FILE_RE, ZeroCheckpoint, inspect, model_file_name, optim_file_name
+from ckptflow.zero_layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZERO, ZERO3, Copy, Extent, moves, param_alignment,
+                                  piece_offsets, round_robin_order, zero3_moves, zero3_piece, zero3_sub_groups,
                                   zero12_fragments, zero12_layout)
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
-ZERO = "zero"  # DeepSpeedZeroOptimizer (ZeRO-1/2)
-BF16 = "bf16"  # BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation)
-ZERO3 = "zero3"  # DeepSpeedZeroOptimizer_Stage3
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -208,11 +203,7 @@ def _check_supported(index: ZeroCheckpoint, optimizer: str) -> None:
 def _moment_keys(index: ZeroCheckpoint) -> int:
     """How many partition-sized tensors (fp32 weights and moments) each flat holds."""
     part = index.partitions[0][0]
-    return 1 + sum(1 for ref in part.state.values() if _is_partition_tensor(ref, part.numel, part.fp32.numel))
-
-
-def _is_partition_tensor(value: Any, numel: int, saved: int) -> bool:
-    return isinstance(value, TensorRef) and len(value.shape) == 1 and value.numel in (numel, saved)
+    return 1 + sum(1 for ref in part.state.values() if is_partition_tensor(ref, part.numel, part.fp32.numel))
 
 
 def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str) -> ReshardPlan:
@@ -445,10 +436,10 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: str, *, progress: Calla
     reader = SourceReader(chunk_bytes)
     written = 0
     try:
-        written += write_archive(join(tag_uri, unit.optim_file), _optim_states(plan, unit), reader,
+        written += write_archive(join(tag_uri, unit.optim_file), optim_states(plan, unit), reader,
                                  progress=progress, durable=durable)
         if unit.model_file:
-            written += write_archive(join(tag_uri, unit.model_file), _model_states(plan, unit), reader,
+            written += write_archive(join(tag_uri, unit.model_file), model_states(plan, unit), reader,
                                      progress=progress, durable=durable)
     finally:
         reader.close()
@@ -456,248 +447,6 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: str, *, progress: Calla
                 written / 1e6, time.monotonic() - started)
     return UnitResult(rank=unit.rank, files=unit.files, bytes_read=reader.bytes_read, bytes_written=written,
                       seconds=time.monotonic() - started)
-
-
-class _Tree:
-    """Turns the reader's plain data back into picklable objects for one output file.
-
-    Tensors are copied verbatim (storages shared as in the source), except those `remap` sends into
-    a rebuilt storage; DeepSpeed's records become DeepSpeed objects again.
-    """
-
-    def __init__(self, remap: Mapping[tuple[str, str, int], tuple[OutStorage, int]] | None = None) -> None:
-        self.storages: dict[tuple[str, str], OutStorage] = {}
-        self.remap = dict(remap or {})
-        self.remapped_keys = {(uri, key) for uri, key, _ in self.remap}
-
-    def tensor(self, ref: TensorRef) -> OutTensor:
-        hit = self.remap.get((ref.uri, ref.key, ref.storage_offset))
-        if hit is not None:
-            storage, offset = hit
-            return OutTensor(storage, offset, ref.shape)
-        if (ref.uri, ref.key) in self.remapped_keys:
-            raise CheckpointError(f"{ref.uri}: a module tensor views a flattened param group at element "
-                                  f"{ref.storage_offset}, where no parameter starts", file=ref.uri)
-        storage = self.storages.get((ref.uri, ref.key))
-        if storage is None:
-            nbytes = ref.storage_numel * ref.itemsize
-            storage = OutStorage(ref.dtype, ref.storage_numel, [Span(ref.uri, ref.data_offset, nbytes, 0)] if nbytes else [])
-            self.storages[(ref.uri, ref.key)] = storage
-        return OutTensor(storage, ref.storage_offset, ref.shape, ref.stride)
-
-    def convert(self, obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            return self.tensor(obj)
-        if isinstance(obj, PickledObject):
-            return _deepspeed_object(obj, self)
-        if isinstance(obj, OrderedDict):
-            return OrderedDict((k, self.convert(v)) for k, v in obj.items())
-        if isinstance(obj, dict):
-            return {k: self.convert(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self.convert(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(self.convert(v) for v in obj)
-        return obj
-
-
-_DEEPSPEED_CLASSES = {
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-}
-
-
-def _global(qualname: str) -> Global:
-    module, _, name = qualname.rpartition(".")
-    return Global(module, name)
-
-
-def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
-    """The DeepSpeed object `record` stands for, written back the way pickle wrote it."""
-    if record.qualname not in _DEEPSPEED_CLASSES:
-        raise CheckpointError(f"cannot write a {record.qualname} back")
-    state = record.state
-    if isinstance(state, dict):
-        # The reader keeps torch dtypes (DynamicLossScaler.dtype) as their names.
-        state = {k: Global("torch", v) if k == "dtype" and isinstance(v, str) and v in DTYPE_SIZES else tree.convert(v)
-                 for k, v in state.items()}
-    else:
-        state = tree.convert(state)
-    return Instance(_global(record.qualname), state, tree.convert(record.args))
-
-
-def _zero_stage(value: int) -> Call:
-    return Call(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(value),))
-
-
-def _fragment_address(start: int, numel: int) -> Instance:
-    return Instance(Global("deepspeed.utils.tensor_fragment", "fragment_address"), {"numel": numel, "start": start})
-
-
-def _size(shape: Sequence[int]) -> Call:
-    return Call(Global("torch", "Size"), (tuple(int(d) for d in shape),))
-
-
-def _gathered(flat: TargetFlat, refs: Callable[[int, int], TensorRef], dtype: str) -> OutStorage:
-    """The storage of one target flat partition: its copies from source tensors `refs(rank, flat)`."""
-    size = DTYPE_SIZES[dtype]
-    spans = []
-    for c in flat.copies:
-        ref = refs(c.src_rank, c.src_flat)
-        if ref.dtype != dtype or c.src_offset + c.numel > ref.numel:
-            raise CheckpointError(f"{ref.uri}: a partition holds {ref.numel} {ref.dtype} elements, too few for the "
-                                  f"layout ({c.src_offset}+{c.numel} {dtype})", file=ref.uri, rank=c.src_rank)
-        start, end = ref.element_range(c.src_offset, c.numel)
-        spans.append(Span(ref.uri, start, end - start, c.dst_offset * size))
-    return OutStorage(dtype, flat.numel, spans)
-
-
-def _target_config(config: Any, src_ws: int, dst_ws: int) -> Any:
-    """The ds_config as the run at the new world size records it: same per-rank batch."""
-    if not isinstance(config, dict):
-        return config
-    out = copy.deepcopy(config)
-    tbs = out.get("train_batch_size")
-    if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs % src_ws == 0:
-        out["train_batch_size"] = tbs // src_ws * dst_ws
-    return out
-
-
-def _base_state(plan: ReshardPlan, rank: int) -> Mapping[str, Any]:
-    osd = plan.index.optim_states[rank]["optimizer_state_dict"]
-    return osd["optimizer_state_dict"] if plan.optimizer == ZERO3 else osd["base_optimizer_state"]
-
-
-def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
-    """The unit's fp32 flat partitions and the base optimizer's state for each, both resharded."""
-    ix = plan.index
-    meta_state = _base_state(plan, unit.meta_rank).get("state") or {}
-    fp32, states = [], {}
-    for i, flat in enumerate(unit.flats):
-        storage = _gathered(flat, lambda r, f: ix.partitions[r][f].fp32, "float32")
-        fp32.append(OutTensor(storage, 0, (flat.saved,)))
-        part = ix.partitions[unit.meta_rank][flat.group]
-        state = {}
-        for key, value in (meta_state.get(flat.group) or {}).items():
-            if _is_partition_tensor(value, part.numel, part.fp32.numel):
-                state[key] = OutTensor(_gathered(flat, lambda r, f, k=key: ix.partitions[r][f].state[k], value.dtype))
-            else:
-                state[key] = tree.convert(value)
-        states[i] = state
-    return fp32, states
-
-
-def _optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
-    ix = plan.index
-    source = ix.optim_states[unit.meta_rank]
-    osd = source["optimizer_state_dict"]
-    tree = _Tree()
-    fp32, states = _flat_states(plan, unit, tree)
-    n_groups = len(ix.groups)
-    out: dict[str, Any] = {}
-    for key, value in osd.items():
-        if key in ("base_optimizer_state", "optimizer_state_dict") and isinstance(value, Mapping):
-            groups = []
-            for g, group in enumerate(value.get("param_groups") or []):
-                params = [i for i, f in enumerate(unit.flats) if f.group == g]
-                groups.append({k: (params if k == "params" else tree.convert(v)) for k, v in group.items()})
-            out[key] = {"state": states, "param_groups": groups}
-        elif key in ("single_partition_of_fp32_groups", "fp32_flat_groups"):
-            out[key] = fp32
-        elif key == "group_paddings":
-            out[key] = list(unit.group_paddings)
-        elif key == "param_alignment_paddings":
-            out[key] = [list(p) for p in plan.param_alignment_paddings]
-        elif key == "partition_count":
-            out[key] = plan.world_size if plan.optimizer == ZERO3 else [plan.world_size] * n_groups
-        elif key == "param_slice_mappings":
-            out[key] = [OrderedDict((n, _fragment_address(s, k)) for n, s, k in group) for group in unit.slice_mappings]
-        elif key == "zero_stage":
-            out[key] = _zero_stage(value)
-        else:
-            out[key] = tree.convert(value)
-    if plan.optimizer == ZERO and "param_alignment_paddings" not in out and any(map(any, plan.param_alignment_paddings)):
-        out["param_alignment_paddings"] = [list(p) for p in plan.param_alignment_paddings]
-    top: dict[str, Any] = {}
-    for key, value in source.items():
-        if key == "optimizer_state_dict":
-            top[key] = out
-        elif key == "ds_config":
-            top[key] = _target_config(value, plan.source_world_size, plan.world_size)
-        else:
-            top[key] = tree.convert(value)
-    return top
-
-
-def _model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
-    ix = plan.index
-    source = ix.model_states[unit.meta_rank if plan.stage == 3 else 0]
-    tree = _Tree(_module_remap(plan, source.get("module") or {}) if plan.stage != 3 else None)
-    out: dict[str, Any] = {}
-    for key, value in source.items():
-        if key == "param_shapes":
-            out[key] = [OrderedDict((n, _size(s)) for n, s in flat) for flat in plan.flat_shapes]
-        elif key == "frozen_param_shapes" and isinstance(value, Mapping):
-            out[key] = OrderedDict((n, _size(s)) for n, s in value.items())
-        elif key == "frozen_param_fragments" and isinstance(value, Mapping) and plan.stage == 3:
-            out[key] = _frozen_fragments(plan, unit, value)
-        elif key == "shared_params" and plan.stage == 3:  # DeepSpeed fills it on global rank 0 only
-            shared = ix.model_states[0].get(key)
-            out[key] = tree.convert(shared) if unit.rank == 0 else type(shared)() if isinstance(shared, dict) else shared
-        elif key == "dp_world_size":
-            out[key] = plan.world_size
-        elif key == "ds_config":
-            out[key] = _target_config(value, plan.source_world_size, plan.world_size)
-        else:
-            out[key] = tree.convert(value)
-    return out
-
-
-def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]) -> dict[tuple[str, str, int], tuple[OutStorage, int]]:
-    """ZeRO-1/2 module tensors of trainable parameters view one flat 16-bit buffer per param group;
-    rebuild each buffer at the new world size and send every view (tied aliases too) into it."""
-    remap: dict[tuple[str, str, int], tuple[OutStorage, int]] = {}
-    for flat_numel, offsets in plan.module:
-        spans: list[Span] = []
-        dtype = None
-        placed = []
-        for name, offset in offsets:
-            ref = module.get(name)
-            if not isinstance(ref, TensorRef) or not ref.is_contiguous or ref.numel != plan.index.param_by_name[name].numel:
-                raise CheckpointError(f"{plan.index.model_file()}: module tensor {name} is missing or not a contiguous "
-                                      "view of its parameter", file=plan.index.model_file(), tensor=name)
-            dtype = dtype or ref.dtype
-            if ref.dtype != dtype:
-                raise UnsupportedCheckpointError(f"param group holding {name} mixes dtypes {dtype} and {ref.dtype}",
-                                                 tensor=name)
-            start, end = ref.byte_range
-            dst = offset * ref.itemsize
-            last = spans[-1] if spans else None
-            if last is not None and last.uri == ref.uri and last.start + last.length == start and last.dst + last.length == dst:
-                spans[-1] = Span(last.uri, last.start, last.length + end - start, last.dst)
-            else:
-                spans.append(Span(ref.uri, start, end - start, dst))
-            placed.append((ref, offset))
-        if dtype is None:
-            continue
-        storage = OutStorage(dtype, flat_numel, spans)
-        for ref, offset in placed:
-            remap[(ref.uri, ref.key, ref.storage_offset)] = (storage, offset)
-    return remap
-
-
-def _frozen_fragments(plan: ReshardPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict:
-    by_name = plan.index.param_by_name
-    pieces = {p.name: p for p in unit.frozen}
-    out = OrderedDict()
-    for name in source:
-        param: Param = by_name[name]
-        piece = pieces[name]
-        dtype = param.frozen_pieces[0].dtype
-        flat = TargetFlat(group=-1, numel=piece.numel, saved=piece.numel, copies=piece.copies)
-        out[name] = OutTensor(_gathered(flat, lambda r, f, p=param: p.frozen_pieces[r], dtype))
-    return out
 
 
 # ---- finishing ----------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Which DeepSpeed optimizer laid a checkpoint's partitions out.
+ZERO = "zero"  # DeepSpeedZeroOptimizer (ZeRO-1/2)
+BF16 = "bf16"  # BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation)
+ZERO3 = "zero3"  # DeepSpeedZeroOptimizer_Stage3
+
 NCCL_START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size
 
@@ -200,6 +205,6 @@ def piece_offsets(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 __all__ = [
-    "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "piece_offsets", "round_robin_order",
+    "BF16", "ZERO", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "piece_offsets", "round_robin_order",
     "zero12_fragments", "zero12_layout", "zero3_moves", "zero3_piece", "zero3_sub_groups",
 ]

@@ -1,0 +1,292 @@
+"""The files DeepSpeed writes for one data-parallel rank, rebuilt for a new world size from a plan.
+
+`optim_states` and `model_states` return the object trees of one target rank's optimizer file and
+model-states file, ready for `ckptflow.torchsave.write_archive`: the source rank's plain data (as
+`ckptflow.torchzip` read it) with every field that depends on the world size rewritten, tensors as
+`OutTensor`s whose storages name the source byte ranges that fill them, and DeepSpeed's objects
+(loss scaler, fragment addresses, ZeRO stage) as the pickle stand-ins torchsave writes by name.
+
+Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and the engine's
+`_save_checkpoint`:
+
+- optimizer file, ZeRO-1/2 (`DeepSpeedZeroOptimizer`, `BF16_Optimizer`): the flat fp32 partitions
+  (`single_partition_of_fp32_groups`, saved without tail padding by the former, whole by the latter),
+  the base optimizer's moments over them, `group_paddings`, `param_alignment_paddings`,
+  `partition_count`, `param_slice_mappings`;
+- optimizer file, ZeRO-3: `fp32_flat_groups` (one per sub-group), the moments, the optimizer's
+  param groups' flat ids, `partition_count`;
+- model states: `dp_world_size`, `param_shapes` (one entry per flat), the ZeRO-1/2 16-bit module copy
+  (one flat buffer per group at the new alignment), ZeRO-3 `frozen_param_fragments` pieces and
+  `shared_params` (recorded by rank 0 only), and `train_batch_size` in `ds_config` (same per-rank
+  batch at the new world size).
+
+Everything else (scheduler, steps, samples, loss scaler, clip_grad, buffers, frozen ZeRO-1/2 tensors,
+client state) is copied from the source rank the unit names as `meta_rank`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
+from ckptflow.torchzip import DTYPE_SIZES, PickledObject, TensorRef
+from ckptflow.zero_layout import ZERO, ZERO3, Copy
+
+if TYPE_CHECKING:
+    from ckptflow.reshard import RankUnit, ReshardPlan
+
+
+def is_partition_tensor(value: Any, numel: int, saved: int) -> bool:
+    """Whether an optimizer state entry is a tensor over the flat partition (a moment, not `step`)."""
+    return isinstance(value, TensorRef) and len(value.shape) == 1 and value.numel in (numel, saved)
+
+
+class _Tree:
+    """Turns the reader's plain data back into picklable objects for one output file.
+
+    Tensors are copied verbatim (storages shared as in the source), except those `remap` sends into
+    a rebuilt storage; DeepSpeed's records become DeepSpeed objects again.
+    """
+
+    def __init__(self, remap: Mapping[tuple[str, str, int], tuple[OutStorage, int]] | None = None) -> None:
+        self.storages: dict[tuple[str, str], OutStorage] = {}
+        self.remap = dict(remap or {})
+        self.remapped_keys = {(uri, key) for uri, key, _ in self.remap}
+
+    def tensor(self, ref: TensorRef) -> OutTensor:
+        hit = self.remap.get((ref.uri, ref.key, ref.storage_offset))
+        if hit is not None:
+            storage, offset = hit
+            return OutTensor(storage, offset, ref.shape)
+        if (ref.uri, ref.key) in self.remapped_keys:
+            raise CheckpointError(f"{ref.uri}: a module tensor views a flattened param group at element "
+                                  f"{ref.storage_offset}, where no parameter starts", file=ref.uri)
+        storage = self.storages.get((ref.uri, ref.key))
+        if storage is None:
+            nbytes = ref.storage_numel * ref.itemsize
+            storage = OutStorage(ref.dtype, ref.storage_numel, [Span(ref.uri, ref.data_offset, nbytes, 0)] if nbytes else [])
+            self.storages[(ref.uri, ref.key)] = storage
+        return OutTensor(storage, ref.storage_offset, ref.shape, ref.stride)
+
+    def convert(self, obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return self.tensor(obj)
+        if isinstance(obj, PickledObject):
+            return _deepspeed_object(obj, self)
+        if isinstance(obj, OrderedDict):
+            return OrderedDict((k, self.convert(v)) for k, v in obj.items())
+        if isinstance(obj, dict):
+            return {k: self.convert(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.convert(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(self.convert(v) for v in obj)
+        return obj
+
+
+_DEEPSPEED_CLASSES = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+}
+
+
+def _global(qualname: str) -> Global:
+    module, _, name = qualname.rpartition(".")
+    return Global(module, name)
+
+
+def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
+    """The DeepSpeed object `record` stands for, written back the way pickle wrote it."""
+    if record.qualname not in _DEEPSPEED_CLASSES:
+        raise CheckpointError(f"cannot write a {record.qualname} back")
+    state = record.state
+    if isinstance(state, dict):
+        # The reader keeps torch dtypes (DynamicLossScaler.dtype) as their names.
+        state = {k: Global("torch", v) if k == "dtype" and isinstance(v, str) and v in DTYPE_SIZES else tree.convert(v)
+                 for k, v in state.items()}
+    else:
+        state = tree.convert(state)
+    return Instance(_global(record.qualname), state, tree.convert(record.args))
+
+
+def _zero_stage(value: int) -> Call:
+    return Call(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(value),))
+
+
+def _fragment_address(start: int, numel: int) -> Instance:
+    return Instance(Global("deepspeed.utils.tensor_fragment", "fragment_address"), {"numel": numel, "start": start})
+
+
+def _size(shape: Sequence[int]) -> Call:
+    return Call(Global("torch", "Size"), (tuple(int(d) for d in shape),))
+
+
+def _gathered(numel: int, copies: Sequence[Copy], refs: Callable[[int, int], TensorRef], dtype: str) -> OutStorage:
+    """A storage of `numel` elements filled by `copies` from source tensors `refs(rank, flat)`."""
+    size = DTYPE_SIZES[dtype]
+    spans = []
+    for c in copies:
+        ref = refs(c.src_rank, c.src_flat)
+        if ref.dtype != dtype or c.src_offset + c.numel > ref.numel:
+            raise CheckpointError(f"{ref.uri}: a partition holds {ref.numel} {ref.dtype} elements, too few for the "
+                                  f"layout ({c.src_offset}+{c.numel} {dtype})", file=ref.uri, rank=c.src_rank)
+        start, end = ref.element_range(c.src_offset, c.numel)
+        spans.append(Span(ref.uri, start, end - start, c.dst_offset * size))
+    return OutStorage(dtype, numel, spans)
+
+
+def _target_config(config: Any, src_ws: int, dst_ws: int) -> Any:
+    """The ds_config as the run at the new world size records it: same per-rank batch."""
+    if not isinstance(config, dict):
+        return config
+    out = copy.deepcopy(config)
+    tbs = out.get("train_batch_size")
+    if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs % src_ws == 0:
+        out["train_batch_size"] = tbs // src_ws * dst_ws
+    return out
+
+
+def _base_state(plan: ReshardPlan, rank: int) -> Mapping[str, Any]:
+    osd = plan.index.optim_states[rank]["optimizer_state_dict"]
+    return osd["optimizer_state_dict"] if plan.optimizer == ZERO3 else osd["base_optimizer_state"]
+
+
+def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
+    """The unit's fp32 flat partitions and the base optimizer's state for each, both resharded."""
+    ix = plan.index
+    meta_state = _base_state(plan, unit.meta_rank).get("state") or {}
+    fp32, states = [], {}
+    for i, flat in enumerate(unit.flats):
+        storage = _gathered(flat.numel, flat.copies, lambda r, f: ix.partitions[r][f].fp32, "float32")
+        fp32.append(OutTensor(storage, 0, (flat.saved,)))
+        part = ix.partitions[unit.meta_rank][flat.group]
+        state = {}
+        for key, value in (meta_state.get(flat.group) or {}).items():
+            if is_partition_tensor(value, part.numel, part.fp32.numel):
+                state[key] = OutTensor(_gathered(flat.numel, flat.copies,
+                                                 lambda r, f, k=key: ix.partitions[r][f].state[k], value.dtype))
+            else:
+                state[key] = tree.convert(value)
+        states[i] = state
+    return fp32, states
+
+
+def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
+    """The object tree of target rank `unit.rank`'s optimizer file, ready for `write_archive`."""
+    ix = plan.index
+    source = ix.optim_states[unit.meta_rank]
+    osd = source["optimizer_state_dict"]
+    tree = _Tree()
+    fp32, states = _flat_states(plan, unit, tree)
+    n_groups = len(ix.groups)
+    out: dict[str, Any] = {}
+    for key, value in osd.items():
+        if key in ("base_optimizer_state", "optimizer_state_dict") and isinstance(value, Mapping):
+            groups = []
+            for g, group in enumerate(value.get("param_groups") or []):
+                params = [i for i, f in enumerate(unit.flats) if f.group == g]
+                groups.append({k: (params if k == "params" else tree.convert(v)) for k, v in group.items()})
+            out[key] = {"state": states, "param_groups": groups}
+        elif key in ("single_partition_of_fp32_groups", "fp32_flat_groups"):
+            out[key] = fp32
+        elif key == "group_paddings":
+            out[key] = list(unit.group_paddings)
+        elif key == "param_alignment_paddings":
+            out[key] = [list(p) for p in plan.param_alignment_paddings]
+        elif key == "partition_count":
+            out[key] = plan.world_size if plan.optimizer == ZERO3 else [plan.world_size] * n_groups
+        elif key == "param_slice_mappings":
+            out[key] = [OrderedDict((n, _fragment_address(s, k)) for n, s, k in group) for group in unit.slice_mappings]
+        elif key == "zero_stage":
+            out[key] = _zero_stage(value)
+        else:
+            out[key] = tree.convert(value)
+    if plan.optimizer == ZERO and "param_alignment_paddings" not in out and any(map(any, plan.param_alignment_paddings)):
+        out["param_alignment_paddings"] = [list(p) for p in plan.param_alignment_paddings]
+    top: dict[str, Any] = {}
+    for key, value in source.items():
+        if key == "optimizer_state_dict":
+            top[key] = out
+        elif key == "ds_config":
+            top[key] = _target_config(value, plan.source_world_size, plan.world_size)
+        else:
+            top[key] = tree.convert(value)
+    return top
+
+
+def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
+    """The object tree of target rank `unit.rank`'s model-states file, ready for `write_archive`."""
+    ix = plan.index
+    source = ix.model_states[unit.meta_rank if plan.stage == 3 else 0]
+    tree = _Tree(_module_remap(plan, source.get("module") or {}) if plan.stage != 3 else None)
+    out: dict[str, Any] = {}
+    for key, value in source.items():
+        if key == "param_shapes":
+            out[key] = [OrderedDict((n, _size(s)) for n, s in flat) for flat in plan.flat_shapes]
+        elif key == "frozen_param_shapes" and isinstance(value, Mapping):
+            out[key] = OrderedDict((n, _size(s)) for n, s in value.items())
+        elif key == "frozen_param_fragments" and isinstance(value, Mapping) and plan.stage == 3:
+            out[key] = _frozen_fragments(plan, unit, value)
+        elif key == "shared_params" and plan.stage == 3:  # DeepSpeed fills it on global rank 0 only
+            shared = ix.model_states[0].get(key)
+            out[key] = tree.convert(shared) if unit.rank == 0 else type(shared)() if isinstance(shared, dict) else shared
+        elif key == "dp_world_size":
+            out[key] = plan.world_size
+        elif key == "ds_config":
+            out[key] = _target_config(value, plan.source_world_size, plan.world_size)
+        else:
+            out[key] = tree.convert(value)
+    return out
+
+
+def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]) -> dict[tuple[str, str, int], tuple[OutStorage, int]]:
+    """ZeRO-1/2 module tensors of trainable parameters view one flat 16-bit buffer per param group;
+    rebuild each buffer at the new world size and send every view (tied aliases too) into it."""
+    remap: dict[tuple[str, str, int], tuple[OutStorage, int]] = {}
+    for flat_numel, offsets in plan.module:
+        spans: list[Span] = []
+        dtype = None
+        placed = []
+        for name, offset in offsets:
+            ref = module.get(name)
+            if not isinstance(ref, TensorRef) or not ref.is_contiguous or ref.numel != plan.index.param_by_name[name].numel:
+                raise CheckpointError(f"{plan.index.model_file()}: module tensor {name} is missing or not a contiguous "
+                                      "view of its parameter", file=plan.index.model_file(), tensor=name)
+            dtype = dtype or ref.dtype
+            if ref.dtype != dtype:
+                raise UnsupportedCheckpointError(f"param group holding {name} mixes dtypes {dtype} and {ref.dtype}",
+                                                 tensor=name)
+            start, end = ref.byte_range
+            dst = offset * ref.itemsize
+            last = spans[-1] if spans else None
+            if last is not None and last.uri == ref.uri and last.start + last.length == start and last.dst + last.length == dst:
+                spans[-1] = Span(last.uri, last.start, last.length + end - start, last.dst)
+            else:
+                spans.append(Span(ref.uri, start, end - start, dst))
+            placed.append((ref, offset))
+        if dtype is None:
+            continue
+        storage = OutStorage(dtype, flat_numel, spans)
+        for ref, offset in placed:
+            remap[(ref.uri, ref.key, ref.storage_offset)] = (storage, offset)
+    return remap
+
+
+def _frozen_fragments(plan: ReshardPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict:
+    by_name = plan.index.param_by_name
+    pieces = {p.name: p for p in unit.frozen}
+    out = OrderedDict()
+    for name in source:
+        param = by_name[name]
+        piece = pieces[name]
+        dtype = param.frozen_pieces[0].dtype
+        out[name] = OutTensor(_gathered(piece.numel, piece.copies, lambda r, f, p=param: p.frozen_pieces[r], dtype))
+    return out
+
+
+__all__ = ["is_partition_tensor", "model_states", "optim_states"]
