@@ -255,6 +255,22 @@ def test_hugging_face_files_are_carried_over(llama_trainer_ckpt, tmp_path: Path)
     assert result.world_size == 3 and result.source_world_size == 2
 
 
+def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_path: Path) -> None:
+    """`Trainer.train(resume_from_checkpoint=OUT)` at the new world size: DeepSpeed loads OUT natively,
+    the Trainer's own files (trainer_state.json, scheduler, RNG) come along, and training goes on."""
+    out = tmp_path / "checkpoint-3"
+    reshard(str(llama_trainer_ckpt.dir), str(out), world_size=1)
+    state_file = tmp_path / "state.json"
+    spec = dict(llama_trainer_ckpt.spec)
+    launch("tests.reshard_trainer", 1, ["--spec", json.dumps(spec), "--checkpoint", str(out), "--out", str(state_file)],
+           log_dir=tmp_path / "logs")
+    state = json.loads(state_file.read_text())
+    assert state["global_step"] == state["engine_global_steps"] == spec["steps"] + 2
+    assert state["dp_world_size"] == 1
+    assert state["losses"][:spec["steps"]] == spec["losses"]  # the history came over in trainer_state.json
+    assert all(0.5 < loss < 10 for loss in state["losses"][spec["steps"]:])
+
+
 def test_other_filesystems(ds_fixtures) -> None:
     import fsspec
 

@@ -1,0 +1,79 @@
+"""Rank script: a Hugging Face Trainer run resumes from a resharded checkpoint at its new world size.
+
+Run by ``launch("tests.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint", DIR, "--out", FILE])``
+where DIR is a ``checkpoint-K`` folder resharded to M ranks and SPEC_JSON the fixture's spec. The run
+is set up as ``tests.fixtures.trainer`` set up the original one (same model, DeepSpeed config with
+"auto" values, optimizer built by the Trainer), with ``max_steps`` two past the checkpoint, and calls
+``trainer.train(resume_from_checkpoint=DIR)``. Rank 0 writes the Trainer's state to FILE as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+from tests.fixtures import models  # noqa: E402
+from tests.fixtures.trainer import _Batches, _configure_distributed_state, trainer_ds_config  # noqa: E402
+
+EXTRA_STEPS = 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="the fixture's spec.json content")
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    options = parser.parse_args(argv)
+    spec = json.loads(options.spec)
+
+    from transformers import Trainer, TrainingArguments
+
+    _configure_distributed_state()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    steps = spec["steps"] + EXTRA_STEPS
+    arguments = TrainingArguments(
+        output_dir=str(options.out.parent / "run"),
+        per_device_train_batch_size=models.MICRO_BATCH,
+        max_steps=steps,
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        warmup_steps=1,
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        deepspeed=copy.deepcopy(trainer_ds_config(spec["stage"])),
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        accelerator_config={"use_configured_state": True},
+    )
+    trainer = Trainer(
+        model=models.build_model(spec["model"], spec["seed"]),
+        args=arguments,
+        train_dataset=_Batches(steps=steps, world_size=world_size, seed=spec["seed"]),
+        processing_class=models.build_tokenizer(),
+    )
+    trainer.train(resume_from_checkpoint=str(options.checkpoint))
+    engine = trainer.model_wrapped
+    if int(os.environ.get("RANK", "0")) == 0:
+        options.out.write_text(json.dumps({
+            "global_step": trainer.state.global_step,
+            "engine_global_steps": engine.global_steps,
+            "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "lr": [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry],
+            "dp_world_size": engine.dp_world_size,
+        }))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
