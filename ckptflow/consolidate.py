@@ -12,8 +12,8 @@ Three steps, each usable on its own (the Prefect layer runs the units as tasks):
    windows on a local disk), cast on the way, hashed as written, and with `verify` reopened and
    checked against the source.
 3. `finalize` adds the config and tokenizer files, a provenance record and the shard index, then
-   moves the staging folder into place: one rename on a local disk, file by file with the index last
-   on a bucket. `abort` removes the staging folder.
+   moves the staging folder into place: one rename on a local disk, file by file (server-side
+   copies) with the index last on a bucket. `abort` removes the staging folder.
 
 `consolidate(src, out, ...)` runs all three with a thread per unit. Memory stays at a few batch
 buffers per worker whatever the model size; only the fp32 master weights are read, never the
@@ -661,7 +661,7 @@ def finalize(plan: ConsolidationPlan, results: Sequence[UnitResult], staging: st
     """Add config, tokenizer, provenance and index to `staging`, then move it into place as OUT.
 
     Locally that is one rename of the folder (after every file is synced); on a bucket the files are
-    moved one by one, shards first and the index last. Either way a reader never sees a folder that
+    copied server-side one by one, shards first and the index last, and the staging folder removed. Either way a reader never sees a folder that
     looks complete before it is.
     """
     got = {r.filename: r for r in results}
@@ -709,8 +709,8 @@ def _publish(staging: str, out: str, order: Sequence[str]) -> None:
     moved = []
     try:
         fs.makedirs(out_path, exist_ok=True)  # a no-op on object stores; needed where folders are real
-        for name in order:
-            fs.mv(posixpath.join(staging_path, name), posixpath.join(out_path, name))
+        for name in order:  # server-side copies (every store has them; not every store has a move)
+            fs.copy(posixpath.join(staging_path, name), posixpath.join(out_path, name))
             moved.append(name)
     except Exception as exc:
         for name in moved:

@@ -465,7 +465,7 @@ class _FlipOneByte:
 
 class CorruptingFileSystem(LocalFileSystem):
     """A local filesystem under `corrupting://` that flips the last byte of every shard written
-    through it and logs the order in which files are moved."""
+    through it and logs the order in which files are copied into place."""
 
     protocol = "corrupting"
     flip: ClassVar[bool] = True
@@ -483,9 +483,9 @@ class CorruptingFileSystem(LocalFileSystem):
 
     size_hint: ClassVar[dict[str, int]] = {}
 
-    def mv(self, path1: str, path2: str, **kwargs: Any) -> None:
+    def copy(self, path1: str, path2: str, **kwargs: Any) -> None:
         self.moves.append(str(path2).rsplit("/", 1)[-1])
-        super().mv(path1, path2, **kwargs)
+        super().copy(path1, path2, **kwargs)
 
 
 fsspec.register_implementation("recording", RecordingFileSystem, clobber=True)
@@ -683,3 +683,31 @@ def test_source_as_tag_folder_or_tag_option(ds_fixtures: Mapping[str, Fixture], 
     with pytest.raises(CheckpointNotFoundError, match="global_step9 does not exist"):
         consolidate(str(fixture.dir), str(tmp_path / "c"), tag="global_step9")
     assert_nothing_left(tmp_path, tmp_path / "c")
+
+
+def test_gcs_bucket_to_bucket(ds_fixtures: Mapping[str, Fixture], gcs: Any, tmp_path: Path) -> None:
+    """The GCS emulator through gcsfs: the output written to the bucket and equal to the sources;
+    retried 503s are absorbed, a permanent 403 on reads ends in a clear error and no OUT."""
+    fixture = ds_fixtures["z2-bf16-ws3"]
+    fs, _ = fsspec.core.url_to_fs(gcs.url)
+    src, out = f"{gcs.url}/ckpt", f"{gcs.url}/model"
+    fs.put(str(fixture.dir) + "/", src + "/", recursive=True)
+    consolidate(src, out, options=ConsolidateOptions(dtype="bf16", max_shard_size="2KB"))
+    fs.get(out + "/", str(tmp_path / "copy") + "/", recursive=True)
+    check_against_sources(fixture, tmp_path / "copy", torch.bfloat16)
+
+    gcs.proxy.configure(rate=0.3, kinds=("503",), seed=3, max_faults=4, only_paths=("optim_states",))
+    consolidate(src, out + "-retried", options=ConsolidateOptions(max_shard_size="2KB"))
+    assert sum(gcs.proxy.faults.values()) == 4
+
+    # A 403 on rank 2's file once the index is read: the requests an index read makes (listings are
+    # cached by now) are let through, the next one, a data range, is refused.
+    gcs.proxy.configure(only_paths=("zero_pp_rank_2",))
+    load_index(src)
+    gcs.proxy.configure(status=403, only_paths=("zero_pp_rank_2",), spare_first=gcs.proxy.counters.targeted)
+    with pytest.raises(SourceReadError) as caught:
+        consolidate(src, out + "-refused", options=ConsolidateOptions(max_shard_size="2KB"))
+    assert str(caught.value).startswith("cannot read the checkpoint: ") and "zero_pp_rank_2" in str(caught.value)
+    assert str(caught.value).endswith("check access to the store and run again; nothing was written to OUT")
+    gcs.proxy.reset()
+    assert not fs.exists(out + "-refused") and not [p for p in fs.ls(gcs.url, detail=False) if "partial" in p]
