@@ -88,8 +88,8 @@ class RankUnit:
     group_paddings: tuple[int, ...] = ()
     slice_mappings: tuple[tuple[tuple[str, int, int], ...], ...] = ()  # per group: (name, start, numel)
     frozen: tuple[FrozenPiece, ...] = ()
-    read_bytes: int = 0
-    write_bytes: int = 0
+    read_bytes: int = 0  # source bytes this unit copies: what `run_unit` reports as progress
+    write_bytes: int = 0  # storage bytes of its files (zeros included), about their size
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -263,7 +263,8 @@ def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str) -> Resh
         alignment_paddings.append(dst.param_paddings)
         module.append((dst.flat_numel, tuple((n, dst_pos[n]) for n in dst_names)))
 
-    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params if not p.frozen)
+    # Rank 0 also writes the model file: the 16-bit module copy, frozen parameters and buffers.
+    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + _buffer_bytes(index)
     units = []
     for r in range(world_size):
         flats = tuple(per_rank_flats[r])
@@ -345,7 +346,8 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
             for p in frozen
         )
         flats = tuple(per_rank_flats[r])
-        frozen_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in frozen) // world_size
+        frozen_bytes = sum(c.numel * DTYPE_SIZES[p.dtype] for p, piece in zip(frozen, pieces) for c in piece.copies)
+        frozen_bytes += _buffer_bytes(index)
         units.append(RankUnit(
             rank=r, meta_rank=min(r, src_ws - 1), optim_file=optim_file_name(index.precision, r),
             model_file=model_file_name(3, r), flats=flats, frozen=pieces,
@@ -357,6 +359,10 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
         source_world_size=src_ws, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=(), module=(), units=tuple(units), index=index,
     )
+
+
+def _buffer_bytes(index: ZeroCheckpoint) -> int:
+    return sum(b.ref.storage_numel * b.ref.itemsize for b in index.buffers)
 
 
 def _check_zero3_source(index: ZeroCheckpoint, g: int, names: Sequence[str], numels: Sequence[int],
@@ -426,8 +432,10 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: str, *, progress: Calla
              chunk_bytes: int = CHUNK_BYTES, durable: bool = True) -> UnitResult:
     """Write target rank `unit.rank`'s files into `staging/<tag>/`, streaming from the source.
 
-    `progress` receives the number of bytes each step wrote. Memory stays at one `chunk_bytes`
-    buffer plus the pickled metadata, whatever the partition size.
+    `progress` receives the number of source bytes each step copied; over the unit they add up to
+    `unit.read_bytes` (use `plan.read_bytes` as the total). Memory stays at a few `chunk_bytes`
+    buffers plus the pickled metadata, whatever the partition size. Running a unit again rewrites
+    its files, so a failed unit can simply be retried.
     """
     started = time.monotonic()
     tag_uri = join(staging, plan.tag)
@@ -584,7 +592,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     plan = plan_reshard(report.index, world_size)
     _check_not_inside(plan, out)
     staging = prepare_output(out)
-    total = plan.write_bytes
+    total = plan.read_bytes  # source bytes to copy (a close estimate: small per-rank scalars are left out)
     done = 0
     lock = threading.Lock()
 
@@ -594,7 +602,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
             done += nbytes
             current = done
         if progress is not None:
-            progress(current, total)
+            progress(current, max(total, current))
 
     try:
         count = max(1, min(workers or 4, len(plan.units)))
