@@ -46,6 +46,7 @@ class Measure:
     seconds: float
     peak_rss: int  # bytes
     cpu: float  # user + system seconds of the whole process
+    failed: int = 0  # runs that did not finish (left out of the medians)
 
 
 def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int, float]:
@@ -146,6 +147,7 @@ def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[M
         spec.write_text(json.dumps(plan))
         out = scratch / "out"
         runs: dict[str, list[tuple[float, int, float]]] = {}
+        failures: dict[str, int] = {}
         for _ in range(repeat):
             for label, command in contenders(ckpt, out, spec).items():
                 if only and label not in only:
@@ -154,11 +156,17 @@ def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[M
                 warm(ckpt, plan["ranges"])  # type: ignore[arg-type]
                 if label == "I/O floor":
                     out.mkdir()
-                runs.setdefault(label, []).append(
-                    run_measured(command, env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO_ROOT)}))
+                try:
+                    runs.setdefault(label, []).append(
+                        run_measured(command, env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO_ROOT)}))
+                except RuntimeError as exc:  # e.g. killed by the kernel when memory runs out: report, go on
+                    failures[label] = failures.get(label, 0) + 1
+                    print(f"{label} failed: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
                 shutil.rmtree(out, ignore_errors=True)
         measures = [Measure(label, statistics.median(x[0] for x in r), int(statistics.median(x[1] for x in r)),
-                            statistics.median(x[2] for x in r)) for label, r in runs.items()]
+                            statistics.median(x[2] for x in r), failures.get(label, 0)) for label, r in runs.items() if r]
+        measures += [Measure(label, float("nan"), 0, float("nan"), n) for label, n in failures.items()
+                     if not runs.get(label)]
         return measures, plan
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -176,9 +184,11 @@ def table(title: str, measures: list[Measure]) -> list[str]:
              "|---|---:|---:|---:|---|---:|"]
     for m in measures:
         ds = by.get("work only: deepspeed" if m.label.startswith("work only") else "deepspeed zero_to_torch.py")
-        vs_ds = f"{ds.seconds / m.seconds:.2f}x faster, {m.peak_rss / ds.peak_rss:.2f}x memory" if ds and m is not ds else ""
+        vs_ds = f"{ds.seconds / m.seconds:.2f}x faster, {m.peak_rss / ds.peak_rss:.2f}x memory" \
+            if ds and m is not ds and ds.peak_rss and m.peak_rss else ""
         vs_floor = f"{m.seconds / floor.seconds:.2f}x" if floor and m is not floor else ""
-        lines.append(f"| {m.label} | {m.seconds:.2f} s | {m.cpu:.2f} s | {m.peak_rss / 2**20:.0f} MiB | {vs_ds} | "
+        label = f"{m.label} ({m.failed} run(s) failed)" if m.failed else m.label
+        lines.append(f"| {label} | {m.seconds:.2f} s | {m.cpu:.2f} s | {m.peak_rss / 2**20:.0f} MiB | {vs_ds} | "
                      f"{vs_floor} |")
     return lines + [""]
 
