@@ -87,7 +87,7 @@ def parse_size(value: int | str) -> int:
         return value
     match = _SIZE_RE.match(str(value))
     unit = match.group(2).upper() if match else ""
-    if not match or unit not in _SIZE_UNITS and unit != "":
+    if not match or (unit and unit not in _SIZE_UNITS):
         raise ValueError(f"cannot read {value!r} as a size; write it like 5GB, 500MB or 2GiB")
     size = int(float(match.group(1)) * _SIZE_UNITS.get(unit, 1))
     if size <= 0:
