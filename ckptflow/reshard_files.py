@@ -164,9 +164,11 @@ def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[O
     for i, flat in enumerate(unit.flats):
         storage = _gathered(flat.numel, flat.copies, lambda r, f: ix.partitions[r][f].fp32, "float32")
         fp32.append(OutTensor(storage, 0, (flat.saved,)))
+        if flat.group not in meta_state:  # the optimizer has not stepped: no state, as in the source
+            continue
         part = ix.partitions[unit.meta_rank][flat.group]
         state = {}
-        for key, value in (meta_state.get(flat.group) or {}).items():
+        for key, value in meta_state[flat.group].items():
             if is_partition_tensor(value, part.numel, part.fp32.numel):
                 state[key] = OutTensor(_gathered(flat.numel, flat.copies,
                                                  lambda r, f, k=key: ix.partitions[r][f].state[k], value.dtype))
