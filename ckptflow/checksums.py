@@ -96,3 +96,10 @@ def stamp(info: dict[str, Any]) -> dict[str, str]:
         if info.get(key) is not None:
             out[key] = str(info[key])
     return out
+
+
+def stamps_match(recorded: dict[str, str], current: dict[str, str]) -> bool:
+    """Whether `current` is the same object version as `recorded`: equal size and equal values for
+    every identity key both have (a listing and a HEAD may report different sets), at least one."""
+    common = (recorded.keys() & current.keys()) - {"size"}
+    return recorded.get("size") == current.get("size") and bool(common) and all(recorded[k] == current[k] for k in common)

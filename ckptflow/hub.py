@@ -196,8 +196,14 @@ def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
     fs, root = open_fs(src)
     tmp = Path(tempfile.mkdtemp(prefix="ckptflow-hub-"))
     try:
-        retry_call(lambda: fs.get(root.rstrip("/") + "/", str(tmp), recursive=True), attempts=policy.attempts,
-                   base_delay=policy.base_delay, max_delay=policy.max_delay)
+        try:
+            retry_call(lambda: fs.get(root.rstrip("/") + "/", str(tmp), recursive=True), attempts=policy.attempts,
+                       base_delay=policy.base_delay, max_delay=policy.max_delay)
+        except Exception as exc:
+            raise PublishError(
+                f"could not download SRC {redact(src)} to stage it for the Hub: {describe(exc)}",
+                uri=redact(src), hint="check SRC and the credentials fsspec uses for it",
+            ) from None
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

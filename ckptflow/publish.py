@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ckptflow.checksums import Digests, stamp, store_checksum
+from ckptflow.checksums import Digests, stamp, stamps_match, store_checksum
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
 from ckptflow.manifest import MANIFEST_NAME, Manifest, ManifestEntry
 from ckptflow.redaction import describe, redact
@@ -206,7 +208,8 @@ class _Outcome:
 class _Staging:
     """The partial record at DEST: files verified so far, with the store's stamp of each object.
 
-    Written at most every STAGING_FLUSH_SECONDS by whichever worker records a file, and at the end.
+    While a push runs, a background thread writes it every STAGING_FLUSH_SECONDS when something new
+    was uploaded, so that writing it never holds up an upload; it is written once more at the end.
     Losing it costs time, never correctness, so failures to write it are logged and ignored."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str, entries: dict[str, dict[str, Any]]) -> None:
@@ -216,18 +219,17 @@ class _Staging:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._dirty = False
-        self._last_flush = 0.0
+        self._stop = threading.Event()
 
     @classmethod
-    def load(cls, fs: fsspec.AbstractFileSystem, path: str) -> _Staging:
+    def parse(cls, fs: fsspec.AbstractFileSystem, path: str, data: bytes | None) -> _Staging:
+        entries: dict[str, dict[str, Any]] = {}
         try:
-            doc = json.loads(fs.cat_file(path))
-            entries = {p: e for p, e in doc["files"].items() if {"size", "sha256", "stamp"} <= set(e)}
-        except FileNotFoundError:
-            entries = {}
-        except Exception as exc:  # unreadable record: start over, it only saves time
+            if data is not None:
+                doc = json.loads(data)
+                entries = {p: e for p, e in doc["files"].items() if {"size", "sha256", "stamp"} <= set(e)}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # it only saves time: start over
             logger.warning("ignoring unreadable partial record %s (%s)", path, describe(exc))
-            entries = {}
         return cls(fs, path, entries)
 
     def get(self, path: str) -> dict[str, Any] | None:
@@ -240,7 +242,6 @@ class _Staging:
         with self._lock:
             self.entries[path] = {"size": size, "sha256": sha256, "stamp": object_stamp}
             self._dirty = self._dirty or uploaded
-        self.flush()
 
     def adopt(self, entries: Iterable[ManifestEntry]) -> None:
         """Carry the files of a manifest about to be removed into the record, so that a later run
@@ -251,23 +252,36 @@ class _Staging:
                     self.entries[e.path] = {"size": e.size, "sha256": e.sha256, "stamp": dict(e.stamp or {})}
                     self._dirty = True
 
-    def flush(self, *, force: bool = False) -> None:
-        if not (force or time.monotonic() - self._last_flush >= STAGING_FLUSH_SECONDS):
-            return
-        if not self._write_lock.acquire(blocking=force):
-            return  # another worker is writing it now
+    @contextmanager
+    def flushing(self) -> Iterator[None]:
+        """Write the record in the background while the body runs, and once more when it ends."""
+        self._stop.clear()
+        writer = threading.Thread(target=self._flush_loop, name="ckptflow-partial-record", daemon=True)
+        writer.start()
         try:
+            yield
+        finally:
+            self._stop.set()
+            writer.join()
+            self.flush()
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(STAGING_FLUSH_SECONDS):
+            self.flush()
+
+    def flush(self) -> None:
+        with self._write_lock:
             with self._lock:
                 if not self._dirty:
                     return
                 data = json.dumps({"format": "ckptflow-partial", "files": self.entries}, indent=0).encode()
                 self._dirty = False
-            self._last_flush = time.monotonic()
-            self.fs.pipe_file(self.path, data)
-        except Exception as exc:
-            logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
-        finally:
-            self._write_lock.release()
+            try:
+                self.fs.pipe_file(self.path, data)
+            except Exception as exc:
+                with self._lock:
+                    self._dirty = True
+                logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
 
 
 class _StorePush:
@@ -298,6 +312,7 @@ class _StorePush:
         self.cancelled = threading.Event()
         self.source_digests: dict[str, Digests] = {}
         self.published: dict[str, ManifestEntry] = {}
+        self.existing: dict[str, dict[str, Any]] = {}
         self.staging = _Staging(dest_fs, self._dest_path(STAGING_NAME), {})
 
     # The run, step by step.
@@ -305,20 +320,20 @@ class _StorePush:
     def run(self, files: tuple[SourceFile, ...]) -> PushResult:
         logger.info("pushing %d files (%d bytes) to %s", len(files), sum(f.size for f in files), self.dest)
         manifest_path = self._dest_path(MANIFEST_NAME)
-        previous = self._read_manifest(manifest_path)
+        self.existing = self._retry(self._list_dest, what="list", path="")
+        previous = self._read_manifest(manifest_path) if MANIFEST_NAME in self.existing else None
         self.published = previous.by_path() if previous is not None else {}
-        self.staging = _Staging.load(self.dest_fs, self._dest_path(STAGING_NAME))
+        staged = self._read_optional(self.staging.path, STAGING_NAME) if STAGING_NAME in self.existing else None
+        self.staging = _Staging.parse(self.dest_fs, self.staging.path, staged)
         if previous is not None:
             self._map(self._hash_source_into_cache, files)
             if previous != Manifest.of(self._entry_from_cache(f) for f in files):
                 logger.info("%s holds another version: removing its manifest before replacing files", self.dest)
                 self.staging.adopt(previous.files)
-                self.staging.flush(force=True)
+                self.staging.flush()
                 self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at", path=MANIFEST_NAME)
-        try:
+        with self.staging.flushing():
             outcomes = self._map(self._publish_file, files)
-        finally:
-            self.staging.flush(force=True)
         manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp) for o in outcomes)
         if manifest != previous or any(o.uploaded for o in outcomes):
             self._write_manifest(manifest_path, manifest)
@@ -336,8 +351,8 @@ class _StorePush:
     def _publish_file(self, f: SourceFile) -> _Outcome:
         """One unit: skip the file if DEST already holds it, else upload and verify it."""
         dest_path = self._dest_path(f.path)
-        info = self._retry(lambda: self._dest_info(dest_path), what=f"check {f.path} at", path=f.path)
-        sha256 = self._already_there(f, dest_path, info) if info is not None else None
+        info = self.existing.get(f.path)
+        sha256 = self._already_there(f, info) if info is not None else None
         if sha256 is not None:
             logger.debug("%s already at DEST, verified", f.path)
             self.staging.record(f.path, f.size, sha256, stamp(info), uploaded=False)
@@ -353,31 +368,35 @@ class _StorePush:
         self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="done"))
         return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=True)
 
-    def _already_there(self, f: SourceFile, dest_path: str, info: dict[str, Any]) -> str | None:
-        """The sha256 of `f` when the object at DEST provably holds its bytes, else None."""
+    def _already_there(self, f: SourceFile, info: dict[str, Any]) -> str | None:
+        """The sha256 of `f` when the object at DEST provably holds its bytes, else None.
+
+        Proof is the store's checksum equal to the source's, or, where the store reports none, a
+        record (partial record or manifest) of the object as verified, with the same stamp now."""
         if int(info.get("size", -1)) != f.size:
             return None
         checksum = store_checksum(info, prefer_md5=self.want_md5)
-        digests = self.source_digests.get(f.path)
-        if digests is None or (checksum is not None and not digests.can_check(checksum)):
-            digests = self._hash_source(f, md5=checksum is not None and checksum.kind != "crc32c")
-        if checksum is not None and digests.can_check(checksum):
+        if checksum is not None and (checksum.kind != "crc32c" or Digests().can_check(checksum)):
+            digests = self.source_digests.get(f.path)
+            if digests is None or not digests.can_check(checksum):
+                digests = self._hash_source(f, md5=checksum.kind != "crc32c")
             return digests.sha256 if digests.matches(checksum) else None
-        # No checksum at the store: trust an object recorded as verified and not rewritten since.
         current = stamp(info)
-        staged = self.staging.get(f.path)
-        if staged is not None and staged["stamp"] == current:
-            return digests.sha256 if staged["sha256"] == digests.sha256 else None
-        published = self.published.get(f.path)
-        if published is not None and published.stamp is not None and dict(published.stamp) == current:
-            return digests.sha256 if published.sha256 == digests.sha256 else None
-        return None  # no checksum and no record: uploading is the way to be sure
+        staged, published = self.staging.get(f.path), self.published.get(f.path)
+        if staged is not None and stamps_match(staged["stamp"], current):
+            recorded = staged["sha256"]
+        elif published is not None and published.stamp is not None and stamps_match(dict(published.stamp), current):
+            recorded = published.sha256
+        else:
+            return None  # no checksum and no record: uploading is the way to be sure
+        digests = self.source_digests.get(f.path) or self._hash_source(f)
+        return digests.sha256 if digests.sha256 == recorded else None
 
     def _upload(self, f: SourceFile, dest_path: str) -> tuple[str, dict[str, Any]]:
         """One try: stream SRC to DEST hashing it, then verify the object. Returns (sha256, info)."""
         digests = Digests(md5=self.want_md5)
         if self.local_dest:
-            self.dest_fs.makedirs(self.dest_fs._parent(dest_path), exist_ok=True)
+            self.dest_fs.makedirs(posixpath.dirname(dest_path), exist_ok=True)
         with self.src_fs.open(self._src_path(f.path), "rb") as source:
             target = self.dest_fs.open(dest_path, "wb", block_size=UPLOAD_BLOCK)
             try:
@@ -460,14 +479,29 @@ class _StorePush:
     # Reads, each retried on transient errors.
 
     def _read_manifest(self, path: str) -> Manifest | None:
+        data = self._read_optional(path, MANIFEST_NAME)
+        return None if data is None else Manifest.from_json(data, uri=join(self.dest, MANIFEST_NAME))
+
+    def _read_optional(self, path: str, name: str) -> bytes | None:
+        """The bytes of a small object at DEST, None when there is none."""
+
         def read() -> bytes | None:
             try:
                 return self.dest_fs.cat_file(path)
             except FileNotFoundError:
                 return None
 
-        data = self._retry(read, what=f"read {MANIFEST_NAME} at", path=MANIFEST_NAME)
-        return None if data is None else Manifest.from_json(data, uri=join(self.dest, MANIFEST_NAME))
+        return self._retry(read, what=f"read {name} at", path=name)
+
+    def _list_dest(self) -> dict[str, dict[str, Any]]:
+        """What DEST holds now, by path relative to it: one listing instead of a request per file."""
+        self.dest_fs.invalidate_cache(self.dest_root)
+        try:
+            found = self.dest_fs.find(self.dest_root, withdirs=False, detail=True)
+        except FileNotFoundError:
+            return {}
+        prefix = self.dest_root.rstrip("/") + "/"
+        return {path[len(prefix):]: info for path, info in found.items() if path.startswith(prefix)}
 
     def _dest_info(self, dest_path: str) -> dict[str, Any] | None:
         self.dest_fs.invalidate_cache(dest_path)
@@ -512,17 +546,21 @@ class _StorePush:
         return f"{self.dest_root.rstrip('/')}/{rel}"
 
     def _map(self, fn: Callable[[SourceFile], T], files: Iterable[SourceFile]) -> list[T]:
-        """`fn` over `files` on the pool, results in order. The first failure cancels the rest and is raised."""
+        """`fn` over `files` on the pool, results in order. The first failure (or an interrupt) stops
+        the other units where they are, and is raised."""
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptflow-push") as pool:
             futures: list[Future[T]] = [pool.submit(fn, f) for f in files]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [fut for fut in futures if fut.done() and not fut.cancelled() and fut.exception() is not None]
-            if failed:
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:
                 self.cancelled.set()
-                for fut in pending:
+                raise
+            errors = [fut.exception() for fut in futures if fut.done() and fut.exception() is not None]
+            if errors:
+                self.cancelled.set()
+                for fut in futures:
                     fut.cancel()
                 wait(futures)
-                errors = [fut.exception() for fut in futures if fut.done() and not fut.cancelled() and fut.exception()]
                 raise next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
             return [fut.result() for fut in futures]
 

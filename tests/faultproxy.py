@@ -160,13 +160,13 @@ class FaultProxy:
             length = _header(resp_head, b"content-length")
             if truncate and length is not None and int(length) > 1:
                 client.sendall(resp_head)
-                cut = int(length) // 2
-                while len(rest) < cut:
+                cut, body = int(length) // 2, bytearray(rest)
+                while len(body) < cut:
                     more = upstream.recv(1 << 20)
                     if not more:
                         break
-                    rest += more
-                client.sendall(rest[:cut])
+                    body += more
+                client.sendall(body[:cut])
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return
             client.sendall(resp_head + rest)
@@ -201,13 +201,13 @@ def _respond(client: socket.socket, method: str, status: int, message: str, *, x
 
 
 def _read_until(sock: socket.socket, marker: bytes) -> bytes:
-    data = b""
+    data = bytearray()
     while marker not in data:
         more = sock.recv(65536)
         if not more:
             break
         data += more
-    return data
+    return bytes(data)
 
 
 def _read_request(client: socket.socket) -> tuple[bytes | None, bytes]:
@@ -220,21 +220,21 @@ def _read_request(client: socket.socket) -> tuple[bytes | None, bytes]:
     if (_header(head, b"expect") or b"").lower() == b"100-continue":
         head = _without_header(head, b"Expect")
         client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    body = bytearray(rest)  # grows in place: bodies are tens of MB
     length = _header(head, b"content-length")
     if length is not None:
-        while len(rest) < int(length):
+        while len(body) < int(length):
             more = client.recv(1 << 20)
             if not more:
                 break
-            rest += more
-        return head, rest
-    if (_header(head, b"transfer-encoding") or b"").lower() == b"chunked":
-        while not rest.endswith(b"0\r\n\r\n"):
+            body += more
+    elif (_header(head, b"transfer-encoding") or b"").lower() == b"chunked":
+        while not body.endswith(b"0\r\n\r\n"):
             more = client.recv(1 << 20)
             if not more:
                 break
-            rest += more
-    return head, rest
+            body += more
+    return head, bytes(body)
 
 
 def _header(head: bytes, name: bytes) -> bytes | None:
