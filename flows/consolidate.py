@@ -6,8 +6,6 @@ forward pass happen on a machine with a GPU while the rest of the lifecycle runs
 output folder must be where both can reach it (a bucket URL).
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 from prefect import flow
@@ -19,7 +17,12 @@ from tasks.models import Checkpoint
 from tasks.verify import verify_output
 
 
-@flow(name="consolidate-checkpoint", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=False)
+@flow(
+    name="consolidate-checkpoint",
+    task_runner=ThreadPoolTaskRunner(max_workers=32),
+    persist_result=True,  # the lifecycle flow that started this run reads its result back
+    log_prints=False,
+)
 def consolidate_checkpoint(
     checkpoint: Checkpoint,
     out: str,

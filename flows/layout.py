@@ -67,6 +67,13 @@ def reshard_destination(dest: Destination, tag: str, world_size: int) -> tuple[s
     return join(dest.uri, tag, f"zero-ws{world_size}"), None
 
 
+def published_marker(uri: str) -> str:
+    """The file whose presence says a push to the bucket destination `uri` completed."""
+    from ckptflow.manifest import MANIFEST_NAME
+
+    return join(uri, MANIFEST_NAME)
+
+
 def exists(uri: str) -> bool:
     """True when something is at `uri` (a cached step's output folder is still there)."""
     fs, path = open_fs(uri)

@@ -14,11 +14,10 @@ same checkpoint skips what was done, and never publishes twice.
 `post_training` is the scheduled variant: the newest tag of each configured run, one lifecycle each.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import logging
+from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -79,9 +78,7 @@ def checkpoint_lifecycle(
     """
     log = get_run_logger()
     destinations = [d if isinstance(d, Destination) else Destination.model_validate(d) for d in destinations]
-    opts = {"refresh_cache": True} if refresh else {}
-
-    checkpoint = validate_checkpoint.with_options(**opts)(
+    checkpoint = validate_checkpoint(
         source, tag, deep=validation.deep, settle_seconds=validation.settle_seconds, poll_seconds=validation.poll_seconds
     )
     base = layout.checkpoint_workspace(checkpoint, workspace)
@@ -92,7 +89,7 @@ def checkpoint_lifecycle(
     def build_options(out: str) -> dict[str, Any]:
         if refresh:
             layout.remove(out)
-        return {"refresh_cache": True} if refresh or not layout.exists(out) else {}
+        return {"refresh_cache": True} if refresh or _gone(out) else {}
 
     model_future: PrefectFuture[Output] | None = None
     verify_future: PrefectFuture[dict[str, Any]] | None = None
@@ -136,7 +133,9 @@ def checkpoint_lifecycle(
         if dest.includes("reshards"):
             targets += [(o, *layout.reshard_destination(dest, checkpoint.tag, n)) for n, o in reshards.items() if o]
         for output, uri, revision in targets:
-            future = publish_output.with_options(**opts).submit(
+            # A bucket destination whose manifest is gone (deleted since) is published again.
+            gone = not dest.is_hub and _gone(layout.published_marker(uri))
+            future = publish_output.with_options(**({"refresh_cache": True} if refresh or gone else {})).submit(
                 checkpoint, output, uri, revision=revision, private=dest.private, workers=publishing.workers,
                 endpoint=publishing.hub_endpoint if dest.is_hub else None,
                 token_secret=publishing.hub_token_secret if dest.is_hub else None,
@@ -162,8 +161,9 @@ def consolidate_on_deployment(
     """Run consolidation (and verification) as the deployment `deployment`, and wait for it.
 
     The child run's idempotency key is derived from the source, tag, content identity and options,
-    so re-running this flow attaches to the same child run instead of starting another. A child
-    that ended failed is started once more (under a new key) before this fails with its reason.
+    so re-running this flow attaches to the same child run instead of starting another. A child from
+    an earlier attempt that ended failed is started once more (under a new key); a child that fails
+    now fails this task with its reason.
     """
     from prefect.deployments import run_deployment
 
@@ -176,8 +176,10 @@ def consolidate_on_deployment(
     }
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     key = f"ckptflow:{checkpoint.root}/{checkpoint.tag}:{checkpoint.identity}:{digest}"
+    asked = datetime.now(timezone.utc)
     run = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=None, as_subflow=True)
-    if run.state is not None and run.state.is_final() and not run.state.is_completed():
+    earlier = run.created is not None and run.created < asked
+    if earlier and run.state is not None and run.state.is_final() and not run.state.is_completed():
         log.warning("child run %s for this checkpoint ended %s earlier; starting it again", run.name, run.state.name)
         from prefect.runtime import flow_run as current
 
@@ -200,6 +202,16 @@ def consolidate_on_deployment(
     except Exception:  # the child's result storage may not be readable from here; its output is
         log.info("the child run's result is not readable here; taking its output folder %s as written", out)
     return Output(kind="model", uri=out, details=details)
+
+
+def _gone(uri: str) -> bool:
+    """True when nothing is at `uri` any more; False when it is there or cannot be checked (the step's
+    own task then meets the same error and reports it)."""
+    try:
+        return not layout.exists(uri)
+    except Exception as exc:
+        get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, exc)
+        return False
 
 
 def _outcome(future: PrefectFuture[Any] | None, what: str, failures: list[str]) -> Any:

@@ -13,8 +13,6 @@ folder that cannot be read is reported (log and artifact) and retried on the nex
 cannot be listed at all fails the run after the other roots were handled.
 """
 
-from __future__ import annotations
-
 import uuid
 from datetime import datetime, timezone
 from typing import Any

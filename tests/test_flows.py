@@ -282,3 +282,67 @@ def test_permanent_publish_failure_fails_the_flow_and_publishes_nothing(
     fs = fsspec.filesystem("s3")
     fs.invalidate_cache()
     assert fs.find(s3.url) == []
+
+
+# ---- consolidation as a separate deployment (the GPU path), served by a local runner -----------------
+
+
+@pytest.fixture(scope="module")
+def gpu_deployment(prefect_server: str):
+    """`consolidate-checkpoint/gpu-test`, served by a Prefect runner in this process (runs in subprocesses)."""
+    import asyncio
+
+    from prefect.runner import Runner
+
+    from flows.consolidate import consolidate_checkpoint
+
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def serve() -> None:
+        runner = Runner(name=f"gpu-test-{uuid.uuid4().hex[:6]}", query_seconds=1, pause_on_shutdown=False)
+        await runner.aadd_flow(consolidate_checkpoint, name="gpu-test")
+        holder["runner"], holder["loop"] = runner, asyncio.get_running_loop()
+        ready.set()
+        await runner.start()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    assert ready.wait(60), "the runner did not start"
+    yield "consolidate-checkpoint/gpu-test"
+    asyncio.run_coroutine_threadsafe(holder["runner"].astop(), holder["loop"]).result(30)
+    thread.join(30)
+
+
+def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
+    first_run: dict[str, Any], bucket_run: dict[str, str], gpu_deployment: str, tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import get_client
+
+    params = lifecycle_parameters(bucket_run, [])
+    params.update(reshard={"world_sizes": []}, workspace=str(tmp_path / "work"),
+                  consolidation={"dtype": "bf16", "max_shard_size": "100KB", "deployment": gpu_deployment})
+
+    state = run_lifecycle(params)
+
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary["model"]["details"]["deployment"] == gpu_deployment
+    assert summary["verification"]["ok"] and summary["verification"]["tensors_compared"] > 0
+    child_id = summary["model"]["details"]["flow_run"]
+    with get_client(sync_client=True) as client:
+        child = client.read_flow_run(child_id)
+        assert child.state.is_completed()
+        assert child.idempotency_key.startswith(f"ckptflow:{bucket_run['source']}/{bucket_run['tag']}:")
+        assert child.deployment_id is not None and child.parent_task_run_id is not None
+
+    # The same model into a folder that is in the way: the child fails, and so does the parent, saying why.
+    blocked = tmp_path / "blocked"
+    params.update(workspace=str(blocked))
+    target = Path(state.result()["model"]["uri"].replace(str(tmp_path / "work"), str(blocked)))
+    target.mkdir(parents=True)
+    (target / "someone-elses-file").write_text("x")
+    failed = run_lifecycle(params)
+    assert failed.is_failed()
+    assert f"consolidation deployment '{gpu_deployment}' run" in failed.message
+    assert "ended Failed" in failed.message and "already exists and is not empty" in failed.message

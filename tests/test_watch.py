@@ -255,7 +255,7 @@ def test_trigger_starts_one_lifecycle_run_per_new_checkpoint(prefect_server: str
         emitted = watch_latest(roots=[f"{gcs.url}/runs"], state=state)["emitted"]
         assert [(e["root"], e["tag"]) for e in emitted] == [(run_root, "global_step40")]
 
-        created = _wait_for(lambda: [r for r in runs() if r.id not in before], timeout=60)
+        created = _wait_for(lambda: [r for r in runs() if r.id not in before], timeout=120)
         assert len(created) == 1, "the trigger did not create exactly one lifecycle run"
         (run,) = created
         assert run.parameters["source"] == run_root
