@@ -9,6 +9,7 @@ top call `task.fn` without a server.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -346,3 +347,57 @@ def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
     assert failed.is_failed()
     assert f"consolidation deployment '{gpu_deployment}' run" in failed.message
     assert "ended Failed" in failed.message and "already exists and is not empty" in failed.message
+
+
+# ---- the command line over the flows -----------------------------------------------------------------
+
+
+def test_cli_run_prints_what_was_produced_where(first_run: dict[str, Any], bucket_run: dict[str, str]) -> None:
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    result = CliRunner().invoke(app, [
+        "run", bucket_run["source"], "--dtype", "bf16", "--max-shard-size", "100KB", "--reshard", "1,4",
+        "--to", first_run["published"], "--workspace", bucket_run["workspace"], "--settle", "0",
+    ])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"done {bucket_run['source']}/{bucket_run['tag']}: model + 2 reshard(s) built, 3 push(es)")
+    assert any(line.startswith("  model:") and "/model-bf16-" in line for line in lines)
+    assert sum(line.startswith("  published:") for line in lines) == 3
+    assert any(line.startswith("  flow run:") and "http://127.0.0.1" in line for line in lines)
+
+
+def test_cli_run_fails_with_one_clear_line(prefect_server: str, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    runner = CliRunner()
+    bad = runner.invoke(app, ["run", str(tmp_path), "--reshard", "1,x"])
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", bad.output).split())
+    assert bad.exit_code == 2 and "--reshard takes world sizes like 1,4; 'x' is not a positive integer" in flat
+
+    missing = runner.invoke(app, ["run", str(tmp_path / "nowhere"), "--settle", "0"])
+    assert missing.exit_code == 1
+    assert f"error: {tmp_path / 'nowhere'} is not a valid checkpoint: source-missing:" in missing.output
+    assert "Traceback" not in missing.output
+
+
+def test_cli_watch_once(prefect_server: str, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").write_text("global_step7")
+    state = f"cli-{uuid.uuid4().hex[:8]}"
+    first = CliRunner().invoke(app, ["watch", str(tmp_path), "--once", "--state", state])
+    assert first.exit_code == 0, first.output
+    assert "1 checkpoint(s) under 1 root(s), 1 new" in first.output
+    assert f"new: {tmp_path}/run @ global_step7" in first.output
+    again = CliRunner().invoke(app, ["watch", str(tmp_path), "--once", "--state", state])
+    assert again.exit_code == 0 and "1 checkpoint(s) under 1 root(s), 0 new" in again.output
+    gone = CliRunner().invoke(app, ["watch", str(tmp_path / "gone"), "--once", "--state", state])
+    assert gone.exit_code == 1 and f"{tmp_path / 'gone'} does not exist" in gone.output
