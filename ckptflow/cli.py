@@ -99,6 +99,7 @@ def consolidate_command(
 
     # The converter keeps the cores busy with its own threads (read + cast, write, hash); torch's
     # intra-op threads would only contend with them (twice as slow on 2 cores, measured).
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started = time.monotonic()
     with Progress(*columns, console=err, transient=True) as bar:
@@ -108,6 +109,8 @@ def consolidate_command(
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
+        finally:
+            torch.set_num_threads(threads)
     shards = len(result.shards)
     out.print(
         f"[green]consolidated[/green] {result.plan.root}/{result.plan.tag} into {dest}: {shards} shard"
