@@ -201,6 +201,8 @@ def consolidate_on_deployment(
             return Output.model_validate(result["model"]).model_copy(update={"details": {**result["model"].get("details", {}), **details}})
     except Exception:  # the child's result storage may not be readable from here; its output is
         log.info("the child run's result is not readable here; taking its output folder %s as written", out)
+    if verification.enabled:  # the child verifies before it completes
+        details["verification"] = {"ok": True, "verified_by": f"flow run {run.name} ({run.id})"}
     return Output(kind="model", uri=out, details=details)
 
 
@@ -310,7 +312,8 @@ def post_training(
         if state.is_completed():
             results.append(state.result())
         else:
-            failures.append(f"{run}: {state.message}")
+            error = state.result(raise_on_failure=False)
+            failures.append(f"{run}: {error if isinstance(error, BaseException) else state.message}")
     if failures:
         raise LifecycleError(f"{len(failures)} of {len(runs)} run(s) failed: " + "; ".join(failures))
     return results

@@ -285,6 +285,21 @@ def test_permanent_publish_failure_fails_the_flow_and_publishes_nothing(
     assert fs.find(s3.url) == []
 
 
+
+def test_post_training_processes_the_newest_tag_of_each_run(first_run: dict[str, Any], bucket_run: dict[str, str]) -> None:
+    from flows.lifecycle import post_training
+
+    params = {k: v for k, v in first_run["params"].items() if k not in ("source", "validation")}
+    missing = f"{bucket_run['base']}/runs/never-saved"
+    state = post_training(runs=[bucket_run["source"], missing], **params, return_state=True)
+
+    assert state.is_failed()
+    assert state.message.endswith(
+        f"1 of 2 run(s) failed: {missing}: {missing} is not a valid checkpoint: source-missing: {missing} does not exist; "
+        "check the path or URL"
+    )
+
+
 # ---- consolidation as a separate deployment (the GPU path), served by a local runner -----------------
 
 
