@@ -198,8 +198,16 @@ def table(title: str, measures: list[Measure]) -> list[str]:
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     load = os.getloadavg()
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM, "
-            f"Python {platform.python_version()}, load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    available = ""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = (f", {int(info['MemAvailable'].split()[0]) / 2**20:.1f} GiB available "
+                     f"({int(info['Shmem'].split()[0]) / 2**20:.1f} GiB held in /dev/shm and other shared memory)")
+    except (OSError, KeyError, ValueError):
+        pass
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM"
+            f"{available}, Python {platform.python_version()}, load average at start {load[0]:.1f} / {load[1]:.1f} / "
+            f"{load[2]:.1f} (the machine is shared: other test suites run beside this)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -225,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
              "fresh process (imports included) measured by `/usr/bin/time`. Command: "
              "`.venv/bin/python -m benchmarks.consolidate --write-results`.", ""]
     flat: dict[str, dict[int, Measure]] = {}
+    full_size: dict[int, dict[str, Measure]] = {}
     for stage, layers in ((3, args.layers), (2, args.layers), (3, args.layers // 2)):
         spec = BenchSpec(stage=stage, layers=layers)
         ckpt = build(spec)
@@ -240,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         if stage == 3:
             for m in measures:
                 flat.setdefault(m.label, {})[layers] = m
+        if layers == args.layers:
+            full_size[stage] = {m.label: m for m in measures}
     full, half = args.layers, args.layers // 2
     lines += [f"**Peak memory as the ZeRO-3 model doubles ({half} -> {full} layers)**", "",
               "| run | peak RSS, half | peak RSS, full | growth |", "|---|---:|---:|---:|"]
@@ -248,9 +259,41 @@ def main(argv: list[str] | None = None) -> None:
             a, b = by_size[half].peak_rss, by_size[full].peak_rss
             lines.append(f"| {label} | {a / 2**20:.0f} MiB | {b / 2**20:.0f} MiB | {b / a:.2f}x |")
     lines.append("")
-    print("\n".join(lines[-(len(flat) + 4):]))
+    lines += targets(full_size, flat, half, full)
+    print("\n".join(lines[-(len(flat) + 16):]))
     if args.write_results:
         write_section(lines)
+
+
+def targets(full_size: dict[int, dict[str, Measure]], flat: dict[str, dict[int, Measure]], half: int,
+            full: int) -> list[str]:
+    """The issue's targets, checked against the numbers above (wall times, ZeRO-3 and ZeRO-2)."""
+    def ratio(stage: int, a: str, b: str, attr: str) -> float:
+        x, y = full_size.get(stage, {}).get(a), full_size.get(stage, {}).get(b)
+        return getattr(x, attr) / getattr(y, attr) if x and y and getattr(y, attr) else float("nan")
+
+    rows = []
+    for what, a, b, attr, goal, better in (
+        ("speed-up over DeepSpeed, CLI with --verify", "deepspeed zero_to_torch.py", "ckptflow (verify)", "seconds", 2.0, "≥"),
+        ("speed-up over DeepSpeed, CLI --no-verify", "deepspeed zero_to_torch.py", "ckptflow --no-verify", "seconds", 2.0, "≥"),
+        ("speed-up over DeepSpeed, work only, --verify", "work only: deepspeed", "work only: ckptflow (verify)", "seconds",
+         2.0, "≥"),
+        ("speed-up over DeepSpeed, work only, --no-verify", "work only: deepspeed", "work only: ckptflow --no-verify",
+         "seconds", 2.0, "≥"),
+        ("peak RSS / DeepSpeed's, CLI with --verify", "ckptflow (verify)", "deepspeed zero_to_torch.py", "peak_rss", 0.25, "≤"),
+        ("time / I/O floor, CLI --no-verify", "ckptflow --no-verify", "I/O floor", "seconds", 1.5, "≤"),
+        ("time / I/O floor, work only, --no-verify", "work only: ckptflow --no-verify", "I/O floor", "seconds", 1.5, "≤"),
+        ("time / I/O floor, work only, --verify", "work only: ckptflow (verify)", "I/O floor", "seconds", 1.5, "≤"),
+    ):
+        got = [ratio(stage, a, b, attr) for stage in (3, 2)]
+        met = all((g >= goal) if better == "≥" else (g <= goal) for g in got)
+        rows.append(f"| {what} | {better} {goal:g} | {got[0]:.2f} | {got[1]:.2f} | {'met' if met else 'not met'} |")
+    growth = [f"{by[full].peak_rss / by[half].peak_rss:.2f}x" for label, by in flat.items()
+              if label.startswith("ckptflow") and half in by and full in by]
+    return ["**Targets** (ratios of the medians above)", "", "| target | goal | ZeRO-3 | ZeRO-2 | |",
+            "|---|---|---:|---:|---|", *rows,
+            f"| ckptflow peak RSS as the model doubles | flat | {', '.join(growth)} | | "
+            f"{'met' if all(float(g[:-1]) < 1.1 for g in growth) else 'not met'} |", ""]
 
 
 def write_section(lines: list[str]) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -166,18 +167,27 @@ def verify_shard(
     total = expected.file_size - expected.data_start
     done = 0
     step = max(8, chunk_bytes // 8)  # elements per chunk: at most chunk_bytes of the widest dtype
-    want_buffer = torch.empty(step * 8, dtype=torch.uint8)
+    chunks = [(slot, lo, min((slot.end - slot.begin) // hf.itemsize(slot.dtype), lo + step))
+              for slot in expected.slots for lo in range(0, (slot.end - slot.begin) // hf.itemsize(slot.dtype), step)]
+    wants = [torch.empty(step * 8, dtype=torch.uint8) for _ in range(2)]
     shard, source = _Bytes(step * 8), _Bytes(step * 8)
-    for slot in expected.slots:
-        tensor = by_name[slot.name]
-        item = hf.itemsize(slot.dtype)
-        numel = (slot.end - slot.begin) // item
-        for lo in range(0, numel, step):
-            hi = min(numel, lo + step)
-            nbytes = (hi - lo) * item
-            start = expected.data_start + slot.begin + lo * item
-            want = want_buffer[:nbytes].view(getattr(torch, slot.dtype))
-            _read_source_into(tensor, lo, hi, want, source)
+
+    def expect(i: int) -> "torch.Tensor":
+        """Chunk i as the source says it must be (read + cast), in a buffer of its own."""
+        slot, lo, hi = chunks[i]
+        want = wants[i % 2][:(hi - lo) * hf.itemsize(slot.dtype)].view(getattr(torch, slot.dtype))
+        _read_source_into(by_name[slot.name], lo, hi, want, source)
+        return want
+
+    # The source side of chunk i+1 is read and cast on a helper thread while chunk i is compared here.
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-verify") as helper:
+        pending = helper.submit(expect, 0) if chunks else None
+        for i, (slot, lo, hi) in enumerate(chunks):
+            assert pending is not None
+            want = pending.result()
+            pending = helper.submit(expect, i + 1) if i + 1 < len(chunks) else None
+            nbytes = (hi - lo) * hf.itemsize(slot.dtype)
+            start = expected.data_start + slot.begin + lo * hf.itemsize(slot.dtype)
             try:
                 with shard.get(uri, start, start + nbytes) as got:
                     if not _same_bytes(got, want.view(torch.uint8)):
