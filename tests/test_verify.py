@@ -4,8 +4,6 @@ the tensor when something is off."""
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
