@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.errors import CheckpointNotFoundError, CorruptFileError, UnsafePickleError
+from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileError, SourceReadError, UnsafePickleError
 from ckptflow.storage import open_fs
 
 if TYPE_CHECKING:
@@ -184,6 +184,16 @@ class Archive:
     # ---- opening ---------------------------------------------------------------------------------
 
     def open(self) -> "Archive":
+        """Read the zip directory, the pickle and the storage headers; store errors become
+        `SourceReadError`, damage becomes `CorruptFileError`."""
+        try:
+            return self._open()
+        except CkptflowError:
+            raise
+        except OSError as exc:
+            raise _read_error(self.uri, exc) from exc
+
+    def _open(self) -> "Archive":
         try:
             self.size = self.fs.size(self.path)
         except FileNotFoundError:
@@ -217,6 +227,8 @@ class Archive:
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError) as exc:
             if isinstance(exc, CorruptFileError):
                 raise
+            if isinstance(exc.__context__, OSError):  # zipfile reports a failed read as "not a zip file"
+                raise _read_error(self.uri, exc.__context__) from exc.__context__
             raise CorruptFileError(
                 f"{self.uri} is not a readable torch archive ({exc})", file=self.uri,
                 hint="the file is truncated or not a checkpoint; copy it again from the training run",
@@ -299,14 +311,10 @@ class Archive:
             return
         infos = [self._entries[k] for k in keys]
         starts = [i.header_offset for i in infos]
-        try:
-            headers = self.fs.cat_ranges([self.path] * len(infos), starts, [s + _LOCAL_HEADER.size for s in starts])
-        except Exception as exc:
-            raise CorruptFileError(
-                f"{self.uri}: cannot read the storage headers ({exc})", file=self.uri,
-                hint="the file is truncated; copy it again",
-            ) from None
+        headers = self.fs.cat_ranges([self.path] * len(infos), starts, [s + _LOCAL_HEADER.size for s in starts])
         for key, info, raw in zip(keys, infos, headers):
+            if isinstance(raw, OSError):
+                raise raw
             if isinstance(raw, BaseException) or len(raw) != _LOCAL_HEADER.size:
                 raise CorruptFileError(
                     f"{self.uri}: storage {key} lies past the end of the file", file=self.uri,
@@ -409,6 +417,14 @@ def _to_plain(obj: Any, archive: Archive) -> Any:
     if isinstance(obj, (_Storage, _StorageType, _Marker)):
         raise CorruptFileError(f"{archive.uri}: a bare storage in the pickle", file=archive.uri)
     return obj
+
+
+def _read_error(uri: str, exc: OSError) -> SourceReadError:
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    return SourceReadError(
+        f"cannot read {uri} ({detail})", file=uri,
+        hint="check access to the store (credentials, permissions, network) and retry",
+    )
 
 
 def open_archive(uri: str) -> Archive:

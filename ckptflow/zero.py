@@ -235,6 +235,7 @@ class _Problems(Exception):
 class _Inspection:
     root: str
     tag: str
+    explicit_tag: bool = False
     problems: list[Problem] = field(default_factory=list)
 
     def add(self, code: str, message: str, *, file: str | None = None, rank: int | None = None) -> None:
@@ -247,6 +248,7 @@ class _Inspection:
 
 def inspect(uri: str, tag: str | None = None) -> tuple[ZeroCheckpoint | None, list[Problem], tuple[str, str] | None]:
     """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+    explicit = tag is not None
     try:
         root, tag = resolve_tag(uri, tag)
     except CkptflowError as exc:
@@ -254,7 +256,7 @@ def inspect(uri: str, tag: str | None = None) -> tuple[ZeroCheckpoint | None, li
         if isinstance(exc, CheckpointError) and "--tag" in str(exc).split(" ", 1)[0]:
             code = "tag-unsafe"
         return None, [Problem(code, str(exc), exc.file)], None
-    state = _Inspection(root, tag)
+    state = _Inspection(root, tag, explicit_tag=explicit)
     try:
         index = _read(state)
     except _Problems:
@@ -277,12 +279,13 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
     tag_uri = join(st.root, st.tag)
     fs, tag_path = open_fs(tag_uri)
     if not fs.isdir(tag_path):
-        st.add(
-            "tag-missing",
-            f"tag folder {tag_uri} does not exist; `latest` names a tag that was never saved or not yet "
-            "uploaded: wait for the upload, or point `latest` at an existing tag",
-            file=tag_uri,
+        why = (
+            "check the --tag value against the folders beside `latest`"
+            if st.explicit_tag
+            else "`latest` names a tag that was never saved or not yet uploaded: wait for the upload, or point "
+            "`latest` at an existing tag"
         )
+        st.add("tag-missing", f"tag folder {tag_uri} does not exist; {why}", file=tag_uri)
         st.stop_if_any()
     names = sorted(posixpath.basename(p) for p in fs.ls(tag_path, detail=False))
     model_names = {n: MODEL_FILE_RE.match(n) for n in names if MODEL_FILE_RE.match(n)}
@@ -418,9 +421,11 @@ def _open(st: _Inspection, uri: str, rank: int) -> dict[str, Any]:
     try:
         obj = open_archive(uri).obj
     except CkptflowError as exc:
-        code = {"UnsafePickleError": "unsafe-pickle", "CheckpointNotFoundError": "rank-missing"}.get(
-            type(exc).__name__, "corrupt-file"
-        )
+        code = {
+            "UnsafePickleError": "unsafe-pickle",
+            "CheckpointNotFoundError": "rank-missing",
+            "SourceReadError": "unreadable-file",
+        }.get(type(exc).__name__, "corrupt-file")
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
         return {}
     except OSError as exc:

@@ -78,3 +78,15 @@ def test_gcs_reads_by_byte_range(gcs):
     assert len(buf.getvalue()) > 16 << 20
     assert opened < 256 << 10, opened  # the zip directory, the pickle and storage headers
     assert total - opened < 64 << 10, total - opened  # 4000 bytes asked for, plus HTTP overhead
+
+
+def test_gcs_permission_error_is_not_called_corruption(ds_fixtures, gcs):
+    fx = ds_fixtures["z2-bf16-ws2"]
+    upload(fx.dir, gcs.url)
+    gcs.proxy.configure(status=403, only_paths=("optim_states",))
+    report = validate(gcs.url)
+    assert not report.ok
+    assert {p.code for p in report.problems} == {"unreadable-file"}, [p.message for p in report.problems]
+    message = report.problems[0].message
+    assert "cannot read" in message and "Forbidden" in message and "check access to the store" in message
+    assert "truncated" not in message and "corrupt" not in message
