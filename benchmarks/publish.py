@@ -41,6 +41,7 @@ print("ready", flush=True)
 parent = os.getppid()
 while os.getppid() == parent:
     time.sleep(1)
+os._exit(0)  # the server threads are not daemons
 """
 PROXY = """
 import os, sys, time
@@ -52,6 +53,7 @@ print(proxy.url, flush=True)
 parent = os.getppid()
 while os.getppid() == parent:
     time.sleep(1)
+os._exit(0)  # the server threads are not daemons
 """
 
 
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--fault-rate", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=1, help="Seed of the proxy's fault draws.")
+    parser.add_argument("--modes", default="clean,faults", help="Which runs: clean, faults or both (comma-separated).")
     parser.add_argument("--data", default=str(REPO / "benchmarks" / ".data" / "publish-model"))
     parser.add_argument("--emulator-dir", default="", help="Keep the emulator's objects in this folder, not in memory.")
     args = parser.parse_args()
@@ -147,10 +150,11 @@ def main() -> None:
     total = sum(p.stat().st_size for p in folder.iterdir())
 
     port = free_port()
-    if args.emulator_dir:
-        shutil.rmtree(args.emulator_dir, ignore_errors=True)
-        Path(args.emulator_dir).mkdir(parents=True)
-    emulator, _ = start(EMULATOR, str(port), BUCKET, args.emulator_dir)
+    emulator_dir = str(Path(args.emulator_dir).resolve()) if args.emulator_dir else ""
+    if emulator_dir:
+        shutil.rmtree(emulator_dir, ignore_errors=True)
+        Path(emulator_dir).mkdir(parents=True)
+    emulator, _ = start(EMULATOR, str(port), BUCKET, emulator_dir)
     proxy, proxy_url = start(PROXY, str(port), str(args.fault_rate), str(REPO), str(args.seed))
     try:
         os.environ.update({"FSSPEC_GCS_TOKEN": "anon", "FSSPEC_GCS_PROJECT": "bench"})
@@ -162,7 +166,8 @@ def main() -> None:
         fs = fsspec.filesystem("gs")
         results: dict[str, list[float]] = {}
         failures: dict[str, list[str]] = {}
-        for faults in (False, True):
+        modes = {m.strip() for m in args.modes.split(",")}
+        for faults in [f for f in (False, True) if ("faults" if f else "clean") in modes]:
             os.environ["STORAGE_EMULATOR_HOST"] = proxy_url if faults else f"http://127.0.0.1:{port}"
             for i in range(args.repeat):
                 for method in ("put", "ckptflow"):
