@@ -1,0 +1,165 @@
+"""Dtype casts on raw bytes with numpy, bit for bit as torch's CPU casts, so that converting a
+checkpoint needs no `import torch` (over a second of start-up).
+
+`cast_into(dest, out_dtype, src, src_dtype)` fills the buffer `dest` from the buffer `src`; dtypes
+are torch names ("float32", "bfloat16", ...). Handled here:
+
+- any dtype to itself: a byte copy;
+- float32 -> bfloat16: round to nearest, ties to even, on the bits (what `c10::BFloat16` and torch's
+  vectorized kernels do): finite values that round past the largest bfloat16 become infinity,
+  subnormals round like any other value. Every NaN becomes 0xFFFF, the pattern torch's AVX2 and
+  AVX-512 kernels give on x86-64 whatever the sign and payload (torch's scalar fallback, with
+  `ATEN_CPU_CAPABILITY=default`, would give 0x7FC0 instead);
+- float32 -> float16: numpy's cast (round to nearest even, overflow to infinity, subnormals), with
+  NaNs then set as torch (F16C) sets them: the sign, the quiet bit and the top 9 payload bits;
+- bfloat16 -> float32: the bits shifted into place (exact, NaN payloads kept, as torch);
+- float16 -> float32: numpy's cast (exact), with the quiet bit set on NaNs as torch's vectorized
+  kernel (F16C) sets it, sign and payload kept. (Torch is not consistent here: the last `numel % 8`
+  elements of a tensor, which its kernel converts one by one, get 0x7FFFFFFF for any NaN instead.)
+
+Anything else (bfloat16 <-> float16, float64, ...) goes through torch, imported only then.
+`tests/test_casts.py` compares the numpy casts with torch's over every 16-bit pattern and several
+million float32 patterns (every exponent, rounding boundaries, NaN payloads, subnormals).
+
+The work goes in blocks of `BLOCK` elements so that the temporaries stay in the CPU cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+BLOCK = 1 << 16  # elements per step; the uint32 scratch (256 KiB) stays in the L2 cache
+
+# torch dtype names that numpy holds as they are (bfloat16 is kept as its uint16 bits).
+NUMPY_DTYPES: dict[str, Any] = {
+    "float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+    "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "bool": np.bool_,
+    "complex64": np.complex64, "complex128": np.complex128,
+}
+
+BF16_NAN = 0xFFFF  # torch's float32 -> bfloat16 result for every NaN (x86-64 vectorized kernels)
+F32_QUIET = 0x00400000  # the quiet bit of a float32 NaN
+
+
+def as_array(buffer: Any, dtype: Any) -> np.ndarray:
+    """A flat numpy view of a buffer (bytes, bytearray, memoryview, mmap, numpy array), no copy."""
+    if isinstance(buffer, np.ndarray):
+        return buffer.reshape(-1).view(dtype)
+    return np.frombuffer(buffer, dtype=dtype)
+
+
+def fp32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
+    """`out` (uint16, bfloat16 bits) = `src` (uint32, float32 bits) rounded as torch rounds."""
+    n = src.size
+    scratch = np.empty(min(n, BLOCK), dtype=np.uint32)
+    for i in range(0, n, BLOCK):
+        s = src[i:i + BLOCK]
+        t = scratch[:s.size]
+        np.right_shift(s, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, 0x7FFF, out=t)  # the rounding bias: 0x7FFF, plus one when the kept part is odd
+        np.add(t, s, out=t)
+        np.right_shift(t, 16, out=t)
+        o = out[i:i + BLOCK]
+        np.copyto(o, t, casting="unsafe")
+        f = s.view(np.float32)
+        if np.isnan(f.max()):  # max propagates NaN: one cheap pass tells whether to look closer
+            o[np.isnan(f)] = BF16_NAN
+
+
+def fp32_to_fp16(src: np.ndarray, out: np.ndarray) -> None:
+    """`out` (uint16, float16 bits) = `src` (uint32, float32 bits) rounded as torch rounds."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(0, src.size, BLOCK):
+            s = src[i:i + BLOCK]
+            f = s.view(np.float32)
+            o = out[i:i + BLOCK]
+            np.copyto(o.view(np.float16), f, casting="unsafe")
+            if np.isnan(f.max()):
+                nan = np.isnan(f)
+                bits = s[nan]
+                # numpy keeps a signaling NaN signaling; torch (F16C) sets the quiet bit.
+                o[nan] = ((bits >> 16) & 0x8000 | 0x7E00 | (bits >> 13) & 0x3FF).astype(np.uint16)
+
+
+def bf16_to_fp32(src: np.ndarray, out: np.ndarray) -> None:
+    """`out` (uint32, float32 bits) = `src` (uint16, bfloat16 bits) widened: exact."""
+    for i in range(0, src.size, BLOCK):
+        o = out[i:i + BLOCK]
+        np.copyto(o, src[i:i + BLOCK])
+        np.left_shift(o, 16, out=o)
+
+
+def fp16_to_fp32(src: np.ndarray, out: np.ndarray) -> None:
+    """`out` (uint32, float32 bits) = `src` (uint16, float16 bits) widened: exact; NaNs made quiet."""
+    for i in range(0, src.size, BLOCK):
+        o = out[i:i + BLOCK].view(np.float32)
+        np.copyto(o, src[i:i + BLOCK].view(np.float16))
+        if np.isnan(o.max()):
+            o.view(np.uint32)[np.isnan(o)] |= F32_QUIET  # numpy keeps a signaling NaN signaling
+
+
+# (source dtype, output dtype) -> (cast, source bits dtype, output bits dtype)
+CASTS = {
+    ("float32", "bfloat16"): (fp32_to_bf16, np.uint32, np.uint16),
+    ("float32", "float16"): (fp32_to_fp16, np.uint32, np.uint16),
+    ("bfloat16", "float32"): (bf16_to_fp32, np.uint16, np.uint32),
+    ("float16", "float32"): (fp16_to_fp32, np.uint16, np.uint32),
+}
+
+
+def needs_torch(src_dtype: str, out_dtype: str) -> bool:
+    """Whether `cast_into` has to import torch for this pair."""
+    return src_dtype != out_dtype and (src_dtype, out_dtype) not in CASTS
+
+
+def cast_into(dest: Any, out_dtype: str, src: Any, src_dtype: str) -> None:
+    """Fill `dest` (a writable buffer of exactly the output's bytes) with the elements of `src` (a
+    buffer of whole `src_dtype` elements) cast to `out_dtype`, as `tensor.to(out_dtype)` would on CPU."""
+    if src_dtype == out_dtype:
+        np.copyto(as_array(dest, np.uint8), as_array(src, np.uint8))
+        return
+    cast = CASTS.get((src_dtype, out_dtype))
+    if cast is not None:
+        fn, src_bits, out_bits = cast
+        fn(as_array(src, src_bits), as_array(dest, out_bits))
+        return
+    _torch_cast_into(dest, out_dtype, src, src_dtype)
+
+
+def _torch_cast_into(dest: Any, out_dtype: str, src: Any, src_dtype: str) -> None:
+    import torch
+
+    raw = as_array(src, np.uint8)
+    if not raw.flags.writeable:  # torch.frombuffer warns on read-only buffers; it only reads here
+        raw = raw.copy()
+    out = torch.from_numpy(as_array(dest, np.uint8)).view(getattr(torch, out_dtype))
+    if raw.size:
+        out.copy_(torch.frombuffer(raw, dtype=getattr(torch, src_dtype)))
+
+
+def scalar(raw: bytes, dtype: str) -> Any:
+    """One element's bytes as a Python value (for messages): a float, int, bool or complex; the hex
+    of the bytes for a dtype numpy cannot read."""
+    if dtype == "bfloat16":
+        return float(np.frombuffer(b"\0\0" + raw, dtype=np.float32)[0])
+    np_dtype = NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        return raw.hex()
+    return np.frombuffer(raw, dtype=np_dtype)[0].item()
+
+
+__all__ = [
+    "BLOCK",
+    "CASTS",
+    "bf16_to_fp32",
+    "cast_into",
+    "fp16_to_fp32",
+    "fp32_to_bf16",
+    "fp32_to_fp16",
+    "needs_torch",
+    "scalar",
+]

@@ -1,0 +1,153 @@
+"""The numpy casts of `ckptflow.casts` against torch's own CPU casts, bit for bit: every 16-bit
+pattern for the widening casts, and for the narrowing ones several million float32 patterns (every
+sign and exponent with the rounding boundaries of both targets, NaNs with many payloads, infinities,
+subnormals, and random bits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ckptflow import casts
+
+# torch's float32 -> bfloat16 NaN is 0xFFFF in its AVX2 / AVX-512 kernels, 0x7FC0 in the scalar
+# fallback; ckptflow writes the former. Elsewhere only the NaN lanes are left out of the comparison.
+X86_KERNELS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def ours(src: str, out: str, bits: np.ndarray, out_bits: type) -> np.ndarray:
+    result = np.empty(bits.size, dtype=out_bits)
+    casts.cast_into(result, out, bits, src)
+    return result
+
+
+def fp32_patterns() -> np.ndarray:
+    """Float32 bit patterns: for every sign and exponent, the neighbourhood of every rounding position
+    (ties with an odd and an even kept part, one below and one above, all-zero and all-one tails) under
+    three upper parts (zero, all ones so the carry runs into the exponent, random); then NaNs, and
+    four million random patterns."""
+    rng = np.random.default_rng(20240917)
+    sign_exp = (np.arange(512, dtype=np.uint32) << 23)  # sign and exponent, all 512
+    tails = []
+    for p in range(1, 23):  # bits below p are dropped: 16 for bfloat16, 13 for float16, more in subnormals
+        half = 1 << (p - 1)
+        for low in (0, 1, half - 1, half, half + 1, (1 << p) - 1):
+            for parity in (0, 1):
+                for upper in (0, (1 << 23) - 1, int(rng.integers(0, 1 << 23))):
+                    tails.append((upper & ~((1 << (p + 1)) - 1)) | parity << p | low)
+    mantissas = np.unique(np.array(tails, dtype=np.uint32) & 0x7FFFFF)
+    grid = (sign_exp[:, None] | mantissas[None, :]).reshape(-1)
+    nan_payloads = np.concatenate([1 << np.arange(23, dtype=np.uint32), (1 << np.arange(1, 24, dtype=np.uint32)) - 1,
+                                   rng.integers(1, 1 << 23, 4096, dtype=np.uint32)])
+    nans = np.concatenate([0x7F800000 | nan_payloads, 0xFF800000 | nan_payloads])
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 1, 0x807FFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF,
+                        0x477FE000, 0x477FEFFF, 0x477FF000, 0x33000000, 0x33000001, 0x387FE000, 0x387FF000],
+                       dtype=np.uint32)
+    randoms = rng.integers(0, 1 << 32, 4_000_000, dtype=np.uint32)
+    return np.concatenate([special, grid, nans, randoms])
+
+
+@pytest.fixture(scope="module")
+def fp32_bits() -> np.ndarray:
+    return fp32_patterns()
+
+
+def all_16bit() -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def test_bf16_to_fp32_every_pattern() -> None:
+    bits = all_16bit()
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float32).view(torch.int32).numpy()
+    assert np.array_equal(ours("bfloat16", "float32", bits, np.uint32), want.view(np.uint32))
+
+
+def test_fp16_to_fp32_every_pattern() -> None:
+    bits = all_16bit()
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.float16).to(torch.float32).view(torch.int32).numpy()
+    got = ours("float16", "float32", bits, np.uint32)
+    assert np.array_equal(got, want.view(np.uint32))
+    nan = (bits & 0x7C00 == 0x7C00) & (bits & 0x3FF != 0)
+    assert nan.sum() == 2046 and (got[nan] & 0x7FC00000 == 0x7FC00000).all()  # quiet, sign and payload kept
+
+
+def test_fp16_to_fp32_nan_in_torchs_scalar_tail() -> None:
+    """Torch widens the last `numel % 8` elements one by one, and there every NaN becomes 0x7FFFFFFF;
+    ckptflow gives every element what torch's vectorized kernel gives (documented in `casts`)."""
+    bits = np.full(9, 0xFE01, dtype=np.uint16)
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.float16).to(torch.float32).view(torch.int32).numpy()
+    assert [hex(x) for x in want.view(np.uint32)[[0, 8]]] == ["0xffc02000", "0x7fffffff"]
+    assert (ours("float16", "float32", bits, np.uint32) == 0xFFC02000).all()
+
+
+def test_fp32_to_bf16_matches_torch(fp32_bits: np.ndarray) -> None:
+    want = torch.from_numpy(fp32_bits.view(np.int32)).view(torch.float32).to(torch.bfloat16).view(torch.int16)
+    want = want.numpy().view(np.uint16)
+    got = ours("float32", "bfloat16", fp32_bits, np.uint16)
+    nan = np.isnan(fp32_bits.view(np.float32))
+    assert nan.sum() > 10_000 and (got[nan] == 0xFFFF).all()
+    keep = slice(None) if X86_KERNELS else ~nan
+    assert np.array_equal(got[keep], want[keep]), np.flatnonzero(got[keep] != want[keep])[:10]
+
+
+def test_fp32_to_fp16_matches_torch(fp32_bits: np.ndarray) -> None:
+    want = torch.from_numpy(fp32_bits.view(np.int32)).view(torch.float32).to(torch.float16).view(torch.int16)
+    want = want.numpy().view(np.uint16)
+    got = ours("float32", "float16", fp32_bits, np.uint16)
+    differ = np.flatnonzero(got != want)
+    assert differ.size == 0, [(hex(fp32_bits[i]), hex(got[i]), hex(want[i])) for i in differ[:10]]
+
+
+@pytest.mark.parametrize("bits, want", [
+    (0x3F808000, 0x3F80), (0x3F818000, 0x3F82), (0x3F808001, 0x3F81), (0x3F807FFF, 0x3F80),  # ties to even
+    (0x7F7FFFFF, 0x7F80), (0xFF7F8000, 0xFF80), (0x7F7F7FFF, 0x7F7F),  # past the largest bfloat16: infinity
+    (0x00008000, 0x0000), (0x00018000, 0x0002), (0x807FFFFF, 0x8080),  # subnormals round like the rest
+    (0x7F800000, 0x7F80), (0xFF800000, 0xFF80),
+    (0x7FC00000, 0xFFFF), (0xFF800001, 0xFFFF), (0x7FFFFFFF, 0xFFFF),  # every NaN: 0xFFFF
+])
+def test_fp32_to_bf16_pinned(bits: int, want: int) -> None:
+    assert ours("float32", "bfloat16", np.array([bits], dtype=np.uint32), np.uint16)[0] == want
+
+
+@pytest.mark.parametrize("bits, want", [
+    (0x477FEFFF, 0x7BFF), (0x477FF000, 0x7C00), (0xC77FF000, 0xFC00),  # 65520 and above: infinity
+    (0x33000000, 0x0000), (0x33000001, 0x0001), (0x33C00000, 0x0002),  # subnormal ties to even
+    (0x7F800001, 0x7E00), (0xFF812345, 0xFE09), (0x7FA00000, 0x7F00), (0x7FFFFFFF, 0x7FFF),  # NaN: quiet bit set
+])
+def test_fp32_to_fp16_pinned(bits: int, want: int) -> None:
+    assert ours("float32", "float16", np.array([bits], dtype=np.uint32), np.uint16)[0] == want
+
+
+def test_block_edges_and_lengths() -> None:
+    """NaNs on either side of a block edge, and lengths that are not a multiple of anything."""
+    for n in (0, 1, 7, casts.BLOCK - 1, casts.BLOCK, casts.BLOCK + 3, 3 * casts.BLOCK + 5):
+        bits = np.random.default_rng(n).integers(0, 1 << 32, n, dtype=np.uint32)
+        for i in (casts.BLOCK - 1, casts.BLOCK, n - 1):
+            if 0 <= i < n:
+                bits[i] = 0xFFC00001
+        f = torch.from_numpy(bits.view(np.int32)).view(torch.float32)
+        for out, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+            want = f.to(dtype).view(torch.int16).numpy().view(np.uint16)
+            got = ours("float32", out, bits, np.uint16)
+            keep = slice(None) if X86_KERNELS or out == "float16" else ~np.isnan(bits.view(np.float32))
+            assert np.array_equal(got[keep], want[keep]), (n, out)
+
+
+@pytest.mark.parametrize("src, out", [("bfloat16", "float16"), ("float16", "bfloat16"), ("float64", "float32"),
+                                      ("int64", "int64"), ("bool", "bool"), ("float32", "float32")])
+def test_other_pairs_through_torch_or_copy(src: str, out: str) -> None:
+    source = (torch.randn(1000, dtype=torch.float64) * 1000).to(getattr(torch, src))
+    raw = source.view(torch.uint8).numpy().tobytes()  # read-only bytes, as a store returns them
+    dest = bytearray(1000 * torch.empty(0, dtype=getattr(torch, out)).element_size())
+    casts.cast_into(memoryview(dest), out, raw, src)
+    assert dest == source.to(getattr(torch, out)).view(torch.uint8).numpy().tobytes()
+    assert casts.needs_torch(src, out) == (src != out)
+
+
+def test_scalar_for_messages() -> None:
+    assert casts.scalar(bytes.fromhex("c03f"), "bfloat16") == 1.5
+    assert casts.scalar(np.float16(-2.5).tobytes(), "float16") == -2.5
+    assert casts.scalar(np.int64(-7).tobytes(), "int64") == -7
+    assert casts.scalar(b"\x01", "bool") is True
+    assert casts.scalar(b"\x12", "float8_e4m3fn") == "12"
