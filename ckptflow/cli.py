@@ -256,8 +256,8 @@ def push_command(
 ) -> None:
     """Publish a folder to the Hugging Face Hub or to a bucket, verified and resumable.
 
-    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there. The
-    Hub gets one commit. After a failure, run the same command again: what is verified is not sent again.
+    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there.
+    The Hub gets one commit. After a failure, run the same command again: nothing verified is sent twice.
     """
     import threading
 
