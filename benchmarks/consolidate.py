@@ -69,11 +69,7 @@ def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tu
 def work(kind: str, ckpt: str, out: str, verify: bool) -> None:
     """Subprocess body of the in-process timings: import first, then time only the conversion."""
     if kind == "ckptflow":
-        import torch  # imported before the clock starts, as the converter needs it
-
-        from ckptflow.consolidate import ConsolidateOptions, consolidate
-
-        torch.set_num_threads(1)  # as the CLI does: the converter's own threads keep the cores busy
+        from ckptflow.consolidate import ConsolidateOptions, consolidate  # casts with numpy: no torch
 
         started = time.monotonic()
         consolidate(ckpt, out, options=ConsolidateOptions(dtype="bf16", verify=verify))

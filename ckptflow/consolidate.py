@@ -35,9 +35,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from ckptflow import hf
+from ckptflow.casts import cast_into
 from ckptflow.errors import (
     CheckpointError,
     CkptflowError,
@@ -46,11 +49,8 @@ from ckptflow.errors import (
     SourceReadError,
 )
 from ckptflow.storage import is_local, join, local_path, mapped, open_fs, read_ranges
-from ckptflow.torchzip import TensorRef
+from ckptflow.torchzip import DTYPE_SIZES, TensorRef
 from ckptflow.zero import Param, ZeroCheckpoint, load_index, zero3_piece
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -348,8 +348,6 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
     `slots` is (output dtype, byte offset in the data section, runs) per tensor in file order.
     Copies of adjacent source bytes to adjacent output bytes are merged into one.
     """
-    from ckptflow.torchzip import DTYPE_SIZES
-
     batches: list[Batch] = []
     copies: list[Copy] = []
     file_start: int | None = None
@@ -385,8 +383,6 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
 
 
 def _append_copy(copies: list[Copy], copy: Copy) -> None:
-    from ckptflow.torchzip import DTYPE_SIZES
-
     last = copies[-1] if copies else None
     if last is not None and (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype,
                                                                                  copy.out_dtype) and \
@@ -453,10 +449,8 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     """Stream the shard: the header, then each batch. Three stages overlap, on up to three buffers:
     a reader thread fills batch i+2 (reads + casts) while this thread writes batch i+1 and a hasher
     thread hashes batch i. Returns the file's sha256."""
-    import torch
-
     out_cap = max((b.out_nbytes for b in batches), default=0)
-    buffers = [torch.empty(out_cap, dtype=torch.uint8) for _ in range(max(1, min(3, len(batches))))]
+    buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(max(1, min(3, len(batches))))]
     hashed: list[Any] = [None] * len(buffers)  # the pending hash of what each buffer holds
     hasher = hashlib.sha256(layout.header)
     done = 0
@@ -479,7 +473,7 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                     raise Cancelled(uri)
                 if i + depth < len(batches):
                     pending.append(fill(i + depth))
-                view = memoryview(buffers[i % len(buffers)].numpy())[:batch.out_nbytes]
+                view = memoryview(buffers[i % len(buffers)])[:batch.out_nbytes]
                 hashed[i % len(buffers)] = hashing.submit(hasher.update, view)
                 fh.write(view)
                 done += batch.out_nbytes
@@ -507,27 +501,22 @@ def _open_output(uri: str) -> Any:
     return fs.open(path, "wb")
 
 
-def _fill(batch: Batch, out: "torch.Tensor") -> None:
-    """Copy (and cast) one batch's source bytes into `out`: local files through memory-mapped windows,
-    other stores through one `fs.cat_ranges` round for the whole batch."""
-    import torch
-
+def _fill(batch: Batch, out: np.ndarray) -> None:
+    """Copy (and cast) one batch's source bytes into `out` (uint8): local files through memory-mapped
+    windows, other stores through one `fs.cat_ranges` round for the whole batch."""
     remote = [i for i, c in enumerate(batch.copies) if not is_local(c.uri)]
     try:
         fetched = read_ranges([(batch.copies[i].uri, batch.copies[i].start, batch.copies[i].end) for i in remote])
         blobs = dict(zip(remote, fetched))
         for i, copy in enumerate(batch.copies):
-            src_dtype, out_dtype = getattr(torch, copy.dtype), getattr(torch, copy.out_dtype)
-            numel = (copy.end - copy.start) // src_dtype.itemsize
-            dest = out[copy.dest:copy.dest + numel * out_dtype.itemsize].view(out_dtype)
+            numel = (copy.end - copy.start) // DTYPE_SIZES[copy.dtype]
+            dest = out[copy.dest:copy.dest + numel * DTYPE_SIZES[copy.out_dtype]]
             blob = blobs.get(i)
             if blob is not None:
-                dest.copy_(torch.frombuffer(bytearray(blob), dtype=src_dtype))
+                cast_into(dest, copy.out_dtype, blob, copy.dtype)
                 continue
             with mapped(copy.uri, copy.start, copy.end) as view:
-                src = torch.frombuffer(view, dtype=src_dtype)
-                dest.copy_(src)
-                del src
+                cast_into(dest, copy.out_dtype, view, copy.dtype)
     except OSError as exc:
         raise _source_error(exc, [c.uri for c in batch.copies]) from exc
 

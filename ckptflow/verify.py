@@ -21,7 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from ckptflow import hf
+from ckptflow.casts import cast_into, scalar
 from ckptflow.errors import VerificationError
 from ckptflow.storage import is_local, local_path, mapped, open_fs, read_into
 from ckptflow.torchzip import TensorRef
@@ -55,49 +58,43 @@ class SourceTensor(Protocol):
 
 def read_source(tensor: SourceTensor, dtype: str | None = None, lo: int = 0, hi: int | None = None) -> "torch.Tensor":
     """Flat elements [lo, hi) of `tensor` read from its source runs and cast to `dtype` (default: the
-    tensor's output dtype)."""
+    tensor's output dtype), as a torch tensor (this imports torch; the shard check does not)."""
     import torch
 
     numel = 1
     for d in tensor.shape:
         numel *= d
     hi = numel if hi is None else hi
-    out = torch.empty(hi - lo, dtype=getattr(torch, dtype or tensor.dtype))
-    _read_source_into(tensor, lo, hi, out, _Bytes(0))
-    return out
+    dtype = dtype or tensor.dtype
+    out = np.empty((hi - lo) * hf.itemsize(dtype), dtype=np.uint8)
+    _read_source_into(tensor, lo, hi, out, dtype, _Bytes(0))
+    return torch.from_numpy(out).view(getattr(torch, dtype))
 
 
 class _Bytes:
-    """Byte ranges as uint8 tensors, valid inside `with bytes.get(...)`: local files through a
-    memory-mapped window (no copy), other stores through a range read into a reused scratch buffer."""
+    """Byte ranges as buffers, valid inside `with bytes.get(...)`: local files through a memory-mapped
+    window (no copy), other stores through a range read into a reused scratch buffer."""
 
     def __init__(self, scratch_bytes: int) -> None:
-        import torch
-
-        self.scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        self.scratch = np.empty(scratch_bytes, dtype=np.uint8)
 
     @contextlib.contextmanager
-    def get(self, uri: str, start: int, end: int) -> Iterator["torch.Tensor"]:
-        import torch
-
+    def get(self, uri: str, start: int, end: int) -> Iterator[Any]:
         if is_local(uri):
             with mapped(uri, start, end) as view:
-                raw = torch.frombuffer(view, dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
-                yield raw
-                del raw
+                yield view
             return
-        if self.scratch.numel() < end - start:
-            self.scratch = torch.empty(end - start, dtype=torch.uint8)
+        if self.scratch.size < end - start:
+            self.scratch = np.empty(end - start, dtype=np.uint8)
         raw = self.scratch[:end - start]
-        read_into([(uri, start, end, memoryview(raw.numpy()))])
+        read_into([(uri, start, end, memoryview(raw))])
         yield raw
 
 
-def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: "torch.Tensor", source: _Bytes) -> None:
-    """Fill `out` (typed, hi - lo elements) from the source runs, each run's byte range computed here
-    from its `TensorRef` (not taken from the writer's batches), and cast."""
-    import torch
-
+def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: np.ndarray, dtype: str, source: _Bytes) -> None:
+    """Fill `out` (the bytes of hi - lo elements of `dtype`) from the source runs, each run's byte
+    range computed here from its `TensorRef` (not taken from the writer's batches), and cast."""
+    size = hf.itemsize(dtype)
     for run in tensor.runs:
         a, b = max(lo, run.offset), min(hi, run.offset + run.numel)
         if a >= b:
@@ -105,21 +102,21 @@ def _read_source_into(tensor: SourceTensor, lo: int, hi: int, out: "torch.Tensor
         start, end = run.ref.element_range(run.start + (a - run.offset), b - a)
         try:
             with source.get(run.ref.uri, start, end) as raw:
-                out[a - lo:b - lo].copy_(raw.view(getattr(torch, run.ref.dtype)))
+                cast_into(out[(a - lo) * size:(b - lo) * size], dtype, raw, run.ref.dtype)
         except (OSError, EOFError) as exc:
             raise VerificationError(f"cannot read the source again to check the output ({exc})", file=run.ref.uri,
                                     hint="the checkpoint changed or became unreadable while converting; run again",
                                     ) from exc
 
 
-def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
-    """Byte equality of two uint8 tensors, compared eight bytes at a time where the length allows."""
-    import torch
-
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if a.numel() % size == 0 and a.numel() == b.numel():
-            return torch.equal(a.view(dtype), b.view(dtype))
-    return torch.equal(a, b)
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Byte equality of two uint8 arrays, compared eight bytes at a time where the length allows."""
+    if a.size != b.size:
+        return False
+    for word in (np.uint64, np.uint32, np.uint16):
+        if a.size % np.dtype(word).itemsize == 0:
+            return bool(np.array_equal(a.view(word), b.view(word)))
+    return bool(np.array_equal(a, b))
 
 
 # ---- one shard ------------------------------------------------------------------------------------
@@ -145,8 +142,6 @@ def verify_shard(
 ) -> ShardCheck:
     """Check the safetensors file at `uri` holds exactly `tensors`, each equal to its source cast to
     its dtype, byte for byte. With `sha256`, also check the file hashes to it."""
-    import torch
-
     expected = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     fs, path = open_fs(uri)
     try:
@@ -169,14 +164,14 @@ def verify_shard(
     step = max(8, chunk_bytes // 8)  # elements per chunk: at most chunk_bytes of the widest dtype
     chunks = [(slot, lo, min((slot.end - slot.begin) // hf.itemsize(slot.dtype), lo + step))
               for slot in expected.slots for lo in range(0, (slot.end - slot.begin) // hf.itemsize(slot.dtype), step)]
-    wants = [torch.empty(step * 8, dtype=torch.uint8) for _ in range(2)]
+    wants = [np.empty(step * 8, dtype=np.uint8) for _ in range(2)]
     shard, source = _Bytes(step * 8), _Bytes(step * 8)
 
-    def expect(i: int) -> "torch.Tensor":
+    def expect(i: int) -> np.ndarray:
         """Chunk i as the source says it must be (read + cast), in a buffer of its own."""
         slot, lo, hi = chunks[i]
-        want = wants[i % 2][:(hi - lo) * hf.itemsize(slot.dtype)].view(getattr(torch, slot.dtype))
-        _read_source_into(by_name[slot.name], lo, hi, want, source)
+        want = wants[i % 2][:(hi - lo) * hf.itemsize(slot.dtype)]
+        _read_source_into(by_name[slot.name], lo, hi, want, slot.dtype, source)
         return want
 
     # The source side of chunk i+1 is read and cast on a helper thread while chunk i is compared here.
@@ -189,11 +184,13 @@ def verify_shard(
             nbytes = (hi - lo) * hf.itemsize(slot.dtype)
             start = expected.data_start + slot.begin + lo * hf.itemsize(slot.dtype)
             try:
-                with shard.get(uri, start, start + nbytes) as got:
-                    if not _same_bytes(got, want.view(torch.uint8)):
+                with shard.get(uri, start, start + nbytes) as view:
+                    got = np.frombuffer(view, dtype=np.uint8)
+                    if not _same_bytes(got, want):
                         _raise_mismatch(uri, slot.name, slot.dtype, got, want, lo)
                     if hasher is not None:
-                        hasher.update(memoryview(got.numpy()))
+                        hasher.update(view)
+                    del got
             except (OSError, EOFError) as exc:
                 raise VerificationError(f"cannot read {slot.name} back from {uri} ({exc})", file=uri,
                                         tensor=slot.name, hint="the shard is damaged; run again") from exc
@@ -236,7 +233,7 @@ def _check_with_safetensors(path: str, names: list[str]) -> None:
     from safetensors import safe_open
 
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:  # the header is all that is read: no torch needed
             keys = sorted(f.keys())
     except Exception as exc:
         raise VerificationError(f"safetensors cannot open {path} ({exc})", file=path,
@@ -245,17 +242,15 @@ def _check_with_safetensors(path: str, names: list[str]) -> None:
         raise VerificationError(f"safetensors sees other tensors in {path} than were planned", file=path)
 
 
-def _raise_mismatch(uri: str, name: str, dtype: str, got: "torch.Tensor", want: "torch.Tensor", lo: int) -> None:
-    import torch
-
+def _raise_mismatch(uri: str, name: str, dtype: str, got: np.ndarray, want: np.ndarray, lo: int) -> None:
     item = hf.itemsize(dtype)
-    differ = (got.view(-1, item) != want.view(torch.uint8).view(-1, item)).any(dim=1)
-    first = int(differ.nonzero()[0, 0])
-    value = got[first * item:(first + 1) * item].view(getattr(torch, dtype))
+    first = int(np.argmax((got.reshape(-1, item) != want.reshape(-1, item)).any(axis=1)))
+    value = scalar(got[first * item:(first + 1) * item].tobytes(), dtype)
+    expected = scalar(want[first * item:(first + 1) * item].tobytes(), dtype)
     raise VerificationError(
         f"tensor {name} in {uri} differs from the source at element {lo + first}: the file holds "
-        f"{value.item()!r}, the source gives {want[first].item()!r}", file=uri, tensor=name,
-        expected=want[first].item(), actual=value.item(), hint="the output is wrong; report this as a ckptflow bug",
+        f"{value!r}, the source gives {expected!r}", file=uri, tensor=name,
+        expected=expected, actual=value, hint="the output is wrong; report this as a ckptflow bug",
     )
 
 
