@@ -9,8 +9,9 @@ Three steps, each usable on its own (the Prefect layer runs the units as tasks):
 2. `prepare_output` checks OUT and the free space and makes a staging folder beside OUT;
    `run_unit` streams one shard into it: a safetensors header first, then the tensors in bounded
    batches of byte-range reads (one `fs.cat_ranges` round per batch on a bucket, memory-mapped
-   windows on a local disk), cast on the way, hashed as written, and with `verify` reopened and
-   checked against the source.
+   windows on a local disk), cast on the way (with numpy, `ckptflow.casts`: no torch), hashed as
+   written, and with `verify` read back and checked against the source: on a local disk by a
+   checker thread that follows the writer, range by range; on a bucket once the object is written.
 3. `finalize` adds the config and tokenizer files, a provenance record and the shard index, then
    moves the staging folder into place: one rename on a local disk, file by file (server-side
    copies) with the index last on a bucket. `abort` removes the staging folder.
@@ -422,6 +423,11 @@ def run_unit(
     """Write shard `unit` of `plan` as `staging/<unit.filename>`; with `verify` (default: the plan's
     option) reopen it and check every byte against the source. Safe to run again: the file is rewritten.
 
+    On a local disk the check runs while the shard is written: a checker thread re-reads each range
+    of the file as soon as the writer has written it and compares it with its own read and cast of
+    the source, and the writer's fsync overlaps the end of the check. On a bucket the object exists
+    only once written, so the check follows the write.
+
     `progress(done, total)` counts this unit's bytes written plus, with `verify`, bytes checked.
     """
     from ckptflow.verify import verify_shard
@@ -432,23 +438,85 @@ def run_unit(
     batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], plan.options.chunk_bytes)
     uri = join(staging, unit.filename)
     total = unit.nbytes * (2 if verify else 1)
-    report = (lambda done: progress(done, total)) if progress else (lambda done: None)
+    done = [0, 0]  # bytes written, bytes checked
+
+    def report(written: int | None = None, checked: int | None = None) -> None:
+        done[0] = done[0] if written is None else written
+        done[1] = done[1] if checked is None else checked
+        if progress:
+            progress(done[0] + done[1], total)
+
+    stopped = (lambda: cancel.is_set()) if cancel is not None else (lambda: False)
     started = time.monotonic()
-    sha256 = _write_shard(uri, layout, batches, report, cancel)
+    if verify and is_local(uri):
+        sha256 = _write_and_check(uri, layout, batches, report, stopped,
+                                  lambda written: verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes,
+                                                               progress=lambda n, _t: report(checked=n),
+                                                               written=written))
+        logger.info("wrote and checked %s (%s) in %.2fs", uri, hf.format_size(layout.file_size),
+                    time.monotonic() - started)
+        return UnitResult(unit.index, unit.filename, layout.file_size, sha256, True)
+    sha256 = _write_shard(uri, layout, batches, lambda n: report(written=n), stopped)
     logger.info("wrote %s (%s) in %.2fs", uri, hf.format_size(layout.file_size), time.monotonic() - started)
     if verify:
-        if cancel is not None and cancel.is_set():
+        if stopped():
             raise Cancelled(unit.filename)
         verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes,
-                     progress=lambda done, _total: report(unit.nbytes + done))
+                     progress=lambda n, _total: report(checked=n))
     return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify)
 
 
-def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
-                 report: Callable[[int], None], cancel: threading.Event | None) -> str:
+class _Watermark:
+    """How many leading bytes of a file have been written: the writer raises it, a reader waits on it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._bytes = 0
+        self._abandoned = False
+
+    def advance(self, nbytes: int) -> None:
+        with self._cond:
+            self._bytes = nbytes
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """The writer stopped: wake the reader, which raises `Cancelled`."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
+
+    def wait_for(self, nbytes: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._bytes >= nbytes or self._abandoned)
+            if self._bytes < nbytes:
+                raise Cancelled(f"the write stopped before byte {nbytes}")
+
+
+def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
+                     report: Callable[..., None], stopped: Callable[[], bool],
+                     check: Callable[[Callable[[int], None]], Any]) -> str:
+    """Write the shard on this thread while `check(written)` runs on another, `written(n)` blocking it
+    until the first n bytes of the file are written. A failed write stops the check and is the error
+    raised (a source that breaks fails both; the writer's error says it best); otherwise the check's
+    error, if any. Returns the file's sha256."""
+    mark = _Watermark()
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-check") as pool:
+        checking = pool.submit(check, mark.wait_for)
+        try:
+            sha256 = _write_shard(uri, layout, batches, lambda n: report(written=n), stopped, written=mark.advance)
+        except BaseException:
+            mark.abandon()
+            raise
+        checking.result()
+    return sha256
+
+
+def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], report: Callable[[int], None],
+                 stopped: Callable[[], bool], *, written: Callable[[int], None] | None = None) -> str:
     """Stream the shard: the header, then each batch. Three stages overlap, on up to three buffers:
     a reader thread fills batch i+2 (reads + casts) while this thread writes batch i+1 and a hasher
-    thread hashes batch i. Returns the file's sha256."""
+    thread hashes batch i. `written(n)` is told each time the first n bytes of the file are out of
+    this process (in the page cache on a local disk). Returns the file's sha256."""
     out_cap = max((b.out_nbytes for b in batches), default=0)
     buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(max(1, min(3, len(batches))))]
     hashed: list[Any] = [None] * len(buffers)  # the pending hash of what each buffer holds
@@ -465,11 +533,14 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                 return reader.submit(_fill, batches[j], buffers[slot])
 
             fh.write(layout.header)
+            if written is not None:
+                fh.flush()
+                written(len(layout.header))
             depth = max(1, len(buffers) - 1)  # batches being filled ahead of the one being written
             pending = deque(fill(j) for j in range(min(depth, len(batches))))
             for i, batch in enumerate(batches):
                 pending.popleft().result()
-                if cancel is not None and cancel.is_set():
+                if stopped():
                     raise Cancelled(uri)
                 if i + depth < len(batches):
                     pending.append(fill(i + depth))
@@ -477,6 +548,9 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                 hashed[i % len(buffers)] = hashing.submit(hasher.update, view)
                 fh.write(view)
                 done += batch.out_nbytes
+                if written is not None:
+                    fh.flush()
+                    written(len(layout.header) + done)
                 report(done)
             for future in hashed:
                 if future is not None:

@@ -139,25 +139,19 @@ def verify_shard(
     sha256: str | None = None,
     chunk_bytes: int = 32 << 20,
     progress: Progress | None = None,
+    written: Callable[[int], None] | None = None,
 ) -> ShardCheck:
     """Check the safetensors file at `uri` holds exactly `tensors`, each equal to its source cast to
-    its dtype, byte for byte. With `sha256`, also check the file hashes to it."""
+    its dtype, byte for byte. With `sha256`, also check the file hashes to it.
+
+    With `written`, the check runs while the file is still being written: `written(n)` must return
+    once the first n bytes of the file are written (and raise if they never will be). Each range is
+    then read back as soon as it exists, and the whole-file checks (size, header, what the
+    safetensors library sees) come last instead of first.
+    """
     expected = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
-    fs, path = open_fs(uri)
-    try:
-        size = fs.size(path)
-        head = fs.cat_file(path, start=0, end=min(size, 8))
-        length = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
-        prefix = fs.cat_file(path, start=0, end=min(size, length, 8 + (100 << 20)))
-    except (OSError, ValueError) as exc:
-        raise VerificationError(f"cannot reopen {uri} ({exc})", file=uri, hint="the shard was not written") from exc
-    _check_header(uri, prefix, expected)
-    if size != expected.file_size:
-        raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,
-                                expected=expected.file_size, actual=size, hint="the write was cut short; run again")
-    if is_local(uri):
-        _check_with_safetensors(local_path(uri), [s.name for s in expected.slots])
-    hasher = hashlib.sha256(prefix) if sha256 else None
+    size = _check_file(uri, expected) if written is None else None
+    hasher = hashlib.sha256(expected.header) if sha256 else None  # the file's own header is checked to be this
     by_name = {t.name: t for t in tensors}
     total = expected.file_size - expected.data_start
     done = 0
@@ -183,6 +177,8 @@ def verify_shard(
             pending = helper.submit(expect, i + 1) if i + 1 < len(chunks) else None
             nbytes = (hi - lo) * hf.itemsize(slot.dtype)
             start = expected.data_start + slot.begin + lo * hf.itemsize(slot.dtype)
+            if written is not None:
+                written(start + nbytes)
             try:
                 with shard.get(uri, start, start + nbytes) as view:
                     got = np.frombuffer(view, dtype=np.uint8)
@@ -197,11 +193,35 @@ def verify_shard(
             done += nbytes
             if progress:
                 progress(done, total)
+    if size is None:
+        assert written is not None
+        written(expected.file_size)
+        size = _check_file(uri, expected)
     if hasher is not None and hasher.hexdigest() != sha256:
         raise VerificationError(f"{uri} hashes to {hasher.hexdigest()}, but {sha256} was recorded when it was "
                                 "written", file=uri, expected=sha256, actual=hasher.hexdigest(),
                                 hint="the file changed after it was written; run again")
     return ShardCheck(uri, len(expected.slots), size, sha256)
+
+
+def _check_file(uri: str, expected: hf.SafetensorsLayout) -> int:
+    """The file's size and header are the planned ones and the safetensors library reads it (on a
+    local disk). Returns the size."""
+    fs, path = open_fs(uri)
+    try:
+        size = fs.size(path)
+        head = fs.cat_file(path, start=0, end=min(size, 8))
+        length = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
+        prefix = fs.cat_file(path, start=0, end=min(size, length, 8 + (100 << 20)))
+    except (OSError, ValueError) as exc:
+        raise VerificationError(f"cannot reopen {uri} ({exc})", file=uri, hint="the shard was not written") from exc
+    _check_header(uri, prefix, expected)
+    if size != expected.file_size:
+        raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,
+                                expected=expected.file_size, actual=size, hint="the write was cut short; run again")
+    if is_local(uri):
+        _check_with_safetensors(local_path(uri), [s.name for s in expected.slots])
+    return size
 
 
 def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsLayout) -> None:

@@ -4,6 +4,7 @@ the tensor when something is off."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -63,6 +64,67 @@ def test_verify_shard_checks_size_header_and_hash(written: tuple[Path, tuple, st
         verify_shard(str(path), [*tensors, scale.__class__("zz", "bfloat16", (7,), scale.runs, "buffer")])
     with pytest.raises(VerificationError, match="hashes to .*, but 00 was recorded"):
         verify_shard(str(path), tensors, sha256="00")
+
+
+class SlowWriter:
+    """Writes `data` to `path` in pieces on a thread of its own; `written(n)` waits for n bytes."""
+
+    def __init__(self, path: Path, data: bytes, piece: int, stop_at: int | None = None) -> None:
+        self.path, self.data, self.piece, self.stop_at = path, data, piece, stop_at
+        self.cond = threading.Condition()
+        self.done, self.stopped = 0, False
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self) -> None:
+        with open(self.path, "wb") as fh:
+            for pos in range(0, len(self.data), self.piece):
+                if self.stop_at is not None and pos >= self.stop_at:
+                    break
+                fh.write(self.data[pos:pos + self.piece])
+                fh.flush()
+                with self.cond:
+                    self.done = pos + len(self.data[pos:pos + self.piece])
+                    self.cond.notify_all()
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def written(self, n: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.done >= n or self.stopped)
+            if self.done < n:
+                raise RuntimeError(f"the writer stopped before byte {n}")
+
+
+def test_verify_shard_while_the_file_is_written(written: tuple[Path, tuple, str]) -> None:
+    path, tensors, sha256 = written
+    good = path.read_bytes()
+    layout = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    slot = next(s for s in layout.slots if s.name == "proj.weight")
+    for data, error in (
+        (good, None),
+        (good[:layout.data_start + slot.begin + 10] + bytes([good[layout.data_start + slot.begin + 10] ^ 1])
+         + good[layout.data_start + slot.begin + 11:], r"^tensor proj.weight in .* differs from the source at element 5"),
+        (good[:9] + b"x" + good[10:], r"has no readable safetensors header"),  # the header is checked last
+    ):
+        path.unlink()
+        writer = SlowWriter(path, data, piece=100)
+        writer.thread.start()
+        try:
+            if error is None:
+                check = verify_shard(str(path), tensors, sha256=sha256, chunk_bytes=64, written=writer.written)
+                assert check.size == len(good)
+            else:
+                with pytest.raises(VerificationError, match=error):
+                    verify_shard(str(path), tensors, chunk_bytes=64, written=writer.written)
+        finally:
+            writer.thread.join()
+    path.unlink()
+    writer = SlowWriter(path, good, piece=100, stop_at=300)
+    writer.thread.start()
+    with pytest.raises(RuntimeError, match="the writer stopped before byte"):
+        verify_shard(str(path), tensors, chunk_bytes=64, written=writer.written)
+    writer.thread.join()
 
 
 def test_read_source_casts_like_torch(ds_fixtures: Mapping[str, Fixture]) -> None:
