@@ -17,7 +17,11 @@ are torch names ("float32", "bfloat16", ...). Handled here:
   kernel (F16C) sets it, sign and payload kept. (Torch is not consistent here: the last `numel % 8`
   elements of a tensor, which its kernel converts one by one, get 0x7FFFFFFF for any NaN instead.)
 
-Anything else (bfloat16 <-> float16, float64, ...) goes through torch, imported only then.
+- bfloat16 -> float16: through float32 (exact), then as float32 -> float16, which is what torch does;
+- float16 -> bfloat16: through float32 (exact), then as float32 -> bfloat16, except that torch gives
+  0x7FC0 for every NaN on this path.
+
+Anything else (float64, integers to floats, ...) goes through torch, imported only then.
 `tests/test_casts.py` compares the numpy casts with torch's over every 16-bit pattern and several
 million float32 patterns (every exponent, rounding boundaries, NaN payloads, subnormals).
 
@@ -41,6 +45,7 @@ NUMPY_DTYPES: dict[str, Any] = {
 }
 
 BF16_NAN = 0xFFFF  # torch's float32 -> bfloat16 result for every NaN (x86-64 vectorized kernels)
+BF16_NAN_FROM_F16 = 0x7FC0  # torch's float16 -> bfloat16 result for every NaN
 F32_QUIET = 0x00400000  # the quiet bit of a float32 NaN
 
 
@@ -102,12 +107,36 @@ def fp16_to_fp32(src: np.ndarray, out: np.ndarray) -> None:
             o.view(np.uint32)[np.isnan(o)] |= F32_QUIET  # numpy keeps a signaling NaN signaling
 
 
+def bf16_to_fp16(src: np.ndarray, out: np.ndarray) -> None:
+    """`out` (uint16, float16 bits) = `src` (uint16, bfloat16 bits) rounded as torch rounds."""
+    mid = np.empty(min(src.size, BLOCK), dtype=np.uint32)
+    for i in range(0, src.size, BLOCK):
+        m = mid[:src[i:i + BLOCK].size]
+        bf16_to_fp32(src[i:i + BLOCK], m)
+        fp32_to_fp16(m, out[i:i + BLOCK])
+
+
+def fp16_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
+    """`out` (uint16, bfloat16 bits) = `src` (uint16, float16 bits) rounded as torch rounds."""
+    mid = np.empty(min(src.size, BLOCK), dtype=np.uint32)
+    for i in range(0, src.size, BLOCK):
+        m = mid[:src[i:i + BLOCK].size]
+        fp16_to_fp32(src[i:i + BLOCK], m)
+        o = out[i:i + BLOCK]
+        fp32_to_bf16(m, o)
+        f = m.view(np.float32)
+        if np.isnan(f.max()):
+            o[np.isnan(f)] = BF16_NAN_FROM_F16
+
+
 # (source dtype, output dtype) -> (cast, source bits dtype, output bits dtype)
 CASTS = {
     ("float32", "bfloat16"): (fp32_to_bf16, np.uint32, np.uint16),
     ("float32", "float16"): (fp32_to_fp16, np.uint32, np.uint16),
     ("bfloat16", "float32"): (bf16_to_fp32, np.uint16, np.uint32),
     ("float16", "float32"): (fp16_to_fp32, np.uint16, np.uint32),
+    ("bfloat16", "float16"): (bf16_to_fp16, np.uint16, np.uint16),
+    ("float16", "bfloat16"): (fp16_to_bf16, np.uint16, np.uint16),
 }
 
 
@@ -155,8 +184,10 @@ def scalar(raw: bytes, dtype: str) -> Any:
 __all__ = [
     "BLOCK",
     "CASTS",
+    "bf16_to_fp16",
     "bf16_to_fp32",
     "cast_into",
+    "fp16_to_bf16",
     "fp16_to_fp32",
     "fp32_to_bf16",
     "fp32_to_fp16",

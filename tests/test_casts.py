@@ -81,6 +81,21 @@ def test_fp16_to_fp32_nan_in_torchs_scalar_tail() -> None:
     assert (ours("float16", "float32", bits, np.uint32) == 0xFFC02000).all()
 
 
+def test_bf16_to_fp16_every_pattern() -> None:
+    bits = np.concatenate([all_16bit(), all_16bit()[::-1][:1001]])  # past a block edge
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float16).view(torch.int16).numpy()
+    assert np.array_equal(ours("bfloat16", "float16", bits, np.uint16), want.view(np.uint16))
+
+
+def test_fp16_to_bf16_every_pattern() -> None:
+    bits = np.concatenate([all_16bit(), all_16bit()[::-1][:1001]])
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.float16).to(torch.bfloat16).view(torch.int16).numpy()
+    got = ours("float16", "bfloat16", bits, np.uint16)
+    assert np.array_equal(got, want.view(np.uint16))
+    nan = (bits & 0x7C00 == 0x7C00) & (bits & 0x3FF != 0)
+    assert nan.sum() > 2046 and (got[nan] == 0x7FC0).all()
+
+
 def test_fp32_to_bf16_matches_torch(fp32_bits: np.ndarray) -> None:
     want = torch.from_numpy(fp32_bits.view(np.int32)).view(torch.float32).to(torch.bfloat16).view(torch.int16)
     want = want.numpy().view(np.uint16)
@@ -134,7 +149,7 @@ def test_block_edges_and_lengths() -> None:
             assert np.array_equal(got[keep], want[keep]), (n, out)
 
 
-@pytest.mark.parametrize("src, out", [("bfloat16", "float16"), ("float16", "bfloat16"), ("float64", "float32"),
+@pytest.mark.parametrize("src, out", [("float64", "float32"), ("float32", "float64"), ("int64", "float32"),
                                       ("int64", "int64"), ("bool", "bool"), ("float32", "float32")])
 def test_other_pairs_through_torch_or_copy(src: str, out: str) -> None:
     source = (torch.randn(1000, dtype=torch.float64) * 1000).to(getattr(torch, src))
