@@ -515,7 +515,8 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                  stopped: Callable[[], bool], *, written: Callable[[int], None] | None = None) -> str:
     """Stream the shard: the header, then each batch. Three stages overlap, on up to three buffers:
     a reader thread fills batch i+2 (reads + casts) while this thread writes batch i+1 and a hasher
-    thread hashes batch i. `written(n)` is told each time the first n bytes of the file are out of
+    thread hashes batch i. On a local disk a flusher thread keeps an fdatasync of what is written so
+    far going, so the disk writes while the CPU casts and the final fsync has little left to do. `written(n)` is told each time the first n bytes of the file are out of
     this process (in the page cache on a local disk). Returns the file's sha256."""
     out_cap = max((b.out_nbytes for b in batches), default=0)
     buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(max(1, min(3, len(batches))))]
@@ -524,7 +525,10 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     done = 0
     try:
         with _open_output(uri) as fh, ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as reader, \
-                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-hash") as hashing:
+                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-hash") as hashing, \
+                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-flush") as flusher:
+            local = is_local(uri)
+            flushing: Any = None  # a pending fdatasync of what has been written so far (local disk)
 
             def fill(j: int) -> Any:
                 slot = j % len(buffers)
@@ -548,6 +552,11 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
                 hashed[i % len(buffers)] = hashing.submit(hasher.update, view)
                 fh.write(view)
                 done += batch.out_nbytes
+                if local and (flushing is None or flushing.done()):
+                    if flushing is not None:
+                        flushing.result()
+                    fh.flush()
+                    flushing = flusher.submit(_datasync, fh.fileno())  # the disk writes while we cast
                 if written is not None:
                     fh.flush()
                     written(len(layout.header) + done)
@@ -555,7 +564,9 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
             for future in hashed:
                 if future is not None:
                     future.result()
-            if is_local(uri):
+            if flushing is not None:
+                flushing.result()
+            if local:
                 fh.flush()
                 os.fsync(fh.fileno())
     except (CkptflowError, Cancelled):
@@ -566,6 +577,9 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
         raise OutputError(f"cannot write {uri} ({exc})", file=uri,
                           hint="check the destination is writable and has room, then run again") from exc
     return hasher.hexdigest()
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 def _open_output(uri: str) -> Any:
