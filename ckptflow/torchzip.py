@@ -467,6 +467,27 @@ def read_elements(ref: TensorRef, start: int, numel: int) -> "torch.Tensor":
     return torch.frombuffer(bytearray(raw), dtype=dtype)
 
 
+_SCALAR_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+                   "int8": "<b", "uint8": "<B", "bool": "<?"}
+
+
+def read_scalar(ref: TensorRef) -> float | int | bool:
+    """The value of a one-element tensor (an optimizer step, a loss scale), read without torch."""
+    import struct as _struct
+
+    if ref.numel != 1:
+        raise ValueError(f"{ref.uri}: storage {ref.key} holds {ref.numel} elements, not one")
+    fs, path = open_fs(ref.uri)
+    start = ref.data_offset + ref.storage_offset * ref.itemsize
+    raw = fs.cat_file(path, start=start, end=start + ref.itemsize)
+    _check_length(ref, raw, ref.itemsize)
+    if ref.dtype == "bfloat16":  # the upper half of a float32
+        return _struct.unpack("<f", b"\x00\x00" + raw)[0]
+    if ref.dtype not in _SCALAR_FORMATS:
+        raise ValueError(f"{ref.uri}: cannot read a {ref.dtype} scalar")
+    return _struct.unpack(_SCALAR_FORMATS[ref.dtype], raw)[0]
+
+
 def iter_chunks(ref: TensorRef, chunk_bytes: int = 64 << 20) -> Iterator["torch.Tensor"]:
     """A contiguous tensor's flat elements in chunks of at most `chunk_bytes`, for bounded memory."""
     step = max(1, chunk_bytes // ref.itemsize)

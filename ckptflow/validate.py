@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CkptflowError
-from ckptflow.torchzip import TensorRef, iter_chunks, read_elements, read_tensor
+from ckptflow.torchzip import TensorRef, iter_chunks, read_elements, read_scalar
 from ckptflow.zero import Problem, ZeroCheckpoint, inspect
 
 Progress = Callable[[int, int], None]
@@ -105,8 +105,8 @@ def _check_optimizer_steps(index: ZeroCheckpoint) -> list[Problem]:
             step = part.state.get("step")
             try:
                 if isinstance(step, TensorRef):
-                    step = float(read_tensor(step).reshape(-1)[0])
-            except (CkptflowError, OSError) as exc:
+                    step = float(read_scalar(step))
+            except (CkptflowError, OSError, ValueError) as exc:
                 problems.append(Problem("unreadable-file", f"rank {rank}: cannot read the optimizer step ({exc})",
                                         index.files[rank].optim, rank))
                 break

@@ -61,7 +61,7 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         key=artifact_key("reshard", checkpoint.tag, f"ws{world_size}"),
         description=f"Resharding {checkpoint.uri} to {world_size} ranks at {out}",
     )
-    progress = _Bytes(plan.write_bytes, sink)
+    progress = _Bytes(plan.read_bytes, sink)  # run_unit reports the source bytes it copies
     staging = prepare_output(out)
     cancel = threading.Event()
     try:

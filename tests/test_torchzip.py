@@ -133,3 +133,18 @@ def test_truncated_storage_is_detected_when_opening(tmp_path):
 def test_missing_file_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}/nope.pt does not exist"):
         open_archive(str(tmp_path / "nope.pt"))
+
+
+def test_scalars_read_without_torch(tmp_path):
+    from ckptflow.torchzip import read_scalar
+
+    values = {
+        "f32": torch.tensor(3.0), "f64": torch.tensor(-2.5, dtype=torch.float64), "i64": torch.tensor(2**40),
+        "bf16": torch.tensor(1.5, dtype=torch.bfloat16), "f16": torch.tensor(0.25, dtype=torch.float16),
+        "one": torch.tensor([7], dtype=torch.int32), "b": torch.tensor(True),
+    }
+    got = open_archive(save(tmp_path, values)).obj
+    for key, tensor in values.items():
+        assert read_scalar(got[key]) == tensor.item(), key
+    with pytest.raises(ValueError, match="holds 2 elements, not one"):
+        read_scalar(open_archive(save(tmp_path, {"v": torch.ones(2)}, "two.pt")).obj["v"])
