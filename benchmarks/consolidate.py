@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
 SECTION = "## Consolidate"
 
 
@@ -224,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.ckpt_builder import BenchSpec, build
+    from benchmarks.results import write_section
 
     started = machine()
     lines = [SECTION, "", f"Machine: {started}. Page cache warm; median of {args.repeat} runs; each run is a "
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += targets(full_size, flat, half, full)
     print("\n".join(lines[-(len(flat) + 16):]))
     if args.write_results:
-        write_section(lines)
+        write_section(SECTION, lines)
 
 
 def targets(full_size: dict[int, dict[str, Measure]], flat: dict[str, dict[int, Measure]], half: int,
@@ -292,19 +292,6 @@ def targets(full_size: dict[int, dict[str, Measure]], flat: dict[str, dict[int, 
             "|---|---|---:|---:|---|", *rows,
             f"| ckptflow peak RSS as the model doubles | flat | {', '.join(growth)} | | "
             f"{'met' if all(float(g[:-1]) < 1.1 for g in growth) else 'not met'} |", ""]
-
-
-def write_section(lines: list[str]) -> None:
-    """Replace (or append) the Consolidate section of RESULTS.md, leaving other sections alone."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    body = "\n".join(lines).rstrip() + "\n"
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
-    RESULTS.write_text(text)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
 SECTION = "## Reshard"
 DS = "deepspeed ds_to_universal"
 IMPORT = "python -c 'import torch' (fixed cost inside the ckptflow rows)"
@@ -171,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.ckpt_builder import BenchSpec, build
+    from benchmarks.results import write_section
 
     lines = [SECTION, "", f"Machine: {machine()}. Page cache warm; median of {args.repeat} runs in turn; each run "
              "is a fresh process (imports included) measured by `/usr/bin/time`. Command: "
@@ -198,20 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(block), flush=True)
         lines += block
     if args.write_results:
-        write_section(lines)
-
-
-def write_section(lines: list[str]) -> None:
-    """Replace (or append) the Reshard section of RESULTS.md, leaving other sections alone."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    body = "\n".join(lines).rstrip() + "\n"
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
-    RESULTS.write_text(text)
+        write_section(SECTION, lines)
 
 
 if __name__ == "__main__":
