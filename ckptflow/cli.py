@@ -208,7 +208,8 @@ def reshard_command(
     dest: str = typer.Argument(..., metavar="OUT", help="Checkpoint folder to create, local or URL; absent or empty."),
     world_size: int = typer.Option(..., "--world-size", min=1, help="Data-parallel ranks the output is for."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
-    workers: int = typer.Option(4, "--workers", min=1, help="Target ranks written at once."),
+    workers: int = typer.Option(4, "--workers", min=1,
+                                help="Threads writing at once: one per target rank, the rest share a rank's files."),
     fsync: bool = typer.Option(True, "--fsync/--no-fsync",
                                help="Flush each file to disk before moving OUT into place (local outputs)."),
 ) -> None:

@@ -429,13 +429,14 @@ class UnitResult:
 
 
 def run_unit(plan: ReshardPlan, unit: RankUnit, staging: str, *, progress: Callable[[int], None] | None = None,
-             chunk_bytes: int = CHUNK_BYTES, durable: bool = True) -> UnitResult:
+             chunk_bytes: int = CHUNK_BYTES, durable: bool = True, threads: int = 1) -> UnitResult:
     """Write target rank `unit.rank`'s files into `staging/<tag>/`, streaming from the source.
 
-    `progress` receives the number of source bytes each step copied; over the unit they add up to
-    `unit.read_bytes` (use `plan.read_bytes` as the total). Memory stays at a few `chunk_bytes`
-    buffers plus the pickled metadata, whatever the partition size. Running a unit again rewrites
-    its files, so a failed unit can simply be retried.
+    `progress` receives the number of source bytes each step copied (from any of the unit's
+    `threads`); over the unit they add up to `unit.read_bytes` (use `plan.read_bytes` as the total).
+    Memory stays at a few `chunk_bytes` buffers plus the pickled metadata, whatever the partition
+    size. A local staging folder gets each file written by `threads` threads at once. Running a unit
+    again rewrites its files, so a failed unit can simply be retried.
     """
     started = time.monotonic()
     tag_uri = join(staging, plan.tag)
@@ -445,7 +446,7 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: str, *, progress: Calla
     written = 0
     try:
         written += write_archive(join(tag_uri, unit.optim_file), optim_states(plan, unit), reader,
-                                 progress=progress, durable=durable)
+                                 progress=progress, durable=durable, threads=threads)
         if unit.model_file:
             written += write_archive(join(tag_uri, unit.model_file), model_states(plan, unit), reader,
                                      progress=progress, durable=durable)
@@ -577,8 +578,9 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     """Reshard the checkpoint at `src` to `world_size` ranks into the new folder `out`.
 
     The source is validated first and refused, before anything is written, when it has problems.
-    `out` must not exist or be empty. Units run on `workers` threads (default: up to 4). On any
-    error nothing is left at `out` and the staging folder is removed.
+    `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
+    rank while there are more ranks than workers, and the rest share a rank's files (see
+    `write_threads`). On any error nothing is left at `out` and the staging folder is removed.
     """
     from ckptflow.validate import validate
 
@@ -606,12 +608,15 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
 
     try:
         count = max(1, min(workers or 4, len(plan.units)))
+        threads = write_threads(workers or 4, len(plan.units))
         if count == 1:
-            results = [run_unit(plan, u, staging, progress=step, durable=durable) for u in plan.units]
+            results = [run_unit(plan, u, staging, progress=step, durable=durable, threads=threads)
+                       for u in plan.units]
         else:
             with ThreadPoolExecutor(max_workers=count, thread_name_prefix="reshard") as pool:
-                results = list(pool.map(lambda u: run_unit(plan, u, staging, progress=step, durable=durable),
-                                        plan.units))
+                results = list(pool.map(
+                    lambda u: run_unit(plan, u, staging, progress=step, durable=durable, threads=threads),
+                    plan.units))
         finalize(plan, staging, out, durable=durable)
     except BaseException:
         discard(staging)
@@ -627,6 +632,12 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     return result
 
 
+def write_threads(workers: int, units: int) -> int:
+    """Threads per target rank when `workers` threads run `units` ranks: the workers left over once
+    every running rank has one (4 workers: 4 threads for one rank, 2 each for two, 1 from three up)."""
+    return max(1, workers // max(1, min(workers, units)))
+
+
 def _check_not_inside(plan: ReshardPlan, out: str) -> None:
     src_fs, tag_path = open_fs(plan.index.tag_uri)
     out_fs, out_path = open_fs(out)
@@ -637,5 +648,5 @@ def _check_not_inside(plan: ReshardPlan, out: str) -> None:
 
 __all__ = [
     "FrozenPiece", "RankUnit", "ReshardPlan", "ReshardResult", "TargetFlat", "UnitResult", "discard", "finalize",
-    "plan_reshard", "prepare_output", "reshard", "run_unit",
+    "plan_reshard", "prepare_output", "reshard", "run_unit", "write_threads",
 ]

@@ -3,7 +3,8 @@
 `torch.save` needs every tensor in memory. Resharding writes files far larger than the memory it may
 use, so this module writes the same format without ever holding a tensor: the object tree is pickled
 with `OutTensor` stand-ins whose `OutStorage` says which byte ranges of which source files fill it
-(zeros elsewhere), and each storage is then streamed into the archive in bounded chunks.
+(zeros elsewhere), and each storage is then streamed into the archive in bounded chunks, front to
+back or, for a local file, by several threads writing pieces in place.
 
 The archive is what `torch.save` writes (torch 2.x, checked against 2.13): records `data.pkl`,
 `.format_version`, `.storage_alignment`, `byteorder`, `data/<key>` for each storage in key order,
@@ -21,22 +22,22 @@ import queue
 import struct
 import threading
 import uuid
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptflow.storage import is_local, local_path, open_fs
 from ckptflow.torchzip import DTYPE_SIZES, STORAGE_DTYPES
 
-try:  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one.
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - isal is a dependency, zlib is the fallback
-    from zlib import crc32
+from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
 STORAGE_CLASSES: dict[str, str] = {dtype: cls for cls, (dtype, _size) in STORAGE_DTYPES.items()}
 ALIGNMENT = 64
 CHUNK_BYTES = 8 << 20
+SEGMENT_BYTES = 64 << 20  # the unit of work when several threads write one archive
 _MAX32 = 0xFFFFFFFF
 _ZIP64_LIMIT = _MAX32  # sizes and offsets from here on go to zip64 fields (lowered by tests)
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names (what torch writes)
@@ -197,23 +198,29 @@ def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
 
 
 class SourceReader:
-    """Reads byte ranges of source files, keeping the files open; counts what it read."""
+    """Reads byte ranges of source files, keeping the files open (one handle per file and thread, so
+    threads may share a reader); counts what it read."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, depth: int = 3) -> None:
         self.chunk_bytes = chunk_bytes
         self.depth = depth
-        self._files: dict[str, BinaryIO] = {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._opened: list[BinaryIO] = []
         self.bytes_read = 0
 
     def _file(self, uri: str) -> BinaryIO:
-        fh = self._files.get(uri)
+        files = self._local.__dict__.setdefault("files", {})
+        fh = files.get(uri)
         if fh is None:
             if is_local(uri):
                 fh = open(local_path(uri), "rb", buffering=0)
             else:
                 fs, path = open_fs(uri)
                 fh = fs.open(path, "rb", block_size=CHUNK_BYTES)
-            self._files[uri] = fh
+            files[uri] = fh
+            with self._lock:
+                self._opened.append(fh)
         return fh
 
     def read_into(self, uri: str, start: int, view: memoryview) -> None:
@@ -231,12 +238,15 @@ class SourceReader:
                     hint="the file changed or was truncated while being read; copy it again",
                 )
             got += n
-        self.bytes_read += got
+        with self._lock:
+            self.bytes_read += got
 
     def close(self) -> None:
-        for fh in self._files.values():
+        with self._lock:
+            opened, self._opened = self._opened, []
+            self._local = threading.local()
+        for fh in opened:
             fh.close()
-        self._files.clear()
 
 
 class _ReadAhead:
@@ -291,19 +301,27 @@ class _ReadAhead:
 
 
 class _ZipWriter:
-    """The zip container torch uses, written front to back (the output need not be seekable)."""
+    """The zip container torch uses, written front to back (the output need not be seekable). For
+    records whose data other threads write in place (`_write_storages_parallel`), `begin` writes the
+    header, `skip` leaves room for the data and its descriptor, and `descriptor` gives that once the
+    CRC is known."""
 
     def __init__(self, fh: BinaryIO, prefix: str) -> None:
         self.fh = fh
         self.prefix = prefix
         self.pos = 0
-        self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, crc, size
+        self.entries: list[list[Any]] = []  # name, header offset, crc, size
 
     def _write(self, data: bytes | memoryview) -> None:
         self.fh.write(data)
         self.pos += len(data)
 
-    def record(self, name: str, chunks: Iterable[bytes | memoryview], size: int) -> None:
+    def skip(self, nbytes: int) -> None:
+        self.fh.seek(nbytes, os.SEEK_CUR)
+        self.pos += nbytes
+
+    def begin(self, name: str, size: int) -> int:
+        """Write the local header of a `size`-byte record, whose data comes next; returns its entry."""
         raw_name = f"{self.prefix}/{name}".encode("utf-8")
         offset = self.pos
         if size >= _ZIP64_LIMIT:  # the zip64 extra fields miniz (torch's writer) puts in local headers
@@ -316,17 +334,26 @@ class _ZipWriter:
         extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
         self._write(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, _FLAGS, 0, 0, 0, 0, 0, 0,
                                 len(raw_name), len(extra)) + raw_name + extra)
+        self.entries.append([raw_name, offset, 0, size])
+        return len(self.entries) - 1
+
+    def descriptor(self, entry: int, crc: int) -> bytes:
+        """The data descriptor that follows `entry`'s data, recording its CRC-32 for the central directory."""
+        _name, offset, _crc, size = self.entries[entry]
+        self.entries[entry][2] = crc
+        if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
+            return struct.pack("<4sIQQ", b"PK\x07\x08", crc, size, size)
+        return struct.pack("<4sIII", b"PK\x07\x08", crc, size, size)
+
+    def record(self, name: str, chunks: Iterable[bytes | memoryview], size: int) -> None:
+        entry = self.begin(name, size)
         crc, written = 0, 0
         for chunk in chunks:
             crc = crc32(chunk, crc)
             self._write(chunk)
             written += len(chunk)
         assert written == size, f"record {name}: wrote {written} bytes, planned {size}"
-        if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
-            self._write(struct.pack("<4sIQQ", b"PK\x07\x08", crc, size, size))
-        else:
-            self._write(struct.pack("<4sIII", b"PK\x07\x08", crc, size, size))
-        self.entries.append((raw_name, offset, crc, size))
+        self._write(self.descriptor(entry, crc))
 
     def close(self) -> None:
         start = self.pos
@@ -391,29 +418,142 @@ def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Progress 
             pos += span.length
 
 
+def _write_storages(zw: _ZipWriter, storages: list[OutStorage], reader: SourceReader,
+                    progress: Progress | None) -> None:
+    """The storage records front to back, the source read a few chunks ahead on another thread."""
+    source = _ReadAhead(reader, [span for storage in storages for span in storage.spans if span.length])
+    try:
+        for key, storage in enumerate(storages):
+            zw.record(f"data/{key}", _storage_chunks(storage, source, progress), storage.nbytes)
+    finally:
+        source.close()
+
+
+def _write_storages_parallel(zw: _ZipWriter, storages: list[OutStorage], reader: SourceReader,
+                             progress: Progress | None, durable: bool, threads: int) -> None:
+    """The storage records by `threads` threads, each filling `SEGMENT_BYTES` pieces in place with
+    `pwrite`; a record's CRC-32 is its pieces' CRCs combined, and its descriptor is written last."""
+    fd = zw.fh.fileno()
+    places = []  # (entry, storage, data offset in the file, descriptor offset)
+    for key, storage in enumerate(storages):
+        entry = zw.begin(f"data/{key}", storage.nbytes)
+        at = zw.pos
+        zw.skip(storage.nbytes)
+        places.append((entry, storage, at, zw.pos))
+        zw.skip(len(zw.descriptor(entry, 0)))
+    jobs = [(storage, at, a, min(a + SEGMENT_BYTES, storage.nbytes))
+            for _entry, storage, at, _ in places for a in range(0, storage.nbytes, SEGMENT_BYTES)]
+    buffers: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    for _ in range(min(threads, len(jobs))):
+        buffers.put(memoryview(bytearray(reader.chunk_bytes)))
+    stop = threading.Event()
+
+    def fill(job: tuple[OutStorage, int, int, int]) -> int:
+        buffer = buffers.get()
+        try:
+            return _fill_segment(fd, *job, reader, buffer, stop, progress, durable)
+        finally:
+            buffers.put(buffer)
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptflow-write") as pool:
+        futures = [pool.submit(fill, job) for job in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                stop.set()
+                for other in futures:
+                    other.cancel()
+                raise future.exception()  # type: ignore[misc]
+    crcs = iter([future.result() for future in futures])
+    for entry, storage, _at, descriptor_at in places:
+        crc = 0
+        for a in range(0, storage.nbytes, SEGMENT_BYTES):
+            crc = crc32_combine(crc, next(crcs), min(SEGMENT_BYTES, storage.nbytes - a))
+        _pwrite_all(fd, zw.descriptor(entry, crc), descriptor_at)
+
+
+def _span_end(span: Span) -> int:
+    return span.dst + span.length
+
+
+def _pieces(storage: OutStorage, a: int, b: int) -> Iterator[tuple[Span | None, int, int]]:
+    """(span, storage offset, length) covering bytes [a, b) of `storage` in order; span None for zeros."""
+    spans = storage.spans
+    i = bisect_right(spans, a, key=_span_end)  # the first span ending after a
+    pos = a
+    while pos < b:
+        span = spans[i] if i < len(spans) else None
+        if span is None or span.dst >= b:
+            yield None, pos, b - pos
+            return
+        if span.dst > pos:
+            yield None, pos, span.dst - pos
+            pos = span.dst
+            continue
+        end = min(b, span.dst + span.length)
+        if end > pos:
+            yield span, pos, end - pos
+            pos = end
+        i += 1
+
+
+def _fill_segment(fd: int, storage: OutStorage, at: int, a: int, b: int, reader: SourceReader, buffer: memoryview,
+                  stop: threading.Event, progress: Progress | None, durable: bool) -> int:
+    """Write bytes [a, b) of `storage`, whose data starts at byte `at` of the file; returns their CRC-32."""
+    crc = 0
+    for span, pos, length in _pieces(storage, a, b):
+        step = len(buffer) if span is not None else len(_ZEROS)
+        for offset in range(0, length, step):
+            if stop.is_set():
+                return 0
+            n = min(step, length - offset)
+            if span is None:
+                view = memoryview(_ZEROS)[:n]
+            else:
+                view = buffer[:n]
+                reader.read_into(span.uri, span.start + (pos - span.dst) + offset, view)
+            crc = crc32(view, crc)
+            _pwrite_all(fd, view, at + pos + offset)
+            if span is not None and progress is not None:
+                progress(n)
+    if durable and hasattr(os, "posix_fadvise"):  # start writing this piece back (see _EarlyWriteback)
+        os.posix_fadvise(fd, at + a, b - a, os.POSIX_FADV_DONTNEED)
+    return crc
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progress | None = None,
-                  durable: bool = True) -> int:
+                  durable: bool = True, threads: int = 1) -> int:
     """Write `obj` (see `dumps`) to `uri` as torch.save would.
 
-    Storage bytes are streamed from their spans, read a few chunks ahead on a thread; nothing larger
-    than `reader.depth` chunks is held. Returns the file size. With `durable`, a local file is fsynced before returning.
+    Storage bytes are streamed from their spans and nothing larger than a few chunks is held. With
+    `threads` > 1 and a local `uri`, that many threads fill the storages in place, each with one
+    chunk; otherwise one thread writes front to back while another reads `reader.depth` chunks
+    ahead. Returns the file size. With `durable`, a local file is fsynced before returning.
     """
     data, storages = dumps(obj)
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
+    parallel = threads > 1 and is_local(uri) and hasattr(os, "pwrite")
     if is_local(uri):
-        fh: BinaryIO = open(local_path(uri), "wb")
+        fh: BinaryIO = open(local_path(uri), "wb", buffering=0 if parallel else -1)
     else:
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
-    source = _ReadAhead(reader, [span for storage in storages for span in storage.spans if span.length])
     try:
-        zw = _ZipWriter(_EarlyWriteback(fh) if durable and is_local(uri) else fh, name)
-        zw.record("data.pkl", [data], len(data))
-        zw.record(".format_version", [b"1"], 1)
-        zw.record(".storage_alignment", [str(ALIGNMENT).encode()], len(str(ALIGNMENT)))
-        zw.record("byteorder", [b"little"], 6)
-        for key, storage in enumerate(storages):
-            zw.record(f"data/{key}", _storage_chunks(storage, source, progress), storage.nbytes)
+        zw = _ZipWriter(_EarlyWriteback(fh) if durable and is_local(uri) and not parallel else fh, name)
+        for record, content in (("data.pkl", data), (".format_version", b"1"),
+                                (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little")):
+            zw.record(record, [content], len(content))
+        if parallel:
+            _write_storages_parallel(zw, storages, reader, progress, durable, threads)
+        else:
+            _write_storages(zw, storages, reader, progress)
         zw.record("version", [b"3\n"], 2)
         serial = str(uuid.uuid4().int).rjust(40, "0")[:40].encode()
         zw.record(".data/serialization_id", [serial], len(serial))
@@ -422,6 +562,5 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
             fh.flush()
             os.fsync(fh.fileno())
     finally:
-        source.close()
         fh.close()
     return zw.pos

@@ -13,7 +13,8 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ckptflow.reshard import RankUnit, ReshardPlan, UnitResult, discard, finalize, plan_reshard, prepare_output, run_unit
+from ckptflow.reshard import (RankUnit, ReshardPlan, UnitResult, discard, finalize, plan_reshard, prepare_output, run_unit,
+                              write_threads)
 from ckptflow.zero import load_index
 from tasks.artifacts import ProgressArtifact, artifact_key, human_bytes
 from tasks.caching import checkpoint_cache_key
@@ -37,11 +38,12 @@ class _Bytes:
 
 
 @task(name="write-rank", task_run_name="write rank {unit.rank}", cache_policy=NO_CACHE, **io_retries(retries=2))
-def write_rank(plan: ReshardPlan, unit: RankUnit, staging: str, progress: Any = None, cancel: Any = None) -> UnitResult:
+def write_rank(plan: ReshardPlan, unit: RankUnit, staging: str, progress: Any = None, cancel: Any = None,
+               threads: int = 1) -> UnitResult:
     """`ckptflow.reshard.run_unit`: one target rank's files into the staging folder (rewritten on retry)."""
     if cancel is not None and cancel.is_set():
         raise RuntimeError(f"rank {unit.rank} not written: another rank failed")
-    return run_unit(plan, unit, staging, progress=progress)
+    return run_unit(plan, unit, staging, progress=progress, threads=threads)
 
 
 @task(
@@ -63,10 +65,11 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
     )
     progress = _Bytes(plan.read_bytes, sink)  # run_unit reports the source bytes it copies
     staging = prepare_output(out)
+    threads = write_threads(workers, len(plan.units))
     cancel = threading.Event()
     try:
         results = run_bounded(
-            lambda unit: write_rank.submit(plan, unit, staging, progress, cancel), plan.units, workers, cancel
+            lambda unit: write_rank.submit(plan, unit, staging, progress, cancel, threads), plan.units, workers, cancel
         )
         finalize(plan, staging, out)
     except BaseException:

@@ -238,7 +238,56 @@ def test_writing_imports_neither_torch_nor_deepspeed(tmp_path: Path) -> None:
     assert torch.load(tmp_path / "out.pt", weights_only=False)["s"] == torch.Size([4, 4])
 
 
-def test_a_source_that_shrinks_while_read_is_reported(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zip64", [False, True])
+def test_several_threads_write_the_same_archive_as_one(tmp_path: Path, monkeypatch, zip64: bool) -> None:
+    """Pieces of 12 bytes (not a whole number of elements) filled by 3 threads in 8-byte chunks: spans
+    and zero gaps cross piece boundaries, and each record's CRC is combined from its pieces."""
+    import uuid
+    import zipfile
+
+    from ckptflow import torchsave
+
+    monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=12345))
+    if zip64:
+        monkeypatch.setattr(torchsave, "_ZIP64_LIMIT", 10)
+    _, obj = _archive_fixture(tmp_path)
+    one, many = tmp_path / "one" / "out.pt", tmp_path / "many" / "out.pt"  # the name is the records' prefix
+    one.parent.mkdir()
+    many.parent.mkdir()
+    torchsave.write_archive(str(one), obj, torchsave.SourceReader(chunk_bytes=8))
+    monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 12)
+    reader = torchsave.SourceReader(chunk_bytes=8)
+    seen: list[int] = []
+    size = torchsave.write_archive(str(many), obj, reader, threads=3, progress=seen.append)
+    assert many.read_bytes() == one.read_bytes() and size == many.stat().st_size
+    assert reader.bytes_read == sum(seen) == 4 * 25  # every source byte read once
+    with zipfile.ZipFile(many) as zf:
+        assert zf.testzip() is None
+    assert torch.load(many, weights_only=False)["strided"].tolist() == [[50.0, 53.0, 0.0], [51.0, 54.0, 0.0]]
+
+
+def test_a_rank_written_by_several_threads_is_the_same_file(ds_fixtures, tmp_path: Path, monkeypatch) -> None:
+    """The pieces path against the front-to-back one on a real 2 -> 1 reshard (DeepSpeed checks the
+    latter in the oracle tests below), with pieces small enough that every partition has many."""
+    import uuid
+
+    from ckptflow import torchsave
+
+    monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=1))
+    plan = plan_reshard(load_index(str(ds_fixtures["z3-bf16-ws2"].dir)), 1)
+    staging = {threads: Path(prepare_output(str(tmp_path / f"out{threads}"))) for threads in (1, 4)}
+    run_unit(plan, plan.units[0], str(staging[1]), threads=1, chunk_bytes=64)
+    monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 258)  # not a whole number of elements
+    result = run_unit(plan, plan.units[0], str(staging[4]), threads=4, chunk_bytes=64)
+    assert result.bytes_read >= plan.read_bytes
+    for name in plan.units[0].files:
+        one, many = staging[1] / plan.tag / name, staging[4] / plan.tag / name
+        assert many.read_bytes() == one.read_bytes(), name
+    assert max(f.stat().st_size for f in (staging[4] / plan.tag).iterdir()) > 20 * torchsave.SEGMENT_BYTES
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_source_that_shrinks_while_read_is_reported(tmp_path: Path, threads: int) -> None:
     from ckptflow.errors import CorruptFileError
     from ckptflow.torchsave import OutStorage, OutTensor, SourceReader, Span, write_archive
 
@@ -247,7 +296,7 @@ def test_a_source_that_shrinks_while_read_is_reported(tmp_path: Path) -> None:
     obj = {"t": OutTensor(OutStorage("float32", 20, [Span(str(src), 0, 80, 0)]))}
     with pytest.raises(CorruptFileError, match=r"src\.bin ended at byte 40 while reading 80 bytes from byte 0; the "
                                                r"file changed or was truncated while being read; copy it again"):
-        write_archive(str(tmp_path / "out.pt"), obj, SourceReader())
+        write_archive(str(tmp_path / "out.pt"), obj, SourceReader(), threads=threads)
 
 
 def test_plan_reads_each_source_element_once_and_units_are_independent(ds_fixtures) -> None:
@@ -307,7 +356,11 @@ def test_an_empty_output_folder_is_used(ds_fixtures, tmp_path: Path) -> None:
     assert (out / "latest").read_text() == "global_step3"
 
 
-def test_a_crash_midway_leaves_no_output(ds_fixtures, tmp_path: Path) -> None:
+@pytest.mark.parametrize("world_size, workers", [(3, 1), (1, 4)], ids=["one-thread", "threads-share-a-rank"])
+def test_a_crash_midway_leaves_no_output(ds_fixtures, tmp_path: Path, monkeypatch, world_size: int,
+                                         workers: int) -> None:
+    from ckptflow import torchsave
+
     class Crash(Exception):
         pass
 
@@ -315,9 +368,11 @@ def test_a_crash_midway_leaves_no_output(ds_fixtures, tmp_path: Path) -> None:
         if done > total // 3:
             raise Crash
 
+    monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 4096)
     out = tmp_path / "out"
     with pytest.raises(Crash):
-        reshard(str(ds_fixtures["z3-bf16-ws2"].dir), str(out), world_size=3, progress=progress, workers=1)
+        reshard(str(ds_fixtures["z3-bf16-ws2"].dir), str(out), world_size=world_size, progress=progress,
+                workers=workers)
     assert list(tmp_path.iterdir()) == []
 
 
