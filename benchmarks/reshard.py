@@ -12,7 +12,8 @@ parameters, bf16, 2 ranks, written by DeepSpeed on CPU; see `benchmarks/ckpt_bui
   writes as many bytes as ckptflow's output for that target, with and without fsync.
 
 Every run is a fresh process (imports included) under `/usr/bin/time` (wall time, peak RSS) on a warm
-page cache, `--repeat` times in turn; the median is reported. ds_to_universal does not fsync, so it
+page cache, `--repeat` times in turn; the median is reported. Before each run the previous output is
+deleted and `sync` flushes what is still dirty, so that no run pays for another's writeback. ds_to_universal does not fsync, so it
 compares with the `--no-fsync` rows; each ckptflow row compares with the floor of the same target and
 fsync mode.
 
@@ -39,7 +40,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Reshard"
 DS = "deepspeed ds_to_universal"
-IMPORT = "python -c 'import torch' (fixed cost inside the ckptflow rows)"
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,6 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
             spec.write_text(json.dumps({"sources": sources, "out_bytes": sizes[f"2->{world_size}"], "fsync": fsync}))
             commands[f"I/O floor 2->{world_size}{'' if fsync else ' --no-fsync'}"] = [
                 py, str(Path(__file__).resolve()), "--io-floor", str(spec), str(out / "floor.bin")]
-    commands[IMPORT] = [py, "-c", "import torch"]
     commands[DS] = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
                     "--output_folder", str(out), "--inject_missing_state"]
     warm(ckpt)
@@ -120,6 +119,7 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
             shutil.rmtree(out, ignore_errors=True)
             if label.startswith("I/O floor"):
                 out.mkdir()
+            os.sync()  # no run pays for the writeback of the one before
             try:
                 measured = run_measured(command, env=env)
             except RuntimeError as exc:  # e.g. a worker killed by the OOM killer on a shared machine: once more
@@ -127,6 +127,7 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
                 shutil.rmtree(out, ignore_errors=True)
                 if label.startswith("I/O floor"):
                     out.mkdir()
+                os.sync()
                 measured = run_measured(command, env=env)
             runs.setdefault(label, []).append(measured)
             shutil.rmtree(out, ignore_errors=True)
@@ -173,12 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.results import write_section
 
     lines = [SECTION, "", f"Machine: {machine()}. Page cache warm; median of {args.repeat} runs in turn; each run "
-             "is a fresh process (imports included) measured by `/usr/bin/time`. Command: "
+             "is a fresh process (imports included) measured by `/usr/bin/time`, after a `sync` so that it "
+             "does not pay for the previous run's writeback. Command: "
              "`.venv/bin/python -m benchmarks.reshard --write-results`. ds_to_universal writes without fsync: "
              "compare it with the `--no-fsync` rows. Each ckptflow row's floor is the I/O floor of the same "
-             "target and fsync mode (read every source byte once, write as many bytes as the output). The "
-             "ckptflow rows include importing torch (validation reads the optimizer step with it); the "
-             "`import torch` row shows that fixed cost on its own. ds_to_universal only converts: loading the "
+             "target and fsync mode (read every source byte once, write as many bytes as the output). "
+             "ckptflow never imports torch (tests/test_reshard.py pins it); ds_to_universal's rows include "
+             "importing torch and DeepSpeed. ds_to_universal only converts: loading the "
              "result at the new world size (`load_universal`) is a further step, not timed here.", ""]
     data = REPO_ROOT / "benchmarks" / ".data"
     data.mkdir(parents=True, exist_ok=True)
