@@ -12,8 +12,9 @@ parameters, bf16, 2 ranks, written by DeepSpeed on CPU; see `benchmarks/ckpt_bui
   writes as many bytes as ckptflow's output for that target, with and without fsync.
 
 Every run is a fresh process (imports included) under `/usr/bin/time` (wall time, peak RSS) on a warm
-page cache, `--repeat` times in turn; the median is reported. Before each run the previous output is
-deleted and `sync` flushes what is still dirty, so that no run pays for another's writeback. ds_to_universal does not fsync, so it
+page cache, `--repeat` rounds each in a new (seeded) shuffled order; the median is reported. Before
+each run the previous output is deleted and `sync` flushes what is still dirty, so that no run pays
+for another's writeback. ds_to_universal does not fsync, so it
 compares with the `--no-fsync` rows; each ckptflow row compares with the floor of the same target and
 fsync mode.
 
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -113,9 +115,11 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
     commands[DS] = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
                     "--output_folder", str(out), "--inject_missing_state"]
     warm(ckpt)
-    runs: dict[str, list[tuple[float, int]]] = {}
-    for _ in range(repeat):
-        for label, command in commands.items():
+    runs: dict[str, list[tuple[float, int]]] = {label: [] for label in commands}
+    for round_ in range(repeat):
+        order = list(commands.items())
+        random.Random(round_).shuffle(order)  # a new order each round: no run always follows the same one
+        for label, command in order:
             shutil.rmtree(out, ignore_errors=True)
             if label.startswith("I/O floor"):
                 out.mkdir()
@@ -129,7 +133,7 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
                     out.mkdir()
                 os.sync()
                 measured = run_measured(command, env=env)
-            runs.setdefault(label, []).append(measured)
+            runs[label].append(measured)
             shutil.rmtree(out, ignore_errors=True)
             print(f"  {label}: {runs[label][-1][0]:.2f} s", flush=True)
     return [Measure(label, statistics.median(s for s, _ in r), int(statistics.median(m for _, m in r)))
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.ckpt_builder import BenchSpec, build
     from benchmarks.results import write_section
 
-    lines = [SECTION, "", f"Machine: {machine()}. Page cache warm; median of {args.repeat} runs in turn; each run "
+    lines = [SECTION, "", f"Machine: {machine()}. Page cache warm; median of {args.repeat} rounds, each in a new "
+             "shuffled order; each run "
              "is a fresh process (imports included) measured by `/usr/bin/time`, after a `sync` so that it "
              "does not pay for the previous run's writeback. Command: "
              "`.venv/bin/python -m benchmarks.reshard --write-results`. ds_to_universal writes without fsync: "
