@@ -9,7 +9,8 @@ parameters, bf16, 2 ranks, written by DeepSpeed on CPU; see `benchmarks/ckpt_bui
   --inject_missing_state` (its default workers), the offline step DeepSpeed needs before a checkpoint
   can be loaded at another world size;
 - an I/O floor per target: a plain-Python process that reads every byte of the source tag folder and
-  writes as many bytes as ckptflow's output for that target, with and without fsync.
+  writes as many bytes as ckptflow's output for that target as ckptflow does (O_DIRECT where the file
+  system allows it), with and without fsync.
 
 Every run is a fresh process (imports included) under `/usr/bin/time` (wall time, peak RSS) on a warm
 page cache, `--repeat` rounds each in a new (seeded) shuffled order; the median is reported. Before
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import random
@@ -72,19 +74,32 @@ def warm(folder: Path) -> None:
 
 
 def io_floor(spec_path: str, out: str) -> None:
-    """Subprocess body of the I/O floor: read the source files, write `out_bytes`, maybe fsync."""
+    """Subprocess body of the I/O floor: read the source files, write `out_bytes` the way ckptflow
+    writes storages (O_DIRECT from page-aligned memory where the file system takes it, the unaligned
+    tail through the page cache), maybe fsync."""
     spec = json.loads(Path(spec_path).read_text())
-    view = memoryview(bytearray(16 << 20))
+    buffer = mmap.mmap(-1, 16 << 20)
+    view = memoryview(buffer)
     for path in spec["sources"]:
         with open(path, "rb", buffering=0) as fh:
             while fh.readinto(view):
                 pass
+    total = spec["out_bytes"]
+    aligned = total - total % 4096
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        direct = os.open(out, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        direct = fd
     written = 0
-    with open(out, "wb", buffering=0) as fh:
-        while written < spec["out_bytes"]:
-            written += fh.write(view[:min(len(view), spec["out_bytes"] - written)])
-        if spec["fsync"]:
-            os.fsync(fh.fileno())
+    while written < total:
+        n = min(len(view), (aligned if written < aligned else total) - written)
+        written += os.pwrite(direct if written < aligned else fd, view[:n], written)
+    if direct != fd:
+        os.close(direct)
+    if spec["fsync"]:
+        os.fsync(fd)
+    os.close(fd)
 
 
 def folder_bytes(folder: Path) -> int:
@@ -183,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
              "does not pay for the previous run's writeback. Command: "
              "`.venv/bin/python -m benchmarks.reshard --write-results`. ds_to_universal writes without fsync: "
              "compare it with the `--no-fsync` rows. Each ckptflow row's floor is the I/O floor of the same "
-             "target and fsync mode (read every source byte once, write as many bytes as the output). "
+             "target and fsync mode (read every source byte once, write as many bytes as the output, with "
+             "O_DIRECT as ckptflow does). "
              "ckptflow never imports torch (tests/test_reshard.py pins it); ds_to_universal's rows include "
              "importing torch and DeepSpeed. ds_to_universal only converts: loading the "
              "result at the new world size (`load_universal`) is a further step, not timed here.", ""]

@@ -16,6 +16,7 @@ The archive is what `torch.save` writes (torch 2.x, checked against 2.13): recor
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import queue
@@ -302,7 +303,7 @@ class _ReadAhead:
 
 class _ZipWriter:
     """The zip container torch uses, written front to back (the output need not be seekable). For
-    records whose data other threads write in place (`_write_storages_parallel`), `begin` writes the
+    records whose data other threads write in place (`_write_in_place`), `begin` writes the
     header, `skip` leaves room for the data and its descriptor, and `descriptor` gives that once the
     CRC is known."""
 
@@ -380,27 +381,8 @@ class _ZipWriter:
 
 
 _ZEROS = bytes(1 << 20)
-_WRITEBACK_BYTES = 64 << 20
-
-
-class _EarlyWriteback:
-    """A local output file that asks the kernel to start writing back every 64 MiB as it goes
-    (`POSIX_FADV_DONTNEED` starts writeback of dirty pages without waiting for it), so that the
-    final fsync finds most of the file on disk already instead of all of it in the page cache."""
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self.fh = fh
-        self.pos = 0
-        self.flushed = 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        n = self.fh.write(data)
-        self.pos += len(data)
-        if self.pos - self.flushed >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):
-            self.fh.flush()
-            os.posix_fadvise(self.fh.fileno(), self.flushed, self.pos - self.flushed, os.POSIX_FADV_DONTNEED)
-            self.flushed = self.pos
-        return n
+_BLOCK = 4096  # direct I/O alignment of offsets, lengths and memory (no logical block size in use is larger)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where there is none; tests set it to 0 for the page-cache path
 
 
 def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Progress | None) -> Iterator[memoryview | bytes]:
@@ -418,22 +400,66 @@ def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Progress 
             pos += span.length
 
 
-def _write_storages(zw: _ZipWriter, storages: list[OutStorage], reader: SourceReader,
-                    progress: Progress | None) -> None:
-    """The storage records front to back, the source read a few chunks ahead on another thread."""
+def _write_streamed(fh: BinaryIO, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
+                    progress: Progress | None) -> int:
+    """The whole archive front to back, the source read a few chunks ahead on another thread."""
+    zw = _ZipWriter(fh, name)
+    _write_small_records(zw, data)
     source = _ReadAhead(reader, [span for storage in storages for span in storage.spans if span.length])
     try:
         for key, storage in enumerate(storages):
             zw.record(f"data/{key}", _storage_chunks(storage, source, progress), storage.nbytes)
     finally:
         source.close()
+    _write_trailing_records(zw)
+    zw.close()
+    return zw.pos
 
 
-def _write_storages_parallel(zw: _ZipWriter, storages: list[OutStorage], reader: SourceReader,
-                             progress: Progress | None, durable: bool, threads: int) -> None:
-    """The storage records by `threads` threads, each filling `SEGMENT_BYTES` pieces in place with
-    `pwrite`; a record's CRC-32 is its pieces' CRCs combined, and its descriptor is written last."""
-    fd = zw.fh.fileno()
+def _write_small_records(zw: _ZipWriter, data: bytes) -> None:
+    for record, content in (("data.pkl", data), (".format_version", b"1"),
+                            (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little")):
+        zw.record(record, [content], len(content))
+
+
+def _write_trailing_records(zw: _ZipWriter) -> None:
+    zw.record("version", [b"3\n"], 2)
+    serial = str(uuid.uuid4().int).rjust(40, "0")[:40].encode()
+    zw.record(".data/serialization_id", [serial], len(serial))
+
+
+class _Layout:
+    """Stands in for the file while `_ZipWriter` lays the archive out: keeps the small writes (headers,
+    pickle, descriptors, central directory) with their offsets, to be written once the storages are."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, bytes]] = []
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.writes.append((self.pos, bytes(data)))
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int) -> None:
+        assert whence == os.SEEK_CUR
+        self.pos += offset
+
+
+def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
+                    progress: Progress | None, threads: int) -> int:
+    """The archive laid out first, its storages then filled in place by `threads` threads in
+    `SEGMENT_BYTES` pieces, the rest written last.
+
+    Whole blocks of storage data go out with O_DIRECT where the file system takes it: no copy into
+    the page cache, which on large checkpoints costs more than reading the source. Everything else
+    (headers, pickle, descriptors, the partial blocks at the ends of each storage, the central
+    directory) is written through the page cache only after every direct write has finished, so the
+    two never meet in one page. A record's CRC-32 is its pieces' CRCs combined.
+    """
+    layout = _Layout()
+    zw = _ZipWriter(layout, name)  # type: ignore[arg-type]
+    _write_small_records(zw, data)
     places = []  # (entry, storage, data offset in the file, descriptor offset)
     for key, storage in enumerate(storages):
         entry = zw.begin(f"data/{key}", storage.nbytes)
@@ -441,21 +467,82 @@ def _write_storages_parallel(zw: _ZipWriter, storages: list[OutStorage], reader:
         zw.skip(storage.nbytes)
         places.append((entry, storage, at, zw.pos))
         zw.skip(len(zw.descriptor(entry, 0)))
-    jobs = [(storage, at, a, min(a + SEGMENT_BYTES, storage.nbytes))
-            for _entry, storage, at, _ in places for a in range(0, storage.nbytes, SEGMENT_BYTES)]
-    buffers: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    data_end = zw.pos
+    jobs = [(storage, at, x, y) for _entry, storage, at, _ in places for x, y in _piece_bounds(at, storage.nbytes)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        os.ftruncate(fd, data_end)  # direct writes then stay inside the file
+        direct = _open_direct(path) if jobs else -1
+        try:
+            results = _fill_pieces(jobs, direct if direct >= 0 else fd, reader, progress, threads)
+        finally:
+            if direct >= 0:
+                os.close(direct)
+        edges: list[tuple[int, bytes]] = []
+        crcs = iter(results)
+        for entry, storage, at, descriptor_at in places:
+            crc = 0
+            for x, y in _piece_bounds(at, storage.nbytes):
+                piece_crc, piece_edges = next(crcs)
+                crc = crc32_combine(crc, piece_crc, y - x)
+                edges += piece_edges
+            layout.writes.append((descriptor_at, zw.descriptor(entry, crc)))
+        _write_trailing_records(zw)
+        zw.close()
+        for offset, chunk in layout.writes + edges:
+            _pwrite_all(fd, chunk, offset)
+        os.ftruncate(fd, zw.pos)  # the direct-I/O probe may have written past the end of a small file
+    finally:
+        os.close(fd)
+    return zw.pos
+
+
+def _piece_bounds(at: int, nbytes: int) -> list[tuple[int, int]]:
+    """The pieces [x, y) of a storage whose data is at [at, at + nbytes) of the file: cut at each
+    multiple of SEGMENT_BYTES, so that only a storage's two ends can fall inside a block."""
+    cuts = [at, *range((at // SEGMENT_BYTES + 1) * SEGMENT_BYTES, at + nbytes, SEGMENT_BYTES), at + nbytes]
+    return [(x, y) for x, y in zip(cuts, cuts[1:]) if y > x]
+
+
+def _open_direct(path: str) -> int:
+    """A second descriptor of `path` with O_DIRECT, or -1 where the file system refuses direct I/O
+    (tmpfs on older kernels, some network and FUSE file systems) or our alignment: one block of
+    zeros is written at offset 0 to find out (the archive's header overwrites it later)."""
+    if not _O_DIRECT:
+        return -1
+    try:
+        fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+    except OSError:
+        return -1
+    probe = mmap.mmap(-1, _BLOCK)
+    try:
+        os.pwrite(fd, probe, 0)
+    except OSError:
+        os.close(fd)
+        return -1
+    finally:
+        probe.close()
+    return fd
+
+
+def _fill_pieces(jobs: list[tuple[OutStorage, int, int, int]], fd: int, reader: SourceReader,
+                 progress: Progress | None, threads: int) -> list[tuple[int, list[tuple[int, bytes]]]]:
+    """Run `_fill_piece` on every job with `threads` threads, each with its own block-aligned buffer;
+    stops the others at the first error and raises it."""
+    chunk = max(_BLOCK, reader.chunk_bytes // _BLOCK * _BLOCK)
+    buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
     for _ in range(min(threads, len(jobs))):
-        buffers.put(memoryview(bytearray(reader.chunk_bytes)))
+        buffers.put(mmap.mmap(-1, chunk + _BLOCK))  # page-aligned memory, as direct I/O needs
     stop = threading.Event()
 
-    def fill(job: tuple[OutStorage, int, int, int]) -> int:
+    def fill(job: tuple[OutStorage, int, int, int]) -> tuple[int, list[tuple[int, bytes]]]:
         buffer = buffers.get()
         try:
-            return _fill_segment(fd, *job, reader, buffer, stop, progress, durable)
+            return _fill_piece(fd, *job, reader, memoryview(buffer), chunk, stop, progress)
         finally:
             buffers.put(buffer)
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptflow-write") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptflow-write") as pool:
         futures = [pool.submit(fill, job) for job in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
@@ -464,19 +551,14 @@ def _write_storages_parallel(zw: _ZipWriter, storages: list[OutStorage], reader:
                 for other in futures:
                     other.cancel()
                 raise future.exception()  # type: ignore[misc]
-    crcs = iter([future.result() for future in futures])
-    for entry, storage, _at, descriptor_at in places:
-        crc = 0
-        for a in range(0, storage.nbytes, SEGMENT_BYTES):
-            crc = crc32_combine(crc, next(crcs), min(SEGMENT_BYTES, storage.nbytes - a))
-        _pwrite_all(fd, zw.descriptor(entry, crc), descriptor_at)
+    return [future.result() for future in futures]
 
 
 def _span_end(span: Span) -> int:
     return span.dst + span.length
 
 
-def _pieces(storage: OutStorage, a: int, b: int) -> Iterator[tuple[Span | None, int, int]]:
+def _sources(storage: OutStorage, a: int, b: int) -> Iterator[tuple[Span | None, int, int]]:
     """(span, storage offset, length) covering bytes [a, b) of `storage` in order; span None for zeros."""
     spans = storage.spans
     i = bisect_right(spans, a, key=_span_end)  # the first span ending after a
@@ -497,28 +579,39 @@ def _pieces(storage: OutStorage, a: int, b: int) -> Iterator[tuple[Span | None, 
         i += 1
 
 
-def _fill_segment(fd: int, storage: OutStorage, at: int, a: int, b: int, reader: SourceReader, buffer: memoryview,
-                  stop: threading.Event, progress: Progress | None, durable: bool) -> int:
-    """Write bytes [a, b) of `storage`, whose data starts at byte `at` of the file; returns their CRC-32."""
-    crc = 0
-    for span, pos, length in _pieces(storage, a, b):
-        step = len(buffer) if span is not None else len(_ZEROS)
-        for offset in range(0, length, step):
-            if stop.is_set():
-                return 0
-            n = min(step, length - offset)
+def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: SourceReader, buffer: memoryview,
+                chunk: int, stop: threading.Event, progress: Progress | None) -> tuple[int, list[tuple[int, bytes]]]:
+    """Write bytes [x, y) of the file, which hold `storage` from byte `at` on: whole blocks now (with
+    `fd`), partial blocks returned as (offset, bytes) for later. Returns the CRC-32 of [x, y) too.
+
+    Each chunk sits in `buffer` at the same place within a block as in the file, so that its whole
+    blocks start at block-aligned memory."""
+    crc, edges, c = 0, [], x
+    while c < y:
+        if stop.is_set():
+            return 0, []
+        d = min(y, c - c % _BLOCK + chunk)
+        view = buffer[c % _BLOCK:c % _BLOCK + d - c]
+        for span, pos, length in _sources(storage, c - at, d - at):
+            part = view[pos - (c - at):pos - (c - at) + length]
             if span is None:
-                view = memoryview(_ZEROS)[:n]
+                for i in range(0, length, len(_ZEROS)):
+                    part[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), length - i)]
             else:
-                view = buffer[:n]
-                reader.read_into(span.uri, span.start + (pos - span.dst) + offset, view)
-            crc = crc32(view, crc)
-            _pwrite_all(fd, view, at + pos + offset)
-            if span is not None and progress is not None:
-                progress(n)
-    if durable and hasattr(os, "posix_fadvise"):  # start writing this piece back (see _EarlyWriteback)
-        os.posix_fadvise(fd, at + a, b - a, os.POSIX_FADV_DONTNEED)
-    return crc
+                reader.read_into(span.uri, span.start + (pos - span.dst), part)
+                if progress is not None:
+                    progress(length)
+        crc = crc32(view, crc)
+        head = min(len(view), -c % _BLOCK)
+        whole = (len(view) - head) // _BLOCK * _BLOCK
+        if head:
+            edges.append((c, bytes(view[:head])))
+        if whole:
+            _pwrite_all(fd, view[head:head + whole], c + head)
+        if head + whole < len(view):
+            edges.append((c + head + whole, bytes(view[head + whole:])))
+        c = d
+    return crc, edges
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -532,35 +625,33 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
                   durable: bool = True, threads: int = 1) -> int:
     """Write `obj` (see `dumps`) to `uri` as torch.save would.
 
-    Storage bytes are streamed from their spans and nothing larger than a few chunks is held. With
-    `threads` > 1 and a local `uri`, that many threads fill the storages in place, each with one
-    chunk; otherwise one thread writes front to back while another reads `reader.depth` chunks
-    ahead. Returns the file size. With `durable`, a local file is fsynced before returning.
+    Storage bytes are streamed from their spans and nothing larger than a few chunks is held. A local
+    file is filled in place by `threads` threads, each with one chunk, its storage blocks written
+    with direct I/O where possible (`_write_in_place`); elsewhere one thread writes front to back
+    while another reads `reader.depth` chunks ahead. Returns the file size. With `durable`, a local
+    file is fsynced before returning.
     """
     data, storages = dumps(obj)
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
-    parallel = threads > 1 and is_local(uri) and hasattr(os, "pwrite")
+    if is_local(uri) and hasattr(os, "pwrite"):
+        size = _write_in_place(local_path(uri), name, data, storages, reader, progress, threads)
+        if durable:
+            fd = os.open(local_path(uri), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return size
     if is_local(uri):
-        fh: BinaryIO = open(local_path(uri), "wb", buffering=0 if parallel else -1)
+        fh: BinaryIO = open(local_path(uri), "wb")
     else:
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
     try:
-        zw = _ZipWriter(_EarlyWriteback(fh) if durable and is_local(uri) and not parallel else fh, name)
-        for record, content in (("data.pkl", data), (".format_version", b"1"),
-                                (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little")):
-            zw.record(record, [content], len(content))
-        if parallel:
-            _write_storages_parallel(zw, storages, reader, progress, durable, threads)
-        else:
-            _write_storages(zw, storages, reader, progress)
-        zw.record("version", [b"3\n"], 2)
-        serial = str(uuid.uuid4().int).rjust(40, "0")[:40].encode()
-        zw.record(".data/serialization_id", [serial], len(serial))
-        zw.close()
+        size = _write_streamed(fh, name, data, storages, reader, progress)
         if durable and is_local(uri):
             fh.flush()
             os.fsync(fh.fileno())
     finally:
         fh.close()
-    return zw.pos
+    return size

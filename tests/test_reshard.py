@@ -266,9 +266,65 @@ def test_several_threads_write_the_same_archive_as_one(tmp_path: Path, monkeypat
     assert torch.load(many, weights_only=False)["strided"].tolist() == [[50.0, 53.0, 0.0], [51.0, 54.0, 0.0]]
 
 
+def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path: Path, monkeypatch) -> None:
+    """The three ways an archive is written: in place with O_DIRECT, in place through the page cache
+    (file systems without direct I/O), and front to back (remote outputs, here memory://). Storages of
+    many blocks with spans and zero gaps at odd offsets, several pieces and chunks each, a storage of
+    zeros, one smaller than a block and an empty one."""
+    import random
+    import uuid
+    import zipfile
+
+    import fsspec
+
+    from ckptflow import torchsave
+    from ckptflow.torchsave import OutStorage, OutTensor, SourceReader, Span
+
+    monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=99))
+    monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 5 * 4096)
+    src = tmp_path / "src.bin"
+    src.write_bytes(random.Random(0).randbytes(3 << 20))
+    big = OutStorage("float32", 400_003, [Span(str(src), 12, 100_004, 4), Span(str(src), 200_001, 700_000, 300_001),
+                                          Span(str(src), 1_000_003, 50_000, 400_003 * 4 - 50_000)])
+    obj = {"big": OutTensor(big), "tail": OutTensor(big, 399_000, (1000,)),
+           "small": OutTensor(OutStorage("bfloat16", 10, [Span(str(src), 7, 6, 2)])),
+           "zeros": OutTensor(OutStorage("float16", 9_999)), "empty": OutTensor(OutStorage("int64", 0))}
+    opened: list[int] = []
+    real_open_direct = torchsave._open_direct
+    monkeypatch.setattr(torchsave, "_open_direct", lambda path: opened.append(real_open_direct(path)) or opened[-1])
+    written = {}
+    for label, threads in (("direct", 3), ("direct-one-thread", 1)):
+        written[label] = tmp_path / label / "out.pt"
+        written[label].parent.mkdir()
+        torchsave.write_archive(str(written[label]), obj, SourceReader(chunk_bytes=2 * 4096), threads=threads)
+    probe = tmp_path / "probe"
+    probe.touch()
+    if real_open_direct(str(probe)) >= 0:  # this file system takes direct I/O: the writer used it
+        assert opened and all(fd >= 0 for fd in opened)
+    monkeypatch.setattr(torchsave, "_O_DIRECT", 0)
+    written["page-cache"] = tmp_path / "page-cache" / "out.pt"
+    written["page-cache"].parent.mkdir()
+    torchsave.write_archive(str(written["page-cache"]), obj, SourceReader(chunk_bytes=2 * 4096), threads=3)
+    torchsave.write_archive("memory://streamed/out.pt", obj, SourceReader(chunk_bytes=2 * 4096))
+    streamed = fsspec.filesystem("memory").cat("/streamed/out.pt")
+    for label, path in written.items():
+        assert path.read_bytes() == streamed, label
+    with zipfile.ZipFile(written["direct"]) as zf:
+        assert zf.testzip() is None
+    loaded = torch.load(written["direct"], weights_only=False)
+    raw = src.read_bytes()
+    want = bytearray(400_003 * 4)
+    want[4:4 + 100_004] = raw[12:12 + 100_004]
+    want[300_001:300_001 + 700_000] = raw[200_001:200_001 + 700_000]
+    want[-50_000:] = raw[1_000_003:1_000_003 + 50_000]
+    assert loaded["big"].numpy().tobytes() == bytes(want)
+    assert loaded["tail"].numpy().tobytes() == bytes(want[399_000 * 4:400_000 * 4])
+    assert loaded["zeros"].count_nonzero() == 0 and loaded["empty"].numel() == 0
+
+
 def test_a_rank_written_by_several_threads_is_the_same_file(ds_fixtures, tmp_path: Path, monkeypatch) -> None:
-    """The pieces path against the front-to-back one on a real 2 -> 1 reshard (DeepSpeed checks the
-    latter in the oracle tests below), with pieces small enough that every partition has many."""
+    """Many pieces and threads against one piece and one thread on a real 2 -> 1 reshard (DeepSpeed
+    checks the latter in the oracle tests below), pieces small enough that every partition has many."""
     import uuid
 
     from ckptflow import torchsave
