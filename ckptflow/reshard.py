@@ -435,8 +435,8 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: str, *, progress: Calla
     `progress` receives the number of source bytes each step copied (from any of the unit's
     `threads`); over the unit they add up to `unit.read_bytes` (use `plan.read_bytes` as the total).
     Memory stays at a few `chunk_bytes` buffers plus the pickled metadata, whatever the partition
-    size. A local staging folder gets each file written by `threads` threads at once. Running a unit
-    again rewrites its files, so a failed unit can simply be retried.
+    size. In a local staging folder the optimizer file (nearly all the bytes) is written by `threads`
+    threads at once. Running a unit again rewrites its files, so a failed unit can simply be retried.
     """
     started = time.monotonic()
     tag_uri = join(staging, plan.tag)
@@ -579,7 +579,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
 
     The source is validated first and refused, before anything is written, when it has problems.
     `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
-    rank while there are more ranks than workers, and the rest share a rank's files (see
+    rank while there are more ranks than workers, and the rest share a rank's optimizer file (see
     `write_threads`). On any error nothing is left at `out` and the staging folder is removed.
     """
     from ckptflow.validate import validate
