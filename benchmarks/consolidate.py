@@ -29,7 +29,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,23 +46,6 @@ class Measure:
     peak_rss: int  # bytes
     cpu: float  # user + system seconds of the whole process
     failed: int = 0  # runs that did not finish (left out of the medians)
-
-
-def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int, float]:
-    """(wall seconds, peak RSS bytes, CPU seconds) of one subprocess run under /usr/bin/time. A process
-    that prints a line `WORK_SECONDS=<s>` reports the wall time of its work alone (imports excluded)."""
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as timing:
-        started = time.monotonic()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", timing.name, *command], cwd=REPO_ROOT,
-                              env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        seconds = time.monotonic() - started
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
-        rss_kb, user, system = timing.read().strip().splitlines()[-1].split()
-    for line in proc.stdout.decode(errors="replace").splitlines():
-        if line.startswith("WORK_SECONDS="):
-            seconds = float(line.split("=", 1)[1])
-    return seconds, int(rss_kb) * 1024, float(user) + float(system)
 
 
 def work(kind: str, ckpt: str, out: str, verify: bool) -> None:
@@ -138,6 +120,8 @@ def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
 
 
 def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[Measure], dict[str, object]]:
+    from benchmarks.results import run_measured  # here: the script also runs as a plain file (--io-floor)
+
     plan = floor_plan(ckpt)
     scratch = Path(tempfile.mkdtemp(prefix="ckptflow-bench-", dir=REPO_ROOT / "benchmarks" / ".data"))
     try:

@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,19 +50,6 @@ class Measure:
     label: str
     seconds: float
     peak_rss: int  # bytes
-
-
-def run_measured(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one subprocess under /usr/bin/time."""
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as timing:
-        started = time.monotonic()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", timing.name, *command],
-                              env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        seconds = time.monotonic() - started
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
-        rss_kb = int(timing.read().strip().splitlines()[-1])
-    return seconds, rss_kb * 1024
 
 
 def warm(folder: Path) -> None:
@@ -107,6 +93,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[str, int]]:
+    from benchmarks.results import run_measured  # here: the script also runs as a plain file (--io-floor)
+
     py = sys.executable
     tag = (ckpt / "latest").read_text().strip()
     sources = sorted(str(p) for p in (ckpt / tag).glob("*.pt"))
@@ -140,14 +128,14 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
                 out.mkdir()
             os.sync()  # no run pays for the writeback of the one before
             try:
-                measured = run_measured(command, env=env)
+                measured = run_measured(command, env=env)[:2]
             except RuntimeError as exc:  # e.g. a worker killed by the OOM killer on a shared machine: once more
                 print(f"  {label} failed, running it again: {str(exc).splitlines()[-1]}", flush=True)
                 shutil.rmtree(out, ignore_errors=True)
                 if label.startswith("I/O floor"):
                     out.mkdir()
                 os.sync()
-                measured = run_measured(command, env=env)
+                measured = run_measured(command, env=env)[:2]
             runs[label].append(measured)
             shutil.rmtree(out, ignore_errors=True)
             print(f"  {label}: {runs[label][-1][0]:.2f} s", flush=True)
