@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import posixpath
-import shutil
 import threading
 import time
 import uuid
@@ -49,7 +48,7 @@ from ckptflow.errors import (
     OutputError,
     SourceReadError,
 )
-from ckptflow.storage import is_local, join, local_path, mapped, open_fs, read_ranges
+from ckptflow.storage import check_space, is_local, join, local_path, mapped, open_fs, read_ranges
 from ckptflow.torchzip import DTYPE_SIZES, TensorRef
 from ckptflow.zero import Param, ZeroCheckpoint, load_index, zero3_piece
 
@@ -650,7 +649,7 @@ def prepare_output(plan: ConsolidationPlan, out: str) -> str:
     staging = posixpath.join(parent, f".{name}.ckptflow-{uuid.uuid4().hex[:12]}.partial")
     if is_local(out):
         need = plan.file_bytes + _side_bytes(plan.root) + (1 << 20)
-        _check_space(parent or ".", need, out)
+        check_space(parent or ".", need, out)
         try:
             os.makedirs(staging)
         except OSError as exc:
@@ -670,19 +669,6 @@ def _check_out_free(fs: Any, path: str, out: str) -> None:
     if fs.ls(path, detail=False):
         raise OutputError(f"{out} already exists and is not empty", file=out,
                           hint="choose a new folder, or remove this one first")
-
-
-def _check_space(parent: str, need: int, out: str) -> None:
-    probe = os.path.abspath(parent)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe).free
-    if free < need:
-        raise OutputError(
-            f"not enough free space for {out}: the output needs {hf.format_size(need)} but {probe} has "
-            f"{hf.format_size(free)} free", file=out, expected=need, actual=free,
-            hint="free some space or choose another OUT",
-        )
 
 
 def _side_bytes(root: str) -> int:

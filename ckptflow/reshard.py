@@ -36,7 +36,7 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError, VerificationError
 from ckptflow.reshard_files import is_partition_tensor, model_states, optim_states
-from ckptflow.storage import is_local, join, local_path, open_fs, unstrip
+from ckptflow.storage import check_space, is_local, join, local_path, open_fs, unstrip
 from ckptflow.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.torchzip import DTYPE_SIZES
 from ckptflow.zero import MODEL_FILE_RE, OPTIM_FILE_RE, ZeroCheckpoint, inspect, model_file_name, optim_file_name
@@ -388,10 +388,12 @@ def _as_int(value: Any, default: int) -> int:
 # ---- output folder ----------------------------------------------------------------------------------
 
 
-def prepare_output(out: str) -> str:
-    """Check that `out` is absent or an empty folder and create a staging folder beside it.
+def prepare_output(out: str, need: int = 0) -> str:
+    """Check that `out` is absent or an empty folder (and, on a local disk, that `need` bytes are
+    free beside it) and create a staging folder beside it.
 
-    Returns the staging folder's URI. Raises `OutputError` when `out` exists and is not empty.
+    Returns the staging folder's URI. Raises `OutputError` when `out` exists and is not empty, when
+    the disk is too full, or when the staging folder cannot be made.
     """
     fs, path = open_fs(out)
     if fs.exists(path):
@@ -402,7 +404,13 @@ def prepare_output(out: str) -> str:
                               uri=out, hint="choose a new output folder, or empty this one")
     parent, name = posixpath.split(path.rstrip("/"))
     staging = posixpath.join(parent, f".{name}.reshard-{uuid.uuid4().hex[:12]}")
-    fs.makedirs(staging, exist_ok=False)
+    if is_local(out) and need:
+        check_space(parent or ".", need, out)
+    try:
+        fs.makedirs(staging, exist_ok=False)
+    except OSError as exc:
+        raise OutputError(f"cannot create {unstrip(fs, staging)} beside {out} ({exc})", uri=out,
+                          hint="check the destination folder is writable") from exc
     return unstrip(fs, staging)
 
 
@@ -593,7 +601,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
                               rank=first.rank)
     plan = plan_reshard(report.index, world_size)
     _check_not_inside(plan, out)
-    staging = prepare_output(out)
+    staging = prepare_output(out, need=plan.write_bytes)
     total = plan.read_bytes  # source bytes to copy (a close estimate: small per-rank scalars are left out)
     done = 0
     lock = threading.Lock()

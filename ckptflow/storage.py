@@ -142,3 +142,22 @@ def mapped(uri: str, start: int, end: int) -> Iterator[memoryview]:
             window.close()
         except BufferError:  # still referenced (e.g. by a traceback): unmapped when collected
             pass
+
+
+def check_space(parent: str, need: int, out: str) -> None:
+    """Raise `OutputError` unless the local disk that will hold `out` (under `parent`) has `need` bytes free."""
+    import shutil
+
+    from ckptflow.errors import OutputError
+    from ckptflow.hf import format_size
+
+    probe = os.path.abspath(parent)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(
+            f"not enough free space for {out}: the output needs {format_size(need)} but {probe} has "
+            f"{format_size(free)} free", file=out, expected=need, actual=free,
+            hint="free some space or choose another OUT",
+        )

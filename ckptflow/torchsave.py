@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptflow.storage import is_local, local_path, open_fs
-from ckptflow.torchzip import DTYPE_SIZES, STORAGE_DTYPES
+from ckptflow.errors import CkptflowError, CorruptFileError, OutputError
+from ckptflow.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
 
 from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
@@ -225,20 +226,23 @@ class SourceReader:
         return fh
 
     def read_into(self, uri: str, start: int, view: memoryview) -> None:
-        """Fill `view` with the bytes of `uri` from byte `start`."""
-        fh = self._file(uri)
-        fh.seek(start)
+        """Fill `view` with the bytes of `uri` from byte `start`; a failed read is a `SourceReadError`."""
         got = 0
-        while got < len(view):
-            n = fh.readinto(view[got:])
-            if not n:
-                from ckptflow.errors import CorruptFileError
-
-                raise CorruptFileError(
-                    f"{uri} ended at byte {start + got} while reading {len(view)} bytes from byte {start}", file=uri,
-                    hint="the file changed or was truncated while being read; copy it again",
-                )
-            got += n
+        try:
+            fh = self._file(uri)
+            fh.seek(start)
+            while got < len(view):
+                n = fh.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except OSError as exc:
+            raise read_error(uri, exc) from exc
+        if got < len(view):
+            raise CorruptFileError(
+                f"{uri} ended at byte {start + got} while reading {len(view)} bytes from byte {start}", file=uri,
+                hint="the file changed or was truncated while being read; copy it again",
+            )
         with self._lock:
             self.bytes_read += got
 
@@ -631,6 +635,17 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
     while another reads `reader.depth` chunks ahead. Returns the file size. With `durable`, a local
     file is fsynced before returning.
     """
+    try:
+        return _write_archive(uri, obj, reader, progress, durable, threads)
+    except CkptflowError:
+        raise
+    except OSError as exc:  # reading errors are SourceReadErrors by now: this one is the output's
+        raise OutputError(f"cannot write {uri} ({exc})", uri=uri,
+                          hint="check the destination is writable and has room, then run again") from exc
+
+
+def _write_archive(uri: str, obj: Any, reader: SourceReader, progress: Progress | None, durable: bool,
+                   threads: int) -> int:
     data, storages = dumps(obj)
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
     if is_local(uri) and hasattr(os, "pwrite"):

@@ -191,7 +191,7 @@ class Archive:
         except CkptflowError:
             raise
         except OSError as exc:
-            raise _read_error(self.uri, exc) from exc
+            raise read_error(self.uri, exc) from exc
 
     def _open(self) -> "Archive":
         try:
@@ -228,7 +228,7 @@ class Archive:
             if isinstance(exc, CorruptFileError):
                 raise
             if isinstance(exc.__context__, OSError):  # zipfile reports a failed read as "not a zip file"
-                raise _read_error(self.uri, exc.__context__) from exc.__context__
+                raise read_error(self.uri, exc.__context__) from exc.__context__
             raise CorruptFileError(
                 f"{self.uri} is not a readable torch archive ({exc})", file=self.uri,
                 hint="the file is truncated or not a checkpoint; copy it again from the training run",
@@ -419,7 +419,7 @@ def _to_plain(obj: Any, archive: Archive) -> Any:
     return obj
 
 
-def _read_error(uri: str, exc: OSError) -> SourceReadError:
+def read_error(uri: str, exc: OSError) -> SourceReadError:
     detail = " ".join(str(exc).split()) or type(exc).__name__
     return SourceReadError(
         f"cannot read {uri} ({detail})", file=uri,

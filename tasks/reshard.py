@@ -64,7 +64,7 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         description=f"Resharding {checkpoint.uri} to {world_size} ranks at {out}",
     )
     progress = _Bytes(plan.read_bytes, sink)  # run_unit reports the source bytes it copies
-    staging = prepare_output(out)
+    staging = prepare_output(out, need=plan.write_bytes)
     threads = write_threads(workers, len(plan.units))
     cancel = threading.Event()
     try:

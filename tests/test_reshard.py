@@ -20,7 +20,9 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import random
+import re
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -430,6 +432,47 @@ def test_a_crash_midway_leaves_no_output(ds_fixtures, tmp_path: Path, monkeypatc
         reshard(str(ds_fixtures["z3-bf16-ws2"].dir), str(out), world_size=world_size, progress=progress,
                 workers=workers)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_output_failures_are_one_line_errors_and_leave_nothing(ds_fixtures, tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import shutil as shutil_module
+
+    from typer.testing import CliRunner
+
+    from ckptflow import torchsave
+    from ckptflow.cli import app
+
+    src = str(ds_fixtures["z3-bf16-ws2"].dir)
+    # OUT under a file: the staging folder cannot be made
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(OutputError, match=r"^cannot create .*a-file/\.out\.reshard-\w+ beside .*a-file/out \(.*\); "
+                                          r"check the destination folder is writable$"):
+        reshard(src, str(tmp_path / "a-file" / "out"), world_size=1)
+    # a disk too small for the output: refused before anything is written
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(OutputError, match=r"^not enough free space for .*/out: the output needs [\d.]+ [KM]B but .* "
+                                          r"has 1\.0 KB free; free some space or choose another OUT$"):
+        reshard(src, str(tmp_path / "out"), world_size=1)
+    monkeypatch.setattr(shutil_module, "disk_usage", real)
+    # the disk fills up mid-way, on the threads sharing the rank's file: a one-line error, exit 1
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(torchsave.os, "pwrite", pwrite)
+    monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 4096)
+    result = CliRunner().invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "1"])
+    assert result.exit_code == 1, result.output
+    assert re.search(r"cannot write .*optim_states\.pt \(\[Errno 28\] No space left on device\); check the "
+                     r"destination is writable and has room, then run again", " ".join(result.output.split()))
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_units_run_separately_then_finalize_writes_latest_last(ds_fixtures, tmp_path: Path) -> None:
