@@ -1,6 +1,8 @@
 """The `ckptflow` command line: one command per pipeline step, over the same core functions.
 
-Bad input ends in one red line on stderr and exit 1; usage errors exit 2; never a traceback.
+Bad input ends in one red line on stderr and exit 1; usage errors exit 2; never a traceback. Text that
+comes from the input (paths, tags, tensor names, messages quoting them) is printed as plain text:
+the consoles interpret no markup and no emoji codes, and colour comes from `rich.text.Text` styles.
 """
 
 from __future__ import annotations
@@ -8,15 +10,26 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional
+from enum import Enum
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from ckptflow.errors import CkptflowError
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+if TYPE_CHECKING:
+    from ckptflow.validate import ValidationReport
+
+
+
+class DType(str, Enum):
+    """Output dtypes, as `--dtype` takes them."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
 
 app = typer.Typer(
     name="ckptflow",
@@ -26,8 +39,13 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, markup=False, emoji=False)
+
+
+def say(label: str, style: str, rest: str, console: Console = out) -> None:
+    """One line: `label` in `style`, then `rest` as plain text, whatever characters it holds."""
+    console.print(Text.assemble((label, style), " ", rest), soft_wrap=True)
 
 
 @app.callback()
@@ -37,20 +55,35 @@ def _root() -> None:
 
 def fail(exc: BaseException) -> typer.Exit:
     """Print `exc` as one red line and return the exit to raise."""
-    err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+    say("error:", "red", " ".join(str(exc).split()), err)
     return typer.Exit(1)
+
+
+def render_report(report: "ValidationReport") -> None:
+    """A validation report: a summary line, then one line per problem."""
+    if report.ok:
+        s = report.summary()
+        say("valid", "green", f"{report.root}/{report.tag}: ZeRO-{s['stage']}, {s['world_size']} ranks, "
+            f"{s['precision']}, step {s['step']}, {s['params']} params ({s['numel']:,} elements, {s['frozen']} frozen, "
+            f"{s['tied']} tied), {s['buffers']} buffers, {s['param_groups']} param groups"
+            + (", no NaN/Inf" if report.deep else ""))
+        return
+    where = f"{report.root}/{report.tag}" if report.tag else report.source
+    say("invalid", "red", f"{where}: {len(report.problems)} problem(s)")
+    for p in report.problems:
+        out.print(Text.assemble("  ", (f"{p.code}:", "red"), " ", " ".join(p.message.split())), soft_wrap=True)
 
 
 @app.command()
 def validate(
-    src: str = typer.Argument(..., help="Folder holding `latest` (or a tag folder), local or URL."),
+    src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to check instead of the one `latest` names."),
     deep: bool = typer.Option(False, "--deep", help="Also scan fp32 weights and optimizer moments for NaN/Inf."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check that a ZeRO checkpoint is complete and consistent. Exit 0 valid, 1 not."""
+    from ckptflow.formats.deepspeed.index import check_tag
     from ckptflow.validate import validate as run_validate
-    from ckptflow.zero import check_tag
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
@@ -61,16 +94,16 @@ def validate(
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        report.render(out)
+        render_report(report)
     raise typer.Exit(0 if report.ok else 1)
 
 
 @app.command("consolidate")
 def consolidate_command(
-    src: str = typer.Argument(..., help="Folder holding `latest` (or a tag folder), local or URL."),
+    src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
     dest: str = typer.Argument(..., metavar="OUT", help="Model folder to create, local or URL; must not exist."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to convert instead of the one `latest` names."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Output dtype: fp32, bf16 or fp16."),
+    dtype: DType = typer.Option(DType.fp32, "--dtype", help="Output dtype."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB or 500MB."),
     exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="Leave frozen parameters out."),
     workers: int = typer.Option(4, "--workers", min=1, help="Shards written at once."),
@@ -85,17 +118,16 @@ def consolidate_command(
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from ckptflow.consolidate import ConsolidateOptions, consolidate
-    from ckptflow.hf import format_size
-    from ckptflow.zero import check_tag
+    from ckptflow.formats.deepspeed.index import check_tag
+    from ckptflow.plumbing.sizes import format_size
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
     try:
-        options = ConsolidateOptions(dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
+        options = ConsolidateOptions(dtype=dtype.value, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
                                      workers=workers, verify=verify)
-    except ValueError as exc:
-        hint = "--dtype" if "dtype" in str(exc) else "--max-shard-size"
-        raise typer.BadParameter(str(exc), param_hint=hint) from None
+    except ValueError as exc:  # --dtype and --workers are checked by their option types
+        raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
                TransferSpeedColumn(), TimeRemainingColumn())
     started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.casts`)
@@ -107,20 +139,17 @@ def consolidate_command(
         except CkptflowError as exc:
             raise fail(exc) from None
     shards = len(result.shards)
-    out.print(
-        f"[green]consolidated[/green] {result.plan.root}/{result.plan.tag} into {dest}: {shards} shard"
-        f"{'s' if shards > 1 else ''}, {format_size(result.total_size)} {result.dtype}"
-        f"{', verified' if result.verified else ''}, {len(result.side_files)} config/tokenizer file(s), "
-        f"{time.monotonic() - started:.1f}s",
-        soft_wrap=True,
-    )
+    say("consolidated", "green",
+        f"{result.plan.root}/{result.plan.tag} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
+        f"{format_size(result.total_size)} {result.dtype}{', verified' if result.verified else ''}, "
+        f"{len(result.side_files)} config/tokenizer file(s), {time.monotonic() - started:.1f}s")
 
 
 @app.command("run")
 def run_command(
-    src: str = typer.Argument(..., help="Folder holding `latest`, local or URL."),
+    src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest`, local or URL."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to process instead of the one `latest` names."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Consolidated model dtype: bf16, fp16 or fp32."),
+    dtype: DType = typer.Option(DType.bf16, "--dtype", help="Consolidated model dtype."),
     consolidate: bool = typer.Option(True, "--consolidate/--no-consolidate", help="Build the Hugging Face model."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest model shard, e.g. 5GB."),
     reshard: Optional[str] = typer.Option(None, "--reshard", help="World sizes to reshard to, e.g. 1,4."),
@@ -142,7 +171,7 @@ def run_command(
         raise typer.BadParameter(f"must be model, reshards or both, got {publish!r}", param_hint="--publish")
     try:
         params = lifecycle_parameters(
-            src, tag=tag, dtype=dtype, consolidate=consolidate, max_shard_size=max_shard_size, reshard=reshard,
+            src, tag=tag, dtype=dtype.value, consolidate=consolidate, max_shard_size=max_shard_size, reshard=reshard,
             destinations=to, publish=publish, verify=verify, settle=settle, workspace=workspace,
             gpu_deployment=gpu_deployment, refresh=refresh,
         )
@@ -154,7 +183,7 @@ def run_command(
     except FlowFailed as exc:
         raise fail(exc) from None
     summary = outcome.result
-    out.print(f"[green]done[/green] {summary['headline']}", soft_wrap=True)
+    say("done", "green", summary["headline"])
     if summary.get("model"):
         out.print(f"  model:     {summary['model']['uri']}", soft_wrap=True)
     for n, reshard_out in sorted(summary.get("reshards", {}).items(), key=lambda kv: int(kv[0])):
@@ -186,7 +215,7 @@ def watch_command(
         except FlowFailed as exc:
             if once:
                 raise fail(exc) from None
-            err.print(f"[red]error:[/red] {exc}; trying again in {interval:.0f}s", soft_wrap=True)
+            say("error:", "red", f"{exc}; trying again in {interval:.0f}s", err)
         else:
             result = outcome.result
             new = result["recorded"] if baseline else result["emitted"]
@@ -196,7 +225,7 @@ def watch_command(
             for s in new:
                 out.print(f"  {verb}: {s['root']} @ {s['tag']}", soft_wrap=True)
             for u in result["unreadable"]:
-                out.print(f"  [yellow]skipped[/yellow] {u['where']}: {u['reason']}", soft_wrap=True)
+                out.print(Text.assemble("  ", ("skipped", "yellow"), f" {u['where']}: {u['reason']}"), soft_wrap=True)
         if once:
             return
         time.sleep(interval)
@@ -204,7 +233,7 @@ def watch_command(
 
 @app.command("reshard")
 def reshard_command(
-    src: str = typer.Argument(..., help="Folder holding `latest` (or a tag folder), local or URL."),
+    src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
     dest: str = typer.Argument(..., metavar="OUT", help="Checkpoint folder to create, local or URL; absent or empty."),
     world_size: int = typer.Option(..., "--world-size", min=1, help="Data-parallel ranks the output is for."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
@@ -220,8 +249,9 @@ def reshard_command(
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    from ckptflow.formats.deepspeed.index import check_tag
+    from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import reshard
-    from ckptflow.zero import check_tag
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
@@ -234,12 +264,10 @@ def reshard_command(
                              progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
-    out.print(
-        f"[green]resharded[/green] {src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
+    say("resharded", "green",
+        f"{src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
         f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
-        f"{result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f}s",
-        soft_wrap=True,
-    )
+        f"{format_size(result.bytes_written)} in {result.seconds:.1f}s")
 
 
 @app.command("push")
@@ -255,39 +283,27 @@ def push_command(
     On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there.
     The Hub gets one commit. After a failure, run the same command again: nothing verified is sent twice.
     """
-    import threading
-
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from ckptflow.hf import format_size
-    from ckptflow.publish import PushProgress, push
+    from ckptflow.plumbing.sizes import format_size
+    from ckptflow.publish import push
 
     if not dest.startswith("hf://") and (revision or private):
         raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
-    done: dict[str, int] = {}
-    lock = threading.Lock()
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("uploading", total=None)
-
-        def on_progress(event: PushProgress) -> None:
-            if event.state != "check":  # hashing SRC to compare with DEST is not upload progress
-                with lock:
-                    done[event.path] = 0 if event.state == "retry" else event.done
-                    bar.update(task, completed=sum(done.values()))
-
         try:
-            result = push(src, dest, revision=revision, private=private, workers=workers, progress=on_progress)
+            result = push(src, dest, revision=revision, private=private, workers=workers,
+                          progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="DEST") from None
     where = result.commit_url or result.manifest_uri
-    out.print(
-        f"[green]pushed[/green] {src} to {result.dest}: {len(result.uploaded)} file(s) uploaded "
-        f"({format_size(result.bytes_uploaded)}), {len(result.skipped)} already there; {where}",
-        soft_wrap=True,
-    )
+    say("pushed", "green",
+        f"{src} to {result.dest}: {len(result.uploaded)} file(s) uploaded ({format_size(result.bytes_uploaded)}), "
+        f"{len(result.skipped)} already there; {where}")
 
 
 def main() -> None:
@@ -295,7 +311,7 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        err.print("[red]interrupted[/red]")
+        say("interrupted", "red", "", err)
         sys.exit(130)
 
 

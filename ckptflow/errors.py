@@ -1,20 +1,28 @@
 """Every error ckptflow raises on purpose.
 
-Each one subclasses a builtin so callers can catch it the way they already do, carries the fields a
-program needs (uri, file, rank, tensor, expected, actual) and renders a one-line message that says
+Each one subclasses a builtin so callers can catch it the way they already do, carries a stable
+`code` (what a program branches on: never the message text or the class name) and the fields a
+program needs (uri, file, rank, tensor, expected, actual), and renders a one-line message that says
 what is wrong, where, what was expected and what to do.
+
+A class gives its errors a default code; a raise may name a finer one (`code="rank-missing"`).
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 
 class CkptflowError(Exception):
     """Base of every error raised on purpose. `str(err)` is the one line a user reads."""
 
+    default_code: ClassVar[str] = "error"
+
     def __init__(
         self,
         message: str,
         *,
+        code: str | None = None,
         uri: str | None = None,
         file: str | None = None,
         rank: int | None = None,
@@ -23,6 +31,7 @@ class CkptflowError(Exception):
         actual: object = None,
         hint: str | None = None,
     ) -> None:
+        self.code = code or self.default_code
         self.uri = uri
         self.file = file
         self.rank = rank
@@ -32,42 +41,67 @@ class CkptflowError(Exception):
         self.hint = hint
         super().__init__(f"{message}; {hint}" if hint else message)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The error as plain data: code, message and the fields that are set."""
+        fields = {"uri": self.uri, "file": self.file, "rank": self.rank, "tensor": self.tensor}
+        return {"code": self.code, "message": str(self), **{k: v for k, v in fields.items() if v is not None}}
+
 
 class CheckpointError(CkptflowError, ValueError):
     """The checkpoint is not what it must be (missing rank, wrong count, inconsistent metadata)."""
+
+    default_code = "checkpoint-invalid"
 
 
 class CheckpointNotFoundError(CkptflowError, FileNotFoundError):
     """A file or folder the checkpoint needs does not exist."""
 
+    default_code = "not-found"
+
 
 class UnsafePickleError(CheckpointError):
     """A checkpoint pickle names a global outside the allow-list; nothing from it was executed."""
+
+    default_code = "unsafe-pickle"
 
 
 class CorruptFileError(CheckpointError):
     """A file cannot be parsed: truncated, empty, not a torch archive, or inconsistent inside."""
 
+    default_code = "corrupt-file"
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """The checkpoint is valid but uses a DeepSpeed layout ckptflow cannot convert (e.g. elastic ZeRO-1/2)."""
+
+    default_code = "unsupported-layout"
+
 
 class OutputError(CkptflowError, OSError):
     """The output cannot be written (exists already, not enough space, destination refused)."""
+
+    default_code = "output-error"
 
 
 class PublishError(CkptflowError, OSError):
     """A push failed for good: a permanent error, or transient errors past the retry budget."""
 
+    default_code = "publish-failed"
+
 
 class VerificationError(CkptflowError, ValueError):
     """Something written does not match its source."""
+
+    default_code = "verification-failed"
 
 
 class UploadMismatchError(VerificationError):
     """An object just uploaded reads back different from its source; uploading it again may fix it."""
 
+    default_code = "upload-mismatch"
+
 
 class SourceReadError(CkptflowError, OSError):
     """A checkpoint file could not be read during a conversion (store error, file changed underneath)."""
 
-
-class UnsupportedCheckpointError(CheckpointError):
-    """The checkpoint is valid but uses a DeepSpeed layout ckptflow cannot convert (e.g. elastic ZeRO-1/2)."""
+    default_code = "unreadable-file"

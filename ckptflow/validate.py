@@ -8,15 +8,16 @@ NaN and Inf.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CkptflowError
-from ckptflow.torchzip import TensorRef, iter_chunks, read_elements, read_scalar
-from ckptflow.zero import Problem, ZeroCheckpoint, inspect
-
-Progress = Callable[[int, int], None]
+from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint, inspect
+from ckptflow.formats.casts import count_non_finite
+from ckptflow.formats.deepspeed.layout import zero3_real
+from ckptflow.formats.torchzip import TensorRef, read_scalar
+from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.storage import read_ranges
 
 
 @dataclass(frozen=True)
@@ -62,23 +63,6 @@ class ValidationReport:
             "checkpoint": self.summary(),
             "problems": [p.to_dict() for p in self.problems],
         }
-
-    def render(self, console: Any) -> None:
-        """Print the report on a rich console: a summary line, then one line per problem."""
-        if self.ok:
-            s = self.summary()
-            console.print(
-                f"[green]valid[/green] {self.root}/{self.tag}: ZeRO-{s['stage']}, {s['world_size']} ranks, "
-                f"{s['precision']}, step {s['step']}, {s['params']} params ({s['numel']:,} elements, "
-                f"{s['frozen']} frozen, {s['tied']} tied), {s['buffers']} buffers, {s['param_groups']} param groups"
-                + (", no NaN/Inf" if self.deep else ""),
-                soft_wrap=True,
-            )
-            return
-        where = f"{self.root}/{self.tag}" if self.tag else self.source
-        console.print(f"[red]invalid[/red] {where}: {len(self.problems)} problem(s)")
-        for p in self.problems:
-            console.print(f"  [red]{p.code}[/red]: {p.message}", soft_wrap=True)
 
 
 def validate(source: str, *, tag: str | None = None, deep: bool = False, progress: Progress | None = None) -> ValidationReport:
@@ -127,42 +111,37 @@ def _check_optimizer_steps(index: ZeroCheckpoint) -> list[Problem]:
 
 
 def _scan_finite(index: ZeroCheckpoint, progress: Progress | None) -> list[Problem]:
-    """NaN/Inf in any parameter's fp32 master weights or optimizer moments, one problem per tensor."""
-    import torch
-
-    jobs = []
+    """NaN/Inf in any parameter's fp32 master weights or optimizer moments, one problem per tensor,
+    read in bounded chunks and checked on the bits (no torch). Padding is never read: ZeRO-3 leaves it
+    uninitialized, and garbage there is no sign of a diverged run."""
+    jobs: list[tuple[str, str, TensorRef, int, int, str]] = []  # (name, what, tensor, first, count, file)
     for param in index.params:
         for frag in param.fragments:
             part = index.partitions[frag.rank][frag.group]
-            jobs.append((param.name, "weights", frag, part.fp32, index.files[frag.rank].optim))
+            file = index.files[frag.rank].optim
+            jobs.append((param.name, "weights", part.fp32, frag.offset, frag.numel, file))
             for key in ("exp_avg", "exp_avg_sq"):
                 if isinstance(part.state.get(key), TensorRef):
-                    jobs.append((param.name, key, frag, part.state[key], index.files[frag.rank].optim))
+                    jobs.append((param.name, key, part.state[key], frag.offset, frag.numel, file))
         for rank, piece in enumerate(param.frozen_pieces):
-            jobs.append((param.name, "weights", None, piece, (index.files[rank].model or index.model_file())))
-    total = sum((f.numel if f else ref.numel) * ref.itemsize for _, _, f, ref, _ in jobs)
-    done = 0
+            real = zero3_real(param.numel, index.world_size, rank) if index.stage == 3 else param.numel
+            jobs.append((param.name, "weights", piece, 0, min(real, piece.numel),
+                         index.files[rank].model or index.model_file()))
+    tally = Tally(sum(count * ref.itemsize for _, _, ref, _, count, _ in jobs), progress)
     bad: dict[tuple[str, str], tuple[int, str]] = {}
-    chunk = 64 << 20
-    for name, what, frag, ref, file in jobs:
+    step = 64 << 20
+    for i, (name, what, ref, first, count, file) in enumerate(jobs):
         if (name, what) in bad:
             continue
-        if frag is None:
-            chunks = iter_chunks(ref, chunk)
-        else:
-            step = max(1, chunk // ref.itemsize)
-            chunks = (
-                read_elements(ref, frag.offset + s, min(step, frag.numel - s)) for s in range(0, frag.numel, step)
-            )
-        for values in chunks:
-            done += values.numel() * ref.itemsize
-            finite = torch.isfinite(values)
-            if not bool(finite.all()):
-                count = int((~finite).sum())
-                bad[(name, what)] = (count, file)
+        per = max(1, step // ref.itemsize)
+        for lo in range(0, count, per):
+            n = min(per, count - lo)
+            start, end = ref.element_range(first + lo, n)
+            found = count_non_finite(read_ranges([(ref.uri, start, end)])[0], ref.dtype)
+            tally.part(i)((lo + n) * ref.itemsize, count * ref.itemsize)
+            if found:
+                bad[(name, what)] = (found, file)
                 break
-            if progress:
-                progress(done, total)
     problems = []
     for (name, what), (count, file) in bad.items():
         label = "fp32 master weights" if what == "weights" else f"optimizer state {what}"

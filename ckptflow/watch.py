@@ -28,15 +28,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.storage import open_fs, unstrip
-from ckptflow.zero import check_tag
+from ckptflow.errors import CkptflowError
+from ckptflow.formats.deepspeed.index import read_latest
+from ckptflow.formats.deepspeed.names import LATEST
+from ckptflow.plumbing.redaction import describe
+from ckptflow.plumbing.storage import open_fs, unstrip
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
 _STEP_RE = re.compile(r"(\d+)$")
 # `latest` is a few bytes; anything larger is not a DeepSpeed pointer.
-_MAX_LATEST_BYTES = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,8 +141,8 @@ def find_latest(
             unreadable.append(Unreadable(where=root, reason=f"{root} does not exist", whole_root=True))
             continue
         except Exception as exc:  # one root's failure must not hide the others
-            logger.warning("cannot list %s: %s", root, exc)
-            unreadable.append(Unreadable(where=root, reason=f"cannot list {root}: {_describe(exc)}", whole_root=True))
+            logger.warning("cannot list %s: %s", root, describe(exc))
+            unreadable.append(Unreadable(where=root, reason=f"cannot list {root}: {describe(exc)}", whole_root=True))
             continue
         for path, info in sorted(found.items()):
             folder = _beneath(root, base, posixpath.dirname(path))
@@ -220,21 +221,8 @@ def _beneath(root: str, base: str, path: str) -> str:
 def _read_tag(fs: Any, path: str, folder: str) -> str:
     where = f"{folder}/{LATEST}"
     try:
-        raw = fs.cat_file(path)
+        return read_latest(fs, path, where)
+    except CkptflowError as exc:
+        raise _BadPointer(str(exc)) from None
     except Exception as exc:
-        raise _BadPointer(f"cannot read {where}: {_describe(exc)}") from exc
-    if len(raw) > _MAX_LATEST_BYTES:
-        raise _BadPointer(f"{where} is {len(raw)} bytes, not a DeepSpeed `latest` pointer")
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise _BadPointer(f"{where} is not text, not a DeepSpeed `latest` pointer") from None
-    bad = check_tag(text, where)
-    if bad:
-        raise _BadPointer(bad)
-    return text
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) < 300 else text[:297] + "..."
+        raise _BadPointer(f"cannot read {where}: {describe(exc)}") from exc

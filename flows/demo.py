@@ -18,16 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
+    # What this demo needs on a machine without a GPU or a Prefect server; set before Prefect and
+    # DeepSpeed are imported (both are imported below, inside main).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(prog="python -m flows.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "demo-output"), help="Folder for everything the demo writes.")
     parser.add_argument("--fresh", action="store_true", help="Train a new checkpoint even if one is there.")
@@ -39,11 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.fresh or not (run_dir / "latest").is_file():
         say(f"1/2 training the tiny Llama with DeepSpeed ZeRO-3 (bf16, 2 CPU ranks) into {run_dir} ...")
-        sys.path.insert(0, str(REPO))
-        from tests.fixtures import write_llama_checkpoint
+        from flows.demo_checkpoint import write_demo_checkpoint
 
         t = time.monotonic()
-        write_llama_checkpoint(run_dir, stage=3, dtype="bf16", world_size=2, overwrite=True)
+        write_demo_checkpoint(run_dir, stage=3, dtype="bf16", world_size=2)
         say(f"    checkpoint {(run_dir / 'latest').read_text().strip()} written in {time.monotonic() - t:.0f} s")
     else:
         say(f"1/2 reusing the checkpoint in {run_dir} (--fresh trains a new one)")

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from ckptflow.storage import join, open_fs
+from ckptflow.plumbing.storage import join, open_fs
 from flows.params import ConsolidationOptions, Destination
 from tasks.models import Checkpoint
 
@@ -69,7 +69,7 @@ def reshard_destination(dest: Destination, tag: str, world_size: int) -> tuple[s
 
 def published_marker(uri: str) -> str:
     """The file whose presence says a push to the bucket destination `uri` completed."""
-    from ckptflow.manifest import MANIFEST_NAME
+    from ckptflow.publish.manifest import MANIFEST_NAME
 
     return join(uri, MANIFEST_NAME)
 

@@ -33,7 +33,8 @@ from flows.params import (
     ValidationOptions,
     VerificationOptions,
 )
-from tasks.artifacts import artifact_key, human_bytes, markdown
+from ckptflow.plumbing.sizes import format_size
+from tasks.artifacts import artifact_key, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.consolidate import consolidate_model
 from tasks.models import Checkpoint, Output, Published
@@ -239,10 +240,10 @@ def _summary(
     rows = []
     if model is not None:
         check = "verified" if verified and verified.get("ok", True) else "not verified"
-        rows.append(("model", model.uri, f"{model.details.get('dtype', '')}, {human_bytes(model.bytes)}, {check}"))
+        rows.append(("model", model.uri, f"{model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}"))
     for n, out in sorted(reshards.items()):
         if out is not None:
-            rows.append((f"ZeRO, {n} rank(s)", out.uri, human_bytes(out.bytes)))
+            rows.append((f"ZeRO, {n} rank(s)", out.uri, format_size(out.bytes or 0)))
     lines = [
         f"# {checkpoint.root} @ {checkpoint.tag}",
         "",
@@ -259,7 +260,7 @@ def _summary(
         lines += ["## Published", "", "| what | from | to | uploaded |", "|---|---|---|---|"]
         lines += [
             f"| {p.kind} | `{p.source}` | `{p.destination}`{' @ ' + p.revision if p.revision else ''} | "
-            f"{p.details.get('uploaded', '?')} of {p.files} file(s), {human_bytes(p.bytes)} |"
+            f"{p.details.get('uploaded', '?')} of {p.files} file(s), {format_size(p.bytes or 0)} |"
             for p in published
         ] + [""]
     if failures:

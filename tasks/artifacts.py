@@ -12,7 +12,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -24,8 +24,6 @@ from prefect.artifacts import (
 )
 
 logger = logging.getLogger(__name__)
-
-Progress = Callable[[int, int], None]
 
 
 def artifact_key(*parts: object) -> str:
@@ -105,15 +103,3 @@ class ProgressArtifact:
         if self._id is not None and self._last_percent < 100.0:
             self._last_sent = 0.0
             self(1, 1)
-
-
-def human_bytes(n: int | float | None) -> str:
-    """1536 -> '1.5 KiB'."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"

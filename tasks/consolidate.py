@@ -26,17 +26,20 @@ from ckptflow.consolidate import (
     prepare_output,
     run_unit,
 )
-from ckptflow.zero import load_index
-from tasks.artifacts import ProgressArtifact, artifact_key, human_bytes, markdown
+from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.plumbing.progress import Tally
+from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.staging import Staging
+from tasks.artifacts import ProgressArtifact, artifact_key, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
-from tasks.units import SharedProgress, run_bounded
+from tasks.units import run_bounded
 
 
 @task(name="write-shard", task_run_name="write {unit.filename}", cache_policy=NO_CACHE, **io_retries(retries=2))
 def write_shard(
-    plan: ConsolidationPlan, unit: ShardUnit, staging: str, progress: Any = None, cancel: Any = None
+    plan: ConsolidationPlan, unit: ShardUnit, staging: Staging, progress: Any = None, cancel: Any = None
 ) -> UnitResult:
     """`ckptflow.consolidate.run_unit`: one output shard into the staging folder (rewritten on retry)."""
     return run_unit(plan, unit, staging, progress=progress, cancel=cancel)
@@ -65,21 +68,21 @@ def consolidate_model(
         dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, workers=workers, verify=verify
     )
     plan = plan_consolidation(load_index(checkpoint.root, checkpoint.tag), options)
-    logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), human_bytes(plan.total_size),
+    logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), format_size(plan.total_size),
                 plan.dtype)
     sink = ProgressArtifact(
         key=artifact_key("consolidate", checkpoint.tag, dtype),
         description=f"Consolidating {checkpoint.uri} to {dtype} at {out}",
     )
-    progress = SharedProgress(sum(u.nbytes for u in plan.units) * (2 if verify else 1), sink)
+    progress = Tally(sum(u.nbytes for u in plan.units) * (2 if verify else 1), sink)
     staging = prepare_output(plan, out)
     cancel = threading.Event()
     try:
         results = run_bounded(
-            lambda unit: write_shard.submit(plan, unit, staging, progress.for_unit(unit.index), cancel),
+            lambda unit: write_shard.submit(plan, unit, staging, progress.part(unit.index), cancel),
             plan.units, workers, cancel,
         )
-        result = finalize(plan, results, staging, out)
+        result = finalize(plan, results, staging)
     except BaseException:
         abort(staging)
         raise
@@ -87,8 +90,8 @@ def consolidate_model(
     markdown(
         f"## Consolidated model\n\n`{checkpoint.uri}` (ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, "
         f"{checkpoint.precision}) → `{out}`\n\n| file | size |\n|---|---|\n"
-        + "\n".join(f"| {s.filename} | {human_bytes(s.size)} |" for s in result.shards)
-        + f"\n\n{len(result.files)} files, {human_bytes(result.total_size)} of {result.dtype} weights"
+        + "\n".join(f"| {s.filename} | {format_size(s.size)} |" for s in result.shards)
+        + f"\n\n{len(result.files)} files, {format_size(result.total_size)} of {result.dtype} weights"
         + (", every shard re-read and checked against the source." if result.verified else "."),
         key=artifact_key("consolidated", checkpoint.tag, dtype),
         description=f"Consolidated {checkpoint.tag} to {out}",

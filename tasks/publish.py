@@ -8,34 +8,16 @@ Prefect; a permanent error (403, a missing repo with no right to create it) fail
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from prefect import get_run_logger, task
 
-from ckptflow.publish import PushProgress, push
-from tasks.artifacts import ProgressArtifact, artifact_key, human_bytes
+from ckptflow.plumbing.sizes import format_size
+from ckptflow.publish import push
+from tasks.artifacts import ProgressArtifact, artifact_key
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
 from tasks.retries import io_retries
-
-
-class _PushProgress:
-    """Turns `push`'s per-file `PushProgress` reports into (done, total) bytes for an artifact."""
-
-    def __init__(self, total: int, sink: ProgressArtifact) -> None:
-        self._total = max(total, 1)
-        self._done: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._sink = sink
-
-    def __call__(self, event: PushProgress) -> None:
-        if event.state == "check":
-            return  # hashing the source to compare with DEST; no upload yet
-        with self._lock:
-            self._done[event.path] = 0 if event.state == "retry" else event.done
-            done = sum(self._done.values())
-        self._sink(min(done, self._total), self._total)
 
 
 def _resolve_token(secret_block: str | None) -> str | None:
@@ -71,14 +53,14 @@ def publish_output(
         key=artifact_key("publish", output.kind, output.world_size, checkpoint.tag),
         description=f"Publishing {output.kind} of {checkpoint.tag} to {destination}",
     )
-    kwargs: dict[str, Any] = {"workers": workers, "progress": _PushProgress(output.bytes or 0, sink)}
+    kwargs: dict[str, Any] = {"workers": workers, "progress": sink}
     if hub:
         kwargs.update(revision=revision, private=private, endpoint=endpoint, token=_resolve_token(token_secret))
     result = push(output.uri, destination, **kwargs)
     sink.finish()
     logger.info(
         "published %s to %s: %d file(s) uploaded (%s), %d already there",
-        output.uri, destination, len(result.uploaded), human_bytes(result.bytes_uploaded), len(result.skipped),
+        output.uri, destination, len(result.uploaded), format_size(result.bytes_uploaded), len(result.skipped),
     )
     return Published(
         source=output.uri,

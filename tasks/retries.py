@@ -2,7 +2,7 @@
 
 Prefect needs `retry_condition_fn` to be a plain function (a bound method, a `functools.partial` or a
 callable object silently disables retries), so `retry_if_transient` is one. The decision itself is
-`ckptflow.retry.is_transient`, the same rule the core library uses inside its own retry loops.
+`ckptflow.plumbing.retry.is_transient`, the same rule the core library uses inside its own retry loops.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from prefect.tasks import exponential_backoff
 
-from ckptflow.retry import is_transient
+from ckptflow.plumbing.retry import is_transient
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:

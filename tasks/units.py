@@ -1,4 +1,4 @@
-"""Running a core plan's independent units as Prefect tasks: bounded submission, shared progress."""
+"""Running a core plan's independent units as Prefect tasks, at most `limit` submitted at a time."""
 
 from __future__ import annotations
 
@@ -7,24 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefect.futures import PrefectFuture, as_completed, wait
-
-
-class SharedProgress:
-    """Sums per-unit `(done, total)` reports into one `(done, total)` for an artifact."""
-
-    def __init__(self, total: int, sink: Any) -> None:
-        self.total = total
-        self._done: dict[object, int] = {}
-        self._lock = threading.Lock()
-        self._sink = sink
-
-    def for_unit(self, key: object) -> Any:
-        def update(done: int, _total: int) -> None:
-            with self._lock:
-                self._done[key] = done
-                total_done = sum(self._done.values())
-            self._sink(min(total_done, self.total), self.total)
-        return update
 
 
 def run_bounded(submit: Any, items: Sequence[Any], limit: int, cancel: threading.Event) -> list[Any]:

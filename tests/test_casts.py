@@ -1,4 +1,4 @@
-"""The numpy casts of `ckptflow.casts` against torch's own CPU casts, bit for bit: every 16-bit
+"""The numpy casts of `ckptflow.formats.casts` against torch's own CPU casts, bit for bit: every 16-bit
 pattern for the widening casts, and for the narrowing ones several million float32 patterns (every
 sign and exponent with the rounding boundaries of both targets, NaNs with many payloads, infinities,
 subnormals, and random bits)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import casts
+from ckptflow.formats import casts
 
 # torch's float32 -> bfloat16 NaN is 0xFFFF in its AVX2 / AVX-512 kernels, 0x7FC0 in the scalar
 # fallback; ckptflow writes the former. Elsewhere only the NaN lanes are left out of the comparison.
@@ -166,3 +166,21 @@ def test_scalar_for_messages() -> None:
     assert casts.scalar(np.int64(-7).tobytes(), "int64") == -7
     assert casts.scalar(b"\x01", "bool") is True
     assert casts.scalar(b"\x12", "float8_e4m3fn") == "12"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_count_non_finite_agrees_with_torch_on_every_16_bit_pattern(dtype: str) -> None:
+    from ckptflow.formats.casts import count_non_finite
+
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    values = bits.view(getattr(torch, dtype))
+    assert count_non_finite(bits.numpy().tobytes(), dtype) == int((~torch.isfinite(values)).sum())
+
+
+def test_count_non_finite_float32_and_integers() -> None:
+    from ckptflow.formats.casts import count_non_finite
+
+    values = torch.tensor([0.0, -1.5, float("inf"), float("-inf"), float("nan"), 3e38, 1e-45])
+    assert count_non_finite(values.numpy().tobytes(), "float32") == 3
+    assert count_non_finite(values.double().numpy().tobytes(), "float64") == 3
+    assert count_non_finite(torch.arange(10).numpy().tobytes(), "int64") == 0

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch, write_llama_checkpoint
+from flows.demo_checkpoint import write_demo_checkpoint
+from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch
 from tests.fixtures.cache import _generate_group
 from tests.fixtures.matrix import TRAINER, FixtureSpec
 from tests.fixtures.models import BIG_INT64
@@ -188,13 +189,19 @@ def test_launch_passes_args_and_env(tmp_path: Path) -> None:
     assert (tmp_path / "1").read_text() == "1 1 2 127.0.0.1 cpu yes"
 
 
-def test_write_llama_checkpoint_leaves_a_training_run_folder(tmp_path: Path) -> None:
-    out = write_llama_checkpoint(tmp_path / "run", stage=3, dtype="bf16", world_size=1, steps=2)
+def test_the_demo_writes_a_training_run_folder(tmp_path: Path) -> None:
+    """`make demo`'s checkpoint writer (product code, not a test helper) leaves what a Hugging Face
+    training run leaves, valid for ckptflow, and replaces an older run."""
+    from ckptflow.validate import validate
+
+    out = write_demo_checkpoint(tmp_path / "run", stage=3, dtype="bf16", world_size=2, steps=2)
     names = {path.name for path in out.iterdir()}
     assert {"latest", "global_step2", "config.json", "generation_config.json", "tokenizer.json"} <= names
     assert [path.name for path in tmp_path.iterdir()] == ["run"]
-    with pytest.raises(FileExistsError, match="is not empty; pass overwrite=True"):
-        write_llama_checkpoint(out, world_size=1, steps=2)
+    report = validate(str(out))
+    assert report.ok and report.index is not None and report.index.world_size == 2 and report.index.stage == 3
+    write_demo_checkpoint(out, world_size=1, steps=3)
+    assert (out / "latest").read_text() == "global_step3" and not (out / "global_step2").exists()
 
 
 def test_cli_lists_the_matrix() -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow.consolidate import PROVENANCE_NAME
+from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.errors import PublishError
 from ckptflow.publish import push
-from ckptflow.retry import RetryPolicy
+from ckptflow.plumbing.retry import RetryPolicy
 from tests.hubserver import READ_TOKEN, WRITE_TOKEN, HubServer
 
 FAST = RetryPolicy(attempts=6, base_delay=0.05, max_delay=0.3)

@@ -20,12 +20,11 @@ from pathlib import Path
 import fsspec
 import pytest
 
-import ckptflow.publish as publish
 from ckptflow.errors import CkptflowError, PublishError, UploadMismatchError
-from ckptflow.manifest import MANIFEST_NAME, Manifest
-from ckptflow.publish import STAGING_NAME, PushProgress, push
-from ckptflow.redaction import redact
-from ckptflow.retry import RetryPolicy, is_transient, retry_call
+from ckptflow.plumbing.redaction import redact
+from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
+from ckptflow.publish import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, push
+from ckptflow.publish import store as publish
 from tests.servers import AWS_SECRET, Store
 
 FAST = RetryPolicy(attempts=8, base_delay=0.05, max_delay=0.5)
@@ -58,7 +57,7 @@ def dest_files(url: str) -> dict[str, bytes]:
     out = {}
     for path in fs.find(root):
         rel = path[len(root.rstrip("/")) + 1:]
-        if rel not in (MANIFEST_NAME, STAGING_NAME):
+        if rel not in (MANIFEST_NAME, PARTIAL_RECORD_NAME):
             out[rel] = fs.cat_file(path)
     return out
 
@@ -86,7 +85,7 @@ def assert_published(folder: Path, url: str) -> None:
         rel: (len(data), hashlib.sha256(data).hexdigest()) for rel, data in expected.items()
     }
     fs, root = fsspec.core.url_to_fs(url)
-    assert not fs.exists(f"{root}/{STAGING_NAME}")
+    assert not fs.exists(f"{root}/{PARTIAL_RECORD_NAME}")
 
 
 def uploads(store: Store) -> list[str]:
@@ -101,16 +100,16 @@ def uploads(store: Store) -> list[str]:
 def test_round_trip(store_name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     store: Store = request.getfixturevalue(store_name)
     folder = make_folder(tmp_path / "model", MODEL)
-    events: list[PushProgress] = []
+    seen: list[tuple[int, int]] = []
 
-    result = push(str(folder), store.url, workers=4, progress=events.append)
+    result = push(str(folder), store.url, workers=4, progress=lambda done, total: seen.append((done, total)))
 
     assert_published(folder, store.url)
     assert AWS_SECRET.encode() not in fsspec.core.url_to_fs(store.url)[0].cat_file(result.manifest_uri)
     assert sorted(result.uploaded) == sorted(MODEL) and result.skipped == ()
     assert result.bytes_uploaded == sum(MODEL.values())
     assert result.manifest_uri == f"{store.url}/{MANIFEST_NAME}"
-    assert {e.path for e in events if e.state == "done"} == set(MODEL)
+    assert seen[-1] == (sum(MODEL.values()), sum(MODEL.values())) and all(d <= t for d, t in seen)
 
 
 def test_round_trip_local_and_memory(tmp_path: Path) -> None:
@@ -276,7 +275,7 @@ def test_killed_push_leaves_no_manifest_and_rerun_finishes(gcs: Store, tmp_path:
         while len(recorded) < 3 and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.2)
             try:
-                recorded = json.loads(fs.cat_file(f"{root}/{STAGING_NAME}"))["files"]
+                recorded = json.loads(fs.cat_file(f"{root}/{PARTIAL_RECORD_NAME}"))["files"]
             except FileNotFoundError:
                 pass
     finally:
@@ -395,17 +394,17 @@ def test_retry_call_retries_transient_errors_only(monkeypatch: pytest.MonkeyPatc
             raise ConnectionResetError("reset")
         return "ok"
 
-    assert retry_call(flaky, attempts=5, base_delay=1.0, max_delay=3.0) == "ok"
+    assert retry_call(flaky, RetryPolicy(attempts=5, base_delay=1.0, max_delay=3.0)) == "ok"
     assert len(calls) == 4 and len(delays) == 3
     assert all(0 <= d <= cap for d, cap in zip(delays, [1.0, 2.0, 3.0]))
 
     calls.clear()
     with pytest.raises(PermissionError):
-        retry_call(lambda: calls.append(1) or (_ for _ in ()).throw(PermissionError("no")), attempts=5)
+        retry_call(lambda: calls.append(1) or (_ for _ in ()).throw(PermissionError("no")), RetryPolicy(attempts=5))
     assert len(calls) == 1
 
     with pytest.raises(ConnectionResetError):
-        retry_call(lambda: (_ for _ in ()).throw(ConnectionResetError()), attempts=3, base_delay=0)
+        retry_call(lambda: (_ for _ in ()).throw(ConnectionResetError()), RetryPolicy(attempts=3, base_delay=0))
 
 
 def test_redact() -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 import fsspec
 import torch
 
-from ckptflow.storage import open_fs
-from ckptflow.torchzip import open_archive, read_elements
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.formats.torchzip import open_archive
+from tests.tensors import read_elements
 from ckptflow.validate import validate
-from ckptflow.zero import load_index
+from ckptflow.formats.deepspeed.index import load_index
 from tests.test_validate import full_param
 
 

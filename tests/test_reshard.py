@@ -33,10 +33,11 @@ import pytest
 import torch
 
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError
-from ckptflow.reshard import discard, finalize, plan_reshard, prepare_output, reshard, run_unit
-from ckptflow.torchzip import PickledObject, TensorRef, open_archive, read_tensor
-from ckptflow.zero import load_index
-from ckptflow.zero_layout import (Extent, moves, param_alignment, piece_offsets, round_robin_order, zero3_moves,
+from ckptflow.reshard import abort, finalize, plan_reshard, prepare_output, reshard, run_unit
+from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
+from tests.tensors import read_tensor
+from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.layout import (Extent, moves, param_alignment, piece_offsets, round_robin_order, zero3_moves,
                                   zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
 from tests.fixtures.launch import launch
 
@@ -160,7 +161,7 @@ def test_zero3_moves_rebuild_every_piece(seed: int) -> None:
 
 
 def _archive_fixture(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    from ckptflow.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
+    from ckptflow.formats.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
 
     src = tmp_path / "src.bin"
     src.write_bytes(torch.arange(100, dtype=torch.float32).numpy().tobytes())
@@ -183,7 +184,7 @@ def test_the_writer_writes_what_torch_load_reads(tmp_path: Path) -> None:
     import zipfile
     from collections import OrderedDict as OD
 
-    from ckptflow.torchsave import SourceReader, write_archive
+    from ckptflow.formats.torchsave import SourceReader, write_archive
 
     _, obj = _archive_fixture(tmp_path)
     out = tmp_path / "out.pt"
@@ -210,7 +211,7 @@ def test_the_writer_switches_to_zip64_past_4_gib(tmp_path: Path, monkeypatch) ->
     """Checked once by hand with a 4.3 GB storage; here with the threshold lowered to 10 bytes."""
     import zipfile
 
-    from ckptflow import torchsave
+    from ckptflow.formats import torchsave
 
     monkeypatch.setattr(torchsave, "_ZIP64_LIMIT", 10)
     _, obj = _archive_fixture(tmp_path)
@@ -228,7 +229,7 @@ def test_writing_imports_neither_torch_nor_deepspeed(tmp_path: Path) -> None:
 
     code = (
         "import sys, pathlib\n"
-        "from ckptflow.torchsave import *\n"
+        "from ckptflow.formats.torchsave import *\n"
         "src = pathlib.Path(sys.argv[1]); src.write_bytes(bytes(64))\n"
         "obj = {'t': OutTensor(OutStorage('float32', 16, [Span(str(src), 0, 64, 0)])),\n"
         "       's': Call(Global('torch', 'Size'), ((4, 4),)),\n"
@@ -247,7 +248,7 @@ def test_several_threads_write_the_same_archive_as_one(tmp_path: Path, monkeypat
     import uuid
     import zipfile
 
-    from ckptflow import torchsave
+    from ckptflow.formats import torchsave
 
     monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=12345))
     if zip64:
@@ -259,10 +260,11 @@ def test_several_threads_write_the_same_archive_as_one(tmp_path: Path, monkeypat
     torchsave.write_archive(str(one), obj, torchsave.SourceReader(chunk_bytes=8))
     monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 12)
     reader = torchsave.SourceReader(chunk_bytes=8)
-    seen: list[int] = []
-    size = torchsave.write_archive(str(many), obj, reader, threads=3, progress=seen.append)
+    seen: list[tuple[int, int]] = []
+    size = torchsave.write_archive(str(many), obj, reader, threads=3, progress=lambda d, t: seen.append((d, t)))
     assert many.read_bytes() == one.read_bytes() and size == many.stat().st_size
-    assert reader.bytes_read == sum(seen) == 4 * 25  # every source byte read once
+    assert reader.bytes_read == seen[-1][0] == seen[-1][1] == 4 * 25  # every source byte read once
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     with zipfile.ZipFile(many) as zf:
         assert zf.testzip() is None
     assert torch.load(many, weights_only=False)["strided"].tolist() == [[50.0, 53.0, 0.0], [51.0, 54.0, 0.0]]
@@ -279,8 +281,8 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
 
     import fsspec
 
-    from ckptflow import torchsave
-    from ckptflow.torchsave import OutStorage, OutTensor, SourceReader, Span
+    from ckptflow.formats import torchsave
+    from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span
 
     monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=99))
     monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 5 * 4096)
@@ -329,25 +331,26 @@ def test_a_rank_written_by_several_threads_is_the_same_file(ds_fixtures, tmp_pat
     checks the latter in the oracle tests below), pieces small enough that every partition has many."""
     import uuid
 
-    from ckptflow import torchsave
+    from ckptflow.formats import torchsave
 
     monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=1))
     plan = plan_reshard(load_index(str(ds_fixtures["z3-bf16-ws2"].dir)), 1)
-    staging = {threads: Path(prepare_output(str(tmp_path / f"out{threads}"))) for threads in (1, 4)}
-    run_unit(plan, plan.units[0], str(staging[1]), threads=1, chunk_bytes=64)
+    staging = {threads: prepare_output(plan, str(tmp_path / f"out{threads}")) for threads in (1, 4)}
+    run_unit(plan, plan.units[0], staging[1], threads=1, chunk_bytes=64)
     monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 258)  # not a whole number of elements
-    result = run_unit(plan, plan.units[0], str(staging[4]), threads=4, chunk_bytes=64)
+    result = run_unit(plan, plan.units[0], staging[4], threads=4, chunk_bytes=64)
     assert result.bytes_read >= plan.read_bytes
+    folders = {threads: Path(stage.uri) for threads, stage in staging.items()}
     for name in plan.units[0].files:
-        one, many = staging[1] / plan.tag / name, staging[4] / plan.tag / name
+        one, many = folders[1] / plan.tag / name, folders[4] / plan.tag / name
         assert many.read_bytes() == one.read_bytes(), name
-    assert max(f.stat().st_size for f in (staging[4] / plan.tag).iterdir()) > 20 * torchsave.SEGMENT_BYTES
+    assert max(f.stat().st_size for f in (folders[4] / plan.tag).iterdir()) > 20 * torchsave.SEGMENT_BYTES
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_source_that_shrinks_while_read_is_reported(tmp_path: Path, threads: int) -> None:
     from ckptflow.errors import CorruptFileError
-    from ckptflow.torchsave import OutStorage, OutTensor, SourceReader, Span, write_archive
+    from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span, write_archive
 
     src = tmp_path / "src.bin"
     src.write_bytes(bytes(40))
@@ -400,8 +403,8 @@ def test_refuses_an_existing_non_empty_output(ds_fixtures, tmp_path: Path) -> No
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(OutputError, match=r"out exists and is not empty; ckptflow never writes into an existing "
-                                          r"checkpoint; choose a new output folder, or empty this one"):
+    with pytest.raises(OutputError, match=r"out already exists and is not empty; choose a new folder, or remove this "
+                                          r"one first"):
         reshard(str(ds_fixtures["z2-bf16-ws2"].dir), str(out), world_size=3)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -417,7 +420,7 @@ def test_an_empty_output_folder_is_used(ds_fixtures, tmp_path: Path) -> None:
 @pytest.mark.parametrize("world_size, workers", [(3, 1), (1, 4)], ids=["one-thread", "threads-share-a-rank"])
 def test_a_crash_midway_leaves_no_output(ds_fixtures, tmp_path: Path, monkeypatch, world_size: int,
                                          workers: int) -> None:
-    from ckptflow import torchsave
+    from ckptflow.formats import torchsave
 
     class Crash(Exception):
         pass
@@ -440,13 +443,13 @@ def test_output_failures_are_one_line_errors_and_leave_nothing(ds_fixtures, tmp_
 
     from typer.testing import CliRunner
 
-    from ckptflow import torchsave
+    from ckptflow.formats import torchsave
     from ckptflow.cli import app
 
     src = str(ds_fixtures["z3-bf16-ws2"].dir)
     # OUT under a file: the staging folder cannot be made
     (tmp_path / "a-file").write_text("x")
-    with pytest.raises(OutputError, match=r"^cannot create .*a-file/\.out\.reshard-\w+ beside .*a-file/out \(.*\); "
+    with pytest.raises(OutputError, match=r"^cannot create .*a-file/\.out\.ckptflow-\w+\.partial beside .*a-file/out \(.*\); "
                                           r"check the destination folder is writable$"):
         reshard(src, str(tmp_path / "a-file" / "out"), world_size=1)
     # a disk too small for the output: refused before anything is written
@@ -479,15 +482,15 @@ def test_units_run_separately_then_finalize_writes_latest_last(ds_fixtures, tmp_
     index = load_index(str(ds_fixtures["z2-bf16-ws2"].dir))
     plan = plan_reshard(index, 3)
     out = tmp_path / "out"
-    staging = prepare_output(str(out))
+    staging = prepare_output(plan, str(out))
     try:
         for unit in reversed(plan.units):  # any order, any process
             run_unit(plan, unit, staging)
-        assert not (Path(staging) / "latest").exists()
-        finalize(plan, staging, str(out))
+        assert not (Path(staging.uri) / "latest").exists()
+        finalize(plan, staging)
     finally:
-        discard(staging)
-    assert not Path(staging).exists()
+        abort(staging)
+    assert not Path(staging.uri).exists()
     assert sorted(p.name for p in (out / "global_step3").iterdir()) == sorted(plan.files)
     assert load_index(str(out)).world_size == 3
 
@@ -531,7 +534,7 @@ def test_other_filesystems(ds_fixtures) -> None:
         reshard("memory://reshard-src", "memory://reshard-out", world_size=3)
         assert memory.cat_file("/reshard-out/latest") == b"global_step3"
         assert load_index("memory://reshard-out").world_size == 3
-        assert not [p for p in memory.ls("/", detail=False) if ".reshard-" in p]
+        assert not [p for p in memory.ls("/", detail=False) if ".ckptflow-" in p]
     finally:
         for path in ("/reshard-src", "/reshard-out"):
             if memory.exists(path):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ckptflow.errors import CorruptFileError, UnsafePickleError
-from ckptflow.torchzip import TensorRef, iter_chunks, open_archive, read_elements, read_tensor
+from ckptflow.formats.torchzip import TensorRef, open_archive
+from tests.tensors import iter_chunks, read_elements, read_tensor
 
 
 def save(tmp_path: Path, obj, name: str = "f.pt") -> str:
@@ -136,7 +137,7 @@ def test_missing_file_names_it(tmp_path):
 
 
 def test_scalars_read_without_torch(tmp_path):
-    from ckptflow.torchzip import read_scalar
+    from ckptflow.formats.torchzip import read_scalar
 
     values = {
         "f32": torch.tensor(3.0), "f64": torch.tensor(-2.5, dtype=torch.float64), "i64": torch.tensor(2**40),

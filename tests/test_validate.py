@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow.torchzip import read_elements, read_tensor
+from tests.tensors import read_elements, read_tensor
 from ckptflow.validate import validate
-from ckptflow.zero import load_index
+from ckptflow.formats.deepspeed.index import load_index
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ckptflow.cli"]
@@ -330,3 +330,29 @@ def test_valid_checkpoint_json_summary(ds_fixtures):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(proc.stdout)["checkpoint"]
     assert summary["stage"] == 2 and summary["world_size"] == 2 and summary["precision"] == "bf16"
+
+
+def test_deep_scan_reads_no_padding_of_frozen_zero3_pieces(z3):
+    """ZeRO-3 pads each rank's piece of a frozen parameter and leaves the padding uninitialized: NaN
+    there is garbage, not divergence. NaN in the parameter's own elements is."""
+    from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real
+
+    index = load_index(str(z3))
+    ws = index.world_size
+    param, rank = next((p, r) for p in index.params if p.frozen for r in range(ws)
+                       if zero3_real(p.numel, ws, r) < zero3_piece(p.numel, ws))
+    path = tag_dir(z3) / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+    real = zero3_real(param.numel, ws, rank)
+
+    def poison(at: int):
+        def edit(o):
+            with torch.no_grad():
+                o["frozen_param_fragments"][param.name].view(-1)[at] = math.nan
+        return edit
+
+    resave(path, poison(real))  # the first padding element
+    assert problems_of(z3, "--deep")[0] == 0
+    if real:
+        resave(path, poison(real - 1))  # the last real element
+        code, text = problems_of(z3, "--deep")
+        assert code == 1 and f"tensor {param.name}" in text and "NaN/Inf" in text

@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptflow import hf
+from ckptflow.formats import hf
 from ckptflow.consolidate import ConsolidateOptions, consolidate, plan_consolidation, prepare_output, run_unit
 from ckptflow.errors import VerificationError
-from ckptflow.verify import read_source, verify_model, verify_shard
-from ckptflow.zero import load_index
+from ckptflow.formats.shard_check import verify_shard
+from ckptflow.verify import read_source, verify_model
+from ckptflow.formats.deepspeed.index import load_index
 from tests.fixtures import Fixture
 
 
@@ -27,7 +28,7 @@ def written(ds_fixtures: Mapping[str, Fixture], tmp_path: Path) -> tuple[Path, t
     plan = plan_consolidation(index, ConsolidateOptions(dtype="bf16", verify=False))
     staging = prepare_output(plan, str(tmp_path / "out"))
     result = run_unit(plan, plan.units[0], staging)
-    return Path(staging) / result.filename, plan.units[0].tensors, result.sha256
+    return Path(staging.uri) / result.filename, plan.units[0].tensors, result.sha256
 
 
 def test_verify_shard_passes_on_a_good_shard(written: tuple[Path, tuple, str]) -> None:

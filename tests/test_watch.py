@@ -7,7 +7,6 @@ and checks that the watcher's event makes the `on-checkpoint` deployment start a
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -61,8 +60,8 @@ def test_one_unreadable_folder_does_not_hide_the_others(mem: str) -> None:
     assert [s.root for s in scan.sightings] == [f"{mem}/a", f"{mem}/e"]
     reasons = {u.where: u.reason for u in scan.unreadable}
     assert "not a plain folder name" in reasons[f"{mem}/b"]
-    assert "not text" in reasons[f"{mem}/c"]
-    assert "10000 bytes, not a DeepSpeed `latest` pointer" in reasons[f"{mem}/d"]
+    assert "not UTF-8 text" in reasons[f"{mem}/c"]
+    assert "holds more than 4096 bytes, so it is not a DeepSpeed `latest` pointer" in reasons[f"{mem}/d"]
     assert reasons[f"{mem}-missing"] == f"{mem}-missing does not exist"
     assert [u.whole_root for u in scan.unreadable] == [False, False, False, True]
 

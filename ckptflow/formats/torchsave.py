@@ -30,9 +30,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptflow.storage import is_local, local_path, open_fs
 from ckptflow.errors import CkptflowError, CorruptFileError, OutputError
-from ckptflow.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
+from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
+from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.storage import is_local, local_path, open_fs
 
 from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
@@ -44,7 +45,7 @@ _MAX32 = 0xFFFFFFFF
 _ZIP64_LIMIT = _MAX32  # sizes and offsets from here on go to zip64 fields (lowered by tests)
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names (what torch writes)
 
-Progress = Callable[[int], None]  # bytes of storage data just written
+Advance = Callable[[int], None]  # inside the writer: source bytes just copied (from any thread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +390,7 @@ _BLOCK = 4096  # direct I/O alignment of offsets, lengths and memory (no logical
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where there is none; tests set it to 0 for the page-cache path
 
 
-def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Progress | None) -> Iterator[memoryview | bytes]:
+def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Advance | None) -> Iterator[memoryview | bytes]:
     pos = 0
     for span in [*storage.spans, Span("", 0, 0, storage.nbytes)]:
         while pos < span.dst:
@@ -405,7 +406,7 @@ def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Progress 
 
 
 def _write_streamed(fh: BinaryIO, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
-                    progress: Progress | None) -> int:
+                    progress: Advance | None) -> int:
     """The whole archive front to back, the source read a few chunks ahead on another thread."""
     zw = _ZipWriter(fh, name)
     _write_small_records(zw, data)
@@ -451,7 +452,7 @@ class _Layout:
 
 
 def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
-                    progress: Progress | None, threads: int) -> int:
+                    progress: Advance | None, threads: int) -> int:
     """The archive laid out first, its storages then filled in place by `threads` threads in
     `SEGMENT_BYTES` pieces, the rest written last.
 
@@ -530,7 +531,7 @@ def _open_direct(path: str) -> int:
 
 
 def _fill_pieces(jobs: list[tuple[OutStorage, int, int, int]], fd: int, reader: SourceReader,
-                 progress: Progress | None, threads: int) -> list[tuple[int, list[tuple[int, bytes]]]]:
+                 progress: Advance | None, threads: int) -> list[tuple[int, list[tuple[int, bytes]]]]:
     """Run `_fill_piece` on every job with `threads` threads, each with its own block-aligned buffer;
     stops the others at the first error and raises it."""
     chunk = max(_BLOCK, reader.chunk_bytes // _BLOCK * _BLOCK)
@@ -584,7 +585,7 @@ def _sources(storage: OutStorage, a: int, b: int) -> Iterator[tuple[Span | None,
 
 
 def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: SourceReader, buffer: memoryview,
-                chunk: int, stop: threading.Event, progress: Progress | None) -> tuple[int, list[tuple[int, bytes]]]:
+                chunk: int, stop: threading.Event, progress: Advance | None) -> tuple[int, list[tuple[int, bytes]]]:
     """Write bytes [x, y) of the file, which hold `storage` from byte `at` on: whole blocks now (with
     `fd`), partial blocks returned as (offset, bytes) for later. Returns the CRC-32 of [x, y) too.
 
@@ -629,6 +630,8 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
                   durable: bool = True, threads: int = 1) -> int:
     """Write `obj` (see `dumps`) to `uri` as torch.save would.
 
+    `progress(done, total)` counts the source bytes copied into the archive's storages.
+
     Storage bytes are streamed from their spans and nothing larger than a few chunks is held. A local
     file is filled in place by `threads` threads, each with one chunk, its storage blocks written
     with direct I/O where possible (`_write_in_place`); elsewhere one thread writes front to back
@@ -647,9 +650,15 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
 def _write_archive(uri: str, obj: Any, reader: SourceReader, progress: Progress | None, durable: bool,
                    threads: int) -> int:
     data, storages = dumps(obj)
+    if progress is not None:
+        tally = Tally(sum(span.length for storage in storages for span in storage.spans), progress)
+        tally.start()
+        advance: Advance | None = lambda nbytes: tally.add(uri, nbytes)  # noqa: E731
+    else:
+        advance = None
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
     if is_local(uri) and hasattr(os, "pwrite"):
-        size = _write_in_place(local_path(uri), name, data, storages, reader, progress, threads)
+        size = _write_in_place(local_path(uri), name, data, storages, reader, advance, threads)
         if durable:
             fd = os.open(local_path(uri), os.O_RDONLY)
             try:
@@ -663,7 +672,7 @@ def _write_archive(uri: str, obj: Any, reader: SourceReader, progress: Progress 
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
     try:
-        size = _write_streamed(fh, name, data, storages, reader, progress)
+        size = _write_streamed(fh, name, data, storages, reader, advance)
         if durable and is_local(uri):
             fh.flush()
             os.fsync(fh.fileno())

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from ckptflow.errors import VerificationError
 
 MANIFEST_NAME = "ckptflow-manifest.json"
+# Files verified so far by a push still running (or interrupted): what lets a re-run skip them.
+PARTIAL_RECORD_NAME = MANIFEST_NAME + ".partial"
 FORMAT = "ckptflow-manifest"
 VERSION = 1
 

@@ -1,7 +1,5 @@
-"""The publish step: push a folder to an object store, any fsspec URL, or the Hugging Face Hub.
-
-`push(src, dest)` sends `hf://` destinations to `ckptflow.hub` and everything else through fsspec
-(`gs://`, `s3://`, `file://`, local paths, `memory://` ...), configured the way fsspec always is.
+"""Publishing a folder to an object store or any fsspec URL (`gs://`, `s3://`, `file://`, local paths,
+`memory://` ...), configured the way fsspec always is.
 
 How a push to a store stays atomic and resumable:
 
@@ -27,9 +25,7 @@ import json
 import logging
 import posixpath
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,99 +33,25 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ckptflow.checksums import Digests, stamp, stamps_match, store_checksum
-from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
-from ckptflow.manifest import MANIFEST_NAME, Manifest, ManifestEntry
-from ckptflow.redaction import describe, redact
-from ckptflow.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.storage import join, open_fs, protocol
+from ckptflow.errors import CheckpointError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.plumbing.executors import Cancelled, run_units
+from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.redaction import describe, redact
+from ckptflow.plumbing.retry import RetryPolicy, retry_call
+from ckptflow.plumbing.storage import join, open_fs, protocol
+from ckptflow.publish.checksums import Digests, stamp, stamps_match, store_checksum
+from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
+from ckptflow.publish.source import READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-STAGING_NAME = MANIFEST_NAME + ".partial"
-READ_CHUNK = 8 * 2**20
 # Upload block size: what gcsfs's own put_file sends per request; a multiple of 256 KiB (GCS) and
 # at least 5 MiB (S3 parts).
 UPLOAD_BLOCK = 50 * 2**20
-STAGING_FLUSH_SECONDS = 1.0
+PARTIAL_FLUSH_SECONDS = 1.0
 _LOCAL_PROTOCOLS = ("file", "local")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PushProgress:
-    """One progress report. `state` is 'check' (hashing SRC to compare with DEST), 'upload',
-    'retry' (the file starts over), 'skip' (DEST already holds it) or 'done' (uploaded and verified).
-    `done` counts the bytes of `path` handled so far in the current state."""
-
-    path: str
-    done: int
-    size: int
-    state: str
-
-
-ProgressFn = Callable[[PushProgress], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PushResult:
-    """What a push did. `uploaded` and `skipped` are paths relative to SRC; `bytes_uploaded` counts
-    the files uploaded. Store pushes set `manifest_uri`, Hub pushes `commit_url`."""
-
-    dest: str
-    uploaded: tuple[str, ...]
-    skipped: tuple[str, ...]
-    bytes_uploaded: int
-    manifest_uri: str | None = None
-    commit_url: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceFile:
-    """A file to publish: its path relative to SRC ('/'-separated) and its size."""
-
-    path: str
-    size: int
-
-
-def push(
-    src: str,
-    dest: str,
-    *,
-    revision: str | None = None,
-    private: bool = False,
-    workers: int = 8,
-    token: str | None = None,
-    endpoint: str | None = None,
-    progress: ProgressFn | None = None,
-    retry: RetryPolicy | None = None,
-) -> PushResult:
-    """Publish the folder `src` (local path or fsspec URL) to `dest`.
-
-    `dest` is `hf://[datasets/|spaces/]ORG/REPO` for the Hugging Face Hub (`revision`, `private`,
-    `token` and `endpoint` apply there only; see `ckptflow.hub.push_to_hub`), or any fsspec URL or
-    local path (see `push_to_store`). `workers` bounds parallel uploads. `progress` is called from
-    worker threads with a `PushProgress`. Raises PublishError when the push fails for good, with a
-    one-line message naming the file, DEST and what to do; credentials never appear in it.
-    """
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    if dest.startswith("hf://"):
-        from ckptflow.hub import push_to_hub
-
-        return push_to_hub(
-            src, dest, revision=revision, private=private, workers=workers, token=token, endpoint=endpoint,
-            progress=progress, retry=retry,
-        )
-    given = [name for name, value in (("revision", revision), ("token", token), ("endpoint", endpoint)) if value]
-    given += ["private"] if private else []
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} only apply to hf:// destinations; storage credentials and endpoints come "
-            "from fsspec's configuration (FSSPEC_* variables, config files)"
-        )
-    return push_to_store(src, dest, workers=workers, progress=progress, retry=retry)
 
 
 def push_to_store(
@@ -137,13 +59,15 @@ def push_to_store(
     dest: str,
     *,
     workers: int = 8,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
     retry: RetryPolicy | None = None,
 ) -> PushResult:
     """Publish `src` to the fsspec location `dest`, atomically (manifest last) and resumably.
 
     Pushing the same folder again uploads nothing; a re-run after a failure or a crash uploads only
-    what is not verified at DEST yet. See the module docstring for the protocol.
+    what is not verified at DEST yet. See the module docstring for the protocol. `progress(done,
+    total)` counts the bytes of the files uploaded or found in place (a file that starts over counts
+    from zero again).
     """
     src_fs, src_root, files = list_source(src, retry=retry)
     dest_fs, dest_root = open_fs(dest)
@@ -152,48 +76,6 @@ def push_to_store(
         workers=workers, progress=progress, policy=retry or RetryPolicy(),
     )
     return run.run(files)
-
-
-def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
-    """The filesystem of `src`, its root, and every file under it, sorted by path.
-
-    A manifest or partial record at the top of `src` is left out: a push writes its own."""
-    policy = retry or RetryPolicy()
-    fs, root = open_fs(src)
-    shown = redact(src)
-
-    def listing() -> dict[str, dict[str, Any]] | None:
-        if not fs.exists(root):
-            return None
-        if not fs.isdir(root):
-            raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
-        return fs.find(root, withdirs=False, detail=True)
-
-    try:
-        found = retry_call(listing, attempts=policy.attempts, base_delay=policy.base_delay, max_delay=policy.max_delay)
-    except CkptflowError:
-        raise
-    except Exception as exc:
-        raise PublishError(
-            f"could not list SRC {shown}: {_reason(exc, policy)}", uri=shown, hint=_advice(exc, of_source=True)
-        ) from None
-    if found is None:
-        raise CheckpointNotFoundError(f"SRC {shown} does not exist", uri=shown, hint="check the path or URL")
-    prefix = root.rstrip("/") + "/"
-    files = []
-    for path, info in sorted(found.items()):
-        rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
-        if rel in (MANIFEST_NAME, STAGING_NAME):
-            logger.info("leaving out %s from SRC: the push writes its own", rel)
-            continue
-        files.append(SourceFile(path=rel, size=int(info["size"])))
-    if not files:
-        raise CheckpointNotFoundError(f"SRC {shown} holds no files", uri=shown, hint="nothing to push")
-    return fs, root, tuple(files)
-
-
-class _Cancelled(Exception):
-    """Another unit failed for good; this one stops where it is."""
 
 
 @dataclass(frozen=True)
@@ -205,10 +87,10 @@ class _Outcome:
     uploaded: bool
 
 
-class _Staging:
+class _PartialRecord:
     """The partial record at DEST: files verified so far, with the store's stamp of each object.
 
-    While a push runs, a background thread writes it every STAGING_FLUSH_SECONDS when something new
+    While a push runs, a background thread writes it every PARTIAL_FLUSH_SECONDS when something new
     was uploaded, so that writing it never holds up an upload; it is written once more at the end.
     Losing it costs time, never correctness, so failures to write it are logged and ignored."""
 
@@ -222,7 +104,7 @@ class _Staging:
         self._stop = threading.Event()
 
     @classmethod
-    def parse(cls, fs: fsspec.AbstractFileSystem, path: str, data: bytes | None) -> _Staging:
+    def parse(cls, fs: fsspec.AbstractFileSystem, path: str, data: bytes | None) -> _PartialRecord:
         entries: dict[str, dict[str, Any]] = {}
         try:
             if data is not None:
@@ -266,7 +148,7 @@ class _Staging:
             self.flush()
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(STAGING_FLUSH_SECONDS):
+        while not self._stop.wait(PARTIAL_FLUSH_SECONDS):
             self.flush()
 
     def flush(self) -> None:
@@ -296,7 +178,7 @@ class _StorePush:
         dest_root: str,
         dest: str,
         workers: int,
-        progress: ProgressFn | None,
+        progress: Progress | None,
         policy: RetryPolicy,
     ) -> None:
         self.src_fs = src_fs
@@ -305,7 +187,8 @@ class _StorePush:
         self.dest_root = dest_root
         self.dest = redact(dest)
         self.workers = workers
-        self.progress = progress or (lambda event: None)
+        self.progress = progress
+        self.tally = Tally(0)
         self.policy = policy
         self.local_dest = protocol(dest_fs) in _LOCAL_PROTOCOLS
         self.want_md5 = protocol(dest_fs) in ("s3", "s3a")  # S3 reports md5 (ETag); GCS crc32c
@@ -313,26 +196,28 @@ class _StorePush:
         self.source_digests: dict[str, Digests] = {}
         self.published: dict[str, ManifestEntry] = {}
         self.existing: dict[str, dict[str, Any]] = {}
-        self.staging = _Staging(dest_fs, self._dest_path(STAGING_NAME), {})
+        self.partial = _PartialRecord(dest_fs, self._dest_path(PARTIAL_RECORD_NAME), {})
 
     # The run, step by step.
 
     def run(self, files: tuple[SourceFile, ...]) -> PushResult:
+        self.tally = Tally(sum(f.size for f in files), self.progress)
+        self.tally.start()
         logger.info("pushing %d files (%d bytes) to %s", len(files), sum(f.size for f in files), self.dest)
         manifest_path = self._dest_path(MANIFEST_NAME)
         self.existing = self._retry(self._list_dest, what="list", path="")
         previous = self._read_manifest(manifest_path) if MANIFEST_NAME in self.existing else None
         self.published = previous.by_path() if previous is not None else {}
-        staged = self._read_optional(self.staging.path, STAGING_NAME) if STAGING_NAME in self.existing else None
-        self.staging = _Staging.parse(self.dest_fs, self.staging.path, staged)
+        staged = self._read_optional(self.partial.path, PARTIAL_RECORD_NAME) if PARTIAL_RECORD_NAME in self.existing else None
+        self.partial = _PartialRecord.parse(self.dest_fs, self.partial.path, staged)
         if previous is not None:
             self._map(self._hash_source_into_cache, files)
             if previous != Manifest.of(self._entry_from_cache(f) for f in files):
                 logger.info("%s holds another version: removing its manifest before replacing files", self.dest)
-                self.staging.adopt(previous.files)
-                self.staging.flush()
+                self.partial.adopt(previous.files)
+                self.partial.flush()
                 self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at", path=MANIFEST_NAME)
-        with self.staging.flushing():
+        with self.partial.flushing():
             outcomes = self._map(self._publish_file, files)
         manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp) for o in outcomes)
         if manifest != previous or any(o.uploaded for o in outcomes):
@@ -355,17 +240,17 @@ class _StorePush:
         sha256 = self._already_there(f, info) if info is not None else None
         if sha256 is not None:
             logger.debug("%s already at DEST, verified", f.path)
-            self.staging.record(f.path, f.size, sha256, stamp(info), uploaded=False)
-            self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="skip"))
+            self.partial.record(f.path, f.size, sha256, stamp(info), uploaded=False)
+            self.tally.part(f.path)(f.size, f.size)
             return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=False)
 
         def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
             logger.warning("upload of %s failed (%s); try %d of %d in %.1fs", f.path, describe(exc), attempt + 1, self.policy.attempts, delay)
-            self.progress(PushProgress(path=f.path, done=0, size=f.size, state="retry"))
+            self.tally.part(f.path)(0, f.size)  # the file starts over
 
         sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path, on_retry=on_retry)
-        self.staging.record(f.path, f.size, sha256, stamp(info), uploaded=True)
-        self.progress(PushProgress(path=f.path, done=f.size, size=f.size, state="done"))
+        self.partial.record(f.path, f.size, sha256, stamp(info), uploaded=True)
+        self.tally.part(f.path)(f.size, f.size)
         return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=True)
 
     def _already_there(self, f: SourceFile, info: dict[str, Any]) -> str | None:
@@ -382,7 +267,7 @@ class _StorePush:
                 digests = self._hash_source(f, md5=checksum.kind != "crc32c")
             return digests.sha256 if digests.matches(checksum) else None
         current = stamp(info)
-        staged, published = self.staging.get(f.path), self.published.get(f.path)
+        staged, published = self.partial.get(f.path), self.published.get(f.path)
         if staged is not None and stamps_match(staged["stamp"], current):
             recorded = staged["sha256"]
         elif published is not None and published.stamp is not None and stamps_match(dict(published.stamp), current):
@@ -397,15 +282,16 @@ class _StorePush:
         digests = Digests(md5=self.want_md5)
         if self.local_dest:
             self.dest_fs.makedirs(posixpath.dirname(dest_path), exist_ok=True)
+        uploaded = self.tally.part(f.path)
         with self.src_fs.open(self._src_path(f.path), "rb") as source:
             target = self.dest_fs.open(dest_path, "wb", block_size=UPLOAD_BLOCK)
             try:
                 while chunk := source.read(READ_CHUNK):
                     if self.cancelled.is_set():
-                        raise _Cancelled()
+                        raise Cancelled()
                     digests.update(chunk)
                     target.write(chunk)
-                    self.progress(PushProgress(path=f.path, done=digests.size, size=f.size, state="upload"))
+                    uploaded(digests.size, f.size)
                 if digests.size != f.size:
                     raise CheckpointError(
                         f"{f.path} changed size while being pushed ({f.size} bytes listed, {digests.size} read)",
@@ -460,7 +346,7 @@ class _StorePush:
 
     def _clean_up(self, previous: Manifest | None, manifest: Manifest) -> None:
         """Remove what earlier pushes left that this version does not list, then the partial record."""
-        ours = set(self.staging.entries) | (set(previous.by_path()) if previous else set())
+        ours = set(self.partial.entries) | (set(previous.by_path()) if previous else set())
         for rel in sorted(ours - set(manifest.by_path())):
             try:
                 self.dest_fs.rm_file(self._dest_path(rel))
@@ -470,7 +356,7 @@ class _StorePush:
             except Exception as exc:
                 logger.warning("could not remove leftover %s at %s (%s)", rel, self.dest, describe(exc))
         try:
-            self.dest_fs.rm_file(self.staging.path)
+            self.dest_fs.rm_file(self.partial.path)
         except FileNotFoundError:
             pass
         except Exception as exc:
@@ -517,9 +403,8 @@ class _StorePush:
             with self.src_fs.open(self._src_path(f.path), "rb") as source:
                 while chunk := source.read(READ_CHUNK):
                     if self.cancelled.is_set():
-                        raise _Cancelled()
+                        raise Cancelled()
                     digests.update(chunk)
-                    self.progress(PushProgress(path=f.path, done=digests.size, size=f.size, state="check"))
             return digests
 
         return self._retry(read, what=f"read {f.path} in", path=f.path, of_source=True)
@@ -548,21 +433,7 @@ class _StorePush:
     def _map(self, fn: Callable[[SourceFile], T], files: Iterable[SourceFile]) -> list[T]:
         """`fn` over `files` on the pool, results in order. The first failure (or an interrupt) stops
         the other units where they are, and is raised."""
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptflow-push") as pool:
-            futures: list[Future[T]] = [pool.submit(fn, f) for f in files]
-            try:
-                wait(futures, return_when=FIRST_EXCEPTION)
-            except BaseException:
-                self.cancelled.set()
-                raise
-            errors = [fut.exception() for fut in futures if fut.done() and fut.exception() is not None]
-            if errors:
-                self.cancelled.set()
-                for fut in futures:
-                    fut.cancel()
-                wait(futures)
-                raise next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
-            return [fut.result() for fut in futures]
+        return run_units(fn, list(files), workers=self.workers, cancel=self.cancelled, name="ckptflow-push")
 
     def _retry(
         self,
@@ -577,18 +448,15 @@ class _StorePush:
 
         def guarded() -> T:
             if self.cancelled.is_set():
-                raise _Cancelled()
+                raise Cancelled()
             return fn()
 
         def log_retry(attempt: int, exc: BaseException, delay: float) -> None:
             logger.warning("could not %s %s (%s); retrying", what, self.dest, describe(exc))
 
         try:
-            return retry_call(
-                guarded, attempts=self.policy.attempts, base_delay=self.policy.base_delay,
-                max_delay=self.policy.max_delay, on_retry=on_retry or log_retry,
-            )
-        except (_Cancelled, PublishError):
+            return retry_call(guarded, self.policy, on_retry=on_retry or log_retry)
+        except (Cancelled, PublishError):
             raise
         except CkptflowError as exc:
             if not isinstance(exc, UploadMismatchError):
@@ -600,28 +468,8 @@ class _StorePush:
     def _publish_error(self, exc: Exception, *, what: str, path: str, of_source: bool) -> PublishError:
         where = "SRC" if of_source else self.dest
         return PublishError(
-            f"could not {what} {where}: {_reason(exc, self.policy)}", uri=self.dest, file=path, hint=_advice(exc, of_source)
+            f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path, hint=failure_advice(exc, of_source)
         )
-
-
-def _reason(exc: Exception, policy: RetryPolicy) -> str:
-    code = next((status_code(e) for e in causes(exc) if status_code(e) is not None), None)
-    what = describe(exc)
-    if is_transient(exc):
-        return f"still failing after {policy.attempts} tries ({what})"
-    return f"{what} (HTTP {code})" if code is not None and str(code) not in what else what
-
-
-def _advice(exc: Exception, of_source: bool) -> str:
-    codes = {status_code(e) for e in causes(exc)}
-    text = " ".join(str(e) for e in causes(exc))
-    if isinstance(exc, PermissionError) or codes & {401, 403} or "Forbidden" in text or "AccessDenied" in text:
-        return "check the credentials fsspec uses for this URL and that they allow reading and writing there"
-    if isinstance(exc, FileNotFoundError) or 404 in codes or "NoSuchBucket" in text:
-        return "check that the bucket exists and the URL is right" if not of_source else "check SRC"
-    if isinstance(exc, UploadMismatchError) or is_transient(exc):
-        return "run the same push again to resume; verified files are kept"
-    return "fix the cause and run the same push again; verified files are kept"
 
 
 def _abandon(target: Any, fs: fsspec.AbstractFileSystem, path: str) -> None:

@@ -60,6 +60,13 @@ def round_robin_order(count: int, world_size: int) -> tuple[int, ...]:
     return tuple(i for j in range(min(world_size, count)) for i in range(j, count, world_size))
 
 
+def zero12_padded(numel: int, world_size: int) -> int:
+    """A ZeRO-1/2 flat group of `numel` elements padded to a multiple of `NCCL_START_ALIGNMENT *
+    world_size`, so it cuts into equal partitions whose starts stay aligned."""
+    align = NCCL_START_ALIGNMENT * world_size
+    return align * math.ceil(numel / align)
+
+
 def param_alignment(element_size: int, enabled: bool) -> int:
     """Elements each parameter is aligned to inside a ZeRO-1/2 flat group (`parameter_alignment`)."""
     return 16 // math.gcd(16, element_size) if enabled else 1
@@ -95,8 +102,7 @@ def zero12_layout(numels: Sequence[int], world_size: int, *, alignment: int = 1,
         paddings.append(pad)
         pos += pad
     padded = pos
-    align = NCCL_START_ALIGNMENT * world_size
-    flat = align * math.ceil(padded / align)
+    flat = zero12_padded(padded, world_size)
     part = flat // world_size
     if bf16_optimizer:
         group_paddings = tuple(flat - sum(numels) if r == world_size - 1 else 0 for r in range(world_size))
@@ -126,6 +132,12 @@ def zero12_fragments(layout: Zero12Layout, rank: int) -> tuple[tuple[int, int, i
 def zero3_piece(numel: int, world_size: int) -> int:
     """Elements of each rank's piece of a ZeRO-3 parameter (`_aligned_size // world_size`)."""
     return math.ceil(numel / world_size)
+
+
+def zero3_real(numel: int, world_size: int, rank: int) -> int:
+    """Elements of rank `rank`'s ZeRO-3 piece of a parameter that belong to it; the rest is padding."""
+    piece = zero3_piece(numel, world_size)
+    return max(0, min(piece, numel - rank * piece))
 
 
 def zero3_sub_groups(pieces: Sequence[int], sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> tuple[tuple[int, ...], ...]:
@@ -206,5 +218,5 @@ def piece_offsets(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 __all__ = [
     "BF16", "ZERO", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "piece_offsets", "round_robin_order",
-    "zero12_fragments", "zero12_layout", "zero3_moves", "zero3_piece", "zero3_sub_groups",
+    "zero12_fragments", "zero12_layout", "zero12_padded", "zero3_moves", "zero3_piece", "zero3_real", "zero3_sub_groups",
 ]

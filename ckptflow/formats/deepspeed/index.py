@@ -18,7 +18,6 @@ Layout facts (DeepSpeed 0.19.8):
 
 from __future__ import annotations
 
-import math
 import posixpath
 import re
 from collections.abc import Mapping
@@ -27,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
-from ckptflow.storage import join, open_fs
-from ckptflow.torchzip import PickledObject, TensorRef, open_archive
-
-SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
-MODEL_FILE_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-PRECISIONS = ("fp32", "bf16", "fp16")
+from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real, zero12_padded
+from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, model_file_name,
+                                              optim_file_name)
+from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
+from ckptflow.plumbing.sizes import element_count
+from ckptflow.plumbing.storage import join, open_fs
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return element_count(self.shape)
 
 
 @dataclass(frozen=True)
@@ -111,6 +109,10 @@ class Partition:
     padding: int
     fp32: TensorRef
     state: Mapping[str, Any] = field(default_factory=dict)
+
+    def is_moment(self, value: Any) -> bool:
+        """Whether an optimizer state entry is a tensor over this flat partition (a moment, not `step`)."""
+        return isinstance(value, TensorRef) and len(value.shape) == 1 and value.numel in (self.numel, self.fp32.numel)
 
 
 @dataclass(frozen=True)
@@ -157,26 +159,10 @@ class ZeroCheckpoint:
         return self.files[rank if self.stage == 3 else 0].model or self.files[0].model or ""
 
 
-def model_file_name(stage: int, rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-
-
-def optim_file_name(precision: str, rank: int) -> str:
-    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def zero3_piece(numel: int, world_size: int) -> int:
-    """Elements per rank of a ZeRO-3 partitioned parameter (the last ranks' pieces are padded)."""
-    return math.ceil(numel / world_size)
-
-
-def zero2_align(numel: int, world_size: int) -> int:
-    """ZeRO-1/2 round flat groups to a multiple of 2 * world_size elements."""
-    align = 2 * world_size
-    return align * math.ceil(numel / align)
-
-
 # ---- the tag --------------------------------------------------------------------------------------
+
+
+MAX_LATEST_BYTES = 4096  # a tag is a folder name: DeepSpeed writes a few dozen bytes
 
 
 def check_tag(tag: str, where: str) -> str | None:
@@ -184,10 +170,34 @@ def check_tag(tag: str, where: str) -> str | None:
     if not tag:
         return f"{where} is empty"
     if "/" in tag or "\\" in tag or ".." in tag or "\x00" in tag:
-        return f"{where} names {tag!r}, which is not a plain folder name (path separators or '..')"
+        return f"{where} names {_excerpt(tag)}, which is not a plain folder name (path separators or '..')"
     if not SAFE_TAG.match(tag):
-        return f"{where} names {tag!r}, which has characters DeepSpeed never writes in a tag"
+        return f"{where} names {_excerpt(tag)}, which has characters DeepSpeed never writes in a tag"
     return None
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    """`text` quoted and escaped for a one-line message, cut to `limit` characters."""
+    return repr(text[:limit]) + (f" (and {len(text) - limit} more characters)" if len(text) > limit else "")
+
+
+def read_latest(fs: Any, path: str, where: str) -> str:
+    """The tag the `latest` file at `path` names, reading at most `MAX_LATEST_BYTES`; `CheckpointError`
+    (code `latest-unsafe`) when it is too long, not text, or not a plain folder name."""
+    raw = fs.cat_file(path, start=0, end=MAX_LATEST_BYTES + 1)
+    hint = "refusing to follow it; fix `latest` or pass --tag"
+    if len(raw) > MAX_LATEST_BYTES:
+        raise CheckpointError(f"{where} holds more than {MAX_LATEST_BYTES} bytes, so it is not a DeepSpeed `latest` "
+                              "pointer", code="latest-unsafe", file=where, hint=hint)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{where} is not UTF-8 text ({_excerpt(raw.decode('latin-1'))}), so it is not a "
+                              "DeepSpeed `latest` pointer", code="latest-unsafe", file=where, hint=hint) from None
+    bad = check_tag(text, where)
+    if bad:
+        raise CheckpointError(bad, code="latest-unsafe", file=where, hint=hint)
+    return text
 
 
 def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
@@ -196,30 +206,20 @@ def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
     if tag is not None:
         bad = check_tag(tag, "--tag")
         if bad:
-            raise CheckpointError(bad, uri=uri, hint="pass the name of a folder beside `latest`")
+            raise CheckpointError(bad, code="tag-unsafe", uri=uri, hint="pass the name of a folder beside `latest`")
         return uri.rstrip("/"), tag
-    latest = posixpath.join(path, "latest")
+    latest = posixpath.join(path, LATEST)
     if fs.isfile(latest):
-        raw = fs.cat_file(latest)
-        try:
-            text = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            text = ""
-        bad = check_tag(text, f"{join(uri, 'latest')}")
-        if bad:
-            raise CheckpointError(
-                bad, uri=uri, file=join(uri, "latest"),
-                hint="refusing to follow it; fix `latest` or pass --tag",
-            )
-        return uri.rstrip("/"), text
+        return uri.rstrip("/"), read_latest(fs, latest, join(uri, LATEST))
     if not fs.exists(path):
-        raise CheckpointNotFoundError(f"{uri} does not exist", uri=uri, hint="check the path or URL")
+        raise CheckpointNotFoundError(f"{uri} does not exist", code="source-missing", uri=uri,
+                                      hint="check the path or URL")
     names = [posixpath.basename(p) for p in fs.ls(path, detail=False)]
     if any(MODEL_FILE_RE.match(n) for n in names):
         parent = uri.rstrip("/").rsplit("/", 1)
         return parent[0] if len(parent) == 2 else ".", parent[-1]
     raise CheckpointNotFoundError(
-        f"no `latest` file in {uri}", uri=uri, file=join(uri, "latest"),
+        f"no `latest` file in {uri}", code="latest-missing", uri=uri, file=join(uri, LATEST),
         hint="point at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass --tag",
     )
 
@@ -252,10 +252,7 @@ def inspect(uri: str, tag: str | None = None) -> tuple[ZeroCheckpoint | None, li
     try:
         root, tag = resolve_tag(uri, tag)
     except CkptflowError as exc:
-        code = "latest-missing" if "no `latest`" in str(exc) else "latest-unsafe" if "latest" in str(exc) else "source-missing"
-        if isinstance(exc, CheckpointError) and "--tag" in str(exc).split(" ", 1)[0]:
-            code = "tag-unsafe"
-        return None, [Problem(code, str(exc), exc.file)], None
+        return None, [Problem(exc.code, str(exc), exc.file)], None
     state = _Inspection(root, tag, explicit_tag=explicit)
     try:
         index = _read(state)
@@ -271,11 +268,67 @@ def load_index(uri: str, tag: str | None = None) -> ZeroCheckpoint:
         first = problems[0]
         more = f" (and {len(problems) - 1} more problems; run `ckptflow validate {uri}`)" if len(problems) > 1 else ""
         error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
-        raise error_type(first.message + more, uri=uri, file=first.file, rank=first.rank)
+        raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
     return index
 
 
 def _read(st: _Inspection) -> ZeroCheckpoint:
+    """The index, checked stage by stage, cheapest first; each stage stops the reading at its problems."""
+    listing = _list_tag(st)
+    first_model = join(listing.tag_uri, model_file_name(3 if listing.stage3 else 1, 0))
+    model0 = _open(st, first_model, rank=0)
+    st.stop_if_any()
+    head = _model_head(st, model0, first_model)
+    st.stop_if_any()
+    model_uris, optim_uris = _check_file_set(st, listing, head["world_size"], head["precision"])
+    st.stop_if_any()
+    models, optims = _open_ranks(st, model0, model_uris, optim_uris)
+    st.stop_if_any()
+    stage = _check_agreement(st, listing, head, models, optims, model_uris, optim_uris)
+    st.stop_if_any()
+    layout = _Layout(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris)
+    params, groups, partitions = layout.build()
+    st.stop_if_any()
+    module = models[0]["module"]
+    return ZeroCheckpoint(
+        root=st.root,
+        tag=st.tag,
+        stage=stage,
+        world_size=head["world_size"],
+        precision=head["precision"],
+        step=head["step"],
+        ds_version=head["ds_version"],
+        files=tuple(
+            RankFiles(r, optim_uris[r], model_uris[r] if listing.stage3 else (model_uris[0] if r == 0 else None))
+            for r in range(head["world_size"])
+        ),
+        params=params,
+        buffers=tuple(Buffer(n, module[n]) for n in models[0].get("buffer_names", []) if n in module),
+        tied=layout.tied,
+        groups=groups,
+        partitions=partitions,
+        module_order=tuple(module),
+        model_states=tuple(models),
+        optim_states=tuple(optims),
+    )
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """The DeepSpeed files of a tag folder, by name."""
+
+    tag_uri: str
+    names: tuple[str, ...]
+    model_names: Mapping[str, re.Match[str]]
+    optim_names: Mapping[str, re.Match[str]]
+
+    @property
+    def stage3(self) -> bool:
+        return any(m.group(1) is not None for m in self.model_names.values())
+
+
+def _list_tag(st: _Inspection) -> _Listing:
+    """The tag folder's listing: it exists, holds data-parallel rank files only, and rank 0's model file."""
     tag_uri = join(st.root, st.tag)
     fs, tag_path = open_fs(tag_uri)
     if not fs.isdir(tag_path):
@@ -287,10 +340,13 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
         )
         st.add("tag-missing", f"tag folder {tag_uri} does not exist; {why}", file=tag_uri)
         st.stop_if_any()
-    names = sorted(posixpath.basename(p) for p in fs.ls(tag_path, detail=False))
-    model_names = {n: MODEL_FILE_RE.match(n) for n in names if MODEL_FILE_RE.match(n)}
-    optim_names = {n: OPTIM_FILE_RE.match(n) for n in names if OPTIM_FILE_RE.match(n)}
-    for name, m in [*model_names.items(), *optim_names.items()]:
+    names = tuple(sorted(posixpath.basename(p) for p in fs.ls(tag_path, detail=False)))
+    listing = _Listing(
+        tag_uri, names,
+        {n: m for n in names if (m := MODEL_FILE_RE.match(n))},
+        {n: m for n in names if (m := OPTIM_FILE_RE.match(n))},
+    )
+    for name, m in [*listing.model_names.items(), *listing.optim_names.items()]:
         if int(m.groups()[-1]) != 0:
             st.add(
                 "unsupported-parallelism",
@@ -299,9 +355,7 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
                 file=join(tag_uri, name),
             )
     st.stop_if_any()
-    stage3 = any(m.group(1) is not None for m in model_names.values())
-    first_model = model_file_name(3 if stage3 else 1, 0)
-    if first_model not in model_names:
+    if model_file_name(3 if listing.stage3 else 1, 0) not in listing.model_names:
         st.add(
             "model-missing",
             f"{join(tag_uri, 'mp_rank_00_model_states.pt')} (ZeRO-1/2) or "
@@ -310,29 +364,26 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
             file=tag_uri,
         )
         st.stop_if_any()
+    return listing
 
-    model0 = _open(st, join(tag_uri, first_model), rank=0)
-    st.stop_if_any()
-    head = _model_head(st, model0, join(tag_uri, first_model))
-    st.stop_if_any()
-    world_size, precision = head["world_size"], head["precision"]
-    stage = 3 if stage3 else None  # stage 1 vs 2 is read from the optim files
 
-    # Exactly the files the world size implies: none missing, none extra.
+def _check_file_set(st: _Inspection, listing: _Listing, world_size: int, precision: str) -> tuple[list[str], list[str]]:
+    """Exactly the files the world size implies, none missing, none extra: (model URIs, optim URIs)."""
+    first_model = model_file_name(3 if listing.stage3 else 1, 0)
     expected_optim = {optim_file_name(precision, r): r for r in range(world_size)}
-    expected_model = {model_file_name(3, r): r for r in range(world_size)} if stage3 else {first_model: 0}
+    expected_model = {model_file_name(3, r): r for r in range(world_size)} if listing.stage3 else {first_model: 0}
     for name, rank in {**expected_model, **expected_optim}.items():
-        if name not in names:
+        if name not in listing.names:
             st.add(
                 "rank-missing",
                 f"rank {rank} of {world_size} is missing: expected {st.tag}/{name} under {st.root}; the upload may "
                 f"still be in progress, or the checkpoint was saved with fewer ranks",
-                file=join(tag_uri, name), rank=rank,
+                file=join(listing.tag_uri, name), rank=rank,
             )
-    for name in [*model_names, *optim_names]:
+    for name in [*listing.model_names, *listing.optim_names]:
         if name not in expected_model and name not in expected_optim:
-            m = model_names.get(name) or optim_names.get(name)
-            rank = int(m.group(2) if name in optim_names else (m.group(1) or 0))
+            m = listing.model_names.get(name) or listing.optim_names[name]
+            rank = int(m.group(2) if name in listing.optim_names else (m.group(1) or 0))
             why = (
                 f"rank {rank} is beyond the world size {world_size} recorded in {first_model}"
                 if rank >= world_size
@@ -342,19 +393,25 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
                 "rank-extra",
                 f"unexpected file {st.tag}/{name}: {why}; it is left over from another save into the same tag "
                 "folder: remove it, or re-save the checkpoint into a fresh folder",
-                file=join(tag_uri, name), rank=rank,
+                file=join(listing.tag_uri, name), rank=rank,
             )
-    st.stop_if_any()
+    model_uris = [join(listing.tag_uri, n) for n in expected_model]
+    optim_uris = [join(listing.tag_uri, n) for n in expected_optim]
+    return model_uris, optim_uris
 
-    # Every file parses (in parallel: remote stores answer slowly, not narrowly).
-    model_uris = [join(tag_uri, model_file_name(3, r)) for r in range(world_size)] if stage3 else [join(tag_uri, first_model)]
-    optim_uris = [join(tag_uri, optim_file_name(precision, r)) for r in range(world_size)]
-    with ThreadPoolExecutor(max_workers=min(16, 2 * world_size + 1)) as pool:
+
+def _open_ranks(st: _Inspection, model0: dict[str, Any], model_uris: list[str],
+                optim_uris: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every rank file parsed, in parallel: remote stores answer slowly, not narrowly."""
+    with ThreadPoolExecutor(max_workers=min(16, len(model_uris) + len(optim_uris))) as pool:
         models = [model0] + list(pool.map(lambda a: _open(st, a[1], a[0]), list(enumerate(model_uris))[1:]))
         optims = list(pool.map(lambda a: _open(st, a[1], a[0]), list(enumerate(optim_uris))))
-    st.stop_if_any()
+    return models, optims
 
-    # Metadata agrees across ranks.
+
+def _check_agreement(st: _Inspection, listing: _Listing, head: dict[str, Any], models: list[dict[str, Any]],
+                     optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str]) -> int:
+    """The ranks agree on step, world size, version and ZeRO stage; returns the stage."""
     heads = [head] + [_model_head(st, m, u) for m, u in zip(models[1:], model_uris[1:])]
     st.stop_if_any()
     for key, label in (("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version")):
@@ -369,63 +426,33 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
     optim_heads = [_optim_head(st, o, u, r) for r, (o, u) in enumerate(zip(optims, optim_uris))]
     st.stop_if_any()
     stage = optim_heads[0]["stage"]
-    if stage3 != (stage == 3):
+    if listing.stage3 != (stage == 3):
         st.add(
             "ranks-disagree",
             f"{optim_uris[0]} records ZeRO stage {stage} but the model state files are laid out for "
-            f"{'ZeRO-3' if stage3 else 'ZeRO-1/2'}; the folder mixes saves: re-copy it from one save",
+            f"{'ZeRO-3' if listing.stage3 else 'ZeRO-1/2'}; the folder mixes saves: re-copy it from one save",
             file=optim_uris[0], rank=0,
         )
     for rank, oh in enumerate(optim_heads):
         if oh["stage"] != stage:
             st.add("ranks-disagree", f"rank {rank} records ZeRO stage {oh['stage']} in {optim_uris[rank]} but rank 0 "
                    f"records {stage}; re-copy the tag folder from one save", file=optim_uris[rank], rank=rank)
-        if oh["world_size"] != world_size:
+        if oh["world_size"] != head["world_size"]:
             st.add(
                 "world-size-mismatch",
                 f"{optim_uris[rank]} was saved with {oh['world_size']} partitions but {model_uris[0]} records a "
-                f"data-parallel world size of {world_size}; the folder mixes saves of different sizes: re-copy it "
-                "from one save",
+                f"data-parallel world size of {head['world_size']}; the folder mixes saves of different sizes: "
+                "re-copy it from one save",
                 file=optim_uris[rank], rank=rank,
             )
-    st.stop_if_any()
-
-    layout = _Layout(st, stage, world_size, precision, models, optims, model_uris, optim_uris)
-    params, groups, partitions = layout.build()
-    st.stop_if_any()
-    module = models[0]["module"]
-    return ZeroCheckpoint(
-        root=st.root,
-        tag=st.tag,
-        stage=stage,
-        world_size=world_size,
-        precision=precision,
-        step=head["step"],
-        ds_version=head["ds_version"],
-        files=tuple(
-            RankFiles(r, optim_uris[r], model_uris[r] if stage3 else (model_uris[0] if r == 0 else None))
-            for r in range(world_size)
-        ),
-        params=params,
-        buffers=tuple(Buffer(n, module[n]) for n in models[0].get("buffer_names", []) if n in module),
-        tied=layout.tied,
-        groups=groups,
-        partitions=partitions,
-        module_order=tuple(module),
-        model_states=tuple(models),
-        optim_states=tuple(optims),
-    )
+    return stage
 
 
 def _open(st: _Inspection, uri: str, rank: int) -> dict[str, Any]:
     try:
         obj = open_archive(uri).obj
     except CkptflowError as exc:
-        code = {
-            "UnsafePickleError": "unsafe-pickle",
-            "CheckpointNotFoundError": "rank-missing",
-            "SourceReadError": "unreadable-file",
-        }.get(type(exc).__name__, "corrupt-file")
+        code = "rank-missing" if isinstance(exc, CheckpointNotFoundError) else exc.code
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
         return {}
     except OSError as exc:
@@ -594,7 +621,7 @@ class _Layout:
         offset = 0
         out: dict[str, tuple[Fragment, ...]] = {}
         for i, (name, shape) in enumerate(group_shapes.items()):
-            numel = math.prod(shape)
+            numel = element_count(shape)
             frags = []
             pos = offset
             while pos < offset + numel:
@@ -608,7 +635,7 @@ class _Layout:
             saved -= sum(partitions[r][g].padding for r in range(self.ws))
             misfit = offset != saved
         else:  # ZeRO-1/2 round both ends to 2 * world_size in ways only the live optimizer knows exactly
-            misfit = offset > saved or zero2_align(offset, self.ws) != zero2_align(saved, self.ws)
+            misfit = offset > saved or zero12_padded(offset, self.ws) != zero12_padded(saved, self.ws)
         if misfit:
             self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the ranks "
                         f"saved {saved}; the partition sizes do not add up, so the files do not belong together",
@@ -631,11 +658,11 @@ class _Layout:
         out: dict[str, tuple[Fragment, ...]] = {}
         offset = 0
         for name, shape in group_shapes.items():
-            numel = math.prod(shape)
+            numel = element_count(shape)
             piece = zero3_piece(numel, self.ws)
             frags = []
             for rank in range(self.ws):
-                take = max(0, min(piece, numel - rank * piece))
+                take = zero3_real(numel, self.ws, rank)
                 if take:
                     frags.append(Fragment(rank, g, offset, take, rank * piece))
             out[name] = tuple(frags)
@@ -654,7 +681,7 @@ class _Layout:
         out: dict[str, Param] = {}
         for name, shape in shapes.items():
             shape = tuple(shape)
-            numel = math.prod(shape)
+            numel = element_count(shape)
             pieces = []
             models = self.models if self.stage == 3 else [model0]
             for rank, m in enumerate(models):

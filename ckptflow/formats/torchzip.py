@@ -5,7 +5,7 @@ through an allow-list of the names real DeepSpeed checkpoints use, each mapped t
 other global is refused with `UnsafePickleError` before anything runs. Tensors come back as
 `TensorRef`s: dtype, shape, stride, storage offset and the exact byte range of their storage in the
 file. Opening an archive reads its zip directory, its pickle and the 30-byte local headers of its
-storages; no tensor byte is read until `read_tensor` asks for one tensor's range.
+storages; no tensor byte is read until a caller reads a `TensorRef`'s byte range.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileError, SourceReadError, UnsafePickleError
-from ckptflow.storage import open_fs
-
-if TYPE_CHECKING:
-    import torch
+from ckptflow.formats.deepspeed.names import ENUMS, RECORDS
+from ckptflow.plumbing.sizes import element_count
+from ckptflow.plumbing.storage import open_fs
 
 # Storage class name -> (dtype name, item size in bytes).
 STORAGE_DTYPES: dict[str, tuple[str, int]] = {
@@ -61,10 +59,7 @@ class TensorRef:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return element_count(self.shape)
 
     @property
     def itemsize(self) -> int:
@@ -85,8 +80,14 @@ class TensorRef:
 
     @property
     def byte_range(self) -> tuple[int, int]:
-        """[start, end) of this tensor's elements in the file; contiguous tensors only."""
-        assert self.is_contiguous, "byte_range of a strided tensor"
+        """[start, end) of this tensor's elements in the file; `CorruptFileError` for a strided tensor,
+        whose elements are not one range (checkpoint tensors never are)."""
+        if not self.is_contiguous:
+            raise CorruptFileError(
+                f"{self.uri}: storage {self.key} is read as a strided tensor (shape {list(self.shape)}, stride "
+                f"{list(self.stride)}), which DeepSpeed never saves", file=self.uri,
+                hint="the file is damaged or was written by another tool; copy it again from the training run",
+            )
         start = self.data_offset + self.storage_offset * self.itemsize
         return start, start + self.nbytes
 
@@ -137,14 +138,6 @@ def _enum_value(value: Any) -> int:
     return value
 
 
-# DeepSpeed's own classes as they appear in checkpoints; they become `PickledObject`s or ints.
-DEEPSPEED_RECORDS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-DEEPSPEED_ENUMS = ("deepspeed.runtime.zero.config.ZeroStageEnum",)
-
 
 class _Storage:
     """A storage reference from a pickle: its key, dtype and element count."""
@@ -177,7 +170,7 @@ class Archive:
         self.fs, self.path = open_fs(uri)
         self._entries: dict[str, zipfile.ZipInfo] = {}
         self._data_offsets: dict[str, int] = {}
-        self._records: dict[str, type] = {name: _record_class(name) for name in DEEPSPEED_RECORDS}
+        self._records: dict[str, type] = {name: _record_class(name) for name in RECORDS}
         self.size = 0
         self.obj: Any = None
 
@@ -295,7 +288,7 @@ class Archive:
             return _SAFE_GLOBALS[qual]
         if qual in self._records:
             return self._records[qual]
-        if qual in DEEPSPEED_ENUMS:
+        if qual in ENUMS:
             return _enum_value
         if module == "torch" and name in DTYPE_SIZES:
             return name
@@ -432,70 +425,26 @@ def open_archive(uri: str) -> Archive:
     return Archive(uri).open()
 
 
-def read_tensor(ref: TensorRef) -> "torch.Tensor":
-    """Read exactly `ref`'s bytes and return a tensor that owns them."""
-    import torch
-
-    dtype = getattr(torch, ref.dtype)
-    if ref.numel == 0:
-        return torch.empty(ref.shape, dtype=dtype)
-    fs, path = open_fs(ref.uri)
-    if ref.is_contiguous:
-        start, end = ref.byte_range
-        raw = fs.cat_file(path, start=start, end=end)
-        _check_length(ref, raw, end - start)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(ref.shape)
-    span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride))
-    start = ref.data_offset + ref.storage_offset * ref.itemsize
-    raw = fs.cat_file(path, start=start, end=start + span * ref.itemsize)
-    _check_length(ref, raw, span * ref.itemsize)
-    flat = torch.frombuffer(bytearray(raw), dtype=dtype)
-    return flat.as_strided(ref.shape, ref.stride).clone()
-
-
-def read_elements(ref: TensorRef, start: int, numel: int) -> "torch.Tensor":
-    """Flat elements [start, start + numel) of a contiguous tensor, reading only their bytes."""
-    import torch
-
-    dtype = getattr(torch, ref.dtype)
-    if numel == 0:
-        return torch.empty(0, dtype=dtype)
-    fs, path = open_fs(ref.uri)
-    begin, end = ref.element_range(start, numel)
-    raw = fs.cat_file(path, start=begin, end=end)
-    _check_length(ref, raw, end - begin)
-    return torch.frombuffer(bytearray(raw), dtype=dtype)
-
-
 _SCALAR_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
                    "int8": "<b", "uint8": "<B", "bool": "<?"}
 
 
 def read_scalar(ref: TensorRef) -> float | int | bool:
     """The value of a one-element tensor (an optimizer step, a loss scale), read without torch."""
-    import struct as _struct
-
     if ref.numel != 1:
         raise ValueError(f"{ref.uri}: storage {ref.key} holds {ref.numel} elements, not one")
     fs, path = open_fs(ref.uri)
     start = ref.data_offset + ref.storage_offset * ref.itemsize
     raw = fs.cat_file(path, start=start, end=start + ref.itemsize)
-    _check_length(ref, raw, ref.itemsize)
+    check_length(ref, raw, ref.itemsize)
     if ref.dtype == "bfloat16":  # the upper half of a float32
-        return _struct.unpack("<f", b"\x00\x00" + raw)[0]
+        return struct.unpack("<f", b"\x00\x00" + raw)[0]
     if ref.dtype not in _SCALAR_FORMATS:
         raise ValueError(f"{ref.uri}: cannot read a {ref.dtype} scalar")
-    return _struct.unpack(_SCALAR_FORMATS[ref.dtype], raw)[0]
+    return struct.unpack(_SCALAR_FORMATS[ref.dtype], raw)[0]
 
 
-def iter_chunks(ref: TensorRef, chunk_bytes: int = 64 << 20) -> Iterator["torch.Tensor"]:
-    """A contiguous tensor's flat elements in chunks of at most `chunk_bytes`, for bounded memory."""
-    step = max(1, chunk_bytes // ref.itemsize)
-    for start in range(0, ref.numel, step):
-        yield read_elements(ref, start, min(step, ref.numel - start))
-
-
-def _check_length(ref: TensorRef, raw: bytes, expected: int) -> None:
+def check_length(ref: TensorRef, raw: bytes, expected: int) -> None:
     if len(raw) != expected:
         raise CorruptFileError(
             f"{ref.uri}: read {len(raw)} bytes of storage {ref.key}, expected {expected}", file=ref.uri,

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError
-from ckptflow.storage import join, open_fs
+from ckptflow.plumbing.sizes import element_count
+from ckptflow.plumbing.storage import join, open_fs
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-SHARD_NAME_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
+# The record ckptflow writes beside a consolidated model: source, tag, step, layout, shard hashes.
+PROVENANCE_NAME = "ckptflow_provenance.json"
 
 # torch dtype name -> (safetensors code, item size). The order is safetensors' own: its writer puts
 # tensors of a larger alignment first, in this order (checked against `safetensors.torch.save`).
@@ -71,37 +72,6 @@ SIDE_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
-               "TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes in `value`: an int, or a string such as "5GB", "500MB", "2GiB" (units as huggingface_hub)."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"a size must be positive, got {value}")
-        return value
-    match = _SIZE_RE.match(str(value))
-    unit = match.group(2).upper() if match else ""
-    if not match or (unit and unit not in _SIZE_UNITS):
-        raise ValueError(f"cannot read {value!r} as a size; write it like 5GB, 500MB or 2GiB")
-    size = int(float(match.group(1)) * _SIZE_UNITS.get(unit, 1))
-    if size <= 0:
-        raise ValueError(f"a size must be positive, got {value!r}")
-    return size
-
-
-def format_size(n: int) -> str:
-    """`n` bytes for people: 1.2 GB, 340 MB, 12 KB."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
 
 # ---- shards ---------------------------------------------------------------------------------------
 
@@ -193,10 +163,7 @@ def safetensors_layout(
     slots = []
     offset = 0
     for name, dtype, shape in ordered:
-        numel = 1
-        for d in shape:
-            numel *= d
-        size = numel * SAFETENSORS_DTYPES[dtype][1]
+        size = element_count(shape) * SAFETENSORS_DTYPES[dtype][1]
         slots.append(TensorSlot(name, dtype, tuple(shape), offset, offset + size))
         offset += size
     head: dict[str, object] = {}
@@ -277,6 +244,7 @@ def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> d
 __all__ = [
     "CONFIG_NAME",
     "OUTPUT_DTYPES",
+    "PROVENANCE_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "SIDE_FILES",
@@ -284,10 +252,8 @@ __all__ = [
     "TensorSlot",
     "copy_side_files",
     "find_side_files",
-    "format_size",
     "index_json",
     "pack_shards",
-    "parse_size",
     "read_header",
     "rewrite_config",
     "safetensors_layout",

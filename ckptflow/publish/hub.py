@@ -27,17 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptflow.checksums import Digests
-from ckptflow.consolidate import PROVENANCE_NAME
 from ckptflow.errors import PublishError
-from ckptflow.publish import ProgressFn, PushProgress, PushResult, SourceFile, list_source
-from ckptflow.redaction import describe, redact
-from ckptflow.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.storage import is_local, local_path
-
-# The plain HTTP upload path; with hf_xet installed the library would insist on Xet storage. It is
-# read when huggingface_hub is imported.
-os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+from ckptflow.formats.hf import PROVENANCE_NAME
+from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.redaction import describe, redact
+from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
+from ckptflow.plumbing.sizes import element_count
+from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.publish.checksums import Digests
+from ckptflow.publish.source import PushResult, SourceFile, list_source
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +72,7 @@ def push_to_hub(
     workers: int = 8,
     token: str | None = None,
     endpoint: str | None = None,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
     retry: RetryPolicy | None = None,
 ) -> PushResult:
     """Commit the folder `src` to the Hub repo `dest` (`hf://...`) on `revision` (default: main).
@@ -82,76 +80,119 @@ def push_to_hub(
     Creates the repo (private when `private`) and the branch when missing. Adds a README.md model
     card built from the provenance record (or what config.json and safetensors headers tell)
     when `src` has no README.md. `PushResult.uploaded` lists the files the commit changed,
-    `skipped` those already on the revision with the same content.
+    `skipped` those already on the revision with the same content. `progress(done, total)` counts
+    the bytes of the files the commit holds, reported once the commit is made.
     """
     from huggingface_hub import HfApi, constants, get_token
 
     target = HubTarget.parse(dest)
     if revision and target.revision and revision != target.revision:
         raise ValueError(f"two revisions given: {target.revision!r} in {redact(dest)} and {revision!r}")
-    revision = revision or target.revision or "main"
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     token = token or get_token()
-    report = progress or (lambda event: None)
-    policy = retry or RetryPolicy()
-    shown = redact(dest, [token])
-    api = HfApi(endpoint=endpoint, token=token, library_name="ckptflow")
+    hub = _Hub(
+        api=HfApi(endpoint=(endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/"), token=token,
+                  library_name="ckptflow"),
+        target=target, revision=revision or target.revision or "main", shown=redact(dest, [token]), token=token,
+        policy=retry or RetryPolicy(),
+    )
+    with _local_copy(src, hub.policy) as folder, _quiet_progress_bars():
+        contents = _Contents.read(folder, target.repo_id, workers)
+        hub.ensure_repo(private)
+        unchanged = hub.unchanged(contents)
+        info = hub.attempt(lambda: hub.commit(contents, workers), f"commit to {hub.shown}@{hub.revision}")
 
-    def attempt(fn: Any, what: str) -> Any:
-        try:
-            return retry_call(
-                fn, attempts=policy.attempts, base_delay=policy.base_delay, max_delay=policy.max_delay,
-                on_retry=lambda n, exc, delay: logger.warning("%s failed (%s); retrying", what, describe(exc, [token])),
-            )
-        except Exception as exc:
-            raise _hub_error(exc, what=what, dest=shown, token=token, policy=policy) from None
-
-    with _local_copy(src, policy) as folder, _quiet_progress_bars():
-        _, _, files = list_source(str(folder))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptflow-hash") as pool:
-            hashes = dict(zip((f.path for f in files), pool.map(lambda f: _sha256(folder / f.path, f, report), files)))
-        card = None if any(f.path == "README.md" for f in files) else model_card(folder, files, target.repo_id).encode()
-
-        if not attempt(lambda: api.repo_exists(target.repo_id, repo_type=target.repo_type), f"look up the repo {shown}"):
-            attempt(lambda: api.create_repo(target.repo_id, repo_type=target.repo_type, private=private, exist_ok=True),
-                    f"create the repo {shown}")
-        if revision != "main":
-            attempt(lambda: api.create_branch(target.repo_id, branch=revision, repo_type=target.repo_type, exist_ok=True),
-                    f"create the branch {revision} of {shown}")
-        remote = attempt(lambda: _remote_files(api, target, revision), f"list the files of {shown}@{revision}")
-        unchanged = {f.path for f in files if _same_on_hub(remote.get(f.path), (folder / f.path).read_bytes, f.size, hashes[f.path])}
-        if card is not None and _same_on_hub(remote.get("README.md"), lambda: card, len(card), hashlib.sha256(card).hexdigest()):
-            unchanged.add("README.md")
-
-        def commit() -> Any:
-            from huggingface_hub import CommitOperationAdd
-
-            operations = []
-            for f in files:
-                operation = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(folder / f.path))
-                operation.upload_info.sha256 = bytes.fromhex(hashes[f.path])
-                operations.append(operation)
-            if card is not None:
-                operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card))
-            return api.create_commit(
-                target.repo_id, operations, commit_message=f"Publish {len(files)} files with ckptflow",
-                repo_type=target.repo_type, revision=revision, num_threads=workers,
-            )
-
-        info = attempt(commit, f"commit to {shown}@{revision}")
-
-    pushed = [*files, *([SourceFile(path="README.md", size=len(card))] if card is not None else [])]
+    pushed = contents.pushed
+    tally = Tally(sum(f.size for f in pushed), progress)
     for f in pushed:
-        report(PushProgress(path=f.path, done=f.size, size=f.size, state="skip" if f.path in unchanged else "done"))
+        tally.part(f.path)(f.size, f.size)
     uploaded = tuple(f.path for f in pushed if f.path not in unchanged)
-    logger.info("pushed %s@%s: %d files changed, %d unchanged (%s)", shown, revision, len(uploaded), len(unchanged), info.commit_url)
+    logger.info("pushed %s@%s: %d files changed, %d unchanged (%s)", hub.shown, hub.revision, len(uploaded),
+                len(unchanged), info.commit_url)
     return PushResult(
-        dest=shown,
+        dest=hub.shown,
         uploaded=uploaded,
         skipped=tuple(f.path for f in pushed if f.path in unchanged),
         bytes_uploaded=sum(f.size for f in pushed if f.path not in unchanged),
         commit_url=info.commit_url,
     )
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """What one commit holds: the folder's files with their sha256, and a model card if it has none."""
+
+    folder: Path
+    files: tuple[SourceFile, ...]
+    hashes: dict[str, str]
+    card: bytes | None
+
+    @classmethod
+    def read(cls, folder: Path, repo_id: str, workers: int) -> _Contents:
+        _, _, files = list_source(str(folder))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptflow-hash") as pool:
+            hashes = dict(zip((f.path for f in files), pool.map(lambda f: _sha256(folder / f.path), files)))
+        card = None if any(f.path == "README.md" for f in files) else model_card(folder, files, repo_id).encode()
+        return cls(folder, files, hashes, card)
+
+    @property
+    def pushed(self) -> list[SourceFile]:
+        return [*self.files, *([SourceFile(path="README.md", size=len(self.card))] if self.card is not None else [])]
+
+
+@dataclass(frozen=True)
+class _Hub:
+    """One repo revision on one Hub, and the calls a push makes to it, each retried on transient errors."""
+
+    api: Any
+    target: HubTarget
+    revision: str
+    shown: str
+    token: str | None
+    policy: RetryPolicy
+
+    def attempt(self, fn: Any, what: str) -> Any:
+        try:
+            return retry_call(fn, self.policy, on_retry=lambda n, exc, delay: logger.warning(
+                "%s failed (%s); retrying", what, describe(exc, [self.token])))
+        except Exception as exc:
+            raise _hub_error(exc, what=what, dest=self.shown, token=self.token, policy=self.policy) from None
+
+    def ensure_repo(self, private: bool) -> None:
+        """The repo and the branch, created when missing."""
+        t = self.target
+        if not self.attempt(lambda: self.api.repo_exists(t.repo_id, repo_type=t.repo_type), f"look up the repo {self.shown}"):
+            self.attempt(lambda: self.api.create_repo(t.repo_id, repo_type=t.repo_type, private=private, exist_ok=True),
+                         f"create the repo {self.shown}")
+        if self.revision != "main":
+            self.attempt(lambda: self.api.create_branch(t.repo_id, branch=self.revision, repo_type=t.repo_type,
+                                                        exist_ok=True), f"create the branch {self.revision} of {self.shown}")
+
+    def unchanged(self, contents: _Contents) -> set[str]:
+        """The files the revision already holds with the same bytes."""
+        remote = self.attempt(lambda: _remote_files(self.api, self.target, self.revision),
+                              f"list the files of {self.shown}@{self.revision}")
+        same = {f.path for f in contents.files if _same_on_hub(remote.get(f.path), (contents.folder / f.path).read_bytes,
+                                                               f.size, contents.hashes[f.path])}
+        card = contents.card
+        if card is not None and _same_on_hub(remote.get("README.md"), lambda: card, len(card),
+                                             hashlib.sha256(card).hexdigest()):
+            same.add("README.md")
+        return same
+
+    def commit(self, contents: _Contents, workers: int) -> Any:
+        from huggingface_hub import CommitOperationAdd
+
+        operations = []
+        for f in contents.files:
+            operation = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(contents.folder / f.path))
+            operation.upload_info.sha256 = bytes.fromhex(contents.hashes[f.path])
+            operations.append(operation)
+        if contents.card is not None:
+            operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=contents.card))
+        return self.api.create_commit(
+            self.target.repo_id, operations, commit_message=f"Publish {len(contents.files)} files with ckptflow",
+            repo_type=self.target.repo_type, revision=self.revision, num_threads=workers,
+        )
 
 
 def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str:
@@ -191,14 +232,11 @@ def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
     if is_local(src):
         yield Path(local_path(src))
         return
-    from ckptflow.storage import open_fs
-
     fs, root = open_fs(src)
     tmp = Path(tempfile.mkdtemp(prefix="ckptflow-hub-"))
     try:
         try:
-            retry_call(lambda: fs.get(root.rstrip("/") + "/", str(tmp), recursive=True), attempts=policy.attempts,
-                       base_delay=policy.base_delay, max_delay=policy.max_delay)
+            retry_call(lambda: fs.get(root.rstrip("/") + "/", str(tmp), recursive=True), policy)
         except Exception as exc:
             raise PublishError(
                 f"could not download SRC {redact(src)} to stage it for the Hub: {describe(exc)}",
@@ -209,12 +247,11 @@ def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _sha256(path: Path, f: SourceFile, report: ProgressFn) -> str:
+def _sha256(path: Path) -> str:
     digests = Digests()
     with open(path, "rb") as handle:
         while chunk := handle.read(8 * 2**20):
             digests.update(chunk)
-            report(PushProgress(path=f.path, done=digests.size, size=f.size, state="check"))
     return digests.sha256
 
 
@@ -273,10 +310,7 @@ def _count_safetensors_parameters(folder: Path, files: tuple[SourceFile, ...]) -
             return None
         for name, meta in header.items():
             if name != "__metadata__":
-                count = 1
-                for dim in meta["shape"]:
-                    count *= dim
-                total += count
+                total += element_count(meta["shape"])
         seen = True
     return total if seen else None
 

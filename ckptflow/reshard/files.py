@@ -29,20 +29,14 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
-from ckptflow.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
-from ckptflow.torchzip import DTYPE_SIZES, PickledObject, TensorRef
-from ckptflow.zero_layout import ZERO, ZERO3, Copy
-
-if TYPE_CHECKING:
-    from ckptflow.reshard import RankUnit, ReshardPlan
-
-
-def is_partition_tensor(value: Any, numel: int, saved: int) -> bool:
-    """Whether an optimizer state entry is a tensor over the flat partition (a moment, not `step`)."""
-    return isinstance(value, TensorRef) and len(value.shape) == 1 and value.numel in (numel, saved)
+from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy
+from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
+from ckptflow.formats.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
+from ckptflow.formats.torchzip import DTYPE_SIZES, PickledObject, TensorRef
+from ckptflow.reshard.plan import RankUnit, ReshardPlan
 
 
 class _Tree:
@@ -88,13 +82,6 @@ class _Tree:
         return obj
 
 
-_DEEPSPEED_CLASSES = {
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-}
-
-
 def _global(qualname: str) -> Global:
     module, _, name = qualname.rpartition(".")
     return Global(module, name)
@@ -102,7 +89,7 @@ def _global(qualname: str) -> Global:
 
 def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
     """The DeepSpeed object `record` stands for, written back the way pickle wrote it."""
-    if record.qualname not in _DEEPSPEED_CLASSES:
+    if record.qualname not in RECORDS:
         raise CheckpointError(f"cannot write a {record.qualname} back")
     state = record.state
     if isinstance(state, dict):
@@ -115,11 +102,11 @@ def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
 
 
 def _zero_stage(value: int) -> Call:
-    return Call(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(value),))
+    return Call(_global(ZERO_STAGE_ENUM), (int(value),))
 
 
 def _fragment_address(start: int, numel: int) -> Instance:
-    return Instance(Global("deepspeed.utils.tensor_fragment", "fragment_address"), {"numel": numel, "start": start})
+    return Instance(_global(FRAGMENT_ADDRESS), {"numel": numel, "start": start})
 
 
 def _size(shape: Sequence[int]) -> Call:
@@ -169,7 +156,7 @@ def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[O
         part = ix.partitions[unit.meta_rank][flat.group]
         state = {}
         for key, value in meta_state[flat.group].items():
-            if is_partition_tensor(value, part.numel, part.fp32.numel):
+            if part.is_moment(value):
                 state[key] = OutTensor(_gathered(flat.numel, flat.copies,
                                                  lambda r, f, k=key: ix.partitions[r][f].state[k], value.dtype))
             else:
@@ -291,4 +278,4 @@ def _frozen_fragments(plan: ReshardPlan, unit: RankUnit, source: Mapping[str, An
     return out
 
 
-__all__ = ["is_partition_tensor", "model_states", "optim_states"]
+__all__ = ["model_states", "optim_states"]

@@ -94,37 +94,31 @@ def is_transient(exc: BaseException) -> bool:
 
 def retry_call(
     fn: Callable[[], T],
+    policy: RetryPolicy | None = None,
     *,
-    attempts: int = 6,
-    base_delay: float = 0.5,
-    max_delay: float = 20.0,
     on_retry: Callable[[int, BaseException, float], None] | None = None,
 ) -> T:
-    """`fn()`, tried up to `attempts` times while it fails with a transient error.
+    """`fn()`, tried up to `policy.attempts` times while it fails with a transient error.
 
-    Between tries it sleeps with exponential backoff and full jitter (see `RetryPolicy`).
-    `on_retry(attempt, exc, delay)` is called before each sleep. A permanent error, or the last
-    transient one, is raised as it is.
+    Between tries it sleeps with exponential backoff and full jitter (see `RetryPolicy`; the default
+    policy when none is given). `on_retry(attempt, exc, delay)` is called before each sleep. A
+    permanent error, or the last transient one, is raised as it is.
     """
-    for attempt in range(1, attempts + 1):
+    policy = policy or RetryPolicy()
+    attempt = 1
+    while True:
         try:
             return fn()
         except Exception as exc:
-            if attempt >= attempts or not is_transient(exc):
+            if attempt >= policy.attempts or not is_transient(exc):
                 raise
-            delay = random.uniform(0.0, min(max_delay, base_delay * 2 ** (attempt - 1)))
-            logger.debug("try %d of %d failed (%s); retrying in %.2fs", attempt, attempts, type(exc).__name__, delay)
+            delay = random.uniform(0.0, min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1)))
+            logger.debug("try %d of %d failed (%s); retrying in %.2fs", attempt, policy.attempts,
+                         type(exc).__name__, delay)
             if on_retry is not None:
                 on_retry(attempt, exc, delay)
             time.sleep(delay)
-    raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-def retry_with(policy: RetryPolicy, fn: Callable[[], T], on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
-    """`retry_call` with the numbers of `policy`."""
-    return retry_call(
-        fn, attempts=policy.attempts, base_delay=policy.base_delay, max_delay=policy.max_delay, on_retry=on_retry
-    )
+            attempt += 1
 
 
 def causes(exc: BaseException) -> Iterator[BaseException]:

@@ -26,6 +26,8 @@ Anything else (float64, integers to floats, ...) goes through torch, imported on
 million float32 patterns (every exponent, rounding boundaries, NaN payloads, subnormals).
 
 The work goes in blocks of `BLOCK` elements so that the temporaries stay in the CPU cache.
+
+`count_non_finite(raw, dtype)` counts NaN and Inf values in raw floating-point bytes, on the bits.
 """
 
 from __future__ import annotations
@@ -194,3 +196,21 @@ __all__ = [
     "needs_torch",
     "scalar",
 ]
+
+
+# Exponent bits of each floating-point dtype, all ones for NaN and Inf: (unsigned word, mask).
+_EXPONENTS: dict[str, tuple[Any, int]] = {
+    "bfloat16": (np.uint16, 0x7F80),
+    "float16": (np.uint16, 0x7C00),
+    "float32": (np.uint32, 0x7F800000),
+    "float64": (np.uint64, 0x7FF0000000000000),
+}
+
+
+def count_non_finite(raw: Any, dtype: str) -> int:
+    """NaN and Inf values in the buffer `raw` of `dtype` elements (0 for integer and bool dtypes)."""
+    if dtype not in _EXPONENTS:
+        return 0
+    word, mask = _EXPONENTS[dtype]
+    bits = np.frombuffer(raw, dtype=word)
+    return int(np.count_nonzero((bits & word(mask)) == word(mask)))

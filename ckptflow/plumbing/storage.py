@@ -15,7 +15,16 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from ckptflow.errors import OutputError
+from ckptflow.plumbing.sizes import format_size
+
+
+class ShortRead(EOFError):
+    """A byte range ends past the end of its file: the file is shorter than the reader was told."""
+
+    def __init__(self, uri: str, start: int, end: int, got: int) -> None:
+        self.uri, self.start, self.end, self.got = uri, start, end, got
+        super().__init__(f"{uri}: bytes {start}-{end} requested but only {got} could be read")
 
 
 def open_fs(uri: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -61,7 +70,7 @@ def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
 
     Local files are read with `os.preadv` straight into the views; other stores get one
     `fs.cat_ranges` call per filesystem, so a batch of ranges costs one round of concurrent requests.
-    A range that ends past the end of its file raises `EOFError`; store errors propagate as raised.
+    A range that ends past the end of its file raises `ShortRead` (an `EOFError`); store errors propagate as raised.
     """
     fds: dict[str, int] = {}
     remote: dict[int, tuple[fsspec.AbstractFileSystem, list[tuple[str, str, int, int, memoryview]]]] = {}
@@ -78,7 +87,7 @@ def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
             while pos < end - start:
                 n = os.preadv(fd, [view[pos:end - start]], start + pos)
                 if n <= 0:
-                    raise EOFError(f"{uri}: bytes {start}-{end} requested but the file ends at byte {start + pos}")
+                    raise ShortRead(uri, start, end, pos)
                 pos += n
     finally:
         for fd in fds.values():
@@ -89,13 +98,13 @@ def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
             if isinstance(blob, BaseException):
                 raise blob
             if len(blob) != end - start:
-                raise EOFError(f"{uri}: bytes {start}-{end} requested but {len(blob)} came back")
+                raise ShortRead(uri, start, end, len(blob))
             view[:len(blob)] = blob
 
 
 def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
     """The bytes of each (uri, start, end), one `fs.cat_ranges` call per filesystem (concurrent
-    requests on a bucket). A range past the end of its file raises `EOFError`."""
+    requests on a bucket). A range past the end of its file raises `ShortRead`."""
     out: list[bytes] = [b""] * len(ranges)
     groups: dict[int, tuple[fsspec.AbstractFileSystem, list[tuple[int, str]]]] = {}
     for i, (uri, _start, _end) in enumerate(ranges):
@@ -109,7 +118,7 @@ def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
                 raise blob
             uri, start, end = ranges[i]
             if len(blob) != end - start:
-                raise EOFError(f"{uri}: bytes {start}-{end} requested but {len(blob)} came back")
+                raise ShortRead(uri, start, end, len(blob))
             out[i] = blob
     return out
 
@@ -118,7 +127,7 @@ def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
 def mapped(uri: str, start: int, end: int) -> Iterator[memoryview]:
     """Bytes [start, end) of the local file `uri` through a memory map of just that window, unmapped
     on exit, so bytes go from the page cache to their destination without an intermediate copy and
-    without the mapped pages piling up in the process. `EOFError` when the file is shorter.
+    without the mapped pages piling up in the process. `ShortRead` when the file is shorter.
 
     The view is writable (a private copy-on-write map, never written) so torch can wrap it as it is.
     """
@@ -128,7 +137,7 @@ def mapped(uri: str, start: int, end: int) -> Iterator[memoryview]:
     with open(local_path(uri), "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if end > size:
-            raise EOFError(f"{uri}: bytes {start}-{end} requested but the file ends at byte {size}")
+            raise ShortRead(uri, start, end, max(0, size - start))
         if end <= start:
             yield memoryview(bytearray(0))
             return
@@ -147,9 +156,6 @@ def mapped(uri: str, start: int, end: int) -> Iterator[memoryview]:
 def check_space(parent: str, need: int, out: str) -> None:
     """Raise `OutputError` unless the local disk that will hold `out` (under `parent`) has `need` bytes free."""
     import shutil
-
-    from ckptflow.errors import OutputError
-    from ckptflow.hf import format_size
 
     probe = os.path.abspath(parent)
     while not os.path.exists(probe):

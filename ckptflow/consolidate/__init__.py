@@ -1,0 +1,44 @@
+"""The consolidate step: a ZeRO checkpoint into a Hugging Face safetensors model folder.
+
+Three parts, each usable on its own (the Prefect layer and a Dask cluster run the units):
+
+1. `plan.py`: `plan_consolidation(index, options)` is pure: for every output tensor, the runs of
+   source elements that make it, packed into shards as `save_pretrained` packs them; one
+   `ShardUnit` per output shard.
+2. `write.py`: `run_unit(plan, unit, staging)` streams one shard into the staging folder in bounded
+   batches of byte-range reads, cast on the way, hashed as written, and (with `verify`) checked
+   against an independent read of the source.
+3. `run.py`: `prepare_output`, `finalize` (side files, provenance, index last, commit), `abort`, and
+   `consolidate(src, out, ...)`, which runs all three.
+
+Memory stays at a few batch buffers per worker whatever the model size; only the fp32 master
+weights are read, never the optimizer moments, and never a 16-bit module copy where an fp32 master
+exists.
+"""
+
+from ckptflow.consolidate.plan import (Batch, ConsolidateOptions, ConsolidationPlan, Copy, OutputTensor, Run, ShardUnit,
+                                       plan_batches, plan_consolidation)
+from ckptflow.consolidate.run import (ConsolidationResult, abort, consolidate, finalize, prepare_output, provenance,
+                                      run_units)
+from ckptflow.consolidate.write import UnitResult, run_unit
+
+__all__ = [
+    "Batch",
+    "ConsolidateOptions",
+    "ConsolidationPlan",
+    "ConsolidationResult",
+    "Copy",
+    "OutputTensor",
+    "Run",
+    "ShardUnit",
+    "UnitResult",
+    "abort",
+    "consolidate",
+    "finalize",
+    "plan_batches",
+    "plan_consolidation",
+    "prepare_output",
+    "provenance",
+    "run_unit",
+    "run_units",
+]

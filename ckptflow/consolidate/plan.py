@@ -1,0 +1,351 @@
+"""The consolidation plan: which source bytes make which output tensor, in which shard. Pure.
+
+`plan_consolidation(index, options)` lists, for every output tensor, the runs of source elements that
+make it (fp32 master-weight fragments for trainable parameters, module copies for frozen ones,
+buffers as saved) and packs the tensors into shards as `save_pretrained` does: one `ShardUnit` per
+output shard. `plan_batches` cuts one shard's data into bounded read-and-cast batches.
+Nothing here reads a byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckptflow.errors import CheckpointError
+from ckptflow.formats import hf
+from ckptflow.formats.deepspeed.index import Param, ZeroCheckpoint
+from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real
+from ckptflow.formats.torchzip import DTYPE_SIZES, TensorRef
+from ckptflow.plumbing.sizes import element_count, parse_size
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+# ---- options --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsolidateOptions:
+    """How to consolidate.
+
+    `dtype` is "fp32", "bf16" or "fp16" (torch names such as "bfloat16" are accepted too);
+    `max_shard_size` is bytes or a string such as "5GB"; `chunk_bytes` bounds each read batch, and so
+    the memory per worker (about three batches).
+    """
+
+    dtype: str = "fp32"
+    max_shard_size: int | str = "5GB"
+    exclude_frozen: bool = False
+    workers: int = 4
+    verify: bool = True
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        names = {**hf.OUTPUT_DTYPES, **{v: v for v in hf.OUTPUT_DTYPES.values()}}
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be one of fp32, bf16, fp16, got {self.dtype!r}")
+        short = {v: k for k, v in hf.OUTPUT_DTYPES.items()}
+        object.__setattr__(self, "dtype", short.get(self.dtype, self.dtype))
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        if self.chunk_bytes < 64:
+            raise ValueError(f"chunk_bytes must be at least 64, got {self.chunk_bytes}")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The output dtype as torch names it ("float32", "bfloat16", "float16")."""
+        return hf.OUTPUT_DTYPES[self.dtype]
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """`numel` elements of the source tensor `ref` from its element `start`, landing at element
+    `offset` of an output tensor."""
+
+    ref: TensorRef
+    start: int
+    numel: int
+    offset: int
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        return self.ref.element_range(self.start, self.numel)
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the output: its name, dtype and shape, and the source runs that fill it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    runs: tuple[Run, ...]
+    kind: str  # "param", "frozen" or "buffer"
+
+    @property
+    def numel(self) -> int:
+        return element_count(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * hf.itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One output shard: an independent unit of work."""
+
+    index: int
+    filename: str
+    tensors: tuple[OutputTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes in this shard (the header not counted)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(r.numel * r.ref.itemsize for t in self.tensors for r in t.runs)
+
+    def layout(self) -> hf.SafetensorsLayout:
+        return hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in self.tensors], {"format": "pt"})
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    """Everything `run_unit` and `finalize` need, computed from the index alone."""
+
+    root: str
+    tag: str
+    step: int
+    stage: int
+    world_size: int
+    precision: str
+    ds_version: str
+    options: ConsolidateOptions
+    units: tuple[ShardUnit, ...]
+    tied: Mapping[str, str]
+    excluded: tuple[str, ...]
+
+    @property
+    def dtype(self) -> str:
+        return self.options.torch_dtype
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.units) > 1
+
+    @property
+    def total_size(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(t.numel for u in self.units for t in u.tensors if t.kind != "buffer")
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(u.source_bytes for u in self.units)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {t.name: u.filename for u in self.units for t in u.tensors}
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of all shard files, headers included."""
+        return sum(u.layout().file_size for u in self.units)
+
+
+def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None = None) -> ConsolidationPlan:
+    """The consolidation of `index` under `options`: output tensors in state-dict order, packed into
+    shards as `save_pretrained` packs them. Pure: reads nothing.
+
+    Tied parameters are written once, under the owner's name (transformers ties the alias on load);
+    frozen parameters are left out with `exclude_frozen`; buffers keep their dtype.
+    """
+    options = options or ConsolidateOptions()
+    params = index.param_by_name
+    buffers = {b.name: b for b in index.buffers}
+    names = [n for n in index.module_order if n in params or n in buffers]
+    names += [n for n in [*params, *buffers] if n not in names]
+    tensors: list[OutputTensor] = []
+    excluded: list[str] = []
+    for name in names:
+        if name in index.tied:
+            continue
+        if name in buffers:
+            ref = buffers[name].ref
+            tensors.append(OutputTensor(name, ref.dtype, ref.shape, (whole_run(ref, name),), "buffer"))
+            continue
+        param = params[name]
+        if param.frozen and options.exclude_frozen:
+            excluded.append(name)
+            continue
+        runs = frozen_runs(index, param) if param.frozen else trainable_runs(index, param)
+        check_coverage(name, param.numel, runs)
+        kind = "frozen" if param.frozen else "param"
+        tensors.append(OutputTensor(name, options.torch_dtype, param.shape, runs, kind))
+    if not tensors:
+        raise CheckpointError(
+            f"{index.root}/{index.tag} has nothing to write: no parameters or buffers"
+            + (" once frozen parameters are excluded" if excluded else ""), uri=index.root,
+            hint="drop --exclude-frozen" if excluded else "check the source is the checkpoint you meant",
+        )
+    written = {t.name for t in tensors}
+    shards = hf.pack_shards([(t.name, t.nbytes) for t in tensors], options.max_shard_size)
+    by_name = {t.name: t for t in tensors}
+    units = tuple(
+        ShardUnit(i, hf.shard_filename(i, len(shards)), tuple(by_name[n] for n in shard))
+        for i, shard in enumerate(shards)
+    )
+    return ConsolidationPlan(
+        root=index.root, tag=index.tag, step=index.step, stage=index.stage, world_size=index.world_size,
+        precision=index.precision, ds_version=index.ds_version, options=options, units=units,
+        tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
+    )
+
+
+def trainable_runs(index: ZeroCheckpoint, param: Param) -> tuple[Run, ...]:
+    """The fp32 master-weight runs of a trainable parameter, one per fragment."""
+    runs = []
+    for frag in param.fragments:
+        part = index.partitions[frag.rank][frag.group]
+        if frag.offset + frag.numel > part.fp32.numel:
+            raise CheckpointError(
+                f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of param "
+                f"group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri, rank=frag.rank,
+                tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
+            )
+        runs.append(Run(_contiguous(part.fp32, param.name), frag.offset, frag.numel, frag.param_offset))
+    return tuple(runs)
+
+
+def frozen_runs(index: ZeroCheckpoint, param: Param) -> tuple[Run, ...]:
+    """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, trimmed;
+    ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
+    numel = param.numel
+    if index.stage != 3 or len(param.frozen_pieces) == 1 and index.world_size == 1:
+        if len(param.frozen_pieces) != 1:
+            raise CheckpointError(f"frozen parameter {param.name} has {len(param.frozen_pieces)} saved copies, "
+                                  "expected 1", tensor=param.name, hint="run `ckptflow validate` on the source")
+        return (Run(_contiguous(param.frozen_pieces[0], param.name), 0, numel, 0),)
+    piece = zero3_piece(numel, index.world_size)
+    runs = []
+    for rank, ref in enumerate(param.frozen_pieces):
+        take = zero3_real(numel, index.world_size, rank)
+        if take:
+            runs.append(Run(_contiguous(ref, param.name), 0, take, rank * piece))
+    return tuple(runs)
+
+
+def whole_run(ref: TensorRef, name: str) -> Run:
+    return Run(_contiguous(ref, name), 0, ref.numel, 0)
+
+
+def check_coverage(name: str, numel: int, runs: Sequence[Run]) -> None:
+    """Runs must tile [0, numel) exactly: no gap (padding would leak in), no overlap."""
+    pos = 0
+    for run in sorted(runs, key=lambda r: r.offset):
+        if run.offset != pos or run.numel <= 0 or run.start + run.numel > run.ref.numel:
+            break
+        pos += run.numel
+    else:
+        if pos == numel:
+            return
+    raise CheckpointError(
+        f"{name}: its saved pieces do not add up to its {numel} elements", tensor=name, expected=numel,
+        hint="the checkpoint's partition metadata is inconsistent; run `ckptflow validate` on it",
+    )
+
+
+def _contiguous(ref: TensorRef, name: str) -> TensorRef:
+    if not ref.is_contiguous:
+        raise CheckpointError(
+            f"{name}: its saved tensor in {ref.uri} is a strided view", file=ref.uri, tensor=name,
+            hint="ckptflow reads contiguous tensors by byte range; re-save the checkpoint with DeepSpeed",
+        )
+    return ref
+
+
+# ---- batches: what one unit reads and writes, chunk by chunk (pure) --------------------------------
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Bytes [start, end) of `uri`, elements of `dtype`, copied to byte `dest` of the batch's output
+    buffer as `out_dtype` (cast when the two differ)."""
+
+    uri: str
+    start: int
+    end: int
+    dtype: str
+    dest: int
+    out_dtype: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One bounded step of writing a shard: the data bytes [file_start, file_start + out_nbytes),
+    made of `copies` that read `src_nbytes` source bytes in all."""
+
+    file_start: int
+    out_nbytes: int
+    src_nbytes: int
+    copies: tuple[Copy, ...]
+
+
+def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes: int) -> list[Batch]:
+    """Cut a shard's data into batches of at most `chunk_bytes` output bytes and source bytes each.
+
+    `slots` is (output dtype, byte offset in the data section, runs) per tensor in file order.
+    Copies of adjacent source bytes to adjacent output bytes are merged into one.
+    """
+    batches: list[Batch] = []
+    copies: list[Copy] = []
+    file_start: int | None = None
+    out_used = src_used = 0
+    for dtype, begin, runs in slots:
+        out_size = DTYPE_SIZES[dtype]
+        numel = sum(r.numel for r in runs)
+        per_elem = max([out_size] + [r.ref.itemsize for r in runs])
+        ordered = sorted(runs, key=lambda r: r.offset)
+        pos = 0
+        while pos < numel:
+            room = (chunk_bytes - max(out_used, src_used)) // per_elem
+            if room <= 0:
+                assert file_start is not None
+                batches.append(Batch(file_start, out_used, src_used, tuple(copies)))
+                copies, file_start, out_used, src_used = [], None, 0, 0
+                continue
+            if file_start is None:
+                file_start = begin + pos * out_size
+            end = min(numel, pos + room)
+            for run in ordered:
+                lo, hi = max(pos, run.offset), min(end, run.offset + run.numel)
+                if lo < hi:
+                    start, stop = run.ref.element_range(run.start + (lo - run.offset), hi - lo)
+                    _append_copy(copies, Copy(run.ref.uri, start, stop, run.ref.dtype,
+                                              out_used + (lo - pos) * out_size, dtype))
+                    src_used += stop - start
+            out_used += (end - pos) * out_size
+            pos = end
+    if file_start is not None:
+        batches.append(Batch(file_start, out_used, src_used, tuple(copies)))
+    return batches
+
+
+def _append_copy(copies: list[Copy], copy: Copy) -> None:
+    last = copies[-1] if copies else None
+    if last is not None and (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype,
+                                                                                 copy.out_dtype) and \
+            last.dest + (last.end - last.start) // DTYPE_SIZES[last.dtype] * DTYPE_SIZES[last.out_dtype] == copy.dest:
+        copies[-1] = Copy(last.uri, last.start, copy.end, last.dtype, last.dest, last.out_dtype)
+    else:
+        copies.append(copy)

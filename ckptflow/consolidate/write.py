@@ -1,0 +1,266 @@
+"""One consolidation unit: one output shard streamed into the staging folder, and checked.
+
+`run_unit(plan, unit, staging)` writes a safetensors header first, then the tensors in bounded
+batches of byte-range reads (one `fs.cat_ranges` round per batch on a bucket, memory-mapped windows on
+a local disk), cast on the way (numpy, `formats.casts`: no torch), hashed as written; with `verify`,
+each range is read back and compared with an independent read of the source
+(`formats.shard_check`): on a local disk by a checker thread that follows the writer, on a bucket
+once the object is written. A unit is safe to run again: it rewrites its file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptflow.consolidate.plan import Batch, ConsolidationPlan, ShardUnit, plan_batches
+from ckptflow.errors import CkptflowError, CorruptFileError, OutputError, SourceReadError
+from ckptflow.formats import hf
+from ckptflow.formats.casts import cast_into
+from ckptflow.formats.shard_check import verify_shard
+from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.plumbing.executors import Cancelled
+from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.staging import Staging
+from ckptflow.plumbing.storage import ShortRead, is_local, local_path, mapped, open_fs, read_ranges
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """One shard written (and, when `verified`, reopened and checked against the source)."""
+
+    index: int
+    filename: str
+    size: int
+    sha256: str
+    verified: bool
+
+
+def run_unit(
+    plan: ConsolidationPlan,
+    unit: ShardUnit,
+    staging: Staging,
+    *,
+    verify: bool | None = None,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> UnitResult:
+    """Write shard `unit` of `plan` into the staging folder; with `verify` (default: the plan's
+    option) reopen it and check every byte against the source. Safe to run again: the file is rewritten.
+
+    On a local disk the check runs while the shard is written: a checker thread re-reads each range
+    of the file as soon as the writer has written it and compares it with its own read and cast of
+    the source, and the writer's fsync overlaps the end of the check. On a bucket the object exists
+    only once written, so the check follows the write.
+
+    `progress(done, total)` counts this unit's bytes written plus, with `verify`, bytes checked.
+    """
+    verify = plan.options.verify if verify is None else verify
+    layout = unit.layout()
+    by_name = {t.name: t for t in unit.tensors}
+    batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], plan.options.chunk_bytes)
+    uri = staging.join(unit.filename)
+    tally = Tally(unit.nbytes * (2 if verify else 1), progress)
+    wrote, checked = tally.part("write"), tally.part("check")
+    stopped = (lambda: cancel.is_set()) if cancel is not None else (lambda: False)
+    started = time.monotonic()
+    if verify and is_local(uri):
+        sha256 = _write_and_check(uri, layout, batches, wrote, stopped,
+                                  lambda written: verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes,
+                                                               progress=checked, written=written))
+        logger.info("wrote and checked %s (%s) in %.2fs", uri, format_size(layout.file_size),
+                    time.monotonic() - started)
+        return UnitResult(unit.index, unit.filename, layout.file_size, sha256, True)
+    sha256 = _write_shard(uri, layout, batches, wrote, stopped)
+    logger.info("wrote %s (%s) in %.2fs", uri, format_size(layout.file_size), time.monotonic() - started)
+    if verify:
+        if stopped():
+            raise Cancelled(unit.filename)
+        verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes, progress=checked)
+    return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify)
+
+
+class _Watermark:
+    """How many leading bytes of a file have been written: the writer raises it, a reader waits on it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._bytes = 0
+        self._abandoned = False
+
+    def advance(self, nbytes: int) -> None:
+        with self._cond:
+            self._bytes = nbytes
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """The writer stopped: wake the reader, which raises `Cancelled`."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
+
+    def wait_for(self, nbytes: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._bytes >= nbytes or self._abandoned)
+            if self._bytes < nbytes:
+                raise Cancelled(f"the write stopped before byte {nbytes}")
+
+
+def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
+                     progress: Progress, stopped: Callable[[], bool],
+                     check: Callable[[Callable[[int], None]], Any]) -> str:
+    """Write the shard on this thread while `check(written)` runs on another, `written(n)` blocking it
+    until the first n bytes of the file are written. A failed write stops the check and is the error
+    raised (a source that breaks fails both; the writer's error says it best); otherwise the check's
+    error, if any. Returns the file's sha256."""
+    mark = _Watermark()
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-check") as pool:
+        checking = pool.submit(check, mark.wait_for)
+        try:
+            sha256 = _write_shard(uri, layout, batches, progress, stopped, written=mark.advance)
+        except BaseException:
+            mark.abandon()
+            raise
+        checking.result()
+    return sha256
+
+
+def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], progress: Progress,
+                 stopped: Callable[[], bool], *, written: Callable[[int], None] | None = None) -> str:
+    """Stream the shard: the header, then each batch (see `_ShardWriter`); `progress` counts data bytes
+    written. `written(n)` is told each time the first n bytes of the file are out of this process
+    (in the page cache on a local disk). Returns the file's sha256."""
+    try:
+        with _open_output(uri) as fh:
+            return _ShardWriter(fh, uri, layout, batches).write(progress, stopped, written)
+    except (CkptflowError, Cancelled):
+        raise
+    except EOFError as exc:
+        raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
+    except OSError as exc:
+        raise OutputError(f"cannot write {uri} ({exc})", file=uri,
+                          hint="check the destination is writable and has room, then run again") from exc
+
+
+class _ShardWriter:
+    """Three stages overlap, on up to three buffers: a reader thread fills batch i+2 (reads + casts)
+    while this thread writes batch i+1 and a hasher thread hashes batch i. On a local disk a flusher
+    thread keeps an fdatasync of what is written so far going, so the disk writes while the CPU
+    casts and the final fsync has little left to do."""
+
+    def __init__(self, fh: Any, uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch]) -> None:
+        self.fh, self.uri, self.local, self.layout, self.batches = fh, uri, is_local(uri), layout, batches
+        out_cap = max((b.out_nbytes for b in batches), default=0)
+        self.buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(max(1, min(3, len(batches))))]
+        self.hashed: list[Any] = [None] * len(self.buffers)  # the pending hash of what each buffer holds
+        self.hasher = hashlib.sha256(layout.header)
+        self.flushing: Any = None  # a pending fdatasync of what has been written so far (local disk)
+
+    def write(self, progress: Progress, stopped: Callable[[], bool], written: Callable[[int], None] | None) -> str:
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as self.reader, \
+                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-hash") as self.hashing, \
+                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-flush") as self.flusher:
+            self.fh.write(self.layout.header)
+            if written is not None:
+                self.fh.flush()
+                written(len(self.layout.header))
+            done, total = 0, sum(b.out_nbytes for b in self.batches)
+            depth = max(1, len(self.buffers) - 1)  # batches being filled ahead of the one being written
+            pending = deque(self._fill(j) for j in range(min(depth, len(self.batches))))
+            for i, batch in enumerate(self.batches):
+                pending.popleft().result()
+                if stopped():
+                    raise Cancelled(self.uri)
+                if i + depth < len(self.batches):
+                    pending.append(self._fill(i + depth))
+                self._write_batch(i, batch)
+                done += batch.out_nbytes
+                if written is not None:
+                    self.fh.flush()
+                    written(len(self.layout.header) + done)
+                progress(done, total)
+            self._finish()
+        return self.hasher.hexdigest()
+
+    def _fill(self, j: int) -> Any:
+        slot = j % len(self.buffers)
+        if self.hashed[slot] is not None:
+            self.hashed[slot].result()
+        return self.reader.submit(_fill, self.batches[j], self.buffers[slot])
+
+    def _write_batch(self, i: int, batch: Batch) -> None:
+        view = memoryview(self.buffers[i % len(self.buffers)])[:batch.out_nbytes]
+        self.hashed[i % len(self.buffers)] = self.hashing.submit(self.hasher.update, view)
+        self.fh.write(view)
+        if self.local and (self.flushing is None or self.flushing.done()):
+            if self.flushing is not None:
+                self.flushing.result()
+            self.fh.flush()
+            self.flushing = self.flusher.submit(_datasync, self.fh.fileno())  # the disk writes while we cast
+
+    def _finish(self) -> None:
+        for future in self.hashed:
+            if future is not None:
+                future.result()
+        if self.flushing is not None:
+            self.flushing.result()
+        if self.local:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
+
+
+def _open_output(uri: str) -> Any:
+    if is_local(uri):
+        return open(local_path(uri), "wb")
+    fs, path = open_fs(uri)
+    return fs.open(path, "wb")
+
+
+def _fill(batch: Batch, out: np.ndarray) -> None:
+    """Copy (and cast) one batch's source bytes into `out` (uint8): local files through memory-mapped
+    windows, other stores through one `fs.cat_ranges` round for the whole batch."""
+    remote = [i for i, c in enumerate(batch.copies) if not is_local(c.uri)]
+    try:
+        fetched = read_ranges([(batch.copies[i].uri, batch.copies[i].start, batch.copies[i].end) for i in remote])
+        blobs = dict(zip(remote, fetched))
+        for i, copy in enumerate(batch.copies):
+            numel = (copy.end - copy.start) // DTYPE_SIZES[copy.dtype]
+            dest = out[copy.dest:copy.dest + numel * DTYPE_SIZES[copy.out_dtype]]
+            blob = blobs.get(i)
+            if blob is not None:
+                cast_into(dest, copy.out_dtype, blob, copy.dtype)
+                continue
+            with mapped(copy.uri, copy.start, copy.end) as view:
+                cast_into(dest, copy.out_dtype, view, copy.dtype)
+    except OSError as exc:
+        raise _source_error(exc, [c.uri for c in batch.copies]) from exc
+
+
+def _source_error(exc: BaseException, uris: Sequence[str]) -> CkptflowError:
+    files = sorted(set(uris))
+    if isinstance(exc, ShortRead):
+        return CorruptFileError(
+            f"{exc}; the file is shorter than its own index says", file=exc.uri,
+            hint="the file was truncated or replaced while being read; copy it again and re-run",
+        )
+    return SourceReadError(
+        f"cannot read the checkpoint: {type(exc).__name__}: {exc} (reading {', '.join(files)})",
+        file=files[0] if len(files) == 1 else None,
+        hint="check access to the store and run again; nothing was written to OUT",
+    )

@@ -1,0 +1,40 @@
+"""The names DeepSpeed 0.19.8 gives its checkpoint files and the classes its pickles reference.
+
+One home for these facts: the reader's allow-list, the index and the writer of resharded files all
+take them from here.
+"""
+
+from __future__ import annotations
+
+import re
+
+# DeepSpeed classes that appear in checkpoint pickles. The reader turns them into plain records
+# (`formats.torchzip.PickledObject`); the reshard writer writes them back by name.
+LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+DYNAMIC_LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
+RECORDS = (LOSS_SCALER, DYNAMIC_LOSS_SCALER, FRAGMENT_ADDRESS)
+# Enums pickled by value (ZeroStageEnum(2)): read back as the int.
+ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
+ENUMS = (ZERO_STAGE_ENUM,)
+
+# Files of one tag folder.
+LATEST = "latest"
+MODEL_FILE_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
+
+
+def model_file_name(stage: int, rank: int) -> str:
+    """The model-states file of data-parallel `rank` (ZeRO-3: one per rank; ZeRO-0/1/2: rank 0's only)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def optim_file_name(precision: str, rank: int) -> str:
+    """The optimizer-states file of data-parallel `rank`; bf16 training adds the `bf16_` prefix."""
+    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def is_rank_file(name: str) -> bool:
+    """Whether `name` is a DeepSpeed model- or optimizer-states file."""
+    return bool(MODEL_FILE_RE.match(name) or OPTIM_FILE_RE.match(name))

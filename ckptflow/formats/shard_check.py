@@ -1,0 +1,274 @@
+"""Check a written safetensors shard against its source, byte for byte, without torch.
+
+`verify_shard(uri, tensors)` reopens one shard and checks its header (names, dtypes, shapes, offsets,
+size), that the safetensors library reads it, and every byte of every tensor against the source,
+re-read through its own byte ranges (not the writer's batches) and cast to the output dtype.
+`consolidate --verify` runs it on every shard before the output is moved into place. Every mismatch
+raises `VerificationError` naming the tensor.
+
+`read_source_into` is the independent source read it uses; the model check (`ckptflow.verify`) reads
+the source through it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ckptflow.errors import VerificationError
+from ckptflow.formats import hf
+from ckptflow.formats.casts import cast_into, scalar
+from ckptflow.formats.torchzip import TensorRef
+from ckptflow.plumbing.progress import Progress
+from ckptflow.plumbing.storage import is_local, local_path, mapped, open_fs, read_into
+
+
+class _Run(Protocol):
+    ref: TensorRef
+    start: int
+    numel: int
+    offset: int
+
+
+class SourceTensor(Protocol):
+    """What the checks need of an output tensor (`ckptflow.consolidate.OutputTensor` is one)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    runs: tuple[_Run, ...]
+
+
+# ---- reading the source, independently of the writer ----------------------------------------------
+
+
+class _Bytes:
+    """Byte ranges as buffers, valid inside `with bytes.get(...)`: local files through a memory-mapped
+    window (no copy), other stores through a range read into a reused scratch buffer."""
+
+    def __init__(self, scratch_bytes: int) -> None:
+        self.scratch = np.empty(scratch_bytes, dtype=np.uint8)
+
+    @contextlib.contextmanager
+    def get(self, uri: str, start: int, end: int) -> Iterator[Any]:
+        if is_local(uri):
+            with mapped(uri, start, end) as view:
+                yield view
+            return
+        if self.scratch.size < end - start:
+            self.scratch = np.empty(end - start, dtype=np.uint8)
+        raw = self.scratch[:end - start]
+        read_into([(uri, start, end, memoryview(raw))])
+        yield raw
+
+
+def read_source_into(tensor: SourceTensor, lo: int, hi: int, out: np.ndarray, dtype: str,
+                     source: _Bytes | None = None) -> None:
+    """Fill `out` (the bytes of hi - lo elements of `dtype`) from the source runs, each run's byte
+    range computed here from its `TensorRef` (not taken from the writer's batches), and cast."""
+    source = source or _Bytes(0)
+    size = hf.itemsize(dtype)
+    for run in tensor.runs:
+        a, b = max(lo, run.offset), min(hi, run.offset + run.numel)
+        if a >= b:
+            continue
+        start, end = run.ref.element_range(run.start + (a - run.offset), b - a)
+        try:
+            with source.get(run.ref.uri, start, end) as raw:
+                cast_into(out[(a - lo) * size:(b - lo) * size], dtype, raw, run.ref.dtype)
+        except (OSError, EOFError) as exc:
+            raise VerificationError(f"cannot read the source again to check the output ({exc})", file=run.ref.uri,
+                                    hint="the checkpoint changed or became unreadable while converting; run again",
+                                    ) from exc
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Byte equality of two uint8 arrays, compared eight bytes at a time where the length allows."""
+    if a.size != b.size:
+        return False
+    for word in (np.uint64, np.uint32, np.uint16):
+        if a.size % np.dtype(word).itemsize == 0:
+            return bool(np.array_equal(a.view(word), b.view(word)))
+    return bool(np.array_equal(a, b))
+
+
+# ---- one shard ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """A shard that passed `verify_shard`."""
+
+    uri: str
+    tensors: int
+    size: int
+    sha256: str | None
+
+
+def verify_shard(
+    uri: str,
+    tensors: Sequence[SourceTensor],
+    *,
+    sha256: str | None = None,
+    chunk_bytes: int = 32 << 20,
+    progress: Progress | None = None,
+    written: Callable[[int], None] | None = None,
+) -> ShardCheck:
+    """Check the safetensors file at `uri` holds exactly `tensors`, each equal to its source cast to
+    its dtype, byte for byte. With `sha256`, also check the file hashes to it.
+
+    With `written`, the check runs while the file is still being written: `written(n)` must return
+    once the first n bytes of the file are written (and raise if they never will be). Each range is
+    then read back as soon as it exists, and the whole-file checks (size, header, what the
+    safetensors library sees) come last instead of first. `progress(done, total)` counts the
+    tensor bytes checked.
+    """
+    expected = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    size = _check_file(uri, expected) if written is None else 0
+    hasher = hashlib.sha256(expected.header) if sha256 else None  # the file's own header is checked to be this
+    _compare_data(uri, expected, {t.name: t for t in tensors}, chunk_bytes, hasher, progress, written)
+    if written is not None:  # the file is whole now: the whole-file checks
+        written(expected.file_size)
+        size = _check_file(uri, expected)
+    if hasher is not None and hasher.hexdigest() != sha256:
+        raise VerificationError(f"{uri} hashes to {hasher.hexdigest()}, but {sha256} was recorded when it was "
+                                "written", file=uri, expected=sha256, actual=hasher.hexdigest(),
+                                hint="the file changed after it was written; run again")
+    return ShardCheck(uri, len(expected.slots), size, sha256)
+
+
+def _chunks(layout: hf.SafetensorsLayout, step: int) -> list[tuple[hf.TensorSlot, int, int]]:
+    """(slot, first element, end element) of every chunk of at most `step` elements, in file order."""
+    out = []
+    for slot in layout.slots:
+        count = (slot.end - slot.begin) // hf.itemsize(slot.dtype)
+        out += [(slot, lo, min(count, lo + step)) for lo in range(0, count, step)]
+    return out
+
+
+def _compare_data(uri: str, expected: hf.SafetensorsLayout, by_name: dict[str, SourceTensor], chunk_bytes: int,
+                  hasher: Any, progress: Progress | None, written: Callable[[int], None] | None) -> None:
+    """Compare every chunk of the file's data with the source's. The source side of chunk i+1 is read
+    and cast on a helper thread while chunk i is compared here."""
+    step = max(8, chunk_bytes // 8)  # elements per chunk: at most chunk_bytes of the widest dtype
+    chunks = _chunks(expected, step)
+    wants = [np.empty(step * 8, dtype=np.uint8) for _ in range(2)]
+    shard, source = _Bytes(step * 8), _Bytes(step * 8)
+    total = expected.file_size - expected.data_start
+    done = 0
+
+    def expect(i: int) -> np.ndarray:
+        """Chunk i as the source says it must be (read + cast), in a buffer of its own."""
+        slot, lo, hi = chunks[i]
+        want = wants[i % 2][:(hi - lo) * hf.itemsize(slot.dtype)]
+        read_source_into(by_name[slot.name], lo, hi, want, slot.dtype, source)
+        return want
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-verify") as helper:
+        pending = [helper.submit(expect, 0)] if chunks else []
+        for i, (slot, lo, hi) in enumerate(chunks):
+            want = pending.pop().result()
+            if i + 1 < len(chunks):
+                pending.append(helper.submit(expect, i + 1))
+            nbytes = (hi - lo) * hf.itemsize(slot.dtype)
+            start = expected.data_start + slot.begin + lo * hf.itemsize(slot.dtype)
+            if written is not None:
+                written(start + nbytes)
+            _compare_chunk(uri, shard, start, want, slot, lo, hasher)
+            done += nbytes
+            if progress:
+                progress(done, total)
+
+
+def _compare_chunk(uri: str, shard: _Bytes, start: int, want: np.ndarray, slot: hf.TensorSlot, lo: int,
+                   hasher: Any) -> None:
+    try:
+        with shard.get(uri, start, start + want.size) as view:
+            got = np.frombuffer(view, dtype=np.uint8)
+            if not _same_bytes(got, want):
+                _raise_mismatch(uri, slot.name, slot.dtype, got, want, lo)
+            if hasher is not None:
+                hasher.update(view)
+            del got
+    except (OSError, EOFError) as exc:
+        raise VerificationError(f"cannot read {slot.name} back from {uri} ({exc})", file=uri,
+                                tensor=slot.name, hint="the shard is damaged; run again") from exc
+
+
+def _check_file(uri: str, expected: hf.SafetensorsLayout) -> int:
+    """The file's size and header are the planned ones and the safetensors library reads it (on a
+    local disk). Returns the size."""
+    fs, path = open_fs(uri)
+    try:
+        size = fs.size(path)
+        head = fs.cat_file(path, start=0, end=min(size, 8))
+        length = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
+        prefix = fs.cat_file(path, start=0, end=min(size, length, 8 + (100 << 20)))
+    except (OSError, ValueError) as exc:
+        raise VerificationError(f"cannot reopen {uri} ({exc})", file=uri, hint="the shard was not written") from exc
+    _check_header(uri, prefix, expected)
+    if size != expected.file_size:
+        raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,
+                                expected=expected.file_size, actual=size, hint="the write was cut short; run again")
+    if is_local(uri):
+        _check_with_safetensors(local_path(uri), [s.name for s in expected.slots])
+    return size
+
+
+def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsLayout) -> None:
+    try:
+        _, header = hf.read_header(prefix)
+    except ValueError as exc:
+        raise VerificationError(f"{uri} has no readable safetensors header ({exc})", file=uri,
+                                hint="the shard is damaged; run again") from None
+    header.pop("__metadata__", None)
+    want = {s.name: s for s in expected.slots}
+    for name in sorted(set(header) - set(want)):
+        raise VerificationError(f"{uri} holds tensor {name}, which is not in the plan", file=uri, tensor=name)
+    for name in sorted(set(want) - set(header)):
+        raise VerificationError(f"{uri} lacks tensor {name}", file=uri, tensor=name)
+    for name in sorted(want):
+        entry, slot = header[name], want[name]
+        wanted = {"dtype": hf.SAFETENSORS_DTYPES[slot.dtype][0], "shape": list(slot.shape),
+                  "data_offsets": [slot.begin, slot.end]}
+        if entry != wanted:
+            raise VerificationError(f"{uri}: tensor {name} is recorded as {entry}, expected {wanted}", file=uri,
+                                    tensor=name, expected=wanted, actual=entry)
+    if prefix != expected.header:
+        raise VerificationError(f"{uri}: the header differs from the planned one", file=uri,
+                                hint="the shard is damaged; run again")
+
+
+def _check_with_safetensors(path: str, names: list[str]) -> None:
+    """The safetensors library itself must accept the file and see the same tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as f:  # the header is all that is read: no torch needed
+            keys = sorted(f.keys())
+    except Exception as exc:
+        raise VerificationError(f"safetensors cannot open {path} ({exc})", file=path,
+                                hint="the shard is damaged; run again") from None
+    if keys != sorted(names):
+        raise VerificationError(f"safetensors sees other tensors in {path} than were planned", file=path)
+
+
+def _raise_mismatch(uri: str, name: str, dtype: str, got: np.ndarray, want: np.ndarray, lo: int) -> None:
+    item = hf.itemsize(dtype)
+    first = int(np.argmax((got.reshape(-1, item) != want.reshape(-1, item)).any(axis=1)))
+    value = scalar(got[first * item:(first + 1) * item].tobytes(), dtype)
+    expected = scalar(want[first * item:(first + 1) * item].tobytes(), dtype)
+    raise VerificationError(
+        f"tensor {name} in {uri} differs from the source at element {lo + first}: the file holds "
+        f"{value!r}, the source gives {expected!r}", file=uri, tensor=name,
+        expected=expected, actual=value, hint="the output is wrong; report this as a ckptflow bug",
+    )
+
+
+__all__ = ["ShardCheck", "SourceTensor", "read_source_into", "verify_shard"]

@@ -1,0 +1,2 @@
+"""What every step stands on: storage (URIs to fsspec), retry, staging (prepare / commit / abort,
+marker last), progress (one callback contract), executors (units side by side), redaction, sizes."""

@@ -1,0 +1,152 @@
+"""Every output is built in a hidden sibling and moved into place whole, its marker file last.
+
+`prepare(out)` checks OUT is free (absent, or an empty folder), on a local disk that the output fits,
+and makes the staging folder `.<name>.ckptflow-<random>.partial` beside OUT. Units write into it.
+`commit(staging, last=[...])` moves it into place as OUT:
+
+- on a local disk: every file synced (with `durable`), then one rename of the folder, then the
+  parent folder synced, so OUT appears complete or not at all;
+- on a bucket (no rename there): server-side copies of every file, the files named in `last`
+  after all the others and in that order, so the marker a reader trusts (an index, `latest`, a
+  manifest) appears last; a failed copy removes what was already copied.
+
+`abort(staging)` removes the staging folder after a failure and never raises. A staging folder is
+never mistaken for an output: it is hidden, and named after the run that made it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ckptflow.errors import OutputError
+from ckptflow.plumbing.storage import check_space, is_local, local_path, open_fs
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".partial"
+MARKER = ".ckptflow-"
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A staging folder (`uri`) that becomes the output `out` when committed."""
+
+    out: str
+    uri: str
+
+    def join(self, *parts: str) -> str:
+        out = self.uri.rstrip("/")
+        for part in parts:
+            out = f"{out}/{part.strip('/')}"
+        return out
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether a file or folder name is one of our staging folders."""
+    return name.startswith(".") and MARKER in name and name.endswith(SUFFIX)
+
+
+def check_out_free(out: str) -> None:
+    """Raise `OutputError` unless `out` is absent or an empty folder."""
+    fs, path = open_fs(out)
+    if not fs.exists(path):
+        return
+    if not fs.isdir(path):
+        raise OutputError(f"{out} exists and is a file", code="out-exists", uri=out,
+                          hint="choose a folder name that does not exist")
+    if fs.ls(path, detail=False):
+        raise OutputError(f"{out} already exists and is not empty", code="out-exists", uri=out,
+                          hint="choose a new folder, or remove this one first")
+
+
+def prepare(out: str, *, need: int = 0) -> Staging:
+    """Check that `out` is free and (on a local disk) that `need` bytes fit beside it, and make a
+    hidden staging folder next to it."""
+    check_out_free(out)
+    fs, path = open_fs(out)
+    parent, name = posixpath.split(path.rstrip("/"))
+    hidden = f".{name}{MARKER}{uuid.uuid4().hex[:12]}{SUFFIX}"
+    if is_local(out) and need:
+        check_space(parent or ".", need, out)
+    head, sep, _ = out.rstrip("/").rpartition("/")
+    uri = f"{head}/{hidden}" if sep else hidden  # beside OUT, spelled as OUT is (scheme, relative path)
+    try:
+        fs.makedirs(posixpath.join(parent, hidden), exist_ok=False)
+    except OSError as exc:
+        raise OutputError(f"cannot create {uri} beside {out} ({exc})", code="out-unwritable",
+                          uri=out, hint="check the destination folder is writable") from exc
+    return Staging(out=out, uri=uri)
+
+
+def commit(staging: Staging, *, first: Sequence[str] = (), last: Sequence[str] = (), durable: bool = True) -> None:
+    """Move `staging` into place as its OUT. On a bucket the files (paths relative to the folder) are
+    copied `first` first, in that order, then the rest, then `last` in that order. Raises `OutputError`
+    when OUT appeared meanwhile or a move fails; the staging folder is then left for `abort`."""
+    check_out_free(staging.out)
+    if is_local(staging.uri) and is_local(staging.out):
+        _commit_local(local_path(staging.uri), local_path(staging.out), durable)
+        return
+    fs, src = open_fs(staging.uri)
+    _, dst = open_fs(staging.out)
+    files = sorted(posixpath.relpath(p, src) for p in fs.find(src))
+    ends = set(first) | set(last)
+    order = [f for f in first if f in files] + [f for f in files if f not in ends] + [f for f in last if f in files]
+    copied: list[str] = []
+    try:
+        fs.makedirs(dst, exist_ok=True)  # a no-op on object stores; needed where folders are real
+        for rel in order:  # server-side copies: every store has them, not every store has a move
+            fs.copy(posixpath.join(src, rel), posixpath.join(dst, rel))
+            copied.append(rel)
+    except Exception as exc:
+        for rel in reversed(copied):
+            try:
+                fs.rm_file(posixpath.join(dst, rel))
+            except Exception:  # best effort: the error below is the one to report
+                logger.warning("could not remove %s after a failed move", posixpath.join(dst, rel))
+        raise OutputError(f"cannot move the output into {staging.out} ({exc})", code="out-unwritable",
+                          uri=staging.out, hint="check access to the destination and run again") from exc
+    abort(staging)
+
+
+def _commit_local(src: str, dst: str, durable: bool) -> None:
+    if durable:
+        for folder, _dirs, names in os.walk(src):
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as fh:
+                    os.fsync(fh.fileno())
+    try:
+        if os.path.isdir(dst):
+            os.rmdir(dst)  # empty: checked just before
+        os.rename(src, dst)
+    except OSError as exc:
+        raise OutputError(f"cannot move {src} to {dst} ({exc})", code="out-unwritable", uri=dst,
+                          hint="OUT appeared while converting, or the destination refused the rename") from exc
+    if durable:  # the rename itself, and every folder's entries
+        for folder, _dirs, _names in os.walk(dst):
+            _fsync_dir(folder)
+        _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def abort(staging: Staging | None) -> None:
+    """Remove the staging folder and everything in it (after a failure); never raises."""
+    if staging is None:
+        return
+    try:
+        fs, path = open_fs(staging.uri)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception as exc:  # cleanup must not hide the error that brought us here
+        logger.warning("could not remove the staging folder %s (%s); remove it by hand", staging.uri, exc)

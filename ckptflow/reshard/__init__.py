@@ -1,0 +1,23 @@
+"""The reshard step: a ZeRO-1/2/3 training checkpoint rewritten for another data-parallel world size.
+
+The output is what DeepSpeed itself writes at the new world size M for the same stage, precision
+and config: `latest`, and a tag folder with one optimizer file per rank (and, for ZeRO-3, one model
+file per rank), every field DeepSpeed reads on load rewritten for M. DeepSpeed then loads it natively
+at M, without the universal-checkpoint path, and holds exactly the source's state. Everything else
+in the source folder (config.json, tokenizer, trainer_state.json, scheduler and RNG files) is
+carried over.
+
+- `plan.py`: `plan_reshard(index, M)`, pure, one `RankUnit` per target rank;
+- `files.py`: the object trees of the files one target rank gets (which fields change with M);
+- `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `run_unit`,
+  `finalize` (`latest` last), `abort`, and `reshard(src, out, world_size=M)`, which runs them all.
+"""
+
+from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardPlan, TargetFlat, plan_reshard
+from ckptflow.reshard.run import (ReshardResult, UnitResult, abort, finalize, plan_output, prepare_output, reshard,
+                                  run_unit, run_units, write_threads)
+
+__all__ = [
+    "FrozenPiece", "RankUnit", "ReshardPlan", "ReshardResult", "TargetFlat", "UnitResult", "abort", "finalize",
+    "plan_output", "plan_reshard", "prepare_output", "reshard", "run_unit", "run_units", "write_threads",
+]

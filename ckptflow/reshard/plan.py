@@ -1,0 +1,368 @@
+"""The reshard plan: which source partition elements make each target rank's files. Pure.
+
+`plan_reshard(index, M)` gives one `RankUnit` per target rank, each a list of element copies from the
+source ranks' flat partitions (DeepSpeed's partition arithmetic is `formats.deepspeed.layout`), after
+checking that the source is laid out exactly as that arithmetic predicts for its own world size, and
+refusing layouts ckptflow cannot convert. Nothing here reads a byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.index import ZeroCheckpoint
+from ckptflow.formats.deepspeed.layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZERO, ZERO3, Copy, Extent, moves,
+                                               param_alignment, piece_offsets, round_robin_order, zero3_moves,
+                                               zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
+from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
+from ckptflow.formats.torchzip import DTYPE_SIZES
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetFlat:
+    """One flat fp32 partition of a target rank (a param group; a sub-group under ZeRO-3).
+
+    `numel` counts its elements including padding, `saved` those DeepSpeed saves (ZeRO-1/2 drop the
+    tail padding); `copies` fill it from source partitions of param group `group`, zeros elsewhere.
+    """
+
+    group: int
+    numel: int
+    saved: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrozenPiece:
+    """A target rank's piece of a frozen ZeRO-3 parameter, copied from the source ranks' pieces."""
+
+    name: str
+    numel: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankUnit:
+    """Everything one target rank's files need: an independent unit of work."""
+
+    rank: int
+    meta_rank: int  # the source rank whose per-rank scalars (step, loss scaler, buffers) it copies
+    optim_file: str
+    model_file: str | None
+    flats: tuple[TargetFlat, ...]
+    group_paddings: tuple[int, ...] = ()
+    slice_mappings: tuple[tuple[tuple[str, int, int], ...], ...] = ()  # per group: (name, start, numel)
+    frozen: tuple[FrozenPiece, ...] = ()
+    read_bytes: int = 0  # source bytes this unit copies: what `run_unit` reports as progress
+    write_bytes: int = 0  # storage bytes of its files (zeros included), about their size
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.optim_file,) + ((self.model_file,) if self.model_file else ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardPlan:
+    """How to turn the checkpoint `index` into the same checkpoint at `world_size` ranks."""
+
+    root: str
+    tag: str
+    stage: int
+    precision: str
+    optimizer: str
+    source_world_size: int
+    world_size: int
+    flat_shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # `param_shapes`: params of each flat
+    param_alignment_paddings: tuple[tuple[int, ...], ...]
+    module: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]  # ZeRO-1/2: 16-bit flat numel, param offsets
+    units: tuple[RankUnit, ...]
+    index: ZeroCheckpoint = field(repr=False, compare=False)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(name for unit in self.units for name in unit.files)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(u.read_bytes for u in self.units)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(u.write_bytes for u in self.units)
+
+
+def plan_reshard(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
+    """The plan that reshards `index` to `world_size` ranks; reads nothing.
+
+    Raises `ValueError` for a world size below 1 and `UnsupportedCheckpointError` for layouts ckptflow
+    cannot convert, or a source whose recorded layout is not the one DeepSpeed's arithmetic predicts.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    optimizer = _optimizer_kind(index)
+    _check_supported(index, optimizer)
+    if optimizer == ZERO3:
+        return _plan_zero3(index, world_size)
+    return _plan_zero12(index, world_size, optimizer)
+
+
+def _optimizer_kind(index: ZeroCheckpoint) -> str:
+    if index.stage == 3:
+        return ZERO3
+    osd = index.optim_states[0]["optimizer_state_dict"]
+    return ZERO if "zero_stage" in osd else BF16
+
+
+def _zero_config(index: ZeroCheckpoint) -> Mapping[str, Any]:
+    config = index.model_states[0].get("ds_config") or {}
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    return zero if isinstance(zero, Mapping) else {}
+
+
+def _flag(zero: Mapping[str, Any], key: str) -> bool:
+    value = zero.get(key, False)
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def _check_supported(index: ZeroCheckpoint, optimizer: str) -> None:
+    zero = _zero_config(index)
+    where = index.tag_uri
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key)
+        if isinstance(section, Mapping) and section.get("device") == "nvme":
+            raise UnsupportedCheckpointError(
+                f"{where} was trained with {key} on NVMe; its optimizer state lives in offloaded_tensors/, "
+                "which ckptflow does not reshard", uri=where, hint="reshard a checkpoint saved without NVMe offload")
+    model0 = index.model_states[0]
+    if model0.get("num_experts") is not None:
+        raise UnsupportedCheckpointError(f"{where} holds mixture-of-experts layers, which ckptflow does not reshard",
+                                         uri=where, hint="use DeepSpeed's universal checkpoint for MoE models")
+    for rank, optim in enumerate(index.optim_states):
+        osd = optim["optimizer_state_dict"]
+        if optimizer == ZERO3:
+            base = osd.get("optimizer_state_dict")
+            if osd.get("ds_zero_partition_groups") is not None:
+                raise UnsupportedCheckpointError(
+                    f"rank {rank}: {index.files[rank].optim} records AutoEP partition groups, which ckptflow does "
+                    "not reshard", uri=where, file=index.files[rank].optim, rank=rank)
+        else:
+            base = osd.get("base_optimizer_state")
+            if isinstance(base, list):
+                raise UnsupportedCheckpointError(
+                    f"rank {rank}: {index.files[rank].optim} was saved with zero_optimization.elastic_checkpoint; "
+                    "DeepSpeed already loads such checkpoints at any world size", uri=where,
+                    file=index.files[rank].optim, rank=rank, hint="load it directly with elastic_checkpoint enabled")
+        if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
+            raise CheckpointError(f"rank {rank}: {index.files[rank].optim} holds no base optimizer state dict",
+                                  uri=where, file=index.files[rank].optim, rank=rank)
+        if len(base["param_groups"]) != len(index.groups):
+            raise UnsupportedCheckpointError(
+                f"rank {rank}: {index.files[rank].optim} has {len(base['param_groups'])} optimizer param groups but "
+                f"{len(index.groups)} flat groups; ZeRO-3 sub-groups (sub_group_size smaller than a rank's share of a "
+                "group) are not supported", uri=where, file=index.files[rank].optim, rank=rank)
+        if any(isinstance(g, Mapping) and g.get("moe") for g in base["param_groups"]):
+            raise UnsupportedCheckpointError(f"{where} has mixture-of-experts param groups, which ckptflow does not "
+                                             "reshard", uri=where)
+
+
+def _moment_keys(index: ZeroCheckpoint) -> int:
+    """How many partition-sized tensors (fp32 weights and moments) each flat holds."""
+    part = index.partitions[0][0]
+    return 1 + sum(1 for ref in part.state.values() if part.is_moment(ref))
+
+
+@dataclass(frozen=True)
+class _Zero12Group:
+    """One ZeRO-1/2 param group at the target world size: what each rank holds of it, and what the
+    model file records about it."""
+
+    flats: tuple[TargetFlat, ...]  # per target rank
+    group_paddings: tuple[int, ...]  # per target rank
+    slices: tuple[tuple[tuple[str, int, int], ...], ...]  # per target rank: (name, start, numel)
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    param_paddings: tuple[int, ...]
+    module: tuple[int, tuple[tuple[str, int], ...]]  # 16-bit flat numel, param offsets
+
+
+def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str) -> ReshardPlan:
+    groups = [_zero12_group(index, g, world_size, optimizer) for g in range(len(index.groups))]
+    n_tensors = _moment_keys(index)
+    # Rank 0 also writes the model file: the 16-bit module copy, frozen parameters and buffers.
+    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + _buffer_bytes(index)
+    units = []
+    for r in range(world_size):
+        flats = tuple(g.flats[r] for g in groups)
+        moved = sum(c.numel for f in flats for c in f.copies)
+        units.append(RankUnit(
+            rank=r, meta_rank=min(r, index.world_size - 1), optim_file=optim_file_name(index.precision, r),
+            model_file=model_file_name(index.stage, 0) if r == 0 else None, flats=flats,
+            group_paddings=tuple(g.group_paddings[r] for g in groups), slice_mappings=tuple(g.slices[r] for g in groups),
+            read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
+            write_bytes=4 * n_tensors * sum(f.numel for f in flats) + (module_bytes if r == 0 else 0),
+        ))
+    return ReshardPlan(
+        root=index.root, tag=index.tag, stage=index.stage, precision=index.precision, optimizer=optimizer,
+        source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(g.shapes for g in groups),
+        param_alignment_paddings=tuple(g.param_paddings for g in groups), module=tuple(g.module for g in groups),
+        units=tuple(units), index=index,
+    )
+
+
+def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str) -> _Zero12Group:
+    zero = _zero_config(index)
+    src_ws = index.world_size
+    by_name = index.param_by_name
+    bf16_opt = optimizer == BF16
+    src_names = list(index.groups[g].params)
+    params = [by_name[n] for n in src_names]
+    align = 1 if bf16_opt or not params else param_alignment(DTYPE_SIZES[params[0].dtype],
+                                                             _flag(zero, "parameter_alignment"))
+    if _flag(zero, "round_robin_gradients") and not bf16_opt:
+        # The saved order is the round-robin order for the source world size: undo it, redo it for M.
+        original = [""] * len(src_names)
+        for pos, i in enumerate(round_robin_order(len(src_names), src_ws)):
+            original[i] = src_names[pos]
+        dst_names = [original[i] for i in round_robin_order(len(original), world_size)]
+    else:
+        original = dst_names = src_names
+    numel = {p.name: p.numel for p in params}
+    src = zero12_layout([numel[n] for n in src_names], src_ws, alignment=align, bf16_optimizer=bf16_opt)
+    dst = zero12_layout([numel[n] for n in dst_names], world_size, alignment=align, bf16_optimizer=bf16_opt)
+    _check_zero12_source(index, g, src_names, src, index.optim_states[0]["optimizer_state_dict"].get(
+        "param_alignment_paddings"))
+    src_pos = {n: src.offsets[i] for i, n in enumerate(src_names)}
+    dst_pos = {n: dst.offsets[i] for i, n in enumerate(dst_names)}
+    extents = [Extent(numel=numel[n], src=src_pos[n], dst=dst_pos[n]) for n in dst_names]
+    # param_slice_mappings follow the optimizer's original order; like DeepSpeed, offsets are the
+    # real ones only when some parameter carries alignment padding, else cumulative in that order.
+    if any(dst.param_paddings):
+        mapping_offsets = [dst_pos[n] for n in original]
+    else:
+        mapping_offsets, pos = [], 0
+        for n in original:
+            mapping_offsets.append(pos)
+            pos += numel[n]
+    flats, slices = [], []
+    for r in range(world_size):
+        copies = moves(extents, src.partition, dst.partition, r, src_flat=g)
+        flats.append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=copies))
+        lo, hi = r * dst.partition, (r + 1) * dst.partition
+        mine = []
+        for n, off in zip(original, mapping_offsets):
+            a, b = max(off, lo), min(off + numel[n], hi)
+            if a < b:
+                mine.append((n, a - lo, b - a))
+        slices.append(tuple(mine))
+    return _Zero12Group(
+        flats=tuple(flats), group_paddings=tuple(dst.group_paddings), slices=tuple(slices),
+        shapes=tuple((n, by_name[n].shape) for n in dst_names), param_paddings=dst.param_paddings,
+        module=(dst.flat_numel, tuple((n, dst_pos[n]) for n in dst_names)),
+    )
+
+
+def _check_zero12_source(index: ZeroCheckpoint, g: int, names: Sequence[str], src: Any, recorded: Any) -> None:
+    """The source's recorded layout must be DeepSpeed's arithmetic at its world size, or we refuse."""
+    problems = []
+    if isinstance(recorded, list) and g < len(recorded) and list(recorded[g]) != list(src.param_paddings):
+        problems.append(f"parameter alignment paddings {list(recorded[g])} instead of {list(src.param_paddings)}")
+    for r in range(index.world_size):
+        part = index.partitions[r][g]
+        if part.fp32.numel != src.saved[r] or part.numel != src.partition or part.padding != src.group_paddings[r]:
+            problems.append(f"rank {r} saved {part.fp32.numel} of {part.numel} fp32 elements with padding "
+                            f"{part.padding} instead of {src.saved[r]} of {src.partition} with {src.group_paddings[r]}")
+    by_name = index.param_by_name
+    expected: dict[str, list[tuple[int, int, int, int]]] = {n: [] for n in names}
+    for r in range(index.world_size):
+        for i, start, numel in zero12_fragments(src, r):
+            offset = src.offsets[i]
+            expected[names[i]].append((r, start, numel, r * src.partition + start - offset))
+    for n in names:
+        got = [(f.rank, f.offset, f.numel, f.param_offset) for f in by_name[n].fragments]
+        if got != expected[n]:
+            problems.append(f"{n} at {got} instead of {expected[n]}")
+    if problems:
+        raise UnsupportedCheckpointError(
+            f"param group {g} of {index.tag_uri} is not laid out the way DeepSpeed lays out {index.world_size} ranks "
+            f"({'; '.join(problems[:3])}); it was saved with settings ckptflow does not know", uri=index.tag_uri,
+            hint="check zero_optimization.round_robin_gradients / parameter_alignment in its ds_config")
+
+
+def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
+    zero = _zero_config(index)
+    src_ws = index.world_size
+    sub_group_size = _as_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP_SIZE)
+    by_name = index.param_by_name
+    n_tensors = _moment_keys(index)
+    per_rank_flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    flat_shapes = []
+    for g, group in enumerate(index.groups):
+        names = list(group.params)
+        numels = [by_name[n].numel for n in names]
+        src_offsets = piece_offsets(numels, src_ws)
+        if len(zero3_sub_groups([zero3_piece(n, src_ws) for n in numels], sub_group_size)) > 1:
+            raise UnsupportedCheckpointError(
+                f"param group {g} of {index.tag_uri} is split into ZeRO-3 sub-groups at {src_ws} ranks, which "
+                "ckptflow does not read", uri=index.tag_uri)
+        _check_zero3_source(index, g, names, numels, src_offsets)
+        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], sub_group_size):
+            sub_numels = [numels[i] for i in sub]
+            dst_offsets = piece_offsets(sub_numels, world_size)
+            size = sum(zero3_piece(n, world_size) for n in sub_numels)
+            for r in range(world_size):
+                copies = zero3_moves(sub_numels, src_ws, world_size, r, src_offsets=[src_offsets[i] for i in sub],
+                                     dst_offsets=dst_offsets, src_flat=g)
+                per_rank_flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=copies))
+            flat_shapes.append(tuple((names[i], by_name[names[i]].shape) for i in sub))
+    frozen = [p for p in index.params if p.frozen]
+    units = []
+    for r in range(world_size):
+        pieces = tuple(
+            FrozenPiece(name=p.name, numel=zero3_piece(p.numel, world_size),
+                        copies=zero3_moves([p.numel], src_ws, world_size, r, src_offsets=[0], dst_offsets=[0],
+                                           src_flat=-1))
+            for p in frozen
+        )
+        flats = tuple(per_rank_flats[r])
+        frozen_bytes = sum(c.numel * DTYPE_SIZES[p.dtype] for p, piece in zip(frozen, pieces) for c in piece.copies)
+        frozen_bytes += _buffer_bytes(index)
+        units.append(RankUnit(
+            rank=r, meta_rank=min(r, src_ws - 1), optim_file=optim_file_name(index.precision, r),
+            model_file=model_file_name(3, r), flats=flats, frozen=pieces,
+            read_bytes=4 * n_tensors * sum(c.numel for f in flats for c in f.copies) + frozen_bytes,
+            write_bytes=4 * n_tensors * sum(f.numel for f in flats) + frozen_bytes,
+        ))
+    return ReshardPlan(
+        root=index.root, tag=index.tag, stage=3, precision=index.precision, optimizer=ZERO3,
+        source_world_size=src_ws, world_size=world_size, flat_shapes=tuple(flat_shapes),
+        param_alignment_paddings=(), module=(), units=tuple(units), index=index,
+    )
+
+
+def _buffer_bytes(index: ZeroCheckpoint) -> int:
+    return sum(b.ref.storage_numel * b.ref.itemsize for b in index.buffers)
+
+
+def _check_zero3_source(index: ZeroCheckpoint, g: int, names: Sequence[str], numels: Sequence[int],
+                        offsets: Sequence[int]) -> None:
+    by_name = index.param_by_name
+    for n, numel, off in zip(names, numels, offsets):
+        piece = zero3_piece(numel, index.world_size)
+        want = [(r, off, min(piece, numel - r * piece), r * piece) for r in range(index.world_size) if numel > r * piece]
+        got = [(f.rank, f.offset, f.numel, f.param_offset) for f in by_name[n].fragments]
+        if got != want:
+            raise UnsupportedCheckpointError(
+                f"{n} in param group {g} of {index.tag_uri} sits at {got}, not where DeepSpeed's ZeRO-3 partitioning "
+                f"at {index.world_size} ranks puts it ({want})", uri=index.tag_uri, tensor=n)
+
+
+def _as_int(value: Any, default: int) -> int:
+    try:
+        return int(float(value)) if value is not None else default
+    except (TypeError, ValueError):
+        return default

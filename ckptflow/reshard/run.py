@@ -1,0 +1,251 @@
+"""Running a reshard: the checks before, the output folder around the units, and everything together.
+
+1. `plan_output(src, out, world_size=M)`: validates the source (refusing it, before anything is
+   written, when it has any problem), plans, and refuses an OUT inside the source.
+2. `prepare_output(plan, out)`: OUT free, room on a local disk, a staging folder beside it
+   (`plumbing.staging`).
+3. `run_unit(plan, unit, staging)`: writes one target rank's files, streaming bytes from the source
+   (each source byte of weights and moments is read by exactly one unit; memory stays at a few chunks).
+4. `finalize(plan, staging)`: reads the staged checkpoint back, carries the source's other files over,
+   writes `latest` and commits everything into place with `latest` last. `abort(staging)` cleans up.
+
+`reshard(src, out, world_size=M)` runs all four; the CLI and the Prefect task call the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+import time
+from dataclasses import dataclass
+
+from ckptflow.errors import CheckpointError, OutputError, VerificationError
+from ckptflow.formats.deepspeed.index import inspect
+from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
+from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
+from ckptflow.plumbing import staging as stage
+from ckptflow.plumbing.executors import Cancelled
+from ckptflow.plumbing.executors import run_units as run_all
+from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.staging import Staging
+from ckptflow.plumbing.storage import is_local, join, open_fs, unstrip
+from ckptflow.reshard.files import model_states, optim_states
+from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
+from ckptflow.validate import validate
+
+logger = logging.getLogger(__name__)
+
+
+# ---- before anything is written ---------------------------------------------------------------------
+
+
+def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None) -> ReshardPlan:
+    """The plan that reshards the checkpoint at `src` to `world_size` ranks into `out`.
+
+    The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
+    An `out` inside the source's tag folder is refused (`OutputError`)."""
+    report = validate(src, tag=tag)
+    if not report.ok or report.index is None:
+        first = report.problems[0]
+        more = f" (and {len(report.problems) - 1} more; run `ckptflow validate {src}`)" if len(report.problems) > 1 else ""
+        raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
+                              file=first.file, rank=first.rank)
+    plan = plan_reshard(report.index, world_size)
+    _check_not_inside(plan, out)
+    return plan
+
+
+def _check_not_inside(plan: ReshardPlan, out: str) -> None:
+    src_fs, tag_path = open_fs(plan.index.tag_uri)
+    out_fs, out_path = open_fs(out)
+    if type(src_fs) is type(out_fs) and (out_path == tag_path or out_path.startswith(tag_path.rstrip("/") + "/")):
+        raise OutputError(f"{out} is inside the source tag folder {plan.index.tag_uri}", code="out-inside-source",
+                          uri=out, hint="write the resharded checkpoint to a folder outside the source")
+
+
+def prepare_output(plan: ReshardPlan, out: str) -> Staging:
+    """Check that `out` is absent or an empty folder (and, on a local disk, that the files fit beside it)
+    and make the staging folder."""
+    return stage.prepare(out, need=plan.write_bytes)
+
+
+# ---- one unit ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitResult:
+    rank: int
+    files: tuple[str, ...]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: Progress | None = None,
+             chunk_bytes: int = CHUNK_BYTES, durable: bool = True, threads: int = 1,
+             cancel: threading.Event | None = None) -> UnitResult:
+    """Write target rank `unit.rank`'s files into the staging folder, streaming from the source.
+
+    `progress(done, total)` counts the source bytes copied, `unit.read_bytes` in all. Memory stays at a
+    few `chunk_bytes` buffers plus the pickled metadata, whatever the partition size. In a local
+    staging folder the optimizer file (nearly all the bytes) is written by `threads` threads at once.
+    Running a unit again rewrites its files, so a failed unit can simply be retried.
+    """
+    started = time.monotonic()
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"rank {unit.rank}")
+    tag_uri = staging.join(plan.tag)
+    fs, tag_path = open_fs(tag_uri)
+    fs.makedirs(tag_path, exist_ok=True)
+    tally = Tally(unit.read_bytes, progress)
+    reader = SourceReader(chunk_bytes)
+    written = 0
+    try:
+        written += write_archive(join(tag_uri, unit.optim_file), optim_states(plan, unit), reader,
+                                 progress=tally.part(unit.optim_file), durable=durable, threads=threads)
+        if unit.model_file:
+            written += write_archive(join(tag_uri, unit.model_file), model_states(plan, unit), reader,
+                                     progress=tally.part(unit.model_file), durable=durable)
+    finally:
+        reader.close()
+    logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", unit.rank, plan.world_size, ", ".join(unit.files),
+                written / 1e6, time.monotonic() - started)
+    return UnitResult(rank=unit.rank, files=unit.files, bytes_read=reader.bytes_read, bytes_written=written,
+                      seconds=time.monotonic() - started)
+
+
+def write_threads(workers: int, units: int) -> int:
+    """Threads per target rank when `workers` threads run `units` ranks: the workers left over once
+    every running rank has one (4 workers: 4 threads for one rank, 2 each for two, 1 from three up)."""
+    return max(1, workers // max(1, min(workers, units)))
+
+
+# ---- finishing ----------------------------------------------------------------------------------------
+
+
+def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> None:
+    """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
+    whole into place (`latest` last). Raises `VerificationError` when the staged files do not read back
+    as a checkpoint at the new world size; the staging folder is then left for `abort`."""
+    index, problems, _ = inspect(staging.uri, plan.tag)
+    if problems or index is None:
+        raise VerificationError(
+            f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
+            uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")
+    if (index.world_size, index.stage, len(index.params)) != (plan.world_size, plan.stage, len(plan.index.params)):
+        raise VerificationError(
+            f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
+            f"{len(index.params)} parameters, expected ZeRO-{plan.stage} at {plan.world_size} with "
+            f"{len(plan.index.params)}", uri=staging.uri, expected=plan.world_size, actual=index.world_size)
+    _carry_over(plan, staging, durable=durable)
+    fs, path = open_fs(staging.uri)
+    with fs.open(posixpath.join(path, LATEST), "wb") as fh:
+        fh.write(plan.tag.encode())
+    stage.commit(staging, last=[LATEST], durable=durable)
+
+
+def abort(staging: Staging | None) -> None:
+    """Remove the staging folder and everything in it (after a failure); never raises."""
+    stage.abort(staging)
+
+
+def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> None:
+    """Copy the source folder's files that are not this checkpoint's DeepSpeed files."""
+    src_fs, root = open_fs(plan.root)
+    _, staging_path = open_fs(staging.uri)
+    _, out_path = open_fs(staging.out)
+    skip = {posixpath.normpath(p) for p in (staging_path, out_path)}
+    for entry in src_fs.ls(root, detail=True):
+        path = entry["name"].rstrip("/")
+        name = posixpath.basename(path)
+        if name in (LATEST, plan.tag) or posixpath.normpath(path) in skip or stage.is_staging_name(name):
+            continue
+        if entry["type"] == "directory":
+            inner = [posixpath.basename(p) for p in src_fs.ls(path, detail=False)]
+            if any(is_rank_file(n) for n in inner):
+                logger.warning("not carrying over %s: it is another DeepSpeed tag folder, saved at %d ranks",
+                               unstrip(src_fs, path), plan.source_world_size)
+                continue
+            files = src_fs.find(path)
+        else:
+            files = [path]
+        for file in files:
+            rel = posixpath.relpath(file, root)
+            _copy_file(unstrip(src_fs, file), staging.join(rel), durable=durable)
+
+
+def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> None:
+    src_fs, src_path = open_fs(src)
+    dst_fs, dst_path = open_fs(dst)
+    dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+    with src_fs.open(src_path, "rb") as fin, dst_fs.open(dst_path, "wb") as fout:
+        while True:
+            data = fin.read(chunk)
+            if not data:
+                break
+            fout.write(data)
+        if durable and is_local(dst):
+            fout.flush()
+            os.fsync(fout.fileno())
+
+
+# ---- all together --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardResult:
+    """What `reshard` wrote."""
+
+    out: str
+    tag: str
+    stage: int
+    precision: str
+    source_world_size: int
+    world_size: int
+    files: tuple[str, ...]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress: Progress | None = None,
+              durable: bool = True) -> list[UnitResult]:
+    """Every target rank on `workers` threads: one per rank while there are more ranks than workers, the
+    rest sharing a rank's optimizer file (`write_threads`). The first failure stops the others."""
+    tally = Tally(plan.read_bytes, progress)  # source bytes to copy (small per-rank scalars left out)
+    tally.start()
+    threads = write_threads(workers, len(plan.units))
+    cancel = threading.Event()
+    return run_all(lambda u: run_unit(plan, u, staging, progress=tally.part(u.rank), durable=durable,
+                                      threads=threads, cancel=cancel),
+                   plan.units, workers=max(1, min(workers, len(plan.units))), cancel=cancel, name="reshard")
+
+
+def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, workers: int | None = None,
+            progress: Progress | None = None, durable: bool = True) -> ReshardResult:
+    """Reshard the checkpoint at `src` to `world_size` ranks into the new folder `out`.
+
+    The source is validated first and refused, before anything is written, when it has problems.
+    `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
+    rank while there are more ranks than workers, and the rest share a rank's optimizer file (see
+    `write_threads`). On any error nothing is left at `out` and the staging folder is removed.
+    """
+    started = time.monotonic()
+    plan = plan_output(src, out, world_size=world_size, tag=tag)
+    staging = prepare_output(plan, out)
+    try:
+        results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable)
+        finalize(plan, staging, durable=durable)
+    except BaseException:
+        abort(staging)
+        raise
+    seconds = time.monotonic() - started
+    logger.info("resharded %s (%d ranks) to %s (%d ranks) in %.1f s", src, plan.source_world_size, out, world_size,
+                seconds)
+    return ReshardResult(
+        out=out, tag=plan.tag, stage=plan.stage, precision=plan.precision, source_world_size=plan.source_world_size,
+        world_size=plan.world_size, files=plan.files, bytes_read=sum(r.bytes_read for r in results),
+        bytes_written=sum(r.bytes_written for r in results), seconds=seconds,
+    )
