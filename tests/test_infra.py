@@ -1,10 +1,12 @@
-"""`infra/` is real: the work-pool templates are accepted, `prefect deploy --all` registers every
-deployment of `infra/prefect.yaml`, and the lifecycle's parameter form renders with titles,
-descriptions and types. The server is the session's Prefect test server."""
+"""`infra/` is real: the work-pool templates are accepted, `infra/bootstrap.sh` registers every
+deployment of `infra/prefect.yaml`, the server's scheduler creates their scheduled runs, and the
+lifecycle's parameter form renders with titles, descriptions, types and constraints. The server is
+the session's Prefect server (with its scheduler)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,75 @@ def test_deploy_all_registers_every_deployment(deployed, client: Any) -> None:
     assert client.read_deployments(
         deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[d.id for d in found.values()]))
     ), "deployments are listed"
+
+
+def _scheduled_in_prefect_yaml() -> set[str]:
+    """'flow-name/deployment' for every deployment of infra/prefect.yaml with an active schedule."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    config = yaml.safe_load((INFRA / "prefect.yaml").read_text())
+    names = set()
+    for d in config["deployments"]:
+        if any(s.get("active", True) for s in d.get("schedules") or []):
+            flow = load_flow_from_entrypoint(str(INFRA.parent / d["entrypoint"]))
+            names.add(f"{flow.name}/{d['name']}")
+    return names
+
+
+def test_the_scheduler_creates_runs_for_every_scheduled_deployment(deployed, client: Any, prefect_server_log) -> None:
+    """After bootstrap, the server's own scheduler has put runs on every schedule of prefect.yaml
+    (with SQLAlchemy 2.1 it fails every loop and none ever appear)."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+    from prefect.client.schemas.objects import StateType
+
+    scheduled = _scheduled_in_prefect_yaml()
+    assert scheduled == {"post-training/post-training", "watch-latest/interval"}
+    assert "check_schedules: the scheduler created runs for " + ", ".join(sorted(scheduled)) in deployed.stdout
+    for name in scheduled:
+        deployment = _deployment(client, name)
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state={"type": {"any_": [StateType.SCHEDULED]}}),
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+        )
+        assert runs, f"{name}: no scheduled run"
+        assert all(r.created_by is not None and r.created_by.type == "SCHEDULE" for r in runs)
+        assert {r.idempotency_key.split()[0] for r in runs} == {"scheduled"}
+    assert "Can't evaluate bulk DML" not in prefect_server_log.read_text()
+
+
+def test_schedule_check_names_the_cause_when_no_run_appears(prefect_server: str, work_pools, tmp_path) -> None:
+    """A scheduled deployment that gets no run (here: one whose only date is in the past, so there is
+    nothing to schedule) makes infra/check_schedules.py fail, naming it and the known cause."""
+    import subprocess
+    import sys
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import RRuleSchedule
+
+    from flows.watch import watch_latest
+
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow(watch_latest)
+        deployment_id = c.create_deployment(
+            flow_id=flow_id, name="never-due", entrypoint="flows/watch.py:watch_latest", work_pool_name="cpu",
+            schedules=[DeploymentScheduleCreate(
+                schedule=RRuleSchedule(rrule="DTSTART:20200101T000000\nRRULE:FREQ=DAILY;COUNT=1"), active=True
+            )],
+            parameters={"roots": [str(tmp_path)]},
+        )
+    try:
+        result = subprocess.run(
+            [sys.executable, str(INFRA / "check_schedules.py"), "--wait", "3"],
+            env=dict(os.environ, PREFECT_API_URL=prefect_server), capture_output=True, text=True,
+            timeout=120,
+        )
+    finally:
+        with get_client(sync_client=True) as c:
+            c.delete_deployment(deployment_id)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "scheduled deployment(s) on" in result.stderr and "watch-latest/never-due" in result.stderr
+    assert "Install 'sqlalchemy<2.1' where `prefect server start` runs" in result.stderr
 
 
 def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
