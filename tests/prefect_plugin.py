@@ -163,10 +163,21 @@ def work_pools(prefect_server: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def deployed(prefect_server: str, work_pools: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`infra/bootstrap.sh` against the session's server: pools, `prefect deploy --all`, the schedule check."""
+def deployed(
+    prefect_server: str, work_pools: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> subprocess.CompletedProcess[str]:
+    """`infra/bootstrap.sh` against the session's server: pools, blocks, the failure automation (through a
+    webhook block `custom-webhook/ckptflow-test-alerts` to a port nothing listens on), `prefect deploy
+    --all`, the schedule check."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    CustomWebhookNotificationBlock(name="ckptflow", url="http://127.0.0.1:9/alerts").save(
+        "ckptflow-test-alerts", overwrite=True
+    )
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_CLI_PROMPT="false", CKPTFLOW_GPU_POOL_TYPE="kubernetes", CKPTFLOW_SCHEDULE_CHECK_SECONDS="60")
+               PREFECT_CLI_PROMPT="false", CKPTFLOW_GPU_POOL_TYPE="kubernetes", CKPTFLOW_SCHEDULE_CHECK_SECONDS="60",
+               CKPTFLOW_RESULTS=str(tmp_path_factory.mktemp("ckptflow-results")),
+               CKPTFLOW_NOTIFY_BLOCK="custom-webhook/ckptflow-test-alerts")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     result = subprocess.run(["bash", str(INFRA / "bootstrap.sh")], cwd=REPO, env=env, capture_output=True, text=True,

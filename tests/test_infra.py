@@ -99,8 +99,17 @@ def test_deploy_all_registers_every_deployment(deployed, client: Any) -> None:
 
     manual = found["checkpoint-lifecycle/manual"]
     assert manual.work_pool_name == "cpu" and manual.schedules == []
+    assert manual.parameters == {}, "a manual run needs only `source`: local workspace, no GPU deployment"
     gpu = found["consolidate-checkpoint/gpu"]
-    assert gpu.work_pool_name == "gpu" and gpu.job_variables == {"image": "ckptflow-gpu:latest"}
+    assert gpu.work_pool_name == "gpu" and gpu.job_variables["image"] == "ckptflow-gpu:latest"
+    for deployment in found.values():
+        assert deployment.pull_steps == [{"flows.pull.set_code_directory": {}}]
+        env = deployment.job_variables["env"]
+        assert env["PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK"] == "local-file-system/ckptflow-results"
+    for name in ("checkpoint-lifecycle/on-checkpoint", "post-training/post-training"):
+        consolidation = found[name].parameters["consolidation"]
+        assert "deployment" not in consolidation and "workspace" not in found[name].parameters
+        assert "destinations" not in found[name].parameters
 
     (cron,) = found["post-training/post-training"].schedules
     assert cron.schedule.cron == "0 */6 * * *"
@@ -192,6 +201,23 @@ def test_schedule_check_names_the_cause_when_no_run_appears(prefect_server: str,
     assert "Install 'sqlalchemy<2.1' where `prefect server start` runs" in result.stderr
 
 
+def test_bootstrap_creates_result_storage_and_the_failure_automation(deployed, client: Any) -> None:
+    from prefect.filesystems import LocalFileSystem
+
+    block = LocalFileSystem.load("ckptflow-results")
+    assert "ckptflow-results" in block.basepath
+    assert "result storage: local-file-system/ckptflow-results created at" in deployed.stdout
+    assert "failure notifications: automation ckptflow-run-failed sends to custom-webhook/ckptflow-test-alerts" in deployed.stdout
+    (automation,) = client.read_automations_by_name("ckptflow-run-failed")
+    assert automation.trigger.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
+    related = automation.trigger.match_related
+    related = related[0] if isinstance(related, list) else related
+    assert set(related["prefect.resource.name"]) == {"checkpoint-lifecycle", "post-training", "watch-latest",
+                                                     "consolidate-checkpoint"}
+    (action,) = automation.actions
+    assert action.type == "send-notification" and "{{ flow_run.state.message }}" in action.body
+
+
 def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
     ref = node.get("$ref") or (node.get("allOf") or [{}])[0].get("$ref")
     if ref:
@@ -213,6 +239,8 @@ def _fields(schema: dict[str, Any], node: dict[str, Any], where: str):
         yield f"{where}{name}", field
         target = _resolve(schema, field)
         items = field.get("items")
+        if "block_type_slug" in target:  # a block: the form shows a block picker, not its fields
+            continue
         if target is not field:
             yield from _fields(schema, target, f"{where}{name}.")
         elif items is not None and _resolve(schema, items) is not items:
@@ -246,3 +274,58 @@ def test_lifecycle_schema_fields() -> None:
     assert schema["required"] == ["source"]
     destination = schema["definitions"]["Destination"]["properties"]
     assert destination["what"]["enum"] == ["model", "reshards", "both"]
+
+
+def test_form_fields_are_plain_titled_and_constrained() -> None:
+    """What the UI form needs from the JSON schema: titles everywhere (top-level ones included), optional
+    text as plain strings (no `anyOf` with null: a type toggle and 'Property is type "None"'),
+    constraints the form can check, no angle brackets (markdown drops them as HTML), the Hub token as a
+    Secret block picker."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.lifecycle import checkpoint_lifecycle, post_training
+
+    for flow in (checkpoint_lifecycle, post_training):
+        schema = parameter_schema(flow).model_dump()
+        fields = dict(_fields(schema, schema, ""))
+        for path, field in fields.items():
+            assert "title" in field and field["title"] != path.rsplit(".", 1)[-1].rstrip("[]"), path
+            options = field.get("anyOf") or []
+            assert not any(o.get("type") == "null" for o in options), f"{path} renders as a type toggle"
+            assert "<" not in field.get("description", ""), path
+
+    schema = parameter_schema(checkpoint_lifecycle).model_dump()
+    props = schema["properties"]
+    assert props["tag"] == {**props["tag"], "type": "string", "default": "", "title": "Tag"}
+    assert props["workspace"]["type"] == "string" and props["workspace"]["default"] == ""
+    definitions = schema["definitions"]
+    shard = definitions["ConsolidationOptions"]["properties"]["max_shard_size"]
+    import re
+
+    pattern = re.compile(shard["pattern"])
+    assert all(pattern.match(v) for v in ("5GB", "500MB", "2GiB", "1.5 gb", "1024"))
+    assert not any(pattern.match(v) for v in ("5 parsecs", "GB", "-1GB", ""))
+    world = definitions["ReshardOptions"]["properties"]["world_sizes"]
+    assert world["items"]["minimum"] == 1
+    workers = definitions["ConsolidationOptions"]["properties"]["workers"]
+    assert (workers["minimum"], workers["maximum"]) == (1, 64)
+    assert definitions["ConsolidationOptions"]["properties"]["timeout_minutes"]["exclusiveMinimum"] == 0
+    token = definitions["PublishOptions"]["properties"]["hub_token"]
+    assert token["$ref"] == "#/definitions/Secret" and "default" not in token
+    assert definitions["Secret"]["block_type_slug"] == "secret"
+    assert "hub_token" not in props["publishing"]["default"]
+
+
+def test_optional_text_takes_none_from_python_and_means_not_set() -> None:
+    from pydantic import ValidationError
+
+    from flows.params import ConsolidationOptions, Destination, PublishOptions, ReshardOptions
+
+    assert ConsolidationOptions(deployment=None).deployment == ""
+    assert ConsolidationOptions(deployment="  consolidate-checkpoint/gpu ").deployment == "consolidate-checkpoint/gpu"
+    assert Destination(uri="hf://o/m", revision=None).revision == ""
+    assert "hub_token" not in PublishOptions().model_dump(mode="json")
+    with pytest.raises(ValidationError, match="max_shard_size must look like '5GB' or '500MB', got '5 parsecs'"):
+        ConsolidationOptions(max_shard_size="5 parsecs")
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        ReshardOptions(world_sizes=[0])
