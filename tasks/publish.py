@@ -65,9 +65,27 @@ def _resolve_token(secret_block: str | None) -> str | None:
     return Secret.load(secret_block).get()
 
 
+def _run_name() -> str:
+    """'publish model to hf://org/name', 'publish zero-ws4 to gs://bucket': never a whole path."""
+    from prefect.runtime import task_run
+
+    parameters = task_run.parameters
+    output, destination = parameters.get("output"), str(parameters.get("destination", ""))
+    world = getattr(output, "world_size", None) if not isinstance(output, dict) else output.get("world_size")
+    what = f"zero-ws{world}" if world else "model"
+    if destination.startswith("hf://"):
+        where = destination
+    elif "://" in destination:
+        scheme, rest = destination.split("://", 1)
+        where = f"{scheme}://{rest.split('/', 1)[0]}"
+    else:
+        where = "a local folder"
+    return f"publish {what} to {where}"
+
+
 @task(
     name="publish",
-    task_run_name="publish {output.kind} to {destination}",
+    task_run_name=_run_name,
     cache_key_fn=checkpoint_cache_key,
     persist_result=True,
     **io_retries(),
