@@ -130,7 +130,7 @@ def consolidate_command(
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
                TransferSpeedColumn(), TimeRemainingColumn())
-    started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.casts`)
+    started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.formats.casts`)
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("writing + verifying" if verify else "writing", total=None)
         try:

@@ -8,10 +8,10 @@ output folder must be where both can reach it (a bucket URL).
 
 from typing import Any
 
-from prefect import flow
+from prefect import flow, tags
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.params import ConsolidationOptions, VerificationOptions
+from flows.params import ConsolidationOptions, VerificationOptions, flow_timeout_seconds
 from tasks.consolidate import consolidate_model
 from tasks.models import Checkpoint
 from tasks.verify import verify_output
@@ -21,6 +21,7 @@ from tasks.verify import verify_output
     name="consolidate-checkpoint",
     task_runner=ThreadPoolTaskRunner(max_workers=32),
     persist_result=True,  # the lifecycle flow that started this run reads its result back
+    timeout_seconds=flow_timeout_seconds(),
     log_prints=False,
 )
 def consolidate_checkpoint(
@@ -41,5 +42,8 @@ def consolidate_checkpoint(
         checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
         exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers,
     )
-    verified = verify_output(checkpoint, model, device=verification.device) if verification.enabled else None
+    verified = None
+    if verification.enabled:
+        with tags("gpu"):  # the one step here that needs the GPU: `prefect concurrency-limit create gpu N`
+            verified = verify_output(checkpoint, model, device=verification.device or None)
     return {"model": model.model_dump(mode="json"), "verification": verified}

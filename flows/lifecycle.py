@@ -11,18 +11,25 @@
 Every step is cached on (source, tag, content identity, options): running the flow again for the
 same checkpoint skips what was done, and never publishes twice.
 
+Nothing waits without end: a named GPU deployment is checked for a worker before anything else (the
+run fails at once, naming the pool, when none is polling it), its child run has a time limit and is
+cancelled when it passes, and the flow itself has one (`CKPTFLOW_FLOW_TIMEOUT_HOURS`, default 24,
+read when the module is imported on the worker).
+
 `post_training` is the scheduled variant: the newest tag of each configured run, one lifecycle each.
 """
 
 import hashlib
 import json
 import logging
+import re
 from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 
 from flows import layout
 from flows.params import (
@@ -30,38 +37,81 @@ from flows.params import (
     Destination,
     PublishOptions,
     ReshardOptions,
+    Text,
     ValidationOptions,
     VerificationOptions,
+    flow_timeout_seconds,
 )
 from ckptflow.plumbing.sizes import format_size
-from tasks.artifacts import artifact_key, markdown
+from tasks.artifacts import checkpoint_key, link, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.consolidate import consolidate_model
 from tasks.models import Checkpoint, Output, Published
 from tasks.publish import publish_output
 from tasks.reshard import reshard_checkpoint
 from tasks.validate import validate_checkpoint
-from tasks.verify import verify_output
+from tasks.verify import verification_rows, verify_output
 
 logger = logging.getLogger(__name__)
+
+
+FLOW_TIMEOUT_SECONDS = flow_timeout_seconds()
 
 
 class LifecycleError(RuntimeError):
     """One or more steps of the lifecycle failed; the message names each."""
 
 
-@flow(name="checkpoint-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=False)
+class DeploymentNotReady(RuntimeError):
+    """The GPU deployment named for consolidation cannot start a run now; the message says why and what to do."""
+
+
+def _titled(default: Any, title: str) -> Any:
+    """A parameter default with a title for the deployment form (Prefect titles top-level fields with their
+    Python names otherwise)."""
+    return Field(default, json_schema_extra={"title": title})
+
+
+def source_label(source: str, tag: str | None = None) -> str:
+    """'llama-7b@global_step1200': the run folder's name (with its parent's for Trainer `checkpoint-N`
+    folders) and the tag, for run names."""
+    parts = [p for p in re.split(r"[/:]+", source.rstrip("/")) if p and p not in (".", "..")]
+    name = "/".join(parts[-2:]) if len(parts) > 1 and parts[-1].startswith("checkpoint-") else (parts[-1] if parts else "checkpoint")
+    return f"{name}@{tag or 'latest'}"
+
+
+def _lifecycle_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    return source_label(str(parameters.get("source", "")), parameters.get("tag") or None)
+
+
+def _post_training_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    runs = [source_label(r).split("@")[0] for r in flow_run.parameters.get("runs") or []]
+    return "post-training: " + (", ".join(runs[:3]) + (f" +{len(runs) - 3}" if len(runs) > 3 else "") or "no runs")
+
+
+@flow(
+    name="checkpoint-lifecycle",
+    flow_run_name=_lifecycle_run_name,
+    task_runner=ThreadPoolTaskRunner(max_workers=32),
+    timeout_seconds=FLOW_TIMEOUT_SECONDS,
+    log_prints=False,
+)
 def checkpoint_lifecycle(
-    source: str,
-    tag: str | None = None,
-    validation: ValidationOptions = ValidationOptions(),
-    consolidation: ConsolidationOptions = ConsolidationOptions(),
-    reshard: ReshardOptions = ReshardOptions(),
-    verification: VerificationOptions = VerificationOptions(),
-    destinations: list[Destination] = [],  # noqa: B006 - Prefect needs a JSON default for the UI form
-    publishing: PublishOptions = PublishOptions(),
-    workspace: str | None = None,
-    refresh: bool = False,
+    source: str = Field(..., json_schema_extra={"title": "Source checkpoint"}, min_length=1),
+    tag: Text = _titled("", "Tag"),
+    validation: ValidationOptions = _titled(ValidationOptions(), "Validation"),
+    consolidation: ConsolidationOptions = _titled(ConsolidationOptions(), "Hugging Face model"),
+    reshard: ReshardOptions = _titled(ReshardOptions(), "Reshard"),
+    verification: VerificationOptions = _titled(VerificationOptions(), "Verification"),
+    destinations: list[Destination] = _titled([], "Destinations"),
+    publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
+    workspace: Text = _titled("", "Workspace"),
+    refresh: bool = _titled(False, "Rebuild everything"),
 ) -> dict[str, Any]:
     """Turn a DeepSpeed ZeRO checkpoint into a verified Hugging Face model and resharded checkpoints, and publish them.
 
@@ -74,15 +124,20 @@ def checkpoint_lifecycle(
         verification: Load the built model with transformers and check it against the checkpoint.
         destinations: Where to publish: Hub repos ('hf://org/name') and bucket URLs, each for the model, the resharded checkpoints or both.
         publishing: Upload settings (parallel uploads, Hub endpoint and token).
-        workspace: Where outputs are built before publishing (a folder or bucket URL); empty uses $CKPTFLOW_WORKSPACE or ~/.cache/ckptflow/work. Must be a bucket when consolidation runs on a GPU deployment elsewhere.
+        workspace: Where outputs are built before publishing (a folder or bucket URL); empty uses $CKPTFLOW_WORKSPACE or ~/.cache/ckptflow/work on the worker. Must be a bucket when consolidation runs on a GPU deployment elsewhere.
         refresh: Ignore cached results and do every step again.
     """
     log = get_run_logger()
     destinations = [d if isinstance(d, Destination) else Destination.model_validate(d) for d in destinations]
+    if consolidation.enabled and consolidation.deployment:
+        check_deployment_ready(consolidation.deployment)  # before any waiting: fail now if no worker would run it
     checkpoint = validate_checkpoint(
-        source, tag, deep=validation.deep, settle_seconds=validation.settle_seconds, poll_seconds=validation.poll_seconds
+        source, tag or None, deep=validation.deep, settle_seconds=validation.settle_seconds,
+        poll_seconds=validation.poll_seconds,
     )
-    base = layout.checkpoint_workspace(checkpoint, workspace)
+    if not tag:
+        _rename_run(source_label(source, checkpoint.tag))
+    base = layout.checkpoint_workspace(checkpoint, workspace or None)
     log.info("building %s into %s", checkpoint.uri, base)
 
     # Build: the model (and its verification) and every reshard, side by side. A step whose output
@@ -99,7 +154,8 @@ def checkpoint_lifecycle(
         built = build_options(out)
         if consolidation.deployment:
             model_future = consolidate_on_deployment.with_options(**built).submit(
-                checkpoint, out, consolidation.deployment, consolidation, verification
+                checkpoint, out, consolidation.deployment, consolidation, verification,
+                run_name=f"{source_label(source, checkpoint.tag)} {consolidation.dtype}",
             )
         else:
             model_future = consolidate_model.with_options(**built).submit(
@@ -108,7 +164,7 @@ def checkpoint_lifecycle(
             )
             if verification.enabled:
                 verify_future = verify_output.with_options(**built).submit(
-                    checkpoint, model_future, device=verification.device
+                    checkpoint, model_future, device=verification.device or None
                 )
     reshard_futures = {}
     for n in reshard.world_sizes:
@@ -136,10 +192,13 @@ def checkpoint_lifecycle(
         for output, uri, revision in targets:
             # A bucket destination whose manifest is gone (deleted since) is published again.
             gone = not dest.is_hub and _gone(layout.published_marker(uri))
-            future = publish_output.with_options(**({"refresh_cache": True} if refresh or gone else {})).submit(
-                checkpoint, output, uri, revision=revision, private=dest.private, workers=publishing.workers,
-                endpoint=publishing.hub_endpoint if dest.is_hub else None,
-                token_secret=publishing.hub_token_secret if dest.is_hub else None,
+            options: dict[str, Any] = {"tags": {"hub-upload"} if dest.is_hub else {"bucket-upload"}}
+            if refresh or gone:
+                options["refresh_cache"] = True
+            future = publish_output.with_options(**options).submit(
+                checkpoint, output, uri, revision=revision or None, private=dest.private, workers=publishing.workers,
+                endpoint=(publishing.hub_endpoint or None) if dest.is_hub else None,
+                token_secret=publishing.hub_token_block if dest.is_hub else None,
             )
             pushes.append((f"publishing {output.kind} to {uri}" + (f"@{revision}" if revision else ""), future))
     published = [p for what, f in pushes if (p := _outcome(f, what, failures)) is not None]
@@ -151,20 +210,90 @@ def checkpoint_lifecycle(
     return summary
 
 
-@task(name="consolidate-on-deployment", cache_key_fn=checkpoint_cache_key, persist_result=True)
+def _rename_run(name: str) -> None:
+    """Give the current flow run `name` (once the tag `latest` named is known); a failure only logs."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    try:
+        if flow_run.id:
+            with get_client(sync_client=True) as client:
+                client.update_flow_run(flow_run.id, name=name)
+    except Exception as exc:  # the name is for people; the run goes on
+        get_run_logger().debug("could not rename the flow run to %s: %s", name, exc)
+
+
+@task(name="check-deployment-ready", task_run_name="check {deployment} has a worker")
+def check_deployment_ready(deployment: str) -> None:
+    """Fail at once, saying what to do, when a run of `deployment` would wait for a worker that is not there.
+
+    Ready means: the deployment exists and is not paused, and its work pool (not paused) has an online
+    worker; a push or managed pool needs none; a deployment served by a process (`.serve()`, no pool)
+    is ready when the server marks it so (that process polled within the last minute).
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import DeploymentStatus, WorkerStatus
+    from prefect.exceptions import ObjectNotFound
+
+    empty = "or leave consolidation.deployment empty to consolidate in this run"
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise DeploymentNotReady(
+                f"consolidation deployment {deployment!r} does not exist on this Prefect server: deploy it "
+                f"(infra/bootstrap.sh) {empty}"
+            ) from None
+        if found.paused:
+            raise DeploymentNotReady(f"consolidation deployment {deployment!r} is paused: resume it {empty}")
+        pool_name = found.work_pool_name
+        if not pool_name:
+            if found.status == DeploymentStatus.READY:
+                return
+            raise DeploymentNotReady(
+                f"consolidation deployment {deployment!r} is served by a process (no work pool) that has not "
+                f"polled in the last minute: start it again {empty}"
+            )
+        pool = client.read_work_pool(pool_name)
+        if pool.type.endswith(":push") or pool.type.endswith(":managed"):
+            return
+        if pool.is_paused:
+            raise DeploymentNotReady(
+                f"consolidation deployment {deployment!r} runs on work pool {pool_name!r}, which is paused: "
+                f"resume it (`prefect work-pool resume {pool_name}`) {empty}"
+            )
+        workers = client.read_workers_for_work_pool(pool_name)
+        if any(w.status == WorkerStatus.ONLINE for w in workers):
+            return
+        raise DeploymentNotReady(
+            f"consolidation deployment {deployment!r} runs on work pool {pool_name!r}, which has no online worker "
+            f"({len(workers)} known, none online), so its run would wait there: start one "
+            f"(`prefect worker start --pool {pool_name}`) {empty}"
+        )
+
+
+@task(
+    name="consolidate-on-deployment",
+    task_run_name="consolidate {checkpoint.tag} on {deployment}",
+    cache_key_fn=checkpoint_cache_key,
+    persist_result=True,
+    tags={"gpu"},
+)
 def consolidate_on_deployment(
     checkpoint: Checkpoint,
     out: str,
     deployment: str,
     consolidation: ConsolidationOptions,
     verification: VerificationOptions,
+    run_name: str | None = None,
 ) -> Output:
     """Run consolidation (and verification) as the deployment `deployment`, and wait for it.
 
     The child run's idempotency key is derived from the source, tag, content identity and options,
     so re-running this flow attaches to the same child run instead of starting another. A child from
     an earlier attempt that ended failed is started once more (under a new key); a child that fails
-    now fails this task with its reason.
+    now fails this task with its reason. A child not finished within `consolidation.timeout_minutes`
+    (waiting for a worker included) is cancelled and fails this task.
     """
     from prefect.deployments import run_deployment
 
@@ -172,23 +301,32 @@ def consolidate_on_deployment(
     params = {
         "checkpoint": checkpoint.model_dump(mode="json"),
         "out": out,
-        "consolidation": consolidation.model_copy(update={"deployment": None}).model_dump(mode="json"),
+        "consolidation": consolidation.model_copy(update={"deployment": ""}).model_dump(mode="json"),
         "verification": verification.model_dump(mode="json"),
     }
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     key = f"ckptflow:{checkpoint.root}/{checkpoint.tag}:{checkpoint.identity}:{digest}"
+    limit = consolidation.timeout_minutes * 60
     asked = datetime.now(timezone.utc)
-    run = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=None, as_subflow=True)
+    run = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=limit, as_subflow=True,
+                         flow_run_name=run_name)
     earlier = run.created is not None and run.created < asked
     if earlier and run.state is not None and run.state.is_final() and not run.state.is_completed():
         log.warning("child run %s for this checkpoint ended %s earlier; starting it again", run.name, run.state.name)
         from prefect.runtime import flow_run as current
 
         run = run_deployment(
-            deployment, parameters=params, idempotency_key=f"{key}:after:{run.id}:{current.id}", timeout=None,
-            as_subflow=True,
+            deployment, parameters=params, idempotency_key=f"{key}:after:{run.id}:{current.id}", timeout=limit,
+            as_subflow=True, flow_run_name=run_name,
         )
     state = run.state
+    if state is not None and not state.is_final():
+        _cancel(run.id)
+        raise TimeoutError(
+            f"consolidation deployment {deployment!r} run {run.name!r} did not finish within "
+            f"{consolidation.timeout_minutes:g} minutes (it was {state.name}); it was cancelled. Raise "
+            "consolidation.timeout_minutes, or check the work pool's workers"
+        )
     if state is None or not state.is_completed():
         name = state.name if state is not None else "in an unknown state"
         reason = (state.message or "no message") if state is not None else "no state"
@@ -205,6 +343,19 @@ def consolidate_on_deployment(
     if verification.enabled:  # the child verifies before it completes
         details["verification"] = {"ok": True, "verified_by": f"flow run {run.name} ({run.id})"}
     return Output(kind="model", uri=out, details=details)
+
+
+def _cancel(flow_run_id: Any) -> None:
+    """Ask the server to cancel a child run that ran out of time (a late one is simply never started)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelling(message="the parent lifecycle run stopped waiting"),
+                                      force=True)
+    except Exception as exc:
+        get_run_logger().warning("could not cancel the child run %s: %s", flow_run_id, exc)
 
 
 def _gone(uri: str) -> bool:
@@ -236,33 +387,41 @@ def _summary(
     published: list[Published],
     failures: list[str],
 ) -> dict[str, Any]:
-    """The markdown summary artifact, and the same as a dict (the flow's return value)."""
-    rows = []
-    if model is not None:
-        check = "verified" if verified and verified.get("ok", True) else "not verified"
-        rows.append(("model", model.uri, f"{model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}"))
-    for n, out in sorted(reshards.items()):
-        if out is not None:
-            rows.append((f"ZeRO, {n} rank(s)", out.uri, format_size(out.bytes or 0)))
+    """The markdown summary artifact, and the same as a dict (the flow's return value).
+
+    Lists, not wide tables, for what was built and published (URIs are long), with links to the Hub
+    and bucket consoles; the verification as a two-column table."""
+    label = source_label(checkpoint.root, checkpoint.tag)
     lines = [
-        f"# {checkpoint.root} @ {checkpoint.tag}",
+        f"# {label}",
         "",
-        f"ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}, step {checkpoint.step}; "
-        f"content identity `{checkpoint.identity}`.",
+        f"`{checkpoint.uri}`: ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}, "
+        f"step {checkpoint.step}; content identity `{checkpoint.identity}`.",
         "",
     ]
-    if rows:
-        lines += ["## Built", "", "| what | where | notes |", "|---|---|---|"]
-        lines += [f"| {a} | `{b}` | {c} |" for a, b, c in rows] + [""]
+    built = []
+    if model is not None:
+        check = "verified" if verified and verified.get("ok", True) else "not verified"
+        built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): `{model.uri}`")
+    for n, out in sorted(reshards.items()):
+        if out is not None:
+            built.append(f"- **ZeRO checkpoint for {n} rank(s)** ({format_size(out.bytes or 0)}): `{out.uri}`")
+    if built:
+        lines += ["## Built", ""] + built + [""]
     if verified:
-        lines += ["## Verification", "", "```json", json.dumps(verified, indent=2, default=str)[:4000], "```", ""]
+        lines += ["## Verification", "", "| check | result |", "|---|---|"]
+        lines += [f"| {r['check']} | {r['result']} |" for r in verification_rows(verified)] + [""]
     if published:
-        lines += ["## Published", "", "| what | from | to | uploaded |", "|---|---|---|---|"]
-        lines += [
-            f"| {p.kind} | `{p.source}` | `{p.destination}`{' @ ' + p.revision if p.revision else ''} | "
-            f"{p.details.get('uploaded', '?')} of {p.files} file(s), {format_size(p.bytes or 0)} |"
-            for p in published
-        ] + [""]
+        lines += ["## Published", ""]
+        for p in published:
+            where = p.destination + (f" @ {p.revision}" if p.revision else "")
+            lines.append(
+                f"- **{p.kind}** to {link(where, p.url)}: {p.details.get('uploaded', '?')} of {p.files} file(s) "
+                f"uploaded ({format_size(p.bytes or 0)}), {p.details.get('skipped', 0)} already there"
+            )
+        lines += ["", "Each push's artifact lists its files with their sizes and sha256.", ""]
+    elif not failures:
+        lines += ["Nothing was published: no destination was given.", ""]
     if failures:
         lines += ["## Failed", ""] + [f"- {f}" for f in failures] + [""]
     headline = (
@@ -271,7 +430,7 @@ def _summary(
         + f"{sum(1 for o in reshards.values() if o)} reshard(s) built, {len(published)} push(es)"
         + (f", {len(failures)} failure(s)" if failures else "")
     )
-    markdown("\n".join(lines), key=artifact_key("lifecycle", checkpoint.tag), description=headline)
+    markdown("\n".join(lines), key=checkpoint_key("summary", checkpoint.root, checkpoint.tag), description=headline)
     return {
         "headline": headline,
         "checkpoint": checkpoint.model_dump(mode="json"),
@@ -283,15 +442,16 @@ def _summary(
     }
 
 
-@flow(name="post-training", log_prints=False)
+@flow(name="post-training", flow_run_name=_post_training_run_name, timeout_seconds=FLOW_TIMEOUT_SECONDS,
+      log_prints=False)
 def post_training(
-    runs: list[str],
-    consolidation: ConsolidationOptions = ConsolidationOptions(),
-    reshard: ReshardOptions = ReshardOptions(),
-    verification: VerificationOptions = VerificationOptions(),
-    destinations: list[Destination] = [],  # noqa: B006
-    publishing: PublishOptions = PublishOptions(),
-    workspace: str | None = None,
+    runs: list[str] = Field(..., json_schema_extra={"title": "Training runs"}, min_length=1),
+    consolidation: ConsolidationOptions = _titled(ConsolidationOptions(), "Hugging Face model"),
+    reshard: ReshardOptions = _titled(ReshardOptions(), "Reshard"),
+    verification: VerificationOptions = _titled(VerificationOptions(), "Verification"),
+    destinations: list[Destination] = _titled([], "Destinations"),
+    publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
+    workspace: Text = _titled("", "Workspace"),
 ) -> list[dict[str, Any]]:
     """Process the newest checkpoint (the tag `latest` names) of each training run.
 

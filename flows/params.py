@@ -2,16 +2,46 @@
 
 A Prefect UI run of a lifecycle deployment renders these as a form; the CLI and the watcher's event
 fill the same fields. Values are checked when a model is built, so a bad form fails before any work.
+
+For the form:
+- Every field has a title and a description (markdown: no angle brackets, which the UI drops as HTML).
+- Optional text is `Text`: a plain string whose empty value means "not set" (`None` from Python is
+  taken as empty). A `str | None` field renders as a type toggle with 'Property is type "None"', and a
+  null in a run's parameters fails the server's schema check.
+- Constraints a form can check (shard-size pattern, world sizes >= 1, worker counts) are in the JSON
+  schema, not only in validators.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from prefect.blocks.system import Secret
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+# A size such as '5GB', '500MB', '2GiB' or a byte count, as a JSON-schema pattern (no regex flags there).
+SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([KkMmGgTt][Ii]?[Bb]|[Bb])?\s*$"
+_SIZE_RE = re.compile(SIZE_PATTERN)
+
+
+def _text(value: Any) -> Any:
+    """None -> '', surrounding space stripped: the empty string is "not set"."""
+    if value is None:
+        return ""
+    return value.strip() if isinstance(value, str) else value
+
+
+def flow_timeout_seconds() -> float:
+    """The time limit of every ckptflow flow run: `$CKPTFLOW_FLOW_TIMEOUT_HOURS` (default 24) on the worker."""
+    return float(os.environ.get("CKPTFLOW_FLOW_TIMEOUT_HOURS", "24")) * 3600
+
+
+Text = Annotated[str, BeforeValidator(_text)]
+"""Optional text for the form: a plain input; empty means not set."""
+
+WorldSize = Annotated[int, Field(ge=1, le=65536)]
 
 
 class _Options(BaseModel):
@@ -56,6 +86,7 @@ class ConsolidationOptions(_Options):
         default="5GB",
         title="Max shard size",
         description="Largest safetensors file to write, e.g. '5GB' or '500MB'.",
+        pattern=SIZE_PATTERN,
     )
     exclude_frozen: bool = Field(
         default=False,
@@ -65,25 +96,34 @@ class ConsolidationOptions(_Options):
     workers: int = Field(
         default=4, ge=1, le=64, title="Workers", description="Output shards written at the same time."
     )
-    deployment: str | None = Field(
-        default=None,
+    deployment: Text = Field(
+        default="",
         title="GPU deployment",
         description="Run consolidation and verification as this deployment ('flow-name/deployment-name', e.g. "
-        "'consolidate-checkpoint/gpu') on its work pool instead of in this flow run. Empty runs them here.",
+        "'consolidate-checkpoint/gpu') on its work pool instead of in this flow run. The run fails at once "
+        "when no worker is polling that pool. Empty runs them here.",
     )
 
-    @field_validator("max_shard_size")
+    timeout_minutes: float = Field(
+        default=360,
+        gt=0,
+        title="GPU run time limit (minutes)",
+        description="With a GPU deployment: how long to wait for its run, waiting for a worker included, before "
+        "cancelling it and failing.",
+    )
+
+    @field_validator("max_shard_size", mode="before")
     @classmethod
-    def _size(cls, value: str) -> str:
-        if not _SIZE_RE.match(value):
+    def _size(cls, value: Any) -> Any:
+        if isinstance(value, str) and not _SIZE_RE.match(value):
             raise ValueError(f"max_shard_size must look like '5GB' or '500MB', got {value!r}")
-        return value.strip()
+        return value.strip() if isinstance(value, str) else value
 
 
 class ReshardOptions(_Options):
     """ZeRO checkpoints rewritten for other data-parallel world sizes."""
 
-    world_sizes: list[int] = Field(
+    world_sizes: list[WorldSize] = Field(
         default_factory=list,
         title="Target world sizes",
         description="Write the checkpoint again for each of these data-parallel world sizes (e.g. [1, 4]), "
@@ -107,8 +147,8 @@ class VerificationOptions(_Options):
         description="Load the consolidated model with transformers, compare its weights with the checkpoint's and "
         "run a forward pass on a fixed input (on CUDA when present), requiring finite logits.",
     )
-    device: str | None = Field(
-        default=None,
+    device: Text = Field(
+        default="",
         title="Device",
         description="Torch device for the forward pass ('cuda', 'cpu'); empty picks CUDA when present.",
     )
@@ -118,17 +158,19 @@ class Destination(_Options):
     """One place to publish to."""
 
     uri: str = Field(
-        title="Destination",
+        title="Destination URI",
         description="A Hugging Face Hub repo ('hf://org/name') or a bucket or folder URL ('gs://bucket/models/run-a', "
-        "'s3://...', a local path). Bucket outputs go under '<uri>/<tag>/'.",
+        "'s3://...', a local path). A bucket or folder gets `URI/TAG/model` and `URI/TAG/zero-wsN`; a Hub repo gets "
+        "the model on its revision and resharded checkpoint N on the branch `zero-wsN`.",
+        min_length=1,
     )
     what: Literal["model", "reshards", "both"] = Field(
         default="model",
         title="What to publish",
         description="The consolidated model, the resharded checkpoints, or both.",
     )
-    revision: str | None = Field(
-        default=None, title="Revision", description="Hub branch to push to; empty uses the repo's default branch."
+    revision: Text = Field(
+        default="", title="Revision", description="Hub branch to push to; empty uses the repo's default branch."
     )
     private: bool = Field(default=False, title="Private", description="Create a missing Hub repo as private.")
 
@@ -151,13 +193,40 @@ class PublishOptions(_Options):
     """How uploads run."""
 
     workers: int = Field(default=8, ge=1, le=64, title="Upload workers", description="Files uploaded at the same time.")
-    hub_endpoint: str | None = Field(
-        default=None,
+    hub_endpoint: Text = Field(
+        default="",
         title="Hub endpoint",
         description="Hugging Face Hub URL for 'hf://' destinations; empty uses huggingface.co (or HF_ENDPOINT).",
     )
-    hub_token_secret: str | None = Field(
+    hub_token: Secret | None = Field(
         default=None,
-        title="Hub token secret",
-        description="Name of a Prefect Secret block holding the Hub token; empty uses HF_TOKEN or the local login.",
+        title="Hub token",
+        description="A Prefect Secret block holding a Hugging Face token with write access; none uses the worker's "
+        "HF_TOKEN or its `hf auth login`. In prefect.yaml: `{\"$ref\": {\"block_document_slug\": \"secret/NAME\"}}`.",
+        json_schema_extra=lambda schema: _block_picker(schema),
     )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_token(self, handler: Any) -> dict[str, Any]:
+        """No `hub_token: null` in the form's defaults or a run's parameters (the server's schema check
+        refuses a null where a block is expected)."""
+        data = handler(self)
+        if data.get("hub_token") is None:
+            data.pop("hub_token", None)
+        return data
+
+    @property
+    def hub_token_block(self) -> str | None:
+        """The Secret block's name, for tasks that load it themselves (a token never travels as a parameter)."""
+        if self.hub_token is None:
+            return None
+        return getattr(self.hub_token, "_block_document_name", None)
+
+
+def _block_picker(schema: dict[str, Any]) -> None:
+    """`anyOf: [block, null]` -> the block's reference alone, so the form shows a block picker, not a type toggle."""
+    options = schema.pop("anyOf", None) or []
+    refs = [o for o in options if "$ref" in o]
+    if refs:
+        schema.update(refs[0])
+    schema.pop("default", None)

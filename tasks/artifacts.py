@@ -1,13 +1,18 @@
 """Artifacts people would rather read than logs: tables, progress bars and summaries.
 
-Artifact keys must be lowercase letters, digits and dashes; `artifact_key` makes one from free text.
-Creating an artifact never fails the work it describes: an error is logged and the work goes on.
-Outside a flow or task run (a task's `.fn` called directly) no artifact is made at all.
+Artifact keys must be lowercase letters, digits and dashes; `artifact_key` makes one from free text,
+`checkpoint_key` one that names the checkpoint's source as well as its tag (`validation-llama-7b-
+3f2a1b9c-global-step3`), so two training runs never share an artifact's history. Creating an artifact
+never fails the work it describes: an error is logged and the work goes on. Outside a flow or task
+run (a task's `.fn` called directly) no artifact is made at all.
+
+Tables stay narrow enough for the page: a record is shown as `field | value` rows, not one wide row.
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import logging
 import re
 import threading
@@ -31,6 +36,43 @@ def artifact_key(*parts: object) -> str:
     text = "-".join(str(p) for p in parts if p not in (None, ""))
     key = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
     return re.sub(r"-{2,}", "-", key)[:100].strip("-") or "ckptflow"
+
+
+def source_name(root: str) -> str:
+    """The readable part of a run folder URI: its last path component ('gs://b/runs/llama-7b' -> 'llama-7b')."""
+    parts = [p for p in re.split(r"[/:]+", root.rstrip("/")) if p and p not in (".", "..")]
+    return parts[-1] if parts else "checkpoint"
+
+
+def checkpoint_key(kind: str, root: str, tag: str | None, *extra: object) -> str:
+    """`kind-<source name>-<8 hex of the source URI>-<tag>[-extra...]`: one artifact history per checkpoint."""
+    digest = hashlib.sha256(root.encode()).hexdigest()[:8]
+    return artifact_key(kind, source_name(root)[:40], digest, tag or "latest", *extra)
+
+
+def web_url(uri: str, *, revision: str | None = None, endpoint: str | None = None) -> str | None:
+    """A link a browser opens for a destination: the Hub repo (at its revision) or the bucket's console
+    page; None for a local folder."""
+    if uri.startswith("hf://"):
+        repo = uri[len("hf://"):].strip("/")
+        base = (endpoint or "https://huggingface.co").rstrip("/")
+        return f"{base}/{repo}/tree/{revision or 'main'}"
+    if uri.startswith(("gs://", "gcs://")):
+        return "https://console.cloud.google.com/storage/browser/" + uri.split("://", 1)[1].strip("/")
+    if uri.startswith(("s3://", "s3a://")):
+        bucket, _, prefix = uri.split("://", 1)[1].partition("/")
+        return f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}?prefix={prefix.strip('/')}/"
+    return None
+
+
+def link(uri: str, url: str | None) -> str:
+    """Markdown for `uri`: a link when there is a web page for it, else the URI as code."""
+    return f"[`{uri}`]({url})" if url else f"`{uri}`"
+
+
+def field_rows(record: Mapping[str, Any]) -> list[dict[str, str]]:
+    """A record as two-column rows (`field`, `value`), for a table no wider than the page."""
+    return [{"field": str(k), "value": "" if v is None else str(v)} for k, v in record.items()]
 
 
 def in_run() -> bool:
@@ -68,7 +110,7 @@ class ProgressArtifact:
     artifact, so they reach the same Prefect API.
     """
 
-    def __init__(self, *, key: str, description: str, interval: float = 1.0) -> None:
+    def __init__(self, *, key: str | None, description: str, interval: float = 1.0) -> None:
         self._lock = threading.Lock()
         self._interval = interval
         self._last_sent = 0.0

@@ -16,7 +16,7 @@ from prefect import get_run_logger, task
 from ckptflow.errors import CheckpointError
 from ckptflow.validate import ValidationReport, validate
 from ckptflow.watch import content_identity
-from tasks.artifacts import artifact_key, table
+from tasks.artifacts import checkpoint_key, field_rows, source_name, table
 from tasks.models import Checkpoint
 from tasks.retries import io_retries
 
@@ -30,17 +30,23 @@ def still_arriving(report: ValidationReport) -> bool:
 
 
 def report_rows(report: ValidationReport) -> list[dict[str, Any]]:
-    """The report as table rows: one per problem, or one summary row for a valid checkpoint."""
+    """The report as a table no wider than the page: for a valid checkpoint, one `field | value` row per
+    fact; else one row per problem (the message names the file)."""
     if report.ok:
         s = report.summary()
-        return [{"check": "valid", "where": f"{report.root}/{report.tag}", **{k: s[k] for k in sorted(s)}}]
-    return [
-        {"problem": p.code, "rank": "" if p.rank is None else p.rank, "file": p.file or "", "message": p.message}
-        for p in report.problems
-    ]
+        return field_rows({"valid": f"{report.root}/{report.tag}", **{k: s[k] for k in sorted(s)}})
+    return [{"problem": p.code, "rank": "" if p.rank is None else p.rank, "message": p.message} for p in report.problems]
 
 
-@task(name="validate-checkpoint", task_run_name="validate {source}", **io_retries())
+def _run_name() -> str:
+    """'validate llama-7b@global_step3' (the source's name, never its whole path)."""
+    from prefect.runtime import task_run
+
+    parameters = task_run.parameters
+    return f"validate {source_name(str(parameters.get('source', '')))}@{parameters.get('tag') or 'latest'}"
+
+
+@task(name="validate-checkpoint", task_run_name=_run_name, **io_retries())
 def validate_checkpoint(
     source: str,
     tag: str | None = None,
@@ -71,7 +77,7 @@ def validate_checkpoint(
 
     table(
         report_rows(report),
-        key=artifact_key("validation", report.tag or "report"),
+        key=checkpoint_key("validation", report.root or source, report.tag),
         description=f"Validation of {report.root or source} at {report.tag or 'latest'}: "
         + ("valid" if report.ok else f"{len(report.problems)} problem(s)"),
     )

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from ckptflow.verify import verify_model
-from tasks.artifacts import artifact_key, table
+from tasks.artifacts import checkpoint_key, table
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
@@ -21,7 +21,7 @@ from tasks.retries import io_retries
 
 @task(
     name="verify",
-    task_run_name="verify {model.uri}",
+    task_run_name="verify {checkpoint.tag} model",
     cache_key_fn=checkpoint_cache_key,
     persist_result=True,
     **io_retries(retries=2),
@@ -36,8 +36,33 @@ def verify_output(checkpoint: Checkpoint, model: Output, *, device: str | None =
         model.uri, check.model_class, check.device, check.dtype, check.logits_shape, check.tensors_compared,
     )
     table(
-        [{"check": k, "result": str(v)} for k, v in result.items()],
-        key=artifact_key("verification", checkpoint.tag),
-        description=f"Verification of {model.uri} against {checkpoint.uri}",
+        verification_rows(result),
+        key=checkpoint_key("verification", checkpoint.root, checkpoint.tag),
+        description=f"Verification of {model.uri} against {checkpoint.uri}: passed",
     )
     return result
+
+
+def verification_rows(result: dict[str, Any]) -> list[dict[str, str]]:
+    """A verification result as `check | result` rows a person reads (the lifecycle summary shows the same)."""
+    labels = {
+        "model_class": "loads as",
+        "device": "device",
+        "dtype": "dtype",
+        "logits_shape": "forward pass",
+        "tensors_compared": "tensors equal to the checkpoint's",
+        "compared_to_source": "compared with the checkpoint",
+        "verified_by": "verified by",
+        "out": "model folder",
+    }
+    rows = []
+    for key, label in labels.items():
+        if key not in result:
+            continue
+        value = result[key]
+        if key == "logits_shape":
+            value = "finite logits " + " x ".join(str(n) for n in value)
+        elif isinstance(value, bool):
+            value = "yes" if value else "no"
+        rows.append({"check": label, "result": str(value)})
+    return rows

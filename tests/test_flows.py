@@ -217,11 +217,40 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
     by_type: dict[str, list[Any]] = {}
     for a in artifacts:
         by_type.setdefault(a.type, []).append(a)
-    assert any(a.key == "validation-global-step3" for a in by_type["table"])
-    assert len(by_type["progress"]) >= 1 + len(RESHARD_TO) + 3
+    from tasks.artifacts import checkpoint_key
+
+    source = bucket_run["source"]
+    keys = {a.key for a in artifacts if a.key}
+    validation_key = checkpoint_key("validation", source, tag)
+    assert validation_key.startswith("validation-llama-") and validation_key.endswith("-global-step3")
+    assert validation_key in keys and checkpoint_key("verification", source, tag) in keys
     assert all(a.data == 100.0 for a in by_type["progress"])
-    summary_md = next(a for a in by_type["markdown"] if a.key == "lifecycle-global-step3")
+    assert not any(a.description.startswith("Publishing") for a in by_type["progress"]), "small pushes: no bar"
+    summary_md = next(a for a in by_type["markdown"] if a.key == checkpoint_key("summary", source, tag))
+    assert summary_md.data.startswith(f"# llama@{tag}\n")
     assert "## Published" in summary_md.data and f"{dest}/{tag}/zero-ws4" in summary_md.data
+    assert "| loads as | LlamaForCausalLM |" in summary_md.data and "```json" not in summary_md.data
+    assert f"[`{dest}/{tag}/model`](https://console.cloud.google.com/storage/browser/" in summary_md.data
+    published = [a for a in by_type["markdown"] if a.key and a.key.startswith("published-llama-")]
+    assert len(published) == 3 and len({a.key for a in published}) == 3
+    model_files = next(a for a in published if "-model-" in a.key).data
+    manifest = json.loads(fs.cat_file(f"{model}/ckptflow-manifest.json"))
+    for entry in manifest["files"]:
+        assert f"| `{entry['path']}` |" in model_files and f"`{entry['sha256']}`" in model_files
+    validation = next(a for a in by_type["table"] if a.key == validation_key)
+    rows = json.loads(validation.data) if isinstance(validation.data, str) else validation.data
+    assert {tuple(r) for r in rows} == {("field", "value")}, "the validation table is two columns wide"
+
+    from prefect.client.orchestration import get_client as _client
+
+    with _client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+    assert run.name == f"llama@{tag}"
+    names = sorted(r.name for r in task_runs(run_id))
+    assert f"validate llama@latest" in names and f"verify {tag} model" in names
+    assert f"publish zero-ws4 to gs://{bucket_run['base'].split('/')[2]}" in names
+    # (the consolidate task's name, in tasks/consolidate.py, still carries its output path)
+    assert not any(bucket_run["workspace"] in n or source in n for n in names if not n.startswith("consolidate ")), names
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:
@@ -362,6 +391,25 @@ def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
     assert failed.is_failed()
     assert f"consolidation deployment '{gpu_deployment}' run" in failed.message
     assert "ended Failed" in failed.message and "already exists and is not empty" in failed.message
+    assert child.name == f"llama@{bucket_run['tag']} bf16"
+
+
+def test_a_gpu_deployment_without_a_worker_fails_at_once(deployed, bucket_run: dict[str, str], tmp_path: Path) -> None:
+    """`consolidate-checkpoint/gpu` of infra/prefect.yaml, on the `gpu` pool with no worker: the run fails
+    before validating anything, naming the pool, instead of waiting for a child that never starts."""
+    params = lifecycle_parameters(bucket_run, [])
+    params.update(workspace=str(tmp_path / "work"), validation={"settle_seconds": 300},
+                  consolidation={"deployment": "consolidate-checkpoint/gpu"})
+    started = time.monotonic()
+    state = run_lifecycle(params)
+    assert state.is_failed()
+    assert time.monotonic() - started < 60
+    assert (
+        "consolidation deployment 'consolidate-checkpoint/gpu' runs on work pool 'gpu', which has no online worker "
+        "(0 known, none online), so its run would wait there: start one (`prefect worker start --pool gpu`) or leave "
+        "consolidation.deployment empty to consolidate in this run"
+    ) in state.message
+    assert not (tmp_path / "work").exists()
 
 
 # ---- the command line over the flows -----------------------------------------------------------------
@@ -416,3 +464,61 @@ def test_cli_watch_once(prefect_server: str, tmp_path: Path) -> None:
     assert again.exit_code == 0 and "1 checkpoint(s) under 1 root(s), 0 new" in again.output
     gone = CliRunner().invoke(app, ["watch", str(tmp_path / "gone"), "--once", "--state", state])
     assert gone.exit_code == 1 and f"{tmp_path / 'gone'} does not exist" in gone.output
+
+
+# ---- the manual deployment as a user runs it: a process worker on this machine, only `source` given ---------
+
+
+@pytest.fixture
+def quiet_schedules(deployed):
+    """The scheduled deployments paused (their runs would reach the worker below), resumed afterwards."""
+    from prefect.client.orchestration import get_client
+
+    names = ["post-training/post-training", "watch-latest/interval"]
+    with get_client(sync_client=True) as client:
+        ids = [client.read_deployment_by_name(n).id for n in names]
+        for i in ids:
+            client.pause_deployment(i)
+    yield
+    with get_client(sync_client=True) as client:
+        for i in ids:
+            client.resume_deployment(i)
+
+
+def test_manual_deployment_with_only_source_completes_on_a_process_worker(
+    prefect_server: str, deployed, quiet_schedules, llama_bf16_ckpt, tmp_path: Path
+) -> None:
+    """`checkpoint-lifecycle/manual` with nothing but `source`, run by `prefect worker start --pool cpu`
+    started outside the checkout: the pull step finds the code, consolidation and verification run in
+    the flow, outputs go to the worker's local workspace, the run ends Completed under its name."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.deployments import run_deployment
+
+    source = tmp_path / "runs" / "llama"
+    shutil.copytree(llama_bf16_ckpt.dir, source)
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, CKPTFLOW_WORKSPACE=str(tmp_path / "work"))
+    env.pop("CKPTFLOW_CODE_DIR", None)
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu", "--type", "process"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        run = run_deployment("checkpoint-lifecycle/manual", parameters={"source": str(source)}, timeout=600)
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{(tmp_path / 'worker.log').read_text()[-3000:]}"
+    assert run.name == f"llama@{llama_bf16_ckpt.tag}"
+    models = list((tmp_path / "work").glob("*/*/model-bf16-*/model*.safetensors"))
+    assert models, "the model was built in the worker's local workspace"
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    messages = [entry.message for entry in logs]
+    assert any(m.startswith("pull step: running flows from ") for m in messages), messages[:10]

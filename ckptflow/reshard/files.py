@@ -1,8 +1,8 @@
 """The files DeepSpeed writes for one data-parallel rank, rebuilt for a new world size from a plan.
 
 `optim_states` and `model_states` return the object trees of one target rank's optimizer file and
-model-states file, ready for `ckptflow.torchsave.write_archive`: the source rank's plain data (as
-`ckptflow.torchzip` read it) with every field that depends on the world size rewritten, tensors as
+model-states file, ready for `ckptflow.formats.torchsave.write_archive`: the source rank's plain data (as
+`ckptflow.formats.torchzip` read it) with every field that depends on the world size rewritten, tensors as
 `OutTensor`s whose storages name the source byte ranges that fill them, and DeepSpeed's objects
 (loss scaler, fragment addresses, ZeRO stage) as the pickle stand-ins torchsave writes by name.
 
