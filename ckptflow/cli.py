@@ -268,6 +268,8 @@ def reshard_command(
         f"{src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
         f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
         f"{format_size(result.bytes_written)} in {result.seconds:.1f}s")
+    if result.rng_files:
+        out.print(f"  Trainer RNG files: {result.rng_summary}", soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command("push")
