@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
+from ckptflow.plumbing.sizes import format_size
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -69,6 +70,11 @@ def web_url(uri: str, *, revision: str | None = None, endpoint: str | None = Non
 def link(uri: str, url: str | None) -> str:
     """Markdown for `uri`: a link when there is a web page for it, else the URI as code."""
     return f"[`{uri}`]({url})" if url else f"`{uri}`"
+
+
+def cell_size(nbytes: int) -> str:
+    """`format_size` for a table cell: a no-break space, so '58.5 KB' never wraps between number and unit."""
+    return format_size(nbytes).replace(" ", "\u00a0")
 
 
 def field_rows(record: Mapping[str, Any]) -> list[dict[str, str]]:

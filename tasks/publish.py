@@ -23,7 +23,7 @@ from prefect import get_run_logger, task
 
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.publish import push
-from tasks.artifacts import ProgressArtifact, checkpoint_key, link, markdown, web_url
+from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
 from tasks.retries import io_retries
@@ -76,7 +76,8 @@ def publish_output(
     """Push the folder `output.uri` to `destination` (an `hf://` repo or any fsspec URL)."""
     logger = get_run_logger()
     hub = destination.startswith("hf://")
-    what = output.kind if output.world_size is None else f"{output.kind} ({output.world_size} ranks)"
+    n = output.world_size
+    what = output.kind if n is None else f"{output.kind} ({n} rank{'' if n == 1 else 's'})"
     kwargs: dict[str, Any] = {"workers": workers}
     token = None
     if hub:
@@ -150,15 +151,16 @@ def _file_table(
     lines = [
         f"## {what.capitalize()} of {checkpoint.tag} published",
         "",
-        f"To {link(where, url)}: {len(result.uploaded)} file(s) uploaded ({format_size(result.bytes_uploaded or 0)}), "
-        f"{len(result.skipped)} already there" + (f"; {len(files)} file(s), {format_size(total or 0)} in all." if files else "."),
+        f"To {link(where, url)}: "
+        + (f"{len(files)} file(s), {format_size(total or 0)} in all; " if files else "")
+        + f"{len(result.uploaded)} uploaded ({format_size(result.bytes_uploaded or 0)}), {len(result.skipped)} already there.",
         "",
     ]
     if result.manifest_uri:
         lines += [f"Readers trust `{result.manifest_uri}` (written last).", ""]
     if files:
         lines += ["| file | size | sha256 |", "|---|---:|---|"]
-        lines += [f"| `{f['file']}` | {format_size(f['size'] or 0)} | `{f['sha256']}` |" for f in files]
+        lines += [f"| `{f['file']}` | {cell_size(f['size'] or 0)} | `{f['sha256']}` |" for f in files]
     digest = hashlib.sha256(where.encode()).hexdigest()[:6]
     markdown(
         "\n".join(lines),

@@ -255,6 +255,8 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
     validation = next(a for a in by_type["table"] if a.key == validation_key)
     rows = json.loads(validation.data) if isinstance(validation.data, str) else validation.data
     assert {tuple(r) for r in rows} == {("field", "value")}, "the validation table is two columns wide"
+    assert len(rows) < 10, "all on the UI's first page of ten rows"
+    assert {"field": "layout", "value": "ZeRO-3, 2 rank(s), fp32"} in rows
 
     from prefect.client.orchestration import get_client as _client
 
