@@ -197,7 +197,7 @@ def run_command(
 
 @app.command("watch")
 def watch_command(
-    roots: list[str] = typer.Argument(..., help="Folders or bucket URLs to search for `latest` pointers."),
+    roots: list[str] = typer.Argument(..., metavar="ROOT", help="Folders or bucket URLs to search for `latest` pointers."),
     once: bool = typer.Option(False, "--once", help="Look once and exit, instead of every --interval seconds."),
     interval: float = typer.Option(300.0, "--interval", min=1, help="Seconds between looks."),
     state: str = typer.Option("ckptflow-watch", "--state", help="Name of the block that remembers what was seen."),
