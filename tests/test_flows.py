@@ -247,7 +247,7 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
         run = client.read_flow_run(run_id)
     assert run.name == f"llama@{tag}"
     names = sorted(r.name for r in task_runs(run_id))
-    assert f"validate llama@latest" in names and f"verify {tag} model" in names
+    assert "validate llama@latest" in names and f"verify {tag} model" in names
     assert f"publish zero-ws4 to gs://{bucket_run['base'].split('/')[2]}" in names
     # (the consolidate task's name, in tasks/consolidate.py, still carries its output path)
     assert not any(bucket_run["workspace"] in n or source in n for n in names if not n.startswith("consolidate ")), names
