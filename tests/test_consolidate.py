@@ -32,7 +32,7 @@ from ckptflow.consolidate import (
     prepare_output,
     run_unit,
 )
-from ckptflow.consolidate.plan import check_coverage
+from ckptflow.formats.deepspeed.tensors import check_coverage
 from ckptflow.formats import hf
 from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.plumbing.sizes import parse_size
@@ -244,7 +244,7 @@ def test_tied_frozen_and_provenance(ds_fixtures: Mapping[str, Fixture], tmp_path
                                                        "size": shard.stat().st_size}}
     assert record["source"] == {
         "uri": f"{fixture.dir}/{fixture.tag}", "root": str(fixture.dir), "tag": fixture.tag, "step": 3,
-        "zero_stage": 3, "world_size": 2, "precision": "bf16", "deepspeed_version": "0.19.8",
+        "zero_stage": 3, "world_size": 2, "precision": "bf16", "deepspeed_version": "0.19.8", "layout": "ZeRO-3, data-parallel 2",
     }
     assert record["output"]["dtype"] == "float32" and record["ckptflow_version"]
     assert result.files[-1] == hf.SAFE_WEIGHTS_NAME

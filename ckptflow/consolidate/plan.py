@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.index import Param, ZeroCheckpoint
-from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real
-from ckptflow.formats.torchzip import DTYPE_SIZES, TensorRef
+from ckptflow.formats.deepspeed.tensors import ModelSource, Run
+from ckptflow.formats.torchzip import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
 
 DEFAULT_CHUNK_BYTES = 32 << 20
@@ -60,21 +59,6 @@ class ConsolidateOptions:
 
 
 # ---- the plan -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Run:
-    """`numel` elements of the source tensor `ref` from its element `start`, landing at element
-    `offset` of an output tensor."""
-
-    ref: TensorRef
-    start: int
-    numel: int
-    offset: int
-
-    @property
-    def byte_range(self) -> tuple[int, int]:
-        return self.ref.element_range(self.start, self.numel)
 
 
 @dataclass(frozen=True)
@@ -132,6 +116,7 @@ class ConsolidationPlan:
     units: tuple[ShardUnit, ...]
     tied: Mapping[str, str]
     excluded: tuple[str, ...]
+    source_layout: str = ""  # e.g. "ZeRO-3, data-parallel 2": what the reader recognized
 
     @property
     def dtype(self) -> str:
@@ -163,7 +148,7 @@ class ConsolidationPlan:
         return sum(u.layout().file_size for u in self.units)
 
 
-def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None = None) -> ConsolidationPlan:
+def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = None) -> ConsolidationPlan:
     """The consolidation of `index` under `options`: output tensors in state-dict order, packed into
     shards as `save_pretrained` packs them. Pure: reads nothing.
 
@@ -171,27 +156,14 @@ def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None
     frozen parameters are left out with `exclude_frozen`; buffers keep their dtype.
     """
     options = options or ConsolidateOptions()
-    params = index.param_by_name
-    buffers = {b.name: b for b in index.buffers}
-    names = [n for n in index.module_order if n in params or n in buffers]
-    names += [n for n in [*params, *buffers] if n not in names]
     tensors: list[OutputTensor] = []
     excluded: list[str] = []
-    for name in names:
-        if name in index.tied:
+    for t in index.model_tensors():
+        if t.kind == "frozen" and options.exclude_frozen:
+            excluded.append(t.name)
             continue
-        if name in buffers:
-            ref = buffers[name].ref
-            tensors.append(OutputTensor(name, ref.dtype, ref.shape, (whole_run(ref, name),), "buffer"))
-            continue
-        param = params[name]
-        if param.frozen and options.exclude_frozen:
-            excluded.append(name)
-            continue
-        runs = frozen_runs(index, param) if param.frozen else trainable_runs(index, param)
-        check_coverage(name, param.numel, runs)
-        kind = "frozen" if param.frozen else "param"
-        tensors.append(OutputTensor(name, options.torch_dtype, param.shape, runs, kind))
+        dtype = t.dtype if t.kind == "buffer" else options.torch_dtype
+        tensors.append(OutputTensor(t.name, dtype, t.shape, t.runs, t.kind))
     if not tensors:
         raise CheckpointError(
             f"{index.root}/{index.tag} has nothing to write: no parameters or buffers"
@@ -207,71 +179,9 @@ def plan_consolidation(index: ZeroCheckpoint, options: ConsolidateOptions | None
     )
     return ConsolidationPlan(
         root=index.root, tag=index.tag, step=index.step, stage=index.stage, world_size=index.world_size,
-        precision=index.precision, ds_version=index.ds_version, options=options, units=units,
+        precision=index.precision, ds_version=index.ds_version, source_layout=index.layout, options=options, units=units,
         tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
     )
-
-
-def trainable_runs(index: ZeroCheckpoint, param: Param) -> tuple[Run, ...]:
-    """The fp32 master-weight runs of a trainable parameter, one per fragment."""
-    runs = []
-    for frag in param.fragments:
-        part = index.partitions[frag.rank][frag.group]
-        if frag.offset + frag.numel > part.fp32.numel:
-            raise CheckpointError(
-                f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of param "
-                f"group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri, rank=frag.rank,
-                tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
-            )
-        runs.append(Run(_contiguous(part.fp32, param.name), frag.offset, frag.numel, frag.param_offset))
-    return tuple(runs)
-
-
-def frozen_runs(index: ZeroCheckpoint, param: Param) -> tuple[Run, ...]:
-    """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, trimmed;
-    ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
-    numel = param.numel
-    if index.stage != 3 or len(param.frozen_pieces) == 1 and index.world_size == 1:
-        if len(param.frozen_pieces) != 1:
-            raise CheckpointError(f"frozen parameter {param.name} has {len(param.frozen_pieces)} saved copies, "
-                                  "expected 1", tensor=param.name, hint="run `ckptflow validate` on the source")
-        return (Run(_contiguous(param.frozen_pieces[0], param.name), 0, numel, 0),)
-    piece = zero3_piece(numel, index.world_size)
-    runs = []
-    for rank, ref in enumerate(param.frozen_pieces):
-        take = zero3_real(numel, index.world_size, rank)
-        if take:
-            runs.append(Run(_contiguous(ref, param.name), 0, take, rank * piece))
-    return tuple(runs)
-
-
-def whole_run(ref: TensorRef, name: str) -> Run:
-    return Run(_contiguous(ref, name), 0, ref.numel, 0)
-
-
-def check_coverage(name: str, numel: int, runs: Sequence[Run]) -> None:
-    """Runs must tile [0, numel) exactly: no gap (padding would leak in), no overlap."""
-    pos = 0
-    for run in sorted(runs, key=lambda r: r.offset):
-        if run.offset != pos or run.numel <= 0 or run.start + run.numel > run.ref.numel:
-            break
-        pos += run.numel
-    else:
-        if pos == numel:
-            return
-    raise CheckpointError(
-        f"{name}: its saved pieces do not add up to its {numel} elements", tensor=name, expected=numel,
-        hint="the checkpoint's partition metadata is inconsistent; run `ckptflow validate` on it",
-    )
-
-
-def _contiguous(ref: TensorRef, name: str) -> TensorRef:
-    if not ref.is_contiguous:
-        raise CheckpointError(
-            f"{name}: its saved tensor in {ref.uri} is a strided view", file=ref.uri, tensor=name,
-            hint="ckptflow reads contiguous tensors by byte range; re-save the checkpoint with DeepSpeed",
-        )
-    return ref
 
 
 # ---- batches: what one unit reads and writes, chunk by chunk (pure) --------------------------------

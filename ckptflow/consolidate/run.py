@@ -88,6 +88,7 @@ def provenance(plan: ConsolidationPlan, shards: Sequence[UnitResult]) -> dict[st
             "world_size": plan.world_size,
             "precision": plan.precision,
             "deepspeed_version": plan.ds_version,
+            "layout": plan.source_layout,
         },
         "output": {
             "dtype": plan.dtype,

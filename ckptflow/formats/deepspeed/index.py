@@ -29,6 +29,7 @@ from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowEr
 from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real, zero12_padded
 from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, model_file_name,
                                               optim_file_name)
+from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, contiguous, whole_run
 from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join, open_fs
@@ -157,6 +158,63 @@ class ZeroCheckpoint:
 
     def model_file(self, rank: int = 0) -> str:
         return self.files[rank if self.stage == 3 else 0].model or self.files[0].model or ""
+
+    @property
+    def layout(self) -> str:
+        return f"ZeRO-{self.stage}, data-parallel {self.world_size}"
+
+    def model_tensors(self) -> tuple[ModelTensor, ...]:
+        """The full model in state-dict order, tied aliases left out (see `tied`): trained parameters
+        from their fp32 master fragments, frozen ones from their saved copies (ZeRO-3: per-rank pieces,
+        padding cut), buffers as saved."""
+        params = self.param_by_name
+        buffers = {b.name: b for b in self.buffers}
+        names = [n for n in self.module_order if n in params or n in buffers]
+        names += [n for n in [*params, *buffers] if n not in names]
+        out = []
+        for name in names:
+            if name in self.tied:
+                continue
+            if name in buffers:
+                ref = buffers[name].ref
+                out.append(ModelTensor(name, ref.shape, ref.dtype, "buffer", (whole_run(ref, name),)))
+                continue
+            param = params[name]
+            runs = self._frozen_runs(param) if param.frozen else self._trainable_runs(param)
+            check_coverage(name, param.numel, runs)
+            dtype = param.dtype if param.frozen else "float32"
+            out.append(ModelTensor(name, param.shape, dtype, "frozen" if param.frozen else "param", runs))
+        return tuple(out)
+
+    def _trainable_runs(self, param: Param) -> tuple[Run, ...]:
+        """The fp32 master-weight runs of a trainable parameter, one per fragment."""
+        runs = []
+        for frag in param.fragments:
+            part = self.partitions[frag.rank][frag.group]
+            if frag.offset + frag.numel > part.fp32.numel:
+                raise CheckpointError(
+                    f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of "
+                    f"param group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri,
+                    rank=frag.rank, tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
+                )
+            runs.append(Run(contiguous(part.fp32, param.name), frag.offset, frag.numel, frag.param_offset))
+        return tuple(runs)
+
+    def _frozen_runs(self, param: Param) -> tuple[Run, ...]:
+        """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, padding
+        cut; ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
+        if self.stage != 3 or len(param.frozen_pieces) == 1 and self.world_size == 1:
+            if len(param.frozen_pieces) != 1:
+                raise CheckpointError(f"frozen parameter {param.name} has {len(param.frozen_pieces)} saved copies, "
+                                      "expected 1", tensor=param.name, hint="run `ckptflow validate` on the source")
+            return (Run(contiguous(param.frozen_pieces[0], param.name), 0, param.numel, 0),)
+        piece = zero3_piece(param.numel, self.world_size)
+        runs = []
+        for rank, ref in enumerate(param.frozen_pieces):
+            take = zero3_real(param.numel, self.world_size, rank)
+            if take:
+                runs.append(Run(contiguous(ref, param.name), 0, take, rank * piece))
+        return tuple(runs)
 
 
 # ---- the tag --------------------------------------------------------------------------------------
