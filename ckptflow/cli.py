@@ -63,10 +63,11 @@ def render_report(report: "ValidationReport") -> None:
     """A validation report: a summary line, then one line per problem."""
     if report.ok:
         s = report.summary()
-        say("valid", "green", f"{report.root}/{report.tag}: ZeRO-{s['stage']}, {s['world_size']} ranks, "
-            f"{s['precision']}, step {s['step']}, {s['params']} params ({s['numel']:,} elements, {s['frozen']} frozen, "
-            f"{s['tied']} tied), {s['buffers']} buffers, {s['param_groups']} param groups"
-            + (", no NaN/Inf" if report.deep else ""))
+        sizes = (f", {s['params']} params ({s['numel']:,} elements, {s['frozen']} frozen, {s['tied']} tied), "
+                 f"{s['buffers']} buffers" if "params" in s else "")
+        groups = f", {s['param_groups']} param groups" if "param_groups" in s else ""
+        say("valid", "green", f"{report.root}/{report.tag}: {s.get('layout', '')}, {s.get('precision')}, "
+            f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
         return
     where = f"{report.root}/{report.tag}" if report.tag else report.source
     say("invalid", "red", f"{where}: {len(report.problems)} problem(s)")

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CkptflowError
-from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint, inspect
+from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint
+from ckptflow.formats.deepspeed.tensors import ModelSource
 from ckptflow.formats.casts import count_non_finite
 from ckptflow.formats.deepspeed.layout import zero3_real
 from ckptflow.formats.torchzip import TensorRef, read_scalar
@@ -28,7 +30,7 @@ class ValidationReport:
     root: str | None
     tag: str | None
     problems: tuple[Problem, ...]
-    index: ZeroCheckpoint | None = field(default=None, repr=False, compare=False)
+    index: ModelSource | None = field(default=None, repr=False, compare=False)
     deep: bool = False
 
     @property
@@ -36,22 +38,8 @@ class ValidationReport:
         return not self.problems
 
     def summary(self) -> dict[str, Any]:
-        ix = self.index
-        if ix is None:
-            return {}
-        return {
-            "stage": ix.stage,
-            "world_size": ix.world_size,
-            "precision": ix.precision,
-            "step": ix.step,
-            "ds_version": ix.ds_version,
-            "params": len(ix.params),
-            "numel": ix.numel,
-            "frozen": sum(p.frozen for p in ix.params),
-            "tied": len(ix.tied),
-            "buffers": len(ix.buffers),
-            "param_groups": len(ix.groups),
-        }
+        """What the checkpoint is: layout, degrees, stage, precision, step, sizes ({} when unreadable)."""
+        return self.index.summary() if self.index is not None else {}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,10 +61,12 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
     """
     index, problems, where = inspect(source, tag)
     root, resolved = where if where else (None, None)
-    if index is not None:
+    if isinstance(index, ZeroCheckpoint):
         problems = problems + _check_optimizer_steps(index)
         if deep and not problems:
             problems = problems + _scan_finite(index, progress)
+    elif index is not None and deep and not problems:
+        problems = problems + _scan_model(index, progress)
     return ValidationReport(source, root, resolved, tuple(problems), index, deep)
 
 
@@ -110,6 +100,13 @@ def _check_optimizer_steps(index: ZeroCheckpoint) -> list[Problem]:
     return problems
 
 
+def _scan_model(index: ModelSource, progress: Progress | None) -> list[Problem]:
+    """NaN/Inf in the weights of any layout: every trained and frozen tensor's runs."""
+    jobs = [(t.name, "weights", r.ref, r.start, r.numel, r.ref.uri) for t in index.model_tensors() if t.kind != "buffer"
+            for r in t.runs]
+    return _scan(jobs, progress)
+
+
 def _scan_finite(index: ZeroCheckpoint, progress: Progress | None) -> list[Problem]:
     """NaN/Inf in any parameter's fp32 master weights or optimizer moments, one problem per tensor,
     read in bounded chunks and checked on the bits (no torch). Padding is never read: ZeRO-3 leaves it
@@ -127,6 +124,12 @@ def _scan_finite(index: ZeroCheckpoint, progress: Progress | None) -> list[Probl
             real = zero3_real(param.numel, index.world_size, rank) if index.stage == 3 else param.numel
             jobs.append((param.name, "weights", piece, 0, min(real, piece.numel),
                          index.files[rank].model or index.model_file()))
+    return _scan(jobs, progress)
+
+
+def _scan(jobs: list[tuple[str, str, TensorRef, int, int, str]], progress: Progress | None) -> list[Problem]:
+    """Read each job's elements (name, what, tensor, first, count, file) in bounded chunks; one problem
+    per tensor and kind that holds NaN or Inf."""
     tally = Tally(sum(count * ref.itemsize for _, _, ref, _, count, _ in jobs), progress)
     bad: dict[tuple[str, str], tuple[int, str]] = {}
     step = 64 << 20

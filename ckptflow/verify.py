@@ -18,7 +18,7 @@ import numpy as np
 from ckptflow.consolidate import plan_consolidation
 from ckptflow.errors import VerificationError
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.formats.shard_check import SourceTensor, read_source_into
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, local_path, open_fs

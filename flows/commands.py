@@ -89,7 +89,13 @@ def lifecycle_parameters(
 
 
 def run_lifecycle(parameters: dict[str, Any]) -> FlowOutcome:
-    """Run `checkpoint_lifecycle` here; its summary, or FlowFailed with the run's reason."""
+    """Run `checkpoint_lifecycle` here; its summary, or FlowFailed with the run's reason.
+
+    Without a server, Prefect starts a temporary one and gives it 20 s by default; on a busy machine
+    (or a first run, which migrates the database) that is not enough, so the embedded server gets 2
+    minutes unless the user set the limit."""
+    if not os.environ.get("PREFECT_API_URL") and not api_url():
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.lifecycle import checkpoint_lifecycle
 
     state = checkpoint_lifecycle(**parameters, return_state=True)

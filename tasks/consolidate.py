@@ -33,7 +33,7 @@ from ckptflow.consolidate import (
     run_unit,
 )
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging

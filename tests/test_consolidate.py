@@ -45,7 +45,7 @@ from ckptflow.errors import (
     VerificationError,
 )
 from ckptflow.formats.torchzip import TensorRef
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.fixtures import MATRIX, Fixture
 from tests.fixtures.matrix import WRITER
 from tests.fixtures.models import BIG_INT64, build_model

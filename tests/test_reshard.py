@@ -36,7 +36,7 @@ from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointE
 from ckptflow.reshard import abort, finalize, plan_reshard, prepare_output, reshard, run_unit
 from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
 from tests.tensors import read_tensor
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.formats.deepspeed.layout import (Extent, moves, param_alignment, piece_offsets, round_robin_order, zero3_moves,
                                   zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
 from tests.fixtures.launch import launch

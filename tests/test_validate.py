@@ -16,7 +16,7 @@ import torch
 
 from tests.tensors import read_elements, read_tensor
 from ckptflow.validate import validate
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ckptflow.cli"]

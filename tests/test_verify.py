@@ -17,7 +17,7 @@ from ckptflow.consolidate import ConsolidateOptions, consolidate, plan_consolida
 from ckptflow.errors import VerificationError
 from ckptflow.formats.shard_check import verify_shard
 from ckptflow.verify import read_source, verify_model
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.fixtures import Fixture
 
 

@@ -22,7 +22,7 @@ from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, pla
 from ckptflow.consolidate.write import UnitResult, run_unit
 from ckptflow.errors import OutputError
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.index import load_index
+from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.executors import run_units as run_all
 from ckptflow.plumbing.progress import Progress, Tally

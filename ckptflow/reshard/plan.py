@@ -103,6 +103,11 @@ def plan_reshard(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
     Raises `ValueError` for a world size below 1 and `UnsupportedCheckpointError` for layouts ckptflow
     cannot convert, or a source whose recorded layout is not the one DeepSpeed's arithmetic predicts.
     """
+    if not isinstance(index, ZeroCheckpoint):
+        raise UnsupportedCheckpointError(
+            f"{index.root}/{index.tag} is a {index.layout} checkpoint; ckptflow reshards data-parallel ZeRO "
+            "checkpoints only so far", uri=index.root,
+            hint="convert it with DeepSpeed's universal converter (deepspeed.checkpoint.ds_to_universal) instead")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
     optimizer = _optimizer_kind(index)

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.index import inspect
+from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.index import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
@@ -133,7 +134,7 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
     Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
     size; the staging folder is then left for `abort`."""
     index, problems, _ = inspect(staging.uri, plan.tag)
-    if problems or index is None:
+    if problems or not isinstance(index, ZeroCheckpoint):
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
             uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")

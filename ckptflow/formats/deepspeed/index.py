@@ -163,6 +163,23 @@ class ZeroCheckpoint:
     def layout(self) -> str:
         return f"ZeRO-{self.stage}, data-parallel {self.world_size}"
 
+    def summary(self) -> dict[str, Any]:
+        """What the checkpoint is, for a report: layout, stage, world size, precision, step, sizes."""
+        return {
+            "layout": self.layout,
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "precision": self.precision,
+            "step": self.step,
+            "ds_version": self.ds_version,
+            "params": len(self.params),
+            "numel": self.numel,
+            "frozen": sum(p.frozen for p in self.params),
+            "tied": len(self.tied),
+            "buffers": len(self.buffers),
+            "param_groups": len(self.groups),
+        }
+
     def model_tensors(self) -> tuple[ModelTensor, ...]:
         """The full model in state-dict order, tied aliases left out (see `tied`): trained parameters
         from their fp32 master fragments, frozen ones from their saved copies (ZeRO-3: per-rank pieces,
@@ -285,12 +302,14 @@ def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
 # ---- reading --------------------------------------------------------------------------------------
 
 
-class _Problems(Exception):
+class StopReading(Exception):
     """Raised inside `inspect` to stop at a stage whose problems make later checks meaningless."""
 
 
 @dataclass
-class _Inspection:
+class Inspection:
+    """What a reader knows while it reads one checkpoint: where, and every problem found so far."""
+
     root: str
     tag: str
     explicit_tag: bool = False
@@ -301,41 +320,21 @@ class _Inspection:
 
     def stop_if_any(self) -> None:
         if self.problems:
-            raise _Problems
+            raise StopReading
 
 
-def inspect(uri: str, tag: str | None = None) -> tuple[ZeroCheckpoint | None, list[Problem], tuple[str, str] | None]:
-    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
-    explicit = tag is not None
-    try:
-        root, tag = resolve_tag(uri, tag)
-    except CkptflowError as exc:
-        return None, [Problem(exc.code, str(exc), exc.file)], None
-    state = _Inspection(root, tag, explicit_tag=explicit)
-    try:
-        index = _read(state)
-    except _Problems:
-        return None, state.problems, (root, tag)
-    return index, state.problems, (root, tag)
-
-
-def load_index(uri: str, tag: str | None = None) -> ZeroCheckpoint:
-    """The index of a valid checkpoint; `CheckpointError` naming the first problem otherwise."""
-    index, problems, _ = inspect(uri, tag)
-    if problems or index is None:
-        first = problems[0]
-        more = f" (and {len(problems) - 1} more problems; run `ckptflow validate {uri}`)" if len(problems) > 1 else ""
-        error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
-        raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
-    return index
-
-
-def _read(st: _Inspection) -> ZeroCheckpoint:
-    """The index, checked stage by stage, cheapest first; each stage stops the reading at its problems."""
-    listing = _list_tag(st)
-    first_model = join(listing.tag_uri, model_file_name(3 if listing.stage3 else 1, 0))
-    model0 = _open(st, first_model, rank=0)
+def read_head(st: Inspection) -> tuple[Listing, dict[str, Any]]:
+    """The tag folder's listing and rank 0's model states: what every reader starts from."""
+    listing = list_tag(st)
+    model0 = open_rank_file(st, listing.model0_uri, rank=0)
     st.stop_if_any()
+    return listing, model0
+
+
+def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any]) -> ZeroCheckpoint:
+    """The index of a data-parallel ZeRO checkpoint, checked stage by stage, cheapest first; each stage
+    stops the reading at its problems."""
+    first_model = listing.model0_uri
     head = _model_head(st, model0, first_model)
     st.stop_if_any()
     model_uris, optim_uris = _check_file_set(st, listing, head["world_size"], head["precision"])
@@ -372,7 +371,7 @@ def _read(st: _Inspection) -> ZeroCheckpoint:
 
 
 @dataclass(frozen=True)
-class _Listing:
+class Listing:
     """The DeepSpeed files of a tag folder, by name."""
 
     tag_uri: str
@@ -384,9 +383,14 @@ class _Listing:
     def stage3(self) -> bool:
         return any(m.group(1) is not None for m in self.model_names.values())
 
+    @property
+    def model0_uri(self) -> str:
+        """Rank 0's model states: every layout has this file."""
+        return join(self.tag_uri, model_file_name(3 if self.stage3 else 1, 0))
 
-def _list_tag(st: _Inspection) -> _Listing:
-    """The tag folder's listing: it exists, holds data-parallel rank files only, and rank 0's model file."""
+
+def list_tag(st: Inspection) -> Listing:
+    """The tag folder's listing: it exists and holds rank 0's model states."""
     tag_uri = join(st.root, st.tag)
     fs, tag_path = open_fs(tag_uri)
     if not fs.isdir(tag_path):
@@ -399,20 +403,11 @@ def _list_tag(st: _Inspection) -> _Listing:
         st.add("tag-missing", f"tag folder {tag_uri} does not exist; {why}", file=tag_uri)
         st.stop_if_any()
     names = tuple(sorted(posixpath.basename(p) for p in fs.ls(tag_path, detail=False)))
-    listing = _Listing(
+    listing = Listing(
         tag_uri, names,
         {n: m for n in names if (m := MODEL_FILE_RE.match(n))},
         {n: m for n in names if (m := OPTIM_FILE_RE.match(n))},
     )
-    for name, m in [*listing.model_names.items(), *listing.optim_names.items()]:
-        if int(m.groups()[-1]) != 0:
-            st.add(
-                "unsupported-parallelism",
-                f"{join(tag_uri, name)} belongs to tensor/pipeline-parallel rank {int(m.groups()[-1])}; ckptflow "
-                "handles data-parallel ZeRO checkpoints (mp_rank_00) only",
-                file=join(tag_uri, name),
-            )
-    st.stop_if_any()
     if model_file_name(3 if listing.stage3 else 1, 0) not in listing.model_names:
         st.add(
             "model-missing",
@@ -425,7 +420,7 @@ def _list_tag(st: _Inspection) -> _Listing:
     return listing
 
 
-def _check_file_set(st: _Inspection, listing: _Listing, world_size: int, precision: str) -> tuple[list[str], list[str]]:
+def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision: str) -> tuple[list[str], list[str]]:
     """Exactly the files the world size implies, none missing, none extra: (model URIs, optim URIs)."""
     first_model = model_file_name(3 if listing.stage3 else 1, 0)
     expected_optim = {optim_file_name(precision, r): r for r in range(world_size)}
@@ -458,16 +453,16 @@ def _check_file_set(st: _Inspection, listing: _Listing, world_size: int, precisi
     return model_uris, optim_uris
 
 
-def _open_ranks(st: _Inspection, model0: dict[str, Any], model_uris: list[str],
+def _open_ranks(st: Inspection, model0: dict[str, Any], model_uris: list[str],
                 optim_uris: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every rank file parsed, in parallel: remote stores answer slowly, not narrowly."""
     with ThreadPoolExecutor(max_workers=min(16, len(model_uris) + len(optim_uris))) as pool:
-        models = [model0] + list(pool.map(lambda a: _open(st, a[1], a[0]), list(enumerate(model_uris))[1:]))
-        optims = list(pool.map(lambda a: _open(st, a[1], a[0]), list(enumerate(optim_uris))))
+        models = [model0] + list(pool.map(lambda a: open_rank_file(st, a[1], a[0]), list(enumerate(model_uris))[1:]))
+        optims = list(pool.map(lambda a: open_rank_file(st, a[1], a[0]), list(enumerate(optim_uris))))
     return models, optims
 
 
-def _check_agreement(st: _Inspection, listing: _Listing, head: dict[str, Any], models: list[dict[str, Any]],
+def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], models: list[dict[str, Any]],
                      optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str]) -> int:
     """The ranks agree on step, world size, version and ZeRO stage; returns the stage."""
     heads = [head] + [_model_head(st, m, u) for m, u in zip(models[1:], model_uris[1:])]
@@ -506,7 +501,7 @@ def _check_agreement(st: _Inspection, listing: _Listing, head: dict[str, Any], m
     return stage
 
 
-def _open(st: _Inspection, uri: str, rank: int) -> dict[str, Any]:
+def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
     try:
         obj = open_archive(uri).obj
     except CkptflowError as exc:
@@ -524,7 +519,7 @@ def _open(st: _Inspection, uri: str, rank: int) -> dict[str, Any]:
     return obj
 
 
-def _model_head(st: _Inspection, obj: Mapping[str, Any], uri: str) -> dict[str, Any]:
+def _model_head(st: Inspection, obj: Mapping[str, Any], uri: str) -> dict[str, Any]:
     missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
     if missing:
         st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
@@ -556,7 +551,7 @@ def _enabled(config: Mapping[str, Any], key: str) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
-def _optim_head(st: _Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> dict[str, Any]:
+def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> dict[str, Any]:
     osd = obj.get("optimizer_state_dict")
     if not isinstance(osd, Mapping) or "partition_count" not in osd:
         st.add("corrupt-file", f"rank {rank}: {uri} is a torch file but not a ZeRO optimizer state (no "
@@ -574,7 +569,7 @@ def _optim_head(st: _Inspection, obj: Mapping[str, Any], uri: str, rank: int) ->
 class _Layout:
     """Parameter fragments and partitions from the rank files, checked as they are worked out."""
 
-    def __init__(self, st: _Inspection, stage: int, world_size: int, precision: str,
+    def __init__(self, st: Inspection, stage: int, world_size: int, precision: str,
                  models: list[dict[str, Any]], optims: list[dict[str, Any]],
                  model_uris: list[str], optim_uris: list[str]) -> None:
         self.st, self.stage, self.ws, self.precision = st, stage, world_size, precision

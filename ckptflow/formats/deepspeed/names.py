@@ -23,6 +23,10 @@ LATEST = "latest"
 MODEL_FILE_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
+# Expert-parallel and pipeline files.
+EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")  # one expert's weights
+EXPP_FILE_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # deepspeed.moe ZeRO-0 optimizer
+LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(?:(\d+)-)?model_states\.pt$")  # PipelineModule layer (+ TP rank)
 
 
 def model_file_name(stage: int, rank: int) -> str:
@@ -36,5 +40,5 @@ def optim_file_name(precision: str, rank: int) -> str:
 
 
 def is_rank_file(name: str) -> bool:
-    """Whether `name` is a DeepSpeed model- or optimizer-states file."""
-    return bool(MODEL_FILE_RE.match(name) or OPTIM_FILE_RE.match(name))
+    """Whether `name` is one of the files DeepSpeed saves into a tag folder."""
+    return any(p.match(name) for p in (MODEL_FILE_RE, OPTIM_FILE_RE, EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ckptflow.errors import CheckpointError
 from ckptflow.formats.torchzip import TensorRef
@@ -70,6 +70,8 @@ class ModelSource(Protocol):
     def layout(self) -> str: ...
 
     def model_tensors(self) -> tuple[ModelTensor, ...]: ...
+
+    def summary(self) -> dict[str, Any]: ...
 
 
 def contiguous(ref: TensorRef, name: str) -> TensorRef:

@@ -1,0 +1,66 @@
+"""Opening a DeepSpeed checkpoint of any layout: resolve the tag, detect the layout, run its reader.
+
+`inspect(uri)` gives the index (a `ModelSource`; for data-parallel ZeRO the `ZeroCheckpoint`), every
+problem found, and where it looked; `load_index(uri)` is the same for callers that only want a good
+index. A layout that no reader handles yet is a problem that names the layout and what to do instead,
+never "damaged".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.detect import Layout, detect
+from ckptflow.formats.deepspeed.index import Inspection, Listing, Problem, StopReading, read_head, read_zero, resolve_tag
+from ckptflow.formats.deepspeed.tensors import ModelSource
+
+Reader = Callable[[Inspection, Listing, dict[str, Any], Layout], ModelSource]
+
+# One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
+READERS: dict[str, Reader] = {
+    "zero": lambda st, listing, model0, layout: read_zero(st, listing, model0),
+}
+
+_WHAT_TO_DO = {
+    "tensor-parallel": "ckptflow needs to know how each parameter is split, and the checkpoint does not say: save "
+                       "it with `universal_checkpoint_info` in the client state (as Megatron-DeepSpeed does), or "
+                       "convert it with your framework's own tools",
+}
+_DEFAULT_WHAT_TO_DO = ("ckptflow cannot convert this layout yet: convert it with DeepSpeed's universal converter "
+                       "(python -m deepspeed.checkpoint.ds_to_universal --input_folder <tag folder> --output_folder "
+                       "<out>) and load that with `\"checkpoint\": {\"load_universal\": true}`")
+
+
+def inspect(uri: str, tag: str | None = None) -> tuple[ModelSource | None, list[Problem], tuple[str, str] | None]:
+    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+    explicit = tag is not None
+    try:
+        root, tag = resolve_tag(uri, tag)
+    except CkptflowError as exc:
+        return None, [Problem(exc.code, str(exc), exc.file)], None
+    st = Inspection(root, tag, explicit_tag=explicit)
+    try:
+        listing, model0 = read_head(st)
+        layout = detect(listing.names, model0)
+        reader = READERS.get(layout.kind)
+        if reader is None:
+            st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {layout.description} layout; "
+                   f"{_WHAT_TO_DO.get(layout.kind, _DEFAULT_WHAT_TO_DO)}", file=listing.tag_uri)
+            st.stop_if_any()
+        index = reader(st, listing, model0, layout)  # type: ignore[misc]  # reader is set: the add above stops
+    except StopReading:
+        return None, st.problems, (root, tag)
+    return index, st.problems, (root, tag)
+
+
+def load_index(uri: str, tag: str | None = None) -> ModelSource:
+    """The index of a valid checkpoint; `CheckpointError` naming the first problem otherwise."""
+    index, problems, _ = inspect(uri, tag)
+    if problems or index is None:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more problems; run `ckptflow validate {uri}`)" if len(problems) > 1 else ""
+        error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
+        raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
+    return index
