@@ -6,8 +6,12 @@ fresh upstream connection, one request per client connection. A seeded share of 
 - "503": answered with 503 and never forwarded (the server never saw it);
 - "reset": the connection is dropped (RST) after the request was read, never forwarded;
 - "truncate": a GET is forwarded and its response cut off halfway through the body (other methods
-  get a 503 instead: a lost response to a write the server applied is a case no emulator here
-  models the way the real service does).
+  get a 503 instead);
+- "drop": the request is forwarded and applied by the server, then the connection is dropped (RST)
+  before any of the response reaches the client: the client cannot tell whether its write landed.
+  Not among the default kinds: ask for it by name. What a client does next (resend, query, give up)
+  is what it tests; a resumable-upload chunk resent to the GCS emulator is answered 400 "Invalid
+  Content-Range start" (see tests/test_upload_restart.py).
 
 `status=403` (say) answers every targeted request with that status instead (permanent errors), and
 `delay` slows every request down. Faults are drawn from `random.Random(seed)` and bounded by
@@ -26,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 KINDS = ("503", "reset", "truncate")
+ALL_KINDS = (*KINDS, "drop")
 
 
 @dataclass
@@ -144,17 +149,22 @@ class FaultProxy:
             elif fault == "reset":
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             else:
-                self._forward(client, head, body, truncate=fault == "truncate")
+                self._forward(client, head, body, truncate=fault == "truncate", drop=fault == "drop")
         except OSError:
             pass
         finally:
             client.close()
 
-    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool) -> None:
+    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool, drop: bool = False) -> None:
         upstream = socket.create_connection(self.upstream, timeout=120)
         try:
             upstream.sendall(_with_header(head, b"Connection", b"close") + body)
             response = _read_until(upstream, b"\r\n\r\n")
+            if drop:  # the server has answered, so it applied the request; the client never hears of it
+                while upstream.recv(1 << 20):
+                    pass
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
             resp_head, _, rest = response.partition(b"\r\n\r\n")
             resp_head = _with_header(resp_head + b"\r\n\r\n", b"Connection", b"close")
             length = _header(resp_head, b"content-length")
