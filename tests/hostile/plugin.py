@@ -41,8 +41,9 @@ def default_limits() -> Limits:
 def hostile_runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
     from tests.fixtures.cache import build
     from tests.fixtures.plugin import _progress
+    from tests.fuzz import SOURCES
 
-    fixtures = build(fixture_names(), progress=_progress(request.config))
+    fixtures = build(sorted({*fixture_names(), *SOURCES}), progress=_progress(request.config))
     hub = request.getfixturevalue("hub_server")
     harness = Harness(workers=int(os.environ.get(WORKERS_ENV, "2")), limits=default_limits())
     runner = Runner(harness=harness, fixtures=fixtures, workdir=tmp_path_factory.mktemp("hostile"), hub=hub,
