@@ -45,6 +45,10 @@ class FaultPlan:
     delay: float = 0.0
     only_paths: tuple[str, ...] = ()  # when set, faults hit only request paths containing one of these
     spare_first: int = 0  # let this many targeted requests through before any fault
+    message: str = "injected permanent error"  # the error text of `status` answers (stores echo odd things)
+    # (method, path substring, status): answered by the proxy itself, never forwarded, e.g. what real GCS
+    # answers where the emulator has no handler: ("DELETE", "upload_id=", 499) cancels a resumable upload.
+    answers: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass
@@ -142,8 +146,12 @@ class FaultProxy:
             fault = self._decide(method.decode(), path.decode("latin-1"))
             if self.plan.delay:
                 time.sleep(self.plan.delay)
-            if fault == "status":
-                _respond(client, method.decode(), self.plan.status or 500, "injected permanent error", xml=self.xml)
+            answer = next((status for m, p, status in self.plan.answers
+                           if m == method.decode() and p in path.decode("latin-1")), None)
+            if answer is not None and fault is None:
+                _respond(client, method.decode(), answer, "answered by the proxy", xml=self.xml)
+            elif fault == "status":
+                _respond(client, method.decode(), self.plan.status or 500, self.plan.message, xml=self.xml)
             elif fault == "503":
                 _respond(client, method.decode(), 503, "injected: service unavailable", xml=self.xml)
             elif fault == "reset":
@@ -202,7 +210,7 @@ def _respond(client: socket.socket, method: str, status: int, message: str, *, x
     else:
         body = json.dumps({"error": {"code": status, "message": message}}).encode()
         content_type = "application/json"
-    reason = {403: "Forbidden", 404: "Not Found", 503: "Service Unavailable"}.get(status, "Error")
+    reason = {403: "Forbidden", 404: "Not Found", 499: "Client Closed Request", 503: "Service Unavailable"}.get(status, "Error")
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
