@@ -283,8 +283,15 @@ class Workspace:
         return path
 
     def show(self, text: str, *commands: str) -> None:
-        """The output of `commands` (all when none) must contain `text` literally."""
+        """The output of `commands` (all when none) must contain `text` literally, whatever the
+        parameters: input that a message quotes (markup, names) must appear as it is."""
         self.must_show.append((text, tuple(commands)))
+
+    def pin(self, text: str, *commands: str) -> None:
+        """Like `show`, for the canonical case only: a pinned message, which drawn parameters (another
+        file, another fixture) may change."""
+        if self.rng is None:
+            self.show(text, *commands)
 
     # -- the command lines ---------------------------------------------------------------------------
 

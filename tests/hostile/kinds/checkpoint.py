@@ -20,7 +20,7 @@ def missing_rank_file(ws: Workspace) -> None:
     """An optimizer file of rank 1 is missing (an upload still in progress)."""
     name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     ws.remove(f"{ws.tag}/{name}")
-    ws.show(f"rank 1 of 2 is missing: expected {ws.tag}/{name} under {ws.src}; the upload may still be in progress, "
+    ws.pin(f"rank 1 of 2 is missing: expected {ws.tag}/{name} under {ws.src}; the upload may still be in progress, "
             "or the checkpoint was saved with fewer ranks")
 
 
@@ -28,8 +28,8 @@ def missing_rank_file(ws: Workspace) -> None:
 def extra_rank_file(ws: Workspace) -> None:
     """A rank file beyond the world size, left over from another save into the same folder."""
     shutil.copy(ws.optim_file(1), ws.tag_dir / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    ws.show("bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    ws.show("rank-extra", VALIDATE, DEEP)
+    ws.pin("bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    ws.pin("rank-extra", VALIDATE, DEEP)
 
 
 @kind(expect=r"is not a readable torch archive.*copy it again")
@@ -37,15 +37,15 @@ def truncated_file(ws: Workspace) -> None:
     """Rank 0's optimizer file cut in half."""
     path = ws.optim_file(0)
     ws.write(path.relative_to(ws.src), path.read_bytes()[: path.stat().st_size // 2])
-    ws.show(str(path))
-    ws.show("corrupt-file", VALIDATE, DEEP)
+    ws.pin(str(path))
+    ws.pin("corrupt-file", VALIDATE, DEEP)
 
 
 @kind(expect=r"is empty \(0 bytes\)")
 def zero_byte_file(ws: Workspace) -> None:
     """Rank 1's model states file is empty."""
     path = ws.write(ws.model_file(1).relative_to(ws.src), b"")
-    ws.show(f"rank 1: {path} is empty (0 bytes)")
+    ws.pin(f"rank 1: {path} is empty (0 bytes)")
 
 
 @kind(source=Z2, expect=r"is not a readable torch archive")
@@ -53,20 +53,20 @@ def garbage_file(ws: Workspace) -> None:
     """Rank 1's optimizer file is 4 KB of random bytes."""
     path = ws.optim_file(1)
     ws.write(path.relative_to(ws.src), ws.param(os.urandom(4096), lambda r: r.randbytes(r.randrange(1, 1 << 16))))
-    ws.show(f"rank 1: {path} is not a readable torch archive")
+    ws.pin(f"rank 1: {path} is not a readable torch archive")
 
 
 @kind(expect=r"does not exist")
 def latest_names_missing_tag(ws: Workspace) -> None:
     """`latest` names a tag that was never saved."""
     ws.write("latest", "global_step999")
-    ws.show(f"tag folder {ws.src}/global_step999 does not exist")
+    ws.pin(f"tag folder {ws.src}/global_step999 does not exist")
 
 
 def _path_trick(tag: str):  # noqa: ANN202
     def build(ws: Workspace) -> None:
         ws.write("latest", tag)
-        ws.show("latest-unsafe", VALIDATE, DEEP)
+        ws.pin("latest-unsafe", VALIDATE, DEEP)
     build.__doc__ = f"`latest` holds the path {tag!r}, not a folder name."
     return build
 
@@ -80,7 +80,7 @@ for _name, _tag in (("dotdot", "../../etc"), ("inner-dotdot", "global_step1/../x
 def missing_latest(ws: Workspace) -> None:
     """No `latest` in the folder given."""
     ws.remove("latest")
-    ws.show(f"no `latest` file in {ws.src}")
+    ws.pin(f"no `latest` file in {ws.src}")
 
 
 @kind(code=0)
@@ -95,7 +95,7 @@ def ranks_from_different_steps(ws: Workspace) -> None:
     """Rank 1's model states come from a later save."""
     bump = ws.param(5, lambda r: r.choice([1, 5, -3, 10**12]))
     resave(ws.model_file(1), lambda o: o.__setitem__("global_steps", o["global_steps"] + bump))
-    ws.show("ranks-disagree", VALIDATE, DEEP)
+    ws.pin("ranks-disagree", VALIDATE, DEEP)
 
 
 @kind(source=Z2, commands=(VALIDATE, DEEP, RESHARD), expect=r"rank 1's optimizer.*mixes files from different saves")
@@ -116,7 +116,7 @@ def mismatched_world_size_in_metadata(ws: Workspace) -> None:
         o["optimizer_state_dict"]["partition_count"] = [c + 1 for c in count] if isinstance(count, list) else count + 1
 
     resave(ws.optim_file(0), grow)
-    ws.show("was saved with 3 partitions but")
+    ws.pin("was saved with 3 partitions but")
 
 
 @kind(expect=r"its parameters need")
@@ -129,7 +129,7 @@ def partition_sizes_that_do_not_add_up(ws: Workspace) -> None:
             osd["optimizer_state_dict"]["state"][0][key] = osd["optimizer_state_dict"]["state"][0][key][:-1].clone()
 
     resave(ws.optim_file(1), trim)
-    ws.show("partition-mismatch", VALIDATE, DEEP)
+    ws.pin("partition-mismatch", VALIDATE, DEEP)
 
 
 @kind(commands=(VALIDATE, DEEP), expect=r"non-finite.*hold 1 NaN/Inf value\(s\)", overrides={VALIDATE: {"code": 0}})
@@ -153,8 +153,8 @@ def pickle_that_tries_to_run_code(ws: Workspace) -> None:
     import torch
 
     torch.save(obj, path)
-    ws.show(f"{path} refers to posix.system, which ckptflow does not load")
-    ws.show("unsafe-pickle", VALIDATE, DEEP)
+    ws.pin(f"{path} refers to posix.system, which ckptflow does not load")
+    ws.pin("unsafe-pickle", VALIDATE, DEEP)
 
 
 @kind(expect=r"is a zip file but not a torch archive")

@@ -15,7 +15,7 @@ ODD_VALUES: list[Any] = ["2", 2.5, None, [2], float("nan")]
 
 def _set(ws: Workspace, path: Any, key: str, value: Any) -> None:
     resave(path, lambda o: o.__setitem__(key, value))
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"(?i)world size", issue="14.4", hangs=True)
@@ -35,7 +35,7 @@ def partition_count_absurd(ws: Workspace) -> None:
         o["optimizer_state_dict"]["partition_count"] = [value for _ in count] if isinstance(count, list) else value
 
     resave(ws.optim_file(0), edit)
-    ws.show(str(ws.optim_file(0)))
+    ws.pin(str(ws.optim_file(0)))
 
 
 def _reshape(ws: Workspace, shape: tuple[int, ...]) -> None:
@@ -48,7 +48,7 @@ def _reshape(ws: Workspace, shape: tuple[int, ...]) -> None:
 
     for path in ({ws.model_file(r) for r in range(ws.world_size)} if ws.stage == 3 else {ws.model_file(0)}):
         resave(path, edit)
-    ws.show(str(ws.model_file(0)) if ws.stage != 3 else "")
+    ws.pin(str(ws.model_file(0)) if ws.stage != 3 else "")
 
 
 @kind(source=Z2, expect=r"(?i)partition|elements|shape", issue="14.4", hangs=True)
@@ -78,7 +78,7 @@ def group_paddings_absurd(ws: Workspace) -> None:
         o["optimizer_state_dict"]["group_paddings"][0] = value
 
     resave(ws.optim_file(0), edit)
-    ws.show(str(ws.optim_file(0)))
+    ws.pin(str(ws.optim_file(0)))
 
 
 @kind(expect=r"(?i)stage", issue="14.4")
@@ -90,7 +90,7 @@ def zero_stage_absurd(ws: Workspace) -> None:
         o["optimizer_state_dict"]["zero_stage"] = value
 
     resave(ws.optim_file(0), edit)
-    ws.show(str(ws.optim_file(0)))
+    ws.pin(str(ws.optim_file(0)))
 
 
 @kind(expect=r"(?i)global step", issue="14.4")

@@ -24,7 +24,7 @@ def _target(ws: Workspace):  # noqa: ANN202
 def _payload(ws: Workspace, ops: bytes, key: str = "payload") -> None:
     path = _target(ws)
     inject(path, key, ops)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 def _touch(ws: Workspace) -> bytes:
@@ -241,3 +241,11 @@ def global_not_utf8(ws: Workspace) -> None:
 def huge_integer(ws: Workspace) -> None:
     """A LONG4 integer of a million digits as a value nobody reads."""
     _payload(ws, asm.integer(ws.param(10**4400, lambda r: r.choice([10**4400, -(10**5000), 2**64]))))
+
+
+@kind(expect=REFUSED.format(r"posix.*system"), issue="14.2")
+def global_with_control_characters(ws: Workspace) -> None:
+    """A GLOBAL whose module name carries terminal escape sequences: the refusal quotes it raw (found by
+    the fuzzer, zip-pickle 1025)."""
+    module = ws.param("posix\x1b[2J\x1b]0;owned\x07", lambda r: "posix" + "".join(chr(r.randrange(1, 32)) for _ in range(5)))
+    _payload(ws, asm.call(asm.glob(module, "system"), _touch(ws)))

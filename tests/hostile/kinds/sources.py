@@ -17,4 +17,4 @@ def truncated_while_mapped(ws: Workspace) -> None:
     path = ws.optim_file(ws.param(0, lambda r: r.randrange(ws.world_size)))
     ws.hooks.append(("shrink-after-map", str(path)))
     ws.src_may_change = True
-    ws.show(str(path))
+    ws.pin(str(path))

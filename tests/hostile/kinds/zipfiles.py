@@ -35,12 +35,12 @@ def _random_flips(r: random.Random, start: int, end: int) -> tuple[list[int], li
 def _flip_region(ws: Workspace, canonical_file: Path, region: str, canonical_at: int) -> Path:
     path = ws.any_rank_file(canonical_file)
     reg = regions(path)
-    spans = {
+    spans = [(a, b) for a, b in {
         "directory": [reg.directory],
         "headers": list(reg.headers),
         "pickle": [reg.pickle],
-        "data": list(reg.data) or [reg.pickle],
-    }[region]
+        "data": list(reg.data),
+    }[region] if b > a] or [reg.pickle]
     start, end = spans[0]
     positions, values = ws.param(([start + canonical_at], None), lambda r: _random_flips(r, *r.choice(spans)))
     flip(path, positions, values)
@@ -51,7 +51,7 @@ def _flip_region(ws: Workspace, canonical_file: Path, region: str, canonical_at:
 def directory_flip(ws: Workspace) -> None:
     """Bytes of the central directory flipped (the first entry's signature, canonically)."""
     path = _flip_region(ws, ws.optim_file(1), "directory", 0)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"damaged zip header|is not a readable torch archive|past the end", code=ANY)
@@ -61,9 +61,9 @@ def local_header_flip(ws: Workspace) -> None:
     reg = regions(path)
     storage_headers = [h for h in reg.headers if any(h[1] == d[0] for d in reg.data)]
     positions, values = ws.param(([storage_headers[0][0]], [0x00]),
-                                 lambda r: _random_flips(r, *r.choice(list(reg.headers))))
+                                 lambda r: _random_flips(r, *r.choice([h for h in reg.headers if h[1] > h[0]])))
     flip(path, positions, values)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"cannot read its pickle|refers to|is not a readable torch archive", code=ANY)
@@ -77,7 +77,7 @@ def pickle_flip(ws: Workspace) -> None:
     for pos, value in zip(positions, values):
         data[pos] = value
     set_pickle(path, bytes(data))
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(code=ANY)
@@ -91,10 +91,10 @@ def truncated_in_region(ws: Workspace) -> None:
     """A rank file cut inside one of its regions (canonically inside the central directory)."""
     path = ws.any_rank_file(ws.optim_file(1))
     reg = regions(path)
-    spans = [reg.directory, *reg.headers, reg.pickle, *reg.data]
+    spans = [(a, b) for a, b in (reg.directory, *reg.headers, reg.pickle, *reg.data) if b > a]
     at = ws.param(reg.directory[0] + 10, lambda r: r.randrange(*r.choice(spans)) if r.random() < 0.8 else r.randrange(1, path.stat().st_size))
     ws.write(path.relative_to(ws.src), path.read_bytes()[:at])
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"is not a readable torch archive", code=ANY)
@@ -106,7 +106,7 @@ def directory_offset_past_end(ws: Workspace) -> None:
     end = raw.rfind(b"PK\x05\x06")
     struct.pack_into("<I", raw, end + 16, ws.param(0xFFFFFFF0, lambda r: r.randrange(2**32)))
     ws.write(path.relative_to(ws.src), bytes(raw))
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"lies past the end|ends at byte|damaged zip header|is not a readable torch archive")
@@ -118,7 +118,7 @@ def local_header_name_length(ws: Workspace) -> None:
     raw = bytearray(path.read_bytes())
     struct.pack_into("<H", raw, header[0] + 26, ws.param(0xFFFF, lambda r: r.randrange(2**16)))
     ws.write(path.relative_to(ws.src), bytes(raw))
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"cannot read its pickle")
@@ -127,7 +127,7 @@ def pickle_truncated(ws: Workspace) -> None:
     path = ws.model_file(0)
     data = get_pickle(path)
     set_pickle(path, data[: ws.param(len(data) // 2, lambda r: r.randrange(len(data)))])
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"is compressed")
@@ -141,7 +141,7 @@ def storage_compressed(ws: Workspace) -> None:
         if info.filename == name:
             info.compress_type = zipfile.ZIP_DEFLATED
     archive.write(path)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"holds \d+ bytes, expected \d+|cannot read its pickle")
@@ -152,7 +152,7 @@ def storage_shorter_than_recorded(ws: Workspace) -> None:
     name = archive.storage_names()[-1]
     archive.set(name, archive.get(name)[: ws.param(8, lambda r: r.randrange(len(archive.get(name))))])
     archive.write(path)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"missing from the archive|cannot read its pickle")
@@ -163,7 +163,7 @@ def storage_entry_missing(ws: Workspace) -> None:
     name = archive.storage_names()[0]
     archive.entries = [(i, d) for i, d in archive.entries if i.filename != name]
     archive.write(path)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"big-endian")
@@ -174,7 +174,7 @@ def big_endian_byteorder(ws: Workspace) -> None:
     name = next(i.filename for i, _ in archive.entries if i.filename.endswith("/byteorder"))
     archive.set(name, b"big")
     archive.write(path)
-    ws.show(str(path))
+    ws.pin(str(path))
 
 
 @kind(expect=r"is not a readable torch archive|not a torch archive|cannot read its pickle")
@@ -185,4 +185,4 @@ def zip_of_zips(ws: Workspace) -> None:
     ws.remove(path.relative_to(ws.src))
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("archive/data.pkl", original)
-    ws.show(str(path))
+    ws.pin(str(path))
