@@ -6,8 +6,12 @@ fresh upstream connection, one request per client connection. A seeded share of 
 - "503": answered with 503 and never forwarded (the server never saw it);
 - "reset": the connection is dropped (RST) after the request was read, never forwarded;
 - "truncate": a GET is forwarded and its response cut off halfway through the body (other methods
-  get a 503 instead: a lost response to a write the server applied is a case no emulator here
-  models the way the real service does).
+  get a 503 instead);
+- "drop": the request is forwarded and applied by the server, then the connection is dropped (RST)
+  before any of the response reaches the client: the client cannot tell whether its write landed.
+  Not among the default kinds: ask for it by name. What a client does next (resend, query, give up)
+  is what it tests; a resumable-upload chunk resent to the GCS emulator is answered 400 "Invalid
+  Content-Range start" (see tests/test_upload_restart.py).
 
 `status=403` (say) answers every targeted request with that status instead (permanent errors), and
 `delay` slows every request down. Faults are drawn from `random.Random(seed)` and bounded by
@@ -26,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 KINDS = ("503", "reset", "truncate")
+ALL_KINDS = (*KINDS, "drop")
 
 
 @dataclass
@@ -40,6 +45,10 @@ class FaultPlan:
     delay: float = 0.0
     only_paths: tuple[str, ...] = ()  # when set, faults hit only request paths containing one of these
     spare_first: int = 0  # let this many targeted requests through before any fault
+    message: str = "injected permanent error"  # the error text of `status` answers (stores echo odd things)
+    # (method, path substring, status): answered by the proxy itself, never forwarded, e.g. what real GCS
+    # answers where the emulator has no handler: ("DELETE", "upload_id=", 499) cancels a resumable upload.
+    answers: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass
@@ -137,24 +146,33 @@ class FaultProxy:
             fault = self._decide(method.decode(), path.decode("latin-1"))
             if self.plan.delay:
                 time.sleep(self.plan.delay)
-            if fault == "status":
-                _respond(client, method.decode(), self.plan.status or 500, "injected permanent error", xml=self.xml)
+            answer = next((status for m, p, status in self.plan.answers
+                           if m == method.decode() and p in path.decode("latin-1")), None)
+            if answer is not None and fault is None:
+                _respond(client, method.decode(), answer, "answered by the proxy", xml=self.xml)
+            elif fault == "status":
+                _respond(client, method.decode(), self.plan.status or 500, self.plan.message, xml=self.xml)
             elif fault == "503":
                 _respond(client, method.decode(), 503, "injected: service unavailable", xml=self.xml)
             elif fault == "reset":
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             else:
-                self._forward(client, head, body, truncate=fault == "truncate")
+                self._forward(client, head, body, truncate=fault == "truncate", drop=fault == "drop")
         except OSError:
             pass
         finally:
             client.close()
 
-    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool) -> None:
+    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool, drop: bool = False) -> None:
         upstream = socket.create_connection(self.upstream, timeout=120)
         try:
             upstream.sendall(_with_header(head, b"Connection", b"close") + body)
             response = _read_until(upstream, b"\r\n\r\n")
+            if drop:  # the server has answered, so it applied the request; the client never hears of it
+                while upstream.recv(1 << 20):
+                    pass
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
             resp_head, _, rest = response.partition(b"\r\n\r\n")
             resp_head = _with_header(resp_head + b"\r\n\r\n", b"Connection", b"close")
             length = _header(resp_head, b"content-length")
@@ -192,7 +210,7 @@ def _respond(client: socket.socket, method: str, status: int, message: str, *, x
     else:
         body = json.dumps({"error": {"code": status, "message": message}}).encode()
         content_type = "application/json"
-    reason = {403: "Forbidden", 404: "Not Found", 503: "Service Unavailable"}.get(status, "Error")
+    reason = {403: "Forbidden", 404: "Not Found", 499: "Client Closed Request", 503: "Service Unavailable"}.get(status, "Error")
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
