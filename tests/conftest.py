@@ -15,4 +15,5 @@ pytest_plugins = [
     "tests.fixtures.plugin",
     "tests.prefect_plugin",
     "tests.servers",
+    "tests.cluster",
 ]
