@@ -1,4 +1,4 @@
-"""The synthetic checkpoints of `benchmarks/scale.py` are checkpoints: torch and DeepSpeed read them,
+"""The synthetic checkpoints of `benchmarks/scale_checkpoints.py` are checkpoints: torch and DeepSpeed read them,
 ckptflow indexes and plans them, their key structure is that of a real DeepSpeed-written Llama, and
 their storages are holes."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import scale
+from benchmarks import scale_checkpoints as scale
+from benchmarks.scale import planning_api
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_torch_and_deepspeed_read_it(tiny: Path) -> None:
 
 
 def test_ckptflow_indexes_and_plans_it(tiny: Path) -> None:
-    api = scale.planning_api()
+    api = planning_api()
     index = api.load_index(str(tiny))
     model = scale.MODELS["tiny"]
     assert (index.stage, index.world_size, index.precision, index.numel) == (3, 4, "bf16", model.numel)
