@@ -34,7 +34,7 @@ from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
-from ckptflow.publish.checksums import Digests
+from ckptflow.plumbing.checksums import Digests
 from ckptflow.publish.source import PushResult, SourceFile, list_source
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, retry_call
 from ckptflow.plumbing.storage import join, open_fs, protocol
-from ckptflow.publish.checksums import Digests, stamp, stamps_match, store_checksum
+from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum
 from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
 from ckptflow.publish.source import READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source
 
