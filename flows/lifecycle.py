@@ -112,6 +112,7 @@ def checkpoint_lifecycle(
     publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
     workspace: Text = _titled("", "Workspace"),
     refresh: bool = _titled(False, "Rebuild everything"),
+    cluster: Text = _titled("", "Dask cluster"),
 ) -> dict[str, Any]:
     """Turn a DeepSpeed ZeRO checkpoint into a verified Hugging Face model and resharded checkpoints, and publish them.
 
@@ -126,6 +127,7 @@ def checkpoint_lifecycle(
         publishing: Upload settings (parallel uploads, Hub endpoint and token).
         workspace: Where outputs are built before publishing (a folder or bucket URL); empty uses $CKPTFLOW_WORKSPACE or ~/.cache/ckptflow/work on the worker. Must be a bucket when consolidation runs on a GPU deployment elsewhere.
         refresh: Ignore cached results and do every step again.
+        cluster: Run the conversion's units (one per output shard and per target rank) on the Dask scheduler at this address, e.g. 'tcp://ckptflow-scheduler.ckptflow.svc.cluster.local:8786' (infra/dask); empty uses $CKPTFLOW_CLUSTER on the worker, or threads when that is unset too.
     """
     log = get_run_logger()
     destinations = [d if isinstance(d, Destination) else Destination.model_validate(d) for d in destinations]
@@ -160,7 +162,7 @@ def checkpoint_lifecycle(
         else:
             model_future = consolidate_model.with_options(**built).submit(
                 checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
-                exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers,
+                exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers, cluster=cluster or None,
             )
             if verification.enabled:
                 verify_future = verify_output.with_options(**built).submit(
@@ -169,7 +171,8 @@ def checkpoint_lifecycle(
     reshard_futures = {}
     for n in reshard.world_sizes:
         out = layout.reshard_folder(base, n)
-        reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(checkpoint, out, n)
+        reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
+            checkpoint, out, n, cluster=cluster or None)
 
     failures: list[str] = []
     model = _outcome(model_future, "consolidation", failures)

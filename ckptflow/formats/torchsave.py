@@ -207,8 +207,9 @@ def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
 
 
 class SourceReader:
-    """Reads byte ranges of source files, keeping the files open (one handle per file and thread, so
-    threads may share a reader); counts what it read."""
+    """Reads byte ranges of source files, keeping local files open (one handle per file and thread, so
+    threads may share a reader) and asking other stores for exactly each range (one request per
+    chunk, no read-ahead past it); counts what it read."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, depth: int = 3) -> None:
         self.chunk_bytes = chunk_bytes
@@ -222,11 +223,7 @@ class SourceReader:
         files = self._local.__dict__.setdefault("files", {})
         fh = files.get(uri)
         if fh is None:
-            if is_local(uri):
-                fh = open(local_path(uri), "rb", buffering=0)
-            else:
-                fs, path = open_fs(uri)
-                fh = fs.open(path, "rb", block_size=CHUNK_BYTES)
+            fh = open(local_path(uri), "rb", buffering=0)
             files[uri] = fh
             with self._lock:
                 self._opened.append(fh)
@@ -236,13 +233,19 @@ class SourceReader:
         """Fill `view` with the bytes of `uri` from byte `start`; a failed read is a `SourceReadError`."""
         got = 0
         try:
-            fh = self._file(uri)
-            fh.seek(start)
-            while got < len(view):
-                n = fh.readinto(view[got:])
-                if not n:
-                    break
-                got += n
+            if is_local(uri):
+                fh = self._file(uri)
+                fh.seek(start)
+                while got < len(view):
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            elif len(view):
+                fs, path = open_fs(uri)
+                data = fs.cat_file(path, start=start, end=start + len(view))
+                got = min(len(data), len(view))
+                view[:got] = data[:got]
         except OSError as exc:
             raise read_error(uri, exc) from exc
         if got < len(view):
@@ -631,6 +634,20 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def archive_size(name: str, data: bytes, storages: Sequence[OutStorage]) -> int:
+    """The size of the file `write_pickled` writes for pickle `data` and `storages` under the file
+    name `name`, worked out without writing it."""
+    zw = _ZipWriter(_Layout(), os.path.splitext(name.rstrip("/").rsplit("/", 1)[-1])[0] or "archive")  # type: ignore[arg-type]
+    _write_small_records(zw, data)
+    for key, storage in enumerate(storages):
+        entry = zw.begin(f"data/{key}", storage.nbytes)
+        zw.skip(storage.nbytes)
+        zw.skip(len(zw.descriptor(entry, 0)))
+    _write_trailing_records(zw)
+    zw.close()
+    return zw.pos
 
 
 def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progress | None = None,

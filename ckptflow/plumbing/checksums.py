@@ -50,8 +50,8 @@ class Digests:
             self._sha256.update(data)
         if self._md5 is not None:
             self._md5.update(data)
-        if self._crc32c is not None:
-            self._crc32c.update(data)
+        if self._crc32c is not None:  # google_crc32c's C extension takes bytes only, not a memoryview
+            self._crc32c.update(data if isinstance(data, bytes) else bytes(data))
 
     @property
     def sha256(self) -> str:
@@ -84,6 +84,22 @@ class Digests:
         if checksum.kind == "md5-hex" and self._md5 is not None:
             return self._md5.hexdigest() == checksum.value.lower()
         return False
+
+
+# s3fs sends an object smaller than its block size (50 MiB by default) as one PUT, whose ETag is the md5
+# of the content; a larger one goes in parts, whose ETag is not.
+_S3_ONE_PUT_BYTES = 50 * 2**20
+
+
+def digests_for(protocol: str, size: int) -> Digests | None:
+    """Digests worth computing while writing `size` bytes to a store of `protocol`: those the store
+    will report back (GCS: crc32c; S3: the md5 of an object sent in one PUT). None for stores that
+    report no content checksum (local files, memory), where a written file is known by its stamp."""
+    if protocol in ("gs", "gcs"):
+        return Digests(sha256=False, crc32c=True)
+    if protocol in ("s3", "s3a") and size < _S3_ONE_PUT_BYTES:
+        return Digests(sha256=False, crc32c=False, md5=True)
+    return None
 
 
 def store_checksum(info: dict[str, Any], *, prefer_md5: bool = False) -> StoreChecksum | None:
