@@ -455,6 +455,7 @@ def post_training(
     destinations: list[Destination] = _titled([], "Destinations"),
     publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
     workspace: Text = _titled("", "Workspace"),
+    cluster: Text = _titled("", "Dask cluster"),
 ) -> list[dict[str, Any]]:
     """Process the newest checkpoint (the tag `latest` names) of each training run.
 
@@ -466,12 +467,13 @@ def post_training(
         destinations: Where to publish each run's outputs (see `checkpoint-lifecycle`).
         publishing: Upload settings.
         workspace: Where outputs are built before publishing.
+        cluster: Run the conversion's units on the Dask scheduler at this address (see `checkpoint-lifecycle`); empty uses $CKPTFLOW_CLUSTER on the worker, or threads.
     """
     results, failures = [], []
     for run in runs:
         state = checkpoint_lifecycle(
             source=run, consolidation=consolidation, reshard=reshard, verification=verification,
-            destinations=destinations, publishing=publishing, workspace=workspace, return_state=True,
+            destinations=destinations, publishing=publishing, workspace=workspace, cluster=cluster, return_state=True,
         )
         if state.is_completed():
             results.append(state.result())
