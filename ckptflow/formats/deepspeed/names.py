@@ -26,7 +26,7 @@ SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
 # Expert-parallel and pipeline files.
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")  # one expert's weights
 EXPP_FILE_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # deepspeed.moe ZeRO-0 optimizer
-LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(?:(\d+)-)?model_states\.pt$")  # PipelineModule layer (+ TP rank)
+LAYER_FILE_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")  # PipelineModule layer (+ TP rank)
 
 
 def model_file_name(stage: int, rank: int, mp_rank: int = 0) -> str:
