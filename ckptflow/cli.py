@@ -68,6 +68,8 @@ def render_report(report: "ValidationReport") -> None:
         groups = f", {s['param_groups']} param groups" if "param_groups" in s else ""
         say("valid", "green", f"{report.root}/{report.tag}: {s.get('layout', '')}, {s.get('precision')}, "
             f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
+        for note in s.get("notes") or ():
+            out.print(Text.assemble("  ", ("note:", "yellow"), " ", note), soft_wrap=True)
         return
     where = f"{report.root}/{report.tag}" if report.tag else report.source
     say("invalid", "red", f"{where}: {len(report.problems)} problem(s)")
@@ -144,6 +146,8 @@ def consolidate_command(
         f"{result.plan.root}/{result.plan.tag} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
         f"{format_size(result.total_size)} {result.dtype}{', verified' if result.verified else ''}, "
         f"{len(result.side_files)} config/tokenizer file(s), {time.monotonic() - started:.1f}s")
+    for note in result.plan.notes:
+        out.print(Text.assemble("  ", ("note:", "yellow"), " ", note), soft_wrap=True)
 
 
 @app.command("run")

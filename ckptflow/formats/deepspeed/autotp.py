@@ -23,7 +23,8 @@ from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.detect import Layout
 from ckptflow.formats.deepspeed.index import Inspection, Listing
 from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, check_mp_files,
-                                                       join, local_tensors, open_heads, read_ranks, row_major)
+                                                       join, local_tensors, open_heads, read_ranks, row_major,
+                                                       stop_on_new)
 from ckptflow.formats.deepspeed.tensors import ModelTensor
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
 
@@ -41,11 +42,11 @@ def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], layout
     tp = layout.tp
     label = where(tp)
     check_mp_files(st, listing, tp, label, layout.description)
-    st.stop_if_any()
+    left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
     heads = open_heads(st, listing, model0, tp)
-    st.stop_if_any()
+    stop_on_new(st, left_over)
     info = _uc_info(st, listing, heads, label)
-    st.stop_if_any()
+    stop_on_new(st, left_over)
     ranks = read_ranks(st, listing, heads, layout.stage, label)
     locals_ = local_tensors(st, ranks, label)
     for mp in range(1, tp):

@@ -454,6 +454,14 @@ def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision
             )
     mine = [n for n, m in listing.model_names.items() if int(m.group(2)) == mp_rank]
     mine += [n for n, m in listing.optim_names.items() if int(m.group(3)) == mp_rank]
+    if where is None:  # a data-parallel checkpoint: files of any other model-parallel rank do not belong
+        others = [n for n, m in listing.model_names.items() if int(m.group(2)) != mp_rank]
+        others += [n for n, m in listing.optim_names.items() if int(m.group(3)) != mp_rank]
+        for name in others:
+            st.add("rank-extra", f"unexpected file {st.tag}/{name}: it belongs to another model-parallel rank, but "
+                   f"{first_model} records a data-parallel checkpoint (model-parallel size 1); it is left over from "
+                   "another save into the same tag folder: remove it, or re-save the checkpoint into a fresh folder",
+                   file=join(listing.tag_uri, name))
     for name in mine:
         if name not in expected_model and name not in expected_optim:
             m = listing.model_names.get(name) or listing.optim_names[name]

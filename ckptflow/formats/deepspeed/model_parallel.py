@@ -274,6 +274,14 @@ class ModelParallelCheckpoint:
     def mp_world_size(self) -> int:
         return len(self.ranks)
 
+    def rank_label(self, mp_rank: int) -> str:
+        """Model-parallel rank `mp_rank` in words, e.g. "pipeline stage 1 of 2, tensor-parallel rank 0 of 2"."""
+        stage = f"pipeline stage {mp_rank // self.tp} of {self.pp}"
+        tensor = f"tensor-parallel rank {mp_rank % self.tp} of {self.tp}"
+        if self.pp > 1:
+            return f"{stage}, {tensor}" if self.tp > 1 else stage
+        return tensor
+
     def model_tensors(self) -> tuple[ModelTensor, ...]:
         return self.tensors
 
@@ -309,16 +317,18 @@ RankIndex = ZeroCheckpoint | Zero0Checkpoint
 
 def check_mp_files(st: Inspection, listing: Listing, count: int, where: Callable[[int], str], description: str,
                    *, layer_files: bool = False) -> None:
-    """Data-parallel rank 0's model states of each of the `count` model-parallel ranks present; no file
-    of a model-parallel rank beyond them, no expert files, and (unless `layer_files`) no pipeline layer
-    files. Per-rank files are `read_ranks`' to check."""
+    """Data-parallel rank 0's model states of each of the `count` model-parallel ranks present (stops
+    when one is missing); no file of a model-parallel rank beyond them, no expert files, and (unless
+    `layer_files`) no pipeline layer files. Per-rank files are `read_ranks`' to check."""
     stage3 = listing.stage3
+    missing = False
     for mp in range(count):
         name = model_file_name(3 if stage3 else 1, 0, mp)
         if name not in listing.names:
             st.add("rank-missing", f"{where(mp)} is missing: expected {st.tag}/{name} under {st.root}; the upload may "
                    f"still be in progress, or the checkpoint was saved with fewer model-parallel ranks",
                    file=join_uri(listing.tag_uri, name))
+            missing = True
     for name, match in [*listing.model_names.items(), *listing.optim_names.items()]:
         mp = int(match.group(2 if name in listing.model_names else 3))
         if mp >= count:
@@ -331,6 +341,15 @@ def check_mp_files(st: Inspection, listing: Listing, count: int, where: Callable
             st.add("rank-extra", f"unexpected file {st.tag}/{name}: a {description} checkpoint has no such file; it "
                    "is left over from another save into the same tag folder: remove it, or re-save the checkpoint "
                    "into a fresh folder", file=join_uri(listing.tag_uri, name))
+    if missing:
+        st.stop_if_any()
+
+
+def stop_on_new(st: Inspection, since: int) -> None:
+    """Stop reading when problems were found after the first `since` (earlier ones, such as left-over
+    files, do not keep the ranks from being read and checked)."""
+    if len(st.problems) > since:
+        raise StopReading
 
 
 def open_heads(st: Inspection, listing: Listing, model0: dict[str, Any], count: int) -> list[dict[str, Any]]:
@@ -386,4 +405,5 @@ def local_tensors(st: Inspection, ranks: Sequence[RankIndex], where: Callable[[i
 
 
 __all__ = ["Holding", "ModelParallelCheckpoint", "Piece", "RankIndex", "Replica", "check_mp_files", "check_piece", "clip",
-           "compose", "concat_pieces", "join", "local_tensors", "open_heads", "read_ranks", "row_major", "stretches"]
+           "compose", "concat_pieces", "join", "local_tensors", "open_heads", "read_ranks", "row_major", "stop_on_new",
+           "stretches"]

@@ -40,7 +40,7 @@ from ckptflow.formats.deepspeed.detect import Layout
 from ckptflow.formats.deepspeed.index import Inspection, Listing
 from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, check_mp_files,
                                                        concat_pieces, join, local_tensors, open_heads, read_ranks,
-                                                       row_major)
+                                                       row_major, stop_on_new)
 from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, layer_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
@@ -51,9 +51,12 @@ UC_INFO = "universal_checkpoint_info"
 TIED = "tied_modules."
 MAX_PATTERN = 4096
 
+NAMES_NOTE = ("a PipelineModule has no Hugging Face config: the tensors keep its own names ({layer}.{name}, "
+              "tied_modules.{key}.{name}), those of its state_dict; load them with safetensors.torch.load_file and "
+              "load_state_dict on the same PipelineModule built as one stage, or rename them for your model")
 NO_UC_INFO = ("nothing in it says how each parameter is split over the {tp} tensor-parallel ranks, and ckptflow does "
-              "not guess (DeepSpeed's ds_to_universal --inject_missing_state does, and writes wrong tensors for "
-              "row-parallel, replicated and vocabulary-padded parameters); save the checkpoint with "
+              "not guess (DeepSpeed's universal converter does when told to inject the state it lacks, and writes "
+              "wrong tensors for row-parallel, replicated and vocabulary-padded parameters); save the checkpoint with "
               "`client_state={{'universal_checkpoint_info': ...}}` as Megatron-DeepSpeed does, or convert it with "
               "your framework's own tools")
 
@@ -73,10 +76,10 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
         info = _uc_info(st, listing, model0, layout)
         st.stop_if_any()
     check_mp_files(st, listing, count, label, layout.description, layer_files=True)
+    left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
     layer_names = _layer_files(st, listing, tp if megatron else None)
-    st.stop_if_any()
     heads = open_heads(st, listing, model0, count)
-    st.stop_if_any()
+    stop_on_new(st, left_over)
     if tp > 1:
         for mp in range(1, count):
             if heads[mp].get(UC_INFO) != info:
@@ -84,10 +87,10 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
                        f"{listing.model_uri(mp)}; every rank saves the same one: the folder mixes saves, re-copy it "
                        "from one save", file=listing.model_uri(mp))
     layers = _open_layers(st, listing, layer_names)
-    st.stop_if_any()
+    stop_on_new(st, left_over)
     zero0 = layout.stage == 0
     plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
-    st.stop_if_any()
+    stop_on_new(st, left_over)
     ranks = read_ranks(st, listing, heads, layout.stage, label, plan.modules if plan else [{}] * count)
     if zero0:
         mp_locals, views = _layer_views(heads, layers, tp)
@@ -100,10 +103,11 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
     tensors, replicas = _join_all(st, listing, mp_locals, views, info, tp, label)
     st.stop_if_any()
     first = ranks[0]
-    notes = ()
+    notes: tuple[str, ...] = (NAMES_NOTE,)
     if zero0:
         notes = (f"{UNNAMED_OPTIMIZER}; at ZeRO-0 a PipelineModule records no parameter names either: tensors are "
-                 "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it",)
+                 "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
+                 "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",)
     return ModelParallelCheckpoint(
         root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
         step=first.step, ds_version=first.ds_version, kind=layout.kind,
