@@ -167,6 +167,7 @@ def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[O
 
 def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     """The object tree of target rank `unit.rank`'s optimizer file, ready for `write_archive`."""
+    plan = plan.part(unit)  # a model-parallel plan: the data-parallel plan of the unit's mp rank
     ix = plan.index
     source = ix.optim_states[unit.meta_rank]
     osd = source["optimizer_state_dict"]
@@ -209,10 +210,14 @@ def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
 
 
 def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
-    """The object tree of target rank `unit.rank`'s model-states file, ready for `write_archive`."""
+    """The object tree of target rank `unit.rank`'s model-states file, ready for `write_archive`.
+
+    A PipelineModule saves no `module` there (its weights are in the layer files): nothing to remap."""
+    plan = plan.part(unit)  # a model-parallel plan: the data-parallel plan of the unit's mp rank
     ix = plan.index
     source = ix.model_states[unit.meta_rank if plan.stage == 3 else 0]
-    tree = _Tree(_module_remap(plan, source.get("module") or {}) if plan.stage != 3 else None)
+    module = source.get("module")
+    tree = _Tree(_module_remap(plan, module) if plan.stage != 3 and module is not None else None)
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "param_shapes":

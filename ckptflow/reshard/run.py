@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
 from ckptflow.formats.deepspeed.checkpoint import inspect
-from ckptflow.formats.deepspeed.index import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
@@ -132,17 +131,21 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
     Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
-    size; the staging folder is then left for `abort`."""
+    size; the staging folder is then left for `abort`. Files the plan carries as they are (PipelineModule
+    layer files) are copied into the staged tag folder first."""
+    for name in plan.carried:
+        _copy_file(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), durable=durable)
     index, problems, _ = inspect(staging.uri, plan.tag)
-    if problems or not isinstance(index, ZeroCheckpoint):
+    if problems or not isinstance(index, type(plan.index)):
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
             uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")
-    if (index.world_size, index.stage, len(index.params)) != (plan.world_size, plan.stage, len(plan.index.params)):
+    got, want = len(index.model_tensors()), len(plan.index.model_tensors())
+    if (index.world_size, index.stage, got) != (plan.world_size, plan.stage, want):
         raise VerificationError(
             f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
-            f"{len(index.params)} parameters, expected ZeRO-{plan.stage} at {plan.world_size} with "
-            f"{len(plan.index.params)}", uri=staging.uri, expected=plan.world_size, actual=index.world_size)
+            f"{got} tensors, expected ZeRO-{plan.stage} at {plan.world_size} with {want}", uri=staging.uri,
+            expected=plan.world_size, actual=index.world_size)
     rng_files = _carry_over(plan, staging, durable=durable)
     fs, path = open_fs(staging.uri)
     with fs.open(posixpath.join(path, LATEST), "wb") as fh:
