@@ -246,8 +246,12 @@ def reshard_command(
                                 help="Threads writing at once: one per target rank, the rest share a rank's files."),
     fsync: bool = typer.Option(True, "--fsync/--no-fsync",
                                help="Flush each file to disk before moving OUT into place (local outputs)."),
+    tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", min=1,
+                                                  help="AutoTP only: merge to this tensor-parallel degree (1)."),
 ) -> None:
     """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) to another world size.
+
+    Tensor- and pipeline-parallel checkpoints keep their degrees: --world-size is the data-parallel size.
 
     DeepSpeed loads OUT natively at --world-size ranks; config, tokenizer and trainer files are
     carried over so a Hugging Face Trainer run can resume from it.
@@ -266,7 +270,8 @@ def reshard_command(
         task = bar.add_task("resharding", total=None)
         try:
             result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
-                             progress=lambda done, total: bar.update(task, completed=done, total=total))
+                             progress=lambda done, total: bar.update(task, completed=done, total=total),
+                             tensor_parallel=tensor_parallel)
         except CkptflowError as exc:
             raise fail(exc) from None
     say("resharded", "green",

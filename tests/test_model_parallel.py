@@ -313,3 +313,48 @@ def test_zero0_in_bf16_is_refused(parallel_extra_fixtures: Mapping[str, Parallel
         "optimizer state, which DeepSpeed saves by index with no parameter names, and ckptflow has not verified a reading "
         "of it; save the 16-bit weights with `engine.save_16bit_model()`, or train with ZeRO-1 or higher to get named "
         "fp32 master weights")]
+
+
+# ---- the piece arithmetic, against torch ---------------------------------------------------------------
+
+
+def _check_pieces(full: torch.Tensor, locals_: list[torch.Tensor], pieces: list[list]) -> None:
+    """Every piece's stretches copy elements of the local tensors to where they are in `full`, and
+    together they cover `full` exactly once."""
+    from ckptflow.formats.deepspeed.model_parallel import stretches
+
+    flat, seen = full.reshape(-1), torch.zeros(full.numel(), dtype=torch.int64)
+    for local, rank_pieces in zip(locals_, pieces):
+        local = local.reshape(-1)
+        for piece in rank_pieces:
+            for dest, source, n in stretches(piece):
+                assert torch.equal(local[dest:dest + n], flat[source:source + n])
+                seen[source:source + n] += 1
+    assert bool(torch.all(seen == 1))
+
+
+def test_pieces_of_affine_maps_and_megatron_rules_match_torch() -> None:
+    from ckptflow.formats.deepspeed.model_parallel import Piece, concat_pieces
+    from ckptflow.formats.deepspeed.pipeline import _halves, _sub_params
+
+    full = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
+    # Row-parallel (columns split 4 + 6): one stretch per row, strided in the full tensor.
+    shards = [full[:, :4].contiguous(), full[:, 4:].contiguous()]
+    shape, pieces = concat_pieces([tuple(s.shape) for s in shards], 1)
+    assert shape == (6, 10)
+    _check_pieces(full, shards, [[p] for p in pieces])
+    # The same as DeepSpeed's affine map writes it for rank 1.
+    assert pieces[1] == Piece((6, 6), 4, (10, 1), 0, (6, 1))
+    # Two sub-parameters halved on dim 0 (Megatron's parameter_with_2_sub_params_cat_dim_0).
+    gate, up = full[:3], full[3:]
+    shards = [torch.cat([gate[:2], up[:2]]), torch.cat([gate[2:], up[2:]])]
+    assert [list(c.shape) for s in shards for c in torch.chunk(s, 2, 0)] == [[2, 10], [2, 10], [1, 10], [1, 10]]
+    shape, pieces = _halves([tuple(s.shape) for s in shards])
+    assert shape == (6, 10)
+    _check_pieces(full, shards, pieces)
+    # Sub-parameters of uneven widths on dim 0 ([4, 2] rows: 3 + 1 and 1 + 1 per rank).
+    shards = [torch.cat([full[0:3], full[4:5]]), torch.cat([full[3:4], full[5:6]])]
+    shape, pieces = _sub_params("p", [tuple(s.shape) for s in shards],
+                                ("p", {"partition_dim": 0}), {"sub_param_shard_widths": {"p": [[3, 1], [1, 1]]}})
+    assert shape == (6, 10)
+    _check_pieces(full, shards, pieces)

@@ -13,6 +13,9 @@ loads the reshard natively (``engine.load_checkpoint``, no universal checkpoint)
 
 ZeRO-0 needs no reshard: DeepSpeed loads it as it is at another data-parallel size (checked here
 too), and ckptflow says so.
+
+The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
+oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
 """
 
 from __future__ import annotations
@@ -44,14 +47,23 @@ CASES = (
 )
 # ZeRO-0: DeepSpeed loads the source itself at the new size.
 NATIVE = (("autotp-tp2-z0-fp32", 2),)
+# AutoTP merged to tensor-parallel degree 1 at the new data-parallel size: (fixture, dp, 1).
+MERGES = (
+    ("autotp-tp2-z1-fp32", 2, 1), ("autotp-tp2-z2-fp32", 1, 1), ("autotp-tp2-z3-fp32", 2, 1),
+    ("autotp-tp2-z1-bf16", 2, 1), ("autotp-tp2dp2-z1-fp32", 3, 1), ("autotp-tp2dp2-z3-bf16", 2, 1),
+    ("autotp-llama-tied-tp2-z1-fp32", 2, 1), ("autotp-glm-tp2-z1-fp32", 2, 1), ("autotp-glm-tp2-z3-fp32", 1, 1),
+)
+RESHARDS = CASES + MERGES
 
 
-def case_id(case: tuple[str, int]) -> str:
-    return f"{case[0]}-to-dp{case[1]}"
+def case_id(case: tuple) -> str:
+    return f"{case[0]}-to-dp{case[1]}" + (f"-tp{case[2]}" if len(case) > 2 else "")
 
 
-def target_spec(fixture: ParallelFixture, dp: int) -> ParallelSpec:
+def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None) -> ParallelSpec:
     spec = fixture.parallel_spec
+    if tp is not None:
+        spec = dataclasses.replace(spec, tp=tp)
     return dataclasses.replace(spec, world_size=dp * spec.tp * spec.pp)
 
 
@@ -60,32 +72,32 @@ def mp_oracle(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path_factory
     """Reshard every case; one DeepSpeed launch per (world size, layout) loads each, checks and re-saves it."""
     root = tmp_path_factory.mktemp("mp-reshard-oracle")
     outs, resaved, results = {}, {}, {}
-    launches: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for case in CASES + NATIVE:
-        name, dp = case
+    launches: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for case in RESHARDS + NATIVE:
+        name, dp, tp = (*case, None)[:3]
         fixture = parallel_fixtures[name]
-        spec = target_spec(fixture, dp)
+        spec = target_spec(fixture, dp, tp)
         load = fixture.dir
-        if case in CASES:
+        if case in RESHARDS:
             outs[case] = root / "out" / case_id(case)
-            reshard(str(fixture.dir), str(outs[case]), world_size=dp, workers=2)
+            reshard(str(fixture.dir), str(outs[case]), world_size=dp, workers=2, tensor_parallel=tp)
             load = outs[case]
             resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
-        launches.setdefault((spec.world_size, spec.layout), []).append({
+        launches.setdefault((spec.world_size, spec.layout, spec.tp), []).append({
             "spec": spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
         })
-    for (world_size, layout), jobs in sorted(launches.items()):
-        jobs_file = root / f"jobs-{world_size}-{layout}.json"
+    for (world_size, layout, tp), jobs in sorted(launches.items()):
+        jobs_file = root / f"jobs-{world_size}-{layout}-tp{tp}.json"
         jobs_file.write_text(json.dumps(jobs, indent=1))
         launch("tests.parallel_reshard_oracle", world_size, ["--jobs", str(jobs_file)], timeout=900,
-               log_dir=root / f"logs-{world_size}-{layout}")
+               log_dir=root / f"logs-{world_size}-{layout}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
-@pytest.mark.parametrize("case", CASES + NATIVE, ids=case_id)
+@pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
 def test_deepspeed_loads_it_holding_the_source_state(mp_oracle: dict[str, Any], case: tuple[str, int],
                                                      parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
     fixture = parallel_fixtures[case[0]]
@@ -95,7 +107,7 @@ def test_deepspeed_loads_it_holding_the_source_state(mp_oracle: dict[str, Any], 
     assert result["buffers_equal"] == len(fixture.spec["buffers"])
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
 def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple[str, int]) -> None:
     ours, theirs = mp_oracle["outs"][case], mp_oracle["resaved"][case]
     tag = (ours / "latest").read_text()
@@ -108,16 +120,34 @@ def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple[
         assert not diffs, f"{name}: " + "; ".join(diffs[:5])
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: tuple[str, int],
+@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
+def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: tuple,
                                                parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
     report = validate(str(mp_oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
     source = validate(str(parallel_fixtures[case[0]].dir)).summary()
     summary = report.summary()
     assert summary["world_size"] == case[1]
-    assert {k: summary[k] for k in ("tp", "pp", "stage", "step", "params", "numel")} == \
-        {k: source[k] for k in ("tp", "pp", "stage", "step", "params", "numel")}
+    assert summary.get("tp", 1) == (case[2] if len(case) > 2 else source["tp"])
+    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "tied")} == \
+        {k: source[k] for k in ("stage", "step", "params", "numel", "tied")}
+
+
+def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                              tmp_path: Path) -> None:
+    source = parallel_fixtures["autotp-tp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"has tensor-parallel degree 2; ckptflow can merge it to 1, "
+                                                         r"not split it to 4"):
+        reshard(str(source.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=4)
+    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"ckptflow changes the tensor-parallel degree of AutoTP "
+                                                         r"checkpoints only"):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=1)
+    zero0 = parallel_fixtures["autotp-tp2-z0-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"saved by index and names no parameter, so the "
+                                                         r"tensor-parallel ranks' Adam moments cannot be joined"):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=1)
+    assert not (tmp_path / "out").exists()
 
 
 def test_zero0_is_not_resharded_and_says_why(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:

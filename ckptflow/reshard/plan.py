@@ -24,6 +24,7 @@ from ckptflow.formats.deepspeed.layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZER
                                                param_alignment, piece_offsets, round_robin_order, zero3_moves,
                                                zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.tensors import Run
 from ckptflow.formats.torchzip import DTYPE_SIZES
 
 
@@ -91,6 +92,9 @@ class ReshardPlan:
     units: tuple[RankUnit, ...]
     index: ZeroCheckpoint = field(repr=False, compare=False)
     carried: tuple[str, ...] = ()  # tag-folder files written as they are (none for data-parallel ZeRO)
+    # ZeRO-1/2 module copies not saved whole in the source (a tensor-parallel merge): name -> runs of the
+    # full tensor; the module file's view of that parameter is rebuilt from them, in the full shape.
+    module_runs: Mapping[str, tuple[Run, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def files(self) -> tuple[str, ...]:

@@ -25,7 +25,8 @@ from ckptflow.formats.deepspeed.index import Inspection, Listing
 from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, check_mp_files,
                                                        join, local_tensors, open_heads, read_ranks, row_major,
                                                        stop_on_new)
-from ckptflow.formats.deepspeed.tensors import ModelTensor
+from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, whole_run
+from ckptflow.formats.torchzip import TensorRef
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
 
 UC_INFO = "universal_checkpoint_info"
@@ -77,6 +78,28 @@ def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], layout
         pp=1, ranks=tuple(ranks), tensors=tuple(tensors), tied=tied, replicas=tuple(replicas),
         notes=_notes(ranks),
     )
+
+
+def module_runs(index: ModelParallelCheckpoint) -> dict[str, tuple[Run, ...]]:
+    """The full 16-bit (module dtype) copy of every trained parameter, joined from each tensor-parallel
+    rank's `module` by the same affine maps as the fp32 masters: name -> runs. ZeRO-1/2 only (ZeRO-3
+    saves empty placeholders there); `UnsupportedCheckpointError` otherwise."""
+    if index.kind != "autotp" or index.stage not in (1, 2):
+        raise UnsupportedCheckpointError(f"{index.layout}: no module weights to join")
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    maps = _MapLookup(info)
+    locals_: list[dict[str, ModelTensor]] = []
+    for rank in index.ranks:
+        module = rank.model_states[0].get("module") or {}
+        params = {p.name for p in rank.params if not p.frozen}
+        locals_.append({n: ModelTensor(n, ref.shape, ref.dtype, "param", (whole_run(ref, n),))
+                        for n, ref in module.items() if n in params and isinstance(ref, TensorRef)})
+    out = {}
+    for name, first in locals_[0].items():
+        holdings, shape, rows = _holdings(name, first, locals_, maps, info, index.tp)
+        tensor, _ = join(name, shape, "param", holdings, lambda mp, n: locals_[mp][n], rows=rows)
+        out[name] = tensor.runs
+    return out
 
 
 def _describe(layout: Layout, stage: int) -> str:
@@ -196,4 +219,4 @@ def _tied(st: Inspection, ranks: Sequence[Any], label: Any) -> dict[str, str]:
     return tied
 
 
-__all__ = ["read_autotp"]
+__all__ = ["module_runs", "read_autotp"]
