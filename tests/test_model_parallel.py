@@ -246,13 +246,17 @@ def test_a_shard_of_the_wrong_shape_is_named(parallel_fixtures: Mapping[str, Par
         "of shape [48, 64] but the rank saved [64, 48]; the folder mixes saves: re-copy it from one save")]
 
 
-def test_replicas_that_drifted_apart_are_found_by_deep(parallel_fixtures: Mapping[str, ParallelFixture],
-                                                       tmp_path: Path) -> None:
-    ckpt = copy_checkpoint(parallel_fixtures["autotp-tp2-z1-fp32"], tmp_path)
+@pytest.mark.parametrize("name,tensor,holders", [
+    ("autotp-tp2-z1-fp32", "model.norm.weight", "tensor-parallel rank 0 of 2 and tensor-parallel rank 1 of 2"),
+    ("pipe-pp2dp2-z1-fp32", "tied_modules.embed.weight", "pipeline stage 0 of 2 and pipeline stage 1 of 2"),
+])
+def test_replicas_that_drifted_apart_are_found_by_deep(name: str, tensor: str, holders: str, tmp_path: Path,
+                                                       parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    ckpt = copy_checkpoint(parallel_fixtures[name], tmp_path)
     index, problems, _ = inspect(str(ckpt))
     assert not problems and isinstance(index, ModelParallelCheckpoint)
-    replica = next(r for r in index.replicas if r.name == "model.norm.weight")
-    run = replica.other[0]  # tensor-parallel rank 1's copy, not the one consolidation reads
+    replica = next(r for r in index.replicas if r.name == tensor)
+    run = replica.other[0]  # the second holder's copy, not the one consolidation reads
     start, _ = run.ref.element_range(run.start, 1)
     with open(run.ref.uri, "r+b") as handle:
         handle.seek(start)
@@ -261,9 +265,9 @@ def test_replicas_that_drifted_apart_are_found_by_deep(parallel_fixtures: Mappin
         handle.write(bytes([byte[0] ^ 0x40]))
     assert messages(ckpt) == []  # headers agree: the cheap checks cannot see it
     assert messages(ckpt, deep=True) == [(
-        "replicas-differ", f"tensor model.norm.weight: tensor-parallel rank 0 of 2 and tensor-parallel rank 1 of 2 hold "
-        "different values for the same block (from element 0 of the full tensor), which they must hold identically; the "
-        "ranks drifted apart or a file is damaged: use an earlier checkpoint")]
+        "replicas-differ", f"tensor {tensor}: {holders} hold different values for the same block (from element "
+        f"{run.offset} of the full tensor), which they must hold identically; the ranks drifted apart or a file is "
+        "damaged: use an earlier checkpoint")]
 
 
 def test_a_missing_layer_file_is_named(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:

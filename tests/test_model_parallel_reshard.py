@@ -67,18 +67,19 @@ def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None) -> Par
     return dataclasses.replace(spec, world_size=dp * spec.tp * spec.pp)
 
 
-@pytest.fixture(scope="session")
-def mp_oracle(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Reshard every case; one DeepSpeed launch per (world size, layout) loads each, checks and re-saves it."""
-    root = tmp_path_factory.mktemp("mp-reshard-oracle")
+def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple, native: tuple,
+                       root: Path) -> dict[str, Any]:
+    """Reshard every case of `reshards` ((fixture, dp) or (fixture, dp, tp)); then one DeepSpeed launch per
+    (world size, layout, tp degree) loads each reshard (and each `native` source as it is), checks what it
+    holds against the fixture's oracle and saves it again."""
     outs, resaved, results = {}, {}, {}
     launches: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
-    for case in RESHARDS + NATIVE:
+    for case in reshards + native:
         name, dp, tp = (*case, None)[:3]
-        fixture = parallel_fixtures[name]
+        fixture = fixtures[name]
         spec = target_spec(fixture, dp, tp)
         load = fixture.dir
-        if case in RESHARDS:
+        if case in reshards:
             outs[case] = root / "out" / case_id(case)
             reshard(str(fixture.dir), str(outs[case]), world_size=dp, workers=2, tensor_parallel=tp)
             load = outs[case]
@@ -97,19 +98,15 @@ def mp_oracle(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path_factory
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
-@pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
-def test_deepspeed_loads_it_holding_the_source_state(mp_oracle: dict[str, Any], case: tuple[str, int],
-                                                     parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    fixture = parallel_fixtures[case[0]]
-    result = json.loads(mp_oracle["results"][case].read_text())
+def check_loaded_state(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture) -> None:
+    result = json.loads(oracle["results"][case].read_text())
     assert result["differ"] == []
     assert result["tensors_equal"] == 3 * len(fixture.spec["params"])
     assert result["buffers_equal"] == len(fixture.spec["buffers"])
 
 
-@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
-def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple[str, int]) -> None:
-    ours, theirs = mp_oracle["outs"][case], mp_oracle["resaved"][case]
+def check_same_files(oracle: Mapping[str, Any], case: tuple) -> None:
+    ours, theirs = oracle["outs"][case], oracle["resaved"][case]
     tag = (ours / "latest").read_text()
     assert (theirs / "latest").read_text() == tag
     names = sorted(p.name for p in (ours / tag).iterdir())
@@ -120,17 +117,37 @@ def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple[
         assert not diffs, f"{name}: " + "; ".join(diffs[:5])
 
 
-@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
-def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: tuple,
-                                               parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    report = validate(str(mp_oracle["outs"][case]), deep=True)
+def check_validates(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture) -> None:
+    report = validate(str(oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
-    source = validate(str(parallel_fixtures[case[0]].dir)).summary()
+    source = validate(str(fixture.dir)).summary()
     summary = report.summary()
     assert summary["world_size"] == case[1]
     assert summary.get("tp", 1) == (case[2] if len(case) > 2 else source["tp"])
     assert {k: summary[k] for k in ("stage", "step", "params", "numel", "tied")} == \
         {k: source[k] for k in ("stage", "step", "params", "numel", "tied")}
+
+
+@pytest.fixture(scope="session")
+def mp_oracle(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_reshard_oracle(parallel_fixtures, RESHARDS, NATIVE, tmp_path_factory.mktemp("mp-reshard-oracle"))
+
+
+@pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
+def test_deepspeed_loads_it_holding_the_source_state(mp_oracle: dict[str, Any], case: tuple,
+                                                     parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_loaded_state(mp_oracle, case, parallel_fixtures[case[0]])
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
+def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple) -> None:
+    check_same_files(mp_oracle, case)
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
+def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: tuple,
+                                               parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_validates(mp_oracle, case, parallel_fixtures[case[0]])
 
 
 def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures: Mapping[str, ParallelFixture],

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
