@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.autoep import read_autoep
 from ckptflow.formats.deepspeed.detect import Layout, detect
 from ckptflow.formats.deepspeed.index import Inspection, Listing, Problem, StopReading, read_head, read_zero, resolve_tag
 from ckptflow.formats.deepspeed.tensors import ModelSource
@@ -21,6 +22,7 @@ Reader = Callable[[Inspection, Listing, dict[str, Any], Layout], ModelSource]
 # One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
 READERS: dict[str, Reader] = {
     "zero": lambda st, listing, model0, layout: read_zero(st, listing, model0),
+    "autoep": read_autoep,
 }
 
 _WHAT_TO_DO = {
