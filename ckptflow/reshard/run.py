@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.checkpoint import inspect
-from ckptflow.formats.deepspeed.index import ZeroCheckpoint
+from ckptflow.formats.deepspeed.checkpoint import inspect, zero_index
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
@@ -109,6 +108,8 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: P
         if unit.model_file:
             written += write_archive(join(tag_uri, unit.model_file), model_states(plan, unit), reader,
                                      progress=tally.part(unit.model_file), durable=durable)
+        for name in unit.copies:  # per-expert files: the same at any data-parallel size
+            written += _copy_file(join(plan.index.tag_uri, name), join(tag_uri, name), durable=durable)
     finally:
         reader.close()
     logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", unit.rank, plan.world_size, ", ".join(unit.files),
@@ -130,8 +131,9 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> No
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Raises `VerificationError` when the staged files do not read back
     as a checkpoint at the new world size; the staging folder is then left for `abort`."""
-    index, problems, _ = inspect(staging.uri, plan.tag)
-    if problems or not isinstance(index, ZeroCheckpoint):
+    source, problems, _ = inspect(staging.uri, plan.tag)
+    index = zero_index(source)
+    if problems or index is None:
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
             uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")
@@ -177,19 +179,23 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
             _copy_file(unstrip(src_fs, file), staging.join(rel), durable=durable)
 
 
-def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> None:
+def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> int:
+    """Copy one file; the bytes copied."""
     src_fs, src_path = open_fs(src)
     dst_fs, dst_path = open_fs(dst)
     dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+    copied = 0
     with src_fs.open(src_path, "rb") as fin, dst_fs.open(dst_path, "wb") as fout:
         while True:
             data = fin.read(chunk)
             if not data:
                 break
             fout.write(data)
+            copied += len(data)
         if durable and is_local(dst):
             fout.flush()
             os.fsync(fout.fileno())
+    return copied
 
 
 # ---- all together --------------------------------------------------------------------------------------
