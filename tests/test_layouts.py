@@ -40,6 +40,10 @@ def test_validate_names_the_layout_never_damage(parallel_fixtures, name: str) ->
     index, problems, _ = inspect(str(fixture.root / "ckpt"))
     if KINDS[fixture.parallel_spec.layout] in READERS:
         assert problems == [] and index is not None
+        spec = fixture.parallel_spec
+        if spec.layout in ("autoep", "dsmoe"):  # the expert-parallel degree from the metadata, at every stage
+            assert index.summary()["expert_parallel"] == spec.ep
+            assert f"(expert-parallel; ep {spec.ep} x dp {spec.world_size}, ZeRO-{spec.stage})" in index.layout
         return
     assert [p.code for p in problems] == ["unsupported-layout"]
     message = problems[0].message
