@@ -198,7 +198,7 @@ def run_command(
 
 @app.command("watch")
 def watch_command(
-    roots: list[str] = typer.Argument(..., help="Folders or bucket URLs to search for `latest` pointers."),
+    roots: list[str] = typer.Argument(..., metavar="ROOT", help="Folders or bucket URLs to search for `latest` pointers."),
     once: bool = typer.Option(False, "--once", help="Look once and exit, instead of every --interval seconds."),
     interval: float = typer.Option(300.0, "--interval", min=1, help="Seconds between looks."),
     state: str = typer.Option("ckptflow-watch", "--state", help="Name of the block that remembers what was seen."),
@@ -269,6 +269,8 @@ def reshard_command(
         f"{src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
         f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
         f"{format_size(result.bytes_written)} in {result.seconds:.1f}s")
+    if result.rng_files:
+        out.print(f"  Trainer RNG files: {result.rng_summary}", soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command("push")

@@ -23,7 +23,7 @@ from prefect.client.orchestration import get_client
 from pydantic import Field
 
 from ckptflow.watch import Scan, Seen, Sighting, find_latest, select_new
-from tasks.artifacts import artifact_key, markdown, table
+from tasks.artifacts import artifact_key, markdown, source_name, table
 from tasks.retries import io_retries
 
 EVENT = "ckptflow.checkpoint.saved"
@@ -87,12 +87,33 @@ def post_event(event: dict[str, Any]) -> None:
         response.raise_for_status()
 
 
-@task(name="scan-for-latest", **io_retries(retries=2))
+def _names(roots: list[str]) -> str:
+    names = [source_name(str(r)) for r in roots or []]
+    return ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "") or "nothing"
+
+
+def _watch_run_name() -> str:
+    """'watch runs, checkpoints': the last folder name of each root (the state block's name when it is
+    not the default, so two watchers' runs tell apart)."""
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    state = parameters.get("state") or "ckptflow-watch"
+    return f"watch {_names(parameters.get('roots') or [])}" + ("" if state == "ckptflow-watch" else f" ({state})")
+
+
+def _scan_run_name() -> str:
+    from prefect.runtime import task_run
+
+    return f"scan {_names(task_run.parameters.get('roots') or [])} for latest"
+
+
+@task(name="scan-for-latest", task_run_name=_scan_run_name, **io_retries(retries=2))
 def scan_roots(roots: list[str], known: dict[str, Seen], exclude: list[str], max_depth: int | None) -> Scan:
     return find_latest(roots, known=known, exclude=exclude, max_depth=max_depth)
 
 
-@flow(name="watch-latest", log_prints=False)
+@flow(name="watch-latest", flow_run_name=_watch_run_name, log_prints=False)
 def watch_latest(
     roots: list[str],
     state: str = "ckptflow-watch",
@@ -135,7 +156,7 @@ def watch_latest(
 
     for bad in scan.unreadable:
         logger.warning("skipped %s: %s", bad.where, bad.reason)
-    _report(scan, emitted, baseline)
+    _report(scan, emitted, baseline, state)
     dead_roots = [u for u in scan.unreadable if u.whole_root]
     if dead_roots:
         raise RuntimeError("; ".join(u.reason for u in dead_roots))
@@ -147,17 +168,19 @@ def watch_latest(
     }
 
 
-def _report(scan: Scan, emitted: list[Sighting], baseline: bool) -> None:
+def _report(scan: Scan, emitted: list[Sighting], baseline: bool, state: str) -> None:
+    """A table of what was announced (or recorded) and a list of what could not be read, keyed by the
+    watcher (its state block), so two watchers never share an artifact's history."""
     if emitted:
         table(
             [{"folder": s.root, "tag": s.tag, "step": s.step, "version": s.version} for s in emitted],
-            key=artifact_key("watch", "recorded" if baseline else "new-checkpoints"),
+            key=artifact_key("watch", state, "recorded" if baseline else "new-checkpoints"),
             description=("Recorded without events" if baseline else "New checkpoints announced") + f": {len(emitted)}",
         )
     if scan.unreadable:
         lines = [f"- `{u.where}`: {u.reason}" for u in scan.unreadable]
         markdown(
             "## Folders the watcher could not read\n\nThey are tried again on the next run.\n\n" + "\n".join(lines),
-            key=artifact_key("watch", "unreadable"),
+            key=artifact_key("watch", state, "unreadable"),
             description=f"{len(scan.unreadable)} folder(s) could not be read",
         )

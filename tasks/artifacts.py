@@ -4,7 +4,8 @@ Artifact keys must be lowercase letters, digits and dashes; `artifact_key` makes
 `checkpoint_key` one that names the checkpoint's source as well as its tag (`validation-llama-7b-
 3f2a1b9c-global-step3`), so two training runs never share an artifact's history. Creating an artifact
 never fails the work it describes: an error is logged and the work goes on. Outside a flow or task
-run (a task's `.fn` called directly) no artifact is made at all.
+run (a task's `.fn` called directly) no artifact is made at all. Progress bars are made only for long
+steps and are gone once their step ends (`ProgressArtifact`).
 
 Tables stay narrow enough for the page: a record is shown as `field | value` rows, not one wide row.
 """
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
+from ckptflow.plumbing.sizes import format_size
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -70,6 +72,11 @@ def link(uri: str, url: str | None) -> str:
     return f"[`{uri}`]({url})" if url else f"`{uri}`"
 
 
+def cell_size(nbytes: int) -> str:
+    """`format_size` for a table cell: a no-break space, so '58.5 KB' never wraps between number and unit."""
+    return format_size(nbytes).replace(" ", "\u00a0")
+
+
 def field_rows(record: Mapping[str, Any]) -> list[dict[str, str]]:
     """A record as two-column rows (`field`, `value`), for a table no wider than the page."""
     return [{"field": str(k), "value": "" if v is None else str(v)} for k, v in record.items()]
@@ -102,46 +109,76 @@ def markdown(text: str, *, key: str | None, description: str) -> None:
         logger.warning("could not create markdown artifact %s", key, exc_info=True)
 
 
+PROGRESS_BYTES = 1 << 30  # a step that moves less than this is over before a progress bar says much
+
+
 class ProgressArtifact:
-    """A progress artifact fed by the core's `progress(done_bytes, total_bytes)` callbacks.
+    """A progress bar for one long step, fed by the core's `progress(done_bytes, total_bytes)` callbacks,
+    that lives only while the step runs.
+
+    One rule for every step: a bar is made only for work of at least `PROGRESS_BYTES` (`nbytes`; None
+    always makes one), and only inside a flow or task run. Use it as a context manager: when the step
+    ends, whether it succeeded or failed, the bar is deleted, so no bar is left at 100% (or stuck at
+    43%) beside the step's own result artifact and state. It has no key by default: a bar is not a
+    history worth keeping (`key` puts it into one; deleting it then makes the key's previous version
+    the latest again).
 
     Callbacks may come from worker threads and may be frequent: updates are serialized, sent at most
     every `interval` seconds (and always at 100%), and run in the context of the task that made the
-    artifact, so they reach the same Prefect API.
+    artifact, so they reach the same Prefect API. Nothing here ever fails the step: errors are logged.
     """
 
-    def __init__(self, *, key: str | None, description: str, interval: float = 1.0) -> None:
+    def __init__(self, *, description: str, nbytes: int | None = None, key: str | None = None,
+                 interval: float = 1.0) -> None:
         self._lock = threading.Lock()
         self._interval = interval
         self._last_sent = 0.0
         self._last_percent = -1.0
         self._context = contextvars.copy_context()
-        self._id: UUID | None = None
-        if not in_run():
+        self.id: UUID | None = None
+        if not in_run() or (nbytes is not None and nbytes < PROGRESS_BYTES):
             return
         try:
-            self._id = create_progress_artifact(progress=0.0, key=key, description=description)
+            self.id = create_progress_artifact(progress=0.0, key=key, description=description)
         except Exception:
-            logger.warning("could not create progress artifact %s", key, exc_info=True)
+            logger.warning("could not create progress artifact %s", key or description, exc_info=True)
 
     def __call__(self, done: int, total: int) -> None:
-        if self._id is None:
+        if self.id is None:
             return
         percent = 100.0 if total <= 0 else min(100.0, 100.0 * done / total)
         now = time.monotonic()
         with self._lock:
-            if percent <= self._last_percent:
+            if self.id is None or percent <= self._last_percent:
                 return
             if percent < 100.0 and now - self._last_sent < self._interval:
                 return
             self._last_sent, self._last_percent = now, percent
             try:
-                self._context.run(update_progress_artifact, artifact_id=self._id, progress=round(percent, 1))
+                self._context.run(update_progress_artifact, artifact_id=self.id, progress=round(percent, 1))
             except Exception:
                 logger.debug("progress artifact update failed", exc_info=True)
 
-    def finish(self) -> None:
-        """Show 100%: the work is done even when the last callback said less."""
-        if self._id is not None and self._last_percent < 100.0:
-            self._last_sent = 0.0
-            self(1, 1)
+    def close(self) -> None:
+        """Delete the bar (the step is over); later callbacks do nothing. Safe to call twice."""
+        with self._lock:
+            artifact_id, self.id = self.id, None
+            if artifact_id is None:
+                return
+            try:
+                self._context.run(_delete_artifact, artifact_id)
+            except Exception:
+                logger.warning("could not delete progress artifact %s", artifact_id, exc_info=True)
+
+    def __enter__(self) -> ProgressArtifact:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _delete_artifact(artifact_id: UUID) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.delete_artifact(artifact_id)

@@ -3,12 +3,17 @@
 `consolidate_model` calls `ckptflow.consolidate` step by step (`plan_consolidation`,
 `prepare_output`, `run_unit` per shard, `finalize`, `abort` on failure) and runs the shards as
 `write_shard` tasks through the flow's task runner, at most `workers` at a time, so each shard shows
-in the UI and the runner decides where they run. It is cached on the checkpoint's identity, the
-options and OUT: a second flow run for the same checkpoint does not convert again.
+in the UI (`consolidate global_step3 bf16`, `write shard 2/5`) and the runner decides where they
+run. It is cached on the checkpoint's identity, the options and OUT: a second flow run for the same
+checkpoint does not convert again.
+
+A conversion of at least `PROGRESS_BYTES` shows a progress bar while it runs; the result is one
+artifact (key `consolidation-<source>-<tag>-<dtype>`): a table of every file in the model folder.
 """
 
 from __future__ import annotations
 
+import posixpath
 import threading
 from typing import Any
 
@@ -18,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from ckptflow.consolidate import (
     ConsolidateOptions,
     ConsolidationPlan,
+    ConsolidationResult,
     ShardUnit,
     UnitResult,
     abort,
@@ -26,18 +32,31 @@ from ckptflow.consolidate import (
     prepare_output,
     run_unit,
 )
+from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging
-from tasks.artifacts import ProgressArtifact, artifact_key, markdown
+from ckptflow.plumbing.storage import open_fs
+from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
 from tasks.units import run_bounded
 
 
-@task(name="write-shard", task_run_name="write {unit.filename}", cache_policy=NO_CACHE, **io_retries(retries=2))
+def _shard_run_name() -> str:
+    """'write shard 2/5' (shards counted from 1)."""
+    from prefect.runtime import task_run
+
+    parameters = task_run.parameters
+    unit, plan = parameters.get("unit"), parameters.get("plan")
+    if unit is None or plan is None:
+        return "write shard"
+    return f"write shard {unit.index + 1}/{len(plan.units)}"
+
+
+@task(name="write-shard", task_run_name=_shard_run_name, cache_policy=NO_CACHE, **io_retries(retries=2))
 def write_shard(
     plan: ConsolidationPlan, unit: ShardUnit, staging: Staging, progress: Any = None, cancel: Any = None
 ) -> UnitResult:
@@ -47,7 +66,7 @@ def write_shard(
 
 @task(
     name="consolidate",
-    task_run_name="consolidate {checkpoint.tag} to {out}",
+    task_run_name="consolidate {checkpoint.tag} {dtype}",
     cache_key_fn=checkpoint_cache_key,
     persist_result=True,
     **io_retries(retries=2),
@@ -70,31 +89,27 @@ def consolidate_model(
     plan = plan_consolidation(load_index(checkpoint.root, checkpoint.tag), options)
     logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), format_size(plan.total_size),
                 plan.dtype)
-    sink = ProgressArtifact(
-        key=artifact_key("consolidate", checkpoint.tag, dtype),
-        description=f"Consolidating {checkpoint.uri} to {dtype} at {out}",
-    )
-    progress = Tally(sum(u.nbytes for u in plan.units) * (2 if verify else 1), sink)
+    total = sum(u.nbytes for u in plan.units) * (2 if verify else 1)  # written, then (verify) read back
     staging = prepare_output(plan, out)
     cancel = threading.Event()
-    try:
-        results = run_bounded(
-            lambda unit: write_shard.submit(plan, unit, staging, progress.part(unit.index), cancel),
-            plan.units, workers, cancel,
-        )
-        result = finalize(plan, results, staging)
-    except BaseException:
-        abort(staging)
-        raise
-    sink.finish()
+    with ProgressArtifact(nbytes=plan.total_size,
+                          description=f"Consolidating {checkpoint.uri} to {dtype}") as sink:
+        progress = Tally(total, sink)
+        try:
+            results = run_bounded(
+                lambda unit: write_shard.submit(plan, unit, staging, progress.part(unit.index), cancel),
+                plan.units, workers, cancel,
+            )
+            result = finalize(plan, results, staging)
+        except BaseException:
+            abort(staging)
+            raise
+    logger.info("wrote %s: %d file(s), %d shard(s)%s", out, len(result.files), len(result.shards),
+                ", each re-read and compared with the source" if result.verified else "")
     markdown(
-        f"## Consolidated model\n\n`{checkpoint.uri}` (ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, "
-        f"{checkpoint.precision}) → `{out}`\n\n| file | size |\n|---|---|\n"
-        + "\n".join(f"| {s.filename} | {format_size(s.size)} |" for s in result.shards)
-        + f"\n\n{len(result.files)} files, {format_size(result.total_size)} of {result.dtype} weights"
-        + (", every shard re-read and checked against the source." if result.verified else "."),
-        key=artifact_key("consolidated", checkpoint.tag, dtype),
-        description=f"Consolidated {checkpoint.tag} to {out}",
+        model_summary(checkpoint, result, _sizes(out)),
+        key=checkpoint_key("consolidation", checkpoint.root, checkpoint.tag, dtype),
+        description=f"Hugging Face model ({result.dtype}) of {checkpoint.uri}",
     )
     return Output(
         kind="model",
@@ -103,3 +118,51 @@ def consolidate_model(
         bytes=result.total_size,
         details={"dtype": result.dtype, "shards": len(result.shards), "verified_shards": result.verified},
     )
+
+
+_WHAT = {
+    hf.SAFE_WEIGHTS_INDEX_NAME: "which shard holds each tensor",
+    hf.PROVENANCE_NAME: "where the model came from (source, options, ckptflow version)",
+    hf.CONFIG_NAME: "model config",
+    "generation_config.json": "generation defaults",
+    "chat_template.jinja": "chat template",
+    "chat_template.json": "chat template",
+}
+
+
+def model_summary(checkpoint: Checkpoint, result: ConsolidationResult, sizes: dict[str, int]) -> str:
+    """The model folder as one table, a row per file (shards first), with what it holds and its size;
+    the line above counts the same rows."""
+    tensors = {u.filename: len(u.tensors) for u in result.plan.units}
+    rows = []
+    for name in [s.filename for s in result.shards] + [f for f in result.files if f not in tensors]:
+        if name in tensors:
+            what = f"{tensors[name]} tensors, {result.dtype}"
+        else:
+            what = _WHAT.get(name, "tokenizer" if name.startswith(("tokenizer", "vocab", "merges", "special_tokens",
+                                                                   "added_tokens")) or name.endswith(".model") else "")
+        size = sizes.get(name)
+        rows.append(f"| `{name}` | {what} | {'' if size is None else cell_size(size)} |")
+    total = sum(sizes.get(name, 0) for name in result.files) or result.total_size
+    checked = ", every shard re-read and compared with the source" if result.verified else ""
+    return "\n".join([
+        f"## Hugging Face model of {checkpoint.tag} ({result.dtype})",
+        "",
+        f"From `{checkpoint.uri}` (ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}) "
+        f"into `{result.out}`: {len(rows)} files, {format_size(total)}{checked}.",
+        "",
+        "| file | holds | size |",
+        "|---|---|---:|",
+        *rows,
+    ])
+
+
+def _sizes(folder: str) -> dict[str, int]:
+    """File name -> size in `folder` ({} when it cannot be listed: the table then shows shard sizes only)."""
+    try:
+        fs, path = open_fs(folder)
+        return {posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in fs.ls(path, detail=True)
+                if e.get("type") == "file" and e.get("size") is not None}
+    except Exception as exc:  # the table is for people; the model is written
+        get_run_logger().warning("could not list %s for the artifact: %s", folder, exc)
+        return {}

@@ -7,7 +7,8 @@ Prefect; a permanent error (403, a missing repo with no right to create it) fail
 
 Each push leaves one markdown artifact: where it went (a link to the Hub commit or the bucket's
 console page) and a table of every file with its size and sha256 (from the bucket's manifest, or the
-Hub's LFS records). A progress bar is shown only for pushes big enough to watch (`PROGRESS_BYTES`).
+Hub's LFS records). A progress bar is shown only while a push big enough to watch runs
+(`tasks.artifacts.PROGRESS_BYTES`, the rule every step follows).
 The lifecycle flow tags Hub pushes `hub-upload` and bucket pushes `bucket-upload`, for task
 concurrency limits (`prefect concurrency-limit create hub-upload 2`).
 """
@@ -22,13 +23,10 @@ from prefect import get_run_logger, task
 
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.publish import push
-from tasks.artifacts import ProgressArtifact, checkpoint_key, link, markdown, web_url
+from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
 from tasks.retries import io_retries
-
-
-PROGRESS_BYTES = 1 << 30  # a push of less than this is over before a progress bar says much
 
 
 def _resolve_token(secret_block: str | None) -> str | None:
@@ -78,18 +76,16 @@ def publish_output(
     """Push the folder `output.uri` to `destination` (an `hf://` repo or any fsspec URL)."""
     logger = get_run_logger()
     hub = destination.startswith("hf://")
-    what = output.kind if output.world_size is None else f"{output.kind} ({output.world_size} ranks)"
-    sink = None
-    if (output.bytes or 0) >= PROGRESS_BYTES:
-        sink = ProgressArtifact(key=None, description=f"Publishing the {what} of {checkpoint.tag} to {destination}")
-    kwargs: dict[str, Any] = {"workers": workers, "progress": sink}
+    n = output.world_size
+    what = output.kind if n is None else f"{output.kind} ({n} rank{'' if n == 1 else 's'})"
+    kwargs: dict[str, Any] = {"workers": workers}
     token = None
     if hub:
         token = _resolve_token(token_secret)
         kwargs.update(revision=revision, private=private, endpoint=endpoint, token=token)
-    result = push(output.uri, destination, **kwargs)
-    if sink is not None:
-        sink.finish()
+    with ProgressArtifact(nbytes=output.bytes or 0,
+                          description=f"Publishing the {what} of {checkpoint.tag} to {destination}") as sink:
+        result = push(output.uri, destination, progress=sink, **kwargs)
     logger.info(
         "published %s to %s: %d file(s) uploaded (%s), %d already there",
         output.uri, destination, len(result.uploaded), format_size(result.bytes_uploaded or 0), len(result.skipped),
@@ -155,15 +151,16 @@ def _file_table(
     lines = [
         f"## {what.capitalize()} of {checkpoint.tag} published",
         "",
-        f"To {link(where, url)}: {len(result.uploaded)} file(s) uploaded ({format_size(result.bytes_uploaded or 0)}), "
-        f"{len(result.skipped)} already there" + (f"; {len(files)} file(s), {format_size(total or 0)} in all." if files else "."),
+        f"To {link(where, url)}: "
+        + (f"{len(files)} file(s), {format_size(total or 0)} in all; " if files else "")
+        + f"{len(result.uploaded)} uploaded ({format_size(result.bytes_uploaded or 0)}), {len(result.skipped)} already there.",
         "",
     ]
     if result.manifest_uri:
         lines += [f"Readers trust `{result.manifest_uri}` (written last).", ""]
     if files:
         lines += ["| file | size | sha256 |", "|---|---:|---|"]
-        lines += [f"| `{f['file']}` | {format_size(f['size'] or 0)} | `{f['sha256']}` |" for f in files]
+        lines += [f"| `{f['file']}` | {cell_size(f['size'] or 0)} | `{f['sha256']}` |" for f in files]
     digest = hashlib.sha256(where.encode()).hexdigest()[:6]
     markdown(
         "\n".join(lines),

@@ -30,11 +30,20 @@ def still_arriving(report: ValidationReport) -> bool:
 
 
 def report_rows(report: ValidationReport) -> list[dict[str, Any]]:
-    """The report as a table no wider than the page: for a valid checkpoint, one `field | value` row per
-    fact; else one row per problem (the message names the file)."""
+    """The report as a table no wider than the page: for a valid checkpoint, a few `field | value` rows,
+    most telling first and fewer than the UI's ten to a page; else one row per problem (the message
+    names the file)."""
     if report.ok:
         s = report.summary()
-        return field_rows({"valid": f"{report.root}/{report.tag}", **{k: s[k] for k in sorted(s)}})
+        return field_rows({
+            "checkpoint": f"{report.root}/{report.tag}",
+            "result": "valid" + (" (deep scan: every fp32 value finite)" if report.deep else ""),
+            "layout": f"ZeRO-{s['stage']}, {s['world_size']} rank(s), {s['precision']}",
+            "optimizer step": s["step"],
+            "parameters": f"{s['params']} ({s['numel']:,} elements) in {s['param_groups']} group(s)",
+            "tied / frozen / buffers": f"{s['tied']} / {s['frozen']} / {s['buffers']}",
+            "saved by": f"DeepSpeed {s['ds_version']}",
+        })
     return [{"problem": p.code, "rank": "" if p.rank is None else p.rank, "message": p.message} for p in report.problems]
 
 

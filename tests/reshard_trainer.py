@@ -4,7 +4,9 @@ Run by ``launch("tests.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint"
 where DIR is a ``checkpoint-K`` folder resharded to M ranks and SPEC_JSON the fixture's spec. The run
 is set up as ``tests.fixtures.trainer`` set up the original one (same model, DeepSpeed config with
 "auto" values, optimizer built by the Trainer), with ``max_steps`` two past the checkpoint, and calls
-``trainer.train(resume_from_checkpoint=DIR)``. Rank 0 writes the Trainer's state to FILE as JSON.
+``trainer.train(resume_from_checkpoint=DIR)``. Rank 0 writes the Trainer's state to FILE as JSON,
+with what each rank's `Trainer._load_rng_state` did: the files it loaded, its "Didn't find an RNG
+file" messages, and the CPU generator's state right after.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +26,45 @@ from tests.fixtures import models  # noqa: E402
 from tests.fixtures.trainer import _Batches, _configure_distributed_state, trainer_ds_config  # noqa: E402
 
 EXTRA_STEPS = 2
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _watch_rng_loading(trainer_class: type) -> tuple[type, dict]:
+    """A Trainer subclass that records what `_load_rng_state` loads (the first time it runs)."""
+    seen: dict = {"files": [], "missing": [], "cpu": None}
+    messages = _Messages()
+    trainer_logger = logging.getLogger("transformers.trainer")
+    trainer_logger.addHandler(messages)
+    trainer_logger.setLevel(logging.INFO)
+
+    class Watched(trainer_class):  # type: ignore[misc, valid-type]
+        def _load_rng_state(self, checkpoint):  # noqa: ANN001, ANN202
+            if seen["cpu"] is not None:
+                return super()._load_rng_state(checkpoint)
+            load = torch.load
+
+            def recording_load(f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                seen["files"].append(os.path.basename(str(f)))
+                return load(f, *args, **kwargs)
+
+            before = len(messages.messages)
+            torch.load = recording_load
+            try:
+                super()._load_rng_state(checkpoint)
+            finally:
+                torch.load = load
+            seen["missing"] = [m for m in messages.messages[before:] if "Didn't find an RNG file" in m]
+            seen["cpu"] = torch.random.get_rng_state().tolist()
+
+    return Watched, seen
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_num_workers=0,
         accelerator_config={"use_configured_state": True},
     )
-    trainer = Trainer(
+    watched, rng = _watch_rng_loading(Trainer)
+    trainer = watched(
         model=models.build_model(spec["model"], spec["seed"]),
         args=arguments,
         train_dataset=_Batches(steps=steps, world_size=world_size, seed=spec["seed"]),
@@ -64,13 +107,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer.train(resume_from_checkpoint=str(options.checkpoint))
     engine = trainer.model_wrapped
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    ranks_rng: list = [None] * world_size
+    torch.distributed.all_gather_object(ranks_rng, {"rank": rank, **rng})
+    if rank == 0:
         options.out.write_text(json.dumps({
             "global_step": trainer.state.global_step,
             "engine_global_steps": engine.global_steps,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
             "lr": [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry],
             "dp_world_size": engine.dp_world_size,
+            "rng": ranks_rng,
         }))
     torch.distributed.barrier()
 

@@ -223,9 +223,24 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
     keys = {a.key for a in artifacts if a.key}
     validation_key = checkpoint_key("validation", source, tag)
     assert validation_key.startswith("validation-llama-") and validation_key.endswith("-global-step3")
-    assert validation_key in keys and checkpoint_key("verification", source, tag) in keys
-    assert all(a.data == 100.0 for a in by_type["progress"])
-    assert not any(a.description.startswith("Publishing") for a in by_type["progress"]), "small pushes: no bar"
+    # One artifact per step and output, every key naming the source (name and digest) and the tag.
+    stem = validation_key[len("validation-"):]
+    assert sorted(a.key or "" for a in artifacts) == sorted([
+        validation_key, checkpoint_key("verification", source, tag), checkpoint_key("summary", source, tag),
+        checkpoint_key("consolidation", source, tag, "bf16"),
+        *(checkpoint_key("reshard", source, tag, f"ws{n}") for n in RESHARD_TO),
+        *(a.key for a in artifacts if (a.key or "").startswith(f"published-{stem}-")),
+    ]), "no unkeyed artifact, no near-duplicate key"
+    assert all(k.split("-", 1)[1].startswith(stem) for k in keys)
+    assert "progress" not in by_type, "steps under PROGRESS_BYTES show no bar, and bars never outlive their step"
+    model_md = next(a for a in artifacts if a.key == checkpoint_key("consolidation", source, tag, "bf16")).data
+    table_rows = [line for line in model_md.splitlines() if line.startswith("| `")]
+    model_files = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(model) if not p.endswith("ckptflow-manifest.json"))
+    assert sorted(re.findall(r"^\| `([^`]+)`", "\n".join(table_rows), re.M)) == model_files
+    assert f": {len(model_files)} files, " in model_md and model_md.count("| file |") == 1
+    reshard_md = next(a for a in artifacts if a.key == checkpoint_key("reshard", source, tag, "ws4")).data
+    assert "Trainer RNG files: rng_state_0..3.pth from source ranks 0, 1, 0, 1 (rank r takes r mod 2)." in reshard_md
+    assert len([line for line in reshard_md.splitlines() if re.match(r"^\| \d \|", line)]) == 4
     summary_md = next(a for a in by_type["markdown"] if a.key == checkpoint_key("summary", source, tag))
     assert summary_md.data.startswith(f"# llama@{tag}\n")
     assert "## Published" in summary_md.data and f"{dest}/{tag}/zero-ws4" in summary_md.data
@@ -233,13 +248,15 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
     assert f"[`{dest}/{tag}/model`](https://console.cloud.google.com/storage/browser/" in summary_md.data
     published = [a for a in by_type["markdown"] if a.key and a.key.startswith("published-llama-")]
     assert len(published) == 3 and len({a.key for a in published}) == 3
-    model_files = next(a for a in published if "-model-" in a.key).data
+    published_files = next(a for a in published if "-model-" in a.key).data
     manifest = json.loads(fs.cat_file(f"{model}/ckptflow-manifest.json"))
     for entry in manifest["files"]:
-        assert f"| `{entry['path']}` |" in model_files and f"`{entry['sha256']}`" in model_files
+        assert f"| `{entry['path']}` |" in published_files and f"`{entry['sha256']}`" in published_files
     validation = next(a for a in by_type["table"] if a.key == validation_key)
     rows = json.loads(validation.data) if isinstance(validation.data, str) else validation.data
     assert {tuple(r) for r in rows} == {("field", "value")}, "the validation table is two columns wide"
+    assert len(rows) < 10, "all on the UI's first page of ten rows"
+    assert {"field": "layout", "value": "ZeRO-3, 2 rank(s), fp32"} in rows
 
     from prefect.client.orchestration import get_client as _client
 
@@ -247,10 +264,100 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
         run = client.read_flow_run(run_id)
     assert run.name == f"llama@{tag}"
     names = sorted(r.name for r in task_runs(run_id))
-    assert "validate llama@latest" in names and f"verify {tag} model" in names
-    assert f"publish zero-ws4 to gs://{bucket_run['base'].split('/')[2]}" in names
-    # (the consolidate task's name, in tasks/consolidate.py, still carries its output path)
-    assert not any(bucket_run["workspace"] in n or source in n for n in names if not n.startswith("consolidate ")), names
+    assert len(names) == len(set(names)), f"task run names are unique: {names}"
+    bucket = bucket_run["base"].split("/")[2]
+    shards = len([f for f in model_files if f.endswith(".safetensors")])
+    assert shards > 1
+    assert names == sorted([
+        "validate llama@latest", f"consolidate {tag} bf16", f"verify {tag} model",
+        *(f"write shard {i}/{shards}" for i in range(1, shards + 1)),
+        f"reshard {tag} to 1 rank", f"reshard {tag} to 4 ranks",
+        *(f"write rank {r}/{n} (ws{n})" for n in RESHARD_TO for r in range(n)),
+        f"publish model to gs://{bucket}", f"publish zero-ws1 to gs://{bucket}", f"publish zero-ws4 to gs://{bucket}",
+    ])
+
+
+def _progress_artifacts(flow_run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"])))
+
+
+def test_a_progress_bar_lives_only_while_its_step_runs(prefect_server: str) -> None:
+    """Against the server: a long step's bar is made at 0%, moves, and is deleted when the step ends,
+    whether it succeeded or failed; a short step (under PROGRESS_BYTES) gets none; no key is needed."""
+    from prefect import flow, task
+    from prefect.runtime import flow_run
+
+    from tasks.artifacts import PROGRESS_BYTES, ProgressArtifact
+
+    seen: dict[str, list[Any]] = {}
+
+    @task
+    def step(name: str, nbytes: int, fail: bool) -> None:
+        with ProgressArtifact(nbytes=nbytes, description=f"copying {name}") as bar:
+            seen[name] = [[a.data for a in _progress_artifacts(flow_run.id)]]
+            bar(1, 4)
+            seen[name].append([a.data for a in _progress_artifacts(flow_run.id)])
+            bar(4, 4)
+            seen[name].append([(a.data, a.key, a.description) for a in _progress_artifacts(flow_run.id)])
+            if fail:
+                raise ValueError("the copy failed")
+
+    @flow
+    def steps() -> Any:
+        step("long", PROGRESS_BYTES, False)
+        step("short", PROGRESS_BYTES - 1, False)
+        failed = step("failing", 2 * PROGRESS_BYTES, True, return_state=True)
+        return flow_run.id, failed
+
+    run_id, failed = steps()
+    assert failed.is_failed()
+    assert seen["long"] == [[0.0], [25.0], [(100.0, None, "copying long")]]
+    assert seen["short"] == [[], [], []]
+    assert seen["failing"][-1] == [(100.0, None, "copying failing")]
+    assert _progress_artifacts(run_id) == []
+
+
+def test_the_steps_bars_are_gone_when_they_end(prefect_server: str, llama_bf16_ckpt, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consolidate, reshard and publish as they run in a flow, every step counted as long: each makes a
+    bar, and none is left when the run ends."""
+    from prefect import flow
+
+    import tasks.artifacts
+    from tasks.consolidate import consolidate_model
+    from tasks.models import Output
+    from tasks.publish import publish_output
+    from tasks.reshard import reshard_checkpoint
+
+    made: list[Any] = []
+    create = tasks.artifacts.create_progress_artifact
+
+    def recording_create(**kwargs: Any) -> Any:
+        made.append(create(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tasks.artifacts, "PROGRESS_BYTES", 0)
+    monkeypatch.setattr(tasks.artifacts, "create_progress_artifact", recording_create)
+
+    @flow
+    def build(source: str, work: str) -> Any:
+        from prefect.runtime import flow_run
+
+        checkpoint = validate_checkpoint(source, settle_seconds=0)
+        model = consolidate_model(checkpoint, f"{work}/model", dtype="bf16", max_shard_size="100KB")
+        reshard_checkpoint(checkpoint, f"{work}/ws3", 3)
+        publish_output(checkpoint, model, f"{work}/published")
+        assert isinstance(model, Output)
+        return flow_run.id
+
+    run_id = build(str(llama_bf16_ckpt.dir), str(tmp_path / "work"))
+    assert len(made) == 3
+    assert _progress_artifacts(run_id) == []
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:

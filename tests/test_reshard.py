@@ -495,34 +495,101 @@ def test_units_run_separately_then_finalize_writes_latest_last(ds_fixtures, tmp_
     assert load_index(str(out)).world_size == 3
 
 
-def test_hugging_face_files_are_carried_over(llama_trainer_ckpt, tmp_path: Path) -> None:
+def test_trainer_rng_files_are_planned_for_the_target_world_size() -> None:
+    from ckptflow.reshard.rng import describe, plan_rng_files
+
+    def plan(names: list[str], m: int) -> list[tuple[str, str]]:
+        return [(c.target, c.source) for c in plan_rng_files(names, m)]
+
+    two = ["rng_state_1.pth", "rng_state_0.pth", "config.json", "scheduler.pt"]
+    assert plan(two, 1) == [("rng_state.pth", "rng_state_0.pth")]  # a 1-process Trainer reads rng_state.pth
+    assert plan(two, 2) == [("rng_state_0.pth", "rng_state_0.pth"), ("rng_state_1.pth", "rng_state_1.pth")]
+    assert plan(two, 3) == [("rng_state_0.pth", "rng_state_0.pth"), ("rng_state_1.pth", "rng_state_1.pth"),
+                            ("rng_state_2.pth", "rng_state_0.pth")]  # rank r takes source rank r mod N
+    four = [f"rng_state_{i}.pth" for i in range(4)]
+    assert plan(four, 2) == [("rng_state_0.pth", "rng_state_0.pth"), ("rng_state_1.pth", "rng_state_1.pth")]
+    assert plan(["rng_state_0.pth", "rng_state_10.pth", "rng_state_2.pth"], 3)[2] == ("rng_state_2.pth", "rng_state_10.pth")
+    assert plan(["rng_state.pth"], 1) == [("rng_state.pth", "rng_state.pth")]
+    assert plan(["rng_state.pth"], 3) == [(f"rng_state_{r}.pth", "rng_state.pth") for r in range(3)]
+    assert plan(["rng_state.pth", "rng_state_0.pth", "rng_state_1.pth"], 1) == [("rng_state.pth", "rng_state_0.pth")]
+    assert plan(["config.json", "rng_state_x.pth", "my_rng_state_0.pth"], 4) == []
+    with pytest.raises(ValueError):
+        plan_rng_files(two, 0)
+
+    assert describe(plan_rng_files(two, 1)) == "rng_state.pth from source rank 0 (rng_state_0.pth)"
+    assert describe(plan_rng_files(two, 3)) == "rng_state_0..2.pth from source ranks 0, 1, 0 (rank r takes r mod 2)"
+    assert describe(plan_rng_files(two, 2)) == "rng_state_0.pth, rng_state_1.pth from source ranks 0, 1 (rank r takes r mod 2)"
+    assert describe(plan_rng_files(["rng_state.pth"], 1)) == "rng_state.pth carried over"
+    assert describe(plan_rng_files(["rng_state.pth"], 4)) == "rng_state_0..3.pth, each a copy of the source's rng_state.pth"
+    assert describe(plan_rng_files([], 4)) == "no Trainer RNG files in the source"
+
+
+def _rng_states(path: Path) -> dict[str, Any]:
+    state = torch.load(path, weights_only=False)
+    return {"python": state["python"], "numpy": [x.tolist() if hasattr(x, "tolist") else x for x in state["numpy"]],
+            "cpu": state["cpu"].tolist()}
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_hugging_face_files_are_carried_over(llama_trainer_ckpt, tmp_path: Path, world_size: int) -> None:
+    """Everything but DeepSpeed's files and `latest` comes over byte for byte; the Trainer's RNG files
+    are named for the new world size, each from source rank r mod N, and the result, the log line and
+    the CLI say so."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
     src = llama_trainer_ckpt.dir
     (src.parent / "extra").mkdir(exist_ok=True)
     out = tmp_path / "out"
-    result = reshard(str(src), str(out), world_size=3)
+    result = reshard(str(src), str(out), world_size=world_size)
     carried = sorted(p.name for p in src.iterdir() if p.name not in ("latest", "global_step3"))
+    source_rng = sorted(n for n in carried if n.startswith("rng_state"))
+    assert source_rng == ["rng_state_0.pth", "rng_state_1.pth"]
     assert "trainer_state.json" in carried and "scheduler.pt" in carried and "config.json" in carried
-    assert sorted(p.name for p in out.iterdir()) == sorted([*carried, "latest", "global_step3"])
-    for name in carried:
+    rng = ["rng_state.pth"] if world_size == 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    others = [n for n in carried if n not in source_rng]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*others, *rng, "latest", "global_step3"])
+    for name in others:
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert [(c.target, c.source, c.source_rank) for c in result.rng_files] == [
+        (name, f"rng_state_{r % 2}.pth", r % 2) for r, name in enumerate(rng)]
+    for c in result.rng_files:
+        assert (out / c.target).read_bytes() == (src / c.source).read_bytes()
+        assert _rng_states(out / c.target) == _rng_states(src / c.source)  # torch loads it under its new name
     assert sorted(p.name for p in (out / "global_step3").iterdir()) == sorted(result.files)
-    assert result.world_size == 3 and result.source_world_size == 2
+    assert result.world_size == world_size and result.source_world_size == 2
+    expected = {1: "rng_state.pth from source rank 0 (rng_state_0.pth)",
+                3: "rng_state_0..2.pth from source ranks 0, 1, 0 (rank r takes r mod 2)"}[world_size]
+    assert result.rng_summary == expected
+
+    cli = CliRunner().invoke(app, ["reshard", str(src), str(tmp_path / "cli"), "--world-size", str(world_size)])
+    assert cli.exit_code == 0, cli.output
+    assert f"  Trainer RNG files: {expected}\n" in cli.output
 
 
-def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_path: Path) -> None:
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_path: Path, world_size: int) -> None:
     """`Trainer.train(resume_from_checkpoint=OUT)` at the new world size: DeepSpeed loads OUT natively,
-    the Trainer's own files (trainer_state.json, scheduler, RNG) come along, and training goes on."""
+    the Trainer's own files (trainer_state.json, scheduler, RNG) come along, and training goes on. Every
+    rank loads the RNG file its world size names (no "Didn't find an RNG file" message), holding the
+    state of source rank r mod 2."""
     out = tmp_path / "checkpoint-3"
-    reshard(str(llama_trainer_ckpt.dir), str(out), world_size=1)
+    reshard(str(llama_trainer_ckpt.dir), str(out), world_size=world_size)
     state_file = tmp_path / "state.json"
     spec = dict(llama_trainer_ckpt.spec)
-    launch("tests.reshard_trainer", 1, ["--spec", json.dumps(spec), "--checkpoint", str(out), "--out", str(state_file)],
-           log_dir=tmp_path / "logs")
+    launch("tests.reshard_trainer", world_size,
+           ["--spec", json.dumps(spec), "--checkpoint", str(out), "--out", str(state_file)], log_dir=tmp_path / "logs")
     state = json.loads(state_file.read_text())
     assert state["global_step"] == state["engine_global_steps"] == spec["steps"] + 2
-    assert state["dp_world_size"] == 1
+    assert state["dp_world_size"] == world_size
     assert state["losses"][:spec["steps"]] == spec["losses"]  # the history came over in trainer_state.json
     assert all(0.5 < loss < 10 for loss in state["losses"][spec["steps"]:])
+    assert [r["rank"] for r in state["rng"]] == list(range(world_size))
+    for r, loaded in enumerate(state["rng"]):
+        assert loaded["missing"] == [], loaded  # the Trainer's "Didn't find an RNG file" message
+        assert loaded["files"] == ["rng_state.pth" if world_size == 1 else f"rng_state_{r}.pth"]
+        assert loaded["cpu"] == _rng_states(llama_trainer_ckpt.dir / f"rng_state_{r % 2}.pth")["cpu"]
 
 
 def test_other_filesystems(ds_fixtures) -> None:

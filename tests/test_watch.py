@@ -218,6 +218,29 @@ def test_baseline_records_without_emitting(prefect_server: str, tmp_path) -> Non
     assert watch_latest(roots=[str(tmp_path)], state=state)["emitted"] == []
 
 
+def test_watch_runs_are_named_by_their_roots_and_keep_their_own_artifacts(prefect_server: str, tmp_path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+    from flows.watch import watch_latest
+
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "latest").write_text("global_step9")
+    (tmp_path / "runs" / "r" / "global_step9").mkdir()
+    (tmp_path / "more").mkdir()
+    state = f"test-{uuid.uuid4().hex[:8]}"
+    run = watch_latest(roots=[str(tmp_path / "runs"), str(tmp_path / "more")], state=state, return_state=True)
+    assert run.is_completed(), run.message
+    run_id = run.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(run_id)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    assert flow_run.name == f"watch runs, more ({state})"
+    assert [t.name for t in tasks] == ["scan runs, more for latest"]
+    assert [a.key for a in artifacts] == [f"watch-{state}-new-checkpoints"]
+
+
 def test_a_root_that_cannot_be_listed_fails_the_run_after_the_others(prefect_server: str, tmp_path) -> None:
     from flows.watch import WatchState, watch_latest
 

@@ -4,20 +4,24 @@ The output is what DeepSpeed itself writes at the new world size M for the same 
 and config: `latest`, and a tag folder with one optimizer file per rank (and, for ZeRO-3, one model
 file per rank), every field DeepSpeed reads on load rewritten for M. DeepSpeed then loads it natively
 at M, without the universal-checkpoint path, and holds exactly the source's state. Everything else
-in the source folder (config.json, tokenizer, trainer_state.json, scheduler and RNG files) is
-carried over.
+in the source folder (config.json, tokenizer, trainer_state.json, scheduler) is carried over, and the
+Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 rank, one
+`rng_state_{r}.pth` per rank otherwise).
 
 - `plan.py`: `plan_reshard(index, M)`, pure, one `RankUnit` per target rank;
 - `files.py`: the object trees of the files one target rank gets (which fields change with M);
+- `rng.py`: `plan_rng_files(names, M)`, pure: which Trainer RNG file each target rank gets;
 - `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `run_unit`,
   `finalize` (`latest` last), `abort`, and `reshard(src, out, world_size=M)`, which runs them all.
 """
 
 from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardPlan, TargetFlat, plan_reshard
+from ckptflow.reshard.rng import RngCopy, plan_rng_files
 from ckptflow.reshard.run import (ReshardResult, UnitResult, abort, finalize, plan_output, prepare_output, reshard,
                                   run_unit, run_units, write_threads)
 
 __all__ = [
-    "FrozenPiece", "RankUnit", "ReshardPlan", "ReshardResult", "TargetFlat", "UnitResult", "abort", "finalize",
-    "plan_output", "plan_reshard", "prepare_output", "reshard", "run_unit", "run_units", "write_threads",
+    "FrozenPiece", "RankUnit", "ReshardPlan", "ReshardResult", "RngCopy", "TargetFlat", "UnitResult", "abort",
+    "finalize", "plan_output", "plan_reshard", "plan_rng_files", "prepare_output", "reshard", "run_unit", "run_units",
+    "write_threads",
 ]

@@ -6,8 +6,9 @@
    (`plumbing.staging`).
 3. `run_unit(plan, unit, staging)`: writes one target rank's files, streaming bytes from the source
    (each source byte of weights and moments is read by exactly one unit; memory stays at a few chunks).
-4. `finalize(plan, staging)`: reads the staged checkpoint back, carries the source's other files over,
-   writes `latest` and commits everything into place with `latest` last. `abort(staging)` cleans up.
+4. `finalize(plan, staging)`: reads the staged checkpoint back, carries the source's other files over
+   (the Trainer's RNG files renamed for the new world size, `rng.py`), writes `latest` and commits
+   everything into place with `latest` last. `abort(staging)` cleans up.
 
 `reshard(src, out, world_size=M)` runs all four; the CLI and the Prefect task call the same steps.
 """
@@ -33,6 +34,7 @@ from ckptflow.plumbing.staging import Staging
 from ckptflow.plumbing.storage import is_local, join, open_fs, unstrip
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
+from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
 from ckptflow.validate import validate
 
 logger = logging.getLogger(__name__)
@@ -127,10 +129,11 @@ def write_threads(workers: int, units: int) -> int:
 # ---- finishing ----------------------------------------------------------------------------------------
 
 
-def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> None:
+def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
-    whole into place (`latest` last). Raises `VerificationError` when the staged files do not read back
-    as a checkpoint at the new world size; the staging folder is then left for `abort`."""
+    whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
+    Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
+    size; the staging folder is then left for `abort`."""
     source, problems, _ = inspect(staging.uri, plan.tag)
     index = zero_index(source)
     if problems or index is None:
@@ -142,11 +145,12 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> No
             f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
             f"{len(index.params)} parameters, expected ZeRO-{plan.stage} at {plan.world_size} with "
             f"{len(plan.index.params)}", uri=staging.uri, expected=plan.world_size, actual=index.world_size)
-    _carry_over(plan, staging, durable=durable)
+    rng_files = _carry_over(plan, staging, durable=durable)
     fs, path = open_fs(staging.uri)
     with fs.open(posixpath.join(path, LATEST), "wb") as fh:
         fh.write(plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
+    return rng_files
 
 
 def abort(staging: Staging | None) -> None:
@@ -154,16 +158,21 @@ def abort(staging: Staging | None) -> None:
     stage.abort(staging)
 
 
-def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> None:
-    """Copy the source folder's files that are not this checkpoint's DeepSpeed files."""
+def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
+    """Copy the source folder's files that are not this checkpoint's DeepSpeed files; the Trainer's RNG
+    files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
     src_fs, root = open_fs(plan.root)
     _, staging_path = open_fs(staging.uri)
     _, out_path = open_fs(staging.out)
     skip = {posixpath.normpath(p) for p in (staging_path, out_path)}
+    rng_names = []
     for entry in src_fs.ls(root, detail=True):
         path = entry["name"].rstrip("/")
         name = posixpath.basename(path)
         if name in (LATEST, plan.tag) or posixpath.normpath(path) in skip or stage.is_staging_name(name):
+            continue
+        if entry["type"] != "directory" and is_rng_file(name):
+            rng_names.append(name)  # named for the source's world size: renamed below
             continue
         if entry["type"] == "directory":
             inner = [posixpath.basename(p) for p in src_fs.ls(path, detail=False)]
@@ -177,6 +186,12 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
         for file in files:
             rel = posixpath.relpath(file, root)
             _copy_file(unstrip(src_fs, file), staging.join(rel), durable=durable)
+    rng_files = plan_rng_files(rng_names, plan.world_size)
+    for copy in rng_files:
+        _copy_file(unstrip(src_fs, posixpath.join(root, copy.source)), staging.join(copy.target), durable=durable)
+    if rng_files:
+        logger.info("Trainer RNG files: %s", describe(rng_files))
+    return rng_files
 
 
 def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> int:
@@ -215,6 +230,12 @@ class ReshardResult:
     bytes_read: int
     bytes_written: int
     seconds: float
+    rng_files: tuple[RngCopy, ...] = ()  # the Trainer RNG files written for the new world size, from which source files
+
+    @property
+    def rng_summary(self) -> str:
+        """One line on the Trainer RNG files (`rng.describe`)."""
+        return describe(self.rng_files)
 
 
 def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress: Progress | None = None,
@@ -244,7 +265,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     staging = prepare_output(plan, out)
     try:
         results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable)
-        finalize(plan, staging, durable=durable)
+        rng_files = finalize(plan, staging, durable=durable)
     except BaseException:
         abort(staging)
         raise
@@ -254,5 +275,5 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     return ReshardResult(
         out=out, tag=plan.tag, stage=plan.stage, precision=plan.precision, source_world_size=plan.source_world_size,
         world_size=plan.world_size, files=plan.files, bytes_read=sum(r.bytes_read for r in results),
-        bytes_written=sum(r.bytes_written for r in results), seconds=seconds,
+        bytes_written=sum(r.bytes_written for r in results), seconds=seconds, rng_files=rng_files,
     )

@@ -220,7 +220,8 @@ def _placement(st: Inspection, entry: Mapping[str, Any], label: str, uri: str,
     problems += [f"expert {e!r} does not exist (the layer has {num})" for e in holders if e not in range(num)]
     if problems:
         st.add("placement-mismatch", f"{label}: its expert placement does not hold every expert exactly once "
-               f"({'; '.join(problems[:4])}); the metadata is damaged", file=uri, rank=rank)
+               f"({'; '.join(problems[:4])}); the metadata is inconsistent, so ckptflow cannot tell where that "
+               "layer's experts are", file=uri, rank=rank)
         return None
     return tuple(by_rank[r] for r in range(ep))
 
