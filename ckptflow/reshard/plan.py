@@ -72,6 +72,7 @@ class RankUnit:
 
     @property
     def files(self) -> tuple[str, ...]:
+        """The files it writes, then those it copies."""
         return (self.optim_file,) + ((self.model_file,) if self.model_file else ()) + self.copies
 
 

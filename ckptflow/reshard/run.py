@@ -114,8 +114,10 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: P
             written += _copy_file(join(plan.index.tag_uri, name), join(tag_uri, name), durable=durable)
     finally:
         reader.close()
-    logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", unit.rank, plan.world_size, ", ".join(unit.files),
-                written / 1e6, time.monotonic() - started)
+    logger.info("rank %d of %d: wrote %s%s (%.1f MB) in %.2f s", unit.rank, plan.world_size,
+                ", ".join(unit.files[:len(unit.files) - len(unit.copies)]),
+                f" and copied {len(unit.copies)} expert files" if unit.copies else "", written / 1e6,
+                time.monotonic() - started)
     return UnitResult(rank=unit.rank, files=unit.files, bytes_read=reader.bytes_read, bytes_written=written,
                       seconds=time.monotonic() - started)
 
