@@ -297,8 +297,9 @@ def _case_id(case: tuple[str, int]) -> str:
 
 class Oracle:
     """Reshards every case of one set (the matrix's or the held-out fixtures), then has DeepSpeed load
-    each at its new size, gather its state the way the writer gathered the oracle, and save it again:
-    one launch per (world size, layout), run when a test first asks for a case of that set."""
+    each at its new size, gather its state the way the writer gathered the oracle, and save it again;
+    and has DeepSpeed train the same model from scratch at that size and save it (`written`), to compare
+    metadata with. One launch per (world size, layout), run when a test first asks for a case of that set."""
 
     def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
         self.fixtures, self.root = fixtures, root
@@ -311,7 +312,7 @@ class Oracle:
             self.done.add(held_out)
         name = _case_id(case)
         return {"out": self.root / "out" / name, "resaved": self.root / "resaved" / name,
-                "state": self.root / "state" / f"{name}.safetensors"}
+                "state": self.root / "state" / f"{name}.safetensors", "written": self.root / "written" / name}
 
     def _run(self, held_out: bool) -> None:
         jobs: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -329,6 +330,9 @@ class Oracle:
             jobs.setdefault((case[1], fixture.layout), []).append(
                 {"spec": str(fixture.root / "spec.json"), "load": str(load), "save": str(paths["resaved"]),
                  "state": str(paths["state"]), "hang_after": 300})
+            if case in RESHARDS:
+                jobs[(case[1], fixture.layout)].append({"spec": str(fixture.root / "spec.json"),
+                                                        "write": str(self.root / "written" / _case_id(case))})
         for (world_size, layout), items in sorted(jobs.items()):
             jobs_file = self.root / f"jobs-{world_size}-{layout}-{held_out}.json"
             jobs_file.write_text(json.dumps(items, indent=1))
@@ -406,10 +410,20 @@ def test_deepspeed_saves_again_exactly_our_files(expert_fixtures, oracle, case) 
     _compare_folders(paths["out"] / tag, paths["resaved"] / tag)
 
 
+@pytest.mark.parametrize("case", RESHARDS, ids=_case_id)
+def test_deepspeed_training_at_that_size_writes_the_same_metadata(oracle, case) -> None:
+    """The same model trained from scratch and saved by DeepSpeed at the new size has the same files,
+    keys, shapes and metadata (every field but the tensors' values and the samples seen, the run's own)."""
+    paths = oracle(case)
+    tag = (paths["out"] / "latest").read_text()
+    _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
+
+
 @pytest.mark.parametrize("case", sorted(WRITTEN_AT), ids=_case_id)
 def test_the_metadata_is_what_deepspeed_writes_at_that_size(expert_fixtures, case, tmp_path: Path) -> None:
-    """The same layout trained and saved by DeepSpeed at the new size has the same files, keys, shapes
-    and metadata (every field but the tensors' values and the samples seen, which are the run's)."""
+    """The matrix's fixture of the same layout at the new size, trained and saved there by DeepSpeed,
+    has the same files, keys, shapes and metadata (every field but the tensors' values and the samples
+    seen, which are the run's)."""
     out = tmp_path / "out"
     reshard(str(expert_fixtures[case[0]].dir), str(out), world_size=case[1])
     written = expert_fixtures[WRITTEN_AT[case]]

@@ -138,9 +138,10 @@ def _check_topology(st: Inspection, listing: Listing, model0: Mapping[str, Any],
         st.add("unsupported-layout", f"{uri} was trained with use_data_before_expert_parallelism, which puts "
                "expert-parallel ranks on strided ranks; the files do not record that placement, and ckptflow reads "
                "DeepSpeed's default topology only: convert it with DeepSpeed's universal converter", file=uri)
-    tp = (config.get("tensor_parallel") or {}).get("autotp_size", 1) if isinstance(config.get("tensor_parallel"), Mapping) else 1
-    section = config.get("expert_parallel") if isinstance(config.get("expert_parallel"), Mapping) else {}
-    etp = section.get("expert_tensor_parallel_size") or 1
+    tensor_parallel, expert_parallel = (config.get(k) if isinstance(config.get(k), Mapping) else {}
+                                        for k in ("tensor_parallel", "expert_parallel"))
+    tp = tensor_parallel.get("autotp_size") or 1
+    etp = expert_parallel.get("expert_tensor_parallel_size") or 1
     mp_ranks = {m.group(2) for m in listing.model_names.values()} | {m.group(3) for m in listing.optim_names.values()}
     if (isinstance(tp, int) and tp > 1) or (isinstance(etp, int) and etp > 1) or mp_ranks - {"00"}:
         st.add("unsupported-layout", f"{uri} is AutoEP folded with tensor parallelism (autotp_size {tp}, "
@@ -229,8 +230,7 @@ def _placement(st: Inspection, entry: Mapping[str, Any], label: str, uri: str,
 def _check_ranks(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer]) -> None:
     """The expert params sit in the layer's `ep_size_N` group, and each rank's own record of the layers
     (ZeRO-3: every rank's model states; ZeRO-1/2: rank 0's) says what that rank is at this world size."""
-    groups = {name: zero.groups[p.group] for p in zero.params if p.group is not None and p.shard == 0
-              for name in [p.name]}
+    groups = {p.name: zero.groups[p.group] for p in zero.params if p.group is not None and p.shard == 0}
     for layer in layers:
         for w in WEIGHTS:
             name = f"{layer.prefix}.{w}"
