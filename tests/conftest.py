@@ -15,4 +15,6 @@ pytest_plugins = [
     "tests.fixtures.plugin",
     "tests.prefect_plugin",
     "tests.servers",
+    "tests.hostile.plugin",
+    "tests.cluster",
 ]

@@ -6,18 +6,27 @@ fresh upstream connection, one request per client connection. A seeded share of 
 - "503": answered with 503 and never forwarded (the server never saw it);
 - "reset": the connection is dropped (RST) after the request was read, never forwarded;
 - "truncate": a GET is forwarded and its response cut off halfway through the body (other methods
-  get a 503 instead: a lost response to a write the server applied is a case no emulator here
-  models the way the real service does).
+  get a 503 instead);
+- "drop": the request is forwarded and applied by the server, then the connection is dropped (RST)
+  before any of the response reaches the client: the client cannot tell whether its write landed.
+  Not among the default kinds: ask for it by name. What a client does next (resend, query, give up)
+  is what it tests; a resumable-upload chunk resent to the GCS emulator is answered 400 "Invalid
+  Content-Range start" (see tests/test_upload_restart.py).
 
 `status=403` (say) answers every targeted request with that status instead (permanent errors), and
 `delay` slows every request down. Faults are drawn from `random.Random(seed)` and bounded by
 `max_faults`; `requests` and `faults` count what happened.
+
+Every forwarded response is also recorded as a `Transfer` (method, path, the request's `Range`,
+status, body bytes), so a test can tell ranged reads from whole-object downloads and add up the
+bytes each client fetched: `range_reads`, `range_bytes` and `media_downloads` summarize them.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import struct
 import threading
@@ -26,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 KINDS = ("503", "reset", "truncate")
+ALL_KINDS = (*KINDS, "drop")
 
 
 @dataclass
@@ -40,6 +50,23 @@ class FaultPlan:
     delay: float = 0.0
     only_paths: tuple[str, ...] = ()  # when set, faults hit only request paths containing one of these
     spare_first: int = 0  # let this many targeted requests through before any fault
+    message: str = "injected permanent error"  # the error text of `status` answers (stores echo odd things)
+    # (method, path substring, status): answered by the proxy itself, never forwarded, e.g. what real GCS
+    # answers where the emulator has no handler: ("DELETE", "upload_id=", 499) cancels a resumable upload.
+    answers: tuple[tuple[str, str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One forwarded request and what came back: `range` is the request's `Range: bytes=a-b` as
+    [a, b + 1) (None without one), `body` the response body bytes sent to the client."""
+
+    method: str
+    path: str
+    range: tuple[int, int] | None
+    status: int
+    body: int
+    content_type: str
 
 
 @dataclass
@@ -49,6 +76,26 @@ class _Counters:
     bytes_down: int = 0  # response bytes sent to clients, headers included
     faults: Counter = field(default_factory=Counter)
     log: list = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+
+    @property
+    def range_reads(self) -> list[Transfer]:
+        """Successful GETs that asked for a byte range."""
+        return [t for t in self.transfers if t.method == "GET" and t.range is not None and t.status in (200, 206)]
+
+    @property
+    def range_bytes(self) -> int:
+        return sum(t.body for t in self.range_reads)
+
+    @property
+    def media_downloads(self) -> list[Transfer]:
+        """Successful GETs of object data without a range: whole-object downloads (GCS `alt=media`, or
+        an S3 object, which moto serves as `binary/octet-stream`)."""
+        return [
+            t for t in self.transfers
+            if t.method == "GET" and t.range is None and t.status == 200
+            and ("alt=media" in t.path or "octet-stream" in t.content_type)
+        ]
 
 
 class FaultProxy:
@@ -137,24 +184,33 @@ class FaultProxy:
             fault = self._decide(method.decode(), path.decode("latin-1"))
             if self.plan.delay:
                 time.sleep(self.plan.delay)
-            if fault == "status":
-                _respond(client, method.decode(), self.plan.status or 500, "injected permanent error", xml=self.xml)
+            answer = next((status for m, p, status in self.plan.answers
+                           if m == method.decode() and p in path.decode("latin-1")), None)
+            if answer is not None and fault is None:
+                _respond(client, method.decode(), answer, "answered by the proxy", xml=self.xml)
+            elif fault == "status":
+                _respond(client, method.decode(), self.plan.status or 500, self.plan.message, xml=self.xml)
             elif fault == "503":
                 _respond(client, method.decode(), 503, "injected: service unavailable", xml=self.xml)
             elif fault == "reset":
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             else:
-                self._forward(client, head, body, truncate=fault == "truncate")
+                self._forward(client, head, body, truncate=fault == "truncate", drop=fault == "drop")
         except OSError:
             pass
         finally:
             client.close()
 
-    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool) -> None:
+    def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool, drop: bool = False) -> None:
         upstream = socket.create_connection(self.upstream, timeout=120)
         try:
             upstream.sendall(_with_header(head, b"Connection", b"close") + body)
             response = _read_until(upstream, b"\r\n\r\n")
+            if drop:  # the server has answered, so it applied the request; the client never hears of it
+                while upstream.recv(1 << 20):
+                    pass
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
             resp_head, _, rest = response.partition(b"\r\n\r\n")
             resp_head = _with_header(resp_head + b"\r\n\r\n", b"Connection", b"close")
             length = _header(resp_head, b"content-length")
@@ -174,8 +230,17 @@ class FaultProxy:
             while more := upstream.recv(1 << 20):
                 client.sendall(more)
                 sent += len(more)
+            transfer = Transfer(
+                method=head.split(b" ", 1)[0].decode(),
+                path=head.split(b" ", 2)[1].decode("latin-1"),
+                range=_byte_range(_header(head, b"range")),
+                status=_status(resp_head),
+                body=sent - len(resp_head),
+                content_type=(_header(resp_head, b"content-type") or b"").decode("latin-1"),
+            )
             with self._lock:
                 self.counters.bytes_down += sent
+                self.counters.transfers.append(transfer)
         finally:
             upstream.close()
 
@@ -192,7 +257,7 @@ def _respond(client: socket.socket, method: str, status: int, message: str, *, x
     else:
         body = json.dumps({"error": {"code": status, "message": message}}).encode()
         content_type = "application/json"
-    reason = {403: "Forbidden", 404: "Not Found", 503: "Service Unavailable"}.get(status, "Error")
+    reason = {403: "Forbidden", 404: "Not Found", 499: "Client Closed Request", 503: "Service Unavailable"}.get(status, "Error")
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
@@ -243,6 +308,21 @@ def _header(head: bytes, name: bytes) -> bytes | None:
         if sep and key.strip().lower() == name:
             return value.strip()
     return None
+
+
+def _status(head: bytes) -> int:
+    try:
+        return int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _byte_range(value: bytes | None) -> tuple[int, int] | None:
+    """`bytes=a-b` as [a, b + 1); None for no header or a form other than one closed range."""
+    if value is None:
+        return None
+    m = re.fullmatch(rb"bytes=(\d+)-(\d+)", value.strip())
+    return (int(m.group(1)), int(m.group(2)) + 1) if m else None
 
 
 def _without_header(head: bytes, name: bytes) -> bytes:

@@ -1,10 +1,9 @@
-"""`ckptflow validate` on every real fixture, and on a corpus of broken checkpoints, each with the
-message a user must read."""
+"""`ckptflow validate` on every real fixture, and on the corpus of hostile inputs (tests/hostile/kinds),
+each with the message a user must read."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ import torch
 from tests.tensors import read_elements, read_tensor
 from ckptflow.validate import validate
 from ckptflow.formats.deepspeed.checkpoint import load_index
+from tests.hostile.corpus import DEEP, VALIDATE, all_kinds, prepare
+from tests.hostile.plugin import corpus_params
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ckptflow.cli"]
@@ -35,13 +36,6 @@ def copy_checkpoint(fixture, tmp_path: Path) -> Path:
 
 def tag_dir(root: Path) -> Path:
     return root / (root / "latest").read_text().strip()
-
-
-def resave(path: Path, edit) -> None:
-    """Rewrite a trusted fixture file with one field changed (test code only; the reader never does this)."""
-    obj = torch.load(path, weights_only=False)
-    edit(obj)
-    torch.save(obj, path)
 
 
 def full_param(index, param, key: str = "fp32") -> torch.Tensor:
@@ -113,203 +107,30 @@ def test_index_reads_no_tensor_bytes_and_records_byte_ranges(ds_fixtures):
             assert end - start == part.fp32.numel * 4
 
 
-# ---- the corpus of broken checkpoints --------------------------------------------------------------
+# ---- the corpus of hostile inputs (tests/hostile/kinds) --------------------------------------------
+# Every kind that applies to `validate` / `validate --deep`, run as the CLI through the harness of
+# tests/hostile (one forked child per run, bounded in time and memory), judged by its oracle and the
+# message the kind pins. The other commands run the same corpus in tests/test_hostile.py.
 
 
-def problems_of(root: Path, *args: str) -> tuple[int, str]:
-    proc = run_cli("validate", str(root), *args)
-    assert "Traceback" not in proc.stderr + proc.stdout
-    return proc.returncode, proc.stdout + proc.stderr
+@pytest.mark.parametrize(("kind_name", "command"), corpus_params((VALIDATE, DEEP)))
+def test_corpus(kind_name: str, command: str, corpus_results) -> None:
+    run = corpus_results.get(kind_name, command)
+    assert run.ok, run.report()
+
+
+def test_pickle_payload_is_refused_by_the_library_too(ds_fixtures, tmp_path) -> None:
+    """The library raises what the CLI prints (a ValueError naming the global), and nothing runs."""
+    kind = all_kinds()["checkpoint/pickle-that-tries-to-run-code"]
+    ws = prepare(kind, tmp_path / "case", ds_fixtures)
+    with pytest.raises(ValueError, match="posix.system"):
+        load_index(str(ws.src))
+    assert not ws.marker.exists()
 
 
 @pytest.fixture
 def z3(ds_fixtures, tmp_path):
     return copy_checkpoint(ds_fixtures["z3-bf16-ws2"], tmp_path)
-
-
-@pytest.fixture
-def z2(ds_fixtures, tmp_path):
-    return copy_checkpoint(ds_fixtures["z2-bf16-ws2"], tmp_path)
-
-
-def test_missing_rank_file(z3):
-    (tag_dir(z3) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    code, text = problems_of(z3)
-    assert code == 1
-    assert (
-        f"rank 1 of 2 is missing: expected {tag_dir(z3).name}/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt under "
-        f"{z3}; the upload may still be in progress, or the checkpoint was saved with fewer ranks"
-    ) in " ".join(text.split())
-
-
-def test_extra_rank_file(z2):
-    shutil.copy(tag_dir(z2) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                tag_dir(z2) / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    code, text = problems_of(z2)
-    assert code == 1
-    assert "rank-extra" in text and "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt" in text
-    assert "rank 2 is beyond the world size 2" in " ".join(text.split())
-
-
-def test_truncated_file(z3):
-    path = tag_dir(z3) / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    code, text = problems_of(z3)
-    assert code == 1
-    assert "corrupt-file" in text and str(path) in " ".join(text.split())
-    assert "is not a readable torch archive" in text and "copy it again" in " ".join(text.split())
-
-
-def test_zero_byte_file(z3):
-    path = tag_dir(z3) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    path.write_bytes(b"")
-    code, text = problems_of(z3)
-    assert code == 1
-    assert f"rank 1: {path} is empty (0 bytes)" in " ".join(text.split())
-
-
-def test_garbage_file(z2):
-    path = tag_dir(z2) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    path.write_bytes(os.urandom(4096))
-    code, text = problems_of(z2)
-    assert code == 1
-    assert f"rank 1: {path} is not a readable torch archive" in " ".join(text.split())
-
-
-def test_latest_names_missing_tag(z3):
-    (z3 / "latest").write_text("global_step999")
-    code, text = problems_of(z3)
-    assert code == 1
-    assert f"tag folder {z3}/global_step999 does not exist" in " ".join(text.split())
-
-
-@pytest.mark.parametrize("tag", ["../../etc", "global_step1/../x", "/etc/passwd", "a/b"])
-def test_latest_with_path_tricks(z3, tag):
-    (z3 / "latest").write_text(tag)
-    code, text = problems_of(z3)
-    assert code == 1
-    assert "latest-unsafe" in text and "not a plain folder name" in " ".join(text.split())
-
-
-def test_missing_latest(z3):
-    (z3 / "latest").unlink()
-    code, text = problems_of(z3)
-    assert code == 1
-    assert f"no `latest` file in {z3}" in " ".join(text.split())
-    # A tag folder itself is accepted without `latest`.
-    assert problems_of(tag_dir_of_missing_latest(z3))[0] == 0
-
-
-def tag_dir_of_missing_latest(root: Path) -> Path:
-    return next(p for p in root.iterdir() if p.is_dir() and p.name.startswith("global_step"))
-
-
-def test_ranks_from_different_steps(z3):
-    path = tag_dir(z3) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    resave(path, lambda o: o.__setitem__("global_steps", o["global_steps"] + 5))
-    code, text = problems_of(z3)
-    assert code == 1
-    assert "ranks-disagree" in text and "rank 1 records global step" in " ".join(text.split())
-
-
-def test_optimizer_steps_differ_between_ranks(z2):
-    path = tag_dir(z2) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-
-    def bump(o):
-        for state in o["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
-            state["step"] = state["step"] + 3  # an int or a tensor, depending on the optimizer
-
-    resave(path, bump)
-    code, text = problems_of(z2)
-    assert code == 1
-    assert "rank 1's optimizer" in text and "mixes files from different saves" in " ".join(text.split())
-
-
-def test_mismatched_world_size_in_metadata(z2):
-    path = tag_dir(z2) / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-
-    def grow(o):
-        count = o["optimizer_state_dict"]["partition_count"]
-        o["optimizer_state_dict"]["partition_count"] = [c + 1 for c in count] if isinstance(count, list) else count + 1
-
-    resave(path, grow)
-    code, text = problems_of(z2)
-    assert code == 1
-    assert "world-size-mismatch" in text
-    assert "was saved with 3 partitions but" in " ".join(text.split())
-
-
-def test_partition_sizes_that_do_not_add_up(z3):
-    path = tag_dir(z3) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-
-    def trim(o):
-        osd = o["optimizer_state_dict"]
-        osd["fp32_flat_groups"][0] = osd["fp32_flat_groups"][0][:-1].clone()
-        for key in ("exp_avg", "exp_avg_sq"):
-            osd["optimizer_state_dict"]["state"][0][key] = osd["optimizer_state_dict"]["state"][0][key][:-1].clone()
-
-    resave(path, trim)
-    code, text = problems_of(z3)
-    assert code == 1
-    assert "partition-mismatch" in text and "its parameters need" in " ".join(text.split())
-
-
-def test_nan_in_weights_found_by_deep(z3):
-    path = tag_dir(z3) / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-
-    def poison(o):
-        with torch.no_grad():
-            o["optimizer_state_dict"]["fp32_flat_groups"][0][1] = math.nan
-
-    resave(path, poison)
-    assert problems_of(z3)[0] == 0  # cheap validation does not scan values
-    code, text = problems_of(z3, "--deep")
-    assert code == 1
-    assert "non-finite" in text and "hold 1 NaN/Inf value(s)" in " ".join(text.split())
-
-
-class Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def test_pickle_that_tries_to_run_code(z3, tmp_path):
-    marker = tmp_path / "pwned"
-    path = tag_dir(z3) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    obj = torch.load(path, weights_only=False)
-    obj["payload"] = Evil(str(marker))
-    torch.save(obj, path)
-    assert not marker.exists()
-    code, text = problems_of(z3)
-    assert code == 1
-    assert not marker.exists()
-    assert "unsafe-pickle" in text
-    assert f"{path} refers to posix.system, which ckptflow does not load" in " ".join(text.split())
-    # The library raises the same, and still nothing ran.
-    with pytest.raises(ValueError, match="posix.system"):
-        load_index(str(z3))
-    assert not marker.exists()
-
-
-def test_zip_that_is_not_a_torch_archive(z3):
-    import zipfile
-
-    path = tag_dir(z3) / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    path.unlink()
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("hello.txt", "hi")
-    code, text = problems_of(z3)
-    assert code == 1
-    assert "is a zip file but not a torch archive" in text
-
-
-def test_unsafe_tag_argument_is_a_usage_error(z3):
-    code, text = problems_of(z3, "--tag", "../x")
-    assert code == 2
-    assert "not a plain folder name" in " ".join(text.split())
 
 
 def test_json_report(z3):
@@ -344,15 +165,16 @@ def test_deep_scan_reads_no_padding_of_frozen_zero3_pieces(z3):
     path = tag_dir(z3) / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
     real = zero3_real(param.numel, ws, rank)
 
-    def poison(at: int):
-        def edit(o):
-            with torch.no_grad():
-                o["frozen_param_fragments"][param.name].view(-1)[at] = math.nan
-        return edit
+    def poison(at: int) -> None:
+        state = torch.load(path, weights_only=False)  # our own copy of a fixture, edited in place
+        with torch.no_grad():
+            state["frozen_param_fragments"][param.name].view(-1)[at] = float("nan")
+        torch.save(state, path)
 
-    resave(path, poison(real))  # the first padding element
-    assert problems_of(z3, "--deep")[0] == 0
+    poison(real)  # the first padding element
+    assert validate(str(z3), deep=True).ok
     if real:
-        resave(path, poison(real - 1))  # the last real element
-        code, text = problems_of(z3, "--deep")
-        assert code == 1 and f"tensor {param.name}" in text and "NaN/Inf" in text
+        poison(real - 1)  # the last real element
+        report = validate(str(z3), deep=True)
+        assert [p.code for p in report.problems] == ["non-finite"]
+        assert f"tensor {param.name}" in report.problems[0].message and "NaN/Inf" in report.problems[0].message

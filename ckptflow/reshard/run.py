@@ -21,9 +21,12 @@ import posixpath
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.checkpoint import inspect, zero_index
+from ckptflow.formats.deepspeed.index import ZeroCheckpoint
+from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
@@ -35,6 +38,7 @@ from ckptflow.plumbing.storage import is_local, join, open_fs, unstrip
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
+from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
 from ckptflow.validate import validate
 
 logger = logging.getLogger(__name__)
@@ -43,8 +47,10 @@ logger = logging.getLogger(__name__)
 # ---- before anything is written ---------------------------------------------------------------------
 
 
-def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None) -> ReshardPlan:
-    """The plan that reshards the checkpoint at `src` to `world_size` ranks into `out`.
+def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
+                tensor_parallel: int | None = None) -> ReshardPlan:
+    """The plan that reshards the checkpoint at `src` to `world_size` data-parallel ranks into `out`,
+    with `tensor_parallel` also changing an AutoTP checkpoint's tensor-parallel degree (to 1).
 
     The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
     An `out` inside the source's tag folder is refused (`OutputError`)."""
@@ -54,7 +60,10 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None) 
         more = f" (and {len(report.problems) - 1} more; run `ckptflow validate {src}`)" if len(report.problems) > 1 else ""
         raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
-    plan = plan_reshard(report.index, world_size)
+    if tensor_parallel is not None:
+        plan = plan_tensor_parallel_merge(report.index, world_size, tensor_parallel)
+    else:
+        plan = plan_reshard(report.index, world_size)
     _check_not_inside(plan, out)
     return plan
 
@@ -110,14 +119,10 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: P
         if unit.model_file:
             written += write_archive(join(tag_uri, unit.model_file), model_states(plan, unit), reader,
                                      progress=tally.part(unit.model_file), durable=durable)
-        for name in unit.copies:  # per-expert files: the same at any data-parallel size
-            written += _copy_file(join(plan.index.tag_uri, name), join(tag_uri, name), durable=durable)
     finally:
         reader.close()
-    logger.info("rank %d of %d: wrote %s%s (%.1f MB) in %.2f s", unit.rank, plan.world_size,
-                ", ".join(unit.files[:len(unit.files) - len(unit.copies)]),
-                f" and copied {len(unit.copies)} expert files" if unit.copies else "", written / 1e6,
-                time.monotonic() - started)
+    logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", unit.rank, plan.world_size, ", ".join(unit.files),
+                written / 1e6, time.monotonic() - started)
     return UnitResult(rank=unit.rank, files=unit.files, bytes_read=reader.bytes_read, bytes_written=written,
                       seconds=time.monotonic() - started)
 
@@ -135,24 +140,33 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
     Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
-    size; the staging folder is then left for `abort`."""
-    source, problems, _ = inspect(staging.uri, plan.tag)
-    index = zero_index(source)
-    if problems or index is None:
+    size; the staging folder is then left for `abort`. Files the plan carries as they are (PipelineModule
+    layer files, per-expert files) are copied into the staged tag folder first."""
+    for name in plan.carried:
+        _copy_file(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), durable=durable)
+    index, problems, _ = inspect(staging.uri, plan.tag)
+    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
+        index = index.zero
+    if problems or not isinstance(index, type(plan.index)):
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
             uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")
-    if (index.world_size, index.stage, len(index.params)) != (plan.world_size, plan.stage, len(plan.index.params)):
+    got, want = _tensor_count(index), _tensor_count(plan.index)
+    if (index.world_size, index.stage, got) != (plan.world_size, plan.stage, want):
         raise VerificationError(
             f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
-            f"{len(index.params)} parameters, expected ZeRO-{plan.stage} at {plan.world_size} with "
-            f"{len(plan.index.params)}", uri=staging.uri, expected=plan.world_size, actual=index.world_size)
+            f"{got} tensors, expected ZeRO-{plan.stage} at {plan.world_size} with {want}", uri=staging.uri,
+            expected=plan.world_size, actual=index.world_size)
     rng_files = _carry_over(plan, staging, durable=durable)
     fs, path = open_fs(staging.uri)
     with fs.open(posixpath.join(path, LATEST), "wb") as fh:
         fh.write(plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
     return rng_files
+
+
+def _tensor_count(index: Any) -> int:
+    return len(index.params) + len(index.buffers) if isinstance(index, ZeroCheckpoint) else len(index.model_tensors())
 
 
 def abort(staging: Staging | None) -> None:
@@ -196,23 +210,19 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
     return rng_files
 
 
-def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> int:
-    """Copy one file; the bytes copied."""
+def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> None:
     src_fs, src_path = open_fs(src)
     dst_fs, dst_path = open_fs(dst)
     dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
-    copied = 0
     with src_fs.open(src_path, "rb") as fin, dst_fs.open(dst_path, "wb") as fout:
         while True:
             data = fin.read(chunk)
             if not data:
                 break
             fout.write(data)
-            copied += len(data)
         if durable and is_local(dst):
             fout.flush()
             os.fsync(fout.fileno())
-    return copied
 
 
 # ---- all together --------------------------------------------------------------------------------------
@@ -254,8 +264,9 @@ def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress
 
 
 def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, workers: int | None = None,
-            progress: Progress | None = None, durable: bool = True) -> ReshardResult:
-    """Reshard the checkpoint at `src` to `world_size` ranks into the new folder `out`.
+            progress: Progress | None = None, durable: bool = True, tensor_parallel: int | None = None) -> ReshardResult:
+    """Reshard the checkpoint at `src` to `world_size` data-parallel ranks into the new folder `out`
+    (with `tensor_parallel=1`, an AutoTP checkpoint's tensor parallelism is merged away too).
 
     The source is validated first and refused, before anything is written, when it has problems.
     `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
@@ -263,7 +274,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     `write_threads`). On any error nothing is left at `out` and the staging folder is removed.
     """
     started = time.monotonic()
-    plan = plan_output(src, out, world_size=world_size, tag=tag)
+    plan = plan_output(src, out, world_size=world_size, tag=tag, tensor_parallel=tensor_parallel)
     staging = prepare_output(plan, out)
     try:
         results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable)

@@ -13,18 +13,24 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
 from ckptflow.formats.deepspeed.autoep import read_autoep
+from ckptflow.formats.deepspeed.autotp import read_autotp
 from ckptflow.formats.deepspeed.detect import Layout, detect
 from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.index import (Inspection, Listing, Problem, StopReading, ZeroCheckpoint, read_head,
                                               read_zero, resolve_tag)
 from ckptflow.formats.deepspeed.moe import read_moe
+from ckptflow.formats.deepspeed.pipeline import read_pipeline
 from ckptflow.formats.deepspeed.tensors import ModelSource
+from ckptflow.formats.deepspeed.zero0 import read_zero0
 
 Reader = Callable[[Inspection, Listing, dict[str, Any], Layout], ModelSource]
 
 # One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
 READERS: dict[str, Reader] = {
-    "zero": lambda st, listing, model0, layout: read_zero(st, listing, model0),
+    "zero": lambda st, listing, model0, layout: (read_zero0 if layout.stage == 0 else read_zero)(st, listing, model0),
+    "autotp": read_autotp,
+    "pipeline": read_pipeline,
+    "megatron": read_pipeline,
     "autoep": read_autoep,
     "moe": read_moe,
 }

@@ -1,0 +1,172 @@
+"""Publishing through broken networks and alongside other pushes (issue 14, items 8, 10 and 11).
+
+- Item 8: a resumable upload to GCS whose chunk response is lost (the proxy forwards the chunk, the
+  emulator applies it, the connection drops) is resent by gcsfs with its original Content-Range; the
+  emulator answers `400 Invalid Content-Range start: expected 58720256, got 0` and the push fails as
+  "permanent" today. A broken or out-of-sync session must restart that file's upload with a new
+  session; 401/403/404 and missing buckets still fail fast (tests/test_publish.py pins those).
+- Item 10: what the stores under test do with conditional creates (facts, they pass), and two pushes
+  to one DEST (a local folder: exclusive create works there; the GCS emulator ignores
+  `ifGenerationMatch=0`, so a lease on GCS cannot be shown against it).
+- Item 11: `watch` logs store errors without redaction.
+
+The pushes run as the CLI would (`ckptflow push` in a child of the hostile-input harness) where the
+output matters, and in-process where only the library's behaviour does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from tests.hostile.harness import Limits
+from tests.hostile.run import Runner
+from tests.servers import Store
+
+BIG = 120 * 2**20  # three resumable chunks with ckptflow's 50 MiB blocks (56 MiB, 56 MiB, 8 MiB)
+# Real GCS answers the DELETE that cancels a resumable upload with 499; the emulator has no handler for
+# it (501, which gcsfs retries for half a minute), so the proxy answers it the way GCS does.
+CANCEL_AS_GCS = (("DELETE", "upload_id=", 499),)
+
+
+@pytest.fixture(scope="module")
+def big_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("big-src")
+    rng = random.Random(14)
+    (folder / "big.bin").write_bytes(rng.randbytes(BIG))
+    (folder / "config.json").write_text('{"model_type": "llama"}\n')
+    return folder
+
+
+def _cli_push(runner: Runner, src: Path, url: str, store: Store, seconds: float = 240) -> object:
+    return runner.harness.run(["push", str(src), url, "--workers", "1"], cwd=src.parent, env=store.env,
+                              limits=Limits(seconds=seconds, file_size=1 << 30))
+
+
+def _assert_published(src: Path, url: str) -> None:
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    for path in src.iterdir():
+        data = fs.cat_file(f"{root}/{path.name}")
+        assert hashlib.sha256(data).hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest(), path.name
+    assert fs.exists(f"{root}/ckptflow-manifest.json")
+
+
+# ---- item 8: a resumable session that breaks restarts its file ------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="issue 14 (8): a lost chunk response makes gcsfs resend the chunk; the emulator "
+                   "answers 400 Invalid Content-Range and ckptflow fails the push as permanent instead of restarting "
+                   "the file with a new session")
+def test_a_lost_chunk_response_restarts_the_file(gcs: Store, big_folder: Path, hostile_runner: Runner) -> None:
+    """The first chunk of big.bin is applied but its response is lost: the push must still complete
+    byte-exact, print nothing but its summary line, and exit 0."""
+    gcs.proxy.configure(kinds=("drop",), rate=1.0, max_faults=1, only_paths=("upload_id=",), answers=CANCEL_AS_GCS)
+    result = _cli_push(hostile_runner, big_folder, gcs.url, gcs)
+    faults = dict(gcs.proxy.faults)
+    gcs.proxy.reset()
+    assert faults == {"drop": 1}
+    assert result.returncode == 0, result.describe()  # type: ignore[attr-defined]
+    assert "Traceback" not in result.stderr, result.describe()  # type: ignore[attr-defined]
+    _assert_published(big_folder, gcs.url)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 14 (8): dropped chunk responses end the push with HttpError 400 "
+                   "Invalid Content-Range (out-of-sync resumable session) instead of a restarted upload")
+@pytest.mark.parametrize("seed", [8, 24])  # seeds whose faults drop the response to a chunk after the first
+def test_push_through_dropped_connections_and_503s(gcs: Store, big_folder: Path, hostile_runner: Runner, seed: int) -> None:
+    """20% of the requests for big.bin answered 503, reset before forwarding, or dropped after the store
+    applied them: the push completes byte-exact, every time."""
+    gcs.proxy.configure(rate=0.2, kinds=("503", "reset", "drop"), seed=seed, only_paths=("big.bin",), answers=CANCEL_AS_GCS)
+    result = _cli_push(hostile_runner, big_folder, gcs.url, gcs)
+    faults = dict(gcs.proxy.faults)
+    gcs.proxy.reset()
+    assert faults.get("drop"), f"seed {seed} must drop at least one response: {faults}"
+    assert result.returncode == 0, result.describe()  # type: ignore[attr-defined]
+    _assert_published(big_folder, gcs.url)
+
+
+# ---- item 10: conditional creates in the stores under test, two pushes to one DEST -------------------
+
+
+def test_gcs_emulator_ignores_if_generation_match(gcs: Store) -> None:
+    """Fact: the emulator overwrites an existing object on `ifGenerationMatch=0`, through a simple
+    upload, a resumable one and the JSON media upload; real GCS answers 412. A GCS lease can only be
+    shown against real GCS."""
+    fs, root = fsspec.core.url_to_fs(gcs.url)
+    fs.pipe_file(f"{root}/lease", b"first")
+    fs.pipe_file(f"{root}/lease", b"second", mode="create")  # gcsfs sends ifGenerationMatch=0
+    assert fs.cat_file(f"{root}/lease") == b"second"
+    with fs.open(f"{root}/lease", "xb", block_size=2**18) as fh:  # resumable, ifGenerationMatch=0 on initiate
+        fh.write(b"x" * 3 * 2**18)
+    fs.invalidate_cache()
+    assert fs.info(f"{root}/lease")["size"] == 3 * 2**18
+
+
+def test_moto_honours_if_none_match(s3: Store) -> None:
+    """Fact: moto answers 412 to `If-None-Match: *` on PutObject and on CompleteMultipartUpload for an
+    existing key (s3fs raises FileExistsError) and leaves the object as it was."""
+    fs, root = fsspec.core.url_to_fs(s3.url)
+    fs.pipe_file(f"{root}/lease", b"first")
+    with pytest.raises(FileExistsError):
+        fs.pipe_file(f"{root}/lease", b"second", mode="create")
+    with pytest.raises(FileExistsError), fs.open(f"{root}/lease", "xb", block_size=5 * 2**20) as fh:
+        fh.write(b"y" * 11 * 2**20)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/lease") == b"first"
+    fs.pipe_file(f"{root}/fresh", b"x", mode="create")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 14 (10): pushes to one DEST are not coordinated: the second runs "
+                   "alongside the first instead of failing at once naming it")
+def test_a_second_push_to_the_same_dest_fails_at_once(hostile_runner: Runner, tmp_path: Path) -> None:
+    """Two pushes of the same folder to one local DEST, the second started while the first runs: the
+    second exits 1 at once with one error naming the first push's lease, and the first completes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "big.bin", "wb") as fh:  # sparse: costs no disk, takes a few seconds to hash and copy
+        fh.truncate(300 * 2**20)
+    dest = tmp_path / "dest"
+    limits = Limits(seconds=120, file_size=1 << 30)
+    results: dict[str, object] = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", hostile_runner.harness.run(
+        ["push", str(src), str(dest)], cwd=tmp_path, limits=limits)))
+    first.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    second = hostile_runner.harness.run(["push", str(src), str(dest)], cwd=tmp_path, limits=limits)
+    second_seconds = time.monotonic() - started
+    first.join()
+    assert results["first"].returncode == 0, results["first"].describe()  # type: ignore[attr-defined]
+    assert second.returncode == 1 and second_seconds < 5, second.describe()
+    assert "lease" in second.stderr or "another push" in second.stderr, second.describe()
+
+
+# ---- item 11: redaction in watch ------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="issue 14 (11): watch logs the raw store error and describes it without "
+                   "redaction, so a credential the store echoes reaches logs and the scan's report")
+def test_watch_redacts_store_errors(gcs: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from ckptflow.watch import find_latest
+
+    secret = "ya29.watch-secret-token-0123456789"
+    monkeypatch.setenv("GOOGLE_OAUTH_ACCESS_TOKEN", secret)
+    gcs.proxy.configure(status=403, message=f"Forbidden: the token {secret} may not list this bucket")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            scan = find_latest([gcs.url])
+    finally:
+        gcs.proxy.reset()
+    reasons = " ".join(u.reason for u in scan.unreadable)
+    assert scan.unreadable, "the forbidden root is reported as unreadable"
+    ours = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("ckptflow"))
+    assert secret not in ours, ours
+    assert secret not in reasons, reasons
