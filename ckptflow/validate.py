@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CkptflowError
-from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.checkpoint import inspect, zero_index
 from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint, Replica
 from ckptflow.formats.deepspeed.tensors import ModelSource
@@ -63,10 +63,11 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
     """
     index, problems, where = inspect(source, tag)
     root, resolved = where if where else (None, None)
-    if isinstance(index, ZeroCheckpoint):
-        problems = problems + _check_optimizer_steps(index)
+    zero = zero_index(index)  # a data-parallel index, or the one under an expert-parallel checkpoint
+    if zero is not None:
+        problems = problems + _check_optimizer_steps(zero)
         if deep and not problems:
-            problems = problems + _scan_finite(index, progress)
+            problems = problems + _scan_finite(zero, progress)
     elif isinstance(index, ModelParallelCheckpoint):
         problems = problems + _check_model_parallel_steps(index)
         if deep and not problems:

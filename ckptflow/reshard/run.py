@@ -26,6 +26,7 @@ from typing import Any
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
 from ckptflow.formats.deepspeed.index import ZeroCheckpoint
 from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
@@ -140,10 +141,12 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
     Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
     size; the staging folder is then left for `abort`. Files the plan carries as they are (PipelineModule
-    layer files) are copied into the staged tag folder first."""
+    layer files, per-expert files) are copied into the staged tag folder first."""
     for name in plan.carried:
         _copy_file(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), durable=durable)
     index, problems, _ = inspect(staging.uri, plan.tag)
+    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
+        index = index.zero
     if problems or not isinstance(index, type(plan.index)):
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",

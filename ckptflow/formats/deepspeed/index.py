@@ -14,6 +14,12 @@ Layout facts (DeepSpeed 0.19.8):
 - ZeRO-3: `zero_pp_rank_<r>_mp_rank_00_model_states.pt` and an optim file per rank. Every parameter
   is cut into ceil(numel / world_size) pieces (the last ones padded); a rank's flat group is its
   pieces of the group's parameters, concatenated.
+- Expert parallelism (AutoEP, deepspeed.moe): a param group named `ep_size_N` (`moe: True`) holds, in
+  each rank's file, the experts of that rank's expert-parallel rank (r % N), and is partitioned as above
+  over that rank's expert data-parallel group (world_size / N ranks, `layout.partition_ranks`), not over
+  every rank. Each expert-parallel rank's copy of such a group is one *shard*: its parameters have the
+  same names and shapes in every shard (`Param.shard` tells them apart) and different values. ZeRO-3
+  records the ranks of each sub-group in `ds_zero_partition_groups`; they are checked against this.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
-from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real, zero12_padded
-from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, model_file_name,
-                                              optim_file_name)
+from ckptflow.formats.deepspeed.layout import partition_ranks, zero3_piece, zero3_real, zero12_padded
+from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, expert_group_degree,
+                                              model_file_name, optim_file_name)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, contiguous, whole_run
 from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
 from ckptflow.plumbing.sizes import element_count
@@ -61,7 +67,8 @@ class Fragment:
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter: shape, training dtype, and where its values live."""
+    """One parameter: shape, training dtype, and where its values live. `shard` is the expert-parallel
+    rank whose copy of an expert-group parameter this is (0 for every parameter of a dense group)."""
 
     name: str
     shape: tuple[int, ...]
@@ -69,6 +76,7 @@ class Param:
     group: int | None
     fragments: tuple[Fragment, ...] = ()
     frozen_pieces: tuple[TensorRef, ...] = ()
+    shard: int = 0
 
     @property
     def frozen(self) -> bool:
@@ -87,11 +95,18 @@ class Buffer:
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """One optimizer param group: its hyper-parameters and its parameters, in flattening order."""
+    """One optimizer param group: its hyper-parameters and its parameters, in flattening order. `ep` is
+    the expert-parallel degree of an expert group (`ep_size_N`): each of its `ep` shards is partitioned
+    over `layout.partition_ranks(world_size, ep, shard)`; 1 for a group partitioned over every rank."""
 
     index: int
     hyper: Mapping[str, Any]
     params: tuple[str, ...]
+    ep: int = 1
+
+    def ranks(self, world_size: int, shard: int = 0) -> tuple[int, ...]:
+        """The global ranks, in partition order, holding shard `shard` of this group at `world_size`."""
+        return partition_ranks(world_size, self.ep, shard)
 
 
 @dataclass(frozen=True)
@@ -151,7 +166,18 @@ class ZeroCheckpoint:
 
     @property
     def param_by_name(self) -> dict[str, Param]:
-        return {p.name: p for p in self.params}
+        """Parameters by name; of an expert group (whose shards share names and shapes), shard 0's."""
+        return {p.name: p for p in self.params if p.shard == 0}
+
+    @property
+    def param_by_key(self) -> dict[tuple[int, str], Param]:
+        """Every parameter by (shard, name)."""
+        return {(p.shard, p.name): p for p in self.params}
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether some param group is partitioned per expert-parallel rank (AutoEP, deepspeed.moe)."""
+        return any(g.ep > 1 for g in self.groups)
 
     @property
     def numel(self) -> int:
@@ -184,7 +210,9 @@ class ZeroCheckpoint:
     def model_tensors(self) -> tuple[ModelTensor, ...]:
         """The full model in state-dict order, tied aliases left out (see `tied`): trained parameters
         from their fp32 master fragments, frozen ones from their saved copies (ZeRO-3: per-rank pieces,
-        padding cut), buffers as saved."""
+        padding cut), buffers as saved. An expert-parallel index holds expert-local shards under
+        DeepSpeed's names: its layout's reader (`autoep`, `moe`) gives the model instead."""
+        assert not self.expert_parallel, "an expert-parallel index is read through its layout's reader"
         params = self.param_by_name
         buffers = {b.name: b for b in self.buffers}
         names = [n for n in self.module_order if n in params or n in buffers]
@@ -198,13 +226,17 @@ class ZeroCheckpoint:
                 out.append(ModelTensor(name, ref.shape, ref.dtype, "buffer", (whole_run(ref, name),)))
                 continue
             param = params[name]
-            runs = self._frozen_runs(param) if param.frozen else self._trainable_runs(param)
+            runs = self.param_runs(param)
             check_coverage(name, param.numel, runs)
             dtype = param.dtype if param.frozen else "float32"
             out.append(ModelTensor(name, param.shape, dtype, "frozen" if param.frozen else "param", runs))
         return tuple(out)
 
-    def _trainable_runs(self, param: Param) -> tuple[Run, ...]:
+    def param_runs(self, param: Param) -> tuple[Run, ...]:
+        """The runs that hold `param`: fp32 master fragments when trained, its saved copies when frozen."""
+        return self.frozen_runs(param) if param.frozen else self.trainable_runs(param)
+
+    def trainable_runs(self, param: Param) -> tuple[Run, ...]:
         """The fp32 master-weight runs of a trainable parameter, one per fragment."""
         runs = []
         for frag in param.fragments:
@@ -218,7 +250,7 @@ class ZeroCheckpoint:
             runs.append(Run(contiguous(part.fp32, param.name), frag.offset, frag.numel, frag.param_offset))
         return tuple(runs)
 
-    def _frozen_runs(self, param: Param) -> tuple[Run, ...]:
+    def frozen_runs(self, param: Param) -> tuple[Run, ...]:
         """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, padding
         cut; ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
         if self.stage != 3 or len(param.frozen_pieces) == 1 and self.world_size == 1:
@@ -631,25 +663,31 @@ class _Layout:
                         file=self.optim_uris[0], rank=0)
         self.st.stop_if_any()
         groups = self._groups(shapes)
+        self.st.stop_if_any()
         partitions = tuple(
             tuple(self._partition(rank, g) for g in range(len(shapes))) for rank in range(self.ws)
         )
+        self._check_partition_counts(groups)
         self.st.stop_if_any()
         module = self.module
         dtypes = {name: ref.dtype for name, ref in module.items() if isinstance(ref, TensorRef)}
-        trainable: dict[str, Param] = {}
-        for g, group_shapes in enumerate(shapes):
-            fragments = self._fragments_zero3(g, group_shapes, partitions) if self.stage == 3 else \
-                self._fragments_zero12(g, group_shapes, partitions)
-            for name, shape in group_shapes.items():
-                trainable[name] = Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()))
+        trainable: dict[str, list[Param]] = {}  # name -> one Param per shard
+        for group in groups:
+            g, group_shapes = group.index, shapes[group.index]
+            for shard in range(group.ep):
+                ranks = group.ranks(self.ws, shard)
+                fragments = self._fragments_zero3(g, group_shapes, partitions, ranks) if self.stage == 3 else \
+                    self._fragments_zero12(g, group_shapes, partitions, ranks)
+                for name, shape in group_shapes.items():
+                    trainable.setdefault(name, []).append(
+                        Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()), shard=shard))
         frozen = self._frozen()
-        self._find_tied(module, {**trainable, **frozen})
+        self._find_tied(module, {**{n: p[0] for n, p in trainable.items()}, **frozen})
         if self.stage != 3 and model0.get("frozen_param_shapes") is None:
             frozen = self._frozen_from_module(module, trainable)
         order = [n for n in module if n in trainable or n in frozen]
         order += [n for n in [*trainable, *frozen] if n not in order]
-        return tuple((trainable.get(n) or frozen[n]) for n in order), groups, partitions
+        return tuple(p for n in order for p in (trainable.get(n) or [frozen[n]])), groups, partitions
 
     def _dtype(self, module_dtype: str | None) -> str:
         return module_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, "float32")
@@ -667,11 +705,62 @@ class _Layout:
 
     def _groups(self, shapes: list[Mapping[str, Any]]) -> tuple[ParamGroup, ...]:
         hyper = self._base_state(0).get("param_groups") or [{} for _ in shapes]
-        return tuple(
-            ParamGroup(g, {k: v for k, v in (hyper[g] if g < len(hyper) else {}).items() if k != "params"},
-                       tuple(group_shapes))
-            for g, group_shapes in enumerate(shapes)
-        )
+        groups = []
+        for g, group_shapes in enumerate(shapes):
+            group = {k: v for k, v in (hyper[g] if g < len(hyper) else {}).items() if k != "params"}
+            ep = expert_group_degree(group)
+            if ep is None or self.ws % ep:
+                why = ("does not say its expert-parallel degree (DeepSpeed names expert groups ep_size_N)" if ep is None
+                       else f"is split over {ep} expert-parallel ranks, which {self.ws} ranks cannot hold")
+                self.st.add("partition-mismatch", f"param group {g} ({group.get('name')!r}) in {self.optim_uris[0]} is "
+                            f"an expert group that {why}; ckptflow cannot tell which ranks hold which experts",
+                            file=self.optim_uris[0], rank=0)
+                ep = 1
+            groups.append(ParamGroup(g, group, tuple(group_shapes), ep))
+        return tuple(groups)
+
+    def _check_partition_counts(self, groups: tuple[ParamGroup, ...]) -> None:
+        """Each group is partitioned over the ranks its expert-parallel degree implies: ZeRO-1/2 record the
+        count per group (`partition_count`), ZeRO-3 with expert groups the ranks of each sub-group
+        (`ds_zero_partition_groups`, one sub-group per param group here)."""
+        for rank, osd in enumerate(self.osds):
+            uri = self.optim_uris[rank]
+            count = osd.get("partition_count")
+            recorded = osd.get("ds_zero_partition_groups")
+            if self.stage != 3 and isinstance(count, list):
+                for group, have in zip(groups, count):
+                    want = self.ws // group.ep
+                    if have != want:
+                        self.st.add("partition-mismatch", f"rank {rank}: {uri} records param group {group.index} "
+                                    f"({group.hyper.get('name')!r}) as partitioned over {have} ranks, but at "
+                                    f"{self.ws} ranks {self._over(group)} it is partitioned over {want}; the file is "
+                                    "damaged or from another save", file=uri, rank=rank)
+            if self.stage != 3:
+                continue
+            if recorded is None:
+                if any(g.ep > 1 for g in groups):
+                    self.st.add("partition-mismatch", f"rank {rank}: {uri} has expert param groups but no "
+                                "ds_zero_partition_groups, so it does not say which ranks hold which experts",
+                                file=uri, rank=rank)
+                continue
+            if not isinstance(recorded, list) or len(recorded) != len(groups):
+                self.st.add("unsupported-layout", f"rank {rank}: {uri} records {len(recorded) if isinstance(recorded, list) else recorded!r} "
+                            f"ZeRO-3 partition sub-groups for {len(groups)} param groups; ckptflow reads one sub-group "
+                            "per param group (sub_group_size larger than any group)", file=uri, rank=rank)
+                continue
+            for group, entry in zip(groups, recorded):
+                ranks = list(group.ranks(self.ws, rank % group.ep))
+                want = {"partition_count": len(ranks), "partition_rank": ranks.index(rank), "partition_ranks": ranks}
+                have = {k: entry.get(k) for k in want} if isinstance(entry, Mapping) else entry
+                if have != want:
+                    self.st.add("partition-mismatch", f"rank {rank}: {uri} records sub-group {group.index} "
+                                f"({group.hyper.get('name')!r}) as {have}, but at {self.ws} ranks {self._over(group)} "
+                                f"DeepSpeed's default topology gives {want}; the checkpoint was saved with another "
+                                "expert-parallel topology, which ckptflow cannot place", file=uri, rank=rank)
+
+    @staticmethod
+    def _over(group: ParamGroup) -> str:
+        return f"over {group.ep} expert-parallel ranks" if group.ep > 1 else "(a dense group)"
 
     def _partition(self, rank: int, group: int) -> Partition:
         uri = self.optim_uris[rank]
@@ -698,16 +787,18 @@ class _Layout:
                             file=uri, rank=rank)
         return Partition(rank, group, numel, padding, ref, dict(group_state))
 
-    def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any],
-                          partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
-        sizes = [partitions[r][g].numel for r in range(self.ws)]
+    def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any], partitions: tuple[tuple[Partition, ...], ...],
+                          ranks: tuple[int, ...]) -> dict[str, tuple[Fragment, ...]]:
+        """Fragments of group `g`'s parameters, partitioned in order over the global `ranks`."""
+        sizes = [partitions[r][g].numel for r in ranks]
+        which = f"ranks {list(ranks)}" if len(ranks) < self.ws else "ranks"
         if len(set(sizes)) != 1:
-            self.st.add("partition-mismatch", f"param group {g}: ranks hold partitions of {sizes} elements (saved + "
+            self.st.add("partition-mismatch", f"param group {g}: {which} hold partitions of {sizes} elements (saved + "
                         "padding); ZeRO-1/2 partitions are equal-sized, so a rank file is damaged or from another save",
-                        file=self.optim_uris[0])
+                        file=self.optim_uris[ranks[0]])
             return {}
         size = sizes[0]
-        saved = sum(partitions[r][g].fp32.numel for r in range(self.ws))
+        saved = sum(partitions[r][g].fp32.numel for r in ranks)
         align_paddings = (self.osds[0].get("param_alignment_paddings") or [None] * (g + 1))[g]
         offset = 0
         out: dict[str, tuple[Fragment, ...]] = {}
@@ -716,22 +807,23 @@ class _Layout:
             frags = []
             pos = offset
             while pos < offset + numel:
-                rank, start = divmod(pos, size)
+                local, start = divmod(pos, size)
                 take = min(offset + numel - pos, size - start)
-                frags.append(Fragment(rank, g, start, take, pos - offset))
+                frags.append(Fragment(ranks[local] if local < len(ranks) else self.ws + local, g, start, take,
+                                      pos - offset))
                 pos += take
             out[name] = tuple(frags)
             offset += numel + (align_paddings[i] if align_paddings else 0)
         if self.padding_saved:
-            saved -= sum(partitions[r][g].padding for r in range(self.ws))
+            saved -= sum(partitions[r][g].padding for r in ranks)
             misfit = offset != saved
         else:  # ZeRO-1/2 round both ends to 2 * world_size in ways only the live optimizer knows exactly
-            misfit = offset > saved or zero12_padded(offset, self.ws) != zero12_padded(saved, self.ws)
+            misfit = offset > saved or zero12_padded(offset, len(ranks)) != zero12_padded(saved, len(ranks))
         if misfit:
-            self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the ranks "
-                        f"saved {saved}; the partition sizes do not add up, so the files do not belong together",
-                        file=self.optim_uris[0])
-        for rank in range(self.ws):
+            self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the "
+                        f"{which} saved {saved}; the partition sizes do not add up, so the files do not belong together",
+                        file=self.optim_uris[ranks[0]])
+        for rank in ranks:
             mapping = (self.osds[rank].get("param_slice_mappings") or [{}] * (g + 1))[g]
             for name, addr in (mapping or {}).items():
                 mine = [f for f in out.get(name, ()) if f.rank == rank]
@@ -744,25 +836,27 @@ class _Layout:
                                 file=self.optim_uris[rank], rank=rank)
         return out
 
-    def _fragments_zero3(self, g: int, group_shapes: Mapping[str, Any],
-                         partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
+    def _fragments_zero3(self, g: int, group_shapes: Mapping[str, Any], partitions: tuple[tuple[Partition, ...], ...],
+                         ranks: tuple[int, ...]) -> dict[str, tuple[Fragment, ...]]:
+        """Fragments of group `g`'s parameters, each cut into pieces over the global `ranks` in order."""
         out: dict[str, tuple[Fragment, ...]] = {}
         offset = 0
+        count = len(ranks)
         for name, shape in group_shapes.items():
             numel = element_count(shape)
-            piece = zero3_piece(numel, self.ws)
+            piece = zero3_piece(numel, count)
             frags = []
-            for rank in range(self.ws):
-                take = zero3_real(numel, self.ws, rank)
+            for local, rank in enumerate(ranks):
+                take = zero3_real(numel, count, local)
                 if take:
-                    frags.append(Fragment(rank, g, offset, take, rank * piece))
+                    frags.append(Fragment(rank, g, offset, take, local * piece))
             out[name] = tuple(frags)
             offset += piece
-        for rank in range(self.ws):
+        for rank in ranks:
             have = partitions[rank][g].fp32.numel
             if have != offset:
                 self.st.add("partition-mismatch", f"rank {rank}: param group {g} in {self.optim_uris[rank]} holds "
-                            f"{have} fp32 elements but its parameters need {offset} ({self.ws} ranks); the file is "
+                            f"{have} fp32 elements but its parameters need {offset} ({count} ranks); the file is "
                             "damaged or from a save with another world size", file=self.optim_uris[rank], rank=rank)
         return out
 
@@ -788,7 +882,7 @@ class _Layout:
             out[name] = Param(name, shape, dtype, None, (), tuple(pieces))
         return out
 
-    def _frozen_from_module(self, module: Mapping[str, Any], trainable: Mapping[str, Param]) -> dict[str, Param]:
+    def _frozen_from_module(self, module: Mapping[str, Any], trainable: Mapping[str, Any]) -> dict[str, Param]:
         """ZeRO-1 records no frozen-parameter list: they are the module's tensors that are neither
         buffers, nor trainable, nor aliases, and their saved 16-bit (or fp32) copy is their only value."""
         buffers = set(self.models[0].get("buffer_names") or [])
