@@ -1,85 +1,52 @@
 """Corpus cases that fail today, by kind (all its commands) or by kind and command, each with the
 item of issue 14 whose fix will make it pass. `all_kinds()` turns them into strict xfail marks: a case
-fixed by a later change fails until its line here is removed. Filled in from a run of the corpus."""
+fixed by a later change fails until its line here is removed. Filled in from a run of the corpus (on the
+restructured core: `ckptflow/formats/`, the step packages, `plumbing/`)."""
 
 from __future__ import annotations
 
 XFAIL: dict[str, str | dict[str, str]] = {
     "counts/dp-world-size-billion": "issue 14 (4): hangs (killed at the time limit)",
     "counts/ds-version-ten-megabytes": {
-        "validate": "issue 14 (6): echoes the input whole (an error line of 4194205 characters)",
-        "deep": "issue 14 (6): echoes the input whole (an error line of 4194205 characters)",
+        "validate": "issue 14 (6): echoes the input whole (an error line of 4194193 characters)",
+        "deep": "issue 14 (6): echoes the input whole (an error line of 4194193 characters)",
         "consolidate": "issue 14 (6): echoes the input whole (an error line of 4194304 characters)",
         "reshard": "issue 14 (6): echoes the input whole (an error line of 4194304 characters)",
     },
-    "counts/global-steps-too-long-to-print": "issue 14 (4): ValueError traceback (an int of 5,000 digits formatted into the message) from ckptflow/zero.py _read",
+    "counts/global-steps-too-long-to-print": "issue 14 (4): ValueError traceback from ckptflow/formats/deepspeed/index.py _check_agreement",
     "counts/param-shape-huge-zero2": "issue 14 (4): hangs (killed at the time limit)",
-    "latest/binary": "issue 14 (6): binary content reported as empty",
-    "latest/eight-gigabytes-sparse": "issue 14 (6): MemoryError traceback from ckptflow/zero.py resolve_tag",
-    "latest/symlink-to-a-big-file": "issue 14 (6): hangs (killed at the time limit)",
-    "latest/ten-megabytes": {
-        "validate": "issue 14 (6): echoes the input whole (an error line of 4194229 characters)",
-        "deep": "issue 14 (6): echoes the input whole (an error line of 4194229 characters)",
-        "consolidate": "issue 14 (6): echoes the input whole (an error line of 4194304 characters)",
-        "reshard": "issue 14 (6): echoes the input whole (an error line of 4194304 characters)",
-    },
-    "manifests/manifest-hundred-megabytes": "issue 14 (4): RecursionError traceback from ckptflow/manifest.py from_json",
-    "manifests/manifest-nested-deep": "issue 14 (4): RecursionError traceback from ckptflow/manifest.py from_json",
+    "manifests/manifest-hundred-megabytes": "issue 14 (4): RecursionError traceback from ckptflow/publish/manifest.py from_json",
+    "manifests/manifest-nested-deep": "issue 14 (4): RecursionError traceback from ckptflow/publish/manifest.py from_json",
     "manifests/manifest-special-file": "issue 14 (7): hangs (killed at the time limit)",
-    "manifests/manifest-stamp-not-an-object": "issue 14 (new, bad manifests): TypeError traceback from ckptflow/publish.py adopt",
-    "manifests/partial-record-nested-deep": "issue 14 (4): RecursionError traceback from ckptflow/publish.py parse",
-    "manifests/partial-record-odd-entries": "issue 14 (new, bad manifests): AttributeError traceback from ckptflow/checksums.py stamps_match",
+    "manifests/manifest-stamp-not-an-object": "issue 14 (new, bad manifests): TypeError traceback from ckptflow/publish/store.py adopt",
+    "manifests/partial-record-nested-deep": "issue 14 (4): RecursionError traceback from ckptflow/publish/store.py parse",
+    "manifests/partial-record-odd-entries": "issue 14 (new, bad manifests): AttributeError traceback from ckptflow/publish/checksums.py stamps_match",
     "manifests/partial-record-special-file": "issue 14 (7): hangs (killed at the time limit)",
-    "markup/ds-version": {
-        "validate": "issue 14 (2): MarkupError traceback from ckptflow/validate.py render",
-        "deep": "issue 14 (2): MarkupError traceback from ckptflow/validate.py render",
-        "consolidate": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-        "reshard": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-    },
-    "markup/frozen-parameter-name": {
-        "validate": "issue 14 (2): MarkupError traceback from ckptflow/validate.py render",
-        "deep": "issue 14 (2): MarkupError traceback from ckptflow/validate.py render",
-        "consolidate": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-        "reshard": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-    },
-    "markup/latest-closing-tag": {
-        "validate": "issue 14 (2): MarkupError traceback from ckptflow/validate.py render",
-        "deep": "issue 14 (2): MarkupError traceback from ckptflow/validate.py render",
-        "consolidate": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-        "reshard": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-    },
-    "markup/latest-emoji-code": "issue 14 (2): markup in the input is rendered, not printed as it is",
-    "markup/latest-style-tag": "issue 14 (2): markup in the input is rendered, not printed as it is",
-    "markup/manifest-format": "issue 14 (2): MarkupError traceback from ckptflow/cli.py fail",
-    "markup/tensor-name-in-deep-report": {
-        "deep": "issue 14 (2): markup in the input is rendered, not printed as it is",
-    },
     "pickles/billion-laughs-dict": "issue 14 (4): hangs (killed at the time limit)",
     "pickles/billion-laughs-list": "issue 14 (4): hangs (killed at the time limit)",
     "pickles/billion-laughs-tuple": "issue 14 (4): hangs (killed at the time limit)",
-    "pickles/deep-dict": "issue 14 (4): RecursionError traceback from ckptflow/torchzip.py _to_plain",
-    "pickles/deep-list": "issue 14 (4): RecursionError traceback from ckptflow/torchzip.py _to_plain",
+    "pickles/deep-dict": "issue 14 (4): RecursionError traceback from ckptflow/formats/torchzip.py _to_plain",
+    "pickles/deep-list": "issue 14 (4): RecursionError traceback from ckptflow/formats/torchzip.py <listcomp>",
     "pickles/deep-set": {
-        "reshard": "issue 14 (4): RecursionError traceback from ckptflow/torchsave.py dumps",
+        "reshard": "issue 14 (4): RecursionError traceback from ckptflow/formats/torchsave.py dumps",
     },
-    "pickles/deep-tuple": "issue 14 (4): RecursionError traceback from ckptflow/torchzip.py _to_plain",
-    "pickles/global-with-control-characters": "issue 14 (2): the refusal quotes the global's name raw: terminal escape "
-                                              "sequences reach the terminal",
-    "pickles/memo-index-huge": "issue 14 (4): the memo grows to 2 GiB: MemoryError under the harness's limit, reported as a corrupt file",
+    "pickles/deep-tuple": "issue 14 (4): RecursionError traceback from ckptflow/formats/torchzip.py <genexpr>",
+    "pickles/global-with-control-characters": "issue 14 (2): the refusal quotes the input raw: terminal escape sequences reach the terminal",
+    "pickles/memo-index-huge": "issue 14 (4): MemoryError under the harness's limits, not the input checked",
     "pickles/persistent-id-shared-bomb": "issue 14 (4): hangs (killed at the time limit)",
     "pushsrc/card-config-dev-zero": "issue 14 (7): hangs (killed at the time limit)",
     "pushsrc/card-config-fifo": "issue 14 (7): hangs (killed at the time limit)",
-    "pushsrc/card-config-nested-deep": "issue 14 (1): RecursionError traceback from ckptflow/hub.py _read_json",
-    "pushsrc/provenance-nested-deep": "issue 14 (1): RecursionError traceback from ckptflow/hub.py _read_json",
-    "pushsrc/provenance-source-not-an-object": "issue 14 (1): AttributeError traceback from ckptflow/hub.py model_card",
+    "pushsrc/card-config-nested-deep": "issue 14 (1): RecursionError traceback from ckptflow/publish/hub.py _read_json",
+    "pushsrc/provenance-nested-deep": "issue 14 (1): RecursionError traceback from ckptflow/publish/hub.py _read_json",
+    "pushsrc/provenance-source-not-an-object": "issue 14 (1): AttributeError traceback from ckptflow/publish/hub.py model_card",
     "pushsrc/safetensors-entry-not-an-object": {
-        "push-hf": "issue 14 (1): TypeError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): TypeError traceback from ckptflow/publish/hub.py _count_safetensors_parameters",
     },
     "pushsrc/safetensors-header-2-60": {
-        "push-hf": "issue 14 (1): MemoryError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): MemoryError traceback from ckptflow/publish/hub.py _count_safetensors_parameters",
     },
     "pushsrc/safetensors-header-list": {
-        "push-hf": "issue 14 (1): AttributeError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): AttributeError traceback from ckptflow/publish/hub.py _count_safetensors_parameters",
     },
     "pushsrc/safetensors-header-over-100mb": {
         "push-hf": "issue 14 (1): accepted: exits 0",
@@ -88,28 +55,28 @@ XFAIL: dict[str, str | dict[str, str]] = {
         "push-hf": "issue 14 (1): accepted: exits 0",
     },
     "pushsrc/safetensors-lfs-pointer": {
-        "push-hf": "issue 14 (1): MemoryError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): MemoryError traceback from ckptflow/publish/hub.py _count_safetensors_parameters",
     },
     "pushsrc/safetensors-nested-deep": {
-        "push-hf": "issue 14 (1): RecursionError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): RecursionError traceback from ckptflow/publish/hub.py _count_safetensors_parameters",
     },
     "pushsrc/safetensors-not-utf8": {
         "push-hf": "issue 14 (1): accepted: exits 0",
     },
     "pushsrc/safetensors-shape-missing": {
-        "push-hf": "issue 14 (1): KeyError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): KeyError traceback from ckptflow/publish/hub.py _count_safetensors_parameters",
     },
     "pushsrc/safetensors-shape-string": {
-        "push-hf": "issue 14 (1): TypeError traceback from ckptflow/hub.py _count_safetensors_parameters",
+        "push-hf": "issue 14 (1): TypeError traceback from ckptflow/plumbing/sizes.py element_count",
     },
     "pushsrc/safetensors-short": {
         "push-hf": "issue 14 (1): accepted: exits 0",
     },
     "pushsrc/src-dangling-symlink": {
-        "push-hf": "issue 14 (7): FileNotFoundError traceback from ckptflow/hub.py _sha256",
+        "push-hf": "issue 14 (7): FileNotFoundError traceback from ckptflow/publish/hub.py _sha256",
     },
     "pushsrc/src-dev-zero": {
-        "push": "issue 14 (7): /dev/zero copied until the harness's file-size limit (a full disk without it)",
+        "push": "issue 14 (7): File too large under the harness's limits, not the input checked",
         "push-hf": "issue 14 (7): hangs (killed at the time limit)",
     },
     "pushsrc/src-fifo": "issue 14 (7): hangs (killed at the time limit)",
@@ -119,67 +86,56 @@ XFAIL: dict[str, str | dict[str, str]] = {
         "deep": "issue 14 (5): accepted: exits 0",
         "consolidate": "issue 14 (5): accepted: exits 0",
     },
-    "records/build-changes-storage-key": "issue 14 (5): KeyError traceback from ckptflow/torchzip.py tensor",
+    "records/build-changes-storage-key": "issue 14 (5): KeyError traceback from ckptflow/formats/torchzip.py tensor",
     "records/build-changes-storage-size": "issue 14 (5): accepted: exits 0",
     "records/frozen-fragment-strided": {
         "validate": "issue 14 (5): accepted: exits 0",
-        "deep": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
-        "reshard": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
     },
     "records/moment-stride-zero": {
         "validate": "issue 14 (5): accepted: exits 0",
-        "deep": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
         "consolidate": "issue 14 (5): accepted: exits 0",
-        "reshard": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
     },
     "records/optimizer-state-of-an-unknown-group": {
-        "reshard": "issue 14 (new, optimizer state): KeyError traceback from ckptflow/reshard_files.py _flat_states: "
-                   "validate accepts a rank whose moments are filed under another param group",
+        "reshard": "issue 14 (new, optimizer state): KeyError traceback from ckptflow/reshard/files.py <lambda>",
     },
     "records/partition-non-contiguous-zero2": {
         "validate": "issue 14 (5): accepted: exits 0",
-        "deep": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
-        "reshard": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
     },
     "records/partition-stride-negative": {
         "validate": "issue 14 (5): accepted: exits 0",
-        "deep": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
-        "reshard": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
     },
     "records/partition-stride-zero": {
         "validate": "issue 14 (5): accepted: exits 0",
-        "deep": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
-        "reshard": "issue 14 (5): AssertionError traceback from ckptflow/torchzip.py byte_range",
     },
     "sidefiles/config-dangling": {
-        "consolidate": "issue 14 (3): FileNotFoundError traceback from ckptflow/consolidate.py _side_bytes",
-        "reshard": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard.py _copy_file",
+        "consolidate": "issue 14 (3): FileNotFoundError traceback from ckptflow/consolidate/run.py <genexpr>",
+        "reshard": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard/run.py _copy_file",
     },
     "sidefiles/config-dev-zero": {
-        "consolidate": "issue 14 (3): MemoryError traceback from ckptflow/hf.py copy_side_files",
-        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard.py _copy_file",
+        "consolidate": "issue 14 (3): MemoryError traceback from ckptflow/formats/hf.py copy_side_files",
+        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
     },
     "sidefiles/config-directory": {
-        "consolidate": "issue 14 (3): IsADirectoryError traceback from ckptflow/hf.py copy_side_files",
+        "consolidate": "issue 14 (3): IsADirectoryError traceback from ckptflow/formats/hf.py copy_side_files",
     },
     "sidefiles/config-fifo": "issue 14 (3): hangs (killed at the time limit)",
     "sidefiles/config-hundred-megabytes-of-brackets": {
-        "consolidate": "issue 14 (3): RecursionError traceback from ckptflow/hf.py rewrite_config",
+        "consolidate": "issue 14 (3): RecursionError traceback from ckptflow/formats/hf.py rewrite_config",
     },
     "sidefiles/config-loop": {
-        "consolidate": "issue 14 (3): OSError traceback from ckptflow/consolidate.py _side_bytes",
-        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard.py _copy_file",
+        "consolidate": "issue 14 (3): OSError traceback from ckptflow/consolidate/run.py <genexpr>",
+        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
     },
     "sidefiles/config-nested-deep": {
-        "consolidate": "issue 14 (3): RecursionError traceback from ckptflow/hf.py rewrite_config",
+        "consolidate": "issue 14 (3): RecursionError traceback from ckptflow/formats/hf.py rewrite_config",
     },
     "sidefiles/fifo-in-a-subfolder": "issue 14 (3): hangs (killed at the time limit)",
     "sidefiles/generation-config-dev-zero": {
-        "consolidate": "issue 14 (3): MemoryError traceback from ckptflow/hf.py copy_side_files",
-        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard.py _copy_file",
+        "consolidate": "issue 14 (3): MemoryError traceback from ckptflow/formats/hf.py copy_side_files",
+        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
     },
-    "sidefiles/other-root-file-dangling": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard.py _copy_file",
-    "sidefiles/other-root-file-dev-zero": "issue 14 (3): OSError traceback from ckptflow/reshard.py _copy_file",
+    "sidefiles/other-root-file-dangling": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard/run.py _copy_file",
+    "sidefiles/other-root-file-dev-zero": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
     "sidefiles/other-root-file-fifo": "issue 14 (3): hangs (killed at the time limit)",
     "sidefiles/tokenizer-fifo": "issue 14 (3): hangs (killed at the time limit)",
     "sources/truncated-while-mapped": "issue 14 (9): killed by SIGBUS",
