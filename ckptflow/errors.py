@@ -71,6 +71,13 @@ class CorruptFileError(CheckpointError):
     default_code = "corrupt-file"
 
 
+class UnsafeInputError(CheckpointError):
+    """An input file ckptflow will not read: not a regular file (a FIFO, a device, a folder, a link to
+    nothing or out of its folder), larger than a file of its kind can be, or nested too deeply."""
+
+    default_code = "unsafe-input"
+
+
 class UnsupportedCheckpointError(CheckpointError):
     """The checkpoint is valid but uses a DeepSpeed layout ckptflow cannot convert (e.g. elastic ZeRO-1/2)."""
 

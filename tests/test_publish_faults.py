@@ -152,8 +152,6 @@ def test_a_second_push_to_the_same_dest_fails_at_once(hostile_runner: Runner, tm
 # ---- item 11: redaction in watch ------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 (11): watch logs the raw store error and describes it without "
-                   "redaction, so a credential the store echoes reaches logs and the scan's report")
 def test_watch_redacts_store_errors(gcs: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from ckptflow.watch import find_latest
 
