@@ -6,15 +6,6 @@ restructured core: `ckptflow/formats/`, the step packages, `plumbing/`)."""
 from __future__ import annotations
 
 XFAIL: dict[str, str | dict[str, str]] = {
-    "counts/dp-world-size-billion": "issue 14 (4): hangs (killed at the time limit)",
-    "counts/ds-version-ten-megabytes": {
-        "validate": "issue 14 (6): echoes the input whole (an error line of 4194193 characters)",
-        "deep": "issue 14 (6): echoes the input whole (an error line of 4194193 characters)",
-        "consolidate": "issue 14 (6): echoes the input whole (an error line of 4194304 characters)",
-        "reshard": "issue 14 (6): echoes the input whole (an error line of 4194304 characters)",
-    },
-    "counts/global-steps-too-long-to-print": "issue 14 (4): ValueError traceback from ckptflow/formats/deepspeed/index.py _check_agreement",
-    "counts/param-shape-huge-zero2": "issue 14 (4): hangs (killed at the time limit)",
     "manifests/manifest-hundred-megabytes": "issue 14 (4): RecursionError traceback from ckptflow/publish/manifest.py from_json",
     "manifests/manifest-nested-deep": "issue 14 (4): RecursionError traceback from ckptflow/publish/manifest.py from_json",
     "manifests/manifest-special-file": "issue 14 (7): hangs (killed at the time limit)",
@@ -69,25 +60,6 @@ XFAIL: dict[str, str | dict[str, str]] = {
     },
     "pushsrc/src-fifo": "issue 14 (7): hangs (killed at the time limit)",
     "pushsrc/src-fifo-in-subfolder": "issue 14 (7): hangs (killed at the time limit)",
-    "records/frozen-fragment-strided": {
-        "validate": "issue 14 (5): accepted: exits 0",
-    },
-    "records/moment-stride-zero": {
-        "validate": "issue 14 (5): accepted: exits 0",
-        "consolidate": "issue 14 (5): accepted: exits 0",
-    },
-    "records/optimizer-state-of-an-unknown-group": {
-        "reshard": "issue 14 (new, optimizer state): KeyError traceback from ckptflow/reshard/files.py <lambda>",
-    },
-    "records/partition-non-contiguous-zero2": {
-        "validate": "issue 14 (5): accepted: exits 0",
-    },
-    "records/partition-stride-negative": {
-        "validate": "issue 14 (5): accepted: exits 0",
-    },
-    "records/partition-stride-zero": {
-        "validate": "issue 14 (5): accepted: exits 0",
-    },
     "sidefiles/config-dangling": {
         "consolidate": "issue 14 (3): FileNotFoundError traceback from ckptflow/consolidate/run.py <genexpr>",
         "reshard": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard/run.py _copy_file",
