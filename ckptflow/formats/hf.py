@@ -23,8 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError
+from ckptflow.plumbing.files import check_regular, copy_regular, load_json, read_regular, write_bytes
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import join, open_fs
+from ckptflow.plumbing.storage import is_local, join, open_fs
+from ckptflow.plumbing.text import one_line
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -192,6 +194,11 @@ def read_header(raw_prefix: bytes) -> tuple[int, dict[str, object]]:
 
 # ---- files that travel with the model -------------------------------------------------------------
 
+# config.json is parsed (its dtype is rewritten): a config is kilobytes, a few MB with a large label map.
+MAX_CONFIG_BYTES = 16 << 20
+_SIDE_HINT = ("config, generation config and tokenizer files are carried into the model folder: replace it with a "
+              "regular file in the checkpoint folder, or remove it")
+
 
 def find_side_files(root: str) -> list[str]:
     """Names from `SIDE_FILES` present in the checkpoint folder `root` (the folder holding `latest`)."""
@@ -203,15 +210,37 @@ def find_side_files(root: str) -> list[str]:
     return [name for name in SIDE_FILES if name in present]
 
 
-def rewrite_config(raw: bytes, dtype: str) -> bytes:
+def check_side_files(root: str, names: Sequence[str]) -> int:
+    """The bytes the side files `names` of `root` take, each checked before anything is written: a
+    regular file that stays inside `root` (`plumbing.files`), and config.json parsed."""
+    total = 0
+    for name in names:
+        uri = join(root, name)
+        total += check_regular(uri, inside=_inside(root), hint=_SIDE_HINT)
+        if name == CONFIG_NAME:
+            rewrite_config(read_config(root), "float32", uri=uri)
+    return total
+
+
+def read_config(root: str) -> bytes:
+    """The bytes of `root`'s config.json: a regular file of at most `MAX_CONFIG_BYTES`."""
+    return read_regular(join(root, CONFIG_NAME), limit=MAX_CONFIG_BYTES, what="config.json", inside=_inside(root),
+                        hint=_SIDE_HINT)
+
+
+def rewrite_config(raw: bytes, dtype: str, *, uri: str = CONFIG_NAME) -> bytes:
     """`config.json` with its dtype set to `dtype` (a torch dtype name such as "bfloat16").
 
     `torch_dtype` (what transformers 4 reads) is always set; `dtype` (what transformers 5 writes and
     prefers) is set too when the config has it. Everything else is kept as it was, in its order.
-    """
-    config = json.loads(raw)
+    JSON nested deeper than `plumbing.files.MAX_JSON_DEPTH` is refused."""
+    try:
+        config = load_json(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{uri} is not valid JSON ({one_line(str(exc), 200)})", file=uri,
+                              hint="fix or remove config.json in the checkpoint folder") from None
     if not isinstance(config, dict):
-        raise CheckpointError("config.json does not hold a JSON object", file=CONFIG_NAME,
+        raise CheckpointError(f"{uri} does not hold a JSON object", file=uri,
                               hint="fix or remove config.json in the checkpoint folder")
     if "dtype" in config:
         config["dtype"] = dtype
@@ -220,25 +249,22 @@ def rewrite_config(raw: bytes, dtype: str) -> bytes:
 
 
 def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> dict[str, int]:
-    """Copy `names` from `root` into `dest`, rewriting `config.json`'s dtype; {name: bytes written}."""
-    src_fs, src_path = open_fs(root)
-    dst_fs, dst_path = open_fs(dest)
+    """Copy `names` from `root` into `dest`, rewriting `config.json`'s dtype; {name: bytes written}.
+    Regular files only (`plumbing.files`); a write that fails is an `OutputError`."""
     written = {}
     for name in names:
-        raw = src_fs.cat_file(posixpath.join(src_path, name))
         if name == CONFIG_NAME:
-            try:
-                raw = rewrite_config(raw, dtype)
-            except (ValueError, UnicodeDecodeError) as exc:
-                if isinstance(exc, CheckpointError):
-                    raise
-                raise CheckpointError(
-                    f"{join(root, name)} is not valid JSON ({exc})", file=join(root, name),
-                    hint="fix or remove config.json in the checkpoint folder",
-                ) from None
-        dst_fs.pipe_file(posixpath.join(dst_path, name), raw)
-        written[name] = len(raw)
+            raw = rewrite_config(read_config(root), dtype, uri=join(root, name))
+            write_bytes(join(dest, name), raw)
+            written[name] = len(raw)
+        else:
+            written[name] = copy_regular(join(root, name), join(dest, name), inside=_inside(root), hint=_SIDE_HINT)
     return written
+
+
+def _inside(root: str) -> str | None:
+    """Links in a local checkpoint folder must stay inside it."""
+    return root if is_local(root) else None
 
 
 __all__ = [
@@ -250,10 +276,12 @@ __all__ = [
     "SIDE_FILES",
     "SafetensorsLayout",
     "TensorSlot",
+    "check_side_files",
     "copy_side_files",
     "find_side_files",
     "index_json",
     "pack_shards",
+    "read_config",
     "read_header",
     "rewrite_config",
     "safetensors_layout",

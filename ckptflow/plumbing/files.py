@@ -9,6 +9,8 @@ reshard carries over), of a folder to push and of what a push finds at DEST goes
   names the file and says what it is. Local files are opened with `O_NONBLOCK` and checked with
   `fstat` on the open descriptor, so a file swapped for a FIFO after the check still cannot hang.
 - `read_regular(uri, limit=...)`: the whole file, refused (not read) when larger than `limit`.
+- `copy_regular(src, dst)`: a regular file copied in bounded chunks; a failed read is a
+  `SourceReadError`, a failed write (a full disk, a refused upload) an `OutputError`.
 - `load_json(data)`: JSON nested at most `MAX_JSON_DEPTH` levels (json's own recursion would give
   a `RecursionError`; a structure that deep is never a config, manifest or header).
 
@@ -21,11 +23,13 @@ import contextlib
 import errno
 import json
 import os
+import posixpath
 import stat
 from collections.abc import Iterator
 from typing import IO, Any
 
-from ckptflow.errors import CheckpointNotFoundError, UnsafeInputError
+from ckptflow.errors import CheckpointNotFoundError, CkptflowError, OutputError, SourceReadError, UnsafeInputError
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
 from ckptflow.plumbing.text import excerpt
@@ -34,7 +38,7 @@ from ckptflow.plumbing.text import excerpt
 MAX_JSON_DEPTH = 64
 
 _KINDS = (
-    (stat.S_ISFIFO, "a FIFO (named pipe): reading it waits for a writer"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
@@ -82,7 +86,7 @@ def check_regular(uri: str, *, inside: str | None = None, hint: str | None = Non
         except OSError as exc:
             what = "a link loop" if exc.errno == errno.ELOOP else "nothing" if exc.errno == errno.ENOENT else \
                 f"something unreadable ({exc.strerror})"
-            raise UnsafeInputError(f"{uri} is a symbolic link to {what} ({excerpt(target)})", code="not-a-regular-file",
+            raise UnsafeInputError(f"{uri} is a symbolic link to {what} ({excerpt(target, 120)})", code="not-a-regular-file",
                                    file=uri, hint=hint) from None
     else:
         st = link
@@ -137,6 +141,57 @@ def read_regular(uri: str, *, limit: int, what: str = "file", inside: str | None
     return data
 
 
+COPY_CHUNK = 8 << 20
+
+
+def copy_regular(src: str, dst: str, *, inside: str | None = None, hint: str | None = None, durable: bool = False,
+                 chunk: int = COPY_CHUNK) -> int:
+    """Copy the regular file `src` (see `check_regular`) to `dst`, creating its folder; returns the bytes
+    copied. With `durable`, a local `dst` is flushed to disk before returning."""
+    dst_fs, dst_path = open_fs(dst)
+    copied = 0
+    with open_regular(src, inside=inside, hint=hint) as fin:
+        try:
+            dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+            with dst_fs.open(dst_path, "wb") as fout:
+                while data := _read(fin, src, chunk):
+                    fout.write(data)
+                    copied += len(data)
+                if durable and is_local(dst):
+                    fout.flush()
+                    os.fsync(fout.fileno())
+        except CkptflowError:
+            raise
+        except OSError as exc:  # the write side: a full disk, a refused upload, a folder in the way
+            raise _write_error(dst, exc) from exc
+    return copied
+
+
+def _read(fh: IO[bytes], uri: str, size: int) -> bytes:
+    try:
+        return fh.read(size)
+    except OSError as exc:
+        raise SourceReadError(f"cannot read {uri} ({_reason(exc)})", file=uri, hint="check the file and run again") from exc
+
+
+def write_bytes(dst: str, data: bytes) -> None:
+    """Write `data` as the file `dst` (an `OutputError` when that fails)."""
+    fs, path = open_fs(dst)
+    try:
+        fs.pipe_file(path, data)
+    except OSError as exc:
+        raise _write_error(dst, exc) from exc
+
+
+def _write_error(dst: str, exc: OSError) -> CkptflowError:
+    return OutputError(f"cannot write {dst} ({_reason(exc)})", file=dst,
+                       hint="check the destination is writable and has room, then run again")
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror if exc.strerror else describe(exc)
+
+
 def load_json(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """`json.loads(data)`, refusing (`JsonTooDeep`, a `ValueError`) documents nested deeper than
     `max_depth`. Every other problem is the `ValueError` json raises (`UnicodeDecodeError` included)."""
@@ -171,5 +226,5 @@ def depth_of(doc: Any, stop: int) -> int:
     return deepest
 
 
-__all__ = ["MAX_JSON_DEPTH", "JsonTooDeep", "check_regular", "depth_of", "kind_of", "load_json", "open_regular",
-           "read_regular"]
+__all__ = ["MAX_JSON_DEPTH", "JsonTooDeep", "check_regular", "copy_regular", "depth_of", "kind_of", "load_json",
+           "open_regular", "read_regular", "write_bytes"]

@@ -60,36 +60,5 @@ XFAIL: dict[str, str | dict[str, str]] = {
     },
     "pushsrc/src-fifo": "issue 14 (7): hangs (killed at the time limit)",
     "pushsrc/src-fifo-in-subfolder": "issue 14 (7): hangs (killed at the time limit)",
-    "sidefiles/config-dangling": {
-        "consolidate": "issue 14 (3): FileNotFoundError traceback from ckptflow/consolidate/run.py <genexpr>",
-        "reshard": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard/run.py _copy_file",
-    },
-    "sidefiles/config-dev-zero": {
-        "consolidate": "issue 14 (3): MemoryError traceback from ckptflow/formats/hf.py copy_side_files",
-        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
-    },
-    "sidefiles/config-directory": {
-        "consolidate": "issue 14 (3): IsADirectoryError traceback from ckptflow/formats/hf.py copy_side_files",
-    },
-    "sidefiles/config-fifo": "issue 14 (3): hangs (killed at the time limit)",
-    "sidefiles/config-hundred-megabytes-of-brackets": {
-        "consolidate": "issue 14 (3): RecursionError traceback from ckptflow/formats/hf.py rewrite_config",
-    },
-    "sidefiles/config-loop": {
-        "consolidate": "issue 14 (3): OSError traceback from ckptflow/consolidate/run.py <genexpr>",
-        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
-    },
-    "sidefiles/config-nested-deep": {
-        "consolidate": "issue 14 (3): RecursionError traceback from ckptflow/formats/hf.py rewrite_config",
-    },
-    "sidefiles/fifo-in-a-subfolder": "issue 14 (3): hangs (killed at the time limit)",
-    "sidefiles/generation-config-dev-zero": {
-        "consolidate": "issue 14 (3): MemoryError traceback from ckptflow/formats/hf.py copy_side_files",
-        "reshard": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
-    },
-    "sidefiles/other-root-file-dangling": "issue 14 (3): FileNotFoundError traceback from ckptflow/reshard/run.py _copy_file",
-    "sidefiles/other-root-file-dev-zero": "issue 14 (3): OSError traceback from ckptflow/reshard/run.py _copy_file",
-    "sidefiles/other-root-file-fifo": "issue 14 (3): hangs (killed at the time limit)",
-    "sidefiles/tokenizer-fifo": "issue 14 (3): hangs (killed at the time limit)",
     "sources/truncated-while-mapped": "issue 14 (9): killed by SIGBUS",
 }
