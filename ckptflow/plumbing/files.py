@@ -25,6 +25,7 @@ import json
 import os
 import posixpath
 import stat
+import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -175,10 +176,26 @@ def _read(fh: IO[bytes], uri: str, size: int) -> bytes:
 
 
 def write_bytes(dst: str, data: bytes) -> None:
-    """Write `data` as the file `dst` (an `OutputError` when that fails)."""
+    """Write `data` as the file `dst`, whole or not at all: locally into a temporary sibling renamed
+    over `dst` (so a reader never sees half of it, and a link or FIFO already at `dst` is replaced,
+    never written through), elsewhere as one object. An `OutputError` when that fails."""
     fs, path = open_fs(dst)
     try:
-        fs.pipe_file(path, data)
+        if not is_local(dst):
+            fs.pipe_file(path, data)
+            return
+        target = local_path(dst)
+        folder = os.path.dirname(os.path.abspath(target))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as exc:
         raise _write_error(dst, exc) from exc
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -33,15 +35,18 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ckptflow.errors import CheckpointError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.errors import CheckpointError, CkptflowError, PublishError, UnsafeInputError, UploadMismatchError, VerificationError
 from ckptflow.plumbing.executors import Cancelled, run_units
+from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, retry_call
-from ckptflow.plumbing.storage import join, open_fs, protocol
-from ckptflow.publish.checksums import Digests, stamp, stamps_match, store_checksum
-from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
-from ckptflow.publish.source import READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source
+from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
+from ckptflow.plumbing.text import one_line
+from ckptflow.publish.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
+from ckptflow.publish.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
+from ckptflow.publish.source import (READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source,
+                                     open_source)
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +110,18 @@ class _PartialRecord:
 
     @classmethod
     def parse(cls, fs: fsspec.AbstractFileSystem, path: str, data: bytes | None) -> _PartialRecord:
+        """The record in `data`; entries that are not what a push writes are dropped, and a record that
+        cannot be read at all is ignored (it only saves time: the push starts over)."""
         entries: dict[str, dict[str, Any]] = {}
         try:
             if data is not None:
-                doc = json.loads(data)
-                entries = {p: e for p, e in doc["files"].items() if {"size", "sha256", "stamp"} <= set(e)}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # it only saves time: start over
-            logger.warning("ignoring unreadable partial record %s (%s)", path, describe(exc))
+                doc = load_json(data)
+                files = doc.get("files") if isinstance(doc, dict) else None
+                if not isinstance(files, dict):
+                    raise ValueError("no `files` object")
+                entries = {p: e for p, e in files.items() if isinstance(p, str) and _valid_entry(e)}
+        except ValueError as exc:
+            logger.warning("ignoring unreadable partial record %s (%s)", path, one_line(str(exc), 200))
         return cls(fs, path, entries)
 
     def get(self, path: str) -> dict[str, Any] | None:
@@ -159,11 +169,17 @@ class _PartialRecord:
                 data = json.dumps({"format": "ckptflow-partial", "files": self.entries}, indent=0).encode()
                 self._dirty = False
             try:
-                self.fs.pipe_file(self.path, data)
+                write_bytes(unstrip(self.fs, self.path), data)
             except Exception as exc:
                 with self._lock:
                     self._dirty = True
                 logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
+
+
+def _valid_entry(entry: Any) -> bool:
+    """A partial record's entry as a push writes it: size, sha256 and a stamp of strings."""
+    return (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str) and valid_stamp(entry.get("stamp")))
 
 
 class _StorePush:
@@ -191,6 +207,7 @@ class _StorePush:
         self.tally = Tally(0)
         self.policy = policy
         self.local_dest = protocol(dest_fs) in _LOCAL_PROTOCOLS
+        self.local_src = protocol(src_fs) in _LOCAL_PROTOCOLS
         self.want_md5 = protocol(dest_fs) in ("s3", "s3a")  # S3 reports md5 (ETag); GCS crc32c
         self.cancelled = threading.Event()
         self.source_digests: dict[str, Digests] = {}
@@ -208,7 +225,12 @@ class _StorePush:
         self.existing = self._retry(self._list_dest, what="list", path="")
         previous = self._read_manifest(manifest_path) if MANIFEST_NAME in self.existing else None
         self.published = previous.by_path() if previous is not None else {}
-        staged = self._read_optional(self.partial.path, PARTIAL_RECORD_NAME) if PARTIAL_RECORD_NAME in self.existing else None
+        staged = None
+        if PARTIAL_RECORD_NAME in self.existing:
+            try:
+                staged = self._read_optional(self.partial.path, PARTIAL_RECORD_NAME)
+            except UnsafeInputError as exc:  # it only saves time: start over, and replace it at the first flush
+                logger.warning("ignoring the partial record at %s: %s", self.dest, exc)
         self.partial = _PartialRecord.parse(self.dest_fs, self.partial.path, staged)
         if previous is not None:
             self._map(self._hash_source_into_cache, files)
@@ -282,8 +304,9 @@ class _StorePush:
         digests = Digests(md5=self.want_md5)
         if self.local_dest:
             self.dest_fs.makedirs(posixpath.dirname(dest_path), exist_ok=True)
+            _clear_local_target(dest_path)
         uploaded = self.tally.part(f.path)
-        with self.src_fs.open(self._src_path(f.path), "rb") as source:
+        with open_source(self.src_fs, self.src_root, f.path, local=self.local_src) as source:
             target = self.dest_fs.open(dest_path, "wb", block_size=UPLOAD_BLOCK)
             try:
                 while chunk := source.read(READ_CHUNK):
@@ -332,10 +355,8 @@ class _StorePush:
         data = manifest.to_json()
 
         def write_and_check() -> None:
-            if self.local_dest:  # a local reader must never see half a manifest
-                tmp = f"{path}.tmp-{threading.get_ident()}"
-                self.dest_fs.pipe_file(tmp, data)
-                self.dest_fs.mv(tmp, path)
+            if self.local_dest:  # a local reader must never see half a manifest (a temporary sibling, renamed)
+                write_bytes(unstrip(self.dest_fs, path), data)
             else:  # an object appears whole or not at all
                 self.dest_fs.pipe_file(path, data)
             self.dest_fs.invalidate_cache(path)
@@ -365,11 +386,28 @@ class _StorePush:
     # Reads, each retried on transient errors.
 
     def _read_manifest(self, path: str) -> Manifest | None:
-        data = self._read_optional(path, MANIFEST_NAME)
-        return None if data is None else Manifest.from_json(data, uri=join(self.dest, MANIFEST_NAME))
+        uri = join(self.dest, MANIFEST_NAME)
+        try:
+            data = self._read_optional(path, MANIFEST_NAME)
+        except UnsafeInputError as exc:
+            what = str(exc).split("; ")[0].replace(unstrip(self.dest_fs, path), "it", 1)
+            raise VerificationError(f"{uri} is not a ckptflow manifest: {what}", uri=uri,
+                                    hint="delete it and push again") from None
+        return None if data is None else Manifest.from_json(data, uri=uri)
 
     def _read_optional(self, path: str, name: str) -> bytes | None:
-        """The bytes of a small object at DEST, None when there is none."""
+        """The bytes of a small file at DEST (a manifest, a partial record), None when there is none;
+        `UnsafeInputError` when it is larger than `MAX_MANIFEST_BYTES` or, on a local DEST, not a
+        regular file (a FIFO there would hang the push)."""
+        if self.local_dest:
+            uri = unstrip(self.dest_fs, path)
+            if not os.path.lexists(uri):
+                return None
+            return read_regular(uri, limit=MAX_MANIFEST_BYTES, what=name, hint="delete it and push again")
+        size = self.existing.get(name, {}).get("size")
+        if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
+            raise UnsafeInputError(f"{join(self.dest, name)} holds {size:,} bytes, more than a {name} can "
+                                   f"({MAX_MANIFEST_BYTES:,} at most)", code="too-large", file=name)
 
         def read() -> bytes | None:
             try:
@@ -400,7 +438,7 @@ class _StorePush:
     def _hash_source(self, f: SourceFile, *, md5: bool = False) -> Digests:
         def read() -> Digests:
             digests = Digests(md5=md5)
-            with self.src_fs.open(self._src_path(f.path), "rb") as source:
+            with open_source(self.src_fs, self.src_root, f.path, local=self.local_src) as source:
                 while chunk := source.read(READ_CHUNK):
                     if self.cancelled.is_set():
                         raise Cancelled()
@@ -470,6 +508,17 @@ class _StorePush:
         return PublishError(
             f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path, hint=failure_advice(exc, of_source)
         )
+
+
+def _clear_local_target(path: str) -> None:
+    """Before a file is written at a local DEST path: a link or a special file there is removed, so that
+    the write never goes through a link to a file elsewhere nor opens a FIFO (which would block)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
 
 
 def _abandon(target: Any, fs: fsspec.AbstractFileSystem, path: str) -> None:
