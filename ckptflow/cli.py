@@ -68,6 +68,8 @@ def render_report(report: "ValidationReport") -> None:
         groups = f", {s['param_groups']} param groups" if "param_groups" in s else ""
         say("valid", "green", f"{report.root}/{report.tag}: {s.get('layout', '')}, {s.get('precision')}, "
             f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
+        for note in s.get("notes") or ():
+            out.print(Text.assemble("  ", ("note:", "yellow"), " ", note), soft_wrap=True)
         return
     where = f"{report.root}/{report.tag}" if report.tag else report.source
     say("invalid", "red", f"{where}: {len(report.problems)} problem(s)")
@@ -144,6 +146,8 @@ def consolidate_command(
         f"{result.plan.root}/{result.plan.tag} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
         f"{format_size(result.total_size)} {result.dtype}{', verified' if result.verified else ''}, "
         f"{len(result.side_files)} config/tokenizer file(s), {time.monotonic() - started:.1f}s")
+    for note in result.plan.notes:
+        out.print(Text.assemble("  ", ("note:", "yellow"), " ", note), soft_wrap=True)
 
 
 @app.command("run")
@@ -242,8 +246,12 @@ def reshard_command(
                                 help="Threads writing at once: one per target rank, the rest share a rank's files."),
     fsync: bool = typer.Option(True, "--fsync/--no-fsync",
                                help="Flush each file to disk before moving OUT into place (local outputs)."),
+    tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", min=1,
+                                                  help="AutoTP only: merge to this tensor-parallel degree (1)."),
 ) -> None:
     """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) to another world size.
+
+    Tensor- and pipeline-parallel checkpoints keep their degrees: --world-size is the data-parallel size.
 
     DeepSpeed loads OUT natively at --world-size ranks; config, tokenizer and trainer files are
     carried over so a Hugging Face Trainer run can resume from it.
@@ -262,7 +270,8 @@ def reshard_command(
         task = bar.add_task("resharding", total=None)
         try:
             result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
-                             progress=lambda done, total: bar.update(task, completed=done, total=total))
+                             progress=lambda done, total: bar.update(task, completed=done, total=total),
+                             tensor_parallel=tensor_parallel)
         except CkptflowError as exc:
             raise fail(exc) from None
     say("resharded", "green",

@@ -13,10 +13,13 @@ from typing import Any
 
 from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint
+from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint, Replica
 from ckptflow.formats.deepspeed.tensors import ModelSource
+from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint
 from ckptflow.formats.casts import count_non_finite
 from ckptflow.formats.deepspeed.layout import zero3_real
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.errors import CkptflowError
+from ckptflow.formats.torchzip import TensorRef, read_scalar
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.storage import read_ranges
 
@@ -63,9 +66,103 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
     if isinstance(index, ZeroCheckpoint):
         if deep and not problems:
             problems = problems + _scan_finite(index, progress)
+    elif isinstance(index, ModelParallelCheckpoint):
+        problems = problems + _check_model_parallel_steps(index)
+        if deep and not problems:
+            problems = problems + _scan_model(index, progress) + _compare_replicas(index.replicas, index, progress)
     elif index is not None and deep and not problems:
         problems = problems + _scan_model(index, progress)
     return ValidationReport(source, root, resolved, tuple(problems), index, deep)
+
+
+def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:
+    """The step one rank's optimizer is at (None when it has not stepped or cannot be read)."""
+    if isinstance(index, Zero0Checkpoint):
+        return float(index.optimizer_step)
+    for part in index.partitions[0]:
+        step = part.state.get("step")
+        try:
+            step = float(read_scalar(step)) if isinstance(step, TensorRef) else step
+            if isinstance(step, (int, float)):
+                return float(step)
+        except (CkptflowError, OSError, ValueError, OverflowError):
+            return None
+    return None
+
+
+def _check_model_parallel_steps(index: ModelParallelCheckpoint) -> list[Problem]:
+    """Every model-parallel rank at the same optimizer step (the reader checks the data-parallel ranks
+    within each: `index.read_zero`)."""
+    problems = []
+    steps = {mp: _optimizer_step(rank) for mp, rank in enumerate(index.ranks)}
+    first = steps[0]
+    for mp, step in steps.items():
+        if step is not None and first is not None and step != first:
+            problems.append(Problem(
+                "ranks-disagree", f"{index.rank_label(mp)}'s optimizer is at step {step:g} but {index.rank_label(0)}'s "
+                f"is at {first:g}; the tag folder mixes files from different saves: re-copy it from one save",
+                _model_file(index.ranks[mp])))
+    return problems
+
+
+def _model_file(rank: ZeroCheckpoint | Zero0Checkpoint) -> str:
+    return rank.model_file if isinstance(rank, Zero0Checkpoint) else rank.model_file(0)
+
+
+def _compare_replicas(replicas: tuple[Replica, ...], index: ModelParallelCheckpoint,
+                      progress: Progress | None) -> list[Problem]:
+    """Blocks held by two model-parallel ranks (replicated parameters, a pipeline's tied weight) must hold
+    the same bytes: both copies read in bounded chunks and compared. One problem per tensor."""
+    tally = Tally(2 * sum(r.numel * r.ref.itemsize for rep in replicas for r in rep.runs), progress)
+    differ: dict[str, tuple[int, int, int]] = {}
+    for rep in replicas:
+        if rep.name in differ:
+            continue
+        segments = _aligned(rep.runs, rep.other)
+        batch: list[tuple[int, Any, int, Any, int, int]] = []
+        size = 0
+        for seg in segments + [None]:  # type: ignore[list-item]
+            if seg is not None:
+                batch.append(seg)
+                size += seg[5] * seg[1].itemsize
+            if batch and (seg is None or size >= 64 << 20):
+                ranges = [(ref.uri, *ref.element_range(start, n)) for _, ref, start, _, _, n in batch]
+                ranges += [(ref.uri, *ref.element_range(start, n)) for _, _, _, ref, start, n in batch]
+                blobs = read_ranges(ranges)
+                half = len(batch)
+                for k, (offset, _, _, _, _, _) in enumerate(batch):
+                    if blobs[k] != blobs[half + k]:
+                        differ[rep.name] = (rep.mp_rank, rep.other_mp_rank, offset)
+                        break
+                tally.add("replicas", 2 * size)
+                batch, size = [], 0
+                if rep.name in differ:
+                    break
+    return [Problem("replicas-differ",
+                    f"tensor {name}: {index.rank_label(a)} and {index.rank_label(b)} hold different values for the same "
+                    f"block (from element {offset} of the full tensor), which they must hold identically; the ranks "
+                    "drifted apart or a file is damaged: use an earlier checkpoint", index.tag_uri)
+            for name, (a, b, offset) in differ.items()]
+
+
+def _aligned(runs: tuple[Any, ...], other: tuple[Any, ...]) -> list[tuple[int, Any, int, Any, int, int]]:
+    """(full offset, ref, start, other ref, other start, numel) segments where two run lists that cover
+    the same elements of a tensor line up."""
+    a, b = sorted(runs, key=lambda r: r.offset), sorted(other, key=lambda r: r.offset)
+    out, i, j, ia, jb = [], 0, 0, 0, 0  # ia / jb: elements of a[i] / b[j] already used
+    while i < len(a) and j < len(b):
+        ra, rb = a[i], b[j]
+        pa, pb = ra.offset + ia, rb.offset + jb
+        if pa != pb:
+            raise ValueError(f"replica runs of {ra.ref.uri} and {rb.ref.uri} do not line up")
+        n = min(ra.numel - ia, rb.numel - jb)
+        out.append((pa, ra.ref, ra.start + ia, rb.ref, rb.start + jb, n))
+        ia, jb = ia + n, jb + n
+        if ia == ra.numel:
+            i, ia = i + 1, 0
+        if jb == rb.numel:
+            j, jb = j + 1, 0
+    return out
 
 
 def _scan_model(index: ModelSource, progress: Progress | None) -> list[Problem]:

@@ -16,4 +16,5 @@ pytest_plugins = [
     "tests.prefect_plugin",
     "tests.servers",
     "tests.hostile.plugin",
+    "tests.cluster",
 ]

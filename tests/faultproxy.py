@@ -16,12 +16,17 @@ fresh upstream connection, one request per client connection. A seeded share of 
 `status=403` (say) answers every targeted request with that status instead (permanent errors), and
 `delay` slows every request down. Faults are drawn from `random.Random(seed)` and bounded by
 `max_faults`; `requests` and `faults` count what happened.
+
+Every forwarded response is also recorded as a `Transfer` (method, path, the request's `Range`,
+status, body bytes), so a test can tell ranged reads from whole-object downloads and add up the
+bytes each client fetched: `range_reads`, `range_bytes` and `media_downloads` summarize them.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import struct
 import threading
@@ -51,6 +56,19 @@ class FaultPlan:
     answers: tuple[tuple[str, str, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One forwarded request and what came back: `range` is the request's `Range: bytes=a-b` as
+    [a, b + 1) (None without one), `body` the response body bytes sent to the client."""
+
+    method: str
+    path: str
+    range: tuple[int, int] | None
+    status: int
+    body: int
+    content_type: str
+
+
 @dataclass
 class _Counters:
     requests: int = 0
@@ -58,6 +76,26 @@ class _Counters:
     bytes_down: int = 0  # response bytes sent to clients, headers included
     faults: Counter = field(default_factory=Counter)
     log: list = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+
+    @property
+    def range_reads(self) -> list[Transfer]:
+        """Successful GETs that asked for a byte range."""
+        return [t for t in self.transfers if t.method == "GET" and t.range is not None and t.status in (200, 206)]
+
+    @property
+    def range_bytes(self) -> int:
+        return sum(t.body for t in self.range_reads)
+
+    @property
+    def media_downloads(self) -> list[Transfer]:
+        """Successful GETs of object data without a range: whole-object downloads (GCS `alt=media`, or
+        an S3 object, which moto serves as `binary/octet-stream`)."""
+        return [
+            t for t in self.transfers
+            if t.method == "GET" and t.range is None and t.status == 200
+            and ("alt=media" in t.path or "octet-stream" in t.content_type)
+        ]
 
 
 class FaultProxy:
@@ -192,8 +230,17 @@ class FaultProxy:
             while more := upstream.recv(1 << 20):
                 client.sendall(more)
                 sent += len(more)
+            transfer = Transfer(
+                method=head.split(b" ", 1)[0].decode(),
+                path=head.split(b" ", 2)[1].decode("latin-1"),
+                range=_byte_range(_header(head, b"range")),
+                status=_status(resp_head),
+                body=sent - len(resp_head),
+                content_type=(_header(resp_head, b"content-type") or b"").decode("latin-1"),
+            )
             with self._lock:
                 self.counters.bytes_down += sent
+                self.counters.transfers.append(transfer)
         finally:
             upstream.close()
 
@@ -261,6 +308,21 @@ def _header(head: bytes, name: bytes) -> bytes | None:
         if sep and key.strip().lower() == name:
             return value.strip()
     return None
+
+
+def _status(head: bytes) -> int:
+    try:
+        return int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _byte_range(value: bytes | None) -> tuple[int, int] | None:
+    """`bytes=a-b` as [a, b + 1); None for no header or a form other than one closed range."""
+    if value is None:
+        return None
+    m = re.fullmatch(rb"bytes=(\d+)-(\d+)", value.strip())
+    return (int(m.group(1)), int(m.group(2)) + 1) if m else None
 
 
 def _without_header(head: bytes, name: bytes) -> bytes:

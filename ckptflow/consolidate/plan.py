@@ -117,6 +117,7 @@ class ConsolidationPlan:
     tied: Mapping[str, str]
     excluded: tuple[str, ...]
     source_layout: str = ""  # e.g. "ZeRO-3, data-parallel 2": what the reader recognized
+    notes: tuple[str, ...] = ()  # what the reader says about the source (e.g. what it cannot name)
 
     @property
     def dtype(self) -> str:
@@ -181,6 +182,7 @@ def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = 
         root=index.root, tag=index.tag, step=index.step, stage=index.stage, world_size=index.world_size,
         precision=index.precision, ds_version=index.ds_version, source_layout=index.layout, options=options, units=units,
         tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
+        notes=tuple(index.summary().get("notes") or ()),
     )
 
 

@@ -86,6 +86,7 @@ def provenance(plan: ConsolidationPlan, shards: Sequence[UnitResult]) -> dict[st
             "precision": plan.precision,
             "deepspeed_version": plan.ds_version,
             "layout": plan.source_layout,
+            **({"notes": list(plan.notes)} if plan.notes else {}),  # what the reader could not name, ...
         },
         "output": {
             "dtype": plan.dtype,

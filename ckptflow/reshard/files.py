@@ -46,7 +46,8 @@ class _Tree:
     a rebuilt storage; DeepSpeed's records become DeepSpeed objects again.
     """
 
-    def __init__(self, remap: Mapping[tuple[str, str, int], tuple[OutStorage, int]] | None = None) -> None:
+    def __init__(self, remap: Mapping[tuple[str, str, int], tuple[OutStorage, int, tuple[int, ...] | None]] | None = None
+                 ) -> None:
         self.storages: dict[tuple[str, str], OutStorage] = {}
         self.remap = dict(remap or {})
         self.remapped_keys = {(uri, key) for uri, key, _ in self.remap}
@@ -54,8 +55,8 @@ class _Tree:
     def tensor(self, ref: TensorRef) -> OutTensor:
         hit = self.remap.get((ref.uri, ref.key, ref.storage_offset))
         if hit is not None:
-            storage, offset = hit
-            return OutTensor(storage, offset, ref.shape)
+            storage, offset, shape = hit
+            return OutTensor(storage, offset, shape if shape is not None else ref.shape)
         if (ref.uri, ref.key) in self.remapped_keys:
             raise CheckpointError(f"{ref.uri}: a module tensor views a flattened param group at element "
                                   f"{ref.storage_offset}, where no parameter starts", file=ref.uri)
@@ -167,6 +168,7 @@ def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[O
 
 def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     """The object tree of target rank `unit.rank`'s optimizer file, ready for `write_archive`."""
+    plan = plan.part(unit)  # a model-parallel plan: the data-parallel plan of the unit's mp rank
     ix = plan.index
     source = ix.optim_states[unit.meta_rank]
     osd = source["optimizer_state_dict"]
@@ -209,10 +211,14 @@ def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
 
 
 def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
-    """The object tree of target rank `unit.rank`'s model-states file, ready for `write_archive`."""
+    """The object tree of target rank `unit.rank`'s model-states file, ready for `write_archive`.
+
+    A PipelineModule saves no `module` there (its weights are in the layer files): nothing to remap."""
+    plan = plan.part(unit)  # a model-parallel plan: the data-parallel plan of the unit's mp rank
     ix = plan.index
     source = ix.model_states[unit.meta_rank if plan.stage == 3 else 0]
-    tree = _Tree(_module_remap(plan, source.get("module") or {}) if plan.stage != 3 else None)
+    module = source.get("module")
+    tree = _Tree(_module_remap(plan, module) if plan.stage != 3 and module is not None else None)
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "param_shapes":
@@ -233,36 +239,41 @@ def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     return out
 
 
-def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]) -> dict[tuple[str, str, int], tuple[OutStorage, int]]:
+def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]
+                  ) -> dict[tuple[str, str, int], tuple[OutStorage, int, tuple[int, ...] | None]]:
     """ZeRO-1/2 module tensors of trainable parameters view one flat 16-bit buffer per param group;
-    rebuild each buffer at the new world size and send every view (tied aliases too) into it."""
-    remap: dict[tuple[str, str, int], tuple[OutStorage, int]] = {}
+    rebuild each buffer at the new world size and send every view (tied aliases too) into it. A
+    parameter in `plan.module_runs` is filled from those runs and viewed in its full shape."""
+    remap: dict[tuple[str, str, int], tuple[OutStorage, int, tuple[int, ...] | None]] = {}
     for flat_numel, offsets in plan.module:
         spans: list[Span] = []
         dtype = None
         placed = []
         for name, offset in offsets:
             ref = module.get(name)
-            if not isinstance(ref, TensorRef) or not ref.is_contiguous or ref.numel != plan.index.param_by_name[name].numel:
+            param = plan.index.param_by_name[name]
+            runs = plan.module_runs.get(name)
+            if not isinstance(ref, TensorRef) or not ref.is_contiguous or (runs is None and ref.numel != param.numel):
                 raise CheckpointError(f"{plan.index.model_file()}: module tensor {name} is missing or not a contiguous "
                                       "view of its parameter", file=plan.index.model_file(), tensor=name)
             dtype = dtype or ref.dtype
-            if ref.dtype != dtype:
+            if ref.dtype != dtype or any(r.ref.dtype != dtype for r in runs or ()):
                 raise UnsupportedCheckpointError(f"param group holding {name} mixes dtypes {dtype} and {ref.dtype}",
                                                  tensor=name)
-            start, end = ref.byte_range
-            dst = offset * ref.itemsize
-            last = spans[-1] if spans else None
-            if last is not None and last.uri == ref.uri and last.start + last.length == start and last.dst + last.length == dst:
-                spans[-1] = Span(last.uri, last.start, last.length + end - start, last.dst)
-            else:
-                spans.append(Span(ref.uri, start, end - start, dst))
-            placed.append((ref, offset))
+            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * ref.itemsize) for r in runs] if runs is not None
+                      else [(ref.uri, *ref.byte_range, offset * ref.itemsize)])
+            for uri, start, end, dst in pieces:
+                last = spans[-1] if spans else None
+                if last is not None and last.uri == uri and last.start + last.length == start and last.dst + last.length == dst:
+                    spans[-1] = Span(last.uri, last.start, last.length + end - start, last.dst)
+                else:
+                    spans.append(Span(uri, start, end - start, dst))
+            placed.append((ref, offset, param.shape if runs is not None else None))
         if dtype is None:
             continue
         storage = OutStorage(dtype, flat_numel, spans)
-        for ref, offset in placed:
-            remap[(ref.uri, ref.key, ref.storage_offset)] = (storage, offset)
+        for ref, offset, shape in placed:
+            remap[(ref.uri, ref.key, ref.storage_offset)] = (storage, offset, shape)
     return remap
 
 

@@ -4,6 +4,11 @@
 source ranks' flat partitions (DeepSpeed's partition arithmetic is `formats.deepspeed.layout`), after
 checking that the source is laid out exactly as that arithmetic predicts for its own world size, and
 refusing layouts ckptflow cannot convert. Nothing here reads a byte.
+
+A model-parallel checkpoint (AutoTP, PipelineModule, Megatron-style) is one data-parallel checkpoint
+per model-parallel rank: its plan (`ModelParallelReshardPlan`) is one `ReshardPlan` per model-parallel
+rank, each writing that rank's `..._mp_rank_XX_...` files at the new data-parallel size, the units of
+all of them side by side; everything model-parallel (split metadata, layer files) stays as it is.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.index import ZeroCheckpoint
+from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZERO, ZERO3, Copy, Extent, moves,
                                                param_alignment, piece_offsets, round_robin_order, zero3_moves,
                                                zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.tensors import Run
 from ckptflow.formats.torchzip import DTYPE_SIZES
 
 
@@ -61,6 +68,7 @@ class RankUnit:
     frozen: tuple[FrozenPiece, ...] = ()
     read_bytes: int = 0  # source bytes this unit copies: what `run_unit` reports as progress
     write_bytes: int = 0  # storage bytes of its files (zeros included), about their size
+    mp_rank: int = 0  # the model-parallel rank whose files these are
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -83,10 +91,18 @@ class ReshardPlan:
     module: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]  # ZeRO-1/2: 16-bit flat numel, param offsets
     units: tuple[RankUnit, ...]
     index: ZeroCheckpoint = field(repr=False, compare=False)
+    carried: tuple[str, ...] = ()  # tag-folder files written as they are (none for data-parallel ZeRO)
+    # ZeRO-1/2 module copies not saved whole in the source (a tensor-parallel merge): name -> runs of the
+    # full tensor; the module file's view of that parameter is rebuilt from them, in the full shape.
+    module_runs: Mapping[str, tuple[Run, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def files(self) -> tuple[str, ...]:
         return tuple(name for unit in self.units for name in unit.files)
+
+    def part(self, unit: RankUnit) -> ReshardPlan:
+        """The data-parallel plan `unit` belongs to: this one."""
+        return self
 
     @property
     def read_bytes(self) -> int:
@@ -97,19 +113,78 @@ class ReshardPlan:
         return sum(u.write_bytes for u in self.units)
 
 
-def plan_reshard(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
-    """The plan that reshards `index` to `world_size` ranks; reads nothing.
+@dataclass(frozen=True, kw_only=True)
+class ModelParallelReshardPlan:
+    """How to turn a model-parallel checkpoint into the same one at `world_size` data-parallel ranks:
+    one `ReshardPlan` per model-parallel rank (`parts`), their units side by side (`units`), and the
+    tag-folder files that stay as they are (`carried`: PipelineModule layer files)."""
+
+    root: str
+    tag: str
+    stage: int
+    precision: str
+    source_world_size: int
+    world_size: int
+    parts: tuple[ReshardPlan, ...]
+    carried: tuple[str, ...]
+    index: ModelParallelCheckpoint = field(repr=False, compare=False)
+
+    @property
+    def units(self) -> tuple[RankUnit, ...]:
+        return tuple(unit for part in self.parts for unit in part.units)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(name for part in self.parts for name in part.files) + self.carried
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(part.read_bytes for part in self.parts)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(part.write_bytes for part in self.parts)
+
+    def part(self, unit: RankUnit) -> ReshardPlan:
+        """The data-parallel plan of `unit`'s model-parallel rank."""
+        return self.parts[unit.mp_rank]
+
+
+def plan_reshard(index: Any, world_size: int) -> ReshardPlan | ModelParallelReshardPlan:
+    """The plan that reshards `index` to `world_size` data-parallel ranks; reads nothing.
 
     Raises `ValueError` for a world size below 1 and `UnsupportedCheckpointError` for layouts ckptflow
     cannot convert, or a source whose recorded layout is not the one DeepSpeed's arithmetic predicts.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    if getattr(index, "stage", None) == 0:
+        raise UnsupportedCheckpointError(
+            f"{index.root}/{index.tag} is a checkpoint in the {index.layout} layout: its files hold whole tensors and "
+            "do not depend on the data-parallel size, and DeepSpeed loads it natively at any data-parallel size, so there is "
+            "nothing to reshard", code="reshard-not-needed", uri=index.root,
+            hint=f"point the run at {index.root} as it is, with {world_size} data-parallel "
+                 f"rank{'s' if world_size != 1 else ''}")
+    if isinstance(index, ModelParallelCheckpoint):
+        return _plan_model_parallel(index, world_size)
     if not isinstance(index, ZeroCheckpoint):
         raise UnsupportedCheckpointError(
             f"{index.root}/{index.tag} is a {index.layout} checkpoint; ckptflow reshards data-parallel ZeRO "
             "checkpoints only so far", uri=index.root,
             hint="convert it with DeepSpeed's universal converter (deepspeed.checkpoint.ds_to_universal) instead")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    return _plan_data_parallel(index, world_size)
+
+
+def _plan_model_parallel(index: ModelParallelCheckpoint, world_size: int) -> ModelParallelReshardPlan:
+    """One data-parallel plan per model-parallel rank; every rank's files carry its `mp_rank_XX`."""
+    parts = tuple(_plan_data_parallel(rank, world_size) for rank in index.ranks)
+    return ModelParallelReshardPlan(
+        root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
+        source_world_size=index.world_size, world_size=world_size, parts=parts, carried=index.carried, index=index,
+    )
+
+
+def _plan_data_parallel(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
     optimizer = _optimizer_kind(index)
     _check_supported(index, optimizer)
     if optimizer == ZERO3:
@@ -205,11 +280,12 @@ def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str) -> Resh
         flats = tuple(g.flats[r] for g in groups)
         moved = sum(c.numel for f in flats for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=min(r, index.world_size - 1), optim_file=optim_file_name(index.precision, r),
-            model_file=model_file_name(index.stage, 0) if r == 0 else None, flats=flats,
+            rank=r, meta_rank=min(r, index.world_size - 1), optim_file=optim_file_name(index.precision, r, index.mp_rank),
+            model_file=model_file_name(index.stage, 0, index.mp_rank) if r == 0 else None, flats=flats,
             group_paddings=tuple(g.group_paddings[r] for g in groups), slice_mappings=tuple(g.slices[r] for g in groups),
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + (module_bytes if r == 0 else 0),
+            mp_rank=index.mp_rank,
         ))
     return ReshardPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision, optimizer=optimizer,
@@ -337,8 +413,8 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
         frozen_bytes = sum(c.numel * DTYPE_SIZES[p.dtype] for p, piece in zip(frozen, pieces) for c in piece.copies)
         frozen_bytes += _buffer_bytes(index)
         units.append(RankUnit(
-            rank=r, meta_rank=min(r, src_ws - 1), optim_file=optim_file_name(index.precision, r),
-            model_file=model_file_name(3, r), flats=flats, frozen=pieces,
+            rank=r, meta_rank=min(r, src_ws - 1), optim_file=optim_file_name(index.precision, r, index.mp_rank),
+            model_file=model_file_name(3, r, index.mp_rank), flats=flats, frozen=pieces, mp_rank=index.mp_rank,
             read_bytes=4 * n_tensors * sum(c.numel for f in flats for c in f.copies) + frozen_bytes,
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + frozen_bytes,
         ))

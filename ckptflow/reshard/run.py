@@ -20,10 +20,11 @@ import posixpath
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.index import ZeroCheckpoint
+from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
@@ -36,6 +37,7 @@ from ckptflow.plumbing.storage import is_local, join, open_fs, unstrip
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
+from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
 from ckptflow.validate import validate
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,10 @@ logger = logging.getLogger(__name__)
 # ---- before anything is written ---------------------------------------------------------------------
 
 
-def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None) -> ReshardPlan:
-    """The plan that reshards the checkpoint at `src` to `world_size` ranks into `out`.
+def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
+                tensor_parallel: int | None = None) -> ReshardPlan:
+    """The plan that reshards the checkpoint at `src` to `world_size` data-parallel ranks into `out`,
+    with `tensor_parallel` also changing an AutoTP checkpoint's tensor-parallel degree (to 1).
 
     The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
     An `out` inside the source's tag folder is refused (`OutputError`)."""
@@ -55,7 +59,10 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None) 
         more = f" (and {len(report.problems) - 1} more; run `ckptflow validate {src}`)" if len(report.problems) > 1 else ""
         raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
-    plan = plan_reshard(report.index, world_size)
+    if tensor_parallel is not None:
+        plan = plan_tensor_parallel_merge(report.index, world_size, tensor_parallel)
+    else:
+        plan = plan_reshard(report.index, world_size)
     _check_not_inside(plan, out)
     carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
     return plan
@@ -133,21 +140,31 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
     Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
-    size; the staging folder is then left for `abort`."""
+    size; the staging folder is then left for `abort`. Files the plan carries as they are (PipelineModule
+    layer files) are copied into the staged tag folder first."""
+    inside = plan.root if is_local(plan.root) else None
+    for name in plan.carried:
+        copy_regular(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), inside=inside,
+                     hint=_CARRY_HINT, durable=durable)
     index, problems, _ = inspect(staging.uri, plan.tag)
-    if problems or not isinstance(index, ZeroCheckpoint):
+    if problems or not isinstance(index, type(plan.index)):
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
             uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")
-    if (index.world_size, index.stage, len(index.params)) != (plan.world_size, plan.stage, len(plan.index.params)):
+    got, want = _tensor_count(index), _tensor_count(plan.index)
+    if (index.world_size, index.stage, got) != (plan.world_size, plan.stage, want):
         raise VerificationError(
             f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
-            f"{len(index.params)} parameters, expected ZeRO-{plan.stage} at {plan.world_size} with "
-            f"{len(plan.index.params)}", uri=staging.uri, expected=plan.world_size, actual=index.world_size)
+            f"{got} tensors, expected ZeRO-{plan.stage} at {plan.world_size} with {want}", uri=staging.uri,
+            expected=plan.world_size, actual=index.world_size)
     rng_files = _carry_over(plan, staging, durable=durable)
     write_bytes(staging.join(LATEST), plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
     return rng_files
+
+
+def _tensor_count(index: Any) -> int:
+    return len(index.params) + len(index.buffers) if isinstance(index, ZeroCheckpoint) else len(index.model_tensors())
 
 
 def abort(staging: Staging | None) -> None:
@@ -251,8 +268,9 @@ def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress
 
 
 def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, workers: int | None = None,
-            progress: Progress | None = None, durable: bool = True) -> ReshardResult:
-    """Reshard the checkpoint at `src` to `world_size` ranks into the new folder `out`.
+            progress: Progress | None = None, durable: bool = True, tensor_parallel: int | None = None) -> ReshardResult:
+    """Reshard the checkpoint at `src` to `world_size` data-parallel ranks into the new folder `out`
+    (with `tensor_parallel=1`, an AutoTP checkpoint's tensor parallelism is merged away too).
 
     The source is validated first and refused, before anything is written, when it has problems.
     `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
@@ -260,7 +278,7 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     `write_threads`). On any error nothing is left at `out` and the staging folder is removed.
     """
     started = time.monotonic()
-    plan = plan_output(src, out, world_size=world_size, tag=tag)
+    plan = plan_output(src, out, world_size=world_size, tag=tag, tensor_parallel=tensor_parallel)
     staging = prepare_output(plan, out)
     try:
         results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable)

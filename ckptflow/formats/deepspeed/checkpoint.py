@@ -12,15 +12,21 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.autotp import read_autotp
 from ckptflow.formats.deepspeed.detect import Layout, detect
 from ckptflow.formats.deepspeed.index import Inspection, Listing, Problem, StopReading, read_head, read_zero, resolve_tag
+from ckptflow.formats.deepspeed.pipeline import read_pipeline
 from ckptflow.formats.deepspeed.tensors import ModelSource
+from ckptflow.formats.deepspeed.zero0 import read_zero0
 
 Reader = Callable[[Inspection, Listing, dict[str, Any], Layout], ModelSource]
 
 # One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
 READERS: dict[str, Reader] = {
-    "zero": lambda st, listing, model0, layout: read_zero(st, listing, model0),
+    "zero": lambda st, listing, model0, layout: (read_zero0 if layout.stage == 0 else read_zero)(st, listing, model0),
+    "autotp": read_autotp,
+    "pipeline": read_pipeline,
+    "megatron": read_pipeline,
 }
 
 _WHAT_TO_DO = {

@@ -71,8 +71,10 @@ def detect(names: Iterable[str], model0: Mapping[str, Any]) -> Layout:
     experts = model0.get("num_experts")
     if experts or any(EXPERT_FILE_RE.match(n) or EXPP_FILE_RE.match(n) for n in names):
         return Layout("moe", stage, dp, ep=_moe_ep(names))
-    if len(mp_ranks) > 1 or tp > 1 or _positive(model0.get("mp_world_size"), 1) > 1:
-        tp = max(tp, len(mp_ranks), _positive(model0.get("mp_world_size"), 1))
+    mp_world_size = _positive(model0.get("mp_world_size"), 1)
+    recorded = "tp_degree" in dims or "mp_world_size" in model0  # the files' own word beats a glob
+    if (len(mp_ranks) > 1 and not recorded) or tp > 1 or mp_world_size > 1:
+        tp = max(tp, mp_world_size) if recorded else max(tp, len(mp_ranks), mp_world_size)
         info = model0.get("universal_checkpoint_info")
         if isinstance(info, Mapping) and isinstance(info.get("affine_map"), Mapping):
             return Layout("autotp", stage, dp, tp=tp)

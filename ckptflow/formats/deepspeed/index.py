@@ -148,6 +148,7 @@ class ZeroCheckpoint:
     module_order: tuple[str, ...]
     model_states: tuple[Mapping[str, Any], ...]
     optim_states: tuple[Mapping[str, Any], ...]
+    mp_rank: int = 0  # the model-parallel rank this data-parallel checkpoint belongs to (`mp_rank_XX`)
 
     @property
     def tag_uri(self) -> str:
@@ -340,24 +341,32 @@ def read_head(st: Inspection) -> tuple[Listing, dict[str, Any]]:
     return listing, model0
 
 
-def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any]) -> ZeroCheckpoint:
+def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_rank: int = 0, mp_world_size: int = 1,
+              where: str | None = None, module: Mapping[str, Any] | None = None) -> ZeroCheckpoint:
     """The index of a data-parallel ZeRO checkpoint, checked stage by stage, cheapest first; each stage
-    stops the reading at its problems."""
-    first_model = listing.model0_uri
-    head = _model_head(st, model0, first_model)
+    stops the reading at its problems.
+
+    In a model-parallel checkpoint each model-parallel rank is such a checkpoint of its own local
+    tensors: `mp_rank` picks its files (`mp_rank_XX`), `model0` is its data-parallel rank 0's model
+    states, `mp_world_size` the number of model-parallel ranks its files record, `where` names it in
+    messages (e.g. "tensor-parallel rank 1 of 2"). `module` stands in for the model states' `module`
+    where DeepSpeed saves none there (PipelineModule: the stage's layer files, under the names
+    `param_shapes` uses)."""
+    first_model = listing.model_uri(mp_rank)
+    head = model_head(st, model0, first_model, mp_world_size)
     st.stop_if_any()
-    model_uris, optim_uris = _check_file_set(st, listing, head["world_size"], head["precision"])
+    model_uris, optim_uris = _check_file_set(st, listing, head["world_size"], head["precision"], mp_rank, where)
     st.stop_if_any()
     models, optims = _open_ranks(st, model0, model_uris, optim_uris)
     st.stop_if_any()
-    stage = _check_agreement(st, listing, head, models, optims, model_uris, optim_uris)
+    stage = _check_agreement(st, listing, head, models, optims, model_uris, optim_uris, mp_world_size)
     st.stop_if_any()
-    layout = _Layout(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris)
+    layout = _Layout(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris, module)
     params, groups, partitions = layout.build()
     st.stop_if_any()
     _check_steps(st, partitions, optim_uris)
     st.stop_if_any()
-    module = models[0]["module"]
+    module = layout.module
     return ZeroCheckpoint(
         root=st.root,
         tag=st.tag,
@@ -378,6 +387,7 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any]) -> ZeroC
         module_order=tuple(module),
         model_states=tuple(models),
         optim_states=tuple(optims),
+        mp_rank=mp_rank,
     )
 
 
@@ -430,7 +440,11 @@ class Listing:
     @property
     def model0_uri(self) -> str:
         """Rank 0's model states: every layout has this file."""
-        return join(self.tag_uri, model_file_name(3 if self.stage3 else 1, 0))
+        return self.model_uri(0)
+
+    def model_uri(self, mp_rank: int) -> str:
+        """Data-parallel rank 0's model states of model-parallel rank `mp_rank`."""
+        return join(self.tag_uri, model_file_name(3 if self.stage3 else 1, 0, mp_rank))
 
 
 def list_tag(st: Inspection) -> Listing:
@@ -468,47 +482,64 @@ def list_tag(st: Inspection) -> Listing:
 MAX_LISTED_MISSING = 8
 
 
-def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision: str) -> tuple[list[str], list[str]]:
-    """Exactly the files the world size implies, none missing, none extra: (model URIs, optim URIs).
+def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision: str, mp_rank: int = 0,
+                    where: str | None = None) -> tuple[list[str], list[str]]:
+    """Exactly the files the world size implies for model-parallel rank `mp_rank`, none missing, none
+    extra among that rank's files: (model URIs, optim URIs). `where` names the model-parallel rank.
 
     The world size comes from a file and may be absurd: names are built for the files present, and
     ranks missing past `MAX_LISTED_MISSING` are counted, not listed."""
-    first_model = model_file_name(3 if listing.stage3 else 1, 0)
+    first_model = model_file_name(3 if listing.stage3 else 1, 0, mp_rank)
+    label = "rank" if where is None else "data-parallel rank"
+    of = "" if where is None else f" of {where}"
     present: dict[str, int] = {}  # expected files present -> rank
     for name, m in listing.optim_names.items():
         rank = int(m.group(2))
-        if rank < world_size and name == optim_file_name(precision, rank):
+        if rank < world_size and name == optim_file_name(precision, rank, mp_rank):
             present[name] = rank
     for name, m in listing.model_names.items():
         rank = int(m.group(1) or 0)
-        if rank < world_size and name == (model_file_name(3, rank) if listing.stage3 else first_model):
+        if rank < world_size and name == (model_file_name(3, rank, mp_rank) if listing.stage3 else first_model):
             present[name] = rank
     wanted = world_size * (2 if listing.stage3 else 1) + (0 if listing.stage3 else 1)
     if wanted - len(present) > MAX_LISTED_MISSING:
         have = sorted({r for n, r in present.items() if n in listing.optim_names})
         first = next(r for r in range(world_size) if r not in have)
-        name = optim_file_name(precision, first)
+        name = optim_file_name(precision, first, mp_rank)
         st.add("rank-missing",
                f"{join(listing.tag_uri, first_model)} records a data-parallel world size of {excerpt(world_size)} but "
-               f"the tag folder holds optimizer files for {len(have)} rank(s); {wanted - len(present):,} files are "
-               f"missing, the first {st.tag}/{name} (rank {first}); the upload may still be in progress, or "
+               f"the tag folder holds optimizer files for {len(have)} {label}(s){of}; {wanted - len(present):,} files "
+               f"are missing, the first {st.tag}/{name} ({label} {first}); the upload may still be in progress, or "
                f"{first_model} is damaged", file=join(listing.tag_uri, name), rank=first)
         return [], []
-    expected_optim = {optim_file_name(precision, r): r for r in range(world_size)}
-    expected_model = {model_file_name(3, r): r for r in range(world_size)} if listing.stage3 else {first_model: 0}
+    expected_optim = {optim_file_name(precision, r, mp_rank): r for r in range(world_size)}
+    expected_model = ({model_file_name(3, r, mp_rank): r for r in range(world_size)} if listing.stage3
+                      else {first_model: 0})
     for name, rank in {**expected_model, **expected_optim}.items():
         if name not in listing.names:
             st.add(
                 "rank-missing",
-                f"rank {rank} of {world_size} is missing: expected {st.tag}/{name} under {st.root}; the upload may "
-                f"still be in progress, or the checkpoint was saved with fewer ranks",
+                f"{label} {rank} of {world_size}{of} is missing: expected {st.tag}/{name} under {st.root}; the upload "
+                f"may still be in progress, or the checkpoint was saved with fewer ranks",
                 file=join(listing.tag_uri, name), rank=rank,
             )
-    for name in [*listing.model_names, *listing.optim_names]:
+    mine = [n for n, m in listing.model_names.items() if int(m.group(2)) == mp_rank]
+    mine += [n for n, m in listing.optim_names.items() if int(m.group(3)) == mp_rank]
+    if where is None:  # a data-parallel checkpoint: files of any other model-parallel rank do not belong
+        others = [n for n, m in listing.model_names.items() if int(m.group(2)) != mp_rank]
+        others += [n for n, m in listing.optim_names.items() if int(m.group(3)) != mp_rank]
+        for name in others:
+            st.add("rank-extra", f"unexpected file {st.tag}/{name}: it belongs to another model-parallel rank, but "
+                   f"{first_model} records a data-parallel checkpoint (model-parallel size 1); it is left over from "
+                   "another save into the same tag folder: remove it, or re-save the checkpoint into a fresh folder",
+                   file=join(listing.tag_uri, name))
+    for name in mine:
         if name not in expected_model and name not in expected_optim:
             m = listing.model_names.get(name) or listing.optim_names[name]
             rank = int(m.group(2) if name in listing.optim_names else (m.group(1) or 0))
             why = (
+                f"{label} {rank}{of} is beyond the data-parallel world size {world_size} recorded in {first_model}"
+                if where is not None and rank >= world_size else
                 f"rank {rank} is beyond the world size {world_size} recorded in {first_model}"
                 if rank >= world_size
                 else f"its precision prefix does not match the {precision} training recorded in {first_model}"
@@ -534,9 +565,10 @@ def _open_ranks(st: Inspection, model0: dict[str, Any], model_uris: list[str],
 
 
 def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], models: list[dict[str, Any]],
-                     optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str]) -> int:
+                     optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str],
+                     mp_world_size: int = 1) -> int:
     """The ranks agree on step, world size, version and ZeRO stage; returns the stage."""
-    heads = [head] + [_model_head(st, m, u) for m, u in zip(models[1:], model_uris[1:])]
+    heads = [head] + [model_head(st, m, u, mp_world_size) for m, u in zip(models[1:], model_uris[1:])]
     st.stop_if_any()
     for key, label in (("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version")):
         for rank, h in enumerate(heads[1:], start=1):
@@ -597,7 +629,7 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
     return obj
 
 
-def _model_head(st: Inspection, obj: Mapping[str, Any], uri: str) -> dict[str, Any]:
+def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> dict[str, Any]:
     missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
     if missing:
         st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
@@ -606,9 +638,9 @@ def _model_head(st: Inspection, obj: Mapping[str, Any], uri: str) -> dict[str, A
     config = obj.get("ds_config")
     config = config if isinstance(config, Mapping) else {}
     precision = "fp32"
-    if _enabled(config, "bf16") or _enabled(config, "bfloat16"):
+    if enabled_section(config, "bf16") or enabled_section(config, "bfloat16"):
         precision = "bf16"
-    elif _enabled(config, "fp16"):
+    elif enabled_section(config, "fp16"):
         precision = "fp16"
     world_size, step, version = obj["dp_world_size"], obj["global_steps"], obj.get("ds_version", "unknown")
     if not _count(world_size) or world_size < 1:
@@ -623,10 +655,15 @@ def _model_head(st: Inspection, obj: Mapping[str, Any], uri: str) -> dict[str, A
         st.add("corrupt-file", f"{uri} records a DeepSpeed version of {excerpt(version)}, not a version string; the "
                "file is damaged", file=uri)
         return {}
-    mp_world_size = obj.get("mp_world_size")
-    if mp_world_size not in (None, 1):
-        st.add("unsupported-parallelism", f"{uri} was saved with model-parallel size {excerpt(mp_world_size)}; "
-               "ckptflow handles data-parallel ZeRO checkpoints only", file=uri)
+    recorded = obj.get("mp_world_size")
+    if (recorded if recorded is not None else 1) != mp_world_size:
+        if mp_world_size == 1:
+            st.add("unsupported-parallelism", f"{uri} was saved with model-parallel size {excerpt(recorded)}; "
+                   "ckptflow handles data-parallel ZeRO checkpoints only", file=uri)
+        else:
+            st.add("ranks-disagree", f"{uri} records model-parallel size {excerpt(recorded)} but the "
+                   f"checkpoint's layout implies {mp_world_size}; the folder mixes saves: re-copy it from one save",
+                   file=uri)
     return {"world_size": world_size, "precision": precision, "step": step, "ds_version": version}
 
 
@@ -635,7 +672,7 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _enabled(config: Mapping[str, Any], key: str) -> bool:
+def enabled_section(config: Mapping[str, Any], key: str) -> bool:
     section = config.get(key)
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
@@ -713,9 +750,10 @@ class _Layout:
 
     def __init__(self, st: Inspection, stage: int, world_size: int, precision: str,
                  models: list[dict[str, Any]], optims: list[dict[str, Any]],
-                 model_uris: list[str], optim_uris: list[str]) -> None:
+                 model_uris: list[str], optim_uris: list[str], module: Mapping[str, Any] | None = None) -> None:
         self.st, self.stage, self.ws, self.precision = st, stage, world_size, precision
         self.models, self.optims = models, optims
+        self.module: Mapping[str, Any] = module if module is not None else (models[0].get("module") or {})
         self.model_uris, self.optim_uris = model_uris, optim_uris
         self.osds = [o["optimizer_state_dict"] for o in optims]
         self.padding_saved = stage != 3 and "zero_stage" not in self.osds[0]  # BF16_Optimizer
@@ -747,7 +785,7 @@ class _Layout:
         )
         self._check_moments(partitions)
         self.st.stop_if_any()
-        module = model0["module"]
+        module = self.module
         dtypes = {name: ref.dtype for name, ref in module.items() if isinstance(ref, TensorRef)}
         trainable: dict[str, Param] = {}
         for g, group_shapes in enumerate(shapes):
@@ -978,13 +1016,13 @@ class _Layout:
                 self.tied[alias] = owner
         buffers = set(self.models[0].get("buffer_names") or [])
         by_storage = {
-            (ref.key, ref.storage_offset, ref.shape): name
+            (ref.uri, ref.key, ref.storage_offset, ref.shape): name
             for name, ref in module.items()
             if name in params and isinstance(ref, TensorRef)
         }
         for name, ref in module.items():
             if name in params or name in buffers or name in self.tied or not isinstance(ref, TensorRef):
                 continue
-            owner = by_storage.get((ref.key, ref.storage_offset, ref.shape))
+            owner = by_storage.get((ref.uri, ref.key, ref.storage_offset, ref.shape))
             if owner is not None:
                 self.tied[name] = owner

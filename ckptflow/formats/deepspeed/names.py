@@ -26,17 +26,26 @@ SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
 # Expert-parallel and pipeline files.
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")  # one expert's weights
 EXPP_FILE_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # deepspeed.moe ZeRO-0 optimizer
-LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(?:(\d+)-)?model_states\.pt$")  # PipelineModule layer (+ TP rank)
+LAYER_FILE_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")  # PipelineModule layer (+ TP rank)
 
 
-def model_file_name(stage: int, rank: int) -> str:
-    """The model-states file of data-parallel `rank` (ZeRO-3: one per rank; ZeRO-0/1/2: rank 0's only)."""
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+def model_file_name(stage: int, rank: int, mp_rank: int = 0) -> str:
+    """The model-states file of data-parallel `rank` of model-parallel rank `mp_rank` (ZeRO-3: one per
+    rank; ZeRO-0/1/2: data-parallel rank 0's only)."""
+    mp = f"mp_rank_{mp_rank:02d}"
+    return f"zero_pp_rank_{rank}_{mp}_model_states.pt" if stage == 3 else f"{mp}_model_states.pt"
 
 
-def optim_file_name(precision: str, rank: int) -> str:
-    """The optimizer-states file of data-parallel `rank`; bf16 training adds the `bf16_` prefix."""
-    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file_name(precision: str, rank: int, mp_rank: int = 0) -> str:
+    """The optimizer-states file of data-parallel `rank` of model-parallel rank `mp_rank`; bf16 training
+    adds the `bf16_` prefix."""
+    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def layer_file_name(layer: int, tp_rank: int | None = None) -> str:
+    """A PipelineModule layer's file (`layer_{XX}-model_states.pt`); with Megatron-style tensor
+    parallelism one per tensor-parallel rank (`layer_{XX}-model_{TT}-model_states.pt`)."""
+    return f"layer_{layer:02d}-model_states.pt" if tp_rank is None else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
 def is_rank_file(name: str) -> bool:

@@ -21,7 +21,7 @@ from ckptflow.formats.torchzip import TensorRef
 from ckptflow.plumbing.sizes import element_count
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a split model has one per contiguous stretch: millions of them
 class Run:
     """`numel` elements of the saved tensor `ref` from its element `start`, landing at element `offset`
     of a full (flat, row-major) model tensor."""

@@ -1,0 +1,475 @@
+"""PipelineModule checkpoints, plain or with Megatron-style tensor parallelism inside each stage.
+
+What DeepSpeed 0.19.8 writes (`tests/fixtures/PARALLEL_LAYOUTS.md`, sections 6 and 7):
+
+- `layer_{XX}-model_states.pt` per layer (Megatron-style: `layer_{XX}-model_{TT}-model_states.pt` per
+  layer and tensor-parallel rank): the layer's own state dict under local names, module dtype,
+  buffers included. A `TiedLayerSpec` module is saved once, under the first layer that uses it; a
+  layer that is a function saves nothing.
+- `mp_rank_{MM}_model_states.pt` per model-parallel rank (MM = stage * tp + tensor-parallel rank) with
+  `module: None`, and for each a data-parallel ZeRO-0/1 checkpoint whose `param_shapes` name the
+  stage's parameters `{layer}.{name}` and `tied_modules.{key}.{name}`.
+
+The fp32 master weights come from each stage's optimizer partitions (`index.read_zero`, with the
+stage's layer-file tensors standing in for the `module` it did not save); buffers and frozen
+parameters from the layer files. A tied module is trained on every stage that uses it: the lowest
+stage's copy is read and the others are paired with it as replicas. Output names are the
+PipelineModule's own (`{layer}.{name}`, `tied_modules.{key}.{name}`): there is no Hugging Face config.
+
+Megatron-style tensor parallelism is split by rules only the client records, as
+`universal_checkpoint_info` in `client_state` (Megatron-DeepSpeed does); without it the checkpoint
+is refused. The rules are those of DeepSpeed's `ds_to_universal.merge_tp_slices`: replicated = one
+copy (all must agree); row-parallel = concatenated on dim 1; `parameter_with_2_sub_params_cat_dim_0`
+= each shard halved on dim 0 and the halves concatenated apart; `parameter_with_sub_params` with
+recorded shard widths; every other parameter concatenated on dim 0 (that format's convention);
+vocabulary parameters then cut to `original_vocab_size` rows; averaged parameters are refused.
+
+At ZeRO-0 no file names a parameter (no `param_shapes`): every tensor is read from its layer file and
+named `{layer}.{name}`, a tied module under the first layer that uses it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.detect import Layout
+from ckptflow.formats.deepspeed.index import Inspection, Listing
+from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, check_mp_files,
+                                                       concat_pieces, join, local_tensors, open_heads, read_ranks,
+                                                       row_major, stop_on_new)
+from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, layer_file_name
+from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
+from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
+from ckptflow.formats.torchzip import TensorRef, open_archive
+from ckptflow.plumbing.storage import join as join_uri
+
+UC_INFO = "universal_checkpoint_info"
+TIED = "tied_modules."
+MAX_PATTERN = 4096
+
+NAMES_NOTE = ("a PipelineModule has no Hugging Face config: the tensors keep its own names ({layer}.{name}, "
+              "tied_modules.{key}.{name}), those of its state_dict; load them with safetensors.torch.load_file and "
+              "load_state_dict on the same PipelineModule built as one stage, or rename them for your model")
+NO_UC_INFO = ("nothing in it says how each parameter is split over the {tp} tensor-parallel ranks, and ckptflow does "
+              "not guess (DeepSpeed's universal converter does when told to inject the state it lacks, and writes "
+              "wrong tensors for row-parallel, replicated and vocabulary-padded parameters); save the checkpoint with "
+              "`client_state={{'universal_checkpoint_info': ...}}` as Megatron-DeepSpeed does, or convert it with "
+              "your framework's own tools")
+
+
+def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layout: Layout) -> ModelParallelCheckpoint:
+    """The index of a PipelineModule checkpoint (`pipeline`, or `megatron` with tensor parallelism)."""
+    megatron = layout.kind == "megatron"
+    pp, tp = layout.pp, layout.tp if megatron else 1
+    count = pp * tp
+
+    def label(mp: int) -> str:
+        stage = f"pipeline stage {mp // tp} of {pp}"
+        return f"{stage}, tensor-parallel rank {mp % tp} of {tp}" if megatron else stage
+
+    info: Mapping[str, Any] = {}
+    if tp > 1:
+        info = _uc_info(st, listing, model0, layout)
+        st.stop_if_any()
+    check_mp_files(st, listing, count, label, layout.description, layer_files=True)
+    left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
+    layer_names = _layer_files(st, listing, tp if megatron else None)
+    heads = open_heads(st, listing, model0, count)
+    stop_on_new(st, left_over)
+    if tp > 1:
+        for mp in range(1, count):
+            if heads[mp].get(UC_INFO) != info:
+                st.add("ranks-disagree", f"{label(mp)} records another {UC_INFO} than {label(0)} in "
+                       f"{listing.model_uri(mp)}; every rank saves the same one: the folder mixes saves, re-copy it "
+                       "from one save", file=listing.model_uri(mp))
+    layers = _open_layers(st, listing, layer_names)
+    stop_on_new(st, left_over)
+    zero0 = layout.stage == 0
+    plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
+    stop_on_new(st, left_over)
+    ranks = read_ranks(st, listing, heads, layout.stage, label, plan.modules if plan else [{}] * count)
+    if zero0:
+        mp_locals, views = _layer_views(heads, layers, tp)
+    else:
+        assert plan is not None
+        mp_locals = {mp: tensors for mp, tensors in enumerate(local_tensors(st, ranks, label))}
+        for mp, leftovers in plan.frozen.items():  # layer-file tensors no stage trains: frozen parameters
+            mp_locals.setdefault(mp, {}).update(leftovers)
+        views = [[s * tp + t for t in range(tp)] for s in range(pp)]
+    tensors, replicas = _join_all(st, listing, mp_locals, views, info, tp, label)
+    st.stop_if_any()
+    first = ranks[0]
+    notes: tuple[str, ...] = (NAMES_NOTE,)
+    if zero0:
+        notes = (f"{UNNAMED_OPTIMIZER}; at ZeRO-0 a PipelineModule records no parameter names either: tensors are "
+                 "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
+                 "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",)
+    return ModelParallelCheckpoint(
+        root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
+        step=first.step, ds_version=first.ds_version, kind=layout.kind,
+        description=Layout(layout.kind, first.stage, layout.dp, tp=layout.tp, pp=pp).description, tp=tp, pp=pp,
+        ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas),
+        carried=tuple(sorted(layer_names.values())), notes=notes,
+    )
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+
+def _uc_info(st: Inspection, listing: Listing, model0: Mapping[str, Any], layout: Layout) -> Mapping[str, Any]:
+    info = model0.get(UC_INFO)
+    if not isinstance(info, Mapping):
+        st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {layout.description} layout without "
+               f"`{UC_INFO}`: " + NO_UC_INFO.format(tp=layout.tp), file=listing.model0_uri)
+        return {}
+    return info
+
+
+def _layer_files(st: Inspection, listing: Listing, tp: int | None) -> dict[tuple[int, int], str]:
+    """(layer, tensor-parallel rank) -> file name; with Megatron-style TP every layer has one file per rank."""
+    out: dict[tuple[int, int], str] = {}
+    for name in listing.names:
+        match = LAYER_FILE_RE.match(name)
+        if not match:
+            continue
+        layer, rank = int(match.group(1)), match.group(2)
+        if (rank is None) != (tp is None) or (rank is not None and tp is not None and int(rank) >= tp):
+            why = ("has no tensor-parallel rank" if rank is None else f"is for tensor-parallel rank {int(rank)}")
+            st.add("rank-extra", f"unexpected file {st.tag}/{name}: it {why}, but the checkpoint has "
+                   f"{'no tensor parallelism' if tp is None else f'{tp} tensor-parallel ranks'}; it is left over from "
+                   "another save into the same tag folder: remove it, or re-save the checkpoint into a fresh folder",
+                   file=join_uri(listing.tag_uri, name))
+            continue
+        out[(layer, int(rank) if rank is not None else 0)] = name
+    if tp is not None:
+        for layer in sorted({layer for layer, _ in out}):
+            for t in range(tp):
+                if (layer, t) not in out:
+                    name = layer_file_name(layer, t)
+                    st.add("rank-missing", f"layer {layer} of tensor-parallel rank {t} of {tp} is missing: expected "
+                           f"{st.tag}/{name} under {st.root}; the upload may still be in progress",
+                           file=join_uri(listing.tag_uri, name))
+    return out
+
+
+def _open_layers(st: Inspection, listing: Listing, names: Mapping[tuple[int, int], str]) -> dict[tuple[int, int], dict[str, TensorRef]]:
+    out = {}
+    for key, name in sorted(names.items()):
+        uri = join_uri(listing.tag_uri, name)
+        try:
+            obj = open_archive(uri).obj
+        except CkptflowError as exc:
+            st.add(exc.code, f"layer file {name}: {exc}", file=uri)
+            continue
+        except OSError as exc:
+            st.add("unreadable-file", f"cannot read {uri} ({exc}); check access to the store and retry", file=uri)
+            continue
+        if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
+            st.add("corrupt-file", f"{uri} is not a PipelineModule layer state dict (names to tensors); the file is "
+                   "damaged or was written by another tool", file=uri)
+            continue
+        out[key] = dict(obj)
+    return out
+
+
+# ---- which layer files each stage's parameters come from ---------------------------------------------
+
+
+def _names(head: Mapping[str, Any]) -> list[str]:
+    shapes = head.get("param_shapes") or []
+    names = [n for group in shapes if isinstance(group, Mapping) for n in group]
+    return names + [n for n in head.get("buffer_names") or [] if isinstance(n, str)]
+
+
+def _layer_of(name: str) -> int | None:
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+class _StageModules:
+    """Each model-parallel rank's `module` stand-in (its layers' tensors under `param_shapes` names, the
+    tied modules' under `tied_modules.{key}.{name}`) and the layer-file tensors no stage trains."""
+
+    def __init__(self, st: Inspection, listing: Listing, heads: Sequence[Mapping[str, Any]],
+                 layers: Mapping[tuple[int, int], Mapping[str, TensorRef]], tp: int, label: Callable[[int], str]) -> None:
+        self.modules: list[dict[str, TensorRef]] = []
+        self.frozen: dict[int, dict[str, ModelTensor]] = {}
+        owned = {layer for head in heads for n in _names(head) if (layer := _layer_of(n)) is not None}
+        tied_owner = self._tied_owners(st, heads, layers, owned)
+        used: set[tuple[int, int, str]] = set()
+        for mp, head in enumerate(heads):
+            t = mp % tp
+            module: dict[str, TensorRef] = {}
+            for name in _names(head):
+                layer = _layer_of(name)
+                if name.startswith(TIED):
+                    key, _, local = name[len(TIED):].partition(".")
+                    layer = tied_owner.get(key)
+                else:
+                    local = name.split(".", 1)[1] if "." in name else ""
+                if layer is None:
+                    if not name.startswith(TIED):
+                        st.add("corrupt-file", f"{label(mp)} lists {name}, which names no layer", file=listing.model_uri(mp))
+                    continue
+                content = layers.get((layer, t))
+                if content is None or local not in content:
+                    file = layer_file_name(layer, t if tp > 1 else None)
+                    st.add("rank-missing", f"{label(mp)} trains {name} but {st.tag}/{file} under {st.root} "
+                           f"{'is missing' if content is None else f'holds no {local}'}; the upload may still be in "
+                           "progress, or the folder mixes saves", file=join_uri(listing.tag_uri, file))
+                    continue
+                module[name] = content[local]
+                used.add((layer, t, local))
+            self.modules.append(self._ordered(module))
+        self._check_shapes(st, listing, heads, label)
+        for (layer, t), content in layers.items():
+            rest = {f"{layer}.{n}": ref for n, ref in content.items() if (layer, t, n) not in used}
+            if rest:
+                mp = self._stage_of(layer, heads, tp) * tp + t
+                self.frozen.setdefault(mp, {}).update(
+                    {n: ModelTensor(n, ref.shape, ref.dtype, "frozen", (whole_run(ref, n),)) for n, ref in rest.items()})
+
+    @staticmethod
+    def _ordered(module: dict[str, TensorRef]) -> dict[str, TensorRef]:
+        """Layer order, tied modules where their layer is: the order a state dict would have."""
+        return dict(sorted(module.items(), key=lambda kv: (_layer_of(kv[0]) is None and not kv[0].startswith(TIED),
+                                                           _layer_of(kv[0]) or 0)))
+
+    @staticmethod
+    def _stage_of(layer: int, heads: Sequence[Mapping[str, Any]], tp: int) -> int:
+        """The stage whose layers surround `layer` (stages hold contiguous layer ranges)."""
+        stage = 0
+        for mp in range(0, len(heads), tp):
+            layers = [x for n in _names(heads[mp]) if (x := _layer_of(n)) is not None]
+            if layers and min(layers) <= layer:
+                stage = mp // tp
+        return stage
+
+    @staticmethod
+    def _tied_owners(st: Inspection, heads: Sequence[Mapping[str, Any]],
+                     layers: Mapping[tuple[int, int], Mapping[str, TensorRef]], owned: set[int]) -> dict[str, int]:
+        """Tied module key -> the layer whose file holds it: the one layer file no stage names whose tensors
+        are exactly the tied module's (names and shapes)."""
+        wanted: dict[str, dict[str, tuple[int, ...]]] = {}
+        for head in heads:
+            for group in head.get("param_shapes") or []:
+                for name, shape in (group.items() if isinstance(group, Mapping) else ()):
+                    if name.startswith(TIED):
+                        key, _, local = name[len(TIED):].partition(".")
+                        wanted.setdefault(key, {})[local] = tuple(shape)
+        out = {}
+        for key, params in wanted.items():
+            found = sorted({layer for (layer, t), content in layers.items() if layer not in owned
+                            and all(n in content and content[n].shape == s for n, s in params.items())
+                            and t == 0})
+            if len(found) != 1:
+                why = "none does" if not found else f"layers {found} all could"
+                st.add("unsupported-layout", f"cannot tell which layer file holds tied module '{key}' "
+                       f"({sorted(params)}): {why}; ckptflow does not guess")
+                continue
+            out[key] = found[0]
+        return out
+
+    def _check_shapes(self, st: Inspection, listing: Listing, heads: Sequence[Mapping[str, Any]],
+                      label: Callable[[int], str]) -> None:
+        for mp, (head, module) in enumerate(zip(heads, self.modules)):
+            for group in head.get("param_shapes") or []:
+                for name, shape in (group.items() if isinstance(group, Mapping) else ()):
+                    ref = module.get(name)
+                    if ref is not None and tuple(ref.shape) != tuple(shape):
+                        st.add("ranks-disagree", f"{label(mp)} trains {name} of shape {list(shape)} but its layer file "
+                               f"holds {list(ref.shape)}; the folder mixes saves: re-copy it from one save",
+                               file=listing.model_uri(mp))
+
+
+def _layer_views(heads: Sequence[Mapping[str, Any]], layers: Mapping[tuple[int, int], Mapping[str, TensorRef]],
+                 tp: int) -> tuple[dict[int, dict[str, ModelTensor]], list[list[int]]]:
+    """ZeRO-0: every tensor straight from its layer file, `{layer}.{name}`, one view over the tensor-parallel
+    ranks (keyed by tensor-parallel rank)."""
+    buffers = {n for head in heads for n in head.get("buffer_names") or []}
+    out: dict[int, dict[str, ModelTensor]] = {t: {} for t in range(tp)}
+    for (layer, t), content in sorted(layers.items()):
+        for local, ref in content.items():
+            name = f"{layer}.{local}"
+            out[t][name] = ModelTensor(name, ref.shape, ref.dtype, "buffer" if name in buffers else "param",
+                                       (whole_run(ref, name),))
+    return out, [list(range(tp))]
+
+
+# ---- joining ----------------------------------------------------------------------------------------
+
+
+def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[str, ModelTensor]],
+              views: Sequence[Sequence[int]], info: Mapping[str, Any], tp: int,
+              label: Callable[[int], str]) -> tuple[list[ModelTensor], list[Replica]]:
+    """Every full tensor: per view (a stage's tensor-parallel ranks), the pieces each rank holds; a name
+    several stages hold (a tied module) is read from the first and checked against the others."""
+    order: dict[str, None] = {}
+    for view in views:
+        for mp in view:
+            order.update(dict.fromkeys(mp_locals.get(mp, {})))
+    tensors, replicas = [], []
+    for name in order:
+        try:
+            holdings: list[Holding] = []
+            shape: tuple[int, ...] | None = None
+            rows = None
+            kind = None
+            for view in views:
+                held = [name in mp_locals.get(mp, {}) for mp in view]
+                if not any(held):
+                    continue
+                if not all(held):
+                    missing = [label(mp) for mp, h in zip(view, held) if not h]
+                    raise UnsupportedCheckpointError(f"{missing[0]} does not hold it, as the other tensor-parallel "
+                                                     "ranks of its stage do; the folder mixes saves")
+                locals_ = [mp_locals[mp][name] for mp in view]
+                kind = locals_[0].kind
+                full, pieces, rows = _split(name, [t.shape for t in locals_], info, tp, kind)
+                if shape is not None and full != shape:
+                    raise UnsupportedCheckpointError(f"stages hold it with different shapes {list(shape)} and {list(full)}")
+                shape = full
+                holdings.extend(Holding(mp, name, tuple(p)) for mp, p in zip(view, pieces))
+            assert shape is not None and kind is not None
+            tensor, pairs = join(name, shape, kind, holdings, lambda mp, n: mp_locals[mp][n], rows=rows)
+        except (CkptflowError, ValueError) as exc:
+            st.add(getattr(exc, "code", "unsupported-layout"), f"{name}: {exc}", file=listing.model0_uri)
+            continue
+        tensors.append(tensor)
+        replicas.extend(pairs)
+    return tensors, replicas
+
+
+def _split(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any], tp: int,
+           kind: str) -> tuple[tuple[int, ...], list[list[Piece]], int | None]:
+    """Full shape, per tensor-parallel rank the pieces it holds, and rows to keep, by the client's rules."""
+    whole = [[Piece(s, 0, row_major(s), 0, row_major(s))] for s in shapes]
+    if tp == 1 or kind == "buffer":
+        if any(s != shapes[0] for s in shapes):
+            raise UnsupportedCheckpointError(f"its tensor-parallel copies have different shapes {[list(s) for s in shapes]}")
+        return tuple(shapes[0]), whole, None
+    rules = _Rules(info)
+    if rules.matches("tp_replicated_parameter_patterns", name):
+        if any(s != shapes[0] for s in shapes):
+            raise UnsupportedCheckpointError(f"it is recorded as replicated but its tensor-parallel copies have shapes "
+                                             f"{[list(s) for s in shapes]}")
+        full, pieces = tuple(shapes[0]), whole
+    elif rules.matches("parameter_to_average_patterns", name):
+        raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks; ckptflow "
+                                         "copies bytes and does not average: convert it with "
+                                         "deepspeed.checkpoint.ds_to_universal")
+    elif rules.matches("parameter_with_2_sub_params_cat_dim_0", name):
+        full, pieces = _halves(shapes)
+    elif (sub := rules.sub_params(name)) is not None:
+        full, pieces = _sub_params(name, shapes, sub, info)
+    elif rules.matches("parameter_with_row_parallelism_patterns", name):
+        full, pieces = concat_pieces(shapes, 1)
+        pieces = [[p] for p in pieces]
+    else:
+        full, concat = concat_pieces(shapes, 0)
+        pieces = [[p] for p in concat]
+    rows = None
+    if rules.matches("vocabulary_parameter_patterns", name):
+        original = info.get("original_vocab_size")
+        if not isinstance(original, int) or isinstance(original, bool):
+            raise UnsupportedCheckpointError("it is a vocabulary parameter but the checkpoint records no "
+                                             "original_vocab_size")
+        rows = original if original != full[0] else None
+    return tuple(full), pieces, rows
+
+
+class _Rules:
+    """The category patterns of a client's `universal_checkpoint_info`, matched as DeepSpeed matches them
+    (`re.match` on `{layer}.{name}`; two patterns of one category matching one name is an error)."""
+
+    def __init__(self, info: Mapping[str, Any]) -> None:
+        self.info = info
+
+    def _patterns(self, key: str) -> list[str]:
+        patterns = self.info.get(key) or []
+        if not isinstance(patterns, list) or not all(isinstance(p, str) and len(p) <= MAX_PATTERN for p in patterns):
+            raise UnsupportedCheckpointError(f"{UC_INFO}.{key} is not a list of patterns")
+        return patterns
+
+    def matches(self, key: str, name: str) -> bool:
+        found = [p for p in self._patterns(key) if _match(p, name)]
+        if len(found) > 1:
+            raise UnsupportedCheckpointError(f"more than one pattern of {UC_INFO}.{key} matches it ({found[:3]})")
+        return bool(found)
+
+    def sub_params(self, name: str) -> tuple[str, Mapping[str, Any]] | None:
+        for entry in self.info.get("parameter_with_sub_params") or []:
+            if not isinstance(entry, Mapping):
+                continue
+            for pattern in entry.get("patterns") or []:
+                if isinstance(pattern, str) and len(pattern) <= MAX_PATTERN and _match(pattern, name):
+                    return pattern, entry
+        return None
+
+
+def _match(pattern: str, name: str) -> bool:
+    try:
+        return re.match(pattern, name) is not None
+    except re.error as exc:
+        raise UnsupportedCheckpointError(f"the recorded pattern {pattern[:80]!r} is not a regular expression "
+                                         f"({exc})") from None
+
+
+def _halves(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], list[list[Piece]]]:
+    """`parameter_with_2_sub_params_cat_dim_0`: each shard is `torch.chunk(shard, 2, 0)`; the full tensor is
+    all first halves, then all second halves."""
+    if any(len(s) < 1 or s[1:] != shapes[0][1:] for s in shapes):
+        raise UnsupportedCheckpointError(f"shards of shapes {[list(s) for s in shapes]} do not stack on dim 0")
+    row = row_major(shapes[0])[0] if len(shapes[0]) > 1 else 1
+    halves = [((s[0] + 1) // 2, s[0] - (s[0] + 1) // 2) for s in shapes]
+    first_total = sum(h[0] for h in halves)
+    full = (sum(s[0] for s in shapes), *shapes[0][1:])
+    strides = row_major(full)
+    out, offsets = [], [0, first_total]
+    for shape, (a, b) in zip(shapes, halves):
+        pieces = []
+        for k, rows in enumerate((a, b)):
+            piece_shape = (rows, *shape[1:])
+            pieces.append(Piece(piece_shape, offsets[k] * row, strides, (a * row if k else 0), row_major(piece_shape)))
+            offsets[k] += rows
+        out.append(pieces)
+    return full, out
+
+
+def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Mapping[str, Any]],
+                info: Mapping[str, Any]) -> tuple[tuple[int, ...], list[list[Piece]]]:
+    """`parameter_with_sub_params` with `sub_param_shard_widths` (universal checkpoint 0.4): along
+    `partition_dim`, sub-parameter `s` holds `widths[s][t]` slices on rank `t`, in sub-parameter order."""
+    pattern, entry = sub
+    dim = entry.get("partition_dim")
+    widths = (info.get("sub_param_shard_widths") or {}).get(pattern)
+    tp = len(shapes)
+    if not isinstance(dim, int) or not isinstance(widths, list) or any(
+            not isinstance(w, list) or len(w) != tp or not all(isinstance(x, int) and x >= 0 for x in w) for w in widths):
+        raise UnsupportedCheckpointError("it is recorded as fused sub-parameters without their shard widths "
+                                         "(sub_param_shard_widths, universal checkpoint 0.4); ckptflow does not guess")
+    if any(not 0 <= dim < len(s) or s[dim] != sum(w[t] for w in widths) for t, s in enumerate(shapes)):
+        raise UnsupportedCheckpointError(f"its shard widths {widths} do not add up to the shards' shapes "
+                                         f"{[list(s) for s in shapes]}")
+    full = list(shapes[0])
+    full[dim] = sum(sum(w) for w in widths)
+    full_strides = row_major(full)
+    out = []
+    for t, shape in enumerate(shapes):
+        local_strides = row_major(shape)
+        pieces, local_at, full_at = [], 0, 0
+        for w in widths:
+            piece_shape = list(shape)
+            piece_shape[dim] = w[t]
+            source = (full_at + sum(w[:t])) * full_strides[dim]
+            pieces.append(Piece(tuple(piece_shape), source, full_strides, local_at * local_strides[dim], local_strides))
+            local_at += w[t]
+            full_at += sum(w)
+        out.append(pieces)
+    return tuple(full), out
+
+
+__all__ = ["read_pipeline"]

@@ -1,0 +1,265 @@
+"""Merging an AutoTP checkpoint's tensor parallelism away: tp N x dp D -> tp 1 x dp M. Pure.
+
+AutoTP's affine maps say where every element of every parameter lives (`formats.deepspeed.autotp`), so
+the full fp32 master weights and Adam moments are byte runs into the tensor-parallel ranks' flat
+partitions. The output is what DeepSpeed writes for the same Hugging Face model trained without
+tensor parallelism at M data-parallel ranks, same ZeRO stage and precision: `mp_rank_00` files only,
+each param group flattened from the full parameters in the same order, partitioned over M ranks by
+DeepSpeed's arithmetic (`formats.deepspeed.layout`), the ZeRO-1/2 16-bit module copy joined from the
+ranks' shards, no `universal_checkpoint_info`, `mp_world_size` 1, `checkpoint_parallel_dimensions`
+tp 1, and the `tensor_parallel` section left out of the recorded config. Load it with the same model
+and a config without `tensor_parallel` at M ranks.
+
+The plan is an ordinary `ReshardPlan` whose source is a `ZeroCheckpoint` built over the tensor-parallel
+ranks' partitions (virtual rank `mp * D + d`), so `reshard.files` writes it unchanged. Refused:
+ZeRO-0 (its optimizer state names no parameter, so it cannot be joined), frozen parameters,
+`round_robin_gradients`, scaled pieces (the reader refuses those already), target degrees other than 1,
+and every layout but AutoTP.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.autotp import module_runs
+from ckptflow.formats.deepspeed.index import Param, ParamGroup, ZeroCheckpoint
+from ckptflow.formats.deepspeed.layout import (BF16, ZERO3, Copy, param_alignment, piece_offsets, zero3_piece,
+                                               zero3_sub_groups, zero12_layout)
+from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.tensors import Run
+from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.reshard.plan import (DEFAULT_SUB_GROUP_SIZE, RankUnit, ReshardPlan, TargetFlat, _as_int, _buffer_bytes,
+                                   _flag, _moment_keys, _optimizer_kind, _zero_config)
+
+
+def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> ReshardPlan:
+    """The plan that turns the AutoTP checkpoint `index` into a `tensor_parallel` = 1 checkpoint at
+    `world_size` data-parallel ranks; reads nothing. `UnsupportedCheckpointError` for anything else."""
+    where = f"{index.root}/{index.tag}"
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    current = getattr(index, "tp", 1)
+    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "autotp":
+        raise UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the tensor-parallel degree of "
+            "AutoTP checkpoints only", code="unsupported-layout", uri=index.root,
+            hint="reshard it to another data-parallel size without --tensor-parallel")
+    if tensor_parallel == current:
+        raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {current}", uri=index.root,
+                                         hint="leave --tensor-parallel out to change the data-parallel size only")
+    if tensor_parallel != 1:
+        raise UnsupportedCheckpointError(
+            f"{where} has tensor-parallel degree {current}; ckptflow can merge it to 1, not split it to "
+            f"{tensor_parallel}: AutoTP decides a shard's layout when it builds the model", uri=index.root,
+            hint="use --tensor-parallel 1, then let AutoTP split the model again")
+    if index.stage == 0:
+        raise UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
+            "parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
+            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
+    frozen = [p.name for rank in index.ranks for p in rank.params if p.frozen]
+    if frozen:
+        raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
+                                         "ckptflow has not verified", uri=index.root)
+    if _flag(_zero_config(index.ranks[0]), "round_robin_gradients"):
+        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
+                                         "a tensor-parallel merge does not handle", uri=index.root)
+    source = _merged_source(index)
+    if _optimizer_kind(source) == ZERO3:
+        return _plan_zero3(index, source, world_size)
+    return _plan_zero12(index, source, world_size, _optimizer_kind(source))
+
+
+# ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
+
+
+def _without_tensor_parallel(state: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in state.items() if k != "universal_checkpoint_info"}
+    if "mp_world_size" in out:
+        out["mp_world_size"] = 1
+    dims = out.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, Mapping):
+        out["checkpoint_parallel_dimensions"] = {**dims, "tp_degree": 1}
+    config = out.get("ds_config")
+    if isinstance(config, Mapping):
+        out["ds_config"] = {k: copy.deepcopy(v) for k, v in config.items() if k != "tensor_parallel"}
+    return out
+
+
+def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
+    """A `ZeroCheckpoint` whose rank `mp * D + d` is tensor-parallel rank mp's data-parallel rank d, with
+    the full parameters (names, shapes, groups) and tensor-parallel-free metadata."""
+    ranks: Sequence[ZeroCheckpoint] = index.ranks
+    first = ranks[0]
+    full = {t.name: t for t in index.tensors}
+    params = tuple(Param(p.name, full[p.name].shape, p.dtype, p.group) for p in first.params)
+    groups = tuple(ParamGroup(g.index, g.hyper, g.params) for g in first.groups)
+    return replace(
+        first, params=params, groups=groups,
+        partitions=tuple(part for rank in ranks for part in rank.partitions),
+        files=tuple(f for rank in ranks for f in rank.files),
+        model_states=tuple(_without_tensor_parallel(m) for rank in ranks for m in rank.model_states),
+        optim_states=tuple(_without_tensor_parallel(o) for rank in ranks for o in rank.optim_states),
+        tied=index.tied,
+    )
+
+
+def _sources(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """Each fp32 partition tensor -> (virtual rank, param group)."""
+    out = {}
+    for mp, rank in enumerate(index.ranks):
+        for d, parts in enumerate(rank.partitions):
+            for part in parts:
+                out[(part.fp32.uri, part.fp32.key, part.fp32.storage_offset)] = (mp * rank.world_size + d, part.group)
+    return out
+
+
+class _Runs:
+    """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions."""
+
+    def __init__(self, index: ModelParallelCheckpoint) -> None:
+        self.sources = _sources(index)
+        self.runs = {t.name: sorted(t.runs, key=lambda r: r.offset) for t in index.tensors}
+        self.starts = {name: [r.offset for r in runs] for name, runs in self.runs.items()}
+
+    def copies(self, name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:
+        """Copies of elements [first, last) of parameter `name` to `dst` onwards of a target flat."""
+        runs, out = self.runs[name], []
+        i = max(0, bisect.bisect_right(self.starts[name], first) - 1)
+        while i < len(runs) and runs[i].offset < last:
+            run: Run = runs[i]
+            a, b = max(first, run.offset), min(last, run.offset + run.numel)
+            if a < b:
+                rank, g = self.sources[(run.ref.uri, run.ref.key, run.ref.storage_offset)]
+                if g != group:
+                    raise UnsupportedCheckpointError(f"{name}: its tensor-parallel shards sit in different param groups")
+                _append(out, Copy(src_rank=rank, src_flat=g, src_offset=run.start + a - run.offset,
+                                  dst_offset=dst + a - first, numel=b - a))
+            i += 1
+        return out
+
+
+def _append(copies: list[Copy], c: Copy) -> None:
+    last = copies[-1] if copies else None
+    if last is not None and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat) and \
+            last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset:
+        copies[-1] = Copy(src_rank=c.src_rank, src_flat=c.src_flat, src_offset=last.src_offset,
+                          dst_offset=last.dst_offset, numel=last.numel + c.numel)
+    else:
+        copies.append(c)
+
+
+def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
+    """The virtual rank whose per-rank scalars target rank `rank` copies: tensor-parallel rank 0's."""
+    return min(rank, index.world_size - 1)
+
+
+# ---- ZeRO-1/2 --------------------------------------------------------------------------------------
+
+
+def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str) -> ReshardPlan:
+    runs = _Runs(index)
+    by_name = source.param_by_name
+    zero = _zero_config(source)
+    bf16 = optimizer == BF16
+    n_tensors = _moment_keys(source)
+    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    paddings: list[list[int]] = [[] for _ in range(world_size)]
+    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
+    flat_shapes, param_paddings, module = [], [], []
+    for g, group in enumerate(source.groups):
+        names = list(group.params)
+        numels = [by_name[n].numel for n in names]
+        align = 1 if bf16 or not names else param_alignment(DTYPE_SIZES[by_name[names[0]].dtype],
+                                                            _flag(zero, "parameter_alignment"))
+        dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
+        cumulative = not any(dst.param_paddings)
+        for r in range(world_size):
+            lo, hi = r * dst.partition, (r + 1) * dst.partition
+            copies: list[Copy] = []
+            mine, pos = [], 0
+            for name, off, numel in zip(names, dst.offsets, numels):
+                a, b = max(off, lo), min(off + numel, hi)
+                if a < b:
+                    for c in runs.copies(name, g, a - off, b - off, a - lo):
+                        _append(copies, c)
+                mapped = pos if cumulative else off
+                ma, mb = max(mapped, lo), min(mapped + numel, hi)
+                if ma < mb:
+                    mine.append((name, ma - lo, mb - ma))
+                pos += numel
+            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=tuple(copies)))
+            paddings[r].append(dst.group_paddings[r])
+            slices[r].append(tuple(mine))
+        flat_shapes.append(tuple((n, by_name[n].shape) for n in names))
+        param_paddings.append(dst.param_paddings)
+        module.append((dst.flat_numel, tuple(zip(names, dst.offsets))))
+    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in source.params) + _buffer_bytes(source)
+    units = []
+    for r in range(world_size):
+        moved = sum(c.numel for f in flats[r] for c in f.copies)
+        units.append(RankUnit(
+            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r),
+            model_file=model_file_name(source.stage, 0) if r == 0 else None, flats=tuple(flats[r]),
+            group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]),
+            read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
+            write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
+        ))
+    return ReshardPlan(
+        root=index.root, tag=index.tag, stage=source.stage, precision=source.precision, optimizer=optimizer,
+        source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
+        param_alignment_paddings=tuple(param_paddings), module=tuple(module), units=tuple(units), index=source,
+        module_runs=module_runs(index),
+    )
+
+
+# ---- ZeRO-3 -----------------------------------------------------------------------------------------
+
+
+def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> ReshardPlan:
+    runs = _Runs(index)
+    by_name = source.param_by_name
+    sub_group_size = _as_int(_zero_config(source).get("sub_group_size"), DEFAULT_SUB_GROUP_SIZE)
+    n_tensors = _moment_keys(source)
+    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    flat_shapes = []
+    for g, group in enumerate(source.groups):
+        names = list(group.params)
+        numels = [by_name[n].numel for n in names]
+        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], sub_group_size):
+            sub_names, sub_numels = [names[i] for i in sub], [numels[i] for i in sub]
+            offsets = piece_offsets(sub_numels, world_size)
+            size = sum(zero3_piece(n, world_size) for n in sub_numels)
+            for r in range(world_size):
+                copies: list[Copy] = []
+                for name, numel, off in zip(sub_names, sub_numels, offsets):
+                    piece = zero3_piece(numel, world_size)
+                    first, last = r * piece, min(numel, (r + 1) * piece)
+                    if first < last:
+                        for c in runs.copies(name, g, first, last, off):
+                            _append(copies, c)
+                flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=tuple(copies)))
+            flat_shapes.append(tuple((n, by_name[n].shape) for n in sub_names))
+    units = []
+    for r in range(world_size):
+        moved = sum(c.numel for f in flats[r] for c in f.copies)
+        units.append(RankUnit(
+            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r),
+            model_file=model_file_name(3, r), flats=tuple(flats[r]),
+            read_bytes=4 * n_tensors * moved + _buffer_bytes(source),
+            write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + _buffer_bytes(source),
+        ))
+    return ReshardPlan(
+        root=index.root, tag=index.tag, stage=3, precision=source.precision, optimizer=ZERO3,
+        source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
+        param_alignment_paddings=(), module=(), units=tuple(units), index=source,
+    )
+
+
+__all__ = ["plan_tensor_parallel_merge"]

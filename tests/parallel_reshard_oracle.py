@@ -1,0 +1,95 @@
+"""Rank script for the model-parallel reshard oracle: DeepSpeed itself loads checkpoints natively at a
+new data-parallel size, and everything it then holds is gathered and compared with the fixture's oracle.
+
+Run on N ranks by ``launch("tests.parallel_reshard_oracle", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
+list of jobs of one layout (AutoTP, PipelineModule and Megatron-style each install process-wide
+groups), run in order. Each job builds the fixture's model with ``tests.fixtures.parallel_writer``'s own
+job for its ``spec`` (a ``ParallelSpec`` whose ``world_size`` is N: the same tensor and pipeline
+degrees, another data-parallel size), then
+
+- ``engine.load_checkpoint(job["load"])``, no universal-checkpoint flag;
+- gathers the fp32 weights, Adam moments and buffers exactly as the writer did for the oracle
+  (``job.gather``), and rank 0 compares them bit for bit with ``job["expected"]`` /
+  ``job["buffers"]``, writing ``{"tensors_equal": n, "buffers_equal": m, "differ": [...]}`` to
+  ``job["result"]``;
+- with ``"save"``: ``engine.save_checkpoint(job["save"], tag=<the loaded tag>)`` with the client state
+  the writer saved, so the files DeepSpeed writes at this size can be compared with ckptflow's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.fixtures import parallel_writer as writer  # noqa: E402
+from tests.fixtures.parallel_matrix import ParallelSpec  # noqa: E402
+
+
+def run_job(job: dict[str, Any]) -> None:
+    spec = ParallelSpec.from_json(job["spec"])
+    if spec.world_size != dist.get_world_size():
+        raise SystemExit(f"{spec.name} wants {spec.world_size} ranks, this launch has {dist.get_world_size()}")
+    if spec.layout == "autotp" and spec.tp == 1:
+        from tests.fixtures.parallel_extra_writer import DataParallelHFJob
+
+        work: writer.Job = DataParallelHFJob(spec)
+    else:
+        work = writer.JOBS[spec.layout](spec)
+    engine, _ = work.initialize()
+    tag = Path(job["load"], "latest").read_text().strip()
+    path, _ = engine.load_checkpoint(job["load"], tag=tag)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed loaded nothing from {job['load']}")
+    writer._relink_optimizer_state(engine)
+    state = work.gather(engine)
+    buffers = work.buffers(engine)
+    if job.get("save"):
+        engine.save_checkpoint(job["save"], tag=tag, client_state=work.client_state())
+    if dist.get_rank() == 0:
+        expected = load_file(job["expected"])
+        expected_buffers = load_file(job["buffers"])
+        differ = sorted(k for k in expected if k not in state or not torch.equal(state[k], expected[k]))
+        differ += sorted(k for k in state if k not in expected)
+        differ += [f"buffer {n}" for n in expected_buffers
+                   if n not in buffers or not torch.equal(buffers[n], expected_buffers[n])]
+        Path(job["result"]).write_text(json.dumps({
+            "tensors_equal": sum(1 for k in expected if k in state and torch.equal(state[k], expected[k])),
+            "buffers_equal": sum(1 for n in expected_buffers if n in buffers and torch.equal(buffers[n],
+                                                                                              expected_buffers[n])),
+            "differ": differ,
+        }))
+    dist.barrier()
+    engine.destroy()
+    del engine, work
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=Path, required=True, help="JSON list of jobs")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    options = parser.parse_args(argv)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for job in json.loads(options.jobs.read_text()):
+        run_job(job)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests.reshard_oracle: gloo's threads sometimes abort a normal exit
+
+
+if __name__ == "__main__":
+    main()

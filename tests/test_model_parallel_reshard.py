@@ -1,0 +1,180 @@
+"""Resharding tensor- and pipeline-parallel checkpoints to another data-parallel size, checked against
+DeepSpeed itself (issue 11).
+
+For each case ckptflow reshards the fixture to the new data-parallel size, keeping its tensor and
+pipeline degrees; then DeepSpeed builds the same model at that size (``tests.parallel_reshard_oracle``),
+loads the reshard natively (``engine.load_checkpoint``, no universal checkpoint), and
+
+- everything it holds, gathered the way the fixture writer gathered the oracle (fp32 weights, Adam
+  moments, buffers of every parameter, joined over tensor parallelism), equals the live engine's
+  state at the source size (``expected.safetensors``) bit for bit;
+- saved again at that size, it writes exactly ckptflow's files: same names, same object trees,
+  same tensor bytes (layer files and ``universal_checkpoint_info`` included).
+
+ZeRO-0 needs no reshard: DeepSpeed loads it as it is at another data-parallel size (checked here
+too), and ckptflow says so.
+
+The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
+oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.torchzip import open_archive
+from ckptflow.reshard import reshard
+from ckptflow.validate import validate
+from tests.fixtures.launch import launch
+from tests.fixtures.parallel import ParallelFixture
+from tests.fixtures.parallel_matrix import ParallelSpec
+from tests.test_reshard import _differences, _plain
+
+# (fixture, new data-parallel size)
+CASES = (
+    ("autotp-tp2-z1-fp32", 2), ("autotp-tp2-z2-fp32", 2), ("autotp-tp2-z3-fp32", 2), ("autotp-tp2-z1-bf16", 2),
+    ("autotp-llama-tied-tp2-z1-fp32", 2), ("autotp-glm-tp2-z1-fp32", 2), ("autotp-glm-tp2-z3-fp32", 2),
+    ("autotp-tp2dp2-z1-fp32", 1), ("autotp-tp2dp2-z3-bf16", 1),
+    ("pipe-pp2-z1-fp32", 2), ("pipe-pp2-z1-bf16", 2), ("pipe-pp2dp2-z1-fp32", 1),
+    ("megatron-pp2tp2-z1-fp32-ucinfo", 2),
+)
+# ZeRO-0: DeepSpeed loads the source itself at the new size.
+NATIVE = (("autotp-tp2-z0-fp32", 2),)
+# AutoTP merged to tensor-parallel degree 1 at the new data-parallel size: (fixture, dp, 1).
+MERGES = (
+    ("autotp-tp2-z1-fp32", 2, 1), ("autotp-tp2-z2-fp32", 1, 1), ("autotp-tp2-z3-fp32", 2, 1),
+    ("autotp-tp2-z1-bf16", 2, 1), ("autotp-tp2dp2-z1-fp32", 3, 1), ("autotp-tp2dp2-z3-bf16", 2, 1),
+    ("autotp-llama-tied-tp2-z1-fp32", 2, 1), ("autotp-glm-tp2-z1-fp32", 2, 1), ("autotp-glm-tp2-z3-fp32", 1, 1),
+)
+RESHARDS = CASES + MERGES
+
+
+def case_id(case: tuple) -> str:
+    return f"{case[0]}-to-dp{case[1]}" + (f"-tp{case[2]}" if len(case) > 2 else "")
+
+
+def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None) -> ParallelSpec:
+    spec = fixture.parallel_spec
+    if tp is not None:
+        spec = dataclasses.replace(spec, tp=tp)
+    return dataclasses.replace(spec, world_size=dp * spec.tp * spec.pp)
+
+
+def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple, native: tuple,
+                       root: Path) -> dict[str, Any]:
+    """Reshard every case of `reshards` ((fixture, dp) or (fixture, dp, tp)); then one DeepSpeed launch per
+    (world size, layout, tp degree) loads each reshard (and each `native` source as it is), checks what it
+    holds against the fixture's oracle and saves it again."""
+    outs, resaved, results = {}, {}, {}
+    launches: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for case in reshards + native:
+        name, dp, tp = (*case, None)[:3]
+        fixture = fixtures[name]
+        spec = target_spec(fixture, dp, tp)
+        load = fixture.dir
+        if case in reshards:
+            outs[case] = root / "out" / case_id(case)
+            reshard(str(fixture.dir), str(outs[case]), world_size=dp, workers=2, tensor_parallel=tp)
+            load = outs[case]
+            resaved[case] = root / "resaved" / case_id(case)
+        results[case] = root / "results" / f"{case_id(case)}.json"
+        results[case].parent.mkdir(parents=True, exist_ok=True)
+        launches.setdefault((spec.world_size, spec.layout, spec.tp), []).append({
+            "spec": spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
+            "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
+        })
+    for (world_size, layout, tp), jobs in sorted(launches.items()):
+        jobs_file = root / f"jobs-{world_size}-{layout}-tp{tp}.json"
+        jobs_file.write_text(json.dumps(jobs, indent=1))
+        launch("tests.parallel_reshard_oracle", world_size, ["--jobs", str(jobs_file)], timeout=900,
+               log_dir=root / f"logs-{world_size}-{layout}-tp{tp}")
+    return {"outs": outs, "resaved": resaved, "results": results}
+
+
+def check_loaded_state(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture) -> None:
+    result = json.loads(oracle["results"][case].read_text())
+    assert result["differ"] == []
+    assert result["tensors_equal"] == 3 * len(fixture.spec["params"])
+    assert result["buffers_equal"] == len(fixture.spec["buffers"])
+
+
+def check_same_files(oracle: Mapping[str, Any], case: tuple) -> None:
+    ours, theirs = oracle["outs"][case], oracle["resaved"][case]
+    tag = (ours / "latest").read_text()
+    assert (theirs / "latest").read_text() == tag
+    names = sorted(p.name for p in (ours / tag).iterdir())
+    assert names == sorted(p.name for p in (theirs / tag).iterdir() if p.suffix == ".pt")
+    for name in names:
+        diffs = _differences(_plain(open_archive(str(ours / tag / name)).obj),
+                             _plain(open_archive(str(theirs / tag / name)).obj))
+        assert not diffs, f"{name}: " + "; ".join(diffs[:5])
+
+
+def check_validates(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture) -> None:
+    report = validate(str(oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    source = validate(str(fixture.dir)).summary()
+    summary = report.summary()
+    assert summary["world_size"] == case[1]
+    assert summary.get("tp", 1) == (case[2] if len(case) > 2 else source["tp"])
+    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "tied")} == \
+        {k: source[k] for k in ("stage", "step", "params", "numel", "tied")}
+
+
+@pytest.fixture(scope="session")
+def mp_oracle(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_reshard_oracle(parallel_fixtures, RESHARDS, NATIVE, tmp_path_factory.mktemp("mp-reshard-oracle"))
+
+
+@pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
+def test_deepspeed_loads_it_holding_the_source_state(mp_oracle: dict[str, Any], case: tuple,
+                                                     parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_loaded_state(mp_oracle, case, parallel_fixtures[case[0]])
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
+def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple) -> None:
+    check_same_files(mp_oracle, case)
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=case_id)
+def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: tuple,
+                                               parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_validates(mp_oracle, case, parallel_fixtures[case[0]])
+
+
+def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                              tmp_path: Path) -> None:
+    source = parallel_fixtures["autotp-tp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"has tensor-parallel degree 2; ckptflow can merge it to 1, "
+                                                         r"not split it to 4"):
+        reshard(str(source.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=4)
+    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"ckptflow changes the tensor-parallel degree of AutoTP "
+                                                         r"checkpoints only"):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=1)
+    zero0 = parallel_fixtures["autotp-tp2-z0-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"saved by index and names no parameter, so the "
+                                                         r"tensor-parallel ranks' Adam moments cannot be joined"):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero0_is_not_resharded_and_says_why(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    fixture = parallel_fixtures["autotp-tp2dp2-z0-fp32"]
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        reshard(str(fixture.dir), str(tmp_path / "out"), world_size=1)
+    assert info.value.code == "reshard-not-needed"
+    assert str(info.value) == (
+        f"{fixture.dir}/global_step3 is a checkpoint in the AutoTP (tensor-parallel; tp 2 x dp 2, ZeRO-0) layout: its "
+        "files hold whole tensors and do not depend on the data-parallel size, and DeepSpeed loads it natively at any "
+        f"data-parallel size, so there is nothing to reshard; point the run at {fixture.dir} as it is, with 1 "
+        "data-parallel rank")
+    assert not (tmp_path / "out").exists()
