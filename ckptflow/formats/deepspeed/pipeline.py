@@ -45,6 +45,7 @@ from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
 from ckptflow.formats.torchzip import TensorRef, open_archive
 from ckptflow.plumbing.storage import join as join_uri
+from ckptflow.plumbing.text import excerpt
 
 UC_INFO = "universal_checkpoint_info"
 TIED = "tied_modules."
@@ -267,7 +268,7 @@ class _StageModules:
                             and t == 0})
             if len(found) != 1:
                 why = "none does" if not found else f"layers {found} all could"
-                st.add("unsupported-layout", f"cannot tell which layer file holds tied module '{key}' "
+                st.add("unsupported-layout", f"cannot tell which layer file holds tied module {excerpt(key)} "
                        f"({sorted(params)}): {why}; ckptflow does not guess")
                 continue
             out[key] = found[0]
