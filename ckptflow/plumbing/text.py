@@ -6,8 +6,9 @@ manifest or a path goes through this module:
 - `excerpt(value)` quotes a value for a message: a string between single quotes, cut to `limit`
   characters with the number of characters left out; bytes shown as text where they decode, else
   as "binary data"; numbers as they are unless they are too long to print (an integer of 5,000
-  digits is "an integer of 5000 digits"); containers by their type and length, never by a full
-  repr (a shared-reference "billion laughs" would take forever to print).
+  digits is "an integer of about 5001 digits"); a short list or tuple of numbers (a shape) as it is;
+  other containers by their type and length, never by a full repr (a shared-reference "billion
+  laughs" would take forever to print).
 - `plain(text)` escapes what would act on a terminal or break a line (control characters, line and
   paragraph separators, bidirectional overrides, lone surrogates) as `\\xNN` / `\\uNNNN` and leaves
   everything else as it is: markup such as `[red]` or `:x:` and backslashes are printed as written,
@@ -59,9 +60,15 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
         return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, tuple | list) and len(value) <= 8 and all(_small_number(x) for x in value):
+        return repr(list(value)) if isinstance(value, list) else repr(tuple(value))  # a shape, offsets
     if isinstance(value, tuple | list | dict | set | frozenset):
         return f"a {type(value).__name__} of {len(value)} item{'s' if len(value) != 1 else ''}"
     return f"a {type(value).__name__}"
+
+
+def _small_number(value: Any) -> bool:
+    return (type(value) is int and value.bit_length() <= 64) or type(value) is float
 
 
 def _quoted(text: str, total: int, *, limit: int, unit: str = "characters") -> str:
