@@ -80,7 +80,7 @@ def text(value: object) -> str:
     return one_line(str(value))
 
 
-_MARKDOWN = re.compile(r"([\\`*_{}\[\]()<>#+!|~-])")
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>|~])")  # what formats inline text (the values are never at a line's start)
 
 
 def md(value: object) -> str:
