@@ -43,6 +43,7 @@ from flows.params import (
     flow_timeout_seconds,
 )
 from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import checkpoint_key, code, link, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.consolidate import consolidate_model
@@ -364,7 +365,7 @@ def _gone(uri: str) -> bool:
     try:
         return not layout.exists(uri)
     except Exception as exc:
-        get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, exc)
+        get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, describe(exc))
         return False
 
 

@@ -38,6 +38,7 @@ from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging
 from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
@@ -164,5 +165,5 @@ def _sizes(folder: str) -> dict[str, int]:
         return {posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in fs.ls(path, detail=True)
                 if e.get("type") == "file" and e.get("size") is not None}
     except Exception as exc:  # the table is for people; the model is written
-        get_run_logger().warning("could not list %s for the artifact: %s", folder, exc)
+        get_run_logger().warning("could not list %s for the artifact: %s", folder, describe(exc))
         return {}

@@ -23,6 +23,7 @@ from prefect import get_run_logger, task
 
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.publish import push
+from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
@@ -138,7 +139,7 @@ def _published_files(
                 rows.append({"file": item.path, "size": int(size), "sha256": digest})
             return sorted(rows, key=lambda r: r["file"])
     except Exception as exc:  # an artifact never fails a push that succeeded
-        get_run_logger().warning("could not list the published files of %s: %s", destination, exc)
+        get_run_logger().warning("could not list the published files of %s: %s", destination, describe(exc))
     return []
 
 

@@ -27,6 +27,7 @@ from ckptflow.plumbing.storage import open_fs
 from ckptflow.reshard import (RankUnit, ReshardPlan, RngCopy, UnitResult, abort, finalize, plan_output, prepare_output,
                               run_unit, write_threads)
 from ckptflow.reshard.rng import describe
+from ckptflow.plumbing.redaction import describe as describe_error
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
@@ -141,5 +142,5 @@ def _listing(folder: str) -> list[str]:
         fs, path = open_fs(folder)
         return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
     except Exception as exc:  # the artifact is for people; the checkpoint is written
-        get_run_logger().warning("could not list %s for the artifact: %s", folder, exc)
+        get_run_logger().warning("could not list %s for the artifact: %s", folder, describe_error(exc))
         return []

@@ -34,6 +34,7 @@ from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging
 from ckptflow.plumbing.storage import ShortRead, is_local, local_path, mapped, open_fs, read_ranges
+from ckptflow.plumbing.redaction import describe
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     except EOFError as exc:
         raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
     except OSError as exc:
-        raise OutputError(f"cannot write {uri} ({exc})", file=uri,
+        raise OutputError(f"cannot write {uri} ({describe(exc)})", file=uri,
                           hint="check the destination is writable and has room, then run again") from exc
 
 
@@ -260,7 +261,7 @@ def _source_error(exc: BaseException, uris: Sequence[str]) -> CkptflowError:
             hint="the file was truncated or replaced while being read; copy it again and re-run",
         )
     return SourceReadError(
-        f"cannot read the checkpoint: {type(exc).__name__}: {exc} (reading {', '.join(files)})",
+        f"cannot read the checkpoint: {describe(exc)} (reading {', '.join(files)})",
         file=files[0] if len(files) == 1 else None,
         hint="check access to the store and run again; nothing was written to OUT",
     )

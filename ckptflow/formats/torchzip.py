@@ -29,6 +29,7 @@ from ckptflow.formats.deepspeed.names import ENUMS, RECORDS
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import open_fs
 from ckptflow.plumbing.text import excerpt, one_line, plain
+from ckptflow.plumbing.redaction import describe
 
 # Storage class name -> (dtype name, item size in bytes).
 STORAGE_DTYPES: dict[str, tuple[str, int]] = {
@@ -469,7 +470,7 @@ class Archive:
             if isinstance(exc.__context__, OSError):  # zipfile reports a failed read as "not a zip file"
                 raise read_error(self.uri, exc.__context__) from exc.__context__
             raise CorruptFileError(
-                f"{self.uri} is not a readable torch archive ({exc})", file=self.uri,
+                f"{self.uri} is not a readable torch archive ({one_line(str(exc), 200)})", file=self.uri,
                 hint="the file is truncated or not a checkpoint; copy it again from the training run",
             ) from None
         self._entries = {
@@ -761,7 +762,7 @@ def _rebuilt(obj: Any, done: dict[int, tuple[Any, int]], archive: Archive) -> tu
 
 
 def read_error(uri: str, exc: OSError) -> SourceReadError:
-    detail = " ".join(str(exc).split()) or type(exc).__name__
+    detail = describe(exc)
     return SourceReadError(
         f"cannot read {uri} ({detail})", file=uri,
         hint="check access to the store (credentials, permissions, network) and retry",

@@ -38,6 +38,7 @@ from ckptflow.plumbing.files import open_regular
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, join, local_path, open_fs, unstrip
 from ckptflow.plumbing.text import excerpt
+from ckptflow.plumbing.redaction import describe
 
 
 @dataclass(frozen=True)
@@ -402,7 +403,7 @@ def _check_steps(st: Inspection, partitions: tuple[tuple[Partition, ...], ...], 
                 if isinstance(step, TensorRef):
                     step = read_scalar(step)
             except (CkptflowError, OSError, ValueError) as exc:
-                st.add("unreadable-file", f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({exc})",
+                st.add("unreadable-file", f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({describe(exc)})",
                        file=optim_uris[rank], rank=rank)
                 break
             if isinstance(step, int | float) and not isinstance(step, bool):
@@ -619,7 +620,7 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
         return {}
     except OSError as exc:
-        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({exc}); check access to the store and retry",
+        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({describe(exc)}); check access to the store and retry",
                file=uri, rank=rank)
         return {}
     if not isinstance(obj, dict):
