@@ -26,7 +26,7 @@ from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, scalar
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.plumbing.progress import Progress
-from ckptflow.plumbing.storage import is_local, local_path, mapped, open_fs, read_into
+from ckptflow.plumbing.storage import is_local, local_path, open_fs, read_into
 from ckptflow.plumbing.redaction import describe
 
 
@@ -50,18 +50,15 @@ class SourceTensor(Protocol):
 
 
 class _Bytes:
-    """Byte ranges as buffers, valid inside `with bytes.get(...)`: local files through a memory-mapped
-    window (no copy), other stores through a range read into a reused scratch buffer."""
+    """Byte ranges as buffers, valid inside `with bytes.get(...)`: a range read (`preadv` on a local
+    disk, never a memory map: a source truncated meanwhile must be a read error, not a SIGBUS) into a
+    reused scratch buffer."""
 
     def __init__(self, scratch_bytes: int) -> None:
         self.scratch = np.empty(scratch_bytes, dtype=np.uint8)
 
     @contextlib.contextmanager
     def get(self, uri: str, start: int, end: int) -> Iterator[Any]:
-        if is_local(uri):
-            with mapped(uri, start, end) as view:
-                yield view
-            return
         if self.scratch.size < end - start:
             self.scratch = np.empty(end - start, dtype=np.uint8)
         raw = self.scratch[:end - start]

@@ -6,5 +6,4 @@ restructured core: `ckptflow/formats/`, the step packages, `plumbing/`)."""
 from __future__ import annotations
 
 XFAIL: dict[str, str | dict[str, str]] = {
-    "sources/truncated-while-mapped": "issue 14 (9): killed by SIGBUS",
 }
