@@ -10,6 +10,7 @@ as escape sequences.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from enum import Enum
@@ -299,10 +300,13 @@ def push_command(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch to commit to (default main); hf:// only."),
     private: bool = typer.Option(False, "--private", help="Create a missing Hub repo as private; hf:// only."),
     workers: int = typer.Option(8, "--workers", min=1, help="Files uploaded at once."),
+    break_lease: bool = typer.Option(False, "--break-lease",
+                                     help="Remove the lease a push that died left at DEST, then push; bucket or folder only."),
 ) -> None:
     """Publish a folder to the Hugging Face Hub or to a bucket, verified and resumable.
 
-    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there.
+    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there. One
+    push at a time per bucket folder: a second one fails at once, naming the first (its lease).
     The Hub gets one commit. After a failure, run the same command again: nothing verified is sent twice.
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -312,11 +316,13 @@ def push_command(
 
     if not dest.startswith("hf://") and (revision or private):
         raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
+    if dest.startswith("hf://") and break_lease:
+        raise typer.BadParameter("--break-lease is for bucket and folder destinations", param_hint="DEST")
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("uploading", total=None)
         try:
-            result = push(src, dest, revision=revision, private=private, workers=workers,
+            result = push(src, dest, revision=revision, private=private, workers=workers, break_lease=break_lease,
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
@@ -328,8 +334,31 @@ def push_command(
         f"{len(result.skipped)} already there; {where}")
 
 
+class _Warnings(logging.Handler):
+    """ckptflow's own warnings (a retried upload, a card input left out) as `warning:` lines on stderr,
+    one line each and never a traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            say("warning:", "yellow", record.getMessage(), err)
+        except Exception:  # a broken terminal must not turn into a traceback
+            self.handleError(record)
+
+
+def configure_logging() -> None:
+    """The command line's logging, unless the user configured some: ckptflow's warnings as `warning:`
+    lines; everything libraries log (gcsfs logs a traceback for every request it gives up on) stays
+    out of the terminal, since the error a command ends with says what went wrong."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    root.addHandler(logging.NullHandler())  # no "last resort" printing of other loggers' records
+    logging.getLogger("ckptflow").addHandler(_Warnings(logging.WARNING))
+
+
 def main() -> None:
     """Console-script entry point."""
+    configure_logging()
     try:
         app()
     except KeyboardInterrupt:

@@ -96,6 +96,13 @@ class PublishError(CkptflowError, OSError):
     default_code = "publish-failed"
 
 
+class UploadSessionError(CkptflowError, OSError):
+    """A resumable upload's session broke (out of sync with the store after a lost response, or gone):
+    that file's upload starts over with a new session; a transient failure (`plumbing.retry`)."""
+
+    default_code = "upload-session-broken"
+
+
 class VerificationError(CkptflowError, ValueError):
     """Something written does not match its source."""
 

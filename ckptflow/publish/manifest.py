@@ -29,6 +29,8 @@ from ckptflow.publish.checksums import valid_stamp
 MANIFEST_NAME = "ckptflow-manifest.json"
 # Files verified so far by a push still running (or interrupted): what lets a re-run skip them.
 PARTIAL_RECORD_NAME = MANIFEST_NAME + ".partial"
+# Held by the push in progress at a DEST (`publish.lease`).
+LEASE_NAME = "ckptflow-push.lease"
 # A manifest lists every file of a folder (about 200 bytes each): 64 MB is a third of a million files.
 MAX_MANIFEST_BYTES = 64 << 20
 FORMAT = "ckptflow-manifest"

@@ -21,7 +21,7 @@ from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
 from ckptflow.plumbing.files import check_regular, open_regular
 from ckptflow.plumbing.storage import is_local, open_fs, unstrip
-from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME
+from ckptflow.publish.manifest import LEASE_NAME, MANIFEST_NAME, PARTIAL_RECORD_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
     files = []
     for path, info in sorted(found.items()):
         rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
-        if rel in (MANIFEST_NAME, PARTIAL_RECORD_NAME):
+        if rel in (MANIFEST_NAME, PARTIAL_RECORD_NAME, LEASE_NAME):
             logger.info("leaving out %s from SRC: the push writes its own", rel)
             continue
         size = int(info["size"])

@@ -11,7 +11,10 @@ How a push to a store stays atomic and resumable:
    recorded as verified by an earlier run and not rewritten since). Otherwise it streams the source
    to DEST, hashing on the way, then checks the object (size and the store's crc32c/md5, or the
    sha256 of what reads back). Transient failures (408, 429, 5xx, resets, timeouts) retry the whole
-   file with backoff and jitter, reopening the source; anything else stops the push at once.
+   file with backoff and jitter, reopening the source; so does a resumable session that broke (a
+   chunk resent after its response was lost is refused as out of sync; a session that expired): the
+   file starts over with a new session. Anything else stops the push at once: 401, 403, a missing
+   bucket, a 404 while starting a session.
 4. Each verified file is noted in `ckptflow-manifest.json.partial` at DEST (written every second or
    so). A re-run after a crash trusts an object only when it checks out against that record or the
    store's checksum; a half-written object never does.
@@ -35,14 +38,16 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ckptflow.errors import CheckpointError, CkptflowError, PublishError, UnsafeInputError, UploadMismatchError, VerificationError
+from ckptflow.errors import (CheckpointError, CkptflowError, PublishError, UnsafeInputError, UploadMismatchError,
+                             UploadSessionError, VerificationError)
 from ckptflow.plumbing.executors import Cancelled, run_units
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
-from ckptflow.plumbing.retry import RetryPolicy, retry_call
+from ckptflow.plumbing.retry import RetryPolicy, causes, retry_call, status_code
 from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
 from ckptflow.plumbing.text import one_line
+from ckptflow.publish.lease import hold_lease
 from ckptflow.publish.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
 from ckptflow.publish.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
 from ckptflow.publish.source import (READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source,
@@ -66,21 +71,24 @@ def push_to_store(
     workers: int = 8,
     progress: Progress | None = None,
     retry: RetryPolicy | None = None,
+    break_lease: bool = False,
 ) -> PushResult:
     """Publish `src` to the fsspec location `dest`, atomically (manifest last) and resumably.
 
     Pushing the same folder again uploads nothing; a re-run after a failure or a crash uploads only
     what is not verified at DEST yet. See the module docstring for the protocol. `progress(done,
     total)` counts the bytes of the files uploaded or found in place (a file that starts over counts
-    from zero again).
+    from zero again). One push at a time per DEST: the push holds DEST's lease (`publish.lease`) and
+    fails at once when another push holds it; `break_lease` removes a lease a dead push left.
     """
     src_fs, src_root, files = list_source(src, retry=retry)
     dest_fs, dest_root = open_fs(dest)
-    run = _StorePush(
-        src_fs=src_fs, src_root=src_root, dest_fs=dest_fs, dest_root=dest_root, dest=dest,
-        workers=workers, progress=progress, policy=retry or RetryPolicy(),
-    )
-    return run.run(files)
+    with hold_lease(dest_fs, dest_root, redact(dest), break_lease=break_lease, policy=retry):
+        run = _StorePush(
+            src_fs=src_fs, src_root=src_root, dest_fs=dest_fs, dest_root=dest_root, dest=dest,
+            workers=workers, progress=progress, policy=retry or RetryPolicy(),
+        )
+        return run.run(files)
 
 
 @dataclass(frozen=True)
@@ -321,7 +329,12 @@ class _StorePush:
                         file=f.path, expected=f.size, actual=digests.size, hint="push again once SRC is stable",
                     )
                 target.close()
-            except BaseException:
+            except BaseException as exc:
+                if _session_broke(target, exc):
+                    target.closed = True  # forgotten, never finalized: an unfinished session makes no object
+                    raise UploadSessionError(
+                        f"the upload session of {f.path} at {self.dest} broke ({describe(exc)}); the file starts "
+                        "over with a new session", uri=self.dest, file=f.path) from exc
                 _abandon(target, self.dest_fs, dest_path)
                 raise
         info = self._dest_info(dest_path)
@@ -508,6 +521,26 @@ class _StorePush:
         return PublishError(
             f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path, hint=failure_advice(exc, of_source)
         )
+
+
+# Statuses with which a store answers a request on an upload session that is out of sync or gone: GCS
+# answers a chunk resent after its response was lost with 400 "Invalid Content-Range start: expected N"
+# (gcsfs resends a chunk as it was, without asking the store where the session stands) and an expired
+# or unknown session with 404 or 410; S3 answers a part or a completion for a finished or aborted
+# multipart upload with 404 NoSuchUpload.
+_BROKEN_SESSION = frozenset({400, 404, 410})
+
+
+def _session_broke(target: Any, exc: BaseException) -> bool:
+    """Whether `exc`, raised while writing `target`, says its resumable session (GCS `location`, S3
+    `mpu`) broke, rather than the store refusing the write: only once a session exists (a 404 when
+    starting one is a missing bucket, which stays permanent), never for 401 or 403."""
+    if getattr(target, "location", None) is None and getattr(target, "mpu", None) is None:
+        return False
+    codes = {status_code(link) for link in causes(exc)} - {None}
+    if codes & {401, 403}:
+        return False
+    return bool(codes & _BROKEN_SESSION) or any(isinstance(link, FileNotFoundError) for link in causes(exc))
 
 
 def _clear_local_target(path: str) -> None:
