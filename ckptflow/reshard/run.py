@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import threading
 import time
@@ -32,6 +31,7 @@ from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.executors import run_units as run_all
+from ckptflow.plumbing.files import check_regular, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging
 from ckptflow.plumbing.storage import is_local, join, open_fs, unstrip
@@ -65,6 +65,7 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
     else:
         plan = plan_reshard(report.index, world_size)
     _check_not_inside(plan, out)
+    carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
     return plan
 
 
@@ -142,8 +143,10 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
     Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
     size; the staging folder is then left for `abort`. Files the plan carries as they are (PipelineModule
     layer files, per-expert files) are copied into the staged tag folder first."""
+    inside = plan.root if is_local(plan.root) else None
     for name in plan.carried:
-        _copy_file(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), durable=durable)
+        copy_regular(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), inside=inside,
+                     hint=_CARRY_HINT, durable=durable)
     index, problems, _ = inspect(staging.uri, plan.tag)
     if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
         index = index.zero
@@ -158,9 +161,7 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tu
             f"{got} tensors, expected ZeRO-{plan.stage} at {plan.world_size} with {want}", uri=staging.uri,
             expected=plan.world_size, actual=index.world_size)
     rng_files = _carry_over(plan, staging, durable=durable)
-    fs, path = open_fs(staging.uri)
-    with fs.open(posixpath.join(path, LATEST), "wb") as fh:
-        fh.write(plan.tag.encode())
+    write_bytes(staging.join(LATEST), plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
     return rng_files
 
@@ -174,21 +175,26 @@ def abort(staging: Staging | None) -> None:
     stage.abort(staging)
 
 
-def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
-    """Copy the source folder's files that are not this checkpoint's DeepSpeed files; the Trainer's RNG
-    files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
+_CARRY_HINT = ("reshard carries the checkpoint folder's other files (Trainer state, scheduler, RNG, config, "
+               "tokenizer) into OUT, and only regular files: replace it with a regular file or remove it")
+
+
+def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """The files of the source folder that go into OUT besides this checkpoint's DeepSpeed files, as
+    (path relative to the folder, URI), and the names of the Trainer's RNG files (renamed for the new
+    world size by `rng.plan_rng_files`). Each is checked to be a regular file that stays inside the
+    folder (`plumbing.files`), so that copying it can neither hang nor leak a file from elsewhere.
+    Other DeepSpeed tag folders, OUT and staging folders are left out."""
     src_fs, root = open_fs(plan.root)
-    _, staging_path = open_fs(staging.uri)
-    _, out_path = open_fs(staging.out)
-    skip = {posixpath.normpath(p) for p in (staging_path, out_path)}
-    rng_names = []
+    _, out_path = open_fs(out)
+    inside = plan.root if is_local(plan.root) else None
+    files: list[tuple[str, str]] = []
+    rng_names: list[str] = []
     for entry in src_fs.ls(root, detail=True):
         path = entry["name"].rstrip("/")
         name = posixpath.basename(path)
-        if name in (LATEST, plan.tag) or posixpath.normpath(path) in skip or stage.is_staging_name(name):
-            continue
-        if entry["type"] != "directory" and is_rng_file(name):
-            rng_names.append(name)  # named for the source's world size: renamed below
+        if name in (LATEST, plan.tag) or posixpath.normpath(path) == posixpath.normpath(out_path) \
+                or stage.is_staging_name(name):
             continue
         if entry["type"] == "directory":
             inner = [posixpath.basename(p) for p in src_fs.ls(path, detail=False)]
@@ -196,33 +202,34 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
                 logger.warning("not carrying over %s: it is another DeepSpeed tag folder, saved at %d ranks",
                                unstrip(src_fs, path), plan.source_world_size)
                 continue
-            files = src_fs.find(path)
+            found = src_fs.find(path, withdirs=False, detail=True)
+            paths = [p for p, info in sorted(found.items())]
         else:
-            files = [path]
-        for file in files:
-            rel = posixpath.relpath(file, root)
-            _copy_file(unstrip(src_fs, file), staging.join(rel), durable=durable)
+            paths = [path]
+        for file in paths:
+            uri = unstrip(src_fs, file)
+            check_regular(uri, inside=inside, hint=_CARRY_HINT)
+            if file == path and is_rng_file(name):
+                rng_names.append(name)  # named for the source's world size: renamed on the way
+            else:
+                files.append((posixpath.relpath(file, root), uri))
+    return files, rng_names
+
+
+def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
+    """Copy the source folder's other files (`carried_files`) into the staging folder; the Trainer's RNG
+    files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
+    files, rng_names = carried_files(plan, staging.out)
+    inside = plan.root if is_local(plan.root) else None
+    for rel, uri in files:
+        copy_regular(uri, staging.join(rel), inside=inside, hint=_CARRY_HINT, durable=durable)
     rng_files = plan_rng_files(rng_names, plan.world_size)
     for copy in rng_files:
-        _copy_file(unstrip(src_fs, posixpath.join(root, copy.source)), staging.join(copy.target), durable=durable)
+        copy_regular(join(plan.root, copy.source), staging.join(copy.target), inside=inside, hint=_CARRY_HINT,
+                     durable=durable)
     if rng_files:
         logger.info("Trainer RNG files: %s", describe(rng_files))
     return rng_files
-
-
-def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> None:
-    src_fs, src_path = open_fs(src)
-    dst_fs, dst_path = open_fs(dst)
-    dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
-    with src_fs.open(src_path, "rb") as fin, dst_fs.open(dst_path, "wb") as fout:
-        while True:
-            data = fin.read(chunk)
-            if not data:
-                break
-            fout.write(data)
-        if durable and is_local(dst):
-            fout.flush()
-            os.fsync(fout.fileno())
 
 
 # ---- all together --------------------------------------------------------------------------------------
