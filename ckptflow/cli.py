@@ -2,12 +2,15 @@
 
 Bad input ends in one red line on stderr and exit 1; usage errors exit 2; never a traceback. Text that
 comes from the input (paths, tags, tensor names, messages quoting them) is printed as plain text:
-the consoles interpret no markup and no emoji codes, and colour comes from `rich.text.Text` styles.
+the consoles interpret no markup and no emoji codes, colour comes from `rich.text.Text` styles, and
+control characters are shown escaped (`plumbing.text.one_line`), so input never reaches the terminal
+as escape sequences.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from enum import Enum
@@ -18,6 +21,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ckptflow.errors import CkptflowError
+from ckptflow.plumbing.text import one_line
 
 if TYPE_CHECKING:
     from ckptflow.validate import ValidationReport
@@ -44,8 +48,14 @@ err = Console(stderr=True, highlight=False, markup=False, emoji=False)
 
 
 def say(label: str, style: str, rest: str, console: Console = out) -> None:
-    """One line: `label` in `style`, then `rest` as plain text, whatever characters it holds."""
-    console.print(Text.assemble((label, style), " ", rest), soft_wrap=True)
+    """One line: `label` in `style`, then `rest` as plain text, whatever characters it holds (control
+    characters escaped, whitespace runs one space: `plumbing.text.one_line`)."""
+    console.print(Text.assemble((label, style), " ", one_line(rest)), soft_wrap=True)
+
+
+def line(text: str) -> None:
+    """One plain line on stdout (control characters escaped)."""
+    out.print(Text(one_line(text)), soft_wrap=True)
 
 
 @app.callback()
@@ -55,7 +65,7 @@ def _root() -> None:
 
 def fail(exc: BaseException) -> typer.Exit:
     """Print `exc` as one red line and return the exit to raise."""
-    say("error:", "red", " ".join(str(exc).split()), err)
+    say("error:", "red", str(exc), err)
     return typer.Exit(1)
 
 
@@ -84,12 +94,12 @@ def render_report(report: "ValidationReport") -> None:
         say("valid", "green", f"{report.root}/{report.tag}: {s.get('layout', '')}, {s.get('precision')}, "
             f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
         for note in s.get("notes") or ():
-            out.print(Text.assemble("  ", ("note:", "yellow"), " ", note), soft_wrap=True)
+            out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
         return
     where = f"{report.root}/{report.tag}" if report.tag else report.source
     say("invalid", "red", f"{where}: {len(report.problems)} problem(s)")
     for p in report.problems:
-        out.print(Text.assemble("  ", (f"{p.code}:", "red"), " ", " ".join(p.message.split())), soft_wrap=True)
+        out.print(Text.assemble("  ", (f"{one_line(p.code)}:", "red"), " ", one_line(p.message)), soft_wrap=True)
 
 
 @app.command()
@@ -165,7 +175,7 @@ def consolidate_command(
         f"{format_size(result.total_size)} {result.dtype}{', verified' if result.verified else ''}, "
         f"{len(result.side_files)} config/tokenizer file(s), {time.monotonic() - started:.1f}s")
     for note in result.plan.notes:
-        out.print(Text.assemble("  ", ("note:", "yellow"), " ", note), soft_wrap=True)
+        out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
 
 
 @app.command("run")
@@ -208,14 +218,14 @@ def run_command(
     summary = outcome.result
     say("done", "green", summary["headline"])
     if summary.get("model"):
-        out.print(f"  model:     {summary['model']['uri']}", soft_wrap=True)
+        line(f"  model:     {summary['model']['uri']}")
     for n, reshard_out in sorted(summary.get("reshards", {}).items(), key=lambda kv: int(kv[0])):
         if reshard_out:
-            out.print(f"  {n} rank(s): {reshard_out['uri']}", soft_wrap=True)
+            line(f"  {n} rank(s): {reshard_out['uri']}")
     for p in summary.get("published", []):
-        out.print(f"  published: {p['kind']} -> {p['destination']}", soft_wrap=True)
+        line(f"  published: {p['kind']} -> {p['destination']}")
     where = server.rstrip("/").removesuffix("/api") if server else "embedded Prefect (no server was configured)"
-    out.print(f"  flow run:  {outcome.flow_run_name} on {where}", soft_wrap=True)
+    line(f"  flow run:  {outcome.flow_run_name} on {where}")
 
 
 @app.command("watch")
@@ -243,12 +253,13 @@ def watch_command(
             result = outcome.result
             new = result["recorded"] if baseline else result["emitted"]
             verb = "recorded" if baseline else "new"
-            out.print(f"{result['checkpoints']} checkpoint(s) under {len(roots)} root(s), {len(new)} {verb}"
-                      + (f", {len(result['unreadable'])} unreadable" if result["unreadable"] else ""), soft_wrap=True)
+            line(f"{result['checkpoints']} checkpoint(s) under {len(roots)} root(s), {len(new)} {verb}"
+                 + (f", {len(result['unreadable'])} unreadable" if result["unreadable"] else ""))
             for s in new:
-                out.print(f"  {verb}: {s['root']} @ {s['tag']}", soft_wrap=True)
+                line(f"  {verb}: {s['root']} @ {s['tag']}")
             for u in result["unreadable"]:
-                out.print(Text.assemble("  ", ("skipped", "yellow"), f" {u['where']}: {u['reason']}"), soft_wrap=True)
+                out.print(Text.assemble("  ", ("skipped", "yellow"), " ", one_line(f"{u['where']}: {u['reason']}")),
+                          soft_wrap=True)
         if once:
             return
         time.sleep(interval)
@@ -300,7 +311,7 @@ def reshard_command(
         f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
         f"{format_size(result.bytes_written)} in {result.seconds:.1f}s")
     if result.rng_files:
-        out.print(f"  Trainer RNG files: {result.rng_summary}", soft_wrap=True, markup=False, highlight=False)
+        line(f"  Trainer RNG files: {result.rng_summary}")
 
 
 @app.command("push")
@@ -310,10 +321,13 @@ def push_command(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch to commit to (default main); hf:// only."),
     private: bool = typer.Option(False, "--private", help="Create a missing Hub repo as private; hf:// only."),
     workers: int = typer.Option(8, "--workers", min=1, help="Files uploaded at once."),
+    break_lease: bool = typer.Option(False, "--break-lease",
+                                     help="Remove the lease a push that died left at DEST, then push; bucket or folder only."),
 ) -> None:
     """Publish a folder to the Hugging Face Hub or to a bucket, verified and resumable.
 
-    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there.
+    On a bucket, ckptflow-manifest.json is written last: the folder is complete once it is there. One
+    push at a time per bucket folder: a second one fails at once, naming the first (its lease).
     The Hub gets one commit. After a failure, run the same command again: nothing verified is sent twice.
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -323,11 +337,13 @@ def push_command(
 
     if not dest.startswith("hf://") and (revision or private):
         raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
+    if dest.startswith("hf://") and break_lease:
+        raise typer.BadParameter("--break-lease is for bucket and folder destinations", param_hint="DEST")
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("uploading", total=None)
         try:
-            result = push(src, dest, revision=revision, private=private, workers=workers,
+            result = push(src, dest, revision=revision, private=private, workers=workers, break_lease=break_lease,
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
@@ -339,8 +355,31 @@ def push_command(
         f"{len(result.skipped)} already there; {where}")
 
 
+class _Warnings(logging.Handler):
+    """ckptflow's own warnings (a retried upload, a card input left out) as `warning:` lines on stderr,
+    one line each and never a traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            say("warning:", "yellow", record.getMessage(), err)
+        except Exception:  # a broken terminal must not turn into a traceback
+            self.handleError(record)
+
+
+def configure_logging() -> None:
+    """The command line's logging, unless the user configured some: ckptflow's warnings as `warning:`
+    lines; everything libraries log (gcsfs logs a traceback for every request it gives up on) stays
+    out of the terminal, since the error a command ends with says what went wrong."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    root.addHandler(logging.NullHandler())  # no "last resort" printing of other loggers' records
+    logging.getLogger("ckptflow").addHandler(_Warnings(logging.WARNING))
+
+
 def main() -> None:
     """Console-script entry point."""
+    configure_logging()
     try:
         app()
     except KeyboardInterrupt:

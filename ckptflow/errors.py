@@ -71,6 +71,13 @@ class CorruptFileError(CheckpointError):
     default_code = "corrupt-file"
 
 
+class UnsafeInputError(CheckpointError):
+    """An input file ckptflow will not read: not a regular file (a FIFO, a device, a folder, a link to
+    nothing or out of its folder), larger than a file of its kind can be, or nested too deeply."""
+
+    default_code = "unsafe-input"
+
+
 class UnsupportedCheckpointError(CheckpointError):
     """The checkpoint is valid but uses a DeepSpeed layout ckptflow cannot convert (e.g. elastic ZeRO-1/2)."""
 
@@ -87,6 +94,13 @@ class PublishError(CkptflowError, OSError):
     """A push failed for good: a permanent error, or transient errors past the retry budget."""
 
     default_code = "publish-failed"
+
+
+class UploadSessionError(CkptflowError, OSError):
+    """A resumable upload's session broke (out of sync with the store after a lost response, or gone):
+    that file's upload starts over with a new session; a transient failure (`plumbing.retry`)."""
+
+    default_code = "upload-session-broken"
 
 
 class VerificationError(CkptflowError, ValueError):

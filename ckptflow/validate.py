@@ -2,7 +2,7 @@
 
 Every problem is collected into one report, cheapest checks first: the `latest` pointer, the file
 set the world size implies, each file's archive and pickle, the metadata across ranks, the partition
-arithmetic, and with `deep=True` a bounded-memory scan of the fp32 weights and optimizer moments for
+arithmetic, the optimizer steps across ranks (all of them the reader's: `formats.deepspeed`), and with `deep=True` a bounded-memory scan of the fp32 weights and optimizer moments for
 NaN and Inf.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.errors import CkptflowError
-from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.checkpoint import inspect, zero_index
 from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint, Replica
 from ckptflow.formats.deepspeed.tensors import ModelSource
 from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint
 from ckptflow.formats.casts import count_non_finite
 from ckptflow.formats.deepspeed.layout import zero3_real
+from ckptflow.errors import CkptflowError
 from ckptflow.formats.torchzip import TensorRef, read_scalar
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.storage import read_ranges
@@ -63,10 +63,10 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
     """
     index, problems, where = inspect(source, tag)
     root, resolved = where if where else (None, None)
-    if isinstance(index, ZeroCheckpoint):
-        problems = problems + _check_optimizer_steps(index)
+    zero = zero_index(index)  # a data-parallel index, or the one under an expert-parallel checkpoint
+    if zero is not None:
         if deep and not problems:
-            problems = problems + _scan_finite(index, progress)
+            problems = problems + _scan_finite(zero, progress)
     elif isinstance(index, ModelParallelCheckpoint):
         problems = problems + _check_model_parallel_steps(index)
         if deep and not problems:
@@ -74,36 +74,6 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
     elif index is not None and deep and not problems:
         problems = problems + _scan_model(index, progress)
     return ValidationReport(source, root, resolved, tuple(problems), index, deep)
-
-
-def _check_optimizer_steps(index: ZeroCheckpoint) -> list[Problem]:
-    """Every rank's optimizer must be at the same step (4 bytes read per rank and group)."""
-    problems = []
-    steps: dict[int, float] = {}
-    for rank, parts in enumerate(index.partitions):
-        for part in parts:
-            step = part.state.get("step")
-            try:
-                if isinstance(step, TensorRef):
-                    step = float(read_scalar(step))
-            except (CkptflowError, OSError, ValueError) as exc:
-                problems.append(Problem("unreadable-file", f"rank {rank}: cannot read the optimizer step ({exc})",
-                                        index.files[rank].optim, rank))
-                break
-            if isinstance(step, (int, float)):
-                steps.setdefault(rank, float(step))
-                break
-    if steps and len(set(steps.values())) > 1:
-        first = steps[min(steps)]
-        for rank, value in steps.items():
-            if value != first:
-                problems.append(Problem(
-                    "ranks-disagree",
-                    f"rank {rank}'s optimizer in {index.files[rank].optim} is at step {value:g} but rank 0's is at "
-                    f"{first:g}; the tag folder mixes files from different saves: re-copy it from one save",
-                    index.files[rank].optim, rank,
-                ))
-    return problems
 
 
 def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:
@@ -114,20 +84,17 @@ def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:
         step = part.state.get("step")
         try:
             step = float(read_scalar(step)) if isinstance(step, TensorRef) else step
-        except (CkptflowError, OSError, ValueError):
+            if isinstance(step, (int, float)):
+                return float(step)
+        except (CkptflowError, OSError, ValueError, OverflowError):
             return None
-        if isinstance(step, (int, float)):
-            return float(step)
     return None
 
 
 def _check_model_parallel_steps(index: ModelParallelCheckpoint) -> list[Problem]:
-    """Every data-parallel rank of every model-parallel rank at the same optimizer step."""
+    """Every model-parallel rank at the same optimizer step (the reader checks the data-parallel ranks
+    within each: `index.read_zero`)."""
     problems = []
-    for mp, rank in enumerate(index.ranks):
-        if isinstance(rank, ZeroCheckpoint):
-            problems += [Problem(p.code, f"{index.rank_label(mp)}: {p.message}", p.file, p.rank)
-                         for p in _check_optimizer_steps(rank)]
     steps = {mp: _optimizer_step(rank) for mp, rank in enumerate(index.ranks)}
     first = steps[0]
     for mp, step in steps.items():

@@ -22,6 +22,7 @@ from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.formats.shard_check import SourceTensor, read_source_into
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.redaction import describe
 
 if TYPE_CHECKING:
     import torch
@@ -76,14 +77,14 @@ def _verify_local(path: str, out: str, source: str | None, tag: str | None, devi
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise VerificationError(f"transformers cannot read {out}/config.json ({exc})", file=out,
+        raise VerificationError(f"transformers cannot read {out}/config.json ({describe(exc)})", file=out,
                                 hint="consolidate from a Hugging Face checkpoint that has a config.json") from None
     causal = any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
     try:
         model, info = cls.from_pretrained(path, output_loading_info=True, dtype="auto")
     except Exception as exc:
-        raise VerificationError(f"transformers cannot load {out} ({type(exc).__name__}: {exc})", file=out) from None
+        raise VerificationError(f"transformers cannot load {out} ({describe(exc)})", file=out) from None
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         found = sorted(str(k) for k in (info.get(key) or ()))
         if found:

@@ -8,6 +8,7 @@ watch` needs a real Prefect API: the watcher's memory and the events live there.
 from __future__ import annotations
 
 import os
+from ckptflow.plumbing.redaction import redact
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,7 +123,7 @@ def _outcome(state: Any) -> FlowOutcome:
         try:
             state.result()
         except Exception as exc:  # the flow's own exception says it best
-            message = str(exc) or message
+            message = redact(str(exc)) or message
         raise FlowFailed(message, run_id)
     return FlowOutcome(flow_run_id=run_id, flow_run_name=_run_name(run_id), result=state.result())
 

@@ -43,7 +43,8 @@ from flows.params import (
     flow_timeout_seconds,
 )
 from ckptflow.plumbing.sizes import format_size
-from tasks.artifacts import checkpoint_key, link, markdown
+from ckptflow.plumbing.redaction import describe
+from tasks.artifacts import checkpoint_key, code, link, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.consolidate import consolidate_model
 from tasks.models import Checkpoint, Output, Published
@@ -367,7 +368,7 @@ def _gone(uri: str) -> bool:
     try:
         return not layout.exists(uri)
     except Exception as exc:
-        get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, exc)
+        get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, describe(exc))
         return False
 
 
@@ -398,22 +399,22 @@ def _summary(
     lines = [
         f"# {label}",
         "",
-        f"`{checkpoint.uri}`: ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}, "
-        f"step {checkpoint.step}; content identity `{checkpoint.identity}`.",
+        f"{code(checkpoint.uri)}: ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}, "
+        f"step {checkpoint.step}; content identity {code(checkpoint.identity)}.",
         "",
     ]
     built = []
     if model is not None:
         check = "verified" if verified and verified.get("ok", True) else "not verified"
-        built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): `{model.uri}`")
+        built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): {code(model.uri)}")
     for n, out in sorted(reshards.items()):
         if out is not None:
-            built.append(f"- **ZeRO checkpoint for {n} rank(s)** ({format_size(out.bytes or 0)}): `{out.uri}`")
+            built.append(f"- **ZeRO checkpoint for {n} rank(s)** ({format_size(out.bytes or 0)}): {code(out.uri)}")
     if built:
         lines += ["## Built", ""] + built + [""]
     if verified:
         lines += ["## Verification", "", "| check | result |", "|---|---|"]
-        lines += [f"| {r['check']} | {r['result']} |" for r in verification_rows(verified)] + [""]
+        lines += [f"| {md(r['check'])} | {md(r['result'])} |" for r in verification_rows(verified)] + [""]
     if published:
         lines += ["## Published", ""]
         for p in published:
@@ -426,7 +427,7 @@ def _summary(
     elif not failures:
         lines += ["Nothing was published: no destination was given.", ""]
     if failures:
-        lines += ["## Failed", ""] + [f"- {f}" for f in failures] + [""]
+        lines += ["## Failed", ""] + [f"- {md(f)}" for f in failures] + [""]
     headline = (
         f"{checkpoint.root}/{checkpoint.tag}: "
         + ("model + " if model else "")

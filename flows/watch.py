@@ -23,7 +23,7 @@ from prefect.client.orchestration import get_client
 from pydantic import Field
 
 from ckptflow.watch import Scan, Seen, Sighting, find_latest, select_new
-from tasks.artifacts import artifact_key, markdown, source_name, table
+from tasks.artifacts import artifact_key, code, markdown, md, source_name, table, text
 from tasks.retries import io_retries
 
 EVENT = "ckptflow.checkpoint.saved"
@@ -173,12 +173,12 @@ def _report(scan: Scan, emitted: list[Sighting], baseline: bool, state: str) -> 
     watcher (its state block), so two watchers never share an artifact's history."""
     if emitted:
         table(
-            [{"folder": s.root, "tag": s.tag, "step": s.step, "version": s.version} for s in emitted],
+            [{"folder": text(s.root), "tag": text(s.tag), "step": s.step, "version": text(s.version)} for s in emitted],
             key=artifact_key("watch", state, "recorded" if baseline else "new-checkpoints"),
             description=("Recorded without events" if baseline else "New checkpoints announced") + f": {len(emitted)}",
         )
     if scan.unreadable:
-        lines = [f"- `{u.where}`: {u.reason}" for u in scan.unreadable]
+        lines = [f"- {code(u.where)}: {md(u.reason)}" for u in scan.unreadable]
         markdown(
             "## Folders the watcher could not read\n\nThey are tried again on the next run.\n\n" + "\n".join(lines),
             key=artifact_key("watch", state, "unreadable"),

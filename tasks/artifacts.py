@@ -8,6 +8,11 @@ run (a task's `.fn` called directly) no artifact is made at all. Progress bars a
 steps and are gone once their step ends (`ProgressArtifact`).
 
 Tables stay narrow enough for the page: a record is shown as `field | value` rows, not one wide row.
+
+What an artifact quotes from the input (paths, file names, tags, messages that quote a checkpoint) is
+plain text: `text` for table cells (control characters escaped, `ckptflow.plumbing.text`), `md` for
+markdown prose (markdown's own characters escaped too), `code` for a file name or URI as a code span
+that no backtick or `|` in it can end.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
+from urllib.parse import quote
+
 from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.text import one_line
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -67,9 +75,32 @@ def web_url(uri: str, *, revision: str | None = None, endpoint: str | None = Non
     return None
 
 
+def text(value: object) -> str:
+    """A value as plain one-line text for a table cell."""
+    return one_line(str(value))
+
+
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>|~])")  # what formats inline text (the values are never at a line's start)
+
+
+def md(value: object) -> str:
+    """A value as plain text inside markdown: one line, control characters and markdown's own
+    characters escaped, so input can neither format nor break the artifact."""
+    return _MARKDOWN.sub(r"\\\1", one_line(str(value)))
+
+
+def code(value: object) -> str:
+    """A value as a markdown code span: fenced by more backticks than any run inside it, `|` escaped
+    (a table cell would split there), control characters escaped."""
+    body = one_line(str(value)).replace("|", "\\|")
+    fence = "`" * (1 + max((len(run) for run in re.findall(r"`+", body)), default=0))
+    pad = " " if body.startswith("`") or body.endswith("`") else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
+
+
 def link(uri: str, url: str | None) -> str:
     """Markdown for `uri`: a link when there is a web page for it, else the URI as code."""
-    return f"[`{uri}`]({url})" if url else f"`{uri}`"
+    return f"[{code(uri)}]({quote(url, safe=':/?=&%#@+~,;')})" if url else code(uri)
 
 
 def cell_size(nbytes: int) -> str:
@@ -79,7 +110,7 @@ def cell_size(nbytes: int) -> str:
 
 def field_rows(record: Mapping[str, Any]) -> list[dict[str, str]]:
     """A record as two-column rows (`field`, `value`), for a table no wider than the page."""
-    return [{"field": str(k), "value": "" if v is None else str(v)} for k, v in record.items()]
+    return [{"field": text(k), "value": "" if v is None else text(v)} for k, v in record.items()]
 
 
 def in_run() -> bool:

@@ -38,7 +38,8 @@ from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.storage import open_fs
-from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, markdown
+from ckptflow.plumbing.redaction import describe
+from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
@@ -154,14 +155,14 @@ def model_summary(checkpoint: Checkpoint, result: ConsolidationResult, sizes: di
             what = _WHAT.get(name, "tokenizer" if name.startswith(("tokenizer", "vocab", "merges", "special_tokens",
                                                                    "added_tokens")) or name.endswith(".model") else "")
         size = sizes.get(name)
-        rows.append(f"| `{name}` | {what} | {'' if size is None else cell_size(size)} |")
+        rows.append(f"| {code(name)} | {what} | {'' if size is None else cell_size(size)} |")
     total = sum(sizes.get(name, 0) for name in result.files) or result.total_size
     checked = ", every shard re-read and compared with the source" if result.verified else ""
     return "\n".join([
         f"## Hugging Face model of {checkpoint.tag} ({result.dtype})",
         "",
-        f"From `{checkpoint.uri}` (ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}) "
-        f"into `{result.out}`: {len(rows)} files, {format_size(total)}{checked}.",
+        f"From {code(checkpoint.uri)} (ZeRO-{checkpoint.stage}, {checkpoint.world_size} ranks, {checkpoint.precision}) "
+        f"into {code(result.out)}: {len(rows)} files, {format_size(total)}{checked}.",
         "",
         "| file | holds | size |",
         "|---|---|---:|",
@@ -176,5 +177,5 @@ def _sizes(folder: str) -> dict[str, int]:
         return {posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in fs.ls(path, detail=True)
                 if e.get("type") == "file" and e.get("size") is not None}
     except Exception as exc:  # the table is for people; the model is written
-        get_run_logger().warning("could not list %s for the artifact: %s", folder, exc)
+        get_run_logger().warning("could not list %s for the artifact: %s", folder, describe(exc))
         return {}

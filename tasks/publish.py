@@ -23,7 +23,8 @@ from prefect import get_run_logger, task
 
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.publish import push
-from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, link, markdown, web_url
+from ckptflow.plumbing.redaction import describe
+from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
 from tasks.retries import io_retries
@@ -138,7 +139,7 @@ def _published_files(
                 rows.append({"file": item.path, "size": int(size), "sha256": digest})
             return sorted(rows, key=lambda r: r["file"])
     except Exception as exc:  # an artifact never fails a push that succeeded
-        get_run_logger().warning("could not list the published files of %s: %s", destination, exc)
+        get_run_logger().warning("could not list the published files of %s: %s", destination, describe(exc))
     return []
 
 
@@ -157,10 +158,10 @@ def _file_table(
         "",
     ]
     if result.manifest_uri:
-        lines += [f"Readers trust `{result.manifest_uri}` (written last).", ""]
+        lines += [f"Readers trust {code(result.manifest_uri)} (written last).", ""]
     if files:
         lines += ["| file | size | sha256 |", "|---|---:|---|"]
-        lines += [f"| `{f['file']}` | {cell_size(f['size'] or 0)} | `{f['sha256']}` |" for f in files]
+        lines += [f"| {code(f['file'])} | {cell_size(f['size'] or 0)} | {code(f['sha256'])} |" for f in files]
     digest = hashlib.sha256(where.encode()).hexdigest()[:6]
     markdown(
         "\n".join(lines),

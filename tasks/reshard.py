@@ -29,7 +29,8 @@ from ckptflow.plumbing.storage import open_fs
 from ckptflow.reshard import (RankJob, ReshardPlan, RngCopy, UnitResult, abort, finalize, plan_output, prepare_output,
                               rank_job, run_job, write_threads)
 from ckptflow.reshard.rng import describe
-from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, markdown
+from ckptflow.plumbing.redaction import describe as describe_error
+from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
@@ -124,16 +125,16 @@ def reshard_summary(checkpoint: Checkpoint, plan: ReshardPlan, results: list[Uni
                     out: str, listing: list[str]) -> str:
     """One table, a row per target rank (its files and their size), and a line each on the files carried
     over and the Trainer RNG files."""
-    rows = [f"| {r.rank} | " + ", ".join(f"`{f}`" for f in r.files) + f" | {cell_size(r.bytes_written)} |"
+    rows = [f"| {r.rank} | " + ", ".join(code(f) for f in r.files) + f" | {cell_size(r.bytes_written)} |"
             for r in sorted(results, key=lambda r: r.rank)]
     rng = {c.target for c in rng_files}
     carried = [n for n in listing if n not in (plan.tag, "latest") and n not in rng]
     lines = [
         f"## ZeRO checkpoint of {checkpoint.tag} for {plan.world_size} ranks",
         "",
-        f"From `{checkpoint.uri}` (ZeRO-{plan.stage}, {plan.source_world_size} ranks, {plan.precision}) into "
-        f"`{out}`: DeepSpeed loads it natively at {plan.world_size} ranks. "
-        f"{len(plan.files)} files in `{plan.tag}/`, {format_size(sum(r.bytes_written for r in results))}.",
+        f"From {code(checkpoint.uri)} (ZeRO-{plan.stage}, {plan.source_world_size} ranks, {plan.precision}) into "
+        f"{code(out)}: DeepSpeed loads it natively at {plan.world_size} ranks. "
+        f"{len(plan.files)} files in {code(plan.tag + '/')}, {format_size(sum(r.bytes_written for r in results))}.",
         "",
         "| rank | files | size |",
         "|---:|---|---:|",
@@ -141,9 +142,9 @@ def reshard_summary(checkpoint: Checkpoint, plan: ReshardPlan, results: list[Uni
         "",
     ]
     if carried:
-        lines += ["Carried over from the source: " + ", ".join(f"`{n}`" for n in carried) + ".", ""]
+        lines += ["Carried over from the source: " + ", ".join(code(n) for n in carried) + ".", ""]
     if rng_files:
-        lines += [f"Trainer RNG files: {describe(rng_files)}.", ""]
+        lines += [f"Trainer RNG files: {md(describe(rng_files))}.", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -153,5 +154,5 @@ def _listing(folder: str) -> list[str]:
         fs, path = open_fs(folder)
         return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
     except Exception as exc:  # the artifact is for people; the checkpoint is written
-        get_run_logger().warning("could not list %s for the artifact: %s", folder, exc)
+        get_run_logger().warning("could not list %s for the artifact: %s", folder, describe_error(exc))
         return []

@@ -16,7 +16,7 @@ from prefect import get_run_logger, task
 from ckptflow.errors import CheckpointError
 from ckptflow.validate import ValidationReport, validate
 from ckptflow.watch import content_identity
-from tasks.artifacts import checkpoint_key, field_rows, source_name, table
+from tasks.artifacts import checkpoint_key, field_rows, source_name, table, text
 from tasks.models import Checkpoint
 from tasks.retries import io_retries
 
@@ -44,7 +44,8 @@ def report_rows(report: ValidationReport) -> list[dict[str, Any]]:
             "tied / frozen / buffers": f"{s['tied']} / {s['frozen']} / {s['buffers']}",
             "saved by": f"DeepSpeed {s['ds_version']}",
         })
-    return [{"problem": p.code, "rank": "" if p.rank is None else p.rank, "message": p.message} for p in report.problems]
+    return [{"problem": p.code, "rank": "" if p.rank is None else p.rank, "message": text(p.message)}
+            for p in report.problems]
 
 
 def _run_name() -> str:

@@ -187,3 +187,65 @@ def test_card_without_provenance_reads_the_safetensors_headers(hub: HubServer, t
 def test_bad_hub_urls(url: str, tiny_model: Path) -> None:
     with pytest.raises(ValueError, match=r"^not a Hub repo URL: .*; expected hf://ORG/REPO, hf://datasets/ORG/REPO or hf://ORG/REPO@REVISION$"):
         push(str(tiny_model), url, token=WRITE_TOKEN)
+
+
+def _st(header: object | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    import json
+    import struct
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+SAFETENSORS_CASES = {
+    "valid": _st({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"format": "pt"}}, b"\0" * 8),
+    "valid-two": _st({"b": {"dtype": "BF16", "shape": [1, 2], "data_offsets": [4, 8]},
+                      "a": {"dtype": "I32", "shape": [], "data_offsets": [0, 4]}}, b"\0" * 8),
+    "valid-empty": _st({}),
+    "valid-zero-size": _st({"w": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}}),
+    "lfs-pointer": b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 12345\n",
+    "length-huge": _st({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, length=2**60),
+    "past-end": _st({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, length=10**6),
+    "list": _st([1, 2, 3]),
+    "no-shape": _st({"w": {"dtype": "F32", "data_offsets": [0, 4]}}, b"\0" * 4),
+    "string-shape": _st({"w": {"dtype": "F32", "shape": "12", "data_offsets": [0, 4]}}, b"\0" * 4),
+    "negative-shape": _st({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "float-shape": _st({"w": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "entry-list": _st({"w": [1, 2]}),
+    "nested": _st(b'{"w": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    "not-utf8": _st(b"\xff\xfe{}"),
+    "short": b"abc",
+    "gap": _st({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+    "overlap": _st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                    "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}, b"\0" * 6),
+    "wrong-size": _st({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "trailing-bytes": _st({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 5),
+    "metadata-not-strings": _st({"__metadata__": {"a": 1}}),
+    "unknown-dtype": _st({"w": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, b"\0" * 16),
+    "valid-leading-space": _st(b' {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4),
+}
+
+
+def test_safetensors_headers_are_judged_as_safetensors_judges_them(tmp_path: Path) -> None:
+    """`hf.read_safetensors_header` (what `push hf://` reads for the card and checks every file with)
+    accepts exactly the files the safetensors library opens, each refused with one clear error."""
+    from safetensors import safe_open
+
+    from ckptflow.errors import CorruptFileError
+    from ckptflow.formats.hf import read_safetensors_header
+
+    for name, data in SAFETENSORS_CASES.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(data)
+        try:
+            with safe_open(str(path), framework="np") as fh:
+                theirs = sorted(fh.keys())
+        except Exception:
+            theirs = None
+        try:
+            ours = sorted(read_safetensors_header(str(path)).tensors)
+        except CorruptFileError as exc:
+            assert str(path) in str(exc) and "is not a valid safetensors file" in str(exc), (name, exc)
+            ours = None
+        assert ours == theirs, (name, ours, theirs)
+        assert name.startswith("valid") == (ours is not None), name

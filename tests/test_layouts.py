@@ -44,6 +44,10 @@ def test_validate_names_the_layout_never_damage(parallel_fixtures, name: str) ->
     if KINDS[fixture.parallel_spec.layout] in READERS and name not in REFUSED:
         assert problems == [] and index is not None
         assert index.summary()["layout"].startswith(("AutoTP", "PipelineModule", "AutoEP", "deepspeed.moe"))
+        spec = fixture.parallel_spec
+        if spec.layout in ("autoep", "dsmoe"):  # the expert-parallel degree from the metadata, at every stage
+            assert index.summary()["expert_parallel"] == spec.ep
+            assert f"(expert-parallel; ep {spec.ep} x dp {spec.world_size}, ZeRO-{spec.stage})" in index.layout
         return
     assert [p.code for p in problems] == ["unsupported-layout"]
     message = problems[0].message

@@ -89,8 +89,10 @@ def assert_published(folder: Path, url: str) -> None:
 
 
 def uploads(store: Store) -> list[str]:
-    """Paths of upload requests the store's proxy forwarded (GCS: POST /upload/..., S3: PUT)."""
-    return [p for m, p, fault in store.proxy.counters.log if fault is None and (m == "PUT" or "/upload/" in p) and m != "GET"]
+    """Paths of upload requests the store's proxy forwarded (GCS: POST /upload/..., S3: PUT), the push's
+    lease left out (`publish.lease`: on S3 its key, on GCS the only create with `ifGenerationMatch=0`)."""
+    return [p for m, p, fault in store.proxy.counters.log if fault is None and (m == "PUT" or "/upload/" in p) and m != "GET"
+            and "ckptflow-push.lease" not in p and "ifGenerationMatch=0" not in p]
 
 
 # Round trips.
@@ -155,9 +157,9 @@ def test_new_version_removes_the_manifest_first(gcs: Store, tmp_path: Path) -> N
     v2 = make_folder(tmp_path / "v2", {"a.bin": 1000, "b.bin": 2500}, seed=1)
     (v2 / "a.bin").write_bytes((v1 / "a.bin").read_bytes())  # unchanged file
 
-    # With one worker, the first upload is the partial record (written before the manifest is
-    # removed), the second one b.bin: refuse it and every later one.
-    gcs.proxy.configure(status=403, only_paths=("/upload/",), spare_first=1)
+    # With one worker, the first uploads are the push's lease and the partial record (written before
+    # the manifest is removed), the third one b.bin: refuse it and every later one.
+    gcs.proxy.configure(status=403, only_paths=("/upload/",), spare_first=2)
     with pytest.raises(PublishError, match="could not upload b.bin"):
         push(str(v2), gcs.url, workers=1)
     assert read_manifest(gcs.url) is None, "a reader must not trust a mix of v1 and v2"
@@ -224,7 +226,7 @@ def test_forbidden_fails_fast_without_retries(gcs: Store, tmp_path: Path) -> Non
     assert time.monotonic() - started < 5
     assert gcs.proxy.requests == 1
     message = str(caught.value)
-    assert message.startswith(f"could not list {gcs.url}: OSError: Forbidden")
+    assert message.startswith(f"could not take the lease {gcs.url}/ckptflow-push.lease: OSError: Forbidden")
     assert message.endswith("; check the credentials fsspec uses for this URL and that they allow reading and writing there")
     assert "\n" not in message
 
@@ -240,7 +242,7 @@ def test_missing_bucket_fails_fast_without_retries(store_name: str, request: pyt
         push(str(folder), url, workers=1)
 
     message = str(caught.value)
-    assert message.startswith(f"could not upload a.bin to {url}: FileNotFoundError")
+    assert message.startswith(f"could not take the lease {url}/ckptflow-push.lease: FileNotFoundError")
     assert message.endswith("; check that the bucket exists and the URL is right")
     log = store.proxy.counters.log
     assert len(log) == len(set(log)), "no request may be repeated"

@@ -149,3 +149,54 @@ def test_scalars_read_without_torch(tmp_path):
         assert read_scalar(got[key]) == tensor.item(), key
     with pytest.raises(ValueError, match="holds 2 elements, not one"):
         read_scalar(open_archive(save(tmp_path, {"v": torch.ones(2)}, "two.pt")).obj["v"])
+
+
+def test_records_are_checked_as_they_are_used(tmp_path):
+    """A tensor's storage reference is checked again when the tensor is made (a BUILD run after
+    `persistent_load` could otherwise have changed its key, dtype or size behind the first check)."""
+    from ckptflow.formats.torchzip import _Storage, _TensorRecord
+
+    archive = open_archive(save(tmp_path, {"w": torch.ones(4)}))
+    key = archive.obj["w"].key
+    for storage, message in ((_Storage("no-such-storage", "float32", 4), "missing from the archive"),
+                             (_Storage(key, "float64", 4), "holds 16 bytes, expected 32"),
+                             (_Storage(key, "evil", 4), "unknown dtype"),
+                             (_Storage(key, "float32", 10**12), "holds 16 bytes, expected")):
+        with pytest.raises(CorruptFileError, match=message):
+            archive.tensor(_TensorRecord(storage, 0, (4,), (1,)))
+    with pytest.raises(CorruptFileError, match="reaches past its storage"):  # elements 0, -1, -2, -3
+        archive.tensor(_TensorRecord(_Storage(key, "float32", 4), 0, (4,), (-1,)))
+    with pytest.raises(CorruptFileError, match="negative dimension"):
+        archive.tensor(_TensorRecord(_Storage(key, "float32", 4), 0, (-4,), (1,)))
+    assert not archive.tensor(_TensorRecord(_Storage(key, "float32", 4), 3, (4,), (-1,))).is_contiguous  # 3, 2, 1, 0
+
+
+def test_pickle_bombs_cost_their_size(tmp_path):
+    """Shared references stay shared (a "billion laughs" is refused by its expanded size, quickly),
+    a memo index of 2**31 costs nothing, BUILD on an allowed function is refused, and a tuple nested
+    far past any recursion limit is refused before it is ever hashed."""
+    import time
+
+    from tests.hostile import pickleasm as asm
+    from tests.hostile.torchfile import inject
+
+    base = save(tmp_path, {"w": torch.ones(2)}, "base.pt")
+    cases = {
+        "laughs": (asm.laughs("list", 40), "expand to more than"),
+        "memo": (asm.memo_bomb(2**31), None),
+        "build-function": (asm.build(asm.glob("torch", "Size"), asm.tup(asm.none(), asm.dct((asm.string("__defaults__"), asm.tup())))),
+                           "BUILD gives the function _size a state it cannot take"),
+        "deep-tuple-key": (asm.dct((asm.nested("tuple", 100_000), asm.none())), "nested more than 100 deep"),
+        "cycle": (asm.op("EMPTY_LIST") + asm.put(900) + asm.get(900) + asm.op("APPEND"), "reference cycle"),
+    }
+    for name, (ops, message) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(Path(base).read_bytes())
+        inject(path, "payload", ops)
+        started = time.monotonic()
+        if message is None:
+            assert open_archive(str(path)).obj["payload"] is None
+        else:
+            with pytest.raises(CorruptFileError, match=message):
+                open_archive(str(path))
+        assert time.monotonic() - started < 5, name

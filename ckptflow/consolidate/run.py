@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,10 +26,11 @@ from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.executors import Executor, run_units as run_all
+from ckptflow.plumbing.files import write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, check_written
-from ckptflow.plumbing.storage import is_local, join, local_path, open_fs
+from ckptflow.plumbing.storage import is_local, join, local_path
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +50,12 @@ class ConsolidationResult:
 
 
 def prepare_output(plan: ConsolidationPlan, out: str) -> Staging:
-    """Check that OUT is free (absent or an empty folder) and, on a local disk, that there is room;
-    make the staging folder beside it."""
-    need = plan.file_bytes + _side_bytes(plan.root) + (1 << 20) if is_local(out) else 0
+    """Check the config and tokenizer files that go with the model (regular files, config.json
+    parsed: `hf.check_side_files`), that OUT is free (absent or an empty folder) and, on a local disk,
+    that there is room; make the staging folder beside it."""
+    side = hf.check_side_files(plan.root, hf.find_side_files(plan.root))
+    need = plan.file_bytes + side + (1 << 20) if is_local(out) else 0
     return stage.prepare(out, need=need)
-
-
-def _side_bytes(root: str) -> int:
-    fs, path = open_fs(root)
-    return sum(fs.size(posixpath.join(path, n)) for n in hf.find_side_files(root))
 
 
 def ckptflow_version() -> str:
@@ -127,13 +124,12 @@ def finalize(plan: ConsolidationPlan, results: Sequence[UnitResult], staging: St
                   {s.filename: sizes[s.filename] for s in shards if s.written is not None})
     side = hf.find_side_files(plan.root)
     hf.copy_side_files(plan.root, side, staging.uri, plan.dtype)
-    fs, staging_path = open_fs(staging.uri)
     record = json.dumps(provenance(plan, shards), indent=2, sort_keys=True) + "\n"
-    fs.pipe_file(posixpath.join(staging_path, hf.PROVENANCE_NAME), record.encode())
+    write_bytes(staging.join(hf.PROVENANCE_NAME), record.encode())
     files = [u.filename for u in plan.units] + list(side) + [hf.PROVENANCE_NAME]
     if plan.sharded:
         text = hf.index_json(plan.weight_map, total_size=plan.total_size, total_parameters=plan.total_parameters)
-        fs.pipe_file(posixpath.join(staging_path, hf.SAFE_WEIGHTS_INDEX_NAME), text.encode())
+        write_bytes(staging.join(hf.SAFE_WEIGHTS_INDEX_NAME), text.encode())
         files.append(hf.SAFE_WEIGHTS_INDEX_NAME)
     marker = files[-1] if plan.sharded else files[0]
     stage.commit(staging, first=[u.filename for u in plan.units if u.filename != marker], last=[marker])

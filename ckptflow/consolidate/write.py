@@ -4,10 +4,12 @@ A `ShardJob` is what a worker needs for one shard and nothing more: the shard's 
 source runs (byte ranges of the rank files), where the shard goes, and the options. It is small and
 plain (no plan, no index, no callable), so it pickles to a Dask worker as well as it runs on a thread.
 `run_job(job)` writes a safetensors header first, then the tensors in bounded batches of byte-range
-reads (one `fs.cat_ranges` round per batch on a bucket, memory-mapped windows on a local disk), cast
-on the way (numpy, `formats.casts`: no torch), hashed as written; with `verify`, each range is read
-back and compared with an independent read of the source (`formats.shard_check`): on a local disk by a
-checker thread that follows the writer, on a bucket once the object is written. It reports the shard
+reads (one `fs.cat_ranges` round per batch on a bucket, `preadv` on a local disk: straight into the
+output buffer when no cast is needed, through a small scratch buffer when one is; never a memory map,
+which a file truncated by another process would turn into a SIGBUS), cast on the way (numpy,
+`formats.casts`: no torch), hashed as written; with `verify`, each range is read back and compared with
+an independent read of the source (`formats.shard_check`): on a local disk by a checker thread that
+follows the writer, on a bucket once the object is written. It reports the shard
 as `plumbing.staging.Written` (size, the checksum the store will report, the store's stamp), which
 the coordinator checks before the commit. A job is safe to run again: it rewrites its file with the
 same bytes. `run_unit(plan, unit, staging)` is `run_job(shard_job(plan, unit, staging))`.
@@ -39,7 +41,8 @@ from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, Written, written
-from ckptflow.plumbing.storage import ShortRead, is_local, local_path, mapped, open_fs, protocol, read_ranges
+from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs, protocol, read_into, read_ranges
+from ckptflow.plumbing.redaction import describe
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +194,7 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     except EOFError as exc:
         raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
     except OSError as exc:
-        raise OutputError(f"cannot write {uri} ({exc})", file=uri,
+        raise OutputError(f"cannot write {uri} ({describe(exc)})", file=uri,
                           hint="check the destination is writable and has room, then run again") from exc
 
 
@@ -281,22 +284,39 @@ def _open_output(uri: str) -> Any:
     return fs.open(path, "wb")
 
 
+# Source bytes read per cast on a local disk: small enough to stay in the CPU's cache between the read
+# and the cast.
+_CAST_PIECE = 4 << 20
+_scratch = threading.local()
+
+
 def _fill(batch: Batch, out: np.ndarray) -> None:
-    """Copy (and cast) one batch's source bytes into `out` (uint8): local files through memory-mapped
-    windows, other stores through one `fs.cat_ranges` round for the whole batch."""
+    """Copy (and cast) one batch's source bytes into `out` (uint8): local files by `preadv` (into `out`
+    itself when the dtype stays, else piece by piece through a scratch buffer), other stores through
+    one `fs.cat_ranges` round for the whole batch."""
     remote = [i for i, c in enumerate(batch.copies) if not is_local(c.uri)]
     try:
         fetched = read_ranges([(batch.copies[i].uri, batch.copies[i].start, batch.copies[i].end) for i in remote])
         blobs = dict(zip(remote, fetched))
         for i, copy in enumerate(batch.copies):
-            numel = (copy.end - copy.start) // DTYPE_SIZES[copy.dtype]
-            dest = out[copy.dest:copy.dest + numel * DTYPE_SIZES[copy.out_dtype]]
+            size, out_size = DTYPE_SIZES[copy.dtype], DTYPE_SIZES[copy.out_dtype]
+            numel = (copy.end - copy.start) // size
+            dest = out[copy.dest:copy.dest + numel * out_size]
             blob = blobs.get(i)
             if blob is not None:
                 cast_into(dest, copy.out_dtype, blob, copy.dtype)
-                continue
-            with mapped(copy.uri, copy.start, copy.end) as view:
-                cast_into(dest, copy.out_dtype, view, copy.dtype)
+            elif copy.dtype == copy.out_dtype:
+                read_into([(copy.uri, copy.start, copy.end, memoryview(dest))])
+            else:
+                per = max(1, _CAST_PIECE // size)
+                scratch = getattr(_scratch, "buffer", None)
+                if scratch is None:
+                    scratch = _scratch.buffer = np.empty(per * size, dtype=np.uint8)
+                for lo in range(0, numel, per):
+                    n = min(per, numel - lo)
+                    raw = scratch[:n * size]
+                    read_into([(copy.uri, copy.start + lo * size, copy.start + (lo + n) * size, memoryview(raw))])
+                    cast_into(dest[lo * out_size:(lo + n) * out_size], copy.out_dtype, raw, copy.dtype)
     except OSError as exc:
         raise _source_error(exc, [c.uri for c in batch.copies]) from exc
 
@@ -309,7 +329,7 @@ def _source_error(exc: BaseException, uris: Sequence[str]) -> CkptflowError:
             hint="the file was truncated or replaced while being read; copy it again and re-run",
         )
     return SourceReadError(
-        f"cannot read the checkpoint: {type(exc).__name__}: {exc} (reading {', '.join(files)})",
+        f"cannot read the checkpoint: {describe(exc)} (reading {', '.join(files)})",
         file=files[0] if len(files) == 1 else None,
         hint="check access to the store and run again; nothing was written to OUT",
     )

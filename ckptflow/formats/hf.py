@@ -22,9 +22,11 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptflow.errors import CheckpointError
+from ckptflow.errors import CheckpointError, CorruptFileError
+from ckptflow.plumbing.files import check_regular, copy_regular, load_json, open_regular, read_regular, write_bytes
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import join, open_fs
+from ckptflow.plumbing.storage import is_local, join, open_fs
+from ckptflow.plumbing.text import excerpt, one_line
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -190,7 +192,105 @@ def read_header(raw_prefix: bytes) -> tuple[int, dict[str, object]]:
     return 8 + size, json.loads(raw_prefix[8:8 + size])
 
 
+# ---- reading a safetensors header ------------------------------------------------------------------
+
+# safetensors' own bound on a header (`MAX_HEADER_SIZE` in its reader), and every dtype it knows with
+# its size in bits (F4 and F6 pack below a byte).
+MAX_SAFETENSORS_HEADER = 100_000_000
+SAFETENSORS_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+_ST_HINT = "safetensors cannot load it: push the complete file, or leave it out"
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """What a safetensors file's header says, after every check safetensors itself makes."""
+
+    uri: str
+    header_size: int  # the JSON header's bytes, without the 8-byte length before it
+    tensors: Mapping[str, tuple[str, tuple[int, ...], int, int]]  # name -> (dtype, shape, begin, end)
+    metadata: Mapping[str, str]
+
+    @property
+    def parameters(self) -> int:
+        return sum(element_count(shape) for _dtype, shape, _b, _e in self.tensors.values())
+
+
+def read_safetensors_header(uri: str, *, inside: str | None = None) -> SafetensorsHeader:
+    """The header of the safetensors file at `uri`, read and checked as safetensors reads it: at most
+    `MAX_SAFETENSORS_HEADER` bytes (a larger length is refused before anything is read), UTF-8 JSON
+    nested at most `plumbing.files.MAX_JSON_DEPTH` deep, an object of tensors with a known dtype, a
+    shape of non-negative integers and byte offsets that cover the data exactly, in order, without
+    gaps; `__metadata__` strings to strings. A `CorruptFileError` naming the file says what is wrong."""
+    def bad(why: str) -> CorruptFileError:
+        return CorruptFileError(f"{uri} is not a valid safetensors file: {why}", file=uri, hint=_ST_HINT)
+
+    with open_regular(uri, inside=inside) as fh:
+        size = check_regular(uri, inside=inside)
+        prefix = fh.read(8)
+        if prefix.startswith(b"version "):
+            raise bad("it is a Git LFS pointer, not the file (run `git lfs pull`)")
+        if len(prefix) < 8:
+            raise bad(f"it is {len(prefix)} bytes long, shorter than the 8-byte header length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_SAFETENSORS_HEADER:
+            raise bad(f"its header length says {length:,} bytes, more than safetensors reads "
+                      f"({MAX_SAFETENSORS_HEADER:,})")
+        if 8 + length > size:
+            raise bad(f"its header length says {length:,} bytes but the file holds {size - 8:,} after it")
+        raw = fh.read(length)
+    if len(raw) != length:
+        raise bad("it changed while being read")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("its header is not UTF-8 text") from None
+    try:
+        doc = load_json(text)
+    except ValueError as exc:
+        raise bad(f"its header is not valid JSON ({one_line(str(exc), 120)})") from None
+    if not isinstance(doc, dict):
+        raise bad("its header is not a JSON object")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("its __metadata__ is not an object of strings")
+    tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for name, info in doc.items():
+        what = f"tensor {excerpt(name)}"
+        if not isinstance(info, dict):
+            raise bad(f"{what} is described by {excerpt(info)}, not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in SAFETENSORS_BITS:
+            raise bad(f"{what} has the dtype {excerpt(dtype)}, which safetensors does not know")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"{what} has the shape {excerpt(shape)}, not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+            raise bad(f"{what} has the data offsets {excerpt(offsets)}, not two non-negative integers")
+        bits = element_count(shape) * SAFETENSORS_BITS[dtype]
+        if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+            raise bad(f"{what} has {offsets[1] - offsets[0]:,} bytes of data for a {dtype} tensor of shape "
+                      f"{excerpt(shape, 80)}")
+        tensors[name] = (dtype, tuple(shape), offsets[0], offsets[1])
+    end = 0
+    for name, (_dtype, _shape, begin, stop) in sorted(tensors.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin != end:
+            raise bad(f"tensor {excerpt(name)} starts at byte {begin:,} of the data, where {end:,} was expected "
+                      "(tensors must follow each other without gaps)")
+        end = stop
+    if 8 + length + end != size:
+        raise bad(f"its tensors cover {end:,} bytes of data but the file holds {size - 8 - length:,}")
+    return SafetensorsHeader(uri, length, tensors, metadata)
+
+
 # ---- files that travel with the model -------------------------------------------------------------
+
+# config.json is parsed (its dtype is rewritten): a config is kilobytes, a few MB with a large label map.
+MAX_CONFIG_BYTES = 16 << 20
+_SIDE_HINT = ("config, generation config and tokenizer files are carried into the model folder: replace it with a "
+              "regular file in the checkpoint folder, or remove it")
 
 
 def find_side_files(root: str) -> list[str]:
@@ -203,15 +303,37 @@ def find_side_files(root: str) -> list[str]:
     return [name for name in SIDE_FILES if name in present]
 
 
-def rewrite_config(raw: bytes, dtype: str) -> bytes:
+def check_side_files(root: str, names: Sequence[str]) -> int:
+    """The bytes the side files `names` of `root` take, each checked before anything is written: a
+    regular file that stays inside `root` (`plumbing.files`), and config.json parsed."""
+    total = 0
+    for name in names:
+        uri = join(root, name)
+        total += check_regular(uri, inside=_inside(root), hint=_SIDE_HINT)
+        if name == CONFIG_NAME:
+            rewrite_config(read_config(root), "float32", uri=uri)
+    return total
+
+
+def read_config(root: str) -> bytes:
+    """The bytes of `root`'s config.json: a regular file of at most `MAX_CONFIG_BYTES`."""
+    return read_regular(join(root, CONFIG_NAME), limit=MAX_CONFIG_BYTES, what="config.json", inside=_inside(root),
+                        hint=_SIDE_HINT)
+
+
+def rewrite_config(raw: bytes, dtype: str, *, uri: str = CONFIG_NAME) -> bytes:
     """`config.json` with its dtype set to `dtype` (a torch dtype name such as "bfloat16").
 
     `torch_dtype` (what transformers 4 reads) is always set; `dtype` (what transformers 5 writes and
     prefers) is set too when the config has it. Everything else is kept as it was, in its order.
-    """
-    config = json.loads(raw)
+    JSON nested deeper than `plumbing.files.MAX_JSON_DEPTH` is refused."""
+    try:
+        config = load_json(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{uri} is not valid JSON ({one_line(str(exc), 200)})", file=uri,
+                              hint="fix or remove config.json in the checkpoint folder") from None
     if not isinstance(config, dict):
-        raise CheckpointError("config.json does not hold a JSON object", file=CONFIG_NAME,
+        raise CheckpointError(f"{uri} does not hold a JSON object", file=uri,
                               hint="fix or remove config.json in the checkpoint folder")
     if "dtype" in config:
         config["dtype"] = dtype
@@ -220,25 +342,22 @@ def rewrite_config(raw: bytes, dtype: str) -> bytes:
 
 
 def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> dict[str, int]:
-    """Copy `names` from `root` into `dest`, rewriting `config.json`'s dtype; {name: bytes written}."""
-    src_fs, src_path = open_fs(root)
-    dst_fs, dst_path = open_fs(dest)
+    """Copy `names` from `root` into `dest`, rewriting `config.json`'s dtype; {name: bytes written}.
+    Regular files only (`plumbing.files`); a write that fails is an `OutputError`."""
     written = {}
     for name in names:
-        raw = src_fs.cat_file(posixpath.join(src_path, name))
         if name == CONFIG_NAME:
-            try:
-                raw = rewrite_config(raw, dtype)
-            except (ValueError, UnicodeDecodeError) as exc:
-                if isinstance(exc, CheckpointError):
-                    raise
-                raise CheckpointError(
-                    f"{join(root, name)} is not valid JSON ({exc})", file=join(root, name),
-                    hint="fix or remove config.json in the checkpoint folder",
-                ) from None
-        dst_fs.pipe_file(posixpath.join(dst_path, name), raw)
-        written[name] = len(raw)
+            raw = rewrite_config(read_config(root), dtype, uri=join(root, name))
+            write_bytes(join(dest, name), raw)
+            written[name] = len(raw)
+        else:
+            written[name] = copy_regular(join(root, name), join(dest, name), inside=_inside(root), hint=_SIDE_HINT)
     return written
+
+
+def _inside(root: str) -> str | None:
+    """Links in a local checkpoint folder must stay inside it."""
+    return root if is_local(root) else None
 
 
 __all__ = [
@@ -247,14 +366,19 @@ __all__ = [
     "PROVENANCE_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
+    "MAX_SAFETENSORS_HEADER",
     "SIDE_FILES",
+    "SafetensorsHeader",
     "SafetensorsLayout",
     "TensorSlot",
+    "check_side_files",
     "copy_side_files",
     "find_side_files",
     "index_json",
     "pack_shards",
+    "read_config",
     "read_header",
+    "read_safetensors_header",
     "rewrite_config",
     "safetensors_layout",
     "shard_filename",

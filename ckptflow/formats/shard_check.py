@@ -26,7 +26,8 @@ from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, scalar
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.plumbing.progress import Progress
-from ckptflow.plumbing.storage import is_local, local_path, mapped, open_fs, read_into
+from ckptflow.plumbing.storage import is_local, local_path, open_fs, read_into
+from ckptflow.plumbing.redaction import describe
 
 
 class _Run(Protocol):
@@ -49,18 +50,15 @@ class SourceTensor(Protocol):
 
 
 class _Bytes:
-    """Byte ranges as buffers, valid inside `with bytes.get(...)`: local files through a memory-mapped
-    window (no copy), other stores through a range read into a reused scratch buffer."""
+    """Byte ranges as buffers, valid inside `with bytes.get(...)`: a range read (`preadv` on a local
+    disk, never a memory map: a source truncated meanwhile must be a read error, not a SIGBUS) into a
+    reused scratch buffer."""
 
     def __init__(self, scratch_bytes: int) -> None:
         self.scratch = np.empty(scratch_bytes, dtype=np.uint8)
 
     @contextlib.contextmanager
     def get(self, uri: str, start: int, end: int) -> Iterator[Any]:
-        if is_local(uri):
-            with mapped(uri, start, end) as view:
-                yield view
-            return
         if self.scratch.size < end - start:
             self.scratch = np.empty(end - start, dtype=np.uint8)
         raw = self.scratch[:end - start]
@@ -83,7 +81,7 @@ def read_source_into(tensor: SourceTensor, lo: int, hi: int, out: np.ndarray, dt
             with source.get(run.ref.uri, start, end) as raw:
                 cast_into(out[(a - lo) * size:(b - lo) * size], dtype, raw, run.ref.dtype)
         except (OSError, EOFError) as exc:
-            raise VerificationError(f"cannot read the source again to check the output ({exc})", file=run.ref.uri,
+            raise VerificationError(f"cannot read the source again to check the output ({describe(exc)})", file=run.ref.uri,
                                     hint="the checkpoint changed or became unreadable while converting; run again",
                                     ) from exc
 
@@ -197,7 +195,7 @@ def _compare_chunk(uri: str, shard: _Bytes, start: int, want: np.ndarray, slot: 
                 hasher.update(view)
             del got
     except (OSError, EOFError) as exc:
-        raise VerificationError(f"cannot read {slot.name} back from {uri} ({exc})", file=uri,
+        raise VerificationError(f"cannot read {slot.name} back from {uri} ({describe(exc)})", file=uri,
                                 tensor=slot.name, hint="the shard is damaged; run again") from exc
 
 
@@ -211,7 +209,7 @@ def _check_file(uri: str, expected: hf.SafetensorsLayout) -> int:
         length = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
         prefix = fs.cat_file(path, start=0, end=min(size, length, 8 + (100 << 20)))
     except (OSError, ValueError) as exc:
-        raise VerificationError(f"cannot reopen {uri} ({exc})", file=uri, hint="the shard was not written") from exc
+        raise VerificationError(f"cannot reopen {uri} ({describe(exc)})", file=uri, hint="the shard was not written") from exc
     _check_header(uri, prefix, expected)
     if size != expected.file_size:
         raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,
@@ -225,7 +223,7 @@ def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsLayout) -> No
     try:
         _, header = hf.read_header(prefix)
     except ValueError as exc:
-        raise VerificationError(f"{uri} has no readable safetensors header ({exc})", file=uri,
+        raise VerificationError(f"{uri} has no readable safetensors header ({describe(exc)})", file=uri,
                                 hint="the shard is damaged; run again") from None
     header.pop("__metadata__", None)
     want = {s.name: s for s in expected.slots}
@@ -253,7 +251,7 @@ def _check_with_safetensors(path: str, names: list[str]) -> None:
         with safe_open(path, framework="numpy") as f:  # the header is all that is read: no torch needed
             keys = sorted(f.keys())
     except Exception as exc:
-        raise VerificationError(f"safetensors cannot open {path} ({exc})", file=path,
+        raise VerificationError(f"safetensors cannot open {path} ({describe(exc)})", file=path,
                                 hint="the shard is damaged; run again") from None
     if keys != sorted(names):
         raise VerificationError(f"safetensors sees other tensors in {path} than were planned", file=path)

@@ -40,6 +40,7 @@ from ckptflow.formats.serialization_id import serialization_id
 from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.redaction import describe
 
 from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
@@ -677,7 +678,7 @@ def write_pickled(uri: str, data: bytes, storages: Sequence[OutStorage], reader:
     except CkptflowError:
         raise
     except OSError as exc:  # reading errors are SourceReadErrors by now: this one is the output's
-        raise OutputError(f"cannot write {uri} ({exc})", uri=uri,
+        raise OutputError(f"cannot write {uri} ({describe(exc)})", uri=uri,
                           hint="check the destination is writable and has room, then run again") from exc
 
 

@@ -2,7 +2,12 @@
 
 This is the one module that turns checkpoint pickles into data. Its unpickler resolves globals
 through an allow-list of the names real DeepSpeed checkpoints use, each mapped to plain data; any
-other global is refused with `UnsafePickleError` before anything runs. Tensors come back as
+other global is refused with `UnsafePickleError` before anything runs. Unpickling is bounded: the
+pickle's size and opcode count, tuples nested at most `MAX_DEPTH` deep while they are built (hashing a
+deeper one overflows the C stack), BUILD only on the objects that take state, and the object tree
+it yields at most `MAX_DEPTH` deep and `MAX_OBJECTS` nodes with shared references counted every
+time they are reached (so a "billion laughs" of shared lists is refused, never expanded); shared
+references stay shared in what `Archive.obj` holds. Tensors come back as
 `TensorRef`s: dtype, shape, stride, storage offset and the exact byte range of their storage in the
 file. Opening an archive reads its zip directory, its pickle and the 30-byte local headers of its
 non-empty storages, each by an exact byte range (no read-ahead into tensor data): on a bucket that is
@@ -21,6 +26,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import struct
 import threading
 import zipfile
@@ -32,6 +38,8 @@ from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileE
 from ckptflow.formats.deepspeed.names import ENUMS, RECORDS
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, open_fs, read_ranges
+from ckptflow.plumbing.text import excerpt, one_line, plain
+from ckptflow.plumbing.redaction import describe
 
 # Storage class name -> (dtype name, item size in bytes).
 STORAGE_DTYPES: dict[str, tuple[str, int]] = {
@@ -52,6 +60,14 @@ DTYPE_SIZES: dict[str, int] = {name: size for name, size in STORAGE_DTYPES.value
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
+
+# Bounds on what one pickle may cost. DeepSpeed's largest pickles (model states of a model with tens of
+# thousands of tensors) are a few MB of a few hundred thousand opcodes, nest under ten levels and hold
+# a few objects per tensor.
+MAX_PICKLE_BYTES = 256 << 20
+MAX_PICKLE_OPS = 20_000_000
+MAX_DEPTH = 100
+MAX_OBJECTS = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +186,231 @@ class _Marker:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+class _Unpickler(pickle._Unpickler):  # the Python implementation: its loop and dispatch table can be bounded
+    """The allow-list unpickler of one archive's pickle, with the bounds of the module docstring.
+
+    The Python implementation rather than the C one: its memo is a dict (the C unpickler grows an
+    array to the largest index a PUT names: a 5-byte opcode costs gigabytes), its loop counts
+    opcodes, and its dispatch table lets the opcodes that build, hash and instantiate be checked.
+    Its speed (about a microsecond an opcode) is no cost next to the files' sizes.
+
+    Hashing is where a pickle can hurt while it loads: a tuple's hash recurses in C without a guard
+    (one nested 100,000 deep crashes the interpreter) and is not cached (one made of shared tuples
+    costs its whole expansion, every time it is hashed). So every tuple and frozenset is measured as
+    it is built (how deep, how many nodes when expanded) and refused past `MAX_DEPTH` / `MAX_OBJECTS`,
+    and every key or member hashed (SETITEM, SETITEMS, DICT, ADDITEMS, FROZENSET, the set, frozenset
+    and OrderedDict constructors) is charged its expansion against a budget of `MAX_OBJECTS`."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, data: bytes, archive: "Archive") -> None:
+        super().__init__(io.BytesIO(data))
+        self.archive = archive
+        self.storages: dict[str, _Storage] = {}
+        self.sizes: dict[int, tuple[Any, int, int]] = {}  # id -> (tuple or frozenset, height, nodes expanded)
+        self.hashed = 0  # nodes hashed so far
+
+    def load(self) -> Any:  # pickle._Unpickler.load with an opcode budget
+        self._unframer = pickle._Unframer(self._file_read, self._file_readline)
+        self.read, self.readinto, self.readline = self._unframer.read, self._unframer.readinto, self._unframer.readline
+        self.metastack, self.stack = [], []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            for _ in range(MAX_PICKLE_OPS):
+                key = read(1)
+                if not key:
+                    raise EOFError("the pickle ends before its STOP opcode")
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:
+            return stop.value
+        raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} opcodes")
+
+    def find_class(self, module: str, name: str) -> Any:
+        return self.archive._find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unknown persistent id ({_what(pid)}), where torch writes a storage tuple")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _StorageType) or not isinstance(key, str) or type(numel) is not int:
+            raise pickle.UnpicklingError("malformed storage reference")
+        _check_storage(self.archive, key, stype.dtype, numel)
+        storage = self.storages.get(key)
+        if storage is None:
+            storage = self.storages[key] = _Storage(key, stype.dtype, numel)
+        return storage
+
+    # -- measuring what gets hashed ----------------------------------------------------------------
+
+    def _nodes(self, item: Any) -> int:
+        known = self.sizes.get(id(item))
+        return known[2] if known is not None else 1
+
+    def _measure(self, value: Any) -> None:
+        """Record how deep and how large (expanded) a tuple or frozenset just built is."""
+        if not value:
+            return
+        height, nodes = 0, 1
+        for item in value:
+            known = self.sizes.get(id(item))
+            if known is not None:
+                height, nodes = max(height, known[1]), nodes + known[2]
+            else:
+                nodes += 1
+        if height + 1 > MAX_DEPTH:
+            raise pickle.UnpicklingError(f"tuples or frozensets nested more than {MAX_DEPTH} deep")
+        if nodes > MAX_OBJECTS:
+            raise pickle.UnpicklingError(f"a tuple of shared references that expands to more than {MAX_OBJECTS:,} objects")
+        self.sizes[id(value)] = (value, height + 1, nodes)
+
+    def _charge(self, items: Any) -> None:
+        """Count what hashing `items` costs against the budget."""
+        if isinstance(items, dict):
+            items = items.keys()
+        elif not isinstance(items, list | tuple | set | frozenset):
+            raise pickle.UnpicklingError(f"a set or dict built from {_what(items)}")
+        self.hashed += sum(self._nodes(item) for item in items)
+        if self.hashed > MAX_OBJECTS:
+            raise pickle.UnpicklingError(f"its keys and set members expand to more than {MAX_OBJECTS:,} objects")
+
+    def load_setitem(self) -> None:
+        self._charge((self.stack[-2],))
+        pickle._Unpickler.load_setitem(self)
+
+    def load_setitems(self) -> None:
+        self._charge(self.stack[::2])
+        pickle._Unpickler.load_setitems(self)
+
+    def load_dict(self) -> None:
+        self._charge(self.stack[::2])
+        pickle._Unpickler.load_dict(self)
+
+    def load_additems(self) -> None:
+        self._charge(self.stack)
+        pickle._Unpickler.load_additems(self)
+
+    def load_frozenset(self) -> None:
+        self._charge(self.stack)
+        pickle._Unpickler.load_frozenset(self)
+        self._measure(self.stack[-1])
+
+    def load_reduce(self) -> None:
+        if len(self.stack) < 2 or not isinstance(self.stack[-1], tuple):
+            raise pickle.UnpicklingError("REDUCE without a callable and an argument tuple")
+        func, args = self.stack[-2], self.stack[-1]
+        if func in (set, frozenset, OrderedDict):
+            for arg in args:
+                self._charge(arg)
+        pickle._Unpickler.load_reduce(self)
+        if type(self.stack[-1]) is frozenset:
+            self._measure(self.stack[-1])
+
+    def load_newobj(self) -> None:
+        self._record_only(self.stack[-2] if len(self.stack) >= 2 else None)
+        pickle._Unpickler.load_newobj(self)
+
+    def load_newobj_ex(self) -> None:
+        self._record_only(self.stack[-3] if len(self.stack) >= 3 else None)
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
+        self._record_only(klass)
+        pickle._Unpickler._instantiate(self, klass, args)
+
+    def _record_only(self, cls: Any) -> None:
+        """NEWOBJ, NEWOBJ_EX, INST and OBJ make instances of DeepSpeed's records only (the allowed
+        builtins and torch names are built through REDUCE, as torch pickles them)."""
+        if cls not in self.archive._records.values():
+            raise pickle.UnpicklingError(f"an instance of {_what(cls)} made without REDUCE")
+
+    def load_build(self) -> None:
+        """BUILD only on DeepSpeed's records (their state is kept) and on dicts (torch's `_metadata`
+        attribute of a state dict): never on a storage reference, a function or a type marker."""
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("BUILD with nothing to build")
+        state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) in self.archive._records.values() or (
+            isinstance(inst, OrderedDict) and isinstance(state, dict) and all(type(k) is str for k in state)
+        ):
+            return pickle._Unpickler.load_build(self)
+        raise pickle.UnpicklingError(f"BUILD gives {_what(inst)} a state it cannot take")
+
+
+def _measured(original: Any) -> Any:
+    def load(self: _Unpickler) -> None:
+        original(self)
+        self._measure(self.stack[-1])
+
+    return load
+
+
+for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
+    _Unpickler.dispatch[_op[0]] = _measured(pickle._Unpickler.dispatch[_op[0]])
+for _op, _method in ((pickle.SETITEM, _Unpickler.load_setitem), (pickle.SETITEMS, _Unpickler.load_setitems),
+                     (pickle.DICT, _Unpickler.load_dict), (pickle.ADDITEMS, _Unpickler.load_additems),
+                     (pickle.FROZENSET, _Unpickler.load_frozenset), (pickle.REDUCE, _Unpickler.load_reduce),
+                     (pickle.NEWOBJ, _Unpickler.load_newobj), (pickle.NEWOBJ_EX, _Unpickler.load_newobj_ex),
+                     (pickle.BUILD, _Unpickler.load_build)):
+    _Unpickler.dispatch[_op[0]] = _method
+
+
+def _check_storage(archive: "Archive", key: Any, dtype: Any, numel: Any) -> None:
+    """A storage reference names an entry of the archive that holds exactly its bytes."""
+    if not isinstance(key, str) or key not in archive._entries:
+        raise pickle.UnpicklingError(f"storage {_key(key)} is named in the pickle but missing from the archive")
+    if dtype not in DTYPE_SIZES:
+        raise pickle.UnpicklingError(f"storage {_key(key)} has an unknown dtype {excerpt(dtype)}")
+    if type(numel) is not int or numel < 0:
+        raise pickle.UnpicklingError(f"storage {_key(key)} has an element count of {excerpt(numel)}")
+    expected = numel * DTYPE_SIZES[dtype]
+    if archive._entries[key].file_size != expected:
+        raise pickle.UnpicklingError(
+            f"storage {_key(key)} holds {archive._entries[key].file_size} bytes, expected {excerpt(expected)}")
+
+
+def _qualname(qual: str, limit: int = 120) -> str:
+    """A global's dotted name for a message: as it is, control characters escaped, cut when long."""
+    return plain(qual) if len(qual) <= limit else f"{plain(qual[:limit])}... ({len(qual):,} characters)"
+
+
+def _key(key: Any) -> str:
+    """A storage key for a message: as it is when it looks like one torch writes, else quoted."""
+    return key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else excerpt(key)
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+
+
+def _what(obj: Any) -> str:
+    """What an object from a pickle is, in a few words, whatever it holds."""
+    if isinstance(obj, _Storage):
+        return "a storage reference"
+    if isinstance(obj, _StorageType):
+        return "a storage type"
+    if isinstance(obj, _Marker):
+        return obj.name
+    if callable(obj) and not isinstance(obj, type):
+        return f"the function {getattr(obj, '__name__', '?')}"
+    return excerpt(obj) if isinstance(obj, str | bytes | int | float | bool | type(None)) else f"a {type(obj).__name__}"
+
+
+def _why(exc: BaseException) -> str:
+    """The reason a pickle could not be read, in words a user can act on."""
+    if isinstance(exc, pickle.UnpicklingError):
+        return one_line(str(exc), 300)
+    if isinstance(exc, RecursionError):
+        return f"it nests objects more than {MAX_DEPTH} deep"
+    if isinstance(exc, MemoryError):
+        return "it needs more memory than any checkpoint pickle"
+    if isinstance(exc, EOFError):
+        return "it is truncated"
+    if isinstance(exc, OverflowError):
+        return f"a number out of range: {one_line(str(exc), 200)}"
+    return f"{type(exc).__name__}: {one_line(str(exc), 200)}"
 
 
 class Archive:
@@ -299,6 +540,12 @@ class Archive:
                             f"{self.uri} was written on a big-endian machine", file=self.uri,
                             hint="re-save it on a little-endian machine",
                         )
+                    if pkl.file_size > MAX_PICKLE_BYTES:
+                        raise CorruptFileError(
+                            f"{self.uri}: its pickle is {pkl.file_size:,} bytes, more than a checkpoint's can be "
+                            f"({MAX_PICKLE_BYTES:,} at most)", file=self.uri,
+                            hint="the file is damaged or not a DeepSpeed checkpoint file",
+                        )
                     data_pkl = zf.read(pkl)
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError) as exc:
             if isinstance(exc, CorruptFileError):
@@ -306,7 +553,7 @@ class Archive:
             if isinstance(exc.__context__, OSError):  # zipfile reports a failed read as "not a zip file"
                 raise read_error(self.uri, exc.__context__) from exc.__context__
             raise CorruptFileError(
-                f"{self.uri} is not a readable torch archive ({exc})", file=self.uri,
+                f"{self.uri} is not a readable torch archive ({one_line(str(exc), 200)})", file=self.uri,
                 hint="the file is truncated or not a checkpoint; copy it again from the training run",
             ) from None
         return prefix, names, data_pkl
@@ -315,59 +562,35 @@ class Archive:
         hit = self.cache.get(data) if self.cache is not None else None
         if hit is not None:
             return self._from_template(*hit)
-        storages: dict[str, _Storage] = {}
-        archive = self
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module: str, name: str) -> Any:
-                return archive._find_class(module, name)
-
-            def persistent_load(self, pid: Any) -> Any:
-                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                    raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
-                _, stype, key, _location, numel = pid
-                if not isinstance(stype, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
-                    raise pickle.UnpicklingError(f"malformed storage reference {pid!r:.80}")
-                archive._check_storage(key, numel * DTYPE_SIZES[stype.dtype])
-                storage = storages.get(key)
-                if storage is None:
-                    storage = storages[key] = _Storage(key, stype.dtype, numel)
-                return storage
-
+        unpickler = _Unpickler(data, self)
         try:
-            obj = Unpickler(io.BytesIO(data)).load()
+            obj = unpickler.load()
         except UnsafePickleError:
             raise
         except Exception as exc:  # any malformed pickle: never let it escape as a traceback
             raise self._pickle_error(exc) from None
-        self._resolve_offsets(sorted(storages))
-        plain = _to_plain(obj, self)
+        self._resolve_offsets(sorted(unpickler.storages))
+        tree = _to_plain(obj, self)
         if self.cache is not None:
-            self.cache.put(data, plain, {k: s.numel * DTYPE_SIZES[s.dtype] for k, s in storages.items()})
-        return plain
-
-    def _check_storage(self, key: str, expected: int) -> None:
-        if key not in self._entries:
-            raise pickle.UnpicklingError(f"storage {key} is named in the pickle but missing from the archive")
-        if self._entries[key].file_size != expected:
-            raise pickle.UnpicklingError(f"storage {key} holds {self._entries[key].file_size} bytes, expected {expected}")
+            self.cache.put(data, tree, {k: (s.dtype, s.numel) for k, s in unpickler.storages.items()})
+        return tree
 
     def _pickle_error(self, exc: BaseException) -> CorruptFileError:
         return CorruptFileError(
-            f"{self.uri}: cannot read its pickle ({type(exc).__name__}: {exc})", file=self.uri,
+            f"{self.uri}: cannot read its pickle ({_why(exc)})", file=self.uri,
             hint="the file is corrupt or truncated; copy it again from the training run",
         )
 
-    def _from_template(self, template: Any, sizes: dict[str, int]) -> Any:
+    def _from_template(self, template: Any, storages: dict[str, tuple[str, int]]) -> Any:
         """The tree of a pickle already unpickled from another file: its storages checked against
         this archive's records, and its non-empty tensors pointed at this file."""
         try:
-            for key, nbytes in sizes.items():
-                self._check_storage(key, nbytes)
+            for key, (dtype, numel) in storages.items():
+                _check_storage(self, key, dtype, numel)
         except pickle.UnpicklingError as exc:
             raise self._pickle_error(exc) from None
-        self._resolve_offsets(sorted(sizes))
-        return _rebase(template, self)
+        self._resolve_offsets(sorted(storages))
+        return _rebase(template, self, {})
 
     def _find_class(self, module: str, name: str) -> Any:
         if module == "__builtin__":  # protocol-2 pickles use Python 2's module name
@@ -384,7 +607,7 @@ class Archive:
         if module == "torch" and name in DTYPE_SIZES:
             return name
         raise UnsafePickleError(
-            f"{self.uri} refers to {qual}, which ckptflow does not load", file=self.uri, actual=qual,
+            f"{self.uri} refers to {_qualname(qual)}, which ckptflow does not load", file=self.uri, actual=qual,
             hint="refused without running anything; only torch tensors and DeepSpeed's checkpoint "
             "classes are allowed; if this file is yours, re-save it without custom objects",
         )
@@ -429,25 +652,59 @@ class Archive:
                 )
             self._data_offsets[key] = offset
 
-    def tensor(self, storage: _Storage, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> TensorRef:
+    def tensor(self, record: _TensorRecord) -> TensorRef:
+        """The `TensorRef` of a tensor record, checked as it is used: its storage reference as it ended
+        up after the whole pickle ran (a BUILD cannot have changed it behind `persistent_load`'s
+        check), every dimension at least 0, every element inside the storage."""
+        storage = record.storage
+        try:
+            _check_storage(self, storage.key, storage.dtype, storage.numel)
+        except pickle.UnpicklingError as exc:
+            raise CorruptFileError(f"{self.uri}: {exc}", file=self.uri, hint="the file is corrupt; copy it again") from None
+        if any(d < 0 for d in record.shape):
+            raise CorruptFileError(f"{self.uri}: a tensor of storage {_key(storage.key)} has the shape "
+                                   f"{excerpt(list(record.shape), 120)}, with a negative dimension", file=self.uri,
+                                   hint="the file is corrupt; copy it again")
         ref = TensorRef(
-            uri=self.uri, key=storage.key, dtype=storage.dtype, shape=tuple(shape), stride=tuple(stride),
-            storage_offset=offset, storage_numel=storage.numel, data_offset=self._data_offsets[storage.key],
+            uri=self.uri, key=storage.key, dtype=storage.dtype, shape=record.shape, stride=record.stride,
+            storage_offset=record.offset, storage_numel=storage.numel, data_offset=self._data_offsets[storage.key],
         )
         if ref.numel:
-            last = offset + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride))
-            if offset < 0 or last >= storage.numel:
+            reach = [(d - 1) * s for d, s in zip(ref.shape, ref.stride)]
+            first = record.offset + sum(r for r in reach if r < 0)
+            last = record.offset + sum(r for r in reach if r > 0)
+            if first < 0 or last >= storage.numel:
                 raise CorruptFileError(
-                    f"{self.uri}: a tensor reaches past its storage {storage.key}", file=self.uri,
+                    f"{self.uri}: a tensor reaches past its storage {_key(storage.key)}", file=self.uri,
                     hint="the file is corrupt; copy it again",
                 )
         return ref
 
 
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> tuple:
+class _TensorRecord:
+    """A tensor as the pickle rebuilt it: storage, offset, shape, stride (a class the pickle cannot name)."""
+
+    __slots__ = ("storage", "offset", "shape", "stride")
+
+    def __init__(self, storage: "_Storage", offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or len(value) > 64 or any(type(x) is not int for x in value):
+        raise pickle.UnpicklingError(f"a tensor's {what} is {_what(value)}, not a tuple of integers")
+    return tuple(value)
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> _TensorRecord:
     if not isinstance(storage, _Storage):
         raise pickle.UnpicklingError("tensor without a storage")
-    return ("__tensor__", storage, int(offset), tuple(int(x) for x in size), tuple(int(x) for x in stride))
+    if type(offset) is not int:
+        raise pickle.UnpicklingError(f"a tensor's storage offset is {_what(offset)}, not an integer")
+    shape, strides = _ints(size, "shape"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(f"a tensor has {len(shape)} dimensions but {len(strides)} strides")
+    return _TensorRecord(storage, offset, shape, strides)
 
 
 def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
@@ -461,11 +718,13 @@ def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any
 
 
 def _size(dims: Any = ()) -> tuple[int, ...]:
-    return tuple(int(d) for d in dims)
+    return _ints(dims, "shape")
 
 
 def _device(kind: Any, index: Any = None) -> str:
-    return f"{kind}:{index}" if index is not None else str(kind)
+    if not isinstance(kind, str) or not (index is None or type(index) is int):
+        raise pickle.UnpicklingError("a device that is not a name and an index")
+    return f"{kind}:{index}" if index is not None else kind
 
 
 def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
@@ -493,28 +752,118 @@ _SAFE_GLOBALS: dict[str, Any] = {
 }
 
 
-def _to_plain(obj: Any, archive: Archive) -> Any:
-    """Replace tensor tuples by `TensorRef`s and stand-in records by `PickledObject`s, recursively."""
-    if isinstance(obj, tuple):
-        if len(obj) == 5 and obj[0] == "__tensor__" and isinstance(obj[1], _Storage):
-            return archive.tensor(obj[1], obj[2], obj[3], obj[4])
-        return tuple(_to_plain(x, archive) for x in obj)
-    if isinstance(obj, list):
-        return [_to_plain(x, archive) for x in obj]
+def _to_plain(root: Any, archive: Archive) -> Any:
+    """The unpickled tree as plain data: tensor records become `TensorRef`s, DeepSpeed records
+    `PickledObject`s, containers are rebuilt around them.
+
+    Without recursion, each object once: an object reached twice (a shared reference) becomes one
+    plain object reached twice, so a "billion laughs" costs its size in the pickle, not its expansion.
+    The tree is refused (`CorruptFileError`) when it nests more than `MAX_DEPTH` deep, holds a
+    reference cycle, or would hold more than `MAX_OBJECTS` nodes were every shared reference copied:
+    whatever walks it later stays bounded too."""
+    done: dict[int, tuple[Any, int]] = {}  # id -> (plain object, nodes it stands for when expanded)
+    path: set[int] = set()  # the objects being rebuilt: the ancestors of the one on top of the stack
+    seen: set[int] = set()  # tuples and frozensets already checked as keys or set members
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        obj, ready = stack.pop()
+        key = id(obj)
+        if ready:
+            path.discard(key)
+            done[key] = _rebuilt(obj, done, archive)
+            continue
+        if key in done:
+            continue
+        kids = _children(obj, archive, seen)
+        if kids is None:
+            done[key] = (_leaf(obj, archive, seen), 1)
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise _tree_error(archive, f"it nests containers more than {MAX_DEPTH} deep")
+        path.add(key)
+        stack.append((obj, True))
+        for kid in kids:
+            if id(kid) in path:
+                raise _tree_error(archive, "it holds a reference cycle")
+            if id(kid) not in done:
+                stack.append((kid, False))
+    return done[id(root)][0]
+
+
+def _tree_error(archive: Archive, why: str) -> CorruptFileError:
+    return CorruptFileError(f"{archive.uri}: cannot read its pickle ({why})", file=archive.uri,
+                            hint="the file is corrupt or was not written by DeepSpeed; copy it again")
+
+
+def _is_record(obj: Any, archive: Archive) -> bool:
+    return type(obj).__name__ in archive._records and type(obj) is archive._records[type(obj).__name__]
+
+
+def _children(obj: Any, archive: Archive, seen: set[int]) -> Any:
+    """What a container holds (None for a leaf)."""
+    if isinstance(obj, tuple | list):
+        return obj
     if isinstance(obj, dict):
-        out = type(obj)() if isinstance(obj, OrderedDict) else {}
-        for k, v in obj.items():
-            out[k] = _to_plain(v, archive)
-        return out
-    if type(obj).__name__ in archive._records and type(obj) is archive._records[type(obj).__name__]:
-        return PickledObject(type(obj).__name__, _to_plain(obj.args, archive), _to_plain(obj.state, archive))
-    if isinstance(obj, (_Storage, _StorageType, _Marker)):
-        raise CorruptFileError(f"{archive.uri}: a bare storage in the pickle", file=archive.uri)
-    return obj
+        for k in obj:
+            _check_hashable(k, archive, "a dict key", seen)
+        return list(obj.values())
+    if _is_record(obj, archive):
+        return (obj.args, obj.state)
+    return None
+
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _check_hashable(value: Any, archive: Archive, what: str, seen: set[int]) -> None:
+    """A dict key or set member must be plain data: atoms, and tuples and frozensets of them (each
+    looked into once, `seen` remembering which)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, tuple | frozenset):
+            if id(item) not in seen:
+                seen.add(id(item))
+                pending.extend(item)
+        elif not isinstance(item, _ATOMS):
+            raise _tree_error(archive, f"{what} is {_what(item)}, not plain data")
+
+
+def _leaf(obj: Any, archive: Archive, seen: set[int]) -> Any:
+    if isinstance(obj, _TensorRecord):
+        return archive.tensor(obj)
+    if isinstance(obj, _ATOMS):
+        return obj
+    if isinstance(obj, slice) and all(isinstance(x, _ATOMS) for x in (obj.start, obj.stop, obj.step)):
+        return obj
+    if isinstance(obj, set | frozenset):
+        for member in obj:
+            _check_hashable(member, archive, "a set member", seen)
+        return obj
+    raise _tree_error(archive, f"it holds {_what(obj)} where data belongs")
+
+
+def _rebuilt(obj: Any, done: dict[int, tuple[Any, int]], archive: Archive) -> tuple[Any, int]:
+    """(plain copy of `obj` made of its children's, the nodes it stands for when expanded)."""
+    if isinstance(obj, dict):
+        kids = [done[id(v)] for v in obj.values()]
+        plain: Any = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, kid in zip(obj, kids):
+            plain[k] = kid[0]
+    elif _is_record(obj, archive):
+        kids = [done[id(obj.args)], done[id(obj.state)]]
+        plain = PickledObject(type(obj).__name__, kids[0][0], kids[1][0])
+    else:
+        kids = [done[id(v)] for v in obj]
+        plain = [kid[0] for kid in kids] if isinstance(obj, list) else tuple(kid[0] for kid in kids)
+    nodes = 1 + sum(kid[1] for kid in kids)
+    if nodes > MAX_OBJECTS:
+        raise _tree_error(archive, f"its shared references expand to more than {MAX_OBJECTS:,} objects")
+    return plain, nodes
 
 
 def read_error(uri: str, exc: OSError) -> SourceReadError:
-    detail = " ".join(str(exc).split()) or type(exc).__name__
+    detail = describe(exc)
     return SourceReadError(
         f"cannot read {uri} ({detail})", file=uri,
         hint="check access to the store (credentials, permissions, network) and retry",
@@ -531,43 +880,47 @@ class ArchiveCache:
     """Trees of the pickles unpickled so far, by the pickle's bytes; safe to share between threads."""
 
     def __init__(self) -> None:
-        self._trees: dict[bytes, tuple[Any, dict[str, int]]] = {}
+        self._trees: dict[bytes, tuple[Any, dict[str, tuple[str, int]]]] = {}
         self._lock = threading.Lock()
 
-    def get(self, data: bytes) -> tuple[Any, dict[str, int]] | None:
+    def get(self, data: bytes) -> tuple[Any, dict[str, tuple[str, int]]] | None:
         with self._lock:
             return self._trees.get(data)
 
-    def put(self, data: bytes, tree: Any, sizes: dict[str, int]) -> None:
+    def put(self, data: bytes, tree: Any, storages: dict[str, tuple[str, int]]) -> None:
+        """Keep `tree` for `data`, with its storages as (dtype, element count) by key."""
         with self._lock:
-            self._trees.setdefault(data, (tree, sizes))
+            self._trees.setdefault(data, (tree, storages))
 
 
-def _rebase(obj: Any, archive: Archive) -> Any:
+def _rebase(obj: Any, archive: Archive, memo: dict[int, Any]) -> Any:
     """`obj` (a template tree) with each non-empty `TensorRef` pointing into `archive`; containers
-    without such tensors are shared, not copied."""
+    without such tensors are shared, not copied, and an object the template shares stays shared. The
+    template passed `_to_plain`'s bounds (depth and nodes), so the recursion is bounded too."""
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    out = obj
     if isinstance(obj, TensorRef):
-        if not obj.storage_numel:
-            return obj
-        return TensorRef(archive.uri, obj.key, obj.dtype, obj.shape, obj.stride, obj.storage_offset,
-                         obj.storage_numel, archive._data_offsets[obj.key])
-    if isinstance(obj, (list, tuple)):
-        items = [_rebase(x, archive) for x in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj
-        return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, dict):
-        values = [_rebase(v, archive) for v in obj.values()]
-        if all(a is b for a, b in zip(values, obj.values())):
-            return obj
-        out = type(obj)() if isinstance(obj, OrderedDict) else {}
-        for k, v in zip(obj, values):
-            out[k] = v
-        return out
-    if isinstance(obj, PickledObject):
-        args, state = _rebase(obj.args, archive), _rebase(obj.state, archive)
-        return obj if args is obj.args and state is obj.state else PickledObject(obj.qualname, args, state)
-    return obj
+        if obj.storage_numel:
+            out = TensorRef(archive.uri, obj.key, obj.dtype, obj.shape, obj.stride, obj.storage_offset,
+                            obj.storage_numel, archive._data_offsets[obj.key])
+    elif isinstance(obj, (list, tuple)):
+        items = [_rebase(x, archive, memo) for x in obj]
+        if not all(a is b for a, b in zip(items, obj)):
+            out = items if isinstance(obj, list) else tuple(items)
+    elif isinstance(obj, dict):
+        values = [_rebase(v, archive, memo) for v in obj.values()]
+        if not all(a is b for a, b in zip(values, obj.values())):
+            out = type(obj)() if isinstance(obj, OrderedDict) else {}
+            for k, v in zip(obj, values):
+                out[k] = v
+    elif isinstance(obj, PickledObject):
+        args, state = _rebase(obj.args, archive, memo), _rebase(obj.state, archive, memo)
+        if args is not obj.args or state is not obj.state:
+            out = PickledObject(obj.qualname, args, state)
+    memo[key] = out
+    return out
 
 
 class _NotExact(Exception):

@@ -129,6 +129,12 @@ def stamp(info: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def valid_stamp(value: Any) -> bool:
+    """Whether `value` is a stamp as `stamp` makes them: an object of strings with a size."""
+    return isinstance(value, dict) and "size" in value and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
 def stamps_match(recorded: dict[str, str], current: dict[str, str]) -> bool:
     """Whether `current` is the same object version as `recorded`: equal size and equal values for
     every identity key both have (a listing and a HEAD may report different sets), at least one."""

@@ -11,6 +11,8 @@ import os
 import re
 from collections.abc import Iterable
 
+from ckptflow.plumbing.text import plain
+
 MASK = "***"
 
 # Environment variables whose values are secrets wherever they show up.
@@ -64,7 +66,8 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
 
 
 def describe(exc: BaseException, secrets: Iterable[str | None] = ()) -> str:
-    """One redacted line naming `exc`: its type and the first line of its message."""
+    """One redacted line naming `exc`: its type and the first line of its message, control characters
+    escaped (`plumbing.text.plain`)."""
     first_line = (str(exc).strip().splitlines() or [""])[0]
     text = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
-    return redact(text[:300], secrets)
+    return plain(redact(text[:300], secrets))

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ckptflow.errors import CkptflowError, UploadMismatchError
+from ckptflow.errors import CkptflowError, UploadMismatchError, UploadSessionError
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,12 @@ def is_transient(exc: BaseException) -> bool:
     """True when trying the same operation again may succeed: 408, 429, 5xx, resets, timeouts.
 
     Never for 401, 403, 404 or any other 4xx, and never for ckptflow's own verdicts, except an upload
-    that read back different from its source (`UploadMismatchError`), which a new upload may fix.
+    that read back different from its source (`UploadMismatchError`) or whose resumable session broke
+    (`UploadSessionError`), which a new upload may fix.
     """
     for link in causes(exc):
         if isinstance(link, CkptflowError):
-            return isinstance(link, UploadMismatchError)
+            return isinstance(link, UploadMismatchError | UploadSessionError)
         code = status_code(link)
         if code is not None:
             return code in (408, 429) or (500 <= code < 600 and code not in _PERMANENT_5XX)

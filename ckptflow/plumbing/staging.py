@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from ckptflow.errors import OutputError, VerificationError
 from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamp, stamps_match, store_checksum
 from ckptflow.plumbing.storage import check_space, is_local, local_path, open_fs
+from ckptflow.plumbing.redaction import describe
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def prepare(out: str, *, need: int = 0) -> Staging:
     try:
         fs.makedirs(posixpath.join(parent, hidden), exist_ok=False)
     except OSError as exc:
-        raise OutputError(f"cannot create {uri} beside {out} ({exc})", code="out-unwritable",
+        raise OutputError(f"cannot create {uri} beside {out} ({describe(exc)})", code="out-unwritable",
                           uri=out, hint="check the destination folder is writable") from exc
     return Staging(out=out, uri=uri)
 
@@ -116,7 +117,7 @@ def commit(staging: Staging, *, first: Sequence[str] = (), last: Sequence[str] =
                 fs.rm_file(posixpath.join(dst, rel))
             except Exception:  # best effort: the error below is the one to report
                 logger.warning("could not remove %s after a failed move", posixpath.join(dst, rel))
-        raise OutputError(f"cannot move the output into {staging.out} ({exc})", code="out-unwritable",
+        raise OutputError(f"cannot move the output into {staging.out} ({describe(exc)})", code="out-unwritable",
                           uri=staging.out, hint="check access to the destination and run again") from exc
     abort(staging)
 
@@ -132,7 +133,7 @@ def _commit_local(src: str, dst: str, durable: bool) -> None:
             os.rmdir(dst)  # empty: checked just before
         os.rename(src, dst)
     except OSError as exc:
-        raise OutputError(f"cannot move {src} to {dst} ({exc})", code="out-unwritable", uri=dst,
+        raise OutputError(f"cannot move {src} to {dst} ({describe(exc)})", code="out-unwritable", uri=dst,
                           hint="OUT appeared while converting, or the destination refused the rename") from exc
     if durable:  # the rename itself, and every folder's entries
         for folder, _dirs, _names in os.walk(dst):
@@ -214,4 +215,4 @@ def abort(staging: Staging | None) -> None:
         if fs.exists(path):
             fs.rm(path, recursive=True)
     except Exception as exc:  # cleanup must not hide the error that brought us here
-        logger.warning("could not remove the staging folder %s (%s); remove it by hand", staging.uri, exc)
+        logger.warning("could not remove the staging folder %s (%s); remove it by hand", staging.uri, describe(exc))

@@ -7,9 +7,7 @@ FSSPEC_S3_ENDPOINT_URL, config files) applies to `gs://`, `s3://`, `memory://` a
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -68,7 +66,9 @@ def unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
     """Fill buffers from byte ranges: each read is (uri, start, end, a writable view of end - start bytes).
 
-    Local files are read with `os.preadv` straight into the views; other stores get one
+    Local files are read with `os.preadv` straight into the views, never memory-mapped: a mapped file
+    that another process truncates kills the reader with SIGBUS when it touches a page past the new
+    end, while a read past the end simply comes back short (here: `ShortRead`). Other stores get one
     `fs.cat_ranges` call per filesystem, so a batch of ranges costs one round of concurrent requests.
     A range that ends past the end of its file raises `ShortRead` (an `EOFError`); store errors propagate as raised.
     """
@@ -137,36 +137,6 @@ def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
                 raise ShortRead(uri, start, end, len(blob))
             out[i] = blob
     return out
-
-
-@contextlib.contextmanager
-def mapped(uri: str, start: int, end: int) -> Iterator[memoryview]:
-    """Bytes [start, end) of the local file `uri` through a memory map of just that window, unmapped
-    on exit, so bytes go from the page cache to their destination without an intermediate copy and
-    without the mapped pages piling up in the process. `ShortRead` when the file is shorter.
-
-    The view is writable (a private copy-on-write map, never written) so torch can wrap it as it is.
-    """
-    import mmap
-
-    base = start - start % mmap.ALLOCATIONGRANULARITY
-    with open(local_path(uri), "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if end > size:
-            raise ShortRead(uri, start, end, max(0, size - start))
-        if end <= start:
-            yield memoryview(bytearray(0))
-            return
-        window = mmap.mmap(fh.fileno(), end - base, access=mmap.ACCESS_COPY, offset=base)
-    view = memoryview(window)[start - base:]
-    try:
-        yield view
-    finally:
-        try:
-            view.release()
-            window.close()
-        except BufferError:  # still referenced (e.g. by a traceback): unmapped when collected
-            pass
 
 
 def check_space(parent: str, need: int, out: str) -> None:

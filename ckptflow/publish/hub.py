@@ -14,7 +14,6 @@ Hub already stores, including those uploaded by a try that failed before its com
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -27,14 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptflow.errors import PublishError
-from ckptflow.formats.hf import PROVENANCE_NAME
+from ckptflow.errors import CkptflowError, PublishError
+from ckptflow.formats.hf import PROVENANCE_NAME, read_safetensors_header
+from ckptflow.plumbing.files import load_json, open_regular, read_regular
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
 from ckptflow.plumbing.checksums import Digests
+from ckptflow.plumbing.text import excerpt, one_line
 from ckptflow.publish.source import PushResult, SourceFile, list_source
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,10 @@ def push_to_hub(
 ) -> PushResult:
     """Commit the folder `src` to the Hub repo `dest` (`hf://...`) on `revision` (default: main).
 
-    Creates the repo (private when `private`) and the branch when missing. Adds a README.md model
-    card built from the provenance record (or what config.json and safetensors headers tell)
-    when `src` has no README.md. `PushResult.uploaded` lists the files the commit changed,
+    Creates the repo (private when `private`) and the branch when missing. Refuses a folder holding a
+    `*.safetensors` file that safetensors cannot load (`hf.read_safetensors_header`: bounded, every
+    field checked). Adds a README.md model card built from the provenance record (or what config.json
+    and safetensors headers tell) when `src` has no README.md. `PushResult.uploaded` lists the files the commit changed,
     `skipped` those already on the revision with the same content. `progress(done, total)` counts
     the bytes of the files the commit holds, reported once the commit is made.
     """
@@ -129,6 +130,9 @@ class _Contents:
     @classmethod
     def read(cls, folder: Path, repo_id: str, workers: int) -> _Contents:
         _, _, files = list_source(str(folder))
+        for f in files:  # the Hub reads them as models: one that safetensors cannot load is refused
+            if f.path.endswith(".safetensors"):
+                read_safetensors_header(str(folder / f.path), inside=str(folder))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptflow-hash") as pool:
             hashes = dict(zip((f.path for f in files), pool.map(lambda f: _sha256(folder / f.path), files)))
         card = None if any(f.path == "README.md" for f in files) else model_card(folder, files, repo_id).encode()
@@ -198,29 +202,42 @@ class _Hub:
 def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str:
     """A README.md for `folder`: source run, tag, step, dtype and parameter count from the provenance
     record `consolidate` writes, else from config.json and the safetensors headers; then the file
-    list. Deterministic, so that pushing the same folder twice changes nothing."""
+    list. Deterministic, so that pushing the same folder twice changes nothing. What the card quotes
+    from the folder is plain text in its table (one line, `|` escaped, cut, credentials redacted); a
+    record or config that cannot be read (too large, not JSON, nested too deep) is left out of it."""
     record = _read_json(folder / PROVENANCE_NAME)
-    source, output = record.get("source") or {}, record.get("output") or {}
+    source, output = _object(record.get("source")), _object(record.get("output"))
     config = _read_json(folder / "config.json")
     parameters = output.get("total_parameters")
-    if parameters is None:
+    if type(parameters) is not int:
         parameters = _count_safetensors_parameters(folder, files)
+    stage = (f"{_cell(source['zero_stage'])}, {_cell(source.get('world_size'))}" if "zero_stage" in source else None)
     rows = [
         ("Source run", source.get("uri")),
         ("Tag", source.get("tag")),
         ("Step", source.get("step")),
-        ("ZeRO stage, ranks", f"{source['zero_stage']}, {source['world_size']}" if "zero_stage" in source else None),
+        ("ZeRO stage, ranks", stage),
         ("dtype", output.get("dtype") or config.get("torch_dtype") or config.get("dtype")),
-        ("Parameters", f"{parameters:,}" if isinstance(parameters, int) else parameters),
+        ("Parameters", f"{parameters:,}" if isinstance(parameters, int) else None),
     ]
     front = ["---", *(["library_name: transformers"] if config else []), "tags:", "- ckptflow", "---"]
     lines = [*front, "", f"# {repo_id.split('/')[-1]}", ""]
     lines.append("Consolidated from a DeepSpeed checkpoint and published with ckptflow." if record else "Published with ckptflow.")
     lines += ["", "| | |", "|---|---|"]
-    lines += [f"| {name} | {redact(str(value)) if value is not None else 'not recorded'} |" for name, value in rows]
+    lines += [f"| {name} | {_cell(value) if value is not None else 'not recorded'} |" for name, value in rows]
     lines += ["", "## Files", "", "| File | Bytes |", "|---|---:|"]
-    lines += [f"| {f.path} | {f.size:,} |" for f in files]
+    lines += [f"| {_cell(f.path)} | {f.size:,} |" for f in files]
     return "\n".join(lines) + "\n"
+
+
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _cell(value: Any) -> str:
+    """A value from the folder as one markdown table cell: plain text, `|` escaped, at most 200 characters."""
+    text = value if isinstance(value, str) else str(value) if isinstance(value, int | float) else excerpt(value)
+    return one_line(redact(text), 200).replace("|", "\\|")
 
 
 # Helpers.
@@ -249,7 +266,7 @@ def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
 
 def _sha256(path: Path) -> str:
     digests = Digests()
-    with open(path, "rb") as handle:
+    with open_regular(str(path)) as handle:
         while chunk := handle.read(8 * 2**20):
             digests.update(chunk)
     return digests.sha256
@@ -288,31 +305,27 @@ def _quiet_progress_bars() -> Iterator[None]:
             enable_progress_bars()
 
 
+# The card reads the provenance record and config.json: a few KB each.
+MAX_CARD_INPUT_BYTES = 16 << 20
+
+
 def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from the folder for the card, or {} when there is none or it cannot be read."""
+    if not os.path.lexists(path):
+        return {}
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = load_json(read_regular(str(path), limit=MAX_CARD_INPUT_BYTES, what=path.name))
+    except (CkptflowError, OSError, ValueError) as exc:
+        logger.warning("the model card leaves out %s: %s", path.name, one_line(str(exc), 300))
         return {}
     return doc if isinstance(doc, dict) else {}
 
 
 def _count_safetensors_parameters(folder: Path, files: tuple[SourceFile, ...]) -> int | None:
-    """Parameters in the safetensors files, from their headers alone (shared tensors count once per file)."""
-    total, seen = 0, False
-    for f in files:
-        if not f.path.endswith(".safetensors"):
-            continue
-        try:
-            with open(folder / f.path, "rb") as handle:
-                length = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(length))
-        except (OSError, ValueError):
-            return None
-        for name, meta in header.items():
-            if name != "__metadata__":
-                total += element_count(meta["shape"])
-        seen = True
-    return total if seen else None
+    """Parameters in the safetensors files, from their headers alone (shared tensors count once per
+    file); the headers were checked when SRC was listed (`hf.read_safetensors_header`)."""
+    headers = [read_safetensors_header(str(folder / f.path)) for f in files if f.path.endswith(".safetensors")]
+    return sum(h.parameters for h in headers) if headers else None
 
 
 def _hub_error(exc: Exception, *, what: str, dest: str, token: str | None, policy: RetryPolicy) -> PublishError:

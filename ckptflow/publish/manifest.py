@@ -22,10 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ckptflow.errors import VerificationError
+from ckptflow.plumbing.files import load_json
+from ckptflow.plumbing.text import excerpt, one_line
+from ckptflow.publish.checksums import valid_stamp
 
 MANIFEST_NAME = "ckptflow-manifest.json"
 # Files verified so far by a push still running (or interrupted): what lets a re-run skip them.
 PARTIAL_RECORD_NAME = MANIFEST_NAME + ".partial"
+# Held by the push in progress at a DEST (`publish.lease`).
+LEASE_NAME = "ckptflow-push.lease"
+# A manifest lists every file of a folder (about 200 bytes each): 64 MB is a third of a million files.
+MAX_MANIFEST_BYTES = 64 << 20
 FORMAT = "ckptflow-manifest"
 VERSION = 1
 
@@ -43,11 +50,12 @@ class ManifestEntry:
 
     def __post_init__(self) -> None:
         if not self.path or self.path.startswith("/") or ".." in self.path.split("/"):
-            raise ValueError(f"manifest path must be relative and stay inside the folder: {self.path!r}")
+            raise ValueError(f"manifest path must be relative and stay inside the folder: {excerpt(self.path)}")
         if self.size < 0:
-            raise ValueError(f"manifest size must be >= 0 for {self.path}: {self.size}")
+            raise ValueError(f"manifest size must be >= 0 for {excerpt(self.path)}: {excerpt(self.size)}")
         if not _SHA256.match(self.sha256):
-            raise ValueError(f"manifest sha256 of {self.path} is not 64 lowercase hex digits: {self.sha256!r}")
+            raise ValueError(f"manifest sha256 of {excerpt(self.path)} is not 64 lowercase hex digits: "
+                             f"{excerpt(self.sha256)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,18 +91,31 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, uri: str) -> Manifest:
-        """Parse a manifest read from `uri`; a VerificationError says what is wrong with it."""
+        """Parse a manifest read from `uri`; a VerificationError says what is wrong with it. JSON nested
+        deeper than `plumbing.files.MAX_JSON_DEPTH` is refused; a `stamp` that is not an object of
+        strings is dropped (it is advisory: the file is then checked instead of trusted)."""
         try:
-            doc = json.loads(data)
+            doc = load_json(data)
+            if not isinstance(doc, dict):
+                raise ValueError(f"it holds {excerpt(doc)}, not an object")
             if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-                raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
-            return cls.of(
-                ManifestEntry(path=f["path"], size=int(f["size"]), sha256=f["sha256"], stamp=f.get("stamp"))
-                for f in doc["files"]
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"format {excerpt(doc.get('format'))} version {excerpt(doc.get('version'))}")
+            files = doc.get("files")
+            if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+                raise ValueError(f"its files are {excerpt(files)}, not a list of objects")
+            entries = []
+            for f in files:
+                path, size, sha256 = f.get("path"), f.get("size"), f.get("sha256")
+                if not isinstance(path, str) or type(size) is not int or not isinstance(sha256, str):
+                    raise ValueError(f"an entry for {excerpt(path)} has the size {excerpt(size)} and the sha256 "
+                                     f"{excerpt(sha256)}")
+                stamp = f.get("stamp")
+                entries.append(ManifestEntry(path=path, size=size, sha256=sha256,
+                                             stamp=stamp if valid_stamp(stamp) else None))
+            return cls.of(entries)
+        except ValueError as exc:
             raise VerificationError(
-                f"{uri} is not a ckptflow manifest ({exc})",
+                f"{uri} is not a ckptflow manifest ({one_line(str(exc), 300)})",
                 uri=uri,
                 expected=f"{FORMAT} version {VERSION}",
                 hint="delete it and push again",

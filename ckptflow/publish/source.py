@@ -1,7 +1,10 @@
 """What a push takes and gives: the source folder's files, the result, and how failures read.
 
-`list_source(src)` lists SRC once (relative path and size of every file); `PushResult` is what a push
-did, wherever it went. `failure_reason` / `failure_advice` turn a store error into the redacted phrase
+`list_source(src)` lists SRC once (relative path and size of every file) and refuses what a push must
+not publish: anything but a regular file (a FIFO would hang the push, `/dev/zero` never ends), a link
+out of SRC (it would publish a file from elsewhere). `open_source` opens a listed file the same safe
+way. `PushResult` is what a push did, wherever
+it went. `failure_reason` / `failure_advice` turn a store error into the redacted phrase
 and the advice that every publish error carries.
 """
 
@@ -16,8 +19,9 @@ import fsspec
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.plumbing.storage import open_fs
-from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME
+from ckptflow.plumbing.files import check_regular, open_regular
+from ckptflow.plumbing.storage import is_local, open_fs, unstrip
+from ckptflow.publish.manifest import LEASE_NAME, MANIFEST_NAME, PARTIAL_RECORD_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +78,27 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
     files = []
     for path, info in sorted(found.items()):
         rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
-        if rel in (MANIFEST_NAME, PARTIAL_RECORD_NAME):
+        if rel in (MANIFEST_NAME, PARTIAL_RECORD_NAME, LEASE_NAME):
             logger.info("leaving out %s from SRC: the push writes its own", rel)
             continue
-        files.append(SourceFile(path=rel, size=int(info["size"])))
+        size = int(info["size"])
+        if info.get("type", "file") != "file" or info.get("islink"):  # local FIFOs, devices, links: look closer
+            size = check_regular(unstrip(fs, path), inside=src if is_local(src) else None, hint=_SPECIAL_HINT)
+        files.append(SourceFile(path=rel, size=size))
     if not files:
         raise CheckpointNotFoundError(f"SRC {shown} holds no files", uri=shown, hint="nothing to push")
     return fs, root, tuple(files)
+
+
+_SPECIAL_HINT = "a push publishes regular files only: remove it from SRC, or replace it with the file it stands for"
+
+
+def open_source(fs: fsspec.AbstractFileSystem, root: str, rel: str, *, local: bool) -> Any:
+    """A file of SRC open for reading: a local one only while it is still a regular file inside SRC."""
+    if local:
+        uri = unstrip(fs, f"{root.rstrip('/')}/{rel}")
+        return open_regular(uri, inside=unstrip(fs, root), hint=_SPECIAL_HINT)
+    return fs.open(f"{root.rstrip('/')}/{rel}", "rb")
 
 
 def failure_reason(exc: Exception, policy: RetryPolicy) -> str:

@@ -11,7 +11,10 @@ How a push to a store stays atomic and resumable:
    recorded as verified by an earlier run and not rewritten since). Otherwise it streams the source
    to DEST, hashing on the way, then checks the object (size and the store's crc32c/md5, or the
    sha256 of what reads back). Transient failures (408, 429, 5xx, resets, timeouts) retry the whole
-   file with backoff and jitter, reopening the source; anything else stops the push at once.
+   file with backoff and jitter, reopening the source; so does a resumable session that broke (a
+   chunk resent after its response was lost is refused as out of sync; a session that expired): the
+   file starts over with a new session. Anything else stops the push at once: 401, 403, a missing
+   bucket, a 404 while starting a session.
 4. Each verified file is noted in `ckptflow-manifest.json.partial` at DEST (written every second or
    so). A re-run after a crash trusts an object only when it checks out against that record or the
    store's checksum; a half-written object never does.
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -33,15 +38,20 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ckptflow.errors import CheckpointError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.errors import (CheckpointError, CkptflowError, PublishError, UnsafeInputError, UploadMismatchError,
+                             UploadSessionError, VerificationError)
 from ckptflow.plumbing.executors import Cancelled, run_units
+from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
-from ckptflow.plumbing.retry import RetryPolicy, retry_call
-from ckptflow.plumbing.storage import join, open_fs, protocol
-from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum
-from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
-from ckptflow.publish.source import READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source
+from ckptflow.plumbing.retry import RetryPolicy, causes, retry_call, status_code
+from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
+from ckptflow.plumbing.text import one_line
+from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
+from ckptflow.publish.lease import hold_lease
+from ckptflow.publish.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
+from ckptflow.publish.source import (READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source,
+                                     open_source)
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +71,24 @@ def push_to_store(
     workers: int = 8,
     progress: Progress | None = None,
     retry: RetryPolicy | None = None,
+    break_lease: bool = False,
 ) -> PushResult:
     """Publish `src` to the fsspec location `dest`, atomically (manifest last) and resumably.
 
     Pushing the same folder again uploads nothing; a re-run after a failure or a crash uploads only
     what is not verified at DEST yet. See the module docstring for the protocol. `progress(done,
     total)` counts the bytes of the files uploaded or found in place (a file that starts over counts
-    from zero again).
+    from zero again). One push at a time per DEST: the push holds DEST's lease (`publish.lease`) and
+    fails at once when another push holds it; `break_lease` removes a lease a dead push left.
     """
     src_fs, src_root, files = list_source(src, retry=retry)
     dest_fs, dest_root = open_fs(dest)
-    run = _StorePush(
-        src_fs=src_fs, src_root=src_root, dest_fs=dest_fs, dest_root=dest_root, dest=dest,
-        workers=workers, progress=progress, policy=retry or RetryPolicy(),
-    )
-    return run.run(files)
+    with hold_lease(dest_fs, dest_root, redact(dest), break_lease=break_lease, policy=retry):
+        run = _StorePush(
+            src_fs=src_fs, src_root=src_root, dest_fs=dest_fs, dest_root=dest_root, dest=dest,
+            workers=workers, progress=progress, policy=retry or RetryPolicy(),
+        )
+        return run.run(files)
 
 
 @dataclass(frozen=True)
@@ -105,13 +118,18 @@ class _PartialRecord:
 
     @classmethod
     def parse(cls, fs: fsspec.AbstractFileSystem, path: str, data: bytes | None) -> _PartialRecord:
+        """The record in `data`; entries that are not what a push writes are dropped, and a record that
+        cannot be read at all is ignored (it only saves time: the push starts over)."""
         entries: dict[str, dict[str, Any]] = {}
         try:
             if data is not None:
-                doc = json.loads(data)
-                entries = {p: e for p, e in doc["files"].items() if {"size", "sha256", "stamp"} <= set(e)}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # it only saves time: start over
-            logger.warning("ignoring unreadable partial record %s (%s)", path, describe(exc))
+                doc = load_json(data)
+                files = doc.get("files") if isinstance(doc, dict) else None
+                if not isinstance(files, dict):
+                    raise ValueError("no `files` object")
+                entries = {p: e for p, e in files.items() if isinstance(p, str) and _valid_entry(e)}
+        except ValueError as exc:
+            logger.warning("ignoring unreadable partial record %s (%s)", path, one_line(str(exc), 200))
         return cls(fs, path, entries)
 
     def get(self, path: str) -> dict[str, Any] | None:
@@ -159,11 +177,17 @@ class _PartialRecord:
                 data = json.dumps({"format": "ckptflow-partial", "files": self.entries}, indent=0).encode()
                 self._dirty = False
             try:
-                self.fs.pipe_file(self.path, data)
+                write_bytes(unstrip(self.fs, self.path), data)
             except Exception as exc:
                 with self._lock:
                     self._dirty = True
                 logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
+
+
+def _valid_entry(entry: Any) -> bool:
+    """A partial record's entry as a push writes it: size, sha256 and a stamp of strings."""
+    return (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str) and valid_stamp(entry.get("stamp")))
 
 
 class _StorePush:
@@ -191,6 +215,7 @@ class _StorePush:
         self.tally = Tally(0)
         self.policy = policy
         self.local_dest = protocol(dest_fs) in _LOCAL_PROTOCOLS
+        self.local_src = protocol(src_fs) in _LOCAL_PROTOCOLS
         self.want_md5 = protocol(dest_fs) in ("s3", "s3a")  # S3 reports md5 (ETag); GCS crc32c
         self.cancelled = threading.Event()
         self.source_digests: dict[str, Digests] = {}
@@ -208,7 +233,12 @@ class _StorePush:
         self.existing = self._retry(self._list_dest, what="list", path="")
         previous = self._read_manifest(manifest_path) if MANIFEST_NAME in self.existing else None
         self.published = previous.by_path() if previous is not None else {}
-        staged = self._read_optional(self.partial.path, PARTIAL_RECORD_NAME) if PARTIAL_RECORD_NAME in self.existing else None
+        staged = None
+        if PARTIAL_RECORD_NAME in self.existing:
+            try:
+                staged = self._read_optional(self.partial.path, PARTIAL_RECORD_NAME)
+            except UnsafeInputError as exc:  # it only saves time: start over, and replace it at the first flush
+                logger.warning("ignoring the partial record at %s: %s", self.dest, exc)
         self.partial = _PartialRecord.parse(self.dest_fs, self.partial.path, staged)
         if previous is not None:
             self._map(self._hash_source_into_cache, files)
@@ -282,8 +312,9 @@ class _StorePush:
         digests = Digests(md5=self.want_md5)
         if self.local_dest:
             self.dest_fs.makedirs(posixpath.dirname(dest_path), exist_ok=True)
+            _clear_local_target(dest_path)
         uploaded = self.tally.part(f.path)
-        with self.src_fs.open(self._src_path(f.path), "rb") as source:
+        with open_source(self.src_fs, self.src_root, f.path, local=self.local_src) as source:
             target = self.dest_fs.open(dest_path, "wb", block_size=UPLOAD_BLOCK)
             try:
                 while chunk := source.read(READ_CHUNK):
@@ -298,7 +329,12 @@ class _StorePush:
                         file=f.path, expected=f.size, actual=digests.size, hint="push again once SRC is stable",
                     )
                 target.close()
-            except BaseException:
+            except BaseException as exc:
+                if _session_broke(target, exc):
+                    target.closed = True  # forgotten, never finalized: an unfinished session makes no object
+                    raise UploadSessionError(
+                        f"the upload session of {f.path} at {self.dest} broke ({describe(exc)}); the file starts "
+                        "over with a new session", uri=self.dest, file=f.path) from exc
                 _abandon(target, self.dest_fs, dest_path)
                 raise
         info = self._dest_info(dest_path)
@@ -332,10 +368,8 @@ class _StorePush:
         data = manifest.to_json()
 
         def write_and_check() -> None:
-            if self.local_dest:  # a local reader must never see half a manifest
-                tmp = f"{path}.tmp-{threading.get_ident()}"
-                self.dest_fs.pipe_file(tmp, data)
-                self.dest_fs.mv(tmp, path)
+            if self.local_dest:  # a local reader must never see half a manifest (a temporary sibling, renamed)
+                write_bytes(unstrip(self.dest_fs, path), data)
             else:  # an object appears whole or not at all
                 self.dest_fs.pipe_file(path, data)
             self.dest_fs.invalidate_cache(path)
@@ -365,11 +399,28 @@ class _StorePush:
     # Reads, each retried on transient errors.
 
     def _read_manifest(self, path: str) -> Manifest | None:
-        data = self._read_optional(path, MANIFEST_NAME)
-        return None if data is None else Manifest.from_json(data, uri=join(self.dest, MANIFEST_NAME))
+        uri = join(self.dest, MANIFEST_NAME)
+        try:
+            data = self._read_optional(path, MANIFEST_NAME)
+        except UnsafeInputError as exc:
+            what = str(exc).split("; ")[0].replace(unstrip(self.dest_fs, path), "it", 1)
+            raise VerificationError(f"{uri} is not a ckptflow manifest: {what}", uri=uri,
+                                    hint="delete it and push again") from None
+        return None if data is None else Manifest.from_json(data, uri=uri)
 
     def _read_optional(self, path: str, name: str) -> bytes | None:
-        """The bytes of a small object at DEST, None when there is none."""
+        """The bytes of a small file at DEST (a manifest, a partial record), None when there is none;
+        `UnsafeInputError` when it is larger than `MAX_MANIFEST_BYTES` or, on a local DEST, not a
+        regular file (a FIFO there would hang the push)."""
+        if self.local_dest:
+            uri = unstrip(self.dest_fs, path)
+            if not os.path.lexists(uri):
+                return None
+            return read_regular(uri, limit=MAX_MANIFEST_BYTES, what=name, hint="delete it and push again")
+        size = self.existing.get(name, {}).get("size")
+        if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
+            raise UnsafeInputError(f"{join(self.dest, name)} holds {size:,} bytes, more than a {name} can "
+                                   f"({MAX_MANIFEST_BYTES:,} at most)", code="too-large", file=name)
 
         def read() -> bytes | None:
             try:
@@ -400,7 +451,7 @@ class _StorePush:
     def _hash_source(self, f: SourceFile, *, md5: bool = False) -> Digests:
         def read() -> Digests:
             digests = Digests(md5=md5)
-            with self.src_fs.open(self._src_path(f.path), "rb") as source:
+            with open_source(self.src_fs, self.src_root, f.path, local=self.local_src) as source:
                 while chunk := source.read(READ_CHUNK):
                     if self.cancelled.is_set():
                         raise Cancelled()
@@ -470,6 +521,37 @@ class _StorePush:
         return PublishError(
             f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path, hint=failure_advice(exc, of_source)
         )
+
+
+# Statuses with which a store answers a request on an upload session that is out of sync or gone: GCS
+# answers a chunk resent after its response was lost with 400 "Invalid Content-Range start: expected N"
+# (gcsfs resends a chunk as it was, without asking the store where the session stands) and an expired
+# or unknown session with 404 or 410; S3 answers a part or a completion for a finished or aborted
+# multipart upload with 404 NoSuchUpload.
+_BROKEN_SESSION = frozenset({400, 404, 410})
+
+
+def _session_broke(target: Any, exc: BaseException) -> bool:
+    """Whether `exc`, raised while writing `target`, says its resumable session (GCS `location`, S3
+    `mpu`) broke, rather than the store refusing the write: only once a session exists (a 404 when
+    starting one is a missing bucket, which stays permanent), never for 401 or 403."""
+    if getattr(target, "location", None) is None and getattr(target, "mpu", None) is None:
+        return False
+    codes = {status_code(link) for link in causes(exc)} - {None}
+    if codes & {401, 403}:
+        return False
+    return bool(codes & _BROKEN_SESSION) or any(isinstance(link, FileNotFoundError) for link in causes(exc))
+
+
+def _clear_local_target(path: str) -> None:
+    """Before a file is written at a local DEST path: a link or a special file there is removed, so that
+    the write never goes through a link to a file elsewhere nor opens a FIFO (which would block)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
 
 
 def _abandon(target: Any, fs: fsspec.AbstractFileSystem, path: str) -> None:

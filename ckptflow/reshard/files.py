@@ -19,6 +19,13 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   (one flat buffer per group at the new alignment), ZeRO-3 `frozen_param_fragments` pieces and
   `shared_params` (recorded by rank 0 only), and `train_batch_size` in `ds_config` (same per-rank
   batch at the new world size).
+- expert parallelism (AutoEP, deepspeed.moe): `partition_count` per group (the expert groups' is the
+  expert data-parallel size M / N), ZeRO-3's `ds_zero_partition_groups` (each sub-group's partition
+  count, rank and ranks), and in AutoEP model states `ds_autoep_layers` (and its copy in
+  `universal_checkpoint_info`): each layer's `expert_data_parallel_rank` and
+  `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3 every rank its own). The module
+  of an expert-parallel save holds cloned tensors, copied as they are; the per-expert files are
+  copied whole (`RankUnit.copies`).
 
 Everything else (scheduler, steps, samples, loss scaler, clip_grad, buffers, frozen ZeRO-1/2 tensors,
 client state) is copied from the source rank the unit names as `meta_rank`.
@@ -32,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy
+from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
 from ckptflow.formats.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torchzip import DTYPE_SIZES, PickledObject, TensorRef
@@ -190,7 +197,10 @@ def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
         elif key == "param_alignment_paddings":
             out[key] = [list(p) for p in plan.param_alignment_paddings]
         elif key == "partition_count":
-            out[key] = plan.world_size if plan.optimizer == ZERO3 else [plan.world_size] * n_groups
+            out[key] = plan.world_size if plan.optimizer == ZERO3 else [plan.world_size // plan.ep(g)
+                                                                        for g in range(n_groups)]
+        elif key == "ds_zero_partition_groups" and isinstance(value, list):
+            out[key] = _partition_groups(plan, unit, value)
         elif key == "param_slice_mappings":
             out[key] = [OrderedDict((n, _fragment_address(s, k)) for n, s, k in group) for group in unit.slice_mappings]
         elif key == "zero_stage":
@@ -232,10 +242,49 @@ def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
             out[key] = tree.convert(shared) if unit.rank == 0 else type(shared)() if isinstance(shared, dict) else shared
         elif key == "dp_world_size":
             out[key] = plan.world_size
+        elif key == "ds_autoep_layers" and isinstance(value, list):
+            out[key] = _autoep_layers(plan, unit, value)
+        elif key == "universal_checkpoint_info" and isinstance(value, Mapping) and isinstance(
+                value.get("ds_autoep_layers"), list):
+            out[key] = {k: _autoep_layers(plan, unit, v) if k == "ds_autoep_layers" else tree.convert(v)
+                        for k, v in value.items()}
         elif key == "ds_config":
             out[key] = _target_config(value, plan.source_world_size, plan.world_size)
         else:
             out[key] = tree.convert(value)
+    return out
+
+
+def _partition_groups(plan: ReshardPlan, unit: RankUnit, source: Sequence[Any]) -> list[dict[str, Any]]:
+    """ZeRO-3 `ds_zero_partition_groups` of the target rank: one entry per flat (sub-group), over the
+    ranks its param group is partitioned over at the new world size (`stage3._zero3_partition_group_metadata`).
+    Families and group names are the source's for the same param group."""
+    by_group = {g: source[g] for g in range(len(source))}
+    out = []
+    for i, flat in enumerate(unit.flats):
+        entry = by_group.get(flat.group)
+        if not isinstance(entry, Mapping):
+            raise CheckpointError(f"{plan.index.files[unit.meta_rank].optim}: ds_zero_partition_groups has no entry "
+                                  f"for param group {flat.group}", file=plan.index.files[unit.meta_rank].optim)
+        ep = plan.ep(flat.group)
+        ranks = list(partition_ranks(plan.world_size, ep, unit.rank % ep))
+        out.append({**copy.deepcopy(dict(entry)), "sub_group": i, "partition_count": len(ranks),
+                    "partition_rank": ranks.index(unit.rank), "partition_ranks": ranks})
+    return out
+
+
+def _autoep_layers(plan: ReshardPlan, unit: RankUnit, source: Sequence[Any]) -> list[Any]:
+    """`ds_autoep_layers` as the writing rank records it at the new world size: the meta rank's entries
+    (the same expert-parallel rank) with that rank's expert data-parallel rank and size. ZeRO-1/2 keep
+    rank 0's, as DeepSpeed writes the file from rank 0."""
+    out = []
+    for entry in source:
+        entry = copy.deepcopy(entry)
+        if isinstance(entry, dict) and isinstance(entry.get("ep_size"), int) and entry["ep_size"] > 0:
+            ep = entry["ep_size"]
+            entry["expert_data_parallel_rank"] = unit.rank // ep
+            entry["expert_data_parallel_world_size"] = plan.world_size // ep
+        out.append(entry)
     return out
 
 

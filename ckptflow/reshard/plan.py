@@ -9,15 +9,21 @@ A model-parallel checkpoint (AutoTP, PipelineModule, Megatron-style) is one data
 per model-parallel rank: its plan (`ModelParallelReshardPlan`) is one `ReshardPlan` per model-parallel
 rank, each writing that rank's `..._mp_rank_XX_...` files at the new data-parallel size, the units of
 all of them side by side; everything model-parallel (split metadata, layer files) stays as it is.
+
+Expert-parallel checkpoints (AutoEP, deepspeed.moe at ZeRO-1/2/3) keep their expert-parallel degree N:
+dense groups are re-partitioned over the M ranks, each expert group's shards over the new expert
+data-parallel groups (M / N ranks each; target rank r holds expert-parallel rank r % N's experts), so
+every expert's optimizer state moves with it; the per-expert files are carried as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.index import ZeroCheckpoint
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZERO, ZERO3, Copy, Extent, moves,
@@ -95,10 +101,15 @@ class ReshardPlan:
     # ZeRO-1/2 module copies not saved whole in the source (a tensor-parallel merge): name -> runs of the
     # full tensor; the module file's view of that parameter is rebuilt from them, in the full shape.
     module_runs: Mapping[str, tuple[Run, ...]] = field(default_factory=dict, repr=False, compare=False)
+    group_ep: tuple[int, ...] = ()  # per source param group: its expert-parallel degree (1: dense)
+
+    def ep(self, group: int) -> int:
+        """The expert-parallel degree of source param group `group` (1: partitioned over every rank)."""
+        return self.group_ep[group] if group < len(self.group_ep) else 1
 
     @property
     def files(self) -> tuple[str, ...]:
-        return tuple(name for unit in self.units for name in unit.files)
+        return tuple(name for unit in self.units for name in unit.files) + self.carried
 
     def part(self, unit: RankUnit) -> ReshardPlan:
         """The data-parallel plan `unit` belongs to: this one."""
@@ -158,6 +169,8 @@ def plan_reshard(index: Any, world_size: int) -> ReshardPlan | ModelParallelResh
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    if isinstance(index, ExpertCheckpoint):
+        return _plan_expert_parallel(index, world_size)
     if getattr(index, "stage", None) == 0:
         raise UnsupportedCheckpointError(
             f"{index.root}/{index.tag} is a checkpoint in the {index.layout} layout: its files hold whole tensors and "
@@ -184,12 +197,33 @@ def _plan_model_parallel(index: ModelParallelCheckpoint, world_size: int) -> Mod
     )
 
 
-def _plan_data_parallel(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
+def _plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> ReshardPlan:
+    """The data-parallel plan of the ZeRO index under an AutoEP or deepspeed.moe checkpoint, its expert
+    groups over the new expert data-parallel groups; the per-expert files carried as they are."""
+    index = source.zero
+    if index is None:
+        raise UnsupportedCheckpointError(
+            f"{source.tag_uri} is a {source.layout} checkpoint; there is nothing to reshard: DeepSpeed loads a "
+            "deepspeed.moe ZeRO-0 checkpoint natively at any data-parallel size that keeps its expert-parallel "
+            f"degree ({source.ep}), since every rank reads the whole module, the expert files of its expert-parallel "
+            "rank and that rank's expp_rank optimizer file", code="reshard-not-needed", uri=source.root,
+            hint=f"load it as it is with any multiple of {source.ep} ranks")
+    degrees = sorted({g.ep for g in index.groups if g.ep > 1})
+    if any(world_size % ep for ep in degrees):
+        raise UnsupportedCheckpointError(
+            f"{index.tag_uri} is a {source.layout} checkpoint; a data-parallel reshard keeps its expert-parallel "
+            f"degree {degrees[-1]}, and {world_size} ranks are not a multiple of it", uri=index.tag_uri,
+            expected=degrees[-1], actual=world_size, hint=f"choose a world size that is a multiple of {degrees[-1]}")
+    plan = _plan_data_parallel(index, world_size, expert_parallel=True)
+    return replace(plan, carried=source.expert_files, group_ep=tuple(g.ep for g in index.groups))
+
+
+def _plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> ReshardPlan:
     optimizer = _optimizer_kind(index)
-    _check_supported(index, optimizer)
+    _check_supported(index, optimizer, expert_parallel=expert_parallel)
     if optimizer == ZERO3:
         return _plan_zero3(index, world_size)
-    return _plan_zero12(index, world_size, optimizer)
+    return _plan_zero12(index, world_size, optimizer, module=not expert_parallel)
 
 
 def _optimizer_kind(index: ZeroCheckpoint) -> str:
@@ -210,7 +244,7 @@ def _flag(zero: Mapping[str, Any], key: str) -> bool:
     return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
-def _check_supported(index: ZeroCheckpoint, optimizer: str) -> None:
+def _check_supported(index: ZeroCheckpoint, optimizer: str, *, expert_parallel: bool = False) -> None:
     zero = _zero_config(index)
     where = index.tag_uri
     for key in ("offload_optimizer", "offload_param"):
@@ -220,17 +254,18 @@ def _check_supported(index: ZeroCheckpoint, optimizer: str) -> None:
                 f"{where} was trained with {key} on NVMe; its optimizer state lives in offloaded_tensors/, "
                 "which ckptflow does not reshard", uri=where, hint="reshard a checkpoint saved without NVMe offload")
     model0 = index.model_states[0]
-    if model0.get("num_experts") is not None:
-        raise UnsupportedCheckpointError(f"{where} holds mixture-of-experts layers, which ckptflow does not reshard",
-                                         uri=where, hint="use DeepSpeed's universal checkpoint for MoE models")
+    if model0.get("num_experts") is not None and not expert_parallel:
+        raise UnsupportedCheckpointError(f"{where} holds mixture-of-experts layers but was not read as an "
+                                         "expert-parallel checkpoint", uri=where,
+                                         hint="open it through formats.deepspeed.checkpoint.load_index")
     for rank, optim in enumerate(index.optim_states):
         osd = optim["optimizer_state_dict"]
         if optimizer == ZERO3:
             base = osd.get("optimizer_state_dict")
-            if osd.get("ds_zero_partition_groups") is not None:
+            if osd.get("ds_zero_partition_groups") is not None and not expert_parallel:
                 raise UnsupportedCheckpointError(
-                    f"rank {rank}: {index.files[rank].optim} records AutoEP partition groups, which ckptflow does "
-                    "not reshard", uri=where, file=index.files[rank].optim, rank=rank)
+                    f"rank {rank}: {index.files[rank].optim} records AutoEP partition groups but was not read as an "
+                    "AutoEP checkpoint", uri=where, file=index.files[rank].optim, rank=rank)
         else:
             base = osd.get("base_optimizer_state")
             if isinstance(base, list):
@@ -246,9 +281,9 @@ def _check_supported(index: ZeroCheckpoint, optimizer: str) -> None:
                 f"rank {rank}: {index.files[rank].optim} has {len(base['param_groups'])} optimizer param groups but "
                 f"{len(index.groups)} flat groups; ZeRO-3 sub-groups (sub_group_size smaller than a rank's share of a "
                 "group) are not supported", uri=where, file=index.files[rank].optim, rank=rank)
-        if any(isinstance(g, Mapping) and g.get("moe") for g in base["param_groups"]):
-            raise UnsupportedCheckpointError(f"{where} has mixture-of-experts param groups, which ckptflow does not "
-                                             "reshard", uri=where)
+        if not expert_parallel and any(isinstance(g, Mapping) and g.get("moe") for g in base["param_groups"]):
+            raise UnsupportedCheckpointError(f"{where} has mixture-of-experts param groups but was not read as an "
+                                             "expert-parallel checkpoint", uri=where)
 
 
 def _moment_keys(index: ZeroCheckpoint) -> int:
@@ -270,7 +305,9 @@ class _Zero12Group:
     module: tuple[int, tuple[tuple[str, int], ...]]  # 16-bit flat numel, param offsets
 
 
-def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str) -> ReshardPlan:
+def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str, *, module: bool = True) -> ReshardPlan:
+    """`module`: rebuild the 16-bit flat buffers the module's tensors view (a data-parallel save); an
+    expert-parallel save clones each module tensor, and its module is copied as it is."""
     groups = [_zero12_group(index, g, world_size, optimizer) for g in range(len(index.groups))]
     n_tensors = _moment_keys(index)
     # Rank 0 also writes the model file: the 16-bit module copy, frozen parameters and buffers.
@@ -280,28 +317,40 @@ def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str) -> Resh
         flats = tuple(g.flats[r] for g in groups)
         moved = sum(c.numel for f in flats for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=min(r, index.world_size - 1), optim_file=optim_file_name(index.precision, r, index.mp_rank),
+            rank=r, meta_rank=_meta_rank(index, r), optim_file=optim_file_name(index.precision, r, index.mp_rank),
             model_file=model_file_name(index.stage, 0, index.mp_rank) if r == 0 else None, flats=flats,
+            mp_rank=index.mp_rank,
             group_paddings=tuple(g.group_paddings[r] for g in groups), slice_mappings=tuple(g.slices[r] for g in groups),
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + (module_bytes if r == 0 else 0),
-            mp_rank=index.mp_rank,
         ))
     return ReshardPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision, optimizer=optimizer,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(g.shapes for g in groups),
-        param_alignment_paddings=tuple(g.param_paddings for g in groups), module=tuple(g.module for g in groups),
-        units=tuple(units), index=index,
+        param_alignment_paddings=tuple(g.param_paddings for g in groups),
+        module=tuple(g.module for g in groups) if module else (), units=tuple(units), index=index,
     )
 
 
+def _meta_rank(index: ZeroCheckpoint, rank: int) -> int:
+    """The source rank whose per-rank state target `rank` copies: itself where it exists; past the
+    source's ranks, the last one, or with expert groups one of the same expert-parallel rank."""
+    if rank < index.world_size:
+        return rank
+    ep = max(g.ep for g in index.groups) if index.groups else 1
+    return rank % ep if ep > 1 else index.world_size - 1
+
+
 def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str) -> _Zero12Group:
+    """Group `g` at `world_size`: each of its shards (one for a dense group; one per expert-parallel
+    rank for an expert group) re-partitioned from its source ranks over its target ranks."""
     zero = _zero_config(index)
-    src_ws = index.world_size
+    group = index.groups[g]
     by_name = index.param_by_name
     bf16_opt = optimizer == BF16
-    src_names = list(index.groups[g].params)
+    src_names = list(group.params)
     params = [by_name[n] for n in src_names]
+    src_ws, dst_ws = index.world_size // group.ep, world_size // group.ep  # partitions per shard
     align = 1 if bf16_opt or not params else param_alignment(DTYPE_SIZES[params[0].dtype],
                                                              _flag(zero, "parameter_alignment"))
     if _flag(zero, "round_robin_gradients") and not bf16_opt:
@@ -309,14 +358,13 @@ def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str
         original = [""] * len(src_names)
         for pos, i in enumerate(round_robin_order(len(src_names), src_ws)):
             original[i] = src_names[pos]
-        dst_names = [original[i] for i in round_robin_order(len(original), world_size)]
+        dst_names = [original[i] for i in round_robin_order(len(original), dst_ws)]
     else:
         original = dst_names = src_names
     numel = {p.name: p.numel for p in params}
     src = zero12_layout([numel[n] for n in src_names], src_ws, alignment=align, bf16_optimizer=bf16_opt)
-    dst = zero12_layout([numel[n] for n in dst_names], world_size, alignment=align, bf16_optimizer=bf16_opt)
-    _check_zero12_source(index, g, src_names, src, index.optim_states[0]["optimizer_state_dict"].get(
-        "param_alignment_paddings"))
+    dst = zero12_layout([numel[n] for n in dst_names], dst_ws, alignment=align, bf16_optimizer=bf16_opt)
+    recorded = index.optim_states[0]["optimizer_state_dict"].get("param_alignment_paddings")
     src_pos = {n: src.offsets[i] for i, n in enumerate(src_names)}
     dst_pos = {n: dst.offsets[i] for i, n in enumerate(dst_names)}
     extents = [Extent(numel=numel[n], src=src_pos[n], dst=dst_pos[n]) for n in dst_names]
@@ -329,47 +377,58 @@ def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str
         for n in original:
             mapping_offsets.append(pos)
             pos += numel[n]
-    flats, slices = [], []
-    for r in range(world_size):
-        copies = moves(extents, src.partition, dst.partition, r, src_flat=g)
-        flats.append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=copies))
-        lo, hi = r * dst.partition, (r + 1) * dst.partition
-        mine = []
-        for n, off in zip(original, mapping_offsets):
-            a, b = max(off, lo), min(off + numel[n], hi)
-            if a < b:
-                mine.append((n, a - lo, b - a))
-        slices.append(tuple(mine))
+    flats: list[TargetFlat | None] = [None] * world_size
+    paddings: list[int] = [0] * world_size
+    slices: list[tuple[tuple[str, int, int], ...]] = [()] * world_size
+    for shard in range(group.ep):
+        src_ranks, dst_ranks = group.ranks(index.world_size, shard), group.ranks(world_size, shard)
+        _check_zero12_source(index, g, shard, src_names, src, recorded, src_ranks)
+        for part, r in enumerate(dst_ranks):
+            copies = tuple(replace(c, src_rank=src_ranks[c.src_rank])
+                           for c in moves(extents, src.partition, dst.partition, part, src_flat=g))
+            flats[r] = TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=copies)
+            paddings[r] = dst.group_paddings[part]
+            lo, hi = part * dst.partition, (part + 1) * dst.partition
+            mine = []
+            for n, off in zip(original, mapping_offsets):
+                a, b = max(off, lo), min(off + numel[n], hi)
+                if a < b:
+                    mine.append((n, a - lo, b - a))
+            slices[r] = tuple(mine)
+    assert all(f is not None for f in flats), "every target rank holds a partition of every group"
     return _Zero12Group(
-        flats=tuple(flats), group_paddings=tuple(dst.group_paddings), slices=tuple(slices),
+        flats=tuple(f for f in flats if f is not None), group_paddings=tuple(paddings), slices=tuple(slices),
         shapes=tuple((n, by_name[n].shape) for n in dst_names), param_paddings=dst.param_paddings,
         module=(dst.flat_numel, tuple((n, dst_pos[n]) for n in dst_names)),
     )
 
 
-def _check_zero12_source(index: ZeroCheckpoint, g: int, names: Sequence[str], src: Any, recorded: Any) -> None:
+def _check_zero12_source(index: ZeroCheckpoint, g: int, shard: int, names: Sequence[str], src: Any, recorded: Any,
+                         ranks: Sequence[int]) -> None:
     """The source's recorded layout must be DeepSpeed's arithmetic at its world size, or we refuse."""
     problems = []
     if isinstance(recorded, list) and g < len(recorded) and list(recorded[g]) != list(src.param_paddings):
         problems.append(f"parameter alignment paddings {list(recorded[g])} instead of {list(src.param_paddings)}")
-    for r in range(index.world_size):
-        part = index.partitions[r][g]
-        if part.fp32.numel != src.saved[r] or part.numel != src.partition or part.padding != src.group_paddings[r]:
-            problems.append(f"rank {r} saved {part.fp32.numel} of {part.numel} fp32 elements with padding "
-                            f"{part.padding} instead of {src.saved[r]} of {src.partition} with {src.group_paddings[r]}")
-    by_name = index.param_by_name
+    for part, r in enumerate(ranks):
+        have = index.partitions[r][g]
+        if have.fp32.numel != src.saved[part] or have.numel != src.partition or have.padding != src.group_paddings[part]:
+            problems.append(f"rank {r} saved {have.fp32.numel} of {have.numel} fp32 elements with padding "
+                            f"{have.padding} instead of {src.saved[part]} of {src.partition} with "
+                            f"{src.group_paddings[part]}")
+    by_key = index.param_by_key
     expected: dict[str, list[tuple[int, int, int, int]]] = {n: [] for n in names}
-    for r in range(index.world_size):
-        for i, start, numel in zero12_fragments(src, r):
+    for part, r in enumerate(ranks):
+        for i, start, numel in zero12_fragments(src, part):
             offset = src.offsets[i]
-            expected[names[i]].append((r, start, numel, r * src.partition + start - offset))
+            expected[names[i]].append((r, start, numel, part * src.partition + start - offset))
     for n in names:
-        got = [(f.rank, f.offset, f.numel, f.param_offset) for f in by_name[n].fragments]
+        got = [(f.rank, f.offset, f.numel, f.param_offset) for f in by_key[(shard, n)].fragments]
         if got != expected[n]:
             problems.append(f"{n} at {got} instead of {expected[n]}")
     if problems:
+        over = f" (expert-parallel rank {shard}'s copy, over ranks {list(ranks)})" if len(ranks) < index.world_size else ""
         raise UnsupportedCheckpointError(
-            f"param group {g} of {index.tag_uri} is not laid out the way DeepSpeed lays out {index.world_size} ranks "
+            f"param group {g}{over} of {index.tag_uri} is not laid out the way DeepSpeed lays out {len(ranks)} ranks "
             f"({'; '.join(problems[:3])}); it was saved with settings ckptflow does not know", uri=index.tag_uri,
             hint="check zero_optimization.round_robin_gradients / parameter_alignment in its ds_config")
 
@@ -385,20 +444,25 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
     for g, group in enumerate(index.groups):
         names = list(group.params)
         numels = [by_name[n].numel for n in names]
-        src_offsets = piece_offsets(numels, src_ws)
-        if len(zero3_sub_groups([zero3_piece(n, src_ws) for n in numels], sub_group_size)) > 1:
+        src_count, dst_count = src_ws // group.ep, world_size // group.ep  # partitions per shard
+        src_offsets = piece_offsets(numels, src_count)
+        if len(zero3_sub_groups([zero3_piece(n, src_count) for n in numels], sub_group_size)) > 1:
             raise UnsupportedCheckpointError(
                 f"param group {g} of {index.tag_uri} is split into ZeRO-3 sub-groups at {src_ws} ranks, which "
                 "ckptflow does not read", uri=index.tag_uri)
-        _check_zero3_source(index, g, names, numels, src_offsets)
-        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], sub_group_size):
+        for shard in range(group.ep):
+            _check_zero3_source(index, g, shard, names, numels, src_offsets, group.ranks(src_ws, shard))
+        for sub in zero3_sub_groups([zero3_piece(n, dst_count) for n in numels], sub_group_size):
             sub_numels = [numels[i] for i in sub]
-            dst_offsets = piece_offsets(sub_numels, world_size)
-            size = sum(zero3_piece(n, world_size) for n in sub_numels)
-            for r in range(world_size):
-                copies = zero3_moves(sub_numels, src_ws, world_size, r, src_offsets=[src_offsets[i] for i in sub],
-                                     dst_offsets=dst_offsets, src_flat=g)
-                per_rank_flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=copies))
+            dst_offsets = piece_offsets(sub_numels, dst_count)
+            size = sum(zero3_piece(n, dst_count) for n in sub_numels)
+            for shard in range(group.ep):
+                src_ranks = group.ranks(src_ws, shard)
+                for part, r in enumerate(group.ranks(world_size, shard)):
+                    copies = zero3_moves(sub_numels, src_count, dst_count, part, src_offsets=[src_offsets[i] for i in sub],
+                                         dst_offsets=dst_offsets, src_flat=g)
+                    copies = tuple(replace(c, src_rank=src_ranks[c.src_rank]) for c in copies)
+                    per_rank_flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=copies))
             flat_shapes.append(tuple((names[i], by_name[names[i]].shape) for i in sub))
     frozen = [p for p in index.params if p.frozen]
     units = []
@@ -413,7 +477,7 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
         frozen_bytes = sum(c.numel * DTYPE_SIZES[p.dtype] for p, piece in zip(frozen, pieces) for c in piece.copies)
         frozen_bytes += _buffer_bytes(index)
         units.append(RankUnit(
-            rank=r, meta_rank=min(r, src_ws - 1), optim_file=optim_file_name(index.precision, r, index.mp_rank),
+            rank=r, meta_rank=_meta_rank(index, r), optim_file=optim_file_name(index.precision, r, index.mp_rank),
             model_file=model_file_name(3, r, index.mp_rank), flats=flats, frozen=pieces, mp_rank=index.mp_rank,
             read_bytes=4 * n_tensors * sum(c.numel for f in flats for c in f.copies) + frozen_bytes,
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + frozen_bytes,
@@ -429,17 +493,19 @@ def _buffer_bytes(index: ZeroCheckpoint) -> int:
     return sum(b.ref.storage_numel * b.ref.itemsize for b in index.buffers)
 
 
-def _check_zero3_source(index: ZeroCheckpoint, g: int, names: Sequence[str], numels: Sequence[int],
-                        offsets: Sequence[int]) -> None:
-    by_name = index.param_by_name
+def _check_zero3_source(index: ZeroCheckpoint, g: int, shard: int, names: Sequence[str], numels: Sequence[int],
+                        offsets: Sequence[int], ranks: Sequence[int]) -> None:
+    by_key = index.param_by_key
+    count = len(ranks)
     for n, numel, off in zip(names, numels, offsets):
-        piece = zero3_piece(numel, index.world_size)
-        want = [(r, off, min(piece, numel - r * piece), r * piece) for r in range(index.world_size) if numel > r * piece]
-        got = [(f.rank, f.offset, f.numel, f.param_offset) for f in by_name[n].fragments]
+        piece = zero3_piece(numel, count)
+        want = [(r, off, min(piece, numel - part * piece), part * piece) for part, r in enumerate(ranks)
+                if numel > part * piece]
+        got = [(f.rank, f.offset, f.numel, f.param_offset) for f in by_key[(shard, n)].fragments]
         if got != want:
             raise UnsupportedCheckpointError(
                 f"{n} in param group {g} of {index.tag_uri} sits at {got}, not where DeepSpeed's ZeRO-3 partitioning "
-                f"at {index.world_size} ranks puts it ({want})", uri=index.tag_uri, tensor=n)
+                f"at {count} ranks puts it ({want})", uri=index.tag_uri, tensor=n)
 
 
 def _as_int(value: Any, default: int) -> int:

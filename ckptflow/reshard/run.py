@@ -24,7 +24,6 @@ writes them, and however often.
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import threading
 import time
@@ -35,12 +34,14 @@ from typing import Any
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
 from ckptflow.formats.deepspeed.index import ZeroCheckpoint
 from ckptflow.formats.deepspeed.checkpoint import inspect
+from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.torchsave import CHUNK_BYTES, OutStorage, SourceReader, archive_size, dumps, write_pickled
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.checksums import digests_for
 from ckptflow.plumbing.executors import Cancelled, Executor
 from ckptflow.plumbing.executors import run_units as run_all
+from ckptflow.plumbing.files import check_regular, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
@@ -74,6 +75,7 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
     else:
         plan = plan_reshard(report.index, world_size)
     _check_not_inside(plan, out)
+    carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
     return plan
 
 
@@ -220,11 +222,12 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
 
-    Files the plan carries as they are (PipelineModule layer files) are copied into the staged tag
+    Files the plan carries as they are (PipelineModule layer files, per-expert files) are copied into the staged tag
     folder first. With the units' `results`, every planned file must have been reported and be in the
     staging folder as its unit left it (`plumbing.staging.check_written`: sizes and the store's
     checksums, no data read). The staged files' headers must then read back as a checkpoint at the new
     world size. Raises `VerificationError` otherwise; the staging folder is then left for `abort`."""
+    inside = plan.root if is_local(plan.root) else None
     if results:
         reported = [w for r in results for w in r.written]
         check_written(staging, reported, {w.name: w.size for w in reported})
@@ -233,8 +236,11 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
             raise VerificationError(f"{missing[0]} was planned but no unit reported writing it", file=missing[0],
                                     hint="run every unit of the plan before finalize")
     for name in plan.carried:
-        _copy_file(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), durable=durable)
+        copy_regular(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), inside=inside,
+                     hint=_CARRY_HINT, durable=durable)
     index, problems, _ = inspect(staging.uri, plan.tag)
+    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
+        index = index.zero
     if problems or not isinstance(index, type(plan.index)):
         raise VerificationError(
             f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
@@ -246,9 +252,7 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
             f"{got} tensors, expected ZeRO-{plan.stage} at {plan.world_size} with {want}", uri=staging.uri,
             expected=plan.world_size, actual=index.world_size)
     rng_files = _carry_over(plan, staging, durable=durable)
-    fs, path = open_fs(staging.uri)
-    with fs.open(posixpath.join(path, LATEST), "wb") as fh:
-        fh.write(plan.tag.encode())
+    write_bytes(staging.join(LATEST), plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
     return rng_files
 
@@ -262,21 +266,26 @@ def abort(staging: Staging | None) -> None:
     stage.abort(staging)
 
 
-def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
-    """Copy the source folder's files that are not this checkpoint's DeepSpeed files; the Trainer's RNG
-    files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
+_CARRY_HINT = ("reshard carries the checkpoint folder's other files (Trainer state, scheduler, RNG, config, "
+               "tokenizer) into OUT, and only regular files: replace it with a regular file or remove it")
+
+
+def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """The files of the source folder that go into OUT besides this checkpoint's DeepSpeed files, as
+    (path relative to the folder, URI), and the names of the Trainer's RNG files (renamed for the new
+    world size by `rng.plan_rng_files`). Each is checked to be a regular file that stays inside the
+    folder (`plumbing.files`), so that copying it can neither hang nor leak a file from elsewhere.
+    Other DeepSpeed tag folders, OUT and staging folders are left out."""
     src_fs, root = open_fs(plan.root)
-    _, staging_path = open_fs(staging.uri)
-    _, out_path = open_fs(staging.out)
-    skip = {posixpath.normpath(p) for p in (staging_path, out_path)}
-    rng_names = []
+    _, out_path = open_fs(out)
+    inside = plan.root if is_local(plan.root) else None
+    files: list[tuple[str, str]] = []
+    rng_names: list[str] = []
     for entry in src_fs.ls(root, detail=True):
         path = entry["name"].rstrip("/")
         name = posixpath.basename(path)
-        if name in (LATEST, plan.tag) or posixpath.normpath(path) in skip or stage.is_staging_name(name):
-            continue
-        if entry["type"] != "directory" and is_rng_file(name):
-            rng_names.append(name)  # named for the source's world size: renamed below
+        if name in (LATEST, plan.tag) or posixpath.normpath(path) == posixpath.normpath(out_path) \
+                or stage.is_staging_name(name):
             continue
         if entry["type"] == "directory":
             inner = [posixpath.basename(p) for p in src_fs.ls(path, detail=False)]
@@ -284,37 +293,34 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
                 logger.warning("not carrying over %s: it is another DeepSpeed tag folder, saved at %d ranks",
                                unstrip(src_fs, path), plan.source_world_size)
                 continue
-            files = src_fs.find(path)
+            found = src_fs.find(path, withdirs=False, detail=True)
+            paths = [p for p, info in sorted(found.items())]
         else:
-            files = [path]
-        for file in files:
-            rel = posixpath.relpath(file, root)
-            _copy_file(unstrip(src_fs, file), staging.join(rel), durable=durable)
+            paths = [path]
+        for file in paths:
+            uri = unstrip(src_fs, file)
+            check_regular(uri, inside=inside, hint=_CARRY_HINT)
+            if file == path and is_rng_file(name):
+                rng_names.append(name)  # named for the source's world size: renamed on the way
+            else:
+                files.append((posixpath.relpath(file, root), uri))
+    return files, rng_names
+
+
+def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
+    """Copy the source folder's other files (`carried_files`) into the staging folder; the Trainer's RNG
+    files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
+    files, rng_names = carried_files(plan, staging.out)
+    inside = plan.root if is_local(plan.root) else None
+    for rel, uri in files:
+        copy_regular(uri, staging.join(rel), inside=inside, hint=_CARRY_HINT, durable=durable)
     rng_files = plan_rng_files(rng_names, plan.world_size)
     for copy in rng_files:
-        _copy_file(unstrip(src_fs, posixpath.join(root, copy.source)), staging.join(copy.target), durable=durable)
+        copy_regular(join(plan.root, copy.source), staging.join(copy.target), inside=inside, hint=_CARRY_HINT,
+                     durable=durable)
     if rng_files:
         logger.info("Trainer RNG files: %s", describe(rng_files))
     return rng_files
-
-
-def _copy_file(src: str, dst: str, chunk: int = CHUNK_BYTES, *, durable: bool = True) -> None:
-    """Copy one file: server-side within one object store (no bytes through this process), else streamed."""
-    src_fs, src_path = open_fs(src)
-    dst_fs, dst_path = open_fs(dst)
-    if src_fs is dst_fs and not is_local(src) and not is_local(dst):
-        src_fs.copy(src_path, dst_path)
-        return
-    dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
-    with src_fs.open(src_path, "rb") as fin, dst_fs.open(dst_path, "wb") as fout:
-        while True:
-            data = fin.read(chunk)
-            if not data:
-                break
-            fout.write(data)
-        if durable and is_local(dst):
-            fout.flush()
-            os.fsync(fout.fileno())
 
 
 # ---- all together --------------------------------------------------------------------------------------

@@ -149,7 +149,23 @@ def _hook_shrink_after_map(arg: str) -> None:
     mmap.mmap = Mapped  # type: ignore[misc]
 
 
-HOOKS = {"shrink-after-map": _hook_shrink_after_map}
+def _hook_shrink_after_read(arg: str) -> None:
+    """Truncate the local file `arg` to half its size right after its first `os.preadv`: a file changed
+    under a reader that reads instead of mapping. Wraps `os.preadv`."""
+    real = os.preadv
+    done = []
+
+    def preadv(fd: int, buffers: object, offset: int, *args: object) -> int:
+        n = real(fd, buffers, offset, *args)
+        if not done and os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(arg):
+            done.append(True)
+            os.truncate(arg, os.path.getsize(arg) // 2)
+        return n
+
+    os.preadv = preadv  # type: ignore[assignment]
+
+
+HOOKS = {"shrink-after-map": _hook_shrink_after_map, "shrink-after-read": _hook_shrink_after_read}
 
 
 # ---- the zygote ---------------------------------------------------------------------------------------

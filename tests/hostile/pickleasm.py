@@ -172,10 +172,11 @@ def nested(kind: str, depth: int) -> bytes:
     raise ValueError(kind)
 
 
-def laughs(kind: str, levels: int, memo_base: int = 1000) -> bytes:
+def laughs(kind: str, levels: int, memo_base: int = 1000, base: bytes | None = None) -> bytes:
     """A "billion laughs": level n holds level n-1 twice, by memo reference. A few hundred bytes;
-    2**levels leaves for anything that copies it instead of keeping shared references shared."""
-    out = OPS["EMPTY_LIST"] + put(memo_base)
+    2**levels leaves for anything that copies it instead of keeping shared references shared.
+    `base` is level 0 (an empty list by default; an atom makes a tuple laughs hashable)."""
+    out = (OPS["EMPTY_LIST"] if base is None else base) + put(memo_base)
     for level in range(1, levels + 1):
         prev = get(memo_base + level - 1)
         if kind == "list":

@@ -29,8 +29,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="ckptflow fuzzer: the long mode (thousands of seeded cases); also CKPTFLOW_FUZZ_LONG=1")
 
 
+def long_mode_env() -> bool:
+    """The long mode as the environment asks for it (`CKPTFLOW_HOSTILE_LONG=1`, or the older
+    `CKPTFLOW_FUZZ_LONG=1`): readable at collection time, before options are parsed."""
+    return os.environ.get("CKPTFLOW_HOSTILE_LONG") == "1" or os.environ.get("CKPTFLOW_FUZZ_LONG") == "1"
+
+
 def long_mode(config: pytest.Config) -> bool:
-    return bool(config.getoption("--long", default=False)) or os.environ.get("CKPTFLOW_FUZZ_LONG") == "1"
+    return bool(config.getoption("--long", default=False)) or long_mode_env()
 
 
 def default_limits() -> Limits:

@@ -28,6 +28,7 @@ from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelChe
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, whole_run
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
+from ckptflow.plumbing.text import excerpt
 
 UC_INFO = "universal_checkpoint_info"
 AFFINE_MAP_VERSION = 1  # deepspeed.checkpoint.affine.AFFINE_MAP_FORMAT_VERSION
@@ -53,8 +54,8 @@ def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], layout
     for mp in range(1, tp):
         extra, missing = sorted(set(locals_[mp]) - set(locals_[0])), sorted(set(locals_[0]) - set(locals_[mp]))
         if extra or missing:
-            st.add("ranks-disagree", f"{label(mp)} holds other tensors than {label(0)} (its own: {extra[:3]}, missing: "
-                   f"{missing[:3]}); the folder mixes saves of different models: re-copy it from one save",
+            st.add("ranks-disagree", f"{label(mp)} holds other tensors than {label(0)} (its own: {excerpt(', '.join(map(str, extra[:3])), 120)}, missing: "
+                   f"{excerpt(', '.join(map(str, missing[:3])), 120)}); the folder mixes saves of different models: re-copy it from one save",
                    file=listing.model_uri(mp))
     st.stop_if_any()
     tied = _tied(st, ranks, label)
@@ -120,7 +121,7 @@ def _uc_info(st: Inspection, listing: Listing, heads: Sequence[Mapping[str, Any]
         return {}
     version = info["affine_map"].get("version", AFFINE_MAP_VERSION)
     if not isinstance(version, int) or version > AFFINE_MAP_VERSION:
-        st.add("unsupported-layout", f"{listing.model0_uri} records affine map format version {version!r}; ckptflow "
+        st.add("unsupported-layout", f"{listing.model0_uri} records affine map format version {excerpt(version)}; ckptflow "
                f"reads version {AFFINE_MAP_VERSION}: convert it with the DeepSpeed that wrote it "
                "(deepspeed.checkpoint.ds_to_universal)", file=listing.model0_uri)
     for mp, head in enumerate(heads[1:], start=1):
@@ -144,7 +145,7 @@ class _MapLookup:
             return exact
         found = [p for p in self.params if isinstance(p, str) and _matches(p, name)]
         if len(found) > 1:
-            raise ValueError(f"more than one affine map pattern matches it ({found[:3]})")
+            raise ValueError(f"more than one affine map pattern matches it ({excerpt(', '.join(map(str, found[:3])), 120)})")
         return self.params[found[0]] if found else None
 
 
@@ -154,7 +155,7 @@ def _matches(pattern: str, name: str) -> bool:
     try:
         return re.match(pattern, name) is not None
     except re.error as exc:
-        raise ValueError(f"the recorded pattern {pattern[:80]!r} is not a regular expression ({exc})") from None
+        raise ValueError(f"the recorded pattern {excerpt(pattern, 80)} is not a regular expression ({exc})") from None
 
 
 def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, ModelTensor]], maps: _MapLookup,
@@ -170,8 +171,8 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
     try:
         shape = tuple(int(d) for d in entry["logical_shape"])
         ranks = {int(r): v for r, v in entry["ranks"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise UnsupportedCheckpointError(f"its affine map entry is malformed ({str(entry)[:120]})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        raise UnsupportedCheckpointError(f"its affine map entry is malformed ({excerpt(entry)})") from None
     if sorted(ranks) != list(range(tp)):
         raise UnsupportedCheckpointError(f"its affine map names tensor-parallel ranks {sorted(ranks)}, expected 0..{tp - 1}")
     holdings = []
@@ -180,10 +181,10 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         try:
             shard_shape = tuple(int(d) for d in ranks[mp]["shard_shape"])
             pieces = tuple(_piece(p) for p in ranks[mp]["pieces"])
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
             raise UnsupportedCheckpointError(f"its affine map entry for rank {mp} is malformed") from None
         if shard_shape != local.shape:
-            raise UnsupportedCheckpointError(f"its affine map gives tensor-parallel rank {mp} a shard of shape {list(shard_shape)} but the "
+            raise UnsupportedCheckpointError(f"its affine map gives tensor-parallel rank {mp} a shard of shape {excerpt(list(shard_shape), 120)} but the "
                            f"rank saved {list(local.shape)}; the folder mixes saves: re-copy it from one save")
         holdings.append(Holding(mp, name, pieces))
     rows = None
@@ -198,7 +199,7 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
 def _piece(raw: Mapping[str, Any]) -> Piece:
     scale = raw.get("scale", 1.0)
     if scale not in (None, 1, 1.0):
-        raise UnsupportedCheckpointError(f"a piece holds the tensor scaled by {scale!r} (a replicated row-parallel bias divided by the "
+        raise UnsupportedCheckpointError(f"a piece holds the tensor scaled by {excerpt(scale)} (a replicated row-parallel bias divided by the "
                        "world size); ckptflow has not verified reading scaled pieces: convert this checkpoint with "
                        "deepspeed.checkpoint.ds_to_universal")
     source_offset, source_strides = raw["source"]
@@ -214,7 +215,7 @@ def _tied(st: Inspection, ranks: Sequence[Any], label: Any) -> dict[str, str]:
     for mp, index in enumerate(ranks[1:], start=1):
         for alias, owner in index.tied.items():
             if tied.setdefault(alias, owner) != owner:
-                st.add("ranks-disagree", f"{label(mp)} ties {alias} to {owner} but {label(0)} ties it to {tied[alias]}; "
+                st.add("ranks-disagree", f"{label(mp)} ties {excerpt(alias)} to {excerpt(owner)} but {label(0)} ties it to {excerpt(tied[alias])}; "
                        "re-copy the tag folder from one save")
     return tied
 

@@ -12,9 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.autoep import read_autoep
 from ckptflow.formats.deepspeed.autotp import read_autotp
 from ckptflow.formats.deepspeed.detect import Layout, detect
-from ckptflow.formats.deepspeed.index import Inspection, Listing, Problem, StopReading, read_head, read_zero, resolve_tag
+from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed.index import (Inspection, Listing, Problem, StopReading, ZeroCheckpoint, read_head,
+                                              read_zero, resolve_tag)
+from ckptflow.formats.deepspeed.moe import read_moe
 from ckptflow.formats.deepspeed.pipeline import read_pipeline
 from ckptflow.formats.deepspeed.tensors import ModelSource
 from ckptflow.formats.deepspeed.zero0 import read_zero0
@@ -27,6 +31,8 @@ READERS: dict[str, Reader] = {
     "autotp": read_autotp,
     "pipeline": read_pipeline,
     "megatron": read_pipeline,
+    "autoep": read_autoep,
+    "moe": read_moe,
 }
 
 _WHAT_TO_DO = {
@@ -59,6 +65,16 @@ def inspect(uri: str, tag: str | None = None) -> tuple[ModelSource | None, list[
     except StopReading:
         return None, st.problems, (root, tag)
     return index, st.problems, (root, tag)
+
+
+def zero_index(source: ModelSource | None) -> ZeroCheckpoint | None:
+    """The data-parallel ZeRO index a source is made of (itself, or an expert-parallel checkpoint's),
+    None for layouts without one."""
+    if isinstance(source, ZeroCheckpoint):
+        return source
+    if isinstance(source, ExpertCheckpoint):
+        return source.zero
+    return None
 
 
 def load_index(uri: str, tag: str | None = None) -> ModelSource:

@@ -2,8 +2,9 @@
 
 `inspect` reads a checkpoint cheapest-first (the `latest` pointer, the folder listing, rank 0's model
 states, then every rank file) and returns the index together with every problem it found on the way.
-`load_index` is the same for callers that only want a good index. Nothing here reads tensor bytes:
-the index says, for every parameter, which bytes of which rank file hold its fp32 master weights and
+`load_index` is the same for callers that only want a good index. Nothing here reads tensor bytes
+but each rank's optimizer step (a one-element tensor, so that ranks saved at different steps are caught
+by every reader): the index says, for every parameter, which bytes of which rank file hold its fp32 master weights and
 optimizer moments, so consolidation and resharding can plan before they read.
 
 Layout facts (DeepSpeed 0.19.8):
@@ -14,10 +15,18 @@ Layout facts (DeepSpeed 0.19.8):
 - ZeRO-3: `zero_pp_rank_<r>_mp_rank_00_model_states.pt` and an optim file per rank. Every parameter
   is cut into ceil(numel / world_size) pieces (the last ones padded); a rank's flat group is its
   pieces of the group's parameters, concatenated.
+- Expert parallelism (AutoEP, deepspeed.moe): a param group named `ep_size_N` (`moe: True`) holds, in
+  each rank's file, the experts of that rank's expert-parallel rank (r % N), and is partitioned as above
+  over that rank's expert data-parallel group (world_size / N ranks, `layout.partition_ranks`), not over
+  every rank. Each expert-parallel rank's copy of such a group is one *shard*: its parameters have the
+  same names and shapes in every shard (`Param.shard` tells them apart) and different values. ZeRO-3
+  records the ranks of each sub-group in `ds_zero_partition_groups`; they are checked against this.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import posixpath
 import re
 from collections.abc import Mapping
@@ -25,14 +34,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
-from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real, zero12_padded
-from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, model_file_name,
-                                              optim_file_name)
+from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, UnsafeInputError
+from ckptflow.formats.deepspeed.layout import partition_ranks, zero3_piece, zero3_real, zero12_padded
+from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, expert_group_degree,
+                                              model_file_name, optim_file_name)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, contiguous, whole_run
-from ckptflow.formats.torchzip import ArchiveCache, PickledObject, TensorRef, open_archive
+from ckptflow.formats.torchzip import ArchiveCache, PickledObject, TensorRef, open_archive, read_scalar
+from ckptflow.plumbing.files import open_regular
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import join, open_fs
+from ckptflow.plumbing.storage import is_local, join, local_path, open_fs, unstrip
+from ckptflow.plumbing.text import excerpt
+from ckptflow.plumbing.redaction import describe
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,8 @@ class Fragment:
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter: shape, training dtype, and where its values live."""
+    """One parameter: shape, training dtype, and where its values live. `shard` is the expert-parallel
+    rank whose copy of an expert-group parameter this is (0 for every parameter of a dense group)."""
 
     name: str
     shape: tuple[int, ...]
@@ -70,6 +83,7 @@ class Param:
     group: int | None
     fragments: tuple[Fragment, ...] = ()
     frozen_pieces: tuple[TensorRef, ...] = ()
+    shard: int = 0
 
     @property
     def frozen(self) -> bool:
@@ -88,11 +102,18 @@ class Buffer:
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """One optimizer param group: its hyper-parameters and its parameters, in flattening order."""
+    """One optimizer param group: its hyper-parameters and its parameters, in flattening order. `ep` is
+    the expert-parallel degree of an expert group (`ep_size_N`): each of its `ep` shards is partitioned
+    over `layout.partition_ranks(world_size, ep, shard)`; 1 for a group partitioned over every rank."""
 
     index: int
     hyper: Mapping[str, Any]
     params: tuple[str, ...]
+    ep: int = 1
+
+    def ranks(self, world_size: int, shard: int = 0) -> tuple[int, ...]:
+        """The global ranks, in partition order, holding shard `shard` of this group at `world_size`."""
+        return partition_ranks(world_size, self.ep, shard)
 
 
 @dataclass(frozen=True)
@@ -152,7 +173,18 @@ class ZeroCheckpoint:
 
     @property
     def param_by_name(self) -> dict[str, Param]:
-        return {p.name: p for p in self.params}
+        """Parameters by name; of an expert group (whose shards share names and shapes), shard 0's."""
+        return {p.name: p for p in self.params if p.shard == 0}
+
+    @property
+    def param_by_key(self) -> dict[tuple[int, str], Param]:
+        """Every parameter by (shard, name)."""
+        return {(p.shard, p.name): p for p in self.params}
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether some param group is partitioned per expert-parallel rank (AutoEP, deepspeed.moe)."""
+        return any(g.ep > 1 for g in self.groups)
 
     @property
     def numel(self) -> int:
@@ -185,7 +217,9 @@ class ZeroCheckpoint:
     def model_tensors(self) -> tuple[ModelTensor, ...]:
         """The full model in state-dict order, tied aliases left out (see `tied`): trained parameters
         from their fp32 master fragments, frozen ones from their saved copies (ZeRO-3: per-rank pieces,
-        padding cut), buffers as saved."""
+        padding cut), buffers as saved. An expert-parallel index holds expert-local shards under
+        DeepSpeed's names: its layout's reader (`autoep`, `moe`) gives the model instead."""
+        assert not self.expert_parallel, "an expert-parallel index is read through its layout's reader"
         params = self.param_by_name
         buffers = {b.name: b for b in self.buffers}
         names = [n for n in self.module_order if n in params or n in buffers]
@@ -200,13 +234,17 @@ class ZeroCheckpoint:
                 out.append(ModelTensor(name, ref.shape, ref.dtype, "buffer", (whole_run(ref, name),)))
                 continue
             param = params[name]
-            runs = self._frozen_runs(param) if param.frozen else self._trainable_runs(param, checked)
+            runs = self.param_runs(param, checked)
             check_coverage(name, param.numel, runs)
             dtype = param.dtype if param.frozen else "float32"
             out.append(ModelTensor(name, param.shape, dtype, "frozen" if param.frozen else "param", runs))
         return tuple(out)
 
-    def _trainable_runs(self, param: Param, checked: set[int] | None = None) -> tuple[Run, ...]:
+    def param_runs(self, param: Param, checked: set[int] | None = None) -> tuple[Run, ...]:
+        """The runs that hold `param`: fp32 master fragments when trained, its saved copies when frozen."""
+        return self.frozen_runs(param) if param.frozen else self.trainable_runs(param, checked)
+
+    def trainable_runs(self, param: Param, checked: set[int] | None = None) -> tuple[Run, ...]:
         """The fp32 master-weight runs of a trainable parameter, one per fragment. `checked` holds the
         ids of partition tensors already found contiguous (each is checked once, not per fragment)."""
         runs = []
@@ -226,7 +264,7 @@ class ZeroCheckpoint:
             runs.append(Run(fp32, frag.offset, frag.numel, frag.param_offset))
         return tuple(runs)
 
-    def _frozen_runs(self, param: Param) -> tuple[Run, ...]:
+    def frozen_runs(self, param: Param) -> tuple[Run, ...]:
         """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, padding
         cut; ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
         if self.stage != 3 or len(param.frozen_pieces) == 1 and self.world_size == 1:
@@ -254,30 +292,34 @@ def check_tag(tag: str, where: str) -> str | None:
     if not tag:
         return f"{where} is empty"
     if "/" in tag or "\\" in tag or ".." in tag or "\x00" in tag:
-        return f"{where} names {_excerpt(tag)}, which is not a plain folder name (path separators or '..')"
+        return f"{where} names {excerpt(tag)}, which is not a plain folder name (path separators or '..')"
     if not SAFE_TAG.match(tag):
-        return f"{where} names {_excerpt(tag)}, which has characters DeepSpeed never writes in a tag"
+        return f"{where} names {excerpt(tag)}, which has characters DeepSpeed never writes in a tag"
     return None
-
-
-def _excerpt(text: str, limit: int = 60) -> str:
-    """`text` quoted and escaped for a one-line message, cut to `limit` characters."""
-    return repr(text[:limit]) + (f" (and {len(text) - limit} more characters)" if len(text) > limit else "")
 
 
 def read_latest(fs: Any, path: str, where: str) -> str:
     """The tag the `latest` file at `path` names, reading at most `MAX_LATEST_BYTES`; `CheckpointError`
-    (code `latest-unsafe`) when it is too long, not text, or not a plain folder name."""
-    raw = fs.cat_file(path, start=0, end=MAX_LATEST_BYTES + 1)
+    (code `latest-unsafe`) when it is not a regular file, too long, not text, or not a plain folder
+    name. A local FIFO, device or folder is never opened for reading (`plumbing.files`)."""
     hint = "refusing to follow it; fix `latest` or pass --tag"
+    uri = unstrip(fs, path)
+    try:
+        if is_local(uri):
+            with open_regular(uri, hint=hint) as fh:
+                raw = fh.read(MAX_LATEST_BYTES + 1)
+        else:
+            raw = fs.cat_file(path, start=0, end=MAX_LATEST_BYTES + 1)
+    except UnsafeInputError as exc:
+        raise CheckpointError(str(exc).replace(uri, where, 1), code="latest-unsafe", file=where) from None
     if len(raw) > MAX_LATEST_BYTES:
         raise CheckpointError(f"{where} holds more than {MAX_LATEST_BYTES} bytes, so it is not a DeepSpeed `latest` "
                               "pointer", code="latest-unsafe", file=where, hint=hint)
     try:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise CheckpointError(f"{where} is not UTF-8 text ({_excerpt(raw.decode('latin-1'))}), so it is not a "
-                              "DeepSpeed `latest` pointer", code="latest-unsafe", file=where, hint=hint) from None
+        raise CheckpointError(f"{where} is not UTF-8 text but {excerpt(raw)}, so it is not a DeepSpeed `latest` "
+                              "pointer", code="latest-unsafe", file=where, hint=hint) from None
     bad = check_tag(text, where)
     if bad:
         raise CheckpointError(bad, code="latest-unsafe", file=where, hint=hint)
@@ -293,8 +335,8 @@ def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
             raise CheckpointError(bad, code="tag-unsafe", uri=uri, hint="pass the name of a folder beside `latest`")
         return uri.rstrip("/"), tag
     latest = posixpath.join(path, LATEST)
-    if fs.isfile(latest):
-        return uri.rstrip("/"), read_latest(fs, latest, join(uri, LATEST))
+    if fs.isfile(latest) or (is_local(uri) and os.path.lexists(local_path(join(uri, LATEST)))):
+        return uri.rstrip("/"), read_latest(fs, latest, join(uri, LATEST))  # a FIFO or folder is refused there
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{uri} does not exist", code="source-missing", uri=uri,
                                       hint="check the path or URL")
@@ -364,6 +406,8 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
     layout = _Layout(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris, module)
     params, groups, partitions = layout.build()
     st.stop_if_any()
+    _check_steps(st, partitions, optim_uris)
+    st.stop_if_any()
     module = layout.module
     return ZeroCheckpoint(
         root=st.root,
@@ -387,6 +431,39 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
         optim_states=tuple(optims),
         mp_rank=mp_rank,
     )
+
+
+def _check_steps(st: Inspection, partitions: tuple[tuple[Partition, ...], ...], optim_uris: list[str]) -> None:
+    """Every rank's optimizer is at the same step (a few bytes read per rank): files saved at different
+    steps would be stitched into a model no run ever had."""
+    steps: dict[int, Any] = {}
+    for rank, parts in enumerate(partitions):
+        for part in parts:
+            step = part.state.get("step")
+            try:
+                if isinstance(step, TensorRef):
+                    step = read_scalar(step)
+            except (CkptflowError, OSError, ValueError) as exc:
+                st.add("unreadable-file", f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({describe(exc)})",
+                       file=optim_uris[rank], rank=rank)
+                break
+            if isinstance(step, int | float) and not isinstance(step, bool):
+                steps[rank] = step
+                break
+    if not steps:
+        return
+    first_rank = min(steps)
+    first = steps[first_rank]
+    for rank, value in steps.items():
+        if value != first and not (value != value and first != first):  # NaN == NaN here
+            st.add("ranks-disagree",
+                   f"rank {rank}'s optimizer in {optim_uris[rank]} is at step {_step(value)} but rank {first_rank}'s "
+                   f"is at {_step(first)}; the tag folder mixes files from different saves: re-copy it from one save",
+                   file=optim_uris[rank], rank=rank)
+
+
+def _step(value: int | float) -> str:
+    return f"{value:g}" if isinstance(value, float) and math.isfinite(value) else excerpt(value)
 
 
 @dataclass(frozen=True)
@@ -443,16 +520,43 @@ def list_tag(st: Inspection) -> Listing:
     return listing
 
 
+# More missing ranks than this are reported as one problem, not one each.
+MAX_LISTED_MISSING = 8
+
+
 def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision: str, mp_rank: int = 0,
                     where: str | None = None) -> tuple[list[str], list[str]]:
     """Exactly the files the world size implies for model-parallel rank `mp_rank`, none missing, none
-    extra among that rank's files: (model URIs, optim URIs). `where` names the model-parallel rank."""
+    extra among that rank's files: (model URIs, optim URIs). `where` names the model-parallel rank.
+
+    The world size comes from a file and may be absurd: names are built for the files present, and
+    ranks missing past `MAX_LISTED_MISSING` are counted, not listed."""
     first_model = model_file_name(3 if listing.stage3 else 1, 0, mp_rank)
+    label = "rank" if where is None else "data-parallel rank"
+    of = "" if where is None else f" of {where}"
+    present: dict[str, int] = {}  # expected files present -> rank
+    for name, m in listing.optim_names.items():
+        rank = int(m.group(2))
+        if rank < world_size and name == optim_file_name(precision, rank, mp_rank):
+            present[name] = rank
+    for name, m in listing.model_names.items():
+        rank = int(m.group(1) or 0)
+        if rank < world_size and name == (model_file_name(3, rank, mp_rank) if listing.stage3 else first_model):
+            present[name] = rank
+    wanted = world_size * (2 if listing.stage3 else 1) + (0 if listing.stage3 else 1)
+    if wanted - len(present) > MAX_LISTED_MISSING:
+        have = sorted({r for n, r in present.items() if n in listing.optim_names})
+        first = next(r for r in range(world_size) if r not in have)
+        name = optim_file_name(precision, first, mp_rank)
+        st.add("rank-missing",
+               f"{join(listing.tag_uri, first_model)} records a data-parallel world size of {excerpt(world_size)} but "
+               f"the tag folder holds optimizer files for {len(have)} {label}(s){of}; {wanted - len(present):,} files "
+               f"are missing, the first {st.tag}/{name} ({label} {first}); the upload may still be in progress, or "
+               f"{first_model} is damaged", file=join(listing.tag_uri, name), rank=first)
+        return [], []
     expected_optim = {optim_file_name(precision, r, mp_rank): r for r in range(world_size)}
     expected_model = ({model_file_name(3, r, mp_rank): r for r in range(world_size)} if listing.stage3
                       else {first_model: 0})
-    label = "rank" if where is None else "data-parallel rank"
-    of = "" if where is None else f" of {where}"
     for name, rank in {**expected_model, **expected_optim}.items():
         if name not in listing.names:
             st.add(
@@ -513,8 +617,8 @@ def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], mod
             if h[key] != head[key]:
                 st.add(
                     "ranks-disagree",
-                    f"rank {rank} records {label} {h[key]} in {model_uris[rank]} but rank 0 records {head[key]}; the "
-                    "folder mixes files from different saves: re-copy the tag folder from one save",
+                    f"rank {rank} records {label} {_shown(h[key])} in {model_uris[rank]} but rank 0 records "
+                    f"{_shown(head[key])}; the folder mixes files from different saves: re-copy the tag folder from one save",
                     file=model_uris[rank], rank=rank,
                 )
     optim_heads = [_optim_head(st, o, u, r) for r, (o, u) in enumerate(zip(optims, optim_uris))]
@@ -534,12 +638,19 @@ def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], mod
         if oh["world_size"] != head["world_size"]:
             st.add(
                 "world-size-mismatch",
-                f"{optim_uris[rank]} was saved with {oh['world_size']} partitions but {model_uris[0]} records a "
+                f"{optim_uris[rank]} was saved with {excerpt(oh['world_size'])} partitions but {model_uris[0]} records a "
                 f"data-parallel world size of {head['world_size']}; the folder mixes saves of different sizes: "
                 "re-copy it from one save",
                 file=optim_uris[rank], rank=rank,
             )
     return stage
+
+
+def _shown(value: Any) -> str:
+    """A value from a file in a message: a plain version or number as it is, anything else quoted."""
+    if isinstance(value, str) and SAFE_TAG.match(value) and len(value) <= 60:
+        return value
+    return excerpt(value)
 
 
 def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
@@ -550,7 +661,7 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
         return {}
     except OSError as exc:
-        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({exc}); check access to the store and retry",
+        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({describe(exc)}); check access to the store and retry",
                file=uri, rank=rank)
         return {}
     if not isinstance(obj, dict):
@@ -566,30 +677,41 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
         st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
                "it was replaced or written by another tool", file=uri)
         return {}
-    config = obj.get("ds_config") or {}
+    config = obj.get("ds_config")
+    config = config if isinstance(config, Mapping) else {}
     precision = "fp32"
     if enabled_section(config, "bf16") or enabled_section(config, "bfloat16"):
         precision = "bf16"
     elif enabled_section(config, "fp16"):
         precision = "fp16"
-    world_size = obj["dp_world_size"]
-    if not isinstance(world_size, int) or world_size < 1:
-        st.add("corrupt-file", f"{uri} records a data-parallel world size of {world_size!r}; the file is damaged", file=uri)
+    world_size, step, version = obj["dp_world_size"], obj["global_steps"], obj.get("ds_version", "unknown")
+    if not _count(world_size) or world_size < 1:
+        st.add("corrupt-file", f"{uri} records a data-parallel world size of {excerpt(world_size)}; the file is damaged",
+               file=uri)
         return {}
-    if (obj.get("mp_world_size") or 1) != mp_world_size:
+    if not _count(step):
+        st.add("corrupt-file", f"{uri} records a global step of {excerpt(step)}, not a step count; the file is damaged",
+               file=uri)
+        return {}
+    if not isinstance(version, str):
+        st.add("corrupt-file", f"{uri} records a DeepSpeed version of {excerpt(version)}, not a version string; the "
+               "file is damaged", file=uri)
+        return {}
+    recorded = obj.get("mp_world_size")
+    if (recorded if recorded is not None else 1) != mp_world_size:
         if mp_world_size == 1:
-            st.add("unsupported-parallelism", f"{uri} was saved with model-parallel size {obj['mp_world_size']}; "
+            st.add("unsupported-parallelism", f"{uri} was saved with model-parallel size {excerpt(recorded)}; "
                    "ckptflow handles data-parallel ZeRO checkpoints only", file=uri)
         else:
-            st.add("ranks-disagree", f"{uri} records model-parallel size {obj.get('mp_world_size')} but the "
+            st.add("ranks-disagree", f"{uri} records model-parallel size {excerpt(recorded)} but the "
                    f"checkpoint's layout implies {mp_world_size}; the folder mixes saves: re-copy it from one save",
                    file=uri)
-    return {
-        "world_size": world_size,
-        "precision": precision,
-        "step": obj["global_steps"],
-        "ds_version": str(obj.get("ds_version", "unknown")),
-    }
+    return {"world_size": world_size, "precision": precision, "step": step, "ds_version": version}
+
+
+def _count(value: Any) -> bool:
+    """Whether `value` is a count a checkpoint records: a non-negative int (not a bool)."""
+    return type(value) is int and value >= 0
 
 
 def enabled_section(config: Mapping[str, Any], key: str) -> bool:
@@ -604,12 +726,65 @@ def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> 
                "optimizer_state_dict.partition_count); it was replaced or written by another tool", file=uri, rank=rank)
         return {"stage": None, "world_size": None}
     count = osd["partition_count"]
-    world_size = max(count) if isinstance(count, list) else count
-    if "zero_stage" in osd:
-        stage = int(osd["zero_stage"])
-    else:  # BF16_Optimizer (ZeRO-1 with bf16 weights and fp32 gradient accumulation) has no stage field
-        stage = 1
-    return {"stage": stage, "world_size": world_size}
+    counts = count if isinstance(count, list) and count else [count]
+    if not all(_count(c) and c >= 1 for c in counts):
+        st.add("corrupt-file", f"rank {rank}: {uri} records a partition count of {excerpt(count)}; the file is damaged",
+               file=uri, rank=rank)
+        return {"stage": None, "world_size": None}
+    stage = osd.get("zero_stage", 1)  # BF16_Optimizer (ZeRO-1 with bf16 weights, fp32 gradients) records no stage
+    if stage not in (0, 1, 2, 3) or type(stage) is bool:
+        st.add("corrupt-file", f"rank {rank}: {uri} records ZeRO stage {excerpt(stage)}; the file is damaged",
+               file=uri, rank=rank)
+        return {"stage": None, "world_size": None}
+    return {"stage": int(stage), "world_size": max(counts)}
+
+
+# A tensor has at most 2**63 - 1 elements (torch counts them in an int64).
+MAX_NUMEL = 2**63 - 1
+
+
+def _is_shape(value: Any) -> bool:
+    return (isinstance(value, tuple | list) and len(value) <= 64 and all(_count(d) for d in value)
+            and element_count(value) <= MAX_NUMEL)
+
+
+def _is_shape_map(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, str) and _is_shape(v) for k, v in value.items())
+
+
+def _is_list_of(test: Any) -> Any:
+    return lambda value: isinstance(value, list) and all(test(v) for v in value)
+
+
+def _is_str_map(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _flat(ref: TensorRef) -> bool:
+    """A flat partition or moment: one dimension, contiguous."""
+    return len(ref.shape) == 1 and ref.is_contiguous
+
+
+# What a reader relies on in each file: the fields it reads, and what they must hold (None is "absent").
+_MODEL_FIELDS: dict[str, Any] = {
+    "module": lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+    "param_shapes": _is_list_of(_is_shape_map),
+    "buffer_names": _is_list_of(lambda n: isinstance(n, str)),
+    "shared_params": _is_str_map,
+    "frozen_param_shapes": _is_shape_map,
+    "frozen_param_fragments": lambda v: isinstance(v, Mapping),
+}
+_OPTIM_FIELDS: dict[str, Any] = {
+    "fp32_flat_groups": lambda v: isinstance(v, list),
+    "single_partition_of_fp32_groups": lambda v: isinstance(v, list),
+    "group_paddings": _is_list_of(_count),
+    "param_alignment_paddings": _is_list_of(lambda v: v is None or _is_list_of(_count)(v)),
+    "param_slice_mappings": _is_list_of(lambda v: v is None or isinstance(v, Mapping)),
+}
+_BASE_STATE_FIELDS: dict[str, Any] = {
+    "state": lambda v: isinstance(v, Mapping),
+    "param_groups": _is_list_of(lambda v: isinstance(v, Mapping)),
+}
 
 
 class _Layout:
@@ -627,6 +802,13 @@ class _Layout:
         self.tied: dict[str, str] = {}
 
     def build(self) -> tuple[tuple[Param, ...], tuple[ParamGroup, ...], tuple[tuple[Partition, ...], ...]]:
+        for rank, (m, uri) in enumerate(zip(self.models, self.model_uris)):
+            if rank == 0 or self.stage == 3:
+                self._check_fields(m, _MODEL_FIELDS, uri, rank)
+        for rank, (osd, uri) in enumerate(zip(self.osds, self.optim_uris)):
+            self._check_fields(osd, _OPTIM_FIELDS, uri, rank)
+            self._check_fields(self._base_state(rank), _BASE_STATE_FIELDS, uri, rank)
+        self.st.stop_if_any()
         model0 = self.models[0]
         shapes: list[Mapping[str, tuple[int, ...]]] = model0["param_shapes"]
         for rank, m in enumerate(self.models[1:], start=1):
@@ -640,25 +822,42 @@ class _Layout:
                         file=self.optim_uris[0], rank=0)
         self.st.stop_if_any()
         groups = self._groups(shapes)
+        self.st.stop_if_any()
         partitions = tuple(
             tuple(self._partition(rank, g) for g in range(len(shapes))) for rank in range(self.ws)
         )
+        self._check_partition_counts(groups)
+        self._check_moments(partitions)
         self.st.stop_if_any()
         module = self.module
         dtypes = {name: ref.dtype for name, ref in module.items() if isinstance(ref, TensorRef)}
-        trainable: dict[str, Param] = {}
-        for g, group_shapes in enumerate(shapes):
-            fragments = self._fragments_zero3(g, group_shapes, partitions) if self.stage == 3 else \
-                self._fragments_zero12(g, group_shapes, partitions)
-            for name, shape in group_shapes.items():
-                trainable[name] = Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()))
+        trainable: dict[str, list[Param]] = {}  # name -> one Param per shard
+        for group in groups:
+            g, group_shapes = group.index, shapes[group.index]
+            for shard in range(group.ep):
+                ranks = group.ranks(self.ws, shard)
+                fragments = self._fragments_zero3(g, group_shapes, partitions, ranks) if self.stage == 3 else \
+                    self._fragments_zero12(g, group_shapes, partitions, ranks)
+                for name, shape in group_shapes.items():
+                    trainable.setdefault(name, []).append(
+                        Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()), shard=shard))
+        self.st.stop_if_any()
         frozen = self._frozen()
-        self._find_tied(module, {**trainable, **frozen})
+        self._find_tied(module, {**{n: p[0] for n, p in trainable.items()}, **frozen})
         if self.stage != 3 and model0.get("frozen_param_shapes") is None:
             frozen = self._frozen_from_module(module, trainable)
         order = [n for n in module if n in trainable or n in frozen]
         order += [n for n in [*trainable, *frozen] if n not in order]
-        return tuple((trainable.get(n) or frozen[n]) for n in order), groups, partitions
+        return tuple(p for n in order for p in (trainable.get(n) or [frozen[n]])), groups, partitions
+
+    def _check_fields(self, obj: Mapping[str, Any], fields: Mapping[str, Any], uri: str, rank: int) -> None:
+        """Each field a reader uses holds what DeepSpeed writes there (types, not values), so that what
+        follows can rely on it; one problem per field that does not."""
+        for key, ok in fields.items():
+            value = obj.get(key)
+            if value is not None and not ok(value):
+                self.st.add("corrupt-file", f"rank {rank}: {uri} records {key} as {excerpt(value)}, not what DeepSpeed "
+                            "writes there; the file is damaged", file=uri, rank=rank)
 
     def _dtype(self, module_dtype: str | None) -> str:
         return module_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, "float32")
@@ -676,48 +875,145 @@ class _Layout:
 
     def _groups(self, shapes: list[Mapping[str, Any]]) -> tuple[ParamGroup, ...]:
         hyper = self._base_state(0).get("param_groups") or [{} for _ in shapes]
-        return tuple(
-            ParamGroup(g, {k: v for k, v in (hyper[g] if g < len(hyper) else {}).items() if k != "params"},
-                       tuple(group_shapes))
-            for g, group_shapes in enumerate(shapes)
-        )
+        groups = []
+        for g, group_shapes in enumerate(shapes):
+            group = {k: v for k, v in (hyper[g] if g < len(hyper) else {}).items() if k != "params"}
+            ep = expert_group_degree(group)
+            if ep is None or self.ws % ep:
+                why = ("does not say its expert-parallel degree (DeepSpeed names expert groups ep_size_N)" if ep is None
+                       else f"is split over {ep} expert-parallel ranks, which {self.ws} ranks cannot hold")
+                self.st.add("partition-mismatch", f"param group {g} ({group.get('name')!r}) in {self.optim_uris[0]} is "
+                            f"an expert group that {why}; ckptflow cannot tell which ranks hold which experts",
+                            file=self.optim_uris[0], rank=0)
+                ep = 1
+            groups.append(ParamGroup(g, group, tuple(group_shapes), ep))
+        return tuple(groups)
+
+    def _check_partition_counts(self, groups: tuple[ParamGroup, ...]) -> None:
+        """Each group is partitioned over the ranks its expert-parallel degree implies: ZeRO-1/2 record the
+        count per group (`partition_count`), ZeRO-3 with expert groups the ranks of each sub-group
+        (`ds_zero_partition_groups`, one sub-group per param group here)."""
+        for rank, osd in enumerate(self.osds):
+            uri = self.optim_uris[rank]
+            count = osd.get("partition_count")
+            recorded = osd.get("ds_zero_partition_groups")
+            if self.stage != 3 and isinstance(count, list):
+                for group, have in zip(groups, count):
+                    want = self.ws // group.ep
+                    if have != want:
+                        self.st.add("partition-mismatch", f"rank {rank}: {uri} records param group {group.index} "
+                                    f"({excerpt(group.hyper.get('name'))}) as partitioned over {have} ranks, but at "
+                                    f"{self.ws} ranks {self._over(group)} it is partitioned over {want}; the file is "
+                                    "damaged or from another save", file=uri, rank=rank)
+            if self.stage != 3:
+                continue
+            if recorded is None:
+                if any(g.ep > 1 for g in groups):
+                    self.st.add("partition-mismatch", f"rank {rank}: {uri} has expert param groups but no "
+                                "ds_zero_partition_groups, so it does not say which ranks hold which experts",
+                                file=uri, rank=rank)
+                continue
+            if not isinstance(recorded, list) or len(recorded) != len(groups):
+                self.st.add("unsupported-layout", f"rank {rank}: {uri} records {len(recorded) if isinstance(recorded, list) else recorded!r} "
+                            f"ZeRO-3 partition sub-groups for {len(groups)} param groups; ckptflow reads one sub-group "
+                            "per param group (sub_group_size larger than any group)", file=uri, rank=rank)
+                continue
+            for group, entry in zip(groups, recorded):
+                ranks = list(group.ranks(self.ws, rank % group.ep))
+                want = {"partition_count": len(ranks), "partition_rank": ranks.index(rank), "partition_ranks": ranks}
+                have = {k: entry.get(k) for k in want} if isinstance(entry, Mapping) else entry
+                if have != want:
+                    self.st.add("partition-mismatch", f"rank {rank}: {uri} records sub-group {group.index} "
+                                f"({excerpt(group.hyper.get('name'))}) as {have}, but at {self.ws} ranks {self._over(group)} "
+                                f"DeepSpeed's default topology gives {want}; the checkpoint was saved with another "
+                                "expert-parallel topology, which ckptflow cannot place", file=uri, rank=rank)
+
+    @staticmethod
+    def _over(group: ParamGroup) -> str:
+        return f"over {group.ep} expert-parallel ranks" if group.ep > 1 else "(a dense group)"
 
     def _partition(self, rank: int, group: int) -> Partition:
         uri = self.optim_uris[rank]
         flat = self._fp32_groups(rank)
+        empty = Partition(rank, group, 0, 0, TensorRef(uri, "", "float32", (0,), (1,), 0, 0, 0))
         if group >= len(flat) or not isinstance(flat[group], TensorRef):
             self.st.add("corrupt-file", f"rank {rank}: {uri} has no fp32 partition for param group {group}",
                         file=uri, rank=rank)
-            return Partition(rank, group, 0, 0, TensorRef(uri, "", "float32", (0,), (1,), 0, 0, 0))
+            return empty
         ref = flat[group]
+        if not _flat(ref):
+            self.st.add("corrupt-file", f"rank {rank}: the fp32 partition of param group {group} in {uri} is a strided "
+                        f"view (shape {excerpt(list(ref.shape))}, stride {excerpt(list(ref.stride))}), not the contiguous "
+                        "flat tensor DeepSpeed saves; the file is damaged", file=uri, rank=rank)
+            return empty
         padding = 0
         if self.stage != 3:
             paddings = self.osds[rank].get("group_paddings") or []
             padding = paddings[group] if group < len(paddings) else 0
         state = self._base_state(rank).get("state") or {}
+        if group == 0:
+            unknown = [k for k in state if not (type(k) is int and 0 <= k < len(flat))]
+            if unknown:
+                self.st.add("corrupt-file", f"rank {rank}: {uri} holds optimizer state for param group "
+                            f"{excerpt(unknown[0])}, but the checkpoint has {len(flat)} param group(s); the file is "
+                            "damaged", file=uri, rank=rank)
         group_state = state.get(group) or {}
+        if not isinstance(group_state, Mapping):
+            self.st.add("corrupt-file", f"rank {rank}: {uri} holds the optimizer state of param group {group} as "
+                        f"{excerpt(group_state)}; the file is damaged", file=uri, rank=rank)
+            return empty
         # ZeRO-1/2 save their partition without its tail padding; BF16_Optimizer saves it whole.
         numel = ref.numel if self.padding_saved else ref.numel + padding
         for key, value in group_state.items():
             if key == "step" or not isinstance(value, TensorRef):
                 continue
             if value.numel != numel:
-                self.st.add("partition-mismatch", f"rank {rank}: optimizer state {key} of param group {group} in {uri} "
-                            f"has {value.numel} elements but the fp32 partition has {numel}; the file is damaged",
+                self.st.add("partition-mismatch", f"rank {rank}: optimizer state {excerpt(key)} of param group {group} "
+                            f"in {uri} has {value.numel} elements but the fp32 partition has {numel}; the file is damaged",
                             file=uri, rank=rank)
+            elif not _flat(value):
+                self.st.add("corrupt-file", f"rank {rank}: optimizer state {excerpt(key)} of param group {group} in "
+                            f"{uri} is a strided view (stride {excerpt(list(value.stride))}), not the contiguous flat "
+                            "tensor DeepSpeed saves; the file is damaged", file=uri, rank=rank)
         return Partition(rank, group, numel, padding, ref, dict(group_state))
 
-    def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any],
-                          partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
-        sizes = [partitions[r][g].numel for r in range(self.ws)]
+    def _check_moments(self, partitions: tuple[tuple[Partition, ...], ...]) -> None:
+        """Every rank holds the same optimizer moments (exp_avg, exp_avg_sq ...) for each param group."""
+        for g in range(len(partitions[0]) if partitions else 0):
+            names = [sorted(str(k) for k, v in p[g].state.items() if p[g].is_moment(v)) for p in partitions]
+            for rank, have in enumerate(names[1:], start=1):
+                if have != names[0]:
+                    uri = self.optim_uris[rank]
+                    self.st.add("ranks-disagree", f"rank {rank}: {uri} holds the optimizer state "
+                                f"{excerpt(', '.join(have) or 'none', 80)} for param group {g} but rank 0 holds "
+                                f"{excerpt(', '.join(names[0]) or 'none', 80)}; the files are damaged or from different "
+                                "saves", file=uri, rank=rank)
+
+    def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any], partitions: tuple[tuple[Partition, ...], ...],
+                          ranks: tuple[int, ...]) -> dict[str, tuple[Fragment, ...]]:
+        """Fragments of group `g`'s parameters, partitioned in order over the global `ranks`."""
+        sizes = [partitions[r][g].numel for r in ranks]
+        which = f"ranks {list(ranks)}" if len(ranks) < self.ws else "ranks"
         if len(set(sizes)) != 1:
-            self.st.add("partition-mismatch", f"param group {g}: ranks hold partitions of {sizes} elements (saved + "
+            self.st.add("partition-mismatch", f"param group {g}: {which} hold partitions of {sizes} elements (saved + "
                         "padding); ZeRO-1/2 partitions are equal-sized, so a rank file is damaged or from another save",
-                        file=self.optim_uris[0])
+                        file=self.optim_uris[ranks[0]])
             return {}
         size = sizes[0]
-        saved = sum(partitions[r][g].fp32.numel for r in range(self.ws))
+        saved = sum(partitions[r][g].fp32.numel for r in ranks)
         align_paddings = (self.osds[0].get("param_alignment_paddings") or [None] * (g + 1))[g]
+        if align_paddings is not None and len(align_paddings) != len(group_shapes):
+            self.st.add("partition-mismatch", f"param group {g}: {self.optim_uris[0]} records {len(align_paddings)} "
+                        f"alignment paddings for {len(group_shapes)} parameters; the file is damaged",
+                        file=self.optim_uris[0], rank=0)
+            return {}
+        need = sum(element_count(shape) for shape in group_shapes.values()) + sum(align_paddings or ())
+        if need > size * len(ranks):
+            self.st.add("partition-mismatch", f"param group {g}: the parameter shapes in {self.model_uris[0]} need "
+                        f"{need:,} elements but the {which} hold partitions of {size:,} elements each ({len(ranks)} "
+                        f"ranks, {self.optim_uris[ranks[0]]} and the others); the shapes and the partitions do not "
+                        "belong together", file=self.model_uris[0])
+            return {}
         offset = 0
         out: dict[str, tuple[Fragment, ...]] = {}
         for i, (name, shape) in enumerate(group_shapes.items()):
@@ -725,53 +1021,56 @@ class _Layout:
             frags = []
             pos = offset
             while pos < offset + numel:
-                rank, start = divmod(pos, size)
+                local, start = divmod(pos, size)
                 take = min(offset + numel - pos, size - start)
-                frags.append(Fragment(rank, g, start, take, pos - offset))
+                frags.append(Fragment(ranks[local] if local < len(ranks) else self.ws + local, g, start, take,
+                                      pos - offset))
                 pos += take
             out[name] = tuple(frags)
             offset += numel + (align_paddings[i] if align_paddings else 0)
         if self.padding_saved:
-            saved -= sum(partitions[r][g].padding for r in range(self.ws))
+            saved -= sum(partitions[r][g].padding for r in ranks)
             misfit = offset != saved
         else:  # ZeRO-1/2 round both ends to 2 * world_size in ways only the live optimizer knows exactly
-            misfit = offset > saved or zero12_padded(offset, self.ws) != zero12_padded(saved, self.ws)
+            misfit = offset > saved or zero12_padded(offset, len(ranks)) != zero12_padded(saved, len(ranks))
         if misfit:
-            self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the ranks "
-                        f"saved {saved}; the partition sizes do not add up, so the files do not belong together",
-                        file=self.optim_uris[0])
-        for rank in range(self.ws):
+            self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the "
+                        f"{which} saved {saved}; the partition sizes do not add up, so the files do not belong together",
+                        file=self.optim_uris[ranks[0]])
+        for rank in ranks:
             mapping = (self.osds[rank].get("param_slice_mappings") or [{}] * (g + 1))[g]
             for name, addr in (mapping or {}).items():
                 mine = [f for f in out.get(name, ()) if f.rank == rank]
                 if isinstance(addr, PickledObject) and (
                     len(mine) != 1 or mine[0].offset != addr.get("start") or mine[0].numel != addr.get("numel")
                 ):
-                    self.st.add("partition-mismatch", f"rank {rank}: {self.optim_uris[rank]} places {name} at "
-                                f"{addr.get('start')}+{addr.get('numel')} but the shapes place it at "
+                    self.st.add("partition-mismatch", f"rank {rank}: {self.optim_uris[rank]} places {excerpt(name)} at "
+                                f"{excerpt(addr.get('start'))}+{excerpt(addr.get('numel'))} but the shapes place it at "
                                 f"{[(f.offset, f.numel) for f in mine]}; the file is damaged or from another model",
                                 file=self.optim_uris[rank], rank=rank)
         return out
 
-    def _fragments_zero3(self, g: int, group_shapes: Mapping[str, Any],
-                         partitions: tuple[tuple[Partition, ...], ...]) -> dict[str, tuple[Fragment, ...]]:
+    def _fragments_zero3(self, g: int, group_shapes: Mapping[str, Any], partitions: tuple[tuple[Partition, ...], ...],
+                         ranks: tuple[int, ...]) -> dict[str, tuple[Fragment, ...]]:
+        """Fragments of group `g`'s parameters, each cut into pieces over the global `ranks` in order."""
         out: dict[str, tuple[Fragment, ...]] = {}
         offset = 0
+        count = len(ranks)
         for name, shape in group_shapes.items():
             numel = element_count(shape)
-            piece = zero3_piece(numel, self.ws)
-            # zero3_real, unrolled: ranks before `full` hold a whole piece, rank `full` the rest if any
+            piece = zero3_piece(numel, count)
+            # zero3_real, unrolled: the first `full` of `ranks` hold a whole piece, the next the rest if any
             full = numel // piece if piece else 0
-            frags = [Fragment(rank, g, offset, piece, rank * piece) for rank in range(full)]
-            if piece and full < self.ws and numel - full * piece:
-                frags.append(Fragment(full, g, offset, numel - full * piece, full * piece))
+            frags = [Fragment(ranks[i], g, offset, piece, i * piece) for i in range(full)]
+            if piece and full < count and numel - full * piece:
+                frags.append(Fragment(ranks[full], g, offset, numel - full * piece, full * piece))
             out[name] = tuple(frags)
             offset += piece
-        for rank in range(self.ws):
+        for rank in ranks:
             have = partitions[rank][g].fp32.numel
             if have != offset:
                 self.st.add("partition-mismatch", f"rank {rank}: param group {g} in {self.optim_uris[rank]} holds "
-                            f"{have} fp32 elements but its parameters need {offset} ({self.ws} ranks); the file is "
+                            f"{have} fp32 elements but its parameters need {offset} ({count} ranks); the file is "
                             "damaged or from a save with another world size", file=self.optim_uris[rank], rank=rank)
         return out
 
@@ -788,16 +1087,21 @@ class _Layout:
                 ref = (m.get("frozen_param_fragments") or {}).get(name)
                 want = zero3_piece(numel, self.ws) if self.stage == 3 else numel
                 if not isinstance(ref, TensorRef) or ref.numel != want:
-                    self.st.add("partition-mismatch", f"rank {rank}: frozen parameter {name} in "
+                    self.st.add("partition-mismatch", f"rank {rank}: frozen parameter {excerpt(name)} in "
                                 f"{self.model_uris[rank]} has {getattr(ref, 'numel', 'no')} elements, expected {want}; "
                                 "the file is damaged or from another save", file=self.model_uris[rank], rank=rank)
+                    continue
+                if not ref.is_contiguous:
+                    self.st.add("corrupt-file", f"rank {rank}: frozen parameter {excerpt(name)} in {self.model_uris[rank]} "
+                                f"is saved as a strided view (stride {excerpt(list(ref.stride))}), not the contiguous "
+                                "tensor DeepSpeed saves; the file is damaged", file=self.model_uris[rank], rank=rank)
                     continue
                 pieces.append(ref)
             dtype = pieces[0].dtype if pieces else "float32"
             out[name] = Param(name, shape, dtype, None, (), tuple(pieces))
         return out
 
-    def _frozen_from_module(self, module: Mapping[str, Any], trainable: Mapping[str, Param]) -> dict[str, Param]:
+    def _frozen_from_module(self, module: Mapping[str, Any], trainable: Mapping[str, Any]) -> dict[str, Param]:
         """ZeRO-1 records no frozen-parameter list: they are the module's tensors that are neither
         buffers, nor trainable, nor aliases, and their saved 16-bit (or fp32) copy is their only value."""
         buffers = set(self.models[0].get("buffer_names") or [])

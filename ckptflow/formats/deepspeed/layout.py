@@ -17,6 +17,12 @@ Each function mirrors one piece of DeepSpeed 0.19.8 and names it; nothing here r
 
 `moves` turns two layouts of the same parameters into the copies that build one target rank's
 partition from the source ranks' partitions.
+
+Expert parallelism (AutoEP, `deepspeed.moe`) partitions some param groups over a subset of the ranks:
+a group named `ep_size_N` holds each expert-parallel rank's own experts, partitioned over that rank's
+expert data-parallel group. `partition_ranks` names those ranks (DeepSpeed's default topology,
+`groups._create_expert_and_data_parallel`: expert-parallel groups are consecutive ranks, so global rank
+r is expert-parallel rank r % N and partition r // N).
 """
 
 from __future__ import annotations
@@ -54,6 +60,15 @@ class Extent:
     numel: int
     src: int
     dst: int
+
+
+def partition_ranks(world_size: int, ep: int, ep_rank: int = 0) -> tuple[int, ...]:
+    """The global ranks, in partition order, over which expert-parallel rank `ep_rank`'s copy of a param
+    group is partitioned when the group is split over `ep` expert-parallel ranks (1: a dense group,
+    partitioned over every rank)."""
+    if ep < 1 or world_size % ep or not 0 <= ep_rank < ep:
+        raise ValueError(f"{world_size} ranks do not split into {ep} expert-parallel ranks (rank {ep_rank})")
+    return tuple(range(ep_rank, world_size, ep))
 
 
 def round_robin_order(count: int, world_size: int) -> tuple[int, ...]:
@@ -221,6 +236,7 @@ def piece_offsets(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 __all__ = [
-    "BF16", "ZERO", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "piece_offsets", "round_robin_order",
-    "zero12_fragments", "zero12_layout", "zero12_padded", "zero3_moves", "zero3_piece", "zero3_real", "zero3_sub_groups",
+    "BF16", "ZERO", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "partition_ranks",
+    "piece_offsets", "round_robin_order", "zero12_fragments", "zero12_layout", "zero12_padded", "zero3_moves",
+    "zero3_piece", "zero3_real", "zero3_sub_groups",
 ]

@@ -31,6 +31,7 @@ from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
 from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint, read_zero0
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join as join_uri
+from ckptflow.plumbing.text import excerpt
 
 MAX_STRETCHES = 1 << 24  # per piece: beyond this a layout is strided element by element; refuse it
 
@@ -379,13 +380,13 @@ def read_ranks(st: Inspection, listing: Listing, heads: Sequence[dict[str, Any]]
         for attr, label in (("stage", "ZeRO stage"), ("world_size", "data-parallel world size"),
                             ("precision", "precision"), ("step", "global step"), ("ds_version", "DeepSpeed version")):
             if getattr(index, attr) != getattr(first, attr):
-                st.add("ranks-disagree", f"{where(mp)} records {label} {getattr(index, attr)} but {where(0)} records "
-                       f"{getattr(first, attr)}; the folder mixes files from different saves: re-copy the tag folder "
+                st.add("ranks-disagree", f"{where(mp)} records {label} {excerpt(getattr(index, attr))} but {where(0)} records "
+                       f"{excerpt(getattr(first, attr))}; the folder mixes files from different saves: re-copy the tag folder "
                        "from one save", file=listing.model_uri(mp))
         dims = heads[mp].get("checkpoint_parallel_dimensions")
         if dims != heads[0].get("checkpoint_parallel_dimensions"):
-            st.add("ranks-disagree", f"{where(mp)} records parallel dimensions {dims} but {where(0)} records "
-                   f"{heads[0].get('checkpoint_parallel_dimensions')}; re-copy the tag folder from one save",
+            st.add("ranks-disagree", f"{where(mp)} records parallel dimensions {excerpt(dims)} but {where(0)} records "
+                   f"{excerpt(heads[0].get('checkpoint_parallel_dimensions'))}; re-copy the tag folder from one save",
                    file=listing.model_uri(mp))
     st.stop_if_any()
     return out

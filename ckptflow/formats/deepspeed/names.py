@@ -7,6 +7,8 @@ take them from here.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 # DeepSpeed classes that appear in checkpoint pickles. The reader turns them into plain records
 # (`formats.torchzip.PickledObject`); the reshard writer writes them back by name.
@@ -27,6 +29,9 @@ SAFE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")  # one expert's weights
 EXPP_FILE_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # deepspeed.moe ZeRO-0 optimizer
 LAYER_FILE_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")  # PipelineModule layer (+ TP rank)
+# Optimizer param groups of expert parameters (AutoEP, deepspeed.moe): `moe: True` and this name, N the
+# expert-parallel degree (`deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`).
+EP_GROUP_RE = re.compile(r"^ep_size_(\d+)$")
 
 
 def model_file_name(stage: int, rank: int, mp_rank: int = 0) -> str:
@@ -46,6 +51,26 @@ def layer_file_name(layer: int, tp_rank: int | None = None) -> str:
     """A PipelineModule layer's file (`layer_{XX}-model_states.pt`); with Megatron-style tensor
     parallelism one per tensor-parallel rank (`layer_{XX}-model_{TT}-model_states.pt`)."""
     return f"layer_{layer:02d}-model_states.pt" if tp_rank is None else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def expert_file_name(layer: int, expert: int, mp_rank: int = 0) -> str:
+    """One expert's weights (AutoEP and deepspeed.moe at ZeRO-0/1/2), by MoE layer and global expert id."""
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expp_file_name(ep_rank: int, mp_rank: int = 0) -> str:
+    """deepspeed.moe ZeRO-0: the whole optimizer of one expert-parallel rank."""
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def expert_group_degree(group: Any) -> int | None:
+    """The expert-parallel degree N of an optimizer param group named `ep_size_N` with `moe: True`; 1
+    for any other group (a dense group, partitioned over every data-parallel rank); None for an expert
+    group whose name does not say N."""
+    if not isinstance(group, Mapping) or not group.get("moe"):
+        return 1
+    m = EP_GROUP_RE.match(str(group.get("name", "")))
+    return int(m.group(1)) if m and int(m.group(1)) > 0 else None
 
 
 def is_rank_file(name: str) -> bool:

@@ -45,6 +45,8 @@ from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
 from ckptflow.formats.torchzip import TensorRef, open_archive
 from ckptflow.plumbing.storage import join as join_uri
+from ckptflow.plumbing.text import excerpt
+from ckptflow.plumbing.redaction import describe
 
 UC_INFO = "universal_checkpoint_info"
 TIED = "tied_modules."
@@ -165,7 +167,7 @@ def _open_layers(st: Inspection, listing: Listing, names: Mapping[tuple[int, int
             st.add(exc.code, f"layer file {name}: {exc}", file=uri)
             continue
         except OSError as exc:
-            st.add("unreadable-file", f"cannot read {uri} ({exc}); check access to the store and retry", file=uri)
+            st.add("unreadable-file", f"cannot read {uri} ({describe(exc)}); check access to the store and retry", file=uri)
             continue
         if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
             st.add("corrupt-file", f"{uri} is not a PipelineModule layer state dict (names to tensors); the file is "
@@ -267,7 +269,7 @@ class _StageModules:
                             and t == 0})
             if len(found) != 1:
                 why = "none does" if not found else f"layers {found} all could"
-                st.add("unsupported-layout", f"cannot tell which layer file holds tied module '{key}' "
+                st.add("unsupported-layout", f"cannot tell which layer file holds tied module {excerpt(key)} "
                        f"({sorted(params)}): {why}; ckptflow does not guess")
                 continue
             out[key] = found[0]

@@ -88,6 +88,17 @@ def whole_run(ref: TensorRef, name: str) -> Run:
     return Run(contiguous(ref, name), 0, ref.numel, 0)
 
 
+def slice_runs(runs: Sequence[Run], start: int, numel: int, offset: int) -> tuple[Run, ...]:
+    """The part of `runs` (which tile a tensor) that holds its elements [start, start + numel), moved to
+    land at element `offset` of another tensor: an expert's rows of a stacked expert parameter, say."""
+    out = []
+    for run in sorted(runs, key=lambda r: r.offset):
+        lo, hi = max(start, run.offset), min(start + numel, run.offset + run.numel)
+        if lo < hi:
+            out.append(Run(run.ref, run.start + (lo - run.offset), hi - lo, offset + (lo - start)))
+    return tuple(out)
+
+
 def check_coverage(name: str, numel: int, runs: Sequence[Run]) -> None:
     """Runs must tile [0, numel) exactly: no gap (padding would leak in), no overlap."""
     pos = 0

@@ -225,6 +225,24 @@ for _container in ("list", "tuple", "dict"):
     kind(name=f"billion-laughs-{_container}", code=(0, 1), issue="14.4", hangs=True)(_laughs(_container))
 
 
+@kind(code=(0, 1), issue="14.4")
+def deep_tuple_as_key(ws: Workspace) -> None:
+    """A tuple nested 100,000 deep used as a dict key: its hash recurses in C without a guard (the
+    C unpickler crashed with SIGSEGV)."""
+    depth = ws.param(100_000, lambda r: r.choice([200, 1000, 100_000]))
+    _payload(ws, asm.dct((asm.nested("tuple", depth), asm.none())))
+
+
+@kind(code=(0, 1), issue="14.4")
+def shared_tuples_as_keys(ws: Workspace) -> None:
+    """A "billion laughs" of tuples over a string (hashable) used as dict keys, again and again: a
+    tuple's hash is not cached, so each insertion walks every copy."""
+    levels = ws.param(60, lambda r: r.randrange(20, 90))
+    keys = asm.laughs("tuple", levels, base=asm.string("x"))
+    again = asm.get(1000 + levels)
+    _payload(ws, keys + asm.op("POP") + asm.dct(*((again, asm.integer(i)) for i in range(ws.param(50, lambda r: r.randrange(1, 200))))))
+
+
 @kind(expect=BAD_PICKLE)
 def memo_get_unset(ws: Workspace) -> None:
     """BINGET of a memo index never set."""

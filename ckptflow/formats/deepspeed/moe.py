@@ -1,0 +1,260 @@
+"""deepspeed.moe checkpoints (`deepspeed.moe.layer.MoE(..., ep_size=N)` in a plain module) read into the
+model's tensors under the module's names with **global** expert ids: the names of the same model at
+`ep_size=1` (`tests/fixtures/PARALLEL_LAYOUTS.md`, section 5).
+
+- ZeRO-1/2: `mp_rank_00_model_states.pt` (dense module weights), optimizer files per rank whose expert
+  groups (`ep_size_N`, possibly two of that name: weights and biases) hold the experts of the rank's
+  expert-parallel rank under **local** ids, partitioned over its expert data-parallel group (`index`),
+  and `layer_{L}_expert_{E}` files (module-dtype weights, global ids).
+- ZeRO-0: `module` holds the dense weights (the training dtype's masters), the expert files the
+  experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no names).
+
+Nothing records the placement but the group names, `num_experts` and DeepSpeed's default topology:
+local expert i of expert-parallel rank e in MoE layer L is global expert `e * num_experts[L] / N + i`,
+and MoE layer L is the L-th `deepspeed_moe` module in module order (the order `save_checkpoint`
+numbers them in); every expert file is opened to check that.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckptflow.formats.deepspeed.detect import Layout
+from ckptflow.formats.deepspeed.experts import (ExpertCheckpoint, check_expert_file, check_expert_files, open_files,
+                                                ordered)
+from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint, read_zero
+from ckptflow.formats.deepspeed.names import (EXPERT_FILE_RE, EXPP_FILE_RE, expert_file_name, expert_group_degree,
+                                              expp_file_name)
+from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
+from ckptflow.formats.torchzip import TensorRef
+from ckptflow.plumbing.storage import join
+
+GATE_RE = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.gate\.wg\.weight$")  # one per MoE layer, in module order
+EXPERT_RE = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<id>\d+)\.(?P<rest>.+)$")
+
+
+def read_moe(st: Inspection, listing: Listing, model0: dict[str, Any], layout: Layout) -> ExpertCheckpoint:
+    """The index of a deepspeed.moe checkpoint (ZeRO-0, or ZeRO-1/2), checked cheapest first."""
+    uri = listing.model0_uri
+    _check_topology(st, model0, uri)
+    layers = _moe_layers(st, model0, uri)
+    experts = _num_experts(st, model0, uri, len(layers))
+    st.stop_if_any()
+    if layout.stage == 0:
+        return _read_zero0(st, listing, model0, layers, experts)
+    expected = check_expert_files(st, listing, experts, "deepspeed.moe saves one file per MoE layer and global expert")
+    for name in listing.names:
+        if EXPP_FILE_RE.match(name):
+            st.add("rank-extra", f"unexpected file {st.tag}/{name}: only ZeRO-0 saves expp_rank files and this "
+                   "checkpoint has ZeRO optimizer files; it is left over from another save into the same tag folder",
+                   file=join(listing.tag_uri, name))
+    st.stop_if_any()
+    zero = read_zero(st, listing, model0)
+    if zero.stage == 3:  # DeepSpeed refuses deepspeed.moe at ZeRO-3; a folder saying so is not one save
+        st.add("unsupported-layout", f"{listing.tag_uri} holds deepspeed.moe layers in a ZeRO-3 checkpoint, which "
+               "DeepSpeed does not write", file=uri)
+    st.stop_if_any()
+    files = open_files(st, listing.tag_uri, expected, _expert_label)
+    tensors = _zero_tensors(st, zero, layers, experts, files, listing.tag_uri)
+    st.stop_if_any()
+    return ExpertCheckpoint(
+        root=zero.root, tag=zero.tag, kind="moe", stage=zero.stage, world_size=zero.world_size,
+        ep=max(g.ep for g in zero.groups), precision=zero.precision, step=zero.step, ds_version=zero.ds_version,
+        tensors=tensors, tied=dict(zero.tied), zero=zero, expert_files=tuple(expected), experts=sum(experts),
+    )
+
+
+# ---- metadata -----------------------------------------------------------------------------------------
+
+
+def _check_topology(st: Inspection, model0: Mapping[str, Any], uri: str) -> None:
+    config = model0.get("ds_config") or {}
+    if isinstance(config, Mapping) and config.get("use_data_before_expert_parallelism"):
+        st.add("unsupported-layout", f"{uri} was trained with use_data_before_expert_parallelism, which puts "
+               "expert-parallel ranks on strided ranks; deepspeed.moe files record no placement, and ckptflow reads "
+               "DeepSpeed's default topology only, so it cannot tell which rank's experts are which", file=uri)
+    if (model0.get("mp_world_size") or 1) != 1:
+        st.add("unsupported-layout", f"{uri} combines deepspeed.moe with model parallelism (mp_world_size "
+               f"{model0.get('mp_world_size')}), which ckptflow does not read", file=uri)
+
+
+def _moe_layers(st: Inspection, model0: Mapping[str, Any], uri: str) -> list[str]:
+    """The module paths of the MoE layers, in module order: layer L is the L-th gate."""
+    module = model0.get("module")
+    if not isinstance(module, Mapping):
+        st.add("corrupt-file", f"{uri} holds no module state dict; it is not deepspeed.moe model states", file=uri)
+        return []
+    layers = [m.group("layer") for name in module if (m := GATE_RE.match(name))]
+    if not layers:
+        st.add("unsupported-layout", f"{uri} records num_experts but its module has no deepspeed.moe gate "
+               "(`<layer>.deepspeed_moe.gate.wg.weight`); ckptflow cannot tell which MoE layer is which", file=uri)
+    return layers
+
+
+def _num_experts(st: Inspection, model0: Mapping[str, Any], uri: str, layers: int) -> list[int]:
+    experts = model0.get("num_experts")
+    if not isinstance(experts, list) or len(experts) != layers or not all(isinstance(n, int) and n > 0 for n in experts):
+        st.add("corrupt-file", f"{uri} records num_experts {experts!r} for {layers} deepspeed.moe layers (one count "
+               "per layer expected); the file is damaged", file=uri)
+        return []
+    return experts
+
+
+def _expert_label(name: str) -> str:
+    m = EXPERT_FILE_RE.match(name)
+    return f"expert {m.group(2)} of MoE layer {m.group(1)}" if m else name
+
+
+def _file_tensors(st: Inspection, files: Mapping[str, Mapping[str, Any]], tag_uri: str, layers: Sequence[str],
+                  experts: Sequence[int]) -> dict[tuple[int, int], dict[str, TensorRef]]:
+    """Each expert file's tensors by (layer, expert), which must all be that expert's, under its global id."""
+    out: dict[tuple[int, int], dict[str, TensorRef]] = {}
+    for layer, count in enumerate(experts):
+        for e in range(count):
+            name = expert_file_name(layer, e)
+            obj = files.get(name)
+            if obj is None:
+                continue
+            prefix = f"{layers[layer]}.deepspeed_moe.experts.deepspeed_experts.{e}."
+            wrong = [k for k, v in obj.items() if not k.startswith(prefix) or not isinstance(v, TensorRef)]
+            if wrong or not obj:
+                st.add("expert-mismatch", f"expert {e} of MoE layer {layer}: {join(tag_uri, name)} holds "
+                       f"{', '.join(map(str, wrong[:3])) or 'nothing'} instead of {prefix}*; the file is damaged or "
+                       "from another model", file=join(tag_uri, name))
+                continue
+            out[(layer, e)] = dict(obj)
+    return out
+
+
+# ---- ZeRO-1/2 ----------------------------------------------------------------------------------------
+
+
+def _zero_tensors(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[str], experts: Sequence[int],
+                  files: Mapping[str, Mapping[str, Any]], tag_uri: str) -> tuple[ModelTensor, ...]:
+    """Dense parameters from their fp32 fragments; each expert-parallel rank's local experts under their
+    global names, from theirs; every global expert exactly once, matching its expert file."""
+    index = {path: i for i, path in enumerate(layers)}
+    out: dict[str, ModelTensor] = {}
+    shapes: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
+    for param in zero.params:
+        group = zero.groups[param.group] if param.group is not None else None
+        m = EXPERT_RE.match(param.name)
+        if group is None or group.ep == 1:
+            if m:
+                st.add("partition-mismatch", f"{param.name} is an expert parameter outside any ep_size_N param "
+                       "group; ckptflow cannot tell which expert-parallel rank's expert it is", file=zero.files[0].optim)
+                continue
+            out[param.name] = ModelTensor(param.name, param.shape, param.dtype if param.frozen else "float32",
+                                          "frozen" if param.frozen else "param", zero.param_runs(param))
+            continue
+        if not m or m.group("layer") not in index:
+            st.add("unsupported-layout", f"{param.name} is in the expert param group {group.index} "
+                   f"({group.hyper.get('name')!r}) but is not a deepspeed.moe expert "
+                   "(`<layer>.deepspeed_moe.experts.deepspeed_experts.<i>.<name>`); ckptflow cannot place it",
+                   file=zero.files[0].optim)
+            continue
+        layer = index[m.group("layer")]
+        local_count = experts[layer] // group.ep
+        local = int(m.group("id"))
+        if experts[layer] % group.ep or local >= local_count:
+            st.add("placement-mismatch", f"{param.name} (expert-parallel rank {param.shard} of {group.ep}) is local "
+                   f"expert {local}, but MoE layer {layer} has {experts[layer]} experts, {local_count} per rank; the "
+                   "files do not belong together", file=zero.files[0].optim)
+            continue
+        expert = param.shard * local_count + local
+        name = f"{m.group('layer')}.deepspeed_moe.experts.deepspeed_experts.{expert}.{m.group('rest')}"
+        if name in out:
+            st.add("placement-mismatch", f"{name} is held by two expert-parallel ranks' param groups; the files do "
+                   "not belong together", file=zero.files[0].optim)
+            continue
+        out[name] = ModelTensor(name, param.shape, "float32", "param", zero.param_runs(param))
+        shapes.setdefault((layer, expert), {})[name] = param.shape
+    for (layer, expert), tensors in _file_tensors(st, files, tag_uri, layers, experts).items():
+        check_expert_file(st, tag_uri, expert_file_name(layer, expert), tensors, shapes.get((layer, expert), {}),
+                          layer, expert)
+    for buffer in zero.buffers:
+        out[buffer.name] = ModelTensor(buffer.name, buffer.ref.shape, buffer.ref.dtype, "buffer",
+                                       (whole_run(buffer.ref, buffer.name),))
+    return ordered(list(zero.model_states[0].get("module") or {}), out, _follow(layers, experts, out))
+
+
+def _follow(layers: Sequence[str], experts: Sequence[int], tensors: Mapping[str, ModelTensor]) -> dict[str, list[str]]:
+    """Each layer's experts right after its gate, by global id: the order of the model at ep_size=1."""
+    follow = {}
+    for layer, path in enumerate(layers):
+        names = []
+        for e in range(experts[layer]):
+            prefix = f"{path}.deepspeed_moe.experts.deepspeed_experts.{e}."
+            names += [n for n in tensors if n.startswith(prefix)]
+        follow[f"{path}.deepspeed_moe.gate.wg.weight"] = names
+    return follow
+
+
+# ---- ZeRO-0 --------------------------------------------------------------------------------------------
+
+
+def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers: Sequence[str],
+                experts: Sequence[int]) -> ExpertCheckpoint:
+    """ZeRO-0: weights from `module` and the expert files; the optimizer, in `expp_rank_*` files per
+    expert-parallel rank, is checked for presence and shape only (it names no parameter)."""
+    uri = listing.model0_uri
+    optimizer = model0.get("optimizer")
+    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    eps = [expert_group_degree(g) for g in groups] if isinstance(groups, list) else []
+    if not eps or None in eps:
+        st.add("corrupt-file", f"{uri} holds no optimizer param groups naming the expert-parallel degree (ep_size_N); "
+               "ckptflow cannot tell which expp_rank files to expect", file=uri)
+        st.stop_if_any()
+    ep = max(e for e in eps if e is not None)
+    world_size = model0.get("dp_world_size")
+    if not isinstance(world_size, int) or world_size < 1 or world_size % ep:
+        st.add("corrupt-file", f"{uri} records a data-parallel world size of {world_size!r}, which {ep} expert-parallel "
+               "ranks cannot split; the file is damaged", file=uri)
+    for name in listing.names:
+        m = EXPP_FILE_RE.match(name)
+        if m and int(m.group(1)) >= ep:
+            st.add("rank-extra", f"unexpected file {st.tag}/{name}: the optimizer is split over {ep} expert-parallel "
+                   "ranks; it is left over from another save into the same tag folder", file=join(listing.tag_uri, name))
+    for e in range(ep):
+        name = expp_file_name(e)
+        if name not in listing.names:
+            st.add("rank-missing", f"expert-parallel rank {e} of {ep} is missing: expected {st.tag}/{name} under "
+                   f"{st.root} (its optimizer state); the upload may still be in progress", file=join(listing.tag_uri, name),
+                   rank=e)
+    expected = check_expert_files(st, listing, experts, "deepspeed.moe saves one file per MoE layer and global expert")
+    st.stop_if_any()
+    expp = open_files(st, listing.tag_uri, [expp_file_name(e) for e in range(ep)], lambda n: n.split("_mp_")[0])
+    for e in range(ep):
+        name = expp_file_name(e)
+        opt = expp.get(name, {}).get("optimizer")
+        got = opt.get("param_groups") if isinstance(opt, Mapping) else None
+        if name in expp and (not isinstance(got, list) or [g.get("name") for g in got] != [g.get("name") for g in groups]):
+            st.add("ranks-disagree", f"expert-parallel rank {e}: {join(listing.tag_uri, name)} holds optimizer param "
+                   f"groups {[g.get('name') for g in got] if isinstance(got, list) else got!r}, rank 0's model states "
+                   f"{[g.get('name') for g in groups]}; the folder mixes saves", file=join(listing.tag_uri, name), rank=e)
+    files = open_files(st, listing.tag_uri, expected, _expert_label)
+    by_expert = _file_tensors(st, files, listing.tag_uri, layers, experts)
+    st.stop_if_any()
+    module = model0["module"]
+    buffers = set(model0.get("buffer_names") or [])
+    out: dict[str, ModelTensor] = {}
+    for name, ref in module.items():
+        if isinstance(ref, TensorRef):
+            out[name] = ModelTensor(name, ref.shape, ref.dtype, "buffer" if name in buffers else "param",
+                                    (whole_run(ref, name),))
+    for tensors in by_expert.values():
+        for name, ref in tensors.items():
+            out[name] = ModelTensor(name, ref.shape, ref.dtype, "param", (whole_run(ref, name),))
+    config = model0.get("ds_config") or {}
+    precision = "bf16" if isinstance(config, Mapping) and (config.get("bf16") or {}).get("enabled") else "fp32"
+    return ExpertCheckpoint(
+        root=st.root, tag=st.tag, kind="moe", stage=0, world_size=world_size, ep=ep, precision=precision,
+        step=model0.get("global_steps", 0), ds_version=str(model0.get("ds_version", "unknown")),
+        tensors=ordered(list(module), out, _follow(layers, experts, out)), tied={}, zero=None,
+        expert_files=tuple(expected), experts=sum(experts),
+    )
+
+
+__all__ = ["read_moe"]

@@ -1,0 +1,445 @@
+"""AutoEP and deepspeed.moe checkpoints (issue 11, expert-parallel half): the right diagnosis, the model's
+own tensors, and a data-parallel reshard DeepSpeed loads natively, each checked against DeepSpeed.
+
+Oracles, none of them ckptflow (`tests/fixtures/PARALLEL_LAYOUTS.md`):
+
+- consolidate: the fp32 output equals, bit for bit, the full weights the writer gathered from the live
+  engine (`expected.safetensors`); Hugging Face models load with `from_pretrained` with no missing,
+  unexpected or mismatched keys and give the logits the writer recorded; bf16/fp16 are its casts;
+- validate: every fixture is valid and named with its degrees; damaged copies get a message that names
+  the file, rank or expert and the layout, never the wrong diagnosis issue 11 reported ("damaged or
+  from another model", ranks missing that are not);
+- reshard: DeepSpeed, launched at the new world size, loads the reshard with `engine.load_checkpoint`
+  (no universal flag), the state it then holds equals the oracle bit for bit, and what it saves again
+  equals our files field for field and byte for byte; our files' metadata is what DeepSpeed writes
+  when it trains at that size (the matrix's other-size fixtures); deepspeed.moe ZeRO-0 is loaded as it
+  is at another size.
+
+Every test runs on the matrix's expert-parallel fixtures and on the held-out ones
+(`tests/fixtures/parallel_holdout.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptflow.consolidate import ConsolidateOptions, consolidate
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.checkpoint import inspect, load_index
+from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
+from ckptflow.reshard import plan_reshard, reshard
+from ckptflow.validate import validate
+from tests.fixtures.launch import launch
+from tests.fixtures.parallel import ParallelFixture
+from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
+from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.tensors import read_tensor
+
+MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
+HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
+SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX)}
+WRONG = ("damaged", "another model", "corrupt")
+
+
+@pytest.fixture(scope="session")
+def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
+    """The matrix's expert-parallel fixtures, and the held-out ones only when a test asks for them."""
+
+    class Lazy(dict):
+        def __missing__(self, name: str) -> ParallelFixture:
+            group = "parallel_holdout_fixtures" if name in HOLDOUT else "parallel_fixtures"
+            self.update(request.getfixturevalue(group))
+            return self[name]
+
+    return Lazy()
+
+
+def _fp32(fixture: ParallelFixture) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items() if k.startswith("fp32/")}
+
+
+# ---- validate: the layout named, with its degrees --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MATRIX + HOLDOUT)
+def test_validate_names_the_layout_and_degrees(expert_fixtures, name: str) -> None:
+    fixture = expert_fixtures[name]
+    spec = SPECS[name]
+    report = validate(str(fixture.dir), deep=True)
+    assert report.problems == ()
+    summary = report.summary()
+    kind = "AutoEP" if spec.layout == AUTOEP else "deepspeed.moe"
+    assert summary["layout"] == f"{kind} (expert-parallel; ep {spec.ep} x dp {spec.world_size}, ZeRO-{spec.stage})"
+    assert summary["expert_parallel"] == spec.ep and summary["world_size"] == spec.world_size
+    assert summary["experts"] == 8 and summary["step"] == spec.steps
+    assert summary["numel"] == sum(torch.Size(shape).numel() for shape in fixture.spec["params"].values())
+
+
+# ---- consolidate ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MATRIX + HOLDOUT)
+def test_consolidated_weights_are_the_live_engine_s(expert_fixtures, name: str, tmp_path: Path) -> None:
+    fixture = expert_fixtures[name]
+    out = tmp_path / "hf"
+    consolidate(str(fixture.dir), str(out), options=ConsolidateOptions(dtype="fp32", workers=2))
+    weights = load_file(out / "model.safetensors")
+    expected = _fp32(fixture)
+    buffers = load_file(fixture.buffers_path)
+    assert set(weights) == set(expected) | set(buffers)
+    for key, tensor in {**expected, **buffers}.items():
+        assert weights[key].dtype == tensor.dtype and torch.equal(weights[key], tensor), key
+    provenance = json.loads((out / "ckptflow_provenance.json").read_text())
+    assert provenance["source"]["layout"] == load_index(str(fixture.dir)).layout
+    if SPECS[name].is_hf:
+        _check_hf_model(fixture, out)
+
+
+def _check_hf_model(fixture: ParallelFixture, out: Path) -> None:
+    """`from_pretrained` takes the folder with no missing, unexpected or mismatched key, and its logits
+    are the oracle's: the consolidated folder is the model, under its own fused names."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}
+    assert type(model).__name__ == fixture.spec["hf_class"]
+    logits = load_file(fixture.logits_path)
+    with torch.no_grad():
+        got = model.eval()(input_ids=logits["input_ids"]).logits
+    torch.testing.assert_close(got, logits["logits"], rtol=0, atol=1e-6)
+    assert set(load_file(fixture.reference_dir / "model.safetensors")) == set(load_file(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["autoep-qwen3-moe-ep2dp2-z2-fp32", "autoep-mixtral-ep2-z3-fp32", "dsmoe-ep2-z2-bf16",
+                                  "dsmoe-ep2dp2-z0-fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_outputs_are_casts_of_the_fp32_masters(expert_fixtures, name: str, dtype: str, tmp_path: Path) -> None:
+    fixture = expert_fixtures[name]
+    out = tmp_path / "hf"
+    consolidate(str(fixture.dir), str(out), options=ConsolidateOptions(dtype=dtype, max_shard_size="8KB", workers=3))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    weights: dict[str, torch.Tensor] = {}
+    for shard in set(index["weight_map"].values()):
+        weights.update(load_file(out / shard))
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    for key, tensor in _fp32(fixture).items():
+        assert torch.equal(weights[key], tensor.to(torch_dtype)), key
+
+
+# ---- the right diagnosis ---------------------------------------------------------------------------------
+
+
+def _copy(fixture: ParallelFixture, tmp_path: Path) -> Path:
+    shutil.copytree(fixture.dir, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Load a checkpoint file with torch (test code only), change it, save it back."""
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    change(obj)
+    torch.save(obj, path)
+
+
+def _problems(ckpt: Path) -> list[tuple[str, str]]:
+    report = validate(str(ckpt))
+    for problem in report.problems:
+        assert not any(word in problem.message for word in WRONG), problem.message
+    return [(p.code, " ".join(p.message.split())) for p in report.problems]
+
+
+def test_a_missing_expert_file_is_named(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["autoep-qwen3-moe-ep2dp2-z2-fp32"], tmp_path)
+    (ckpt / "global_step3" / "layer_1_expert_3_mp_rank_00_model_states.pt").unlink()
+    assert _problems(ckpt) == [(
+        "expert-missing",
+        f"expert 3 of MoE layer 1 is missing: expected global_step3/layer_1_expert_3_mp_rank_00_model_states.pt "
+        f"under {ckpt} (AutoEP ZeRO-1/2 saves one file per MoE layer and global expert); the upload may still be in "
+        "progress, or the folder was copied in part",
+    )]
+
+
+def test_a_missing_rank_is_named_and_only_then(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"], tmp_path)
+    (ckpt / "global_step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    problems = _problems(ckpt)
+    assert [code for code, _ in problems] == ["rank-missing"]
+    assert problems[0][1].startswith("rank 2 of 4 is missing: expected global_step3/zero_pp_rank_2_mp_rank_00_optim_states.pt")
+
+
+def test_an_extra_expert_file_is_named(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["dsmoe-ep2-z2-fp32"], tmp_path)
+    tag = ckpt / "global_step3"
+    shutil.copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_0_expert_4_mp_rank_00_model_states.pt")
+    assert _problems(ckpt) == [(
+        "expert-extra",
+        "unexpected file global_step3/layer_0_expert_4_mp_rank_00_model_states.pt: MoE layer 0 has 4 experts "
+        "(deepspeed.moe saves one file per MoE layer and global expert); it is left over from another save into the "
+        "same tag folder: remove it, or re-save the checkpoint into a fresh folder",
+    )]
+
+
+def test_an_expert_placed_twice_is_named(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"], tmp_path)
+    model = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+
+    def place_expert_1_twice(obj: dict[str, Any]) -> None:
+        obj["ds_autoep_layers"][1]["expert_placement"]["ranks"][1]["experts"] = [1, 3]
+
+    _rewrite(model, place_expert_1_twice)
+    assert _problems(ckpt) == [(
+        "placement-mismatch",
+        f"rank 0: {model}: MoE layer 1 (model.layers.1.mlp): its expert placement does not hold every expert exactly "
+        "once (expert 1 is on expert-parallel ranks [0, 1]; expert 2 is on expert-parallel ranks []); the metadata is "
+        "inconsistent, so ckptflow cannot tell where that layer's experts are",
+    )]
+
+
+def test_another_expert_parallel_topology_is_refused(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"], tmp_path)
+    optim = ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+    def strided(obj: dict[str, Any]) -> None:  # what use_data_before_expert_parallelism would give rank 1
+        obj["optimizer_state_dict"]["ds_zero_partition_groups"][2]["partition_ranks"] = [0, 1]
+        obj["optimizer_state_dict"]["ds_zero_partition_groups"][2]["partition_rank"] = 1
+
+    _rewrite(optim, strided)
+    assert _problems(ckpt) == [(
+        "partition-mismatch",
+        f"rank 1: {optim} records sub-group 2 ('ep_size_2') as {{'partition_count': 2, 'partition_rank': 1, "
+        "'partition_ranks': [0, 1]}, but at 4 ranks over 2 expert-parallel ranks DeepSpeed's default topology gives "
+        "{'partition_count': 2, 'partition_rank': 0, 'partition_ranks': [1, 3]}; the checkpoint was saved with "
+        "another expert-parallel topology, which ckptflow cannot place",
+    )]
+
+
+@pytest.mark.parametrize("name", ["autoep-qwen3-moe-ep2dp2-z2-fp32", "dsmoe-ep2dp2-z2-fp32"])
+def test_data_before_expert_parallelism_is_refused(expert_fixtures, name: str, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures[name], tmp_path)
+    model = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    _rewrite(model, lambda obj: obj["ds_config"].update(use_data_before_expert_parallelism=True))
+    (code, message), = _problems(ckpt)
+    assert code == "unsupported-layout"
+    assert message.startswith(f"{model} was trained with use_data_before_expert_parallelism, which puts "
+                              "expert-parallel ranks on strided ranks")
+
+
+def test_an_autoep_preset_without_a_known_mapping_is_refused(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["autoep-mixtral-ep2-z2-fp32"], tmp_path)
+    model = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    _rewrite(model, lambda obj: obj["ds_config"]["expert_parallel"].update(preset_model="deepseek_v3"))
+    assert _problems(ckpt) == [(
+        "unsupported-layout",
+        f"{model} is an AutoEP checkpoint of preset 'deepseek_v3'; ckptflow maps the layers of the presets mixtral, "
+        "qwen3_moe back to Hugging Face names and no others yet: convert this one with DeepSpeed's universal "
+        "converter (python -m deepspeed.checkpoint.ds_to_universal)",
+    )]
+
+
+def test_a_missing_expp_file_is_named(expert_fixtures, tmp_path: Path) -> None:
+    ckpt = _copy(expert_fixtures["dsmoe-ep2dp2-z0-fp32"], tmp_path)
+    (ckpt / "global_step3" / "expp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert _problems(ckpt) == [(
+        "rank-missing",
+        f"expert-parallel rank 1 of 2 is missing: expected global_step3/expp_rank_1_mp_rank_00_optim_states.pt under "
+        f"{ckpt} (its optimizer state); the upload may still be in progress",
+    )]
+
+
+def test_the_cli_names_the_layout(expert_fixtures) -> None:
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    fixture = expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"]
+    result = CliRunner().invoke(app, ["validate", str(fixture.dir)])
+    assert result.exit_code == 0
+    assert " ".join(result.output.split()) == (
+        f"valid {fixture.dir}/global_step3: AutoEP (expert-parallel; ep 2 x dp 4, ZeRO-3), fp32, step 3, 21 params "
+        "(67,008 elements, 0 frozen, 0 tied), 0 buffers, 3 param groups")
+
+
+# ---- reshard: DeepSpeed loads it natively at the new size ----------------------------------------------
+
+# (source fixture, new world size). The expert-parallel degree is kept: dense groups move to the new
+# world size, expert groups to the new expert data-parallel size.
+RESHARDS = (
+    ("autoep-qwen3-moe-ep2-z2-fp32", 4), ("autoep-qwen3-moe-ep2-z2-bf16", 4), ("autoep-mixtral-ep2-z2-fp32", 4),
+    ("autoep-mixtral-ep2-z3-fp32", 4), ("autoep-qwen3-moe-ep2dp2-z2-fp32", 2), ("autoep-mixtral-ep2dp2-z3-fp32", 2),
+    ("dsmoe-ep2-z2-fp32", 4), ("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp2-z2-fp32", 2),
+    ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 2), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4),
+    ("autoep-mixtral-ep4-z2-fp32-s2", 8), ("dsmoe-ep2dp3-z1-bf16-s1", 2), ("dsmoe-ep2dp3-z1-bf16-s1", 4),
+)
+# deepspeed.moe ZeRO-0 needs no reshard: DeepSpeed loads the source itself at another size.
+NATIVE = (("dsmoe-ep2-z0-fp32", 4), ("dsmoe-ep2dp2-z0-fp32", 2), ("dsmoe-ep2dp3-z0-fp32-s1", 2),
+          ("dsmoe-ep2dp3-z0-fp32-s1", 4))
+# The matrix holds each of these layouts at both sizes, written by DeepSpeed training there: a reshard's
+# metadata must be what DeepSpeed writes at the new size (values differ: other data per replica).
+WRITTEN_AT = {("autoep-qwen3-moe-ep2-z2-fp32", 4): "autoep-qwen3-moe-ep2dp2-z2-fp32",
+              ("autoep-qwen3-moe-ep2dp2-z2-fp32", 2): "autoep-qwen3-moe-ep2-z2-fp32",
+              ("autoep-mixtral-ep2-z3-fp32", 4): "autoep-mixtral-ep2dp2-z3-fp32",
+              ("autoep-mixtral-ep2dp2-z3-fp32", 2): "autoep-mixtral-ep2-z3-fp32",
+              ("dsmoe-ep2-z2-fp32", 4): "dsmoe-ep2dp2-z2-fp32",
+              ("dsmoe-ep2dp2-z2-fp32", 2): "dsmoe-ep2-z2-fp32"}
+
+
+def _case_id(case: tuple[str, int]) -> str:
+    return f"{case[0]}-to{case[1]}"
+
+
+class Oracle:
+    """Reshards every case of one set (the matrix's or the held-out fixtures), then has DeepSpeed load
+    each at its new size, gather its state the way the writer gathered the oracle, and save it again;
+    and has DeepSpeed train the same model from scratch at that size and save it (`written`), to compare
+    metadata with. One launch per (world size, layout), run when a test first asks for a case of that set."""
+
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
+        self.fixtures, self.root = fixtures, root
+        self.done: set[bool] = set()
+
+    def __call__(self, case: tuple[str, int]) -> dict[str, Path]:
+        held_out = case[0] in HOLDOUT
+        if held_out not in self.done:
+            self._run(held_out)
+            self.done.add(held_out)
+        name = _case_id(case)
+        return {"out": self.root / "out" / name, "resaved": self.root / "resaved" / name,
+                "state": self.root / "state" / f"{name}.safetensors", "written": self.root / "written" / name}
+
+    def _run(self, held_out: bool) -> None:
+        jobs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for case in (*RESHARDS, *NATIVE):
+            if (case[0] in HOLDOUT) != held_out:
+                continue
+            fixture = self.fixtures[case[0]]
+            paths = {"out": self.root / "out" / _case_id(case), "resaved": self.root / "resaved" / _case_id(case),
+                     "state": self.root / "state" / f"{_case_id(case)}.safetensors"}
+            paths["state"].parent.mkdir(parents=True, exist_ok=True)
+            load = fixture.dir
+            if case in RESHARDS:
+                reshard(str(fixture.dir), str(paths["out"]), world_size=case[1])
+                load = paths["out"]
+            jobs.setdefault((case[1], fixture.layout), []).append(
+                {"spec": str(fixture.root / "spec.json"), "load": str(load), "save": str(paths["resaved"]),
+                 "state": str(paths["state"]), "hang_after": 300})
+            if case in RESHARDS:
+                jobs[(case[1], fixture.layout)].append({"spec": str(fixture.root / "spec.json"),
+                                                        "write": str(self.root / "written" / _case_id(case))})
+        for (world_size, layout), items in sorted(jobs.items()):
+            jobs_file = self.root / f"jobs-{world_size}-{layout}-{held_out}.json"
+            jobs_file.write_text(json.dumps(items, indent=1))
+            launch("tests.expert_reshard_oracle", world_size, ["--jobs", str(jobs_file)],
+                   log_dir=self.root / f"logs-{world_size}-{layout}-{held_out}", timeout=900)
+
+
+@pytest.fixture(scope="session")
+def oracle(expert_fixtures, tmp_path_factory) -> Oracle:
+    return Oracle(expert_fixtures, tmp_path_factory.mktemp("expert-reshard-oracle"))
+
+
+def _tree(obj: Any, *, values: bool = True) -> Any:
+    """A checkpoint file's object tree as plain data: tensors as (dtype, shape, bytes), DeepSpeed records
+    as (class, state); without `values`, tensors as (dtype, shape) only."""
+    if isinstance(obj, TensorRef):
+        data = read_tensor(obj).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel and values else b""
+        return ("tensor", obj.dtype, obj.shape, data)
+    if isinstance(obj, PickledObject):
+        return ("object", obj.qualname, _tree(obj.args, values=values), _tree(obj.state, values=values))
+    if isinstance(obj, Mapping):
+        return {k: _tree(v, values=values) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_tree(v, values=values) for v in obj]
+    return obj
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    if type(a) is not type(b):
+        return [f"{path}: {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{path}: keys {list(a)} != {list(b)}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {str(a)[:120]} != {str(b)[:120]}"]
+
+
+def _compare_folders(ours: Path, theirs: Path, *, values: bool = True, ignore: tuple[str, ...] = ()) -> None:
+    names = sorted(p.name for p in ours.iterdir())
+    assert names == sorted(p.name for p in theirs.iterdir() if p.suffix == ".pt")
+    for name in names:
+        a, b = (_tree(open_archive(str(folder / name)).obj, values=values) for folder in (ours, theirs))
+        for key in ignore:
+            a.pop(key, None), b.pop(key, None)
+        diffs = _differences(a, b)
+        assert not diffs, f"{name}: " + "; ".join(diffs[:5])
+
+
+@pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=_case_id)
+def test_deepspeed_holds_exactly_the_source_state(expert_fixtures, oracle, case) -> None:
+    """Loaded natively at the new world size (no universal flag), DeepSpeed holds the oracle's fp32
+    weights and Adam moments of every parameter, experts placed by global id, bit for bit."""
+    fixture = expert_fixtures[case[0]]
+    state = load_file(oracle(case)["state"])
+    expected = load_file(fixture.expected_path)
+    buffers = load_file(fixture.buffers_path)
+    assert set(state) == set(expected) | {f"buffer/{k}" for k in buffers}
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    for key, tensor in buffers.items():
+        assert torch.equal(state[f"buffer/{key}"], tensor), key
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=_case_id)
+def test_deepspeed_saves_again_exactly_our_files(expert_fixtures, oracle, case) -> None:
+    """What DeepSpeed saves after loading the reshard equals it field for field and byte for byte:
+    partitions, moments, partition counts, ds_zero_partition_groups, ds_autoep_layers, expert files."""
+    paths = oracle(case)
+    tag = (paths["out"] / "latest").read_text()
+    assert (paths["resaved"] / "latest").read_text() == tag
+    _compare_folders(paths["out"] / tag, paths["resaved"] / tag)
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=_case_id)
+def test_deepspeed_training_at_that_size_writes_the_same_metadata(oracle, case) -> None:
+    """The same model trained from scratch and saved by DeepSpeed at the new size has the same files,
+    keys, shapes and metadata (every field but the tensors' values and the samples seen, the run's own)."""
+    paths = oracle(case)
+    tag = (paths["out"] / "latest").read_text()
+    _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
+
+
+@pytest.mark.parametrize("case", sorted(WRITTEN_AT), ids=_case_id)
+def test_the_metadata_is_what_deepspeed_writes_at_that_size(expert_fixtures, case, tmp_path: Path) -> None:
+    """The matrix's fixture of the same layout at the new size, trained and saved there by DeepSpeed,
+    has the same files, keys, shapes and metadata (every field but the tensors' values and the samples
+    seen, which are the run's)."""
+    out = tmp_path / "out"
+    reshard(str(expert_fixtures[case[0]].dir), str(out), world_size=case[1])
+    written = expert_fixtures[WRITTEN_AT[case]]
+    _compare_folders(out / "global_step3", written.tag_dir, values=False, ignore=("global_samples",))
+
+
+def test_reshard_refusals(expert_fixtures, tmp_path: Path) -> None:
+    zero0 = load_index(str(expert_fixtures["dsmoe-ep2-z0-fp32"].dir))
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_reshard(zero0, 4)
+    assert refused.value.code == "reshard-not-needed"
+    assert "DeepSpeed loads a deepspeed.moe ZeRO-0 checkpoint natively at any data-parallel size" in str(refused.value)
+    with pytest.raises(UnsupportedCheckpointError, match="keeps its expert-parallel degree 2, and 3 ranks are not a "
+                                                         "multiple of it"):
+        plan_reshard(load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir)), 3)
+    index, problems, _ = inspect(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
+    plan = plan_reshard(index, 4)
+    assert plan.carried == index.expert_files  # copied as they are
+    assert [unit.meta_rank for unit in plan.units] == [0, 1, 0, 1]  # a new rank copies its expert-parallel rank's
