@@ -231,7 +231,8 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     if results:
         reported = [w for r in results for w in r.written]
         check_written(staging, reported, {w.name: w.size for w in reported})
-        missing = sorted({f"{plan.tag}/{name}" for name in plan.files} - {w.name for w in reported})
+        missing = sorted({f"{plan.tag}/{name}" for name in set(plan.files) - set(plan.carried)}
+                         - {w.name for w in reported})
         if missing:
             raise VerificationError(f"{missing[0]} was planned but no unit reported writing it", file=missing[0],
                                     hint="run every unit of the plan before finalize")
