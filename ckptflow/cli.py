@@ -54,8 +54,9 @@ def say(label: str, style: str, rest: str, console: Console = out) -> None:
 
 
 def line(text: str) -> None:
-    """One plain line on stdout (control characters escaped)."""
-    out.print(Text(one_line(text)), soft_wrap=True)
+    """One plain line on stdout (control characters escaped), its leading indentation kept."""
+    indent = " " * (len(text) - len(text.lstrip(" ")))
+    out.print(Text(indent + one_line(text)), soft_wrap=True)
 
 
 @app.callback()

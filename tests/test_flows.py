@@ -239,7 +239,7 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
     assert sorted(re.findall(r"^\| `([^`]+)`", "\n".join(table_rows), re.M)) == model_files
     assert f": {len(model_files)} files, " in model_md and model_md.count("| file |") == 1
     reshard_md = next(a for a in artifacts if a.key == checkpoint_key("reshard", source, tag, "ws4")).data
-    assert "Trainer RNG files: rng_state_0..3.pth from source ranks 0, 1, 0, 1 (rank r takes r mod 2)." in reshard_md
+    assert r"Trainer RNG files: rng\_state\_0..3.pth from source ranks 0, 1, 0, 1 (rank r takes r mod 2)." in reshard_md
     assert len([line for line in reshard_md.splitlines() if re.match(r"^\| \d \|", line)]) == 4
     summary_md = next(a for a in by_type["markdown"] if a.key == checkpoint_key("summary", source, tag))
     assert summary_md.data.startswith(f"# llama@{tag}\n")

@@ -26,17 +26,7 @@ from tests.hostile.plugin import long_mode
 from tests.hostile.run import Runner
 
 # Families whose default sample fails today, and why (the items of issue 14 behind the failures).
-XFAIL_FAMILIES: dict[str, str] = {
-    "pickle-ops": "issue 14 (4): an inserted LONG_BINPUT grows the unpickler's memo to ~1 GiB",
-    "pickles": "issue 14 (4): billion laughs hang, deep nesting is a RecursionError traceback, huge memo indices "
-               "cost gigabytes",
-    "records": "issue 14 (5): strided and negative-stride partitions pass validate and assert in --deep and reshard",
-    "counts": "issue 14 (4, 6): a world size of 10**9 hangs, 5,000-digit integers are a ValueError traceback",
-    "markup": "issue 14 (2): quoted input is escaped with repr, so a backslash in it is not shown as it is",
-    "sidefiles": "issue 14 (3): special and oversized side files are tracebacks, hangs, memory",
-    "pushsrc": "issue 14 (1, 7): unbounded safetensors headers and card inputs, special files in SRC",
-    "manifests": "issue 14 (4, new): deeply nested manifests and partial records, stamps of the wrong type",
-}
+XFAIL_FAMILIES: dict[str, str] = {}  # none since issue 14's fixes
 
 
 def _params() -> list:

@@ -70,19 +70,15 @@ def test_the_harness_bounds_time_memory_and_disk(hostile_runner: Runner, tmp_pat
     """A hang is killed at the time limit, an allocation past the memory limit fails, a write past the
     file-size limit fails, and the oracle reports each."""
     harness = hostile_runner.harness
-    fifo = tmp_path / "src" / "pipe"
-    fifo.parent.mkdir()
-    os.mkfifo(fifo)
-    hung = harness.run(["push", str(fifo.parent), str(tmp_path / "out")], cwd=tmp_path, limits=Limits(seconds=2))
+    argv = ["validate", str(tmp_path)]  # the command itself ends at once: the hooks misbehave before it
+    hung = harness.run(argv, cwd=tmp_path, hooks=[("hang", "")], limits=Limits(seconds=2))
     assert hung.timed_out and 1.9 < hung.seconds < 10
-    zero = tmp_path / "src2"
-    zero.mkdir()
-    (zero / "zero.bin").symlink_to("/dev/zero")
-    small = Limits(seconds=30, file_size=8 << 20)
-    disk = harness.run(["push", str(zero), str(tmp_path / "out2")], cwd=tmp_path, limits=small)
-    assert not disk.timed_out and "File too large" in disk.stderr
-    written = tmp_path / "out2" / "zero.bin"
-    assert not written.exists() or written.stat().st_size <= 8 << 20
+    big = tmp_path / "big.bin"
+    disk = harness.run(argv, cwd=tmp_path, hooks=[("fill", str(big))], limits=Limits(seconds=30, file_size=8 << 20))
+    assert not disk.timed_out and "File too large" in disk.stderr, disk.stderr
+    assert big.stat().st_size <= 8 << 20
+    memory = harness.run(argv, cwd=tmp_path, hooks=[("allocate", str(4 << 30))], limits=Limits(seconds=30))
+    assert not memory.timed_out and "allocate 4294967296: MemoryError" in memory.stderr, memory.stderr
 
 
 def test_the_oracle_catches_what_it_must(hostile_runner: Runner, tmp_path: Path) -> None:

@@ -465,7 +465,7 @@ def test_output_failures_are_one_line_errors_and_leave_nothing(ds_fixtures, tmp_
     monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 4096)
     result = CliRunner().invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "1"])
     assert result.exit_code == 1, result.output
-    assert re.search(r"cannot write .*optim_states\.pt \(\[Errno 28\] No space left on device\); check the "
+    assert re.search(r"cannot write .*optim_states\.pt \(OSError: \[Errno 28\] No space left on device\); check the "
                      r"destination is writable and has room, then run again", " ".join(result.output.split()))
     assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

@@ -165,7 +165,33 @@ def _hook_shrink_after_read(arg: str) -> None:
     os.preadv = preadv  # type: ignore[assignment]
 
 
-HOOKS = {"shrink-after-map": _hook_shrink_after_map, "shrink-after-read": _hook_shrink_after_read}
+def _hook_hang(arg: str) -> None:
+    """Block before the command runs: a hang the harness must kill at its time limit."""
+    threading.Event().wait()
+
+
+def _hook_fill(arg: str) -> None:
+    """Write zeros to the file `arg` until the file-size limit stops it, the error on stderr; then the
+    command runs."""
+    try:
+        with open(arg, "wb") as fh:
+            while True:
+                fh.write(bytes(1 << 20))
+    except OSError as exc:
+        print(f"fill {arg}: {exc}", file=sys.stderr)
+
+
+def _hook_allocate(arg: str) -> None:
+    """Allocate `arg` bytes, the MemoryError on stderr when the memory limit refuses them; then the
+    command runs."""
+    try:
+        bytearray(int(arg))
+    except MemoryError:
+        print(f"allocate {arg}: MemoryError", file=sys.stderr)
+
+
+HOOKS = {"shrink-after-map": _hook_shrink_after_map, "shrink-after-read": _hook_shrink_after_read,
+         "hang": _hook_hang, "fill": _hook_fill, "allocate": _hook_allocate}
 
 
 # ---- the zygote ---------------------------------------------------------------------------------------
