@@ -10,10 +10,12 @@ bytes left as holes. `plan` measures, each in a fresh subprocess (`nice`; wall a
   and range requests per unit (one per copy of `plan_batches`, what `run_unit` sends to a bucket),
   read amplification (bytes the plan reads / fp32 master bytes);
 - `reshard`: `load_index` + `plan_reshard` to 3/4 of the world size: units, copies and bytes per unit;
-- `ship`, `ship-reshard`: what a unit weighs pickled for a worker: today's `(plan, unit)` (what
-  `run_unit(plan, unit, ...)` takes) against a unit carrying byte ranges only;
-- `ship-dask`: units submitted to a real local Dask cluster (`tests.cluster`) through
-  `Client.get_executor()`: coordinator, scheduler and worker cost of both kinds of unit;
+- `ship`, `ship-reshard`: what a unit weighs pickled for a worker: every consolidation `ShardJob`
+  (a shard's tensors with their runs, where it goes, the options), and a sample of reshard `RankJob`s
+  (each file's pickle and its storages as spans of source byte ranges), with the coordinator's time to
+  make them (a `RankJob` runs `files.py` and pickles its trees);
+- `ship-dask`: every consolidation job submitted to a real local Dask cluster (`tests.cluster`) through
+  `plumbing.executors.cluster` (`Client.get_executor(pure=False)`): coordinator, scheduler and worker cost;
 - `index-bucket`: `load_index` through `simbucket://`, the same files behind fsspec's buffered remote
   file, counting the requests a bucket would get.
 
@@ -65,13 +67,16 @@ STEPS = {
 
 
 def planning_api() -> SimpleNamespace:
-    """The coordinator's public API: the index and the plans."""
-    from ckptflow.consolidate import ConsolidateOptions, plan_batches, plan_consolidation
-    from ckptflow.reshard import plan_reshard
+    """The coordinator's public API: the index, the plans and the jobs shipped to workers."""
+    from ckptflow.consolidate import ConsolidateOptions, plan_batches, plan_consolidation, shard_job
     from ckptflow.formats.deepspeed.checkpoint import load_index
+    from ckptflow.plumbing.staging import Staging
+    from ckptflow.reshard import plan_reshard, rank_job
 
     return SimpleNamespace(load_index=load_index, plan_consolidation=plan_consolidation,
-                           ConsolidateOptions=ConsolidateOptions, plan_batches=plan_batches, plan_reshard=plan_reshard)
+                           ConsolidateOptions=ConsolidateOptions, plan_batches=plan_batches, plan_reshard=plan_reshard,
+                           shard_job=shard_job, rank_job=rank_job,
+                           staging=Staging(out="gs://bucket/out", uri="gs://bucket/.out.ckptflow-0123456789ab.partial"))
 
 
 # ---- measuring (in a fresh process each) ----------------------------------------------------------------
@@ -137,19 +142,7 @@ def _measure(what: str, root: str, to: int, chunk_bytes: int) -> dict[str, Any]:
         out["plan_cpu_seconds"] = time.process_time() - c1
         out["rss_after_plan"] = _rss()
         if what == "ship-reshard":
-            unit = plan.units[len(plan.units) // 2]
-            t = time.perf_counter()
-            today = pickle.dumps((plan, unit), protocol=pickle.HIGHEST_PROTOCOL)
-            out["today_pickle_seconds"] = time.perf_counter() - t
-            out["today_pickle_bytes"] = len(today)
-            out["rss_after_today_pickle"] = _rss()
-            t = time.perf_counter()
-            pickle.loads(today)
-            out["today_unpickle_seconds"] = time.perf_counter() - t
-            del today
-            out["unit_only_pickle_bytes"] = len(pickle.dumps(unit, protocol=pickle.HIGHEST_PROTOCOL))
-            out["index_pickle_bytes"] = len(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
-            out["units"] = len(plan.units)
+            out.update(_ship_reshard(plan, api))
             out["rss_peak"] = _rss()
             return out
         out["units"] = len(plan.units)
@@ -164,41 +157,32 @@ def _measure(what: str, root: str, to: int, chunk_bytes: int) -> dict[str, Any]:
     return out
 
 
-def _small_unit(plan: Any, unit: Any, api: Any, chunk_bytes: int) -> tuple[Any, ...]:
-    """What a consolidation unit would carry if it held byte ranges only: its file name, the
-    safetensors header, the source files it reads, and per batch (file offset, length, copies as
-    (file, start, end, dest) integers); dtypes once per unit."""
-    layout = unit.layout()
-    by_name = {t.name: t for t in unit.tensors}
-    batches = api.plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], chunk_bytes)
-    files: dict[str, int] = {}
-    packed = []
-    for b in batches:
-        packed.append((b.file_start, b.out_nbytes, tuple(
-            (files.setdefault(c.uri.rsplit("/", 1)[-1], len(files)), c.start, c.end, c.dest) for c in b.copies)))
-    return (unit.filename, layout.header, plan.root, plan.tag, tuple(files), "float32", plan.dtype, tuple(packed))
-
-
 def _ship(plan: Any, api: Any, chunk_bytes: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    unit = plan.units[len(plan.units) // 2]
+    """Every consolidation unit as the `ShardJob` a worker gets, pickled."""
     t = time.perf_counter()
-    today = pickle.dumps((plan, unit), protocol=pickle.HIGHEST_PROTOCOL)
-    out["today_pickle_seconds"] = time.perf_counter() - t
-    out["today_pickle_bytes"] = len(today)
-    out["rss_after_today_pickle"] = _rss()
+    jobs = [api.shard_job(plan, u, api.staging) for u in plan.units]
+    blobs = [pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL) for job in jobs]
+    out: dict[str, Any] = {"jobs_seconds": time.perf_counter() - t, "job_pickle_bytes": [len(b) for b in blobs],
+                           "rss_after_jobs": _rss()}
     t = time.perf_counter()
-    pickle.loads(today)
-    out["today_unpickle_seconds"] = time.perf_counter() - t
-    out["rss_after_today_unpickle"] = _rss()
-    del today
-    out["unit_only_pickle_bytes"] = len(pickle.dumps(unit, protocol=pickle.HIGHEST_PROTOCOL))
-    t = time.perf_counter()
-    small = [pickle.dumps(_small_unit(plan, u, api, chunk_bytes), protocol=pickle.HIGHEST_PROTOCOL) for u in plan.units]
-    out["small_all_units_seconds"] = time.perf_counter() - t
-    out["small_pickle_bytes"] = [len(s) for s in small]
-    out["rss_after_small_all"] = _rss()
+    pickle.loads(blobs[len(blobs) // 2])
+    out["job_unpickle_seconds"] = time.perf_counter() - t
     return out
+
+
+def _ship_reshard(plan: Any, api: Any, sample: int = 8) -> dict[str, Any]:
+    """A sample of reshard units as the `RankJob` a worker gets (made on the coordinator: `files.py`,
+    then each file's tree pickled), pickled."""
+    picks = sorted({round(i * (len(plan.units) - 1) / max(1, sample - 1)) for i in range(sample)})
+    made, sizes, files = [], [], []
+    for i in picks:
+        t = time.perf_counter()
+        job = api.rank_job(plan, plan.units[i], api.staging)
+        made.append(time.perf_counter() - t)
+        sizes.append(len(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)))
+        files.append([(len(f.pickle), sum(len(st.spans) for st in f.storages)) for f in job.files])
+    return {"units": len(plan.units), "sample": picks, "job_seconds": made, "job_pickle_bytes": sizes,
+            "job_files": files, "rss_after_jobs": _rss()}
 
 
 def _register_sim_bucket() -> None:
@@ -270,58 +254,45 @@ def _weigh(*payload: Any) -> dict[str, Any]:
     return {"pid": os.getpid(), "rss_peak": _rss(), "rss": psutil.Process().memory_info().rss}
 
 
-def _ship_dask(root: str, chunk_bytes: int, sample: int = 2) -> dict[str, Any]:
-    """Submit consolidation units to a real local Dask cluster (a scheduler and two worker processes,
-    `tests.cluster`) through `Client.get_executor()` (Dask's default pure=True: each submission is
-    tokenized, pickled, and unpickled again by the scheduler, which holds the arguments until the task
-    is done): `sample` units as today's `(plan, unit)`, then every unit as byte ranges only."""
+def _ship_dask(root: str, chunk_bytes: int) -> dict[str, Any]:
+    """Every consolidation `ShardJob` submitted to a real local Dask cluster (a scheduler and two worker
+    processes, `tests.cluster`) the way `consolidate --cluster` submits them (`plumbing.executors.cluster`:
+    impure, so nothing is tokenized; pickled, and unpickled again by the scheduler, which holds them until
+    the task is done), each running `_weigh` instead of `run_job`."""
     import tempfile
 
     import psutil
-    from dask.base import tokenize
 
     sys.path.insert(0, str(REPO_ROOT))
-    from distributed import Client
-
+    from ckptflow.plumbing.executors import cluster as dask_executor
     from tests.cluster import start_cluster
 
     api = planning_api()
     index = api.load_index(root)
     plan = api.plan_consolidation(index, api.ConsolidateOptions(dtype="bf16", chunk_bytes=chunk_bytes))
-    small = [_small_unit(plan, u, api, chunk_bytes) for u in plan.units]
+    jobs = [api.shard_job(plan, u, api.staging) for u in plan.units]
     del index
-    unit = plan.units[len(plan.units) // 2]
-    t = time.perf_counter()
-    tokenize(_weigh, plan, unit)
-    out: dict[str, Any] = {"units": len(plan.units), "sample": sample, "rss_before": _rss(),
-                           "tokenize_seconds": time.perf_counter() - t}
+    out: dict[str, Any] = {"units": len(jobs), "rss_before": _rss()}
     with tempfile.TemporaryDirectory() as tmp:
         cluster = start_cluster(Path(tmp), 1, 1)  # the storage proxies are not used here
         try:
             scheduler = psutil.Process(cluster.scheduler.pid)
-            for label, payloads in (("small", [(u,) for u in small]), ("today", [(plan, u) for u in plan.units[:sample]])):
-                cluster.ensure_workers()
-                cpu0, rss0 = sum(scheduler.cpu_times()[:2]), scheduler.memory_info().rss
-                with Client(cluster.address, timeout="60s") as client:
-                    executor = client.get_executor()
-                    t = time.perf_counter()
-                    futures = [executor.submit(_weigh, *p) for p in payloads]
-                    submitted = time.perf_counter() - t
-                    results = [f.result(timeout=3600) for f in futures]
-                    out[label] = {
-                        "count": len(payloads),
-                        "submit_seconds": submitted,
-                        "all_done_seconds": time.perf_counter() - t,
-                        "coordinator_rss_peak": _rss(),
-                        "worker_rss_peak": max(r["rss_peak"] for r in results),
-                        "worker_rss": max(r["rss"] for r in results),
-                        "worker_pids": sorted({r["pid"] for r in results}),
-                        "scheduler_rss_growth": scheduler.memory_info().rss - rss0,
-                        "scheduler_cpu_seconds": sum(scheduler.cpu_times()[:2]) - cpu0,
-                    }
-                    del futures, results
-                for name in list(cluster.workers):  # fresh workers (and peaks) for the next payload
-                    cluster.kill(name)
+            cpu0, rss0 = sum(scheduler.cpu_times()[:2]), scheduler.memory_info().rss
+            with dask_executor(cluster.address) as executor:
+                t = time.perf_counter()
+                futures = [executor.submit(_weigh, job) for job in jobs]
+                submitted = time.perf_counter() - t
+                results = [f.result(timeout=3600) for f in futures]
+                out["jobs"] = {
+                    "count": len(jobs),
+                    "submit_seconds": submitted,
+                    "all_done_seconds": time.perf_counter() - t,
+                    "coordinator_rss_peak": _rss(),
+                    "worker_rss": max(r["rss"] for r in results),
+                    "worker_pids": sorted({r["pid"] for r in results}),
+                    "scheduler_rss_growth": scheduler.memory_info().rss - rss0,
+                    "scheduler_cpu_seconds": sum(scheduler.cpu_times()[:2]) - cpu0,
+                }
         finally:
             cluster.close()
     return out
@@ -523,34 +494,29 @@ def report(model: Llama, results: dict[str, dict[str, Any]], disk: dict[str, int
                   f"({_spread([u['requests'] for u in pu], lambda v: f'{v:,.0f}')} reads of at most 8 MiB). "
                   f"Read amplification {r['read_bytes'] / (3 * r['fp32_bytes']):.4f} (bytes read / fp32 weights and two moments).", ""]
     s = results.get("ship", {})
-    if s and "error" not in s:
-        small = s["small_pickle_bytes"]
-        lines += [f"A unit shipped to a worker: today `(plan, unit)` pickles to {_mib(s['today_pickle_bytes'])} "
-                  f"({s['today_pickle_seconds']:.1f} s to pickle, {s['today_unpickle_seconds']:.1f} s to unpickle; the process "
-                  f"went from {_mib(s['rss_after_plan'])} to {_mib(s['rss_after_today_pickle'])} pickling it); "
-                  f"x {s['units']} units = {_gb(s['today_pickle_bytes'] * s['units'])} sent. The unit alone: "
-                  f"{s['unit_only_pickle_bytes'] / 1024:,.0f} KiB. Byte ranges only: {_spread(small, lambda v: f'{v / 1024:,.0f} KiB')} per unit, "
-                  f"all {len(small)} made in {s['small_all_units_seconds']:.1f} s.", ""]
+    if s and "error" not in s and "job_pickle_bytes" in s:
+        sizes = s["job_pickle_bytes"]
+        lines += [f"A consolidation unit shipped to a worker (`ShardJob`: the shard's tensors with their runs, where it "
+                  f"goes, the options; no plan, no index): {_spread(sizes, lambda v: f'{v / 1024:,.0f} KiB')} pickled "
+                  f"(min / median / max), {_gb(sum(sizes))} for all {len(sizes)} units, all made and pickled in "
+                  f"{s['jobs_seconds']:.1f} s, one unpickled in {s['job_unpickle_seconds'] * 1000:.0f} ms.", ""]
     s = results.get("ship-dask", {})
-    if s and "error" not in s:
-        today, small = s["today"], s["small"]
-        lines += [f"Submitted to a local Dask cluster (scheduler + 2 worker processes) through `Client.get_executor()` "
-                  f"(pure=True by default): {today['count']} units as `(plan, unit)` took {today['submit_seconds']:.1f} s to "
-                  f"submit (`dask.base.tokenize` of one: {s['tokenize_seconds']:.1f} s; then pickling), "
-                  f"{today['all_done_seconds']:.1f} s until the workers had them; the scheduler, which unpickles every "
-                  f"submission, spent {today['scheduler_cpu_seconds']:.1f} s CPU and grew by "
-                  f"{_mib(today['scheduler_rss_growth'])}; worker RSS afterwards up to {_mib(today['worker_rss'])}. All "
-                  f"{small['count']} units as byte ranges: {small['submit_seconds']:.1f} s to submit, "
-                  f"{small['all_done_seconds']:.1f} s in all, scheduler {small['scheduler_cpu_seconds']:.1f} s CPU and "
-                  f"+{_mib(small['scheduler_rss_growth'])}, worker RSS afterwards up to {_mib(small['worker_rss'])} "
-                  "(current RSS: a worker's `ru_maxrss` includes the coordinator's pages it was forked with).", ""]
+    if s and "error" not in s and "jobs" in s:
+        j = s["jobs"]
+        lines += [f"All {j['count']} consolidation jobs submitted to a local Dask cluster (scheduler + 2 worker processes) "
+                  f"through `plumbing.executors.cluster` (pure=False): {j['submit_seconds']:.1f} s to submit, "
+                  f"{j['all_done_seconds']:.1f} s until every worker had its jobs; the scheduler spent "
+                  f"{j['scheduler_cpu_seconds']:.1f} s CPU and grew by {_mib(j['scheduler_rss_growth'])}; worker RSS "
+                  f"afterwards up to {_mib(j['worker_rss'])}.", ""]
     s = results.get("ship-reshard", {})
-    if s and "error" not in s:
-        lines += [f"A reshard unit shipped to a worker: today `(plan, unit)` (the plan holds the index) pickles to "
-                  f"{_mib(s['today_pickle_bytes'])} ({s['today_pickle_seconds']:.1f} s to pickle, "
-                  f"{s['today_unpickle_seconds']:.1f} s to unpickle), x {s['units']} units = "
-                  f"{_gb(s['today_pickle_bytes'] * s['units'])} sent; the index alone pickles to "
-                  f"{_mib(s['index_pickle_bytes'])}, the unit alone to {s['unit_only_pickle_bytes'] / 1024:,.0f} KiB.", ""]
+    if s and "error" not in s and "job_pickle_bytes" in s:
+        sizes, made = s["job_pickle_bytes"], s["job_seconds"]
+        lines += [f"A reshard unit shipped to a worker (`RankJob`: each file's pickle and its storages as spans of "
+                  f"source byte ranges; made on the coordinator, which runs `files.py` and pickles): "
+                  f"{_spread(sizes, lambda v: f'{v / 1024:,.0f} KiB')} pickled for {len(sizes)} of the {s['units']} "
+                  f"units (min / median / max), {_spread(made, lambda v: f'{v:.2f} s')} to make one; all "
+                  f"{s['units']} would take about {statistics.mean(made) * s['units']:.0f} s of coordinator CPU, "
+                  "overlapped with the workers (each is made just before it is submitted).", ""]
     return lines
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from enum import Enum
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -70,6 +70,21 @@ def fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(1)
 
 
+CLUSTER_HELP = ("Run the units on the Dask scheduler at this address (tcp://HOST:PORT), read and written by its "
+                "workers; needs the cluster extra.")
+
+
+def units_on(address: str | None) -> Any:
+    """A context giving the executor units run on: the Dask cluster at `address`, or None (threads)."""
+    import contextlib
+
+    if not address:
+        return contextlib.nullcontext(None)
+    from ckptflow.plumbing.executors import cluster
+
+    return cluster(address)
+
+
 def render_report(report: "ValidationReport") -> None:
     """A validation report: a summary line, then one line per problem."""
     if report.ok:
@@ -122,6 +137,8 @@ def consolidate_command(
     exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="Leave frozen parameters out."),
     workers: int = typer.Option(4, "--workers", min=1, help="Shards written at once."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Reopen every shard and check it against the source."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", envvar="CKPTFLOW_CLUSTER", metavar="ADDRESS",
+                                          help=CLUSTER_HELP),
 ) -> None:
     """Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder."""
     import time
@@ -148,8 +165,9 @@ def consolidate_command(
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("writing + verifying" if verify else "writing", total=None)
         try:
-            result = consolidate(src, dest, tag=tag, options=options,
-                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+            with units_on(cluster) as executor:
+                result = consolidate(src, dest, tag=tag, options=options, executor=executor,
+                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
     shards = len(result.shards)
@@ -258,6 +276,8 @@ def reshard_command(
                                 help="Threads writing at once: one per target rank, the rest share a rank's files."),
     fsync: bool = typer.Option(True, "--fsync/--no-fsync",
                                help="Flush each file to disk before moving OUT into place (local outputs)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", envvar="CKPTFLOW_CLUSTER", metavar="ADDRESS",
+                                          help=CLUSTER_HELP),
     tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", min=1,
                                                   help="AutoTP only: merge to this tensor-parallel degree (1)."),
 ) -> None:
@@ -281,9 +301,10 @@ def reshard_command(
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("resharding", total=None)
         try:
-            result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
-                             progress=lambda done, total: bar.update(task, completed=done, total=total),
-                             tensor_parallel=tensor_parallel)
+            with units_on(cluster) as executor:
+                result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
+                                 executor=executor, tensor_parallel=tensor_parallel,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
     say("resharded", "green",

@@ -119,3 +119,9 @@ class SourceReadError(CkptflowError, OSError):
     """A checkpoint file could not be read during a conversion (store error, file changed underneath)."""
 
     default_code = "unreadable-file"
+
+
+class ClusterError(CkptflowError, ConnectionError):
+    """The Dask cluster the units were to run on cannot be used (not installed, not reachable)."""
+
+    default_code = "cluster-unreachable"

@@ -113,6 +113,7 @@ def checkpoint_lifecycle(
     publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
     workspace: Text = _titled("", "Workspace"),
     refresh: bool = _titled(False, "Rebuild everything"),
+    cluster: Text = _titled("", "Dask cluster"),
 ) -> dict[str, Any]:
     """Turn a DeepSpeed ZeRO checkpoint into a verified Hugging Face model and resharded checkpoints, and publish them.
 
@@ -127,6 +128,7 @@ def checkpoint_lifecycle(
         publishing: Upload settings (parallel uploads, Hub endpoint and token).
         workspace: Where outputs are built before publishing (a folder or bucket URL); empty uses $CKPTFLOW_WORKSPACE or ~/.cache/ckptflow/work on the worker. Must be a bucket when consolidation runs on a GPU deployment elsewhere.
         refresh: Ignore cached results and do every step again.
+        cluster: Run the conversion's units (one per output shard and per target rank) on the Dask scheduler at this address, e.g. 'tcp://ckptflow-scheduler.ckptflow.svc.cluster.local:8786' (infra/dask); empty uses $CKPTFLOW_CLUSTER on the worker, or threads when that is unset too.
     """
     log = get_run_logger()
     destinations = [d if isinstance(d, Destination) else Destination.model_validate(d) for d in destinations]
@@ -161,7 +163,7 @@ def checkpoint_lifecycle(
         else:
             model_future = consolidate_model.with_options(**built).submit(
                 checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
-                exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers,
+                exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers, cluster=cluster or None,
             )
             if verification.enabled:
                 verify_future = verify_output.with_options(**built).submit(
@@ -170,7 +172,8 @@ def checkpoint_lifecycle(
     reshard_futures = {}
     for n in reshard.world_sizes:
         out = layout.reshard_folder(base, n)
-        reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(checkpoint, out, n)
+        reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
+            checkpoint, out, n, cluster=cluster or None)
 
     failures: list[str] = []
     model = _outcome(model_future, "consolidation", failures)
@@ -453,6 +456,7 @@ def post_training(
     destinations: list[Destination] = _titled([], "Destinations"),
     publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
     workspace: Text = _titled("", "Workspace"),
+    cluster: Text = _titled("", "Dask cluster"),
 ) -> list[dict[str, Any]]:
     """Process the newest checkpoint (the tag `latest` names) of each training run.
 
@@ -464,12 +468,13 @@ def post_training(
         destinations: Where to publish each run's outputs (see `checkpoint-lifecycle`).
         publishing: Upload settings.
         workspace: Where outputs are built before publishing.
+        cluster: Run the conversion's units on the Dask scheduler at this address (see `checkpoint-lifecycle`); empty uses $CKPTFLOW_CLUSTER on the worker, or threads.
     """
     results, failures = [], []
     for run in runs:
         state = checkpoint_lifecycle(
             source=run, consolidation=consolidation, reshard=reshard, verification=verification,
-            destinations=destinations, publishing=publishing, workspace=workspace, return_state=True,
+            destinations=destinations, publishing=publishing, workspace=workspace, cluster=cluster, return_state=True,
         )
         if state.is_completed():
             results.append(state.result())

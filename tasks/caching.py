@@ -22,10 +22,15 @@ from pydantic import BaseModel
 CACHE_VERSION = "1"
 
 
+# Parameters that say where work runs, not what it makes: a model built on a Dask cluster is the same
+# bytes as one built on threads, so they are left out of the key.
+WHERE_IT_RUNS = frozenset({"cluster"})
+
+
 def checkpoint_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Prefect `cache_key_fn`: the task's name and its parameters, checkpoints by identity."""
     name = getattr(getattr(context, "task", None), "name", "task")
-    payload = {k: _identity(v) for k, v in sorted(parameters.items()) if not callable(v)}
+    payload = {k: _identity(v) for k, v in sorted(parameters.items()) if not callable(v) and k not in WHERE_IT_RUNS}
     text = json.dumps([CACHE_VERSION, name, payload], sort_keys=True, default=str)
     return f"ckptflow-{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 

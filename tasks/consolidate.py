@@ -1,11 +1,12 @@
 """The consolidation task: the core's plan, one Prefect task per output shard, then finalize.
 
 `consolidate_model` calls `ckptflow.consolidate` step by step (`plan_consolidation`,
-`prepare_output`, `run_unit` per shard, `finalize`, `abort` on failure) and runs the shards as
-`write_shard` tasks through the flow's task runner, at most `workers` at a time, so each shard shows
-in the UI (`consolidate global_step3 bf16`, `write shard 2/5`) and the runner decides where they
-run. It is cached on the checkpoint's identity, the options and OUT: a second flow run for the same
-checkpoint does not convert again.
+`prepare_output`, one `ShardJob` per shard run by `run_job`, `finalize`, `abort` on failure) and runs
+the shards as `write_shard` tasks, so each shard shows in the UI (`consolidate global_step3 bf16`,
+`write shard 2/5`): through the flow's task runner, at most `workers` at a time, or, with a `cluster`
+address (or `$CKPTFLOW_CLUSTER`), on that Dask cluster through prefect-dask (`tasks.units`). The
+outputs are the same bytes either way. It is cached on the checkpoint's identity, the options and
+OUT (not on where it ran): a second flow run for the same checkpoint does not convert again.
 
 A conversion of at least `PROGRESS_BYTES` shows a progress bar while it runs; the result is one
 artifact (key `consolidation-<source>-<tag>-<dtype>`): a table of every file in the model folder.
@@ -22,47 +23,48 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptflow.consolidate import (
     ConsolidateOptions,
-    ConsolidationPlan,
     ConsolidationResult,
-    ShardUnit,
+    ShardJob,
     UnitResult,
     abort,
     finalize,
     plan_consolidation,
     prepare_output,
-    run_unit,
+    run_job,
+    shard_job,
 )
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.staging import Staging
 from ckptflow.plumbing.storage import open_fs
 from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
-from tasks.units import run_bounded
+from tasks.units import CLUSTER_AHEAD, cluster_address, run_bounded, unit_runner
 
 
 def _shard_run_name() -> str:
-    """'write shard 2/5' (shards counted from 1)."""
+    """'write shard 2/5' (shards counted from 1, out of the count in the shard's file name)."""
     from prefect.runtime import task_run
 
-    parameters = task_run.parameters
-    unit, plan = parameters.get("unit"), parameters.get("plan")
-    if unit is None or plan is None:
+    job = task_run.parameters.get("job")
+    if job is None:
         return "write shard"
-    return f"write shard {unit.index + 1}/{len(plan.units)}"
+    name = job.unit.filename  # model-00002-of-00005.safetensors, or model.safetensors
+    of = name.split("-of-")[1].split(".")[0].lstrip("0") if "-of-" in name else "1"
+    return f"write shard {job.unit.index + 1}/{of}"
 
 
-@task(name="write-shard", task_run_name=_shard_run_name, cache_policy=NO_CACHE, **io_retries(retries=2))
-def write_shard(
-    plan: ConsolidationPlan, unit: ShardUnit, staging: Staging, progress: Any = None, cancel: Any = None
-) -> UnitResult:
-    """`ckptflow.consolidate.run_unit`: one output shard into the staging folder (rewritten on retry)."""
-    return run_unit(plan, unit, staging, progress=progress, cancel=cancel)
+# Results stay in memory (persist_result=False): a unit's result is small, and on a Dask worker a
+# persisted result would land in that worker's own storage, out of the flow run's reach.
+@task(name="write-shard", task_run_name=_shard_run_name, cache_policy=NO_CACHE, persist_result=False,
+      **io_retries(retries=2))
+def write_shard(job: ShardJob, progress: Any = None, cancel: Any = None) -> UnitResult:
+    """`ckptflow.consolidate.run_job`: one output shard into the staging folder (the same bytes on a retry)."""
+    return run_job(job, progress=progress, cancel=cancel)
 
 
 @task(
@@ -81,8 +83,10 @@ def consolidate_model(
     exclude_frozen: bool = False,
     workers: int = 4,
     verify: bool = True,
+    cluster: str | None = None,
 ) -> Output:
-    """Consolidate `checkpoint` into the Hugging Face model folder `out` (which must not exist yet)."""
+    """Consolidate `checkpoint` into the Hugging Face model folder `out` (which must not exist yet);
+    the shards on the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
     options = ConsolidateOptions(
         dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, workers=workers, verify=verify
@@ -90,17 +94,25 @@ def consolidate_model(
     plan = plan_consolidation(load_index(checkpoint.root, checkpoint.tag), options)
     logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), format_size(plan.total_size),
                 plan.dtype)
-    total = sum(u.nbytes for u in plan.units) * (2 if verify else 1)  # written, then (verify) read back
+    factor = 2 if verify else 1  # written, then (verify) read back
+    total = sum(u.nbytes for u in plan.units) * factor
+    address = cluster_address(cluster)
     staging = prepare_output(plan, out)
     cancel = threading.Event()
     with ProgressArtifact(nbytes=plan.total_size,
                           description=f"Consolidating {checkpoint.uri} to {dtype}") as sink:
         progress = Tally(total, sink)
         try:
-            results = run_bounded(
-                lambda unit: write_shard.submit(plan, unit, staging, progress.part(unit.index), cancel),
-                plan.units, workers, cancel,
-            )
+            jobs = [shard_job(plan, u, staging) for u in plan.units]
+            with unit_runner(address) as submit:
+                if address:
+                    logger.info("writing %d shard(s) on the Dask cluster at %s", len(jobs), address)
+                    results = run_bounded(lambda job: submit(write_shard, job=job), jobs, CLUSTER_AHEAD, cancel,
+                                          done=lambda job, _r: progress.add(job.unit.index, job.unit.nbytes * factor))
+                else:
+                    results = run_bounded(
+                        lambda job: submit(write_shard, job=job, progress=progress.part(job.unit.index), cancel=cancel),
+                        jobs, workers, cancel)
             result = finalize(plan, results, staging)
         except BaseException:
             abort(staging)

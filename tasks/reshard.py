@@ -1,10 +1,13 @@
 """The reshard task: the core's steps, one Prefect task per target rank.
 
 `reshard_checkpoint` calls `ckptflow.reshard` step by step, as `ckptflow.reshard.reshard` does:
-`plan_output` (validates the source and refuses an OUT inside it), `prepare_output`, `run_unit` per
-target rank as `write_rank` tasks through the flow's task runner (`write rank 1/4 (ws4)`: unique when
-one run reshards to several world sizes), `finalize`, `abort` on failure. Cached on the checkpoint's
-identity, the world size and OUT.
+`plan_output` (validates the source and refuses an OUT inside it), `prepare_output`, one `RankJob`
+per target rank (made here, just before it is sent: pickles and source byte ranges) run by `run_job`
+as `write_rank` tasks (`write rank 1/4 (ws4)`: unique when one run reshards to several world sizes)
+through the flow's task runner, or, with a `cluster` address (or `$CKPTFLOW_CLUSTER`), on that Dask
+cluster through prefect-dask (`tasks.units`), then `finalize` (every file checked against the store's
+metadata, `latest` last), `abort` on failure. Cached on the checkpoint's identity, the world size and
+OUT (not on where it ran).
 
 A reshard of at least `PROGRESS_BYTES` shows a progress bar while it runs; the result is one artifact
 (key `reshard-<source>-<tag>-ws<M>`): a table of the ranks' files, what was carried over, and which
@@ -22,28 +25,26 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.staging import Staging
 from ckptflow.plumbing.storage import open_fs
-from ckptflow.reshard import (RankUnit, ReshardPlan, RngCopy, UnitResult, abort, finalize, plan_output, prepare_output,
-                              run_unit, write_threads)
+from ckptflow.reshard import (RankJob, ReshardPlan, RngCopy, UnitResult, abort, finalize, plan_output, prepare_output,
+                              rank_job, run_job, write_threads)
 from ckptflow.reshard.rng import describe
 from ckptflow.plumbing.redaction import describe as describe_error
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
-from tasks.units import run_bounded
+from tasks.units import CLUSTER_AHEAD, cluster_address, run_bounded, unit_runner
 
 
 def _rank_run_name() -> str:
     """'write rank 1/4 (ws4)': the rank and the target world size."""
     from prefect.runtime import task_run
 
-    parameters = task_run.parameters
-    unit, plan = parameters.get("unit"), parameters.get("plan")
-    if unit is None or plan is None:
+    job = task_run.parameters.get("job")
+    if job is None:
         return "write rank"
-    return f"write rank {unit.rank}/{plan.world_size} (ws{plan.world_size})"
+    return f"write rank {job.rank}/{job.world_size} (ws{job.world_size})"
 
 
 def _reshard_run_name() -> str:
@@ -56,11 +57,13 @@ def _reshard_run_name() -> str:
     return f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}"
 
 
-@task(name="write-rank", task_run_name=_rank_run_name, cache_policy=NO_CACHE, **io_retries(retries=2))
-def write_rank(plan: ReshardPlan, unit: RankUnit, staging: Staging, progress: Any = None, cancel: Any = None,
-               threads: int = 1) -> UnitResult:
-    """`ckptflow.reshard.run_unit`: one target rank's files into the staging folder (rewritten on retry)."""
-    return run_unit(plan, unit, staging, progress=progress, threads=threads, cancel=cancel)
+# Results stay in memory (persist_result=False): on a Dask worker a persisted result would land in that
+# worker's own storage, out of the flow run's reach.
+@task(name="write-rank", task_run_name=_rank_run_name, cache_policy=NO_CACHE, persist_result=False,
+      **io_retries(retries=2))
+def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> UnitResult:
+    """`ckptflow.reshard.run_job`: one target rank's files into the staging folder (the same bytes on a retry)."""
+    return run_job(job, progress=progress, cancel=cancel)
 
 
 @task(
@@ -70,24 +73,33 @@ def write_rank(plan: ReshardPlan, unit: RankUnit, staging: Staging, progress: An
     persist_result=True,
     **io_retries(retries=2),
 )
-def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, workers: int = 4) -> Output:
-    """Rewrite `checkpoint` for `world_size` data-parallel ranks into the new folder `out`."""
+def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, workers: int = 4,
+                       cluster: str | None = None) -> Output:
+    """Rewrite `checkpoint` for `world_size` data-parallel ranks into the new folder `out`; the ranks on
+    the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
     plan = plan_output(checkpoint.root, out, world_size=world_size, tag=checkpoint.tag)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))
+    address = cluster_address(cluster)
     staging = prepare_output(plan, out)
-    threads = write_threads(workers, len(plan.units))
+    threads = 1 if address else write_threads(workers, len(plan.units))
     cancel = threading.Event()
     with ProgressArtifact(nbytes=plan.read_bytes,
                           description=f"Resharding {checkpoint.uri} to {world_size} ranks") as sink:
         progress = Tally(plan.read_bytes, sink)
         try:
-            results = run_bounded(
-                lambda unit: write_rank.submit(plan, unit, staging, progress.part(unit.rank), cancel, threads),
-                plan.units, workers, cancel,
-            )
-            rng_files = finalize(plan, staging)
+            with unit_runner(address) as submit:
+                if address:
+                    logger.info("writing %d rank(s) on the Dask cluster at %s", len(plan.units), address)
+                    results = run_bounded(lambda u: submit(write_rank, job=rank_job(plan, u, staging)), plan.units,
+                                          CLUSTER_AHEAD, cancel, done=lambda u, _r: progress.add(u.rank, u.read_bytes))
+                else:
+                    results = run_bounded(
+                        lambda u: submit(write_rank, job=rank_job(plan, u, staging, threads=threads),
+                                         progress=progress.part(u.rank), cancel=cancel),
+                        plan.units, workers, cancel)
+            rng_files = finalize(plan, staging, results=results)
         except BaseException:
             abort(staging)
             raise

@@ -55,3 +55,31 @@ def iter_chunks(ref: TensorRef, chunk_bytes: int = 64 << 20) -> Iterator["torch.
     step = max(1, chunk_bytes // ref.itemsize)
     for start in range(0, ref.numel, step):
         yield read_elements(ref, start, min(step, ref.numel - start))
+
+
+def storage_ranges(path: str) -> list[tuple[int, int]]:
+    """[start, end) of every non-empty storage's bytes in the local torch archive at `path`, from its
+    zip records (zipfile and the local headers, not ckptflow's reader): what a reader of headers and
+    pickles must never touch."""
+    import struct
+    import zipfile
+
+    out = []
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        for info in zf.infolist():
+            if "/data/" not in info.filename or not info.file_size:
+                continue
+            fh.seek(info.header_offset)
+            header = struct.unpack("<4sHHHHHIIIHH", fh.read(30))
+            start = info.header_offset + 30 + header[9] + header[10]
+            out.append((start, start + info.file_size))
+    return out
+
+
+def tensor_reads(reads: "list[tuple[str, int, int]]", ranges: "dict[str, list[tuple[int, int]]]") -> int:
+    """Bytes of `reads` (path, start, end) that fall inside the storage ranges of their file."""
+    total = 0
+    for path, start, end in reads:
+        for a, b in ranges.get(path, ()):
+            total += max(0, min(end, b) - max(start, a))
+    return total

@@ -18,6 +18,7 @@ INFRA = Path(__file__).resolve().parents[1] / "infra"
 EXPECTED_DEPLOYMENTS = {
     "checkpoint-lifecycle/manual",
     "checkpoint-lifecycle/on-checkpoint",
+    "checkpoint-lifecycle/on-dask",
     "post-training/post-training",
     "watch-latest/interval",
     "consolidate-checkpoint/gpu",
@@ -110,6 +111,10 @@ def test_deploy_all_registers_every_deployment(deployed, client: Any) -> None:
         consolidation = found[name].parameters["consolidation"]
         assert "deployment" not in consolidation and "workspace" not in found[name].parameters
         assert "destinations" not in found[name].parameters
+
+    on_dask = found["checkpoint-lifecycle/on-dask"]
+    assert on_dask.job_variables["env"]["CKPTFLOW_CLUSTER"] == "tcp://ckptflow-scheduler.ckptflow.svc.cluster.local:8786"
+    assert on_dask.parameters == {"workspace": "gs://example-models/ckptflow-work"} and on_dask.schedules == []
 
     (cron,) = found["post-training/post-training"].schedules
     assert cron.schedule.cron == "0 */6 * * *"
@@ -270,7 +275,7 @@ def test_lifecycle_schema_fields() -> None:
     schema = parameter_schema(checkpoint_lifecycle).model_dump()
     top = set(schema["properties"])
     assert top == {"source", "tag", "validation", "consolidation", "reshard", "verification", "destinations",
-                   "publishing", "workspace", "refresh"}
+                   "publishing", "workspace", "refresh", "cluster"}
     assert schema["required"] == ["source"]
     destination = schema["definitions"]["Destination"]["properties"]
     assert destination["what"]["enum"] == ["model", "reshards", "both"]

@@ -245,12 +245,10 @@ def test_writing_imports_neither_torch_nor_deepspeed(tmp_path: Path) -> None:
 def test_several_threads_write_the_same_archive_as_one(tmp_path: Path, monkeypatch, zip64: bool) -> None:
     """Pieces of 12 bytes (not a whole number of elements) filled by 3 threads in 8-byte chunks: spans
     and zero gaps cross piece boundaries, and each record's CRC is combined from its pieces."""
-    import uuid
     import zipfile
 
     from ckptflow.formats import torchsave
 
-    monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=12345))
     if zip64:
         monkeypatch.setattr(torchsave, "_ZIP64_LIMIT", 10)
     _, obj = _archive_fixture(tmp_path)
@@ -276,7 +274,6 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
     many blocks with spans and zero gaps at odd offsets, several pieces and chunks each, a storage of
     zeros, one smaller than a block and an empty one."""
     import random
-    import uuid
     import zipfile
 
     import fsspec
@@ -284,7 +281,6 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
     from ckptflow.formats import torchsave
     from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span
 
-    monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=99))
     monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 5 * 4096)
     src = tmp_path / "src.bin"
     src.write_bytes(random.Random(0).randbytes(3 << 20))
@@ -329,11 +325,8 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
 def test_a_rank_written_by_several_threads_is_the_same_file(ds_fixtures, tmp_path: Path, monkeypatch) -> None:
     """Many pieces and threads against one piece and one thread on a real 2 -> 1 reshard (DeepSpeed
     checks the latter in the oracle tests below), pieces small enough that every partition has many."""
-    import uuid
-
     from ckptflow.formats import torchsave
 
-    monkeypatch.setattr(torchsave.uuid, "uuid4", lambda: uuid.UUID(int=1))
     plan = plan_reshard(load_index(str(ds_fixtures["z3-bf16-ws2"].dir)), 1)
     staging = {threads: prepare_output(plan, str(tmp_path / f"out{threads}")) for threads in (1, 4)}
     run_unit(plan, plan.units[0], staging[1], threads=1, chunk_bytes=64)

@@ -5,11 +5,14 @@ Three parts, each usable on its own (the Prefect layer and a Dask cluster run th
 1. `plan.py`: `plan_consolidation(index, options)` is pure: for every output tensor, the runs of
    source elements that make it, packed into shards as `save_pretrained` packs them; one
    `ShardUnit` per output shard.
-2. `write.py`: `run_unit(plan, unit, staging)` streams one shard into the staging folder in bounded
-   batches of byte-range reads, cast on the way, hashed as written, and (with `verify`) checked
-   against an independent read of the source.
-3. `run.py`: `prepare_output`, `finalize` (side files, provenance, index last, commit), `abort`, and
-   `consolidate(src, out, ...)`, which runs all three.
+2. `write.py`: `shard_job(plan, unit, staging)` is what a worker needs for one shard (its tensors'
+   byte ranges, where it goes, the options: small and picklable); `run_job(job)` streams the shard
+   into the staging folder in bounded batches of byte-range reads, cast on the way, hashed as written,
+   and (with `verify`) checked against an independent read of the source. `run_unit(plan, unit,
+   staging)` does both.
+3. `run.py`: `prepare_output`, `run_units` (threads, or any `concurrent.futures.Executor` such as a
+   Dask cluster's), `finalize` (each shard checked against the store's metadata, side files,
+   provenance, index last, commit), `abort`, and `consolidate(src, out, ...)`, which runs them all.
 
 Memory stays at a few batch buffers per worker whatever the model size; only the fp32 master
 weights are read, never the optimizer moments, and never a 16-bit module copy where an fp32 master
@@ -20,7 +23,7 @@ from ckptflow.consolidate.plan import (Batch, ConsolidateOptions, ConsolidationP
                                        plan_batches, plan_consolidation)
 from ckptflow.consolidate.run import (ConsolidationResult, abort, consolidate, finalize, prepare_output, provenance,
                                       run_units)
-from ckptflow.consolidate.write import UnitResult, run_unit
+from ckptflow.consolidate.write import ShardJob, UnitResult, run_job, run_unit, shard_job
 
 __all__ = [
     "Batch",
@@ -30,6 +33,7 @@ __all__ = [
     "Copy",
     "OutputTensor",
     "Run",
+    "ShardJob",
     "ShardUnit",
     "UnitResult",
     "abort",
@@ -39,6 +43,8 @@ __all__ = [
     "plan_consolidation",
     "prepare_output",
     "provenance",
+    "run_job",
     "run_unit",
     "run_units",
+    "shard_job",
 ]

@@ -1,10 +1,12 @@
 """Running a consolidation: the output folder around the units, and everything together.
 
 `prepare_output(plan, out)` checks OUT and the free space and makes the staging folder
-(`plumbing.staging`); the units (`consolidate.write.run_unit`) write into it; `finalize` adds the
-config and tokenizer files, a provenance record and the shard index, then commits the folder into
-place with the index (or the only shard) last. `abort` removes the staging folder.
-`consolidate(src, out, ...)` does all of it, the units on `options.workers` threads.
+(`plumbing.staging`); the units (`consolidate.write.run_job`, one `ShardJob` per shard) write into
+it, on threads or on any `concurrent.futures.Executor` (a Dask cluster); `finalize` checks what each
+unit reports against the store's metadata, adds the config and tokenizer files, a provenance record
+and the shard index, then commits the folder into place with the index (or the only shard) last.
+`abort` removes the staging folder. `consolidate(src, out, ...)` does all of it. The coordinator
+(the process that plans and finalizes) reads headers and pickles only, never a tensor byte.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, plan_consolidation
-from ckptflow.consolidate.write import UnitResult, run_unit
+from ckptflow.consolidate.write import UnitResult, run_job, run_unit, shard_job
 from ckptflow.errors import OutputError
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.executors import run_units as run_all
+from ckptflow.plumbing.executors import Executor, run_units as run_all
 from ckptflow.plumbing.files import write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.staging import Staging
+from ckptflow.plumbing.staging import Staging, check_written
 from ckptflow.plumbing.storage import is_local, join, local_path
 
 logger = logging.getLogger(__name__)
@@ -106,15 +108,20 @@ def finalize(plan: ConsolidationPlan, results: Sequence[UnitResult], staging: St
     """Add config, tokenizer, provenance and index to `staging`, then commit it into place as OUT, the
     index last (or, unsharded, the only shard last: it is what makes the folder loadable).
 
-    Raises `OutputError` when a unit's shard is missing; the staging folder is then left for `abort`.
+    Raises `OutputError` when a unit's shard is missing, `VerificationError` when a shard in the
+    staging folder is not what its unit reported writing (`plumbing.staging.check_written`: sizes and
+    the store's checksums, no data read); the staging folder is then left for `abort`.
     """
     got = {r.filename: r for r in results}
+    sizes = {u.filename: u.layout().file_size for u in plan.units}
     for unit in plan.units:
         result = got.get(unit.filename)
-        if result is None or result.size != unit.layout().file_size:
+        if result is None or result.size != sizes[unit.filename]:
             raise OutputError(f"shard {unit.filename} has not been written to {staging.uri}", file=unit.filename,
                               hint="run every unit of the plan before finalize")
     shards = tuple(got[u.filename] for u in plan.units)
+    check_written(staging, [s.written for s in shards if s.written is not None],
+                  {s.filename: sizes[s.filename] for s in shards if s.written is not None})
     side = hf.find_side_files(plan.root)
     hf.copy_side_files(plan.root, side, staging.uri, plan.dtype)
     record = json.dumps(provenance(plan, shards), indent=2, sort_keys=True) + "\n"
@@ -139,10 +146,17 @@ def abort(staging: Staging | None) -> None:
     stage.abort(staging)
 
 
-def run_units(plan: ConsolidationPlan, staging: Staging, *, progress: Progress | None = None) -> list[UnitResult]:
-    """Run every unit on `plan.options.workers` threads; the first failure stops the others."""
-    tally = Tally(sum(u.nbytes for u in plan.units) * (2 if plan.options.verify else 1), progress)
+def run_units(plan: ConsolidationPlan, staging: Staging, *, progress: Progress | None = None,
+              executor: Executor | None = None) -> list[UnitResult]:
+    """Run every unit on `plan.options.workers` threads, or as `ShardJob`s on `executor` (a Dask
+    cluster: `plumbing.executors.cluster`); the first failure stops the others. On threads progress
+    counts bytes as they are written and checked; on an executor, each shard's bytes when it finishes."""
+    factor = 2 if plan.options.verify else 1
+    tally = Tally(sum(u.nbytes for u in plan.units) * factor, progress)
     tally.start()
+    if executor is not None:
+        return run_all(run_job, (shard_job(plan, u, staging) for u in plan.units), executor=executor,
+                       done=lambda job, _result: tally.add(job.unit.index, job.unit.nbytes * factor))
     cancel = threading.Event()
     return run_all(lambda u: run_unit(plan, u, staging, progress=tally.part(u.index), cancel=cancel), plan.units,
                    workers=plan.options.workers, cancel=cancel)
@@ -155,13 +169,15 @@ def consolidate(
     tag: str | None = None,
     options: ConsolidateOptions | None = None,
     progress: Progress | None = None,
+    executor: Executor | None = None,
 ) -> ConsolidationResult:
     """Consolidate the ZeRO checkpoint at `src` into a Hugging Face model folder `out`.
 
     `src` is a folder holding `latest` or a tag folder, `out` a folder that does not exist yet (or is
-    empty); both are local paths or fsspec URLs. `progress(done_bytes, total_bytes)` is called as
-    shards are written and checked. On any error nothing is left at `out` and the staging folder is
-    removed.
+    empty); both are local paths or fsspec URLs. The shards are written on `options.workers` threads,
+    or on `executor` (e.g. a Dask cluster's; the outputs are the same bytes either way).
+    `progress(done_bytes, total_bytes)` is called as shards are written and checked. On any error
+    nothing is left at `out` and the staging folder is removed.
     """
     options = options or ConsolidateOptions()
     index = load_index(src, tag)
@@ -170,7 +186,7 @@ def consolidate(
                 len(plan.units), format_size(plan.total_size), plan.dtype, format_size(plan.source_bytes))
     staging = prepare_output(plan, out)
     try:
-        results = run_units(plan, staging, progress=progress)
+        results = run_units(plan, staging, progress=progress, executor=executor)
         return finalize(plan, results, staging)
     except BaseException:
         abort(staging)

@@ -1,12 +1,18 @@
 """One consolidation unit: one output shard streamed into the staging folder, and checked.
 
-`run_unit(plan, unit, staging)` writes a safetensors header first, then the tensors in bounded
-batches of byte-range reads (one `fs.cat_ranges` round per batch on a bucket, `preadv` on a local disk:
-straight into the output buffer when no cast is needed, through a small scratch buffer when one is;
-never a memory map, which a file truncated by another process would turn into a SIGBUS), cast on the way (numpy, `formats.casts`: no torch), hashed as written; with `verify`,
-each range is read back and compared with an independent read of the source
-(`formats.shard_check`): on a local disk by a checker thread that follows the writer, on a bucket
-once the object is written. A unit is safe to run again: it rewrites its file.
+A `ShardJob` is what a worker needs for one shard and nothing more: the shard's tensors with their
+source runs (byte ranges of the rank files), where the shard goes, and the options. It is small and
+plain (no plan, no index, no callable), so it pickles to a Dask worker as well as it runs on a thread.
+`run_job(job)` writes a safetensors header first, then the tensors in bounded batches of byte-range
+reads (one `fs.cat_ranges` round per batch on a bucket, `preadv` on a local disk: straight into the
+output buffer when no cast is needed, through a small scratch buffer when one is; never a memory map,
+which a file truncated by another process would turn into a SIGBUS), cast on the way (numpy,
+`formats.casts`: no torch), hashed as written; with `verify`, each range is read back and compared with
+an independent read of the source (`formats.shard_check`): on a local disk by a checker thread that
+follows the writer, on a bucket once the object is written. It reports the shard
+as `plumbing.staging.Written` (size, the checksum the store will report, the store's stamp), which
+the coordinator checks before the commit. A job is safe to run again: it rewrites its file with the
+same bytes. `run_unit(plan, unit, staging)` is `run_job(shard_job(plan, unit, staging))`.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into
 from ckptflow.formats.shard_check import verify_shard
 from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.plumbing.checksums import Digests, digests_for
 from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.staging import Staging
-from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs, read_into, read_ranges
+from ckptflow.plumbing.staging import Staging, Written, written
+from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs, protocol, read_into, read_ranges
 from ckptflow.plumbing.redaction import describe
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,29 @@ class UnitResult:
     size: int
     sha256: str
     verified: bool
+    written: Written | None = None  # what the coordinator checks against the store before the commit
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardJob:
+    """One output shard as a worker gets it: its tensors and their source runs, where it goes (`staging`,
+    the staging folder's URI, and the unit's file name there), and how to write it."""
+
+    unit: ShardUnit
+    staging: str
+    chunk_bytes: int
+    verify: bool
+
+    @property
+    def uri(self) -> str:
+        return f"{self.staging.rstrip('/')}/{self.unit.filename}"
+
+
+def shard_job(plan: ConsolidationPlan, unit: ShardUnit, staging: Staging, *, verify: bool | None = None) -> ShardJob:
+    """The job that writes shard `unit` of `plan` into `staging` (checked when `verify`, by default the
+    plan's option)."""
+    return ShardJob(unit=unit, staging=staging.uri, chunk_bytes=plan.options.chunk_bytes,
+                    verify=plan.options.verify if verify is None else verify)
 
 
 def run_unit(
@@ -61,7 +91,13 @@ def run_unit(
     cancel: threading.Event | None = None,
 ) -> UnitResult:
     """Write shard `unit` of `plan` into the staging folder; with `verify` (default: the plan's
-    option) reopen it and check every byte against the source. Safe to run again: the file is rewritten.
+    option) reopen it and check every byte against the source (see `run_job`)."""
+    return run_job(shard_job(plan, unit, staging, verify=verify), progress=progress, cancel=cancel)
+
+
+def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threading.Event | None = None) -> UnitResult:
+    """Write the job's shard; with `job.verify` reopen it and check every byte against the source.
+    Safe to run again: the file is rewritten, with the same bytes.
 
     On a local disk the check runs while the shard is written: a checker thread re-reads each range
     of the file as soon as the writer has written it and compares it with its own read and cast of
@@ -70,29 +106,33 @@ def run_unit(
 
     `progress(done, total)` counts this unit's bytes written plus, with `verify`, bytes checked.
     """
-    verify = plan.options.verify if verify is None else verify
+    unit, verify = job.unit, job.verify
     layout = unit.layout()
     by_name = {t.name: t for t in unit.tensors}
-    batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], plan.options.chunk_bytes)
-    uri = staging.join(unit.filename)
+    batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], job.chunk_bytes)
+    uri = job.uri
+    fs, _ = open_fs(uri)
+    store = digests_for(protocol(fs), layout.file_size)
     tally = Tally(unit.nbytes * (2 if verify else 1), progress)
     wrote, checked = tally.part("write"), tally.part("check")
     stopped = (lambda: cancel.is_set()) if cancel is not None else (lambda: False)
     started = time.monotonic()
     if verify and is_local(uri):
         sha256 = _write_and_check(uri, layout, batches, wrote, stopped,
-                                  lambda written: verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes,
-                                                               progress=checked, written=written))
+                                  lambda done: verify_shard(uri, unit.tensors, chunk_bytes=job.chunk_bytes,
+                                                            progress=checked, written=done))
         logger.info("wrote and checked %s (%s) in %.2fs", uri, format_size(layout.file_size),
                     time.monotonic() - started)
-        return UnitResult(unit.index, unit.filename, layout.file_size, sha256, True)
-    sha256 = _write_shard(uri, layout, batches, wrote, stopped)
+        return UnitResult(unit.index, unit.filename, layout.file_size, sha256, True,
+                          written(job.staging, unit.filename, layout.file_size))
+    sha256 = _write_shard(uri, layout, batches, wrote, stopped, store=store)
     logger.info("wrote %s (%s) in %.2fs", uri, format_size(layout.file_size), time.monotonic() - started)
     if verify:
         if stopped():
             raise Cancelled(unit.filename)
-        verify_shard(uri, unit.tensors, chunk_bytes=plan.options.chunk_bytes, progress=checked)
-    return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify)
+        verify_shard(uri, unit.tensors, chunk_bytes=job.chunk_bytes, progress=checked)
+    return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify,
+                      written(job.staging, unit.filename, layout.file_size, store))
 
 
 class _Watermark:
@@ -141,13 +181,14 @@ def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[B
 
 
 def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], progress: Progress,
-                 stopped: Callable[[], bool], *, written: Callable[[int], None] | None = None) -> str:
+                 stopped: Callable[[], bool], *, written: Callable[[int], None] | None = None,
+                 store: Digests | None = None) -> str:
     """Stream the shard: the header, then each batch (see `_ShardWriter`); `progress` counts data bytes
     written. `written(n)` is told each time the first n bytes of the file are out of this process
-    (in the page cache on a local disk). Returns the file's sha256."""
+    (in the page cache on a local disk); `store` hashes every byte too. Returns the file's sha256."""
     try:
         with _open_output(uri) as fh:
-            return _ShardWriter(fh, uri, layout, batches).write(progress, stopped, written)
+            return _ShardWriter(fh, uri, layout, batches, store).write(progress, stopped, written)
     except (CkptflowError, Cancelled):
         raise
     except EOFError as exc:
@@ -163,12 +204,16 @@ class _ShardWriter:
     thread keeps an fdatasync of what is written so far going, so the disk writes while the CPU
     casts and the final fsync has little left to do."""
 
-    def __init__(self, fh: Any, uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch]) -> None:
+    def __init__(self, fh: Any, uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
+                 store: Digests | None = None) -> None:
         self.fh, self.uri, self.local, self.layout, self.batches = fh, uri, is_local(uri), layout, batches
         out_cap = max((b.out_nbytes for b in batches), default=0)
         self.buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(max(1, min(3, len(batches))))]
         self.hashed: list[Any] = [None] * len(self.buffers)  # the pending hash of what each buffer holds
-        self.hasher = hashlib.sha256(layout.header)
+        self.sha256 = hashlib.sha256(layout.header)
+        self.store = store
+        if store is not None:
+            store.update(layout.header)
         self.flushing: Any = None  # a pending fdatasync of what has been written so far (local disk)
 
     def write(self, progress: Progress, stopped: Callable[[], bool], written: Callable[[int], None] | None) -> str:
@@ -195,7 +240,12 @@ class _ShardWriter:
                     written(len(self.layout.header) + done)
                 progress(done, total)
             self._finish()
-        return self.hasher.hexdigest()
+        return self.sha256.hexdigest()
+
+    def _hash(self, view: memoryview) -> None:
+        self.sha256.update(view)
+        if self.store is not None:
+            self.store.update(view)
 
     def _fill(self, j: int) -> Any:
         slot = j % len(self.buffers)
@@ -205,7 +255,7 @@ class _ShardWriter:
 
     def _write_batch(self, i: int, batch: Batch) -> None:
         view = memoryview(self.buffers[i % len(self.buffers)])[:batch.out_nbytes]
-        self.hashed[i % len(self.buffers)] = self.hashing.submit(self.hasher.update, view)
+        self.hashed[i % len(self.buffers)] = self.hashing.submit(self._hash, view)
         self.fh.write(view)
         if self.local and (self.flushing is None or self.flushing.done()):
             if self.flushing is not None:

@@ -8,9 +8,15 @@ back or, for a local file, by several threads writing pieces in place.
 
 The archive is what `torch.save` writes (torch 2.x, checked against 2.13): records `data.pkl`,
 `.format_version`, `.storage_alignment`, `byteorder`, `data/<key>` for each storage in key order,
-`version` and `.data/serialization_id`, each stored uncompressed, data aligned to 64 bytes with an
-`FB` extra field, sizes and CRC-32 in a data descriptor (flag bit 3) and zip64 end records.
-`torch.load` (and DeepSpeed, which calls it) reads these files as its own.
+`version` and `.data/serialization_id` (derived from the records, as torch derives it:
+`formats.serialization_id`), each stored uncompressed, data aligned to 64 bytes with an `FB` extra
+field, sizes and CRC-32 in a data descriptor (flag bit 3) and zip64 end records. `torch.load` (and
+DeepSpeed, which calls it) reads these files as its own. Nothing random goes in: the same object and
+sources give the same bytes, whoever writes them.
+
+Pickling and writing are two steps, so that they can happen in different processes: `dumps(obj)` gives
+the pickle and its `OutStorage`s (byte ranges of source files, small), and `write_pickled` streams
+them into an archive; `write_archive(uri, obj, ...)` does both.
 """
 
 from __future__ import annotations
@@ -22,15 +28,15 @@ import pickle
 import queue
 import struct
 import threading
-import uuid
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptflow.errors import CkptflowError, CorruptFileError, OutputError
+from ckptflow.formats.serialization_id import serialization_id
 from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
@@ -202,8 +208,9 @@ def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
 
 
 class SourceReader:
-    """Reads byte ranges of source files, keeping the files open (one handle per file and thread, so
-    threads may share a reader); counts what it read."""
+    """Reads byte ranges of source files, keeping local files open (one handle per file and thread, so
+    threads may share a reader) and asking other stores for exactly each range (one request per
+    chunk, no read-ahead past it); counts what it read."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, depth: int = 3) -> None:
         self.chunk_bytes = chunk_bytes
@@ -217,11 +224,7 @@ class SourceReader:
         files = self._local.__dict__.setdefault("files", {})
         fh = files.get(uri)
         if fh is None:
-            if is_local(uri):
-                fh = open(local_path(uri), "rb", buffering=0)
-            else:
-                fs, path = open_fs(uri)
-                fh = fs.open(path, "rb", block_size=CHUNK_BYTES)
+            fh = open(local_path(uri), "rb", buffering=0)
             files[uri] = fh
             with self._lock:
                 self._opened.append(fh)
@@ -231,13 +234,19 @@ class SourceReader:
         """Fill `view` with the bytes of `uri` from byte `start`; a failed read is a `SourceReadError`."""
         got = 0
         try:
-            fh = self._file(uri)
-            fh.seek(start)
-            while got < len(view):
-                n = fh.readinto(view[got:])
-                if not n:
-                    break
-                got += n
+            if is_local(uri):
+                fh = self._file(uri)
+                fh.seek(start)
+                while got < len(view):
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            elif len(view):
+                fs, path = open_fs(uri)
+                data = fs.cat_file(path, start=start, end=start + len(view))
+                got = min(len(data), len(view))
+                view[:got] = data[:got]
         except OSError as exc:
             raise read_error(uri, exc) from exc
         if got < len(view):
@@ -430,7 +439,8 @@ def _write_small_records(zw: _ZipWriter, data: bytes) -> None:
 
 def _write_trailing_records(zw: _ZipWriter) -> None:
     zw.record("version", [b"3\n"], 2)
-    serial = str(uuid.uuid4().int).rjust(40, "0")[:40].encode()
+    records = [(name.decode("utf-8")[len(zw.prefix) + 1:], crc) for name, _offset, crc, _size in zw.entries]
+    serial = serialization_id(records).encode()
     zw.record(".data/serialization_id", [serial], len(serial))
 
 
@@ -627,20 +637,44 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def archive_size(name: str, data: bytes, storages: Sequence[OutStorage]) -> int:
+    """The size of the file `write_pickled` writes for pickle `data` and `storages` under the file
+    name `name`, worked out without writing it."""
+    zw = _ZipWriter(_Layout(), os.path.splitext(name.rstrip("/").rsplit("/", 1)[-1])[0] or "archive")  # type: ignore[arg-type]
+    _write_small_records(zw, data)
+    for key, storage in enumerate(storages):
+        entry = zw.begin(f"data/{key}", storage.nbytes)
+        zw.skip(storage.nbytes)
+        zw.skip(len(zw.descriptor(entry, 0)))
+    _write_trailing_records(zw)
+    zw.close()
+    return zw.pos
+
+
 def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progress | None = None,
-                  durable: bool = True, threads: int = 1) -> int:
-    """Write `obj` (see `dumps`) to `uri` as torch.save would.
+                  durable: bool = True, threads: int = 1, digests: Any = None) -> int:
+    """Write `obj` (see `dumps`) to `uri` as torch.save would: `write_pickled(uri, *dumps(obj), ...)`."""
+    data, storages = dumps(obj)
+    return write_pickled(uri, data, storages, reader, progress=progress, durable=durable, threads=threads,
+                         digests=digests)
+
+
+def write_pickled(uri: str, data: bytes, storages: Sequence[OutStorage], reader: SourceReader, *,
+                  progress: Progress | None = None, durable: bool = True, threads: int = 1,
+                  digests: Any = None) -> int:
+    """Write the archive of pickle `data` and its `storages` (what `dumps` gave) to `uri`.
 
     `progress(done, total)` counts the source bytes copied into the archive's storages.
 
     Storage bytes are streamed from their spans and nothing larger than a few chunks is held. A local
     file is filled in place by `threads` threads, each with one chunk, its storage blocks written
     with direct I/O where possible (`_write_in_place`); elsewhere one thread writes front to back
-    while another reads `reader.depth` chunks ahead. Returns the file size. With `durable`, a local
+    while another reads `reader.depth` chunks ahead, and `digests` (a `plumbing.checksums.Digests`),
+    when given, hashes every byte written, in order. Returns the file size. With `durable`, a local
     file is fsynced before returning.
     """
     try:
-        return _write_archive(uri, obj, reader, progress, durable, threads)
+        return _write_archive(uri, data, list(storages), reader, progress, durable, threads, digests)
     except CkptflowError:
         raise
     except OSError as exc:  # reading errors are SourceReadErrors by now: this one is the output's
@@ -648,9 +682,19 @@ def write_archive(uri: str, obj: Any, reader: SourceReader, *, progress: Progres
                           hint="check the destination is writable and has room, then run again") from exc
 
 
-def _write_archive(uri: str, obj: Any, reader: SourceReader, progress: Progress | None, durable: bool,
-                   threads: int) -> int:
-    data, storages = dumps(obj)
+class _Hashed:
+    """A write-only file that also feeds every byte written to `digests`."""
+
+    def __init__(self, fh: BinaryIO, digests: Any) -> None:
+        self.fh, self.digests = fh, digests
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.digests.update(data)
+        return self.fh.write(data)
+
+
+def _write_archive(uri: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
+                   progress: Progress | None, durable: bool, threads: int, digests: Any) -> int:
     if progress is not None:
         tally = Tally(sum(span.length for storage in storages for span in storage.spans), progress)
         tally.start()
@@ -658,7 +702,7 @@ def _write_archive(uri: str, obj: Any, reader: SourceReader, progress: Progress 
     else:
         advance = None
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
-    if is_local(uri) and hasattr(os, "pwrite"):
+    if is_local(uri) and hasattr(os, "pwrite") and digests is None:
         size = _write_in_place(local_path(uri), name, data, storages, reader, advance, threads)
         if durable:
             fd = os.open(local_path(uri), os.O_RDONLY)
@@ -673,7 +717,8 @@ def _write_archive(uri: str, obj: Any, reader: SourceReader, progress: Progress 
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
     try:
-        size = _write_streamed(fh, name, data, storages, reader, advance)
+        size = _write_streamed(fh if digests is None else _Hashed(fh, digests), name, data, storages, reader,  # type: ignore[arg-type]
+                               advance)
         if durable and is_local(uri):
             fh.flush()
             os.fsync(fh.fileno())

@@ -10,15 +10,25 @@ time they are reached (so a "billion laughs" of shared lists is refused, never e
 references stay shared in what `Archive.obj` holds. Tensors come back as
 `TensorRef`s: dtype, shape, stride, storage offset and the exact byte range of their storage in the
 file. Opening an archive reads its zip directory, its pickle and the 30-byte local headers of its
-storages; no tensor byte is read until a caller reads a `TensorRef`'s byte range.
+non-empty storages, each by an exact byte range (no read-ahead into tensor data): on a bucket that is
+one size request and four rounds of range requests per file. No tensor byte is read until a caller
+reads a `TensorRef`'s byte range.
+
+A DeepSpeed checkpoint repeats itself across ranks: every ZeRO-3 rank's model-states pickle is the
+same bytes, and so are most optimizer pickles. An `ArchiveCache` shared by the opens of one checkpoint
+unpickles each distinct pickle once; the other files get the same tree with their own `TensorRef`s
+for non-empty storages, and share everything else (an empty storage's `TensorRef` keeps the first
+file's URI: it names no bytes).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import struct
+import threading
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,7 +37,7 @@ from typing import Any
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileError, SourceReadError, UnsafePickleError
 from ckptflow.formats.deepspeed.names import ENUMS, RECORDS
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.storage import is_local, open_fs, read_ranges
 from ckptflow.plumbing.text import excerpt, one_line, plain
 from ckptflow.plumbing.redaction import describe
 
@@ -406,9 +416,10 @@ def _why(exc: BaseException) -> str:
 class Archive:
     """One torch zip archive: its plain-data object tree with `TensorRef`s in place of tensors."""
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, cache: "ArchiveCache | None" = None) -> None:
         self.uri = uri
         self.fs, self.path = open_fs(uri)
+        self.cache = cache
         self._entries: dict[str, zipfile.ZipInfo] = {}
         self._data_offsets: dict[str, int] = {}
         self._records: dict[str, type] = {name: _record_class(name) for name in RECORDS}
@@ -440,10 +451,82 @@ class Archive:
                 hint="the save was interrupted or the upload is incomplete; copy the file again",
             )
         try:
-            with self.fs.open(self.path, "rb", block_size=1 << 16) as fh:
+            prefix, names, data_pkl = self._read_exact()
+        except _NotExact:  # not laid out as torch lays archives out: zipfile reads it its own way
+            prefix, names, data_pkl = self._read_zip()
+        self._entries = {
+            name[len(prefix) + len("data/"):]: info
+            for name, info in names.items()
+            if name.startswith(prefix + "data/")
+        }
+        for info in self._entries.values():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptFileError(
+                    f"{self.uri}: storage {info.filename} is compressed", file=self.uri,
+                    hint="torch never compresses storages; the file was repacked by another tool",
+                )
+        self.obj = self._unpickle(data_pkl)
+        return self
+
+    def _read_exact(self) -> tuple[str, dict[str, zipfile.ZipInfo], bytes]:
+        """The directory, pickle and byte order of an archive laid out as torch writes one, fetched as
+        three exact ranges in turn: the end records, the central directory, and the small records
+        before the first storage (pickle, versions, byte order). `_NotExact` when the file is laid out
+        otherwise (or damaged): `_read_zip` then reads it, and reports damage, as zipfile does."""
+        tail_start = max(0, self.size - _TAIL)
+        pieces = _Pieces(self.size, {tail_start: self._fetch([(tail_start, self.size)])[0]})
+        cd_start, cd_end = _central_directory(pieces)
+        pieces.add(cd_start, self._fetch([(cd_start, cd_end)])[0])
+        try:
+            with zipfile.ZipFile(pieces) as zf:
+                infos = zf.infolist()
+                pkl = _pickle_info(infos)
+                if pkl is None:
+                    raise _NotExact
+                prefix = pkl.filename[: -len("data.pkl")]
+                names = {i.filename: i for i in infos}
+                order = names.get(prefix + "byteorder")
+                small = [pkl] + ([order] if order is not None else [])
+                start = min(i.header_offset for i in small)
+                storages = [i.header_offset for i in infos if i.filename.startswith(prefix + "data/")]
+                end = min([o for o in storages if o > start] + [cd_start])  # up to the first storage after them
+                if any(i.header_offset >= end for i in small) or start in storages:
+                    raise _NotExact  # a storage among the small records: they are not one range
+                pieces.add(start, self._fetch([(start, end)])[0])
+                if order is not None and zf.read(order).strip() != b"little":
+                    raise CorruptFileError(
+                        f"{self.uri} was written on a big-endian machine", file=self.uri,
+                        hint="re-save it on a little-endian machine",
+                    )
+                return prefix, names, zf.read(pkl)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError, KeyError) as exc:
+            if isinstance(exc, CorruptFileError):
+                raise
+            raise _NotExact from exc
+        # (a read outside the fetched pieces raised _NotExact itself)
+
+    def _fetch(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Exact byte ranges of this file (one request each on a store, sent together)."""
+        for start, end in ranges:
+            if not 0 <= start <= end <= self.size:
+                raise _NotExact
+        try:
+            blobs = read_ranges([(self.uri, start, end) for start, end in ranges])
+        except EOFError:  # the file is shorter than its end records say
+            raise _NotExact from None
+        if any(len(b) != end - start for b, (start, end) in zip(blobs, ranges)):
+            raise _NotExact
+        return blobs
+
+    def _read_zip(self) -> tuple[str, dict[str, zipfile.ZipInfo], bytes]:
+        """The archive through zipfile over the file itself, for layouts `_read_exact` does not know;
+        on a store each of zipfile's reads is one exact request (no read-ahead into tensor data)."""
+        options = {} if is_local(self.uri) else {"cache_type": "none"}
+        try:
+            with self.fs.open(self.path, "rb", block_size=1 << 16, **options) as fh:
                 with zipfile.ZipFile(fh) as zf:
                     infos = zf.infolist()
-                    pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+                    pkl = _pickle_info(infos)
                     if pkl is None:
                         raise CorruptFileError(
                             f"{self.uri} is a zip file but not a torch archive (no data.pkl)", file=self.uri,
@@ -473,33 +556,41 @@ class Archive:
                 f"{self.uri} is not a readable torch archive ({one_line(str(exc), 200)})", file=self.uri,
                 hint="the file is truncated or not a checkpoint; copy it again from the training run",
             ) from None
-        self._entries = {
-            name[len(prefix) + len("data/"):]: info
-            for name, info in names.items()
-            if name.startswith(prefix + "data/")
-        }
-        for info in self._entries.values():
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CorruptFileError(
-                    f"{self.uri}: storage {info.filename} is compressed", file=self.uri,
-                    hint="torch never compresses storages; the file was repacked by another tool",
-                )
-        self.obj = self._unpickle(data_pkl)
-        return self
+        return prefix, names, data_pkl
 
     def _unpickle(self, data: bytes) -> Any:
+        hit = self.cache.get(data) if self.cache is not None else None
+        if hit is not None:
+            return self._from_template(*hit)
         unpickler = _Unpickler(data, self)
         try:
             obj = unpickler.load()
         except UnsafePickleError:
             raise
         except Exception as exc:  # any malformed pickle: never let it escape as a traceback
-            raise CorruptFileError(
-                f"{self.uri}: cannot read its pickle ({_why(exc)})", file=self.uri,
-                hint="the file is corrupt or truncated; copy it again from the training run",
-            ) from None
+            raise self._pickle_error(exc) from None
         self._resolve_offsets(sorted(unpickler.storages))
-        return _to_plain(obj, self)
+        tree = _to_plain(obj, self)
+        if self.cache is not None:
+            self.cache.put(data, tree, {k: (s.dtype, s.numel) for k, s in unpickler.storages.items()})
+        return tree
+
+    def _pickle_error(self, exc: BaseException) -> CorruptFileError:
+        return CorruptFileError(
+            f"{self.uri}: cannot read its pickle ({_why(exc)})", file=self.uri,
+            hint="the file is corrupt or truncated; copy it again from the training run",
+        )
+
+    def _from_template(self, template: Any, storages: dict[str, tuple[str, int]]) -> Any:
+        """The tree of a pickle already unpickled from another file: its storages checked against
+        this archive's records, and its non-empty tensors pointed at this file."""
+        try:
+            for key, (dtype, numel) in storages.items():
+                _check_storage(self, key, dtype, numel)
+        except pickle.UnpicklingError as exc:
+            raise self._pickle_error(exc) from None
+        self._resolve_offsets(sorted(storages))
+        return _rebase(template, self, {})
 
     def _find_class(self, module: str, name: str) -> Any:
         if module == "__builtin__":  # protocol-2 pickles use Python 2's module name
@@ -522,12 +613,22 @@ class Archive:
         )
 
     def _resolve_offsets(self, keys: list[str]) -> None:
-        """Read the local header of each storage entry to find where its bytes start."""
+        """Read the local header of each non-empty storage entry (all at once) to find where its bytes
+        start. An empty storage has no bytes to find: its offset is where they would start if its
+        local header were as long as its central directory entry, and nothing ever reads there."""
+        for key in keys:
+            info = self._entries[key]
+            if not info.file_size:
+                self._data_offsets[key] = info.header_offset + _LOCAL_HEADER.size + len(info.orig_filename) + \
+                    len(info.extra)
+        keys = [k for k in keys if self._entries[k].file_size]
         if not keys:
             return
         infos = [self._entries[k] for k in keys]
         starts = [i.header_offset for i in infos]
-        headers = self.fs.cat_ranges([self.path] * len(infos), starts, [s + _LOCAL_HEADER.size for s in starts])
+        headers = self.fs.cat_ranges([self.path] * len(infos), starts, [s + _LOCAL_HEADER.size for s in starts],
+                                     on_error="return") if not is_local(self.uri) else \
+            _local_ranges(self.uri, [(s, s + _LOCAL_HEADER.size) for s in starts])
         for key, info, raw in zip(keys, infos, headers):
             if isinstance(raw, OSError):
                 raise raw
@@ -769,9 +870,134 @@ def read_error(uri: str, exc: OSError) -> SourceReadError:
     )
 
 
-def open_archive(uri: str) -> Archive:
-    """Open the torch archive at `uri`: its directory, pickle and storage offsets, no tensor bytes."""
-    return Archive(uri).open()
+def open_archive(uri: str, cache: ArchiveCache | None = None) -> Archive:
+    """Open the torch archive at `uri`: its directory, pickle and storage offsets, no tensor bytes.
+    With `cache`, a pickle seen before (the same bytes in another file) is not unpickled again."""
+    return Archive(uri, cache).open()
+
+
+class ArchiveCache:
+    """Trees of the pickles unpickled so far, by the pickle's bytes; safe to share between threads."""
+
+    def __init__(self) -> None:
+        self._trees: dict[bytes, tuple[Any, dict[str, tuple[str, int]]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, data: bytes) -> tuple[Any, dict[str, tuple[str, int]]] | None:
+        with self._lock:
+            return self._trees.get(data)
+
+    def put(self, data: bytes, tree: Any, storages: dict[str, tuple[str, int]]) -> None:
+        """Keep `tree` for `data`, with its storages as (dtype, element count) by key."""
+        with self._lock:
+            self._trees.setdefault(data, (tree, storages))
+
+
+def _rebase(obj: Any, archive: Archive, memo: dict[int, Any]) -> Any:
+    """`obj` (a template tree) with each non-empty `TensorRef` pointing into `archive`; containers
+    without such tensors are shared, not copied, and an object the template shares stays shared. The
+    template passed `_to_plain`'s bounds (depth and nodes), so the recursion is bounded too."""
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    out = obj
+    if isinstance(obj, TensorRef):
+        if obj.storage_numel:
+            out = TensorRef(archive.uri, obj.key, obj.dtype, obj.shape, obj.stride, obj.storage_offset,
+                            obj.storage_numel, archive._data_offsets[obj.key])
+    elif isinstance(obj, (list, tuple)):
+        items = [_rebase(x, archive, memo) for x in obj]
+        if not all(a is b for a, b in zip(items, obj)):
+            out = items if isinstance(obj, list) else tuple(items)
+    elif isinstance(obj, dict):
+        values = [_rebase(v, archive, memo) for v in obj.values()]
+        if not all(a is b for a, b in zip(values, obj.values())):
+            out = type(obj)() if isinstance(obj, OrderedDict) else {}
+            for k, v in zip(obj, values):
+                out[k] = v
+    elif isinstance(obj, PickledObject):
+        args, state = _rebase(obj.args, archive, memo), _rebase(obj.state, archive, memo)
+        if args is not obj.args or state is not obj.state:
+            out = PickledObject(obj.qualname, args, state)
+    memo[key] = out
+    return out
+
+
+class _NotExact(Exception):
+    """The archive is not laid out as the exact-range reader expects; read it through zipfile."""
+
+
+# End of central directory (22 bytes, no comment), zip64 locator (20) and zip64 end record (56).
+_TAIL = 22 + 20 + 56
+
+
+class _Pieces(io.RawIOBase):
+    """A read-only view of a `size`-byte file of which only some ranges were fetched; reading
+    elsewhere raises `_NotExact`."""
+
+    def __init__(self, size: int, pieces: dict[int, bytes]) -> None:
+        super().__init__()
+        self.size, self.pos = size, 0
+        self.pieces = dict(pieces)
+
+    def add(self, start: int, data: bytes) -> None:
+        self.pieces[start] = data
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.pos + n)
+        for start, data in self.pieces.items():
+            if start <= self.pos and end <= start + len(data):
+                out = data[self.pos - start:end - start]
+                self.pos = end
+                return out
+        raise _NotExact
+
+
+def _central_directory(pieces: _Pieces) -> tuple[int, int]:
+    """[start, end) of the central directory, from the end records in `pieces` (no comment)."""
+    pieces.seek(-22, os.SEEK_END)
+    sig, _disk, _cd_disk, _n_disk, count, size, offset, comment = struct.unpack("<4sHHHHIIH", pieces.read(22))
+    if sig != b"PK\x05\x06" or comment:
+        raise _NotExact
+    if 0xFFFFFFFF in (size, offset) or count == 0xFFFF:
+        pieces.seek(-42, os.SEEK_END)
+        sig, _disk, end64, _total = struct.unpack("<4sIQI", pieces.read(20))
+        if sig != b"PK\x06\x07":
+            raise _NotExact
+        pieces.seek(end64)
+        fields = struct.unpack("<4sQHHIIQQQQ", pieces.read(56))
+        if fields[0] != b"PK\x06\x06":
+            raise _NotExact
+        size, offset = fields[8], fields[9]
+    if offset + size > pieces.size - 22:
+        raise _NotExact
+    return offset, offset + size
+
+
+def _pickle_info(infos: list[zipfile.ZipInfo]) -> zipfile.ZipInfo | None:
+    return next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+
+
+def _local_ranges(uri: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """Byte ranges of a local file through one descriptor (short at the end of the file)."""
+    fd = os.open(uri[len("file://"):] if uri.startswith("file://") else uri, os.O_RDONLY)
+    try:
+        return [os.pread(fd, end - start, start) for start, end in ranges]
+    finally:
+        os.close(fd)
 
 
 _SCALAR_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",

@@ -12,6 +12,13 @@ and makes the staging folder `.<name>.ckptflow-<random>.partial` beside OUT. Uni
 
 `abort(staging)` removes the staging folder after a failure and never raises. A staging folder is
 never mistaken for an output: it is hidden, and named after the run that made it.
+
+Units may run in other processes or on other machines (a Dask cluster). Each reports what it wrote as
+a `Written` (`written(uri, ...)`: the size, the checksums of the bytes it sent in the encodings the
+store reports, and the store's stamp of the object right after), and the coordinator checks every one
+against the store's metadata (`check_written`) before it writes the marker: right size, and the
+store's own crc32c/md5 equal to the unit's (GCS, single-part S3), or else the very version the unit
+finished (multipart S3 ETag, local size and mtime). Nothing is read back for it.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import logging
 import os
 import posixpath
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptflow.errors import OutputError
+from ckptflow.errors import OutputError, VerificationError
+from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamp, stamps_match, store_checksum
 from ckptflow.plumbing.storage import check_space, is_local, local_path, open_fs
 from ckptflow.plumbing.redaction import describe
 
@@ -139,6 +147,63 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class Written:
+    """One file a unit wrote into a staging folder, as the unit saw it once the file was closed."""
+
+    name: str  # path inside the staging folder
+    size: int
+    checksums: tuple[StoreChecksum, ...] = ()  # of the bytes the unit wrote, as the store encodes them
+    stamp: tuple[tuple[str, str], ...] = ()  # the store's identity of the object the unit left
+
+
+def written(staging: Staging | str, name: str, size: int, digests: Digests | None = None) -> Written:
+    """What a unit reports for file `name` of the staging folder (a `Staging` or its URI) once
+    written: `size` bytes, hashed by `digests` as they went out."""
+    uri = staging.join(name) if isinstance(staging, Staging) else f"{staging.rstrip('/')}/{name.strip('/')}"
+    fs, path = open_fs(uri)
+    fs.invalidate_cache(path)
+    info = fs.info(path)
+    return Written(name, size, digests.checksums() if digests is not None else (), tuple(sorted(stamp(info).items())))
+
+
+def check_written(staging: Staging, files: Sequence[Written], sizes: Mapping[str, int]) -> None:
+    """Before the commit: every file of `sizes` (name -> planned size) was reported by its unit and is
+    in the staging folder at that size, holding what its unit wrote (see the module docstring).
+    Reads only metadata. Raises `VerificationError` naming the first file that is not."""
+    fs, root = open_fs(staging.uri)
+    fs.invalidate_cache(root)
+    by_name = {w.name: w for w in files}
+    for name, size in sizes.items():
+        got = by_name.get(name)
+        if got is None:
+            raise VerificationError(f"{name} was planned but no unit reported writing it to {staging.uri}",
+                                    file=name, hint="run every unit of the plan before finalize")
+        try:
+            info = fs.info(posixpath.join(root, name))
+        except FileNotFoundError:
+            raise VerificationError(f"{staging.join(name)} is missing although its unit reported writing it",
+                                    file=staging.join(name), hint="something removed it; run again") from None
+        found = int(info.get("size") or 0)
+        if got.size != size or found != size:
+            raise VerificationError(
+                f"{staging.join(name)} holds {found} bytes; its unit wrote {got.size} and the plan says {size}",
+                file=staging.join(name), expected=size, actual=found, hint="the write was cut short; run again")
+        reported = store_checksum(info)
+        mine = {c.kind: c.value for c in got.checksums}
+        if reported is not None and reported.kind in mine:
+            if mine[reported.kind] != reported.value:
+                raise VerificationError(
+                    f"{staging.join(name)}: the store's {reported.kind} is {reported.value}, but its unit wrote "
+                    f"bytes whose {reported.kind} is {mine[reported.kind]}", file=staging.join(name),
+                    expected=mine[reported.kind], actual=reported.value, hint="the object changed or was damaged "
+                    "on the way; run again")
+        elif got.stamp and not stamps_match(dict(got.stamp), stamp(info)):
+            raise VerificationError(
+                f"{staging.join(name)} is not the object its unit wrote (written as {dict(got.stamp)}, now "
+                f"{stamp(info)})", file=staging.join(name), hint="another process rewrote it; run again")
 
 
 def abort(staging: Staging | None) -> None:

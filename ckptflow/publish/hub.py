@@ -33,8 +33,8 @@ from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.checksums import Digests
 from ckptflow.plumbing.text import excerpt, one_line
-from ckptflow.publish.checksums import Digests
 from ckptflow.publish.source import PushResult, SourceFile, list_source
 
 logger = logging.getLogger(__name__)

@@ -47,8 +47,8 @@ from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, retry_call, status_code
 from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
 from ckptflow.plumbing.text import one_line
+from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
 from ckptflow.publish.lease import hold_lease
-from ckptflow.publish.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
 from ckptflow.publish.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
 from ckptflow.publish.source import (READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source,
                                      open_source)

@@ -11,17 +11,19 @@ Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 ran
 - `plan.py`: `plan_reshard(index, M)`, pure, one `RankUnit` per target rank;
 - `files.py`: the object trees of the files one target rank gets (which fields change with M);
 - `rng.py`: `plan_rng_files(names, M)`, pure: which Trainer RNG file each target rank gets;
-- `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `run_unit`,
-  `finalize` (`latest` last), `abort`, and `reshard(src, out, world_size=M)`, which runs them all.
+- `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `rank_job` (what a
+  worker needs for one rank: pickles and source byte ranges) and `run_job`, `run_unit` (both),
+  `run_units` (threads or any `concurrent.futures.Executor`), `finalize` (`latest` last), `abort`, and
+  `reshard(src, out, world_size=M)`, which runs them all.
 """
 
 from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardPlan, TargetFlat, plan_reshard
 from ckptflow.reshard.rng import RngCopy, plan_rng_files
-from ckptflow.reshard.run import (ReshardResult, UnitResult, abort, finalize, plan_output, prepare_output, reshard,
-                                  run_unit, run_units, write_threads)
+from ckptflow.reshard.run import (FileJob, RankJob, ReshardResult, UnitResult, abort, finalize, plan_output,
+                                  prepare_output, rank_job, reshard, run_job, run_unit, run_units, write_threads)
 
 __all__ = [
-    "FrozenPiece", "RankUnit", "ReshardPlan", "ReshardResult", "RngCopy", "TargetFlat", "UnitResult", "abort",
-    "finalize", "plan_output", "plan_reshard", "plan_rng_files", "prepare_output", "reshard", "run_unit", "run_units",
-    "write_threads",
+    "FileJob", "FrozenPiece", "RankJob", "RankUnit", "ReshardPlan", "ReshardResult", "RngCopy", "TargetFlat",
+    "UnitResult", "abort", "finalize", "plan_output", "plan_reshard", "plan_rng_files", "prepare_output", "rank_job",
+    "reshard", "run_job", "run_unit", "run_units", "write_threads",
 ]

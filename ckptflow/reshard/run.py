@@ -4,13 +4,21 @@
    written, when it has any problem), plans, and refuses an OUT inside the source.
 2. `prepare_output(plan, out)`: OUT free, room on a local disk, a staging folder beside it
    (`plumbing.staging`).
-3. `run_unit(plan, unit, staging)`: writes one target rank's files, streaming bytes from the source
-   (each source byte of weights and moments is read by exactly one unit; memory stays at a few chunks).
-4. `finalize(plan, staging)`: reads the staged checkpoint back, carries the source's other files over
-   (the Trainer's RNG files renamed for the new world size, `rng.py`), writes `latest` and commits
-   everything into place with `latest` last. `abort(staging)` cleans up.
+3. `rank_job(plan, unit, staging)`, on the coordinator: the object trees of the target rank's files
+   (`files.py`) pickled, and their storages as spans of source byte ranges: a `RankJob` that carries
+   bytes and spans only, no plan, no index, no tree. `run_job(job)`, on a thread or a Dask worker,
+   streams those spans into the rank's files in the staging folder (each source byte of weights and
+   moments is read by exactly one unit; memory stays at a few chunks) and reports each file as a
+   `plumbing.staging.Written`. `run_unit(plan, unit, staging)` does both.
+4. `finalize(plan, staging, results)`: checks every reported file against the store's metadata,
+   reads the staged checkpoint's headers back, carries the source's other files over (the Trainer's
+   RNG files renamed for the new world size, `rng.py`), writes `latest` and commits everything into
+   place with `latest` last. `abort(staging)` cleans up.
 
-`reshard(src, out, world_size=M)` runs all four; the CLI and the Prefect task call the same steps.
+`reshard(src, out, world_size=M)` runs all four, the units on threads or on any
+`concurrent.futures.Executor` (a Dask cluster); the CLI and the Prefect task call the same steps.
+Archives carry torch's content-derived serialization id, so a rank's files are the same bytes whoever
+writes them, and however often.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import logging
 import posixpath
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +36,15 @@ from ckptflow.formats.deepspeed.index import ZeroCheckpoint
 from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
-from ckptflow.formats.torchsave import CHUNK_BYTES, SourceReader, write_archive
+from ckptflow.formats.torchsave import CHUNK_BYTES, OutStorage, SourceReader, archive_size, dumps, write_pickled
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.executors import Cancelled
+from ckptflow.plumbing.checksums import digests_for
+from ckptflow.plumbing.executors import Cancelled, Executor
 from ckptflow.plumbing.executors import run_units as run_all
 from ckptflow.plumbing.files import check_regular, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
-from ckptflow.plumbing.staging import Staging
-from ckptflow.plumbing.storage import is_local, join, open_fs, unstrip
+from ckptflow.plumbing.staging import Staging, Written, check_written, written
+from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
@@ -93,39 +103,109 @@ class UnitResult:
     bytes_read: int
     bytes_written: int
     seconds: float
+    written: tuple[Written, ...] = ()  # each file as the unit left it: checked against the store before the commit
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileJob:
+    """One file of a target rank as a worker writes it: its name in the tag folder, its pickle, its
+    storages (spans of source byte ranges, zeros elsewhere) and the size it must come to."""
+
+    name: str
+    pickle: bytes
+    storages: tuple[OutStorage, ...]
+    size: int
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(s.source_bytes for s in self.storages)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    """One target rank as a worker gets it: its files as bytes and spans, where they go (`staging`,
+    the staging folder's URI, and the tag folder in it), and how to write them."""
+
+    rank: int
+    world_size: int
+    staging: str
+    tag: str
+    files: tuple[FileJob, ...]
+    chunk_bytes: int = CHUNK_BYTES
+    durable: bool = True
+    threads: int = 1
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(f.read_bytes for f in self.files)
+
+
+def rank_job(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, chunk_bytes: int = CHUNK_BYTES,
+             durable: bool = True, threads: int = 1) -> RankJob:
+    """The job that writes target rank `unit.rank`'s files into `staging`: the object trees of
+    `files.py`, pickled here (on the coordinator, which holds the index), so the worker only streams
+    bytes."""
+    files = []
+    for name, tree in ((unit.optim_file, optim_states(plan, unit)),
+                       *(((unit.model_file, model_states(plan, unit)),) if unit.model_file else ())):
+        data, storages = dumps(tree)
+        files.append(FileJob(name=name, pickle=data, storages=tuple(storages), size=archive_size(name, data, storages)))
+    return RankJob(rank=unit.rank, world_size=plan.world_size, staging=staging.uri, tag=plan.tag, files=tuple(files),
+                   chunk_bytes=chunk_bytes, durable=durable, threads=threads)
 
 
 def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: Progress | None = None,
              chunk_bytes: int = CHUNK_BYTES, durable: bool = True, threads: int = 1,
              cancel: threading.Event | None = None) -> UnitResult:
-    """Write target rank `unit.rank`'s files into the staging folder, streaming from the source.
+    """Write target rank `unit.rank`'s files into the staging folder, streaming from the source
+    (`run_job(rank_job(...))`).
 
     `progress(done, total)` counts the source bytes copied, `unit.read_bytes` in all. Memory stays at a
     few `chunk_bytes` buffers plus the pickled metadata, whatever the partition size. In a local
     staging folder the optimizer file (nearly all the bytes) is written by `threads` threads at once.
-    Running a unit again rewrites its files, so a failed unit can simply be retried.
+    Running a unit again rewrites its files with the same bytes, so a failed unit can simply be retried.
     """
-    started = time.monotonic()
     if cancel is not None and cancel.is_set():
         raise Cancelled(f"rank {unit.rank}")
-    tag_uri = staging.join(plan.tag)
+    job = rank_job(plan, unit, staging, chunk_bytes=chunk_bytes, durable=durable, threads=threads)
+    return run_job(job, progress=progress, cancel=cancel)
+
+
+def run_job(job: RankJob, *, progress: Progress | None = None, cancel: threading.Event | None = None) -> UnitResult:
+    """Write the job's files into the staging folder's tag folder, streaming their storages from the
+    source, and report each (`Written`). A file that does not come to its planned size is an
+    `OutputError` (a ckptflow bug). Safe to run again: the same bytes go to the same files."""
+    started = time.monotonic()
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"rank {job.rank}")
+    tag_uri = join(job.staging, job.tag)
     fs, tag_path = open_fs(tag_uri)
     fs.makedirs(tag_path, exist_ok=True)
-    tally = Tally(unit.read_bytes, progress)
-    reader = SourceReader(chunk_bytes)
-    written = 0
+    store = protocol(fs)
+    tally = Tally(job.read_bytes, progress)
+    reader = SourceReader(job.chunk_bytes)
+    size, reports = 0, []
     try:
-        written += write_archive(join(tag_uri, unit.optim_file), optim_states(plan, unit), reader,
-                                 progress=tally.part(unit.optim_file), durable=durable, threads=threads)
-        if unit.model_file:
-            written += write_archive(join(tag_uri, unit.model_file), model_states(plan, unit), reader,
-                                     progress=tally.part(unit.model_file), durable=durable)
+        for file in job.files:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"rank {job.rank}")
+            digests = digests_for(store, file.size)
+            got = write_pickled(join(tag_uri, file.name), file.pickle, file.storages, reader,
+                                progress=tally.part(file.name), durable=job.durable,
+                                threads=job.threads if digests is None else 1, digests=digests)
+            if got != file.size:
+                raise OutputError(f"{join(tag_uri, file.name)} came to {got} bytes, {file.size} were planned",
+                                  file=join(tag_uri, file.name), expected=file.size, actual=got,
+                                  hint="this is a ckptflow bug; please report it")
+            reports.append(written(job.staging, f"{job.tag}/{file.name}", got, digests))
+            size += got
     finally:
         reader.close()
-    logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", unit.rank, plan.world_size, ", ".join(unit.files),
-                written / 1e6, time.monotonic() - started)
-    return UnitResult(rank=unit.rank, files=unit.files, bytes_read=reader.bytes_read, bytes_written=written,
-                      seconds=time.monotonic() - started)
+    names = tuple(f.name for f in job.files)
+    logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", job.rank, job.world_size, ", ".join(names), size / 1e6,
+                time.monotonic() - started)
+    return UnitResult(rank=job.rank, files=names, bytes_read=reader.bytes_read, bytes_written=size,
+                      seconds=time.monotonic() - started, written=tuple(reports))
 
 
 def write_threads(workers: int, units: int) -> int:
@@ -137,13 +217,25 @@ def write_threads(workers: int, units: int) -> int:
 # ---- finishing ----------------------------------------------------------------------------------------
 
 
-def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
+def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
+             results: Sequence[UnitResult] = ()) -> tuple[RngCopy, ...]:
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
-    Raises `VerificationError` when the staged files do not read back as a checkpoint at the new world
-    size; the staging folder is then left for `abort`. Files the plan carries as they are (PipelineModule
-    layer files, per-expert files) are copied into the staged tag folder first."""
+
+    Files the plan carries as they are (PipelineModule layer files, per-expert files) are copied into the staged tag
+    folder first. With the units' `results`, every planned file must have been reported and be in the
+    staging folder as its unit left it (`plumbing.staging.check_written`: sizes and the store's
+    checksums, no data read). The staged files' headers must then read back as a checkpoint at the new
+    world size. Raises `VerificationError` otherwise; the staging folder is then left for `abort`."""
     inside = plan.root if is_local(plan.root) else None
+    if results:
+        reported = [w for r in results for w in r.written]
+        check_written(staging, reported, {w.name: w.size for w in reported})
+        missing = sorted({f"{plan.tag}/{name}" for name in set(plan.files) - set(plan.carried)}
+                         - {w.name for w in reported})
+        if missing:
+            raise VerificationError(f"{missing[0]} was planned but no unit reported writing it", file=missing[0],
+                                    hint="run every unit of the plan before finalize")
     for name in plan.carried:
         copy_regular(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), inside=inside,
                      hint=_CARRY_HINT, durable=durable)
@@ -258,11 +350,15 @@ class ReshardResult:
 
 
 def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress: Progress | None = None,
-              durable: bool = True) -> list[UnitResult]:
+              durable: bool = True, executor: Executor | None = None) -> list[UnitResult]:
     """Every target rank on `workers` threads: one per rank while there are more ranks than workers, the
-    rest sharing a rank's optimizer file (`write_threads`). The first failure stops the others."""
+    rest sharing a rank's optimizer file (`write_threads`). Or every rank as a `RankJob` on `executor`
+    (a Dask cluster), each made here just before it is sent. The first failure stops the others."""
     tally = Tally(plan.read_bytes, progress)  # source bytes to copy (small per-rank scalars left out)
     tally.start()
+    if executor is not None:
+        return run_all(run_job, (rank_job(plan, u, staging, durable=durable) for u in plan.units), executor=executor,
+                       done=lambda job, _result: tally.add(job.rank, job.read_bytes))
     threads = write_threads(workers, len(plan.units))
     cancel = threading.Event()
     return run_all(lambda u: run_unit(plan, u, staging, progress=tally.part(u.rank), durable=durable,
@@ -271,21 +367,23 @@ def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress
 
 
 def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, workers: int | None = None,
-            progress: Progress | None = None, durable: bool = True, tensor_parallel: int | None = None) -> ReshardResult:
+            progress: Progress | None = None, durable: bool = True, tensor_parallel: int | None = None,
+            executor: Executor | None = None) -> ReshardResult:
     """Reshard the checkpoint at `src` to `world_size` data-parallel ranks into the new folder `out`
     (with `tensor_parallel=1`, an AutoTP checkpoint's tensor parallelism is merged away too).
 
     The source is validated first and refused, before anything is written, when it has problems.
     `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
     rank while there are more ranks than workers, and the rest share a rank's optimizer file (see
-    `write_threads`). On any error nothing is left at `out` and the staging folder is removed.
+    `write_threads`); with `executor` (a Dask cluster's) the ranks run there instead, to the same
+    bytes. On any error nothing is left at `out` and the staging folder is removed.
     """
     started = time.monotonic()
     plan = plan_output(src, out, world_size=world_size, tag=tag, tensor_parallel=tensor_parallel)
     staging = prepare_output(plan, out)
     try:
-        results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable)
-        rng_files = finalize(plan, staging, durable=durable)
+        results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable, executor=executor)
+        rng_files = finalize(plan, staging, durable=durable, results=results)
     except BaseException:
         abort(staging)
         raise
