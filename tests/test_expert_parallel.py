@@ -38,6 +38,7 @@ from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
 from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
+from tests.sampling import sample
 from tests.fixtures.parallel import ParallelFixture
 from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
 from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
@@ -271,7 +272,7 @@ def test_the_cli_names_the_layout(expert_fixtures) -> None:
 
 # (source fixture, new world size). The expert-parallel degree is kept: dense groups move to the new
 # world size, expert groups to the new expert data-parallel size.
-RESHARDS = (
+ALL_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z2-fp32", 4), ("autoep-qwen3-moe-ep2-z2-bf16", 4), ("autoep-mixtral-ep2-z2-fp32", 4),
     ("autoep-mixtral-ep2-z3-fp32", 4), ("autoep-qwen3-moe-ep2dp2-z2-fp32", 2), ("autoep-mixtral-ep2dp2-z3-fp32", 2),
     ("dsmoe-ep2-z2-fp32", 4), ("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp2-z2-fp32", 2),
@@ -279,8 +280,15 @@ RESHARDS = (
     ("autoep-mixtral-ep4-z2-fp32-s2", 8), ("dsmoe-ep2dp3-z1-bf16-s1", 2), ("dsmoe-ep2dp3-z1-bf16-s1", 4),
 )
 # deepspeed.moe ZeRO-0 needs no reshard: DeepSpeed loads the source itself at another size.
-NATIVE = (("dsmoe-ep2-z0-fp32", 4), ("dsmoe-ep2dp2-z0-fp32", 2), ("dsmoe-ep2dp3-z0-fp32-s1", 2),
+ALL_NATIVE = (("dsmoe-ep2-z0-fp32", 4), ("dsmoe-ep2dp2-z0-fp32", 2), ("dsmoe-ep2dp3-z0-fp32-s1", 2),
           ("dsmoe-ep2dp3-z0-fp32-s1", 4))
+# The default run samples them (`tests.sampling`; one DeepSpeed launch per world size and layout):
+# AutoEP ZeRO-2 and ZeRO-3, growing and shrinking, bf16 with a held-out seed; deepspeed.moe ZeRO-1 and
+# ZeRO-2 and the native ZeRO-0 load. `CKPTFLOW_LONG=1` runs every case (the 8-rank launch included).
+RESHARDS = sample(ALL_RESHARDS, [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 4), ("autoep-mixtral-ep2-z3-fp32", 4), ("autoep-mixtral-ep2dp2-z3-fp32", 2),
+    ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4), ("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp3-z1-bf16-s1", 4)])
+NATIVE = sample(ALL_NATIVE, [("dsmoe-ep2-z0-fp32", 4)])
 # The matrix holds each of these layouts at both sizes, written by DeepSpeed training there: a reshard's
 # metadata must be what DeepSpeed writes at the new size (values differ: other data per replica).
 WRITTEN_AT = {("autoep-qwen3-moe-ep2-z2-fp32", 4): "autoep-qwen3-moe-ep2dp2-z2-fp32",

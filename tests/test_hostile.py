@@ -10,7 +10,6 @@ are strict xfails (tests/hostile/xfails.py), each naming the item of issue 14 th
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path

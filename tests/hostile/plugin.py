@@ -1,6 +1,7 @@
 """pytest plugin for the hostile-input corpus and the fuzzer.
 
-- `--long` (or CKPTFLOW_FUZZ_LONG=1): the fuzzer's long mode (thousands of cases).
+- `--long` (or CKPTFLOW_LONG=1): the suite's long mode (`tests.sampling`): the fuzzer's thousands of
+  cases, every oracle case.
 - `hostile_runner`: a session `Runner` (two zygotes, the fixtures every kind uses, the local Hub).
 - `corpus_params(commands)`: pytest params of every (kind, command) of the corpus for those commands,
   with the kind's strict xfail mark where it fails today.
@@ -19,6 +20,8 @@ import pytest
 from tests.hostile.corpus import all_kinds, fixture_names
 from tests.hostile.harness import Harness, Limits
 from tests.hostile.run import CaseRun, Runner
+from tests.sampling import LONG_ENV
+from tests.sampling import long_mode as sampling_long_mode
 
 WORKERS_ENV = "CKPTFLOW_HOSTILE_WORKERS"
 TIMEOUT_ENV = "CKPTFLOW_HOSTILE_TIMEOUT"
@@ -26,13 +29,18 @@ TIMEOUT_ENV = "CKPTFLOW_HOSTILE_TIMEOUT"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
-                     help="ckptflow fuzzer: the long mode (thousands of seeded cases); also CKPTFLOW_FUZZ_LONG=1")
+                     help="ckptflow: the long mode (every oracle case, thousands of seeded hostile cases); "
+                     "also CKPTFLOW_LONG=1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--long", default=False):  # before any test module is imported (`tests.sampling`)
+        os.environ[LONG_ENV] = "1"
 
 
 def long_mode_env() -> bool:
-    """The long mode as the environment asks for it (`CKPTFLOW_HOSTILE_LONG=1`, or the older
-    `CKPTFLOW_FUZZ_LONG=1`): readable at collection time, before options are parsed."""
-    return os.environ.get("CKPTFLOW_HOSTILE_LONG") == "1" or os.environ.get("CKPTFLOW_FUZZ_LONG") == "1"
+    """The long mode as the environment asks for it (`tests.sampling`): readable at collection time."""
+    return sampling_long_mode()
 
 
 def long_mode(config: pytest.Config) -> bool:
