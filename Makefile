@@ -24,8 +24,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -c "import torch, deepspeed, prefect, ckptflow" 2>/dev/null
 	touch $(STAMP)
 
+# Two processes, each taking whole test files (a file's session fixtures, such as a DeepSpeed oracle
+# launch, run in one of them only). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	$(PY) -m flows.demo

@@ -461,6 +461,14 @@ def gpu_deployment(prefect_server: str):
     thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     assert ready.wait(60), "the runner did not start"
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import DeploymentStatus
+
+    deadline = time.monotonic() + 60  # READY once the runner has polled: a loaded machine takes a while
+    with get_client(sync_client=True) as client:
+        while client.read_deployment_by_name("consolidate-checkpoint/gpu-test").status != DeploymentStatus.READY:
+            assert time.monotonic() < deadline, "the served deployment never became ready"
+            time.sleep(0.5)
     yield "consolidate-checkpoint/gpu-test"
     asyncio.run_coroutine_threadsafe(holder["runner"].astop(), holder["loop"]).result(30)
     thread.join(30)

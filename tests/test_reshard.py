@@ -35,6 +35,7 @@ import torch
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError
 from ckptflow.reshard import abort, finalize, plan_reshard, prepare_output, reshard, run_unit
 from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
+from tests.sampling import sample
 from tests.tensors import read_tensor
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.formats.deepspeed.layout import (Extent, moves, param_alignment, piece_offsets, round_robin_order, zero3_moves,
@@ -629,7 +630,7 @@ def test_cli(ds_fixtures, tmp_path: Path) -> None:
 #   group into sub-groups at 1 rank but not at 2), and checkpoints saved before the first step. Round-robin gradients are covered by the integer
 #   tests only: DeepSpeed 0.19.8 records their param_slice_mappings in the optimizer's original order
 #   while it flattens in round-robin order, and `validate` rightly refuses the inconsistent files.
-CASES = (
+ALL_CASES = (
     # 2 -> 1
     ("z1-bf16-ws2", 1), ("z2-bf16-ws2", 1), ("z3-bf16-ws2", 1), ("z1-fp32-ws2", 1), ("z2-fp32-ws2", 1),
     ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 1), ("z3-fp16-ws2*", 1), ("z3-subgroups-ws2*", 1),
@@ -643,6 +644,16 @@ CASES = (
     ("z1-fp32-ws1", 4), ("z3-bf16-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-fp32-ws3", 4), ("z3-bf16-ws2-offload", 4),
     ("z1-aligned-ws2*", 4),
 )
+# Sampled by default (`tests.sampling`; every launch size stays): ZeRO-1/2/3 in fp32, bf16 and fp16,
+# offload, alignment, sub-groups, no step yet, a chained reshard, in every direction. All with
+# CKPTFLOW_LONG=1.
+CASES = sample(ALL_CASES, [
+    ("z1-bf16-ws2", 1), ("z2-bf16-ws2", 1), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 1), ("z3-subgroups-ws2*", 1),
+    ("z2-fp32-ws2", 3), ("llama-z3-bf16-ws2", 3), ("z2-bf16-ws2-offload", 3), ("z1-fp16-ws2*", 3),
+    ("z3-fp16-ws2*", 3), ("z1-aligned-ws2*", 3), ("z3-nostep-ws2*", 3),
+    ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
+    ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-fp32-ws3", 4), ("z3-bf16-ws2-offload", 4),
+])
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
 WRITTEN = {
     **{f"z{stage}-fp16-ws2*": {"stage": stage, "dtype": "fp16"} for stage in (1, 2, 3)},
