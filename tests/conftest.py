@@ -18,3 +18,15 @@ pytest_plugins = [
     "tests.hostile.plugin",
     "tests.cluster",
 ]
+
+# The longest files first (serial seconds of the default run, longest first), so that the two processes
+# of `make test` (--dist loadfile hands out whole files in this order) finish together. Files not
+# named keep their order after these; tests keep their order within a file.
+_LONGEST_FIRST = ("test_flows", "test_reshard", "test_model_parallel_reshard", "test_expert_parallel",
+                  "test_scale_out", "test_hostile", "test_fuzz", "test_holdout", "test_fixtures", "test_watch",
+                  "test_publish_faults", "test_publish", "test_consolidate", "test_prefect_dask")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
