@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +162,18 @@ def test_the_scheduler_creates_runs_for_every_scheduled_deployment(deployed, cli
     assert "check_schedules: the scheduler created runs for " + ", ".join(sorted(scheduled)) in deployed.stdout
     for name in scheduled:
         deployment = _deployment(client, name)
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(state={"type": {"any_": [StateType.SCHEDULED]}}),
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
-        )
+
+        def scheduled_runs() -> list[Any]:
+            return client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(state={"type": {"any_": [StateType.SCHEDULED]}}),
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            )
+
+        # A test that paused and resumed the deployment (test_flows' quiet_schedules) deleted its runs;
+        # the scheduler puts them back on its next loop (every 60 s by default).
+        deadline = time.monotonic() + 150
+        while not (runs := scheduled_runs()) and time.monotonic() < deadline:
+            time.sleep(2)
         assert runs, f"{name}: no scheduled run"
         assert all(r.created_by is not None and r.created_by.type == "SCHEDULE" for r in runs)
         assert {r.idempotency_key.split()[0] for r in runs} == {"scheduled"}
