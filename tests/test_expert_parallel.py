@@ -39,6 +39,7 @@ from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.sampling import sample
+from tests.test_reshard import _differences
 from tests.fixtures.parallel import ParallelFixture
 from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
 from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
@@ -366,20 +367,6 @@ def _tree(obj: Any, *, values: bool = True) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_tree(v, values=values) for v in obj]
     return obj
-
-
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    if type(a) is not type(b):
-        return [f"{path}: {type(a).__name__} != {type(b).__name__}"]
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return [f"{path}: keys {list(a)} != {list(b)}"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
-    if isinstance(a, list):
-        if len(a) != len(b):
-            return [f"{path}: {len(a)} items != {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {str(a)[:120]} != {str(b)[:120]}"]
 
 
 def _compare_folders(ours: Path, theirs: Path, *, values: bool = True, ignore: tuple[str, ...] = ()) -> None:
