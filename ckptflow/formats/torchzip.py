@@ -492,6 +492,8 @@ class Archive:
                 end = min([o for o in storages if o > start] + [cd_start])  # up to the first storage after them
                 if any(i.header_offset >= end for i in small) or start in storages:
                     raise _NotExact  # a storage among the small records: they are not one range
+                if pkl.file_size > MAX_PICKLE_BYTES or end - start > MAX_PICKLE_BYTES + (1 << 20):
+                    raise _NotExact  # `_read_zip` refuses the pickle by its size, reading nothing of it
                 pieces.add(start, self._fetch([(start, end)])[0])
                 if order is not None and zf.read(order).strip() != b"little":
                     raise CorruptFileError(
@@ -499,7 +501,8 @@ class Archive:
                         hint="re-save it on a little-endian machine",
                     )
                 return prefix, names, zf.read(pkl)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError, KeyError) as exc:
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError, KeyError,
+                NotImplementedError) as exc:  # zipfile: NotImplementedError for an unknown zip version or method
             if isinstance(exc, CorruptFileError):
                 raise
             raise _NotExact from exc
@@ -547,7 +550,7 @@ class Archive:
                             hint="the file is damaged or not a DeepSpeed checkpoint file",
                         )
                     data_pkl = zf.read(pkl)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError) as exc:
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError, NotImplementedError) as exc:
             if isinstance(exc, CorruptFileError):
                 raise
             if isinstance(exc.__context__, OSError):  # zipfile reports a failed read as "not a zip file"

@@ -50,7 +50,9 @@ class _Tree:
     """Turns the reader's plain data back into picklable objects for one output file.
 
     Tensors are copied verbatim (storages shared as in the source), except those `remap` sends into
-    a rebuilt storage; DeepSpeed's records become DeepSpeed objects again.
+    a rebuilt storage; DeepSpeed's records become DeepSpeed objects again. An object the source
+    shares (the reader keeps shared references shared) is converted once and stays shared, so a
+    pickle of shared references ("billion laughs") is never expanded here.
     """
 
     def __init__(self, remap: Mapping[tuple[str, str, int], tuple[OutStorage, int, tuple[int, ...] | None]] | None = None
@@ -58,6 +60,7 @@ class _Tree:
         self.storages: dict[tuple[str, str], OutStorage] = {}
         self.remap = dict(remap or {})
         self.remapped_keys = {(uri, key) for uri, key, _ in self.remap}
+        self._converted: dict[int, tuple[Any, Any]] = {}  # id(source object) -> (source object, converted)
 
     def tensor(self, ref: TensorRef) -> OutTensor:
         hit = self.remap.get((ref.uri, ref.key, ref.storage_offset))
@@ -75,19 +78,25 @@ class _Tree:
         return OutTensor(storage, ref.storage_offset, ref.shape, ref.stride)
 
     def convert(self, obj: Any) -> Any:
+        if not isinstance(obj, (TensorRef, PickledObject, dict, list, tuple)):
+            return obj
+        seen = self._converted.get(id(obj))
+        if seen is not None and seen[0] is obj:
+            return seen[1]
         if isinstance(obj, TensorRef):
-            return self.tensor(obj)
-        if isinstance(obj, PickledObject):
-            return _deepspeed_object(obj, self)
-        if isinstance(obj, OrderedDict):
-            return OrderedDict((k, self.convert(v)) for k, v in obj.items())
-        if isinstance(obj, dict):
-            return {k: self.convert(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self.convert(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(self.convert(v) for v in obj)
-        return obj
+            out: Any = self.tensor(obj)
+        elif isinstance(obj, PickledObject):
+            out = _deepspeed_object(obj, self)
+        elif isinstance(obj, OrderedDict):
+            out = OrderedDict((k, self.convert(v)) for k, v in obj.items())
+        elif isinstance(obj, dict):
+            out = {k: self.convert(v) for k, v in obj.items()}
+        elif isinstance(obj, list):
+            out = [self.convert(v) for v in obj]
+        else:
+            out = tuple(self.convert(v) for v in obj)
+        self._converted[id(obj)] = (obj, out)  # the source object kept alive: its id is not reused
+        return out
 
 
 def _global(qualname: str) -> Global:

@@ -710,8 +710,9 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
 
 
 def _count(value: Any) -> bool:
-    """Whether `value` is a count a checkpoint records: a non-negative int (not a bool)."""
-    return type(value) is int and value >= 0
+    """Whether `value` is a count a checkpoint records: a non-negative int (not a bool) that fits the
+    int64 torch and DeepSpeed keep counts in (a larger one, thousands of digits, cannot even be printed)."""
+    return type(value) is int and 0 <= value <= MAX_NUMEL
 
 
 def enabled_section(config: Mapping[str, Any], key: str) -> bool:
