@@ -6,9 +6,11 @@ and makes the staging folder `.<name>.ckptflow-<random>.partial` beside OUT. Uni
 
 - on a local disk: every file synced (with `durable`), then one rename of the folder, then the
   parent folder synced, so OUT appears complete or not at all;
-- on a bucket (no rename there): server-side copies of every file, the files named in `last`
-  after all the others and in that order, so the marker a reader trusts (an index, `latest`, a
-  manifest) appears last; a failed copy removes what was already copied.
+- on a bucket (no rename there): server-side copies of every file (`COPIES` at once: a 405B
+  reshard is 1,500 objects and 4.9 TB, which one copy at a time would take hours on S3), the files
+  named in `first` before and those in `last` after all the others, one by one and in that order,
+  so the marker a reader trusts (an index, `latest`, a manifest) appears last; a failed copy removes
+  every copy this commit made.
 
 `abort(staging)` removes the staging folder after a failure and never raises. A staging folder is
 never mistaken for an output: it is hidden, and named after the run that made it.
@@ -28,6 +30,7 @@ import os
 import posixpath
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptflow.errors import OutputError, VerificationError
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SUFFIX = ".partial"
 MARKER = ".ckptflow-"
+COPIES = 32  # server-side copies in flight during a bucket commit
 
 
 @dataclass(frozen=True)
@@ -104,17 +108,31 @@ def commit(staging: Staging, *, first: Sequence[str] = (), last: Sequence[str] =
     _, dst = open_fs(staging.out)
     files = sorted(posixpath.relpath(p, src) for p in fs.find(src))
     ends = set(first) | set(last)
-    order = [f for f in first if f in files] + [f for f in files if f not in ends] + [f for f in last if f in files]
-    copied: list[str] = []
+    body = [f for f in files if f not in ends]
+    attempted: list[str] = []  # whatever may have reached OUT, removed again on failure
+    copy = lambda rel: fs.copy(posixpath.join(src, rel), posixpath.join(dst, rel))  # noqa: E731
     try:
         fs.makedirs(dst, exist_ok=True)  # a no-op on object stores; needed where folders are real
-        for rel in order:  # server-side copies: every store has them, not every store has a move
-            fs.copy(posixpath.join(src, rel), posixpath.join(dst, rel))
-            copied.append(rel)
+        # Server-side copies: every store has them, not every store has a move.
+        for rel in (f for f in first if f in files):
+            attempted.append(rel)
+            copy(rel)
+        attempted += body
+        pool = ThreadPoolExecutor(max_workers=max(1, min(COPIES, len(body))), thread_name_prefix="ckptflow-commit")
+        try:
+            for future in [pool.submit(copy, rel) for rel in body]:
+                future.result()
+        finally:  # after a failure: the queued copies are dropped, those in flight end
+            pool.shutdown(wait=True, cancel_futures=True)
+        for rel in (f for f in last if f in files):
+            attempted.append(rel)
+            copy(rel)
     except Exception as exc:
-        for rel in reversed(copied):
+        for rel in reversed(attempted):
             try:
                 fs.rm_file(posixpath.join(dst, rel))
+            except FileNotFoundError:
+                pass
             except Exception:  # best effort: the error below is the one to report
                 logger.warning("could not remove %s after a failed move", posixpath.join(dst, rel))
         raise OutputError(f"cannot move the output into {staging.out} ({describe(exc)})", code="out-unwritable",
