@@ -180,11 +180,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 # Seeds per family: the default run (`make test`) and the long mode (`--long`, CKPTFLOW_FUZZ_LONG=1).
 DEFAULT_SEEDS = {
-    "zip-directory": 8, "zip-headers": 8, "zip-pickle": 10, "zip-data": 6, "truncation": 10, "pickle-ops": 20,
-    "pickles": 10, "records": 8, "counts": 6, "latest": 8, "markup": 6, "sidefiles": 6, "pushsrc": 10,
-    "manifests": 6, "checkpoint": 6,
+    "zip-directory": 4, "zip-headers": 4, "zip-pickle": 5, "zip-data": 3, "truncation": 5, "pickle-ops": 10,
+    "pickles": 5, "records": 4, "counts": 3, "latest": 4, "markup": 3, "sidefiles": 3, "pushsrc": 5,
+    "manifests": 3, "checkpoint": 3,
 }
-LONG_SEEDS = {name: 25 * count for name, count in DEFAULT_SEEDS.items()}
+LONG_SEEDS = {name: 50 * count for name, count in DEFAULT_SEEDS.items()}
 
 
 def case(family: str, seed: int) -> Kind:

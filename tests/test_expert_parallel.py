@@ -287,7 +287,7 @@ ALL_NATIVE = (("dsmoe-ep2-z0-fp32", 4), ("dsmoe-ep2dp2-z0-fp32", 2), ("dsmoe-ep2
 # AutoEP ZeRO-2 and ZeRO-3, growing and shrinking, bf16 with a held-out seed; deepspeed.moe ZeRO-1 and
 # ZeRO-2 and the native ZeRO-0 load. `CKPTFLOW_LONG=1` runs every case (the 8-rank launch included).
 RESHARDS = sample(ALL_RESHARDS, [
-    ("autoep-qwen3-moe-ep2-z2-fp32", 4), ("autoep-mixtral-ep2-z3-fp32", 4), ("autoep-mixtral-ep2dp2-z3-fp32", 2),
+    ("autoep-qwen3-moe-ep2-z2-fp32", 4), ("autoep-mixtral-ep2dp2-z3-fp32", 2),
     ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4), ("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp3-z1-bf16-s1", 4)])
 NATIVE = sample(ALL_NATIVE, [("dsmoe-ep2-z0-fp32", 4)])
 # The matrix holds each of these layouts at both sizes, written by DeepSpeed training there: a reshard's

@@ -562,7 +562,7 @@ def test_hugging_face_files_are_carried_over(llama_trainer_ckpt, tmp_path: Path,
     assert f"  Trainer RNG files: {expected}\n" in cli.output
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", sample([1, 3], [1]))
 def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_path: Path, world_size: int) -> None:
     """`Trainer.train(resume_from_checkpoint=OUT)` at the new world size: DeepSpeed loads OUT natively,
     the Trainer's own files (trainer_state.json, scheduler, RNG) come along, and training goes on. Every
@@ -650,9 +650,9 @@ ALL_CASES = (
 CASES = sample(ALL_CASES, [
     ("z1-bf16-ws2", 1), ("z2-bf16-ws2", 1), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 1), ("z3-subgroups-ws2*", 1),
     ("z2-fp32-ws2", 3), ("llama-z3-bf16-ws2", 3), ("z2-bf16-ws2-offload", 3), ("z1-fp16-ws2*", 3),
-    ("z3-fp16-ws2*", 3), ("z1-aligned-ws2*", 3), ("z3-nostep-ws2*", 3),
+    ("z1-aligned-ws2*", 3), ("z3-nostep-ws2*", 3),
     ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
-    ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-fp32-ws3", 4), ("z3-bf16-ws2-offload", 4),
+    ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-bf16-ws2-offload", 4),
 ])
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
 WRITTEN = {
