@@ -48,8 +48,13 @@ def model_folder(base: str, options: ConsolidationOptions) -> str:
     return join(base, f"model-{options.dtype}-{digest}")
 
 
-def reshard_folder(base: str, world_size: int) -> str:
-    return join(base, f"zero-ws{world_size}")
+def reshard_name(world_size: int, tensor_parallel: int | None = None) -> str:
+    """'zero-ws4', or 'zero-ws4-tp1' for a reshard that also merged the tensor parallelism."""
+    return f"zero-ws{world_size}" + (f"-tp{tensor_parallel}" if tensor_parallel else "")
+
+
+def reshard_folder(base: str, world_size: int, tensor_parallel: int | None = None) -> str:
+    return join(base, reshard_name(world_size, tensor_parallel))
 
 
 def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
@@ -59,12 +64,13 @@ def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
     return join(dest.uri, tag, "model"), None
 
 
-def reshard_destination(dest: Destination, tag: str, world_size: int) -> tuple[str, str | None]:
+def reshard_destination(dest: Destination, tag: str, world_size: int,
+                        tensor_parallel: int | None = None) -> tuple[str, str | None]:
     """(URI, revision) resharded checkpoint `world_size` goes to."""
+    branch = reshard_name(world_size, tensor_parallel)
     if dest.is_hub:
-        branch = f"zero-ws{world_size}"
         return dest.uri, f"{dest.revision}-{branch}" if dest.revision else branch
-    return join(dest.uri, tag, f"zero-ws{world_size}"), None
+    return join(dest.uri, tag, branch), None
 
 
 def published_marker(uri: str) -> str:

@@ -171,9 +171,9 @@ def checkpoint_lifecycle(
                 )
     reshard_futures = {}
     for n in reshard.world_sizes:
-        out = layout.reshard_folder(base, n)
+        out = layout.reshard_folder(base, n, reshard.tensor_parallel)
         reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
-            checkpoint, out, n, cluster=cluster or None)
+            checkpoint, out, n, cluster=cluster or None, tensor_parallel=reshard.tensor_parallel)
 
     failures: list[str] = []
     model = _outcome(model_future, "consolidation", failures)
@@ -192,7 +192,8 @@ def checkpoint_lifecycle(
         if dest.includes("model") and model is not None:
             targets.append((model, *layout.model_destination(dest, checkpoint.tag)))
         if dest.includes("reshards"):
-            targets += [(o, *layout.reshard_destination(dest, checkpoint.tag, n)) for n, o in reshards.items() if o]
+            targets += [(o, *layout.reshard_destination(dest, checkpoint.tag, n, reshard.tensor_parallel))
+                        for n, o in reshards.items() if o]
         for output, uri, revision in targets:
             # A bucket destination whose manifest is gone (deleted since) is published again.
             gone = not dest.is_hub and _gone(layout.published_marker(uri))
@@ -409,7 +410,8 @@ def _summary(
         built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): {code(model.uri)}")
     for n, out in sorted(reshards.items()):
         if out is not None:
-            built.append(f"- **ZeRO checkpoint for {n} rank(s)** ({format_size(out.bytes or 0)}): {code(out.uri)}")
+            merged = ", tensor parallelism merged" if out.details.get("tensor_parallel") else ""
+            built.append(f"- **ZeRO checkpoint for {n} rank(s)**{merged} ({format_size(out.bytes or 0)}): {code(out.uri)}")
     if built:
         lines += ["## Built", ""] + built + [""]
     if verified:

@@ -130,6 +130,18 @@ class ReshardOptions(_Options):
         "so training can resume on a different number of GPUs. Empty writes none.",
     )
 
+    merge_tensor_parallel: bool = Field(
+        default=False,
+        title="Merge tensor parallelism (AutoTP)",
+        description="AutoTP checkpoints only: also merge the tensor-parallel shards, so that training resumes "
+        "without tensor parallelism (tp 1) at each world size. Written to zero-wsN-tp1.",
+    )
+
+    @property
+    def tensor_parallel(self) -> int | None:
+        """The tensor-parallel degree to merge to (1), or None to keep the source's."""
+        return 1 if self.merge_tensor_parallel else None
+
     @field_validator("world_sizes")
     @classmethod
     def _sizes(cls, value: list[int]) -> list[int]:

@@ -54,7 +54,8 @@ def _reshard_run_name() -> str:
     parameters = task_run.parameters
     checkpoint, n = parameters.get("checkpoint"), parameters.get("world_size")
     tag = checkpoint.get("tag") if isinstance(checkpoint, dict) else getattr(checkpoint, "tag", None)
-    return f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}"
+    tp = parameters.get("tensor_parallel")
+    return f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}" + (f", tp {tp}" if tp else "")
 
 
 # Results stay in memory (persist_result=False): on a Dask worker a persisted result would land in that
@@ -74,11 +75,12 @@ def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> UnitRe
     **io_retries(retries=2),
 )
 def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, workers: int = 4,
-                       cluster: str | None = None) -> Output:
-    """Rewrite `checkpoint` for `world_size` data-parallel ranks into the new folder `out`; the ranks on
+                       cluster: str | None = None, tensor_parallel: int | None = None) -> Output:
+    """Rewrite `checkpoint` for `world_size` data-parallel ranks into the new folder `out` (an AutoTP
+    checkpoint's tensor parallelism merged to `tensor_parallel` = 1 too, when given); the ranks on
     the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
-    plan = plan_output(checkpoint.root, out, world_size=world_size, tag=checkpoint.tag)
+    plan = plan_output(checkpoint.root, out, world_size=world_size, tag=checkpoint.tag, tensor_parallel=tensor_parallel)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))
     address = cluster_address(cluster)
@@ -117,6 +119,7 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         files=len(plan.files),
         bytes=sum(r.bytes_written for r in results),
         details={"stage": plan.stage, "precision": plan.precision, "source_world_size": plan.source_world_size,
+                 "tensor_parallel": tensor_parallel,
                  "rng_files": describe(rng_files) if rng_files else None},
     )
 

@@ -360,6 +360,40 @@ def test_the_steps_bars_are_gone_when_they_end(prefect_server: str, llama_bf16_c
     assert _progress_artifacts(run_id) == []
 
 
+def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, parallel_fixtures,
+                                                           tmp_path: Path) -> None:
+    """The form's "Merge tensor parallelism" reaches the core: the task writes, into `zero-ws2-tp1`, the
+    same bytes as `ckptflow reshard --tensor-parallel 1` (whose output DeepSpeed loads, in
+    test_model_parallel_reshard), and its run is named after it."""
+    from prefect import flow
+
+    from ckptflow.reshard import reshard
+    from flows import layout
+    from flows.params import ReshardOptions
+    from tasks.reshard import reshard_checkpoint
+
+    options = ReshardOptions(world_sizes=[2], merge_tensor_parallel=True)
+    assert options.tensor_parallel == 1 and ReshardOptions(world_sizes=[2]).tensor_parallel is None
+    out = layout.reshard_folder(str(tmp_path), 2, options.tensor_parallel)
+    assert out.endswith("/zero-ws2-tp1") and layout.reshard_folder(str(tmp_path), 2).endswith("/zero-ws2")
+    src = parallel_fixtures["autotp-tp2-z1-fp32"]
+
+    @flow
+    def build(source: str) -> Any:
+        from prefect.runtime import flow_run
+
+        checkpoint = validate_checkpoint(source, settle_seconds=0)
+        return reshard_checkpoint(checkpoint, out, 2, tensor_parallel=options.tensor_parallel), flow_run.id
+
+    output, run_id = build(str(src.dir))
+    assert output.details["tensor_parallel"] == 1 and output.world_size == 2
+    reshard(str(src.dir), str(tmp_path / "cli"), world_size=2, tensor_parallel=1)
+    ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
+    cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
+    assert ours.keys() == cli.keys() and ours == cli
+    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 2 ranks, tp 1"]
+
+
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:
     fs = fsspec.filesystem("gs")
     fs.invalidate_cache()
