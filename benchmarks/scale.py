@@ -498,7 +498,7 @@ def report(model: Llama, results: dict[str, dict[str, Any]], disk: dict[str, int
         sizes = s["job_pickle_bytes"]
         lines += [f"A consolidation unit shipped to a worker (`ShardJob`: the shard's tensors with their runs, where it "
                   f"goes, the options; no plan, no index): {_spread(sizes, lambda v: f'{v / 1024:,.0f} KiB')} pickled "
-                  f"(min / median / max), {_gb(sum(sizes))} for all {len(sizes)} units, all made and pickled in "
+                  f"(min / median / max), {_mib(sum(sizes))} for all {len(sizes)} units, all made and pickled in "
                   f"{s['jobs_seconds']:.1f} s, one unpickled in {s['job_unpickle_seconds'] * 1000:.0f} ms.", ""]
     s = results.get("ship-dask", {})
     if s and "error" not in s and "jobs" in s:
@@ -523,10 +523,71 @@ def report(model: Llama, results: dict[str, dict[str, Any]], disk: dict[str, int
 def _machine(loads: list[str]) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM, Python "
-            f"{platform.python_version()}, shared with other engineers' test suites (1-minute load average when each "
-            f"`plan` started: {'; '.join(loads) or 'not recorded'}). Each figure is one fresh process (`nice`): wall "
-            "time, its CPU time (all threads; the wall time beyond it is mostly waiting for the two shared cores) "
-            "and its peak RSS (`ru_maxrss`).")
+            f"{platform.python_version()} (1-minute load average when each `plan` started: "
+            f"{'; '.join(loads) or 'not recorded'}). Each figure is one fresh process (`nice`): wall time, its CPU "
+            "time (all threads; wall time beyond it is waiting for the two cores) and its peak RSS (`ru_maxrss`).")
+
+
+def _before_after(model: Llama) -> list[str]:
+    """The 405B figures before the exact-range archive reader, the archive cache and the implicit ZeRO-3
+    fragments (`before-405b.json`, kept from that run) beside today's."""
+    before_path, now_path = DATA / "before-405b.json", DATA / f"results-{model.name}-ws{model.world_size}.json"
+    if not (before_path.exists() and now_path.exists()):
+        return []
+    before, now = json.loads(before_path.read_text()), json.loads(now_path.read_text())
+    lines = [f"**{model.name}, before and after the planning rework** (before: {before['started']}, load "
+             f"{before['load_at_start']:.1f}; after: {now['started']}, load {now['load_at_start']:.1f})", "",
+             "| step | wall before | wall now | peak RSS before | peak RSS now |", "|---|---:|---:|---:|---:|"]
+    for key, label in (("index", "load_index"), ("consolidate", "load_index + plan_consolidation"),
+                       ("reshard", "load_index + plan_reshard")):
+        b, n = before["results"].get(key, {}), now["results"].get(key, {})
+        if not b or not n or "error" in b or "error" in n:
+            continue
+        wall = lambda r: r["index_seconds"] + r.get("plan_seconds", 0)  # noqa: E731
+        rss = lambda r: r.get("rss_after_plan", r["rss_peak"])  # noqa: E731
+        lines.append(f"| {label} | {wall(b):.1f} s | {wall(n):.1f} s | {_mib(rss(b))} | {_mib(rss(n))} |")
+    b, n = before["results"]["index"], now["results"]["index"]
+    lines += ["", f"The index read {_mib(b['index_read_bytes'])} in {b['index_read_calls']:,} read calls before, "
+              f"{_mib(n['index_read_bytes'])} in {n['index_read_calls']:,} now.", ""]
+    return lines
+
+
+def _targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 12's planning targets, judged on the slower of the two plans."""
+    plans = [results[k] for k in ("consolidate", "reshard") if results.get(k) and "error" not in results[k]]
+    if not plans:
+        return []
+    wall = max(r["index_seconds"] + r["plan_seconds"] for r in plans)
+    rss = max(r["rss_peak"] for r in plans)
+    amp = [results["consolidate"]["source_bytes"] / results["consolidate"]["fp32_bytes"]] if "consolidate" in results else []
+    amp += [results["reshard"]["read_bytes"] / (3 * results["reshard"]["fp32_bytes"])] if "reshard" in results else []
+    met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    return [f"**Targets:** indexed and planned in {wall:.1f} s at most ({met(wall < 60)}: < 60 s), peak RSS "
+            f"{_mib(rss)} ({met(rss < 2e9)}: < 2 GB), read amplification {max(amp):.4f} ({met(max(amp) <= 1.01)}: "
+            "<= 1.01).", ""]
+
+
+def _write_results() -> None:
+    """The RESULTS.md section from every results-*.json present."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.results import write_section
+
+    body, loads = [], []
+    for name in ("70b", "405b"):
+        model = MODELS[name]
+        path = DATA / f"results-{model.name}-ws{model.world_size}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            body += report(model, saved["results"], saved["disk"], saved["reshard_to"])
+            body += _targets(saved["results"]) if name == "405b" else []
+            if "load_at_start" in saved:
+                loads.append(f"{model.name} {saved['load_at_start']:.1f}")
+    lines = [SECTION, "", _machine(loads), "",
+             "Command: `.venv/bin/python -m benchmarks.scale plan --model {70b,405b} --write-results`. Synthetic "
+             "ZeRO-3 checkpoints (real headers and pickles, tensor bytes as holes; see `benchmarks/scale_checkpoints.py`). "
+             "Targets (issue 12): 405B indexed and planned in under 60 s and 2 GB; read amplification <= 1.01.", "",
+             *body, *_before_after(MODELS["405b"])]
+    write_section(SECTION, lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -535,6 +596,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("generate", "plan", "profile", "remove", "check-structure"):
         p = sub.add_parser(name)
         p.add_argument("--model", choices=sorted(MODELS), required=True)
+    p = sub.add_parser("throughput", help="part 2: 1, 2, 4 Dask workers from an S3 server (scale_cluster.py)")
+    p.add_argument("--model", choices=sorted(MODELS), default="1b", help="tiny: a quick check of the harness")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--what", nargs="+", choices=["consolidate", "reshard"], default=["consolidate", "reshard"])
+    p.add_argument("--write-results", action="store_true")
+    p = sub.add_parser("model", help="part 3: predicted wall times for 70B and 405B on 4-64 workers")
+    p.add_argument("--write-results", action="store_true")
     child = sub.add_parser("_child")
     for p in (sub.choices["plan"], sub.choices["profile"]):
         p.add_argument("--reshard-to", type=int, default=0, help="target world size (default: 3/4 of the source)")
@@ -554,6 +622,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "_child":
         _child(args)
+        return
+    if args.command in ("throughput", "model"):
+        from benchmarks import scale_cluster
+
+        if args.command == "throughput":
+            scale_cluster.throughput(MODELS[args.model], args.workers, args.what, args.write_results)
+        else:
+            scale_cluster.model(args.write_results)
         return
     model = MODELS[args.model]
     if args.command == "remove":
@@ -592,30 +668,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"(raw figures: {out})")
     if args.write_results:
         _write_results()
-
-
-def _write_results() -> None:
-    """The RESULTS.md section from every results-*.json present."""
-    sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.results import write_section
-
-    body, loads = [], []
-    for name in ("70b", "405b"):
-        model = MODELS[name]
-        path = DATA / f"results-{model.name}-ws{model.world_size}.json"
-        if path.exists():
-            saved = json.loads(path.read_text())
-            body += report(model, saved["results"], saved["disk"], saved["reshard_to"])
-            if "load_at_start" in saved:
-                loads.append(f"{model.name} {saved['load_at_start']:.1f}")
-    lines = [SECTION, "", _machine(loads), "",
-             "Command: `.venv/bin/python -m benchmarks.scale plan --model {70b,405b} --write-results`. Synthetic "
-             "ZeRO-3 checkpoints (real headers and pickles, tensor bytes as holes; see `benchmarks/scale_checkpoints.py`). "
-             "Targets (issue 12): 405B indexed and planned in under 60 s and 2 GB; read amplification <= 1.01. "
-             "A step left out with `--skip` keeps its figures from an earlier run of the same measurement (here: "
-             "405B ship, ship-reshard and index-bucket, and 70B ship-dask, measured at load averages of 5-17).", "",
-             *body]
-    write_section(SECTION, lines)
 
 
 if __name__ == "__main__":

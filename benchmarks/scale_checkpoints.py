@@ -101,6 +101,7 @@ class Llama:
 MODELS = {
     "70b": Llama("llama3-70b", 8192, 28672, 80, 8, 128, 128256, 512),
     "405b": Llama("llama3-405b", 16384, 53248, 126, 8, 128, 128256, 1024),
+    "1b": Llama("llama-1b", 2048, 8192, 8, 8, 64, 128256, 8),  # throughput through workers (scale_cluster.py)
     "tiny": Llama("tiny-llama", 64, 128, 2, 2, 16, 55, 4),  # for checking the generator against torch
 }
 

@@ -52,12 +52,13 @@ class Worker:
     """One worker process: its name, its proxies (GCS and S3) and the environment it runs in."""
 
     name: str
-    gcs: FaultProxy
-    s3: FaultProxy
+    gcs: FaultProxy | None  # None: the worker talks to the stores directly (benchmarks)
+    s3: FaultProxy | None
     env: dict[str, str]
     log: Path
     proc: subprocess.Popen | None = None
     starts: int = 0
+    threads: int = WORKER_THREADS
 
     @property
     def pid(self) -> int | None:
@@ -80,8 +81,9 @@ class Worker:
         return len(self.gcs.counters.media_downloads) + len(self.s3.counters.media_downloads)
 
     def reset(self) -> None:
-        self.gcs.reset()
-        self.s3.reset()
+        for proxy in (self.gcs, self.s3):
+            if proxy is not None:
+                proxy.reset()
 
 
 @dataclass
@@ -146,9 +148,9 @@ class DaskCluster:
         procs = [w.proc for w in self.workers.values() if w.proc is not None] + [self.scheduler]
         for proc in procs:
             _stop(proc)
-        for worker in self.workers.values():
-            worker.gcs.stop()
-            worker.s3.stop()
+        for proxy in (p for w in self.workers.values() for p in (w.gcs, w.s3)):
+            if proxy is not None:
+                proxy.stop()
 
 
 # ---- worker-side helpers (run on the workers; imported there from this module) ----------------------
@@ -218,7 +220,7 @@ def _start_worker(worker: Worker, folder: Path) -> None:
     worker.starts += 1
     worker.proc = _spawn(
         ["worker", "--scheduler-file", str(folder / "scheduler.json"), "--name", worker.name,
-         "--nthreads", str(WORKER_THREADS), "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
+         "--nthreads", str(worker.threads), "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
          "--memory-limit", "0", "--death-timeout", "60", "--local-directory", str(folder / worker.name)],
         worker.env, worker.log,
     )
@@ -253,9 +255,11 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def start_cluster(folder: Path, gcs_port: int, s3_port: int, names: tuple[str, ...] = WORKER_NAMES) -> DaskCluster:
+def start_cluster(folder: Path, gcs_port: int | None, s3_port: int | None, names: tuple[str, ...] = WORKER_NAMES, *,
+                  threads: int = WORKER_THREADS, store_env: dict[str, str] | None = None) -> DaskCluster:
     """Start a scheduler and one worker per name, each worker behind its own proxies to the GCS
-    emulator on `gcs_port` and moto on `s3_port`; returns once all are registered."""
+    emulator on `gcs_port` and moto on `s3_port`; returns once all are registered. With `store_env`
+    (and no ports) the workers reach the stores it names directly, with no proxy and no counters."""
     from distributed import Client
 
     started = time.monotonic()
@@ -267,9 +271,12 @@ def start_cluster(folder: Path, gcs_port: int, s3_port: int, names: tuple[str, .
                         "--scheduler-file", str(scheduler_file)], env, folder / "scheduler.log")
     workers = {}
     for name in names:
-        gcs, s3 = FaultProxy(gcs_port).start(), FaultProxy(s3_port, xml_errors=True).start()
-        worker_env = dict(env, STORAGE_EMULATOR_HOST=gcs.url, FSSPEC_S3_ENDPOINT_URL=s3.url)
-        workers[name] = Worker(name, gcs, s3, worker_env, folder / f"{name}.log")
+        if store_env is not None:
+            workers[name] = Worker(name, None, None, dict(env, **store_env), folder / f"{name}.log", threads=threads)
+        else:
+            gcs, s3 = FaultProxy(gcs_port).start(), FaultProxy(s3_port, xml_errors=True).start()
+            worker_env = dict(env, STORAGE_EMULATOR_HOST=gcs.url, FSSPEC_S3_ENDPOINT_URL=s3.url)
+            workers[name] = Worker(name, gcs, s3, worker_env, folder / f"{name}.log", threads=threads)
         _start_worker(workers[name], folder)  # workers wait for the scheduler file themselves
     cluster = DaskCluster(address="", scheduler=scheduler, workers=workers, folder=folder)
     try:
@@ -327,8 +334,9 @@ class Coordinator:
         return len(self.gcs.counters.media_downloads) + len(self.s3.counters.media_downloads)
 
     def reset(self) -> None:
-        self.gcs.reset()
-        self.s3.reset()
+        for proxy in (self.gcs, self.s3):
+            if proxy is not None:
+                proxy.reset()
 
 
 @pytest.fixture
