@@ -24,7 +24,7 @@ from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch
 from tests.fixtures.cache import _generate_group
 from tests.fixtures.matrix import TRAINER, FixtureSpec
 from tests.fixtures.models import BIG_INT64
-from tests.sampling import long_mode, sample
+from tests.sampling import long_mode
 
 NAMES = [spec.name for spec in MATRIX]
 TOY = {spec.name for spec in MATRIX if spec.model == "toy"}
@@ -225,14 +225,14 @@ def test_cli_lists_the_matrix() -> None:
     assert result.stdout.split() == NAMES
 
 
+@pytest.mark.skipif(not long_mode(), reason="a check of the fixtures, not of ckptflow: long mode (CKPTFLOW_LONG=1)")
 def test_deepspeed_loads_the_fixtures_back_to_the_same_state(ds_fixtures, tmp_path: Path) -> None:
-    """One launch reloads the fixture families at 2 ranks (ZeRO-1/2/3 and offload by default, every
-    family in the long mode); the engines match expected.safetensors."""
+    """One launch reloads the fixture families at 2 ranks; the engines match expected.safetensors. (The
+    default run checks the fixtures against the live engine through zero_to_fp32 above.)"""
     import torch
     from safetensors.torch import load_file
 
-    names = sample(["z1-bf16-ws2", "z2-fp32-ws2", "z3-bf16-ws2", "z1-bf16-ws2-fp32accum", "z3-bf16-ws2-offload"],
-                   ["z1-bf16-ws2", "z2-fp32-ws2", "z3-bf16-ws2-offload"])
+    names = ["z1-bf16-ws2", "z2-fp32-ws2", "z3-bf16-ws2", "z1-bf16-ws2-fp32accum", "z3-bf16-ws2-offload"]
     args = []
     for name in names:
         fixture = ds_fixtures[name]

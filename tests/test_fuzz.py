@@ -2,11 +2,11 @@
 hostile variations of it, each run in a forked child bounded in time (8 s), address space (2 GiB over
 the CLI's own) and file size (256 MiB); the oracle of tests/hostile/oracle.py judges each run.
 
-Default run (`make test`): the seeds in `tests.fuzz.DEFAULT_SEEDS`, 64 cases and about 200 command
-runs, plus the regression seeds (128 cases and 155 s of one process before the cut that kept `make
-test` under 10 minutes); after a hang the case's other commands are skipped. Long mode: `pytest
-tests/test_fuzz.py --long` or `CKPTFLOW_FUZZ_LONG=1`: 50 times the seeds (3,200 cases, about 12,000
-runs, as before the cut), every command of every
+Default run (`make test`): the seeds in `tests.fuzz.DEFAULT_SEEDS`, 36 cases and about 120 command
+runs, plus the regression seeds (it was 128 cases and 155 s of one process before the cuts that keep
+`make test` under 10 minutes); after a hang the case's other commands are skipped. Long mode: `pytest
+tests/test_fuzz.py --long` or `CKPTFLOW_FUZZ_LONG=1`: `LONG_SEEDS` (3,200 cases, about 12,000 runs,
+as before the cuts), every command of every
 case; a sample of 300 long-mode cases (1,200 runs) took 677 s at load 10, so the whole is about two
 hours there. `CKPTFLOW_FUZZ_START=N` shifts the seeds (a fresh sample); a failure prints
 each failing run with the command that replays it:
