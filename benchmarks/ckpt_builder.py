@@ -20,6 +20,7 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "benchmarks" / ".data"
@@ -48,8 +49,11 @@ class BenchSpec:
         return self.layers * (self.width * self.width + 2 * self.width)
 
 
-def build(spec: BenchSpec, *, data: Path = DATA, timeout: float = 1800.0) -> Path:
-    """The checkpoint folder (holding `latest`) for `spec`, written on first use."""
+def build(spec: Any, *, data: Path = DATA, timeout: float = 1800.0, writer: str = "benchmarks.ckpt_builder",
+          keep_logs: bool = False) -> Path:
+    """The checkpoint folder (holding `latest`) for `spec` (a dataclass with `name` and `world_size`),
+    written on first use by `writer --write SPEC --out CKPT` on every rank (`benchmarks.moe` writes the
+    MoE ones); with `keep_logs` the ranks' logs stay in the folder's `logs/`."""
     folder = data / spec.name
     ckpt = folder / "ckpt"
     if (folder / "done.json").exists():
@@ -59,8 +63,8 @@ def build(spec: BenchSpec, *, data: Path = DATA, timeout: float = 1800.0) -> Pat
     sys.path.insert(0, str(REPO_ROOT))
     from tests.fixtures.launch import launch
 
-    result = launch("benchmarks.ckpt_builder", spec.world_size, ["--write", json.dumps(asdict(spec)), "--out", str(ckpt)],
-                    timeout=timeout, env={"OMP_NUM_THREADS": "1"})
+    result = launch(writer, spec.world_size, ["--write", json.dumps(asdict(spec)), "--out", str(ckpt)],
+                    timeout=timeout, env={"OMP_NUM_THREADS": "1"}, **({"log_dir": folder / "logs"} if keep_logs else {}))
     size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     (folder / "done.json").write_text(json.dumps({**asdict(spec), "bytes": size, "seconds": result.seconds}) + "\n")
     return ckpt

@@ -39,7 +39,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -80,20 +80,9 @@ class MoESpec:
 
 def build(spec: MoESpec, *, data: Path = DATA, timeout: float = 3600.0) -> Path:
     """The checkpoint folder (holding `latest`) for `spec`, written by DeepSpeed on first use."""
-    folder = data / spec.name
-    ckpt = folder / "ckpt"
-    if (folder / "done.json").exists():
-        return ckpt
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.fixtures.launch import launch
+    from benchmarks.ckpt_builder import build as build_with
 
-    result = launch("benchmarks.moe", spec.world_size, ["--write", json.dumps(asdict(spec)), "--out", str(ckpt)],
-                    timeout=timeout, env={"OMP_NUM_THREADS": "1"}, log_dir=folder / "logs")
-    size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-    (folder / "done.json").write_text(json.dumps({**asdict(spec), "bytes": size, "seconds": result.seconds}) + "\n")
-    return ckpt
+    return build_with(spec, data=data, timeout=timeout, writer="benchmarks.moe", keep_logs=True)
 
 
 def _write(spec: MoESpec, out: Path) -> None:
@@ -158,6 +147,7 @@ class Measure:
 def floor_spec(ckpt: Path, scratch: Path, out_bytes: dict[str, int]) -> dict[str, Path]:
     """The I/O floors' inputs: the fp32 master ranges a consolidation reads and its output size; every
     source file and the size of each reshard output."""
+    from benchmarks.floor import ranges_of
     from ckptflow.consolidate import ConsolidateOptions, plan_consolidation
     from ckptflow.formats.deepspeed.checkpoint import load_index
 
@@ -169,45 +159,14 @@ def floor_spec(ckpt: Path, scratch: Path, out_bytes: dict[str, int]) -> dict[str
     specs = {}
     for name, spec in {
         "consolidate": {"ranges": ranges, "out_bytes": plan.file_bytes, "fsync": True},
-        "reshard": {"ranges": [[p, 0, Path(p).stat().st_size] for p in sources], "out_bytes": out_bytes["reshard"],
+        "reshard": {"ranges": ranges_of(sources), "out_bytes": out_bytes["reshard"],
                     "fsync": True},
-        "reshard-no-fsync": {"ranges": [[p, 0, Path(p).stat().st_size] for p in sources],
+        "reshard-no-fsync": {"ranges": ranges_of(sources),
                              "out_bytes": out_bytes["reshard"], "fsync": False},
     }.items():
         specs[name] = scratch / f"floor-{name}.json"
         specs[name].write_text(json.dumps(spec))
     return specs
-
-
-def io_floor(spec_path: str, out: str) -> None:
-    """Subprocess body of an I/O floor: read the ranges, write `out_bytes` (O_DIRECT from page-aligned
-    memory where the file system takes it, the unaligned tail through the page cache), maybe fsync."""
-    import mmap
-
-    spec = json.loads(Path(spec_path).read_text())
-    buffer = mmap.mmap(-1, 16 << 20)
-    view = memoryview(buffer)
-    for uri, start, end in spec["ranges"]:
-        with open(uri, "rb", buffering=0) as fh:
-            fh.seek(start)
-            while start < end:
-                start += fh.readinto(view[:min(len(view), end - start)]) or (end - start)
-    total = spec["out_bytes"]
-    aligned = total - total % 4096
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        direct = os.open(out, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        direct = fd
-    written = 0
-    while written < total:
-        n = min(len(view), (aligned if written < aligned else total) - written)
-        written += os.pwrite(direct if written < aligned else fd, view[:n], written)
-    if direct != fd:
-        os.close(direct)
-    if spec["fsync"]:
-        os.fsync(fd)
-    os.close(fd)
 
 
 def warm(ckpt: Path) -> None:
@@ -239,15 +198,15 @@ def bench(ckpt: Path, repeat: int, scratch: Path, *, with_ds: bool = True) -> tu
         sizes[label] = folder_bytes(out)
     shutil.rmtree(out, ignore_errors=True)
     floors = floor_spec(ckpt, scratch, sizes)
-    me = str(Path(__file__).resolve())
+    floor = str(Path(__file__).resolve().with_name("floor.py"))  # run as a plain file
     commands = {
         "ckptflow consolidate": consolidate,
         "ckptflow consolidate --no-verify": consolidate + ["--no-verify"],
         "ckptflow reshard 2->4": reshard,
         "ckptflow reshard 2->4 --no-fsync": reshard + ["--no-fsync"],
-        "I/O floor consolidate": [py, me, "--io-floor", str(floors["consolidate"]), str(out / "floor.bin")],
-        "I/O floor reshard": [py, me, "--io-floor", str(floors["reshard"]), str(out / "floor.bin")],
-        "I/O floor reshard --no-fsync": [py, me, "--io-floor", str(floors["reshard-no-fsync"]), str(out / "floor.bin")],
+        "I/O floor consolidate": [py, floor, str(floors["consolidate"]), str(out / "floor.bin")],
+        "I/O floor reshard": [py, floor, str(floors["reshard"]), str(out / "floor.bin")],
+        "I/O floor reshard --no-fsync": [py, floor, str(floors["reshard-no-fsync"]), str(out / "floor.bin")],
     }
     if with_ds:
         commands[DS] = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
@@ -297,14 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--write-results", action="store_true", help="replace the MoE section of RESULTS.md")
     parser.add_argument("--build-only", action="store_true", help="build the checkpoints and stop")
-    parser.add_argument("--io-floor", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--write", help=argparse.SUPPRESS)  # rank side: a MoESpec as JSON
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.io_floor:
-        io_floor(*args.io_floor)
-        return
     if args.write:
         _write(MoESpec(**json.loads(args.write)), Path(args.out))
         return

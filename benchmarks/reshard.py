@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import random
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FLOOR = Path(__file__).resolve().with_name("floor.py")  # run as a plain file
 SECTION = "## Reshard"
 DS = "deepspeed ds_to_universal"
 
@@ -59,41 +59,13 @@ def warm(folder: Path) -> None:
                 pass
 
 
-def io_floor(spec_path: str, out: str) -> None:
-    """Subprocess body of the I/O floor: read the source files, write `out_bytes` the way ckptflow
-    writes storages (O_DIRECT from page-aligned memory where the file system takes it, the unaligned
-    tail through the page cache), maybe fsync."""
-    spec = json.loads(Path(spec_path).read_text())
-    buffer = mmap.mmap(-1, 16 << 20)
-    view = memoryview(buffer)
-    for path in spec["sources"]:
-        with open(path, "rb", buffering=0) as fh:
-            while fh.readinto(view):
-                pass
-    total = spec["out_bytes"]
-    aligned = total - total % 4096
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        direct = os.open(out, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        direct = fd
-    written = 0
-    while written < total:
-        n = min(len(view), (aligned if written < aligned else total) - written)
-        written += os.pwrite(direct if written < aligned else fd, view[:n], written)
-    if direct != fd:
-        os.close(direct)
-    if spec["fsync"]:
-        os.fsync(fd)
-    os.close(fd)
-
-
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[str, int]]:
-    from benchmarks.results import run_measured  # here: the script also runs as a plain file (--io-floor)
+    from benchmarks.floor import ranges_of
+    from benchmarks.results import run_measured
 
     py = sys.executable
     tag = (ckpt / "latest").read_text().strip()
@@ -112,9 +84,10 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
         commands[f"ckptflow reshard 2->{world_size} --no-fsync"] = reshard + ["--no-fsync"]
         for fsync in (True, False):
             spec = scratch / f"floor-{world_size}-{fsync}.json"
-            spec.write_text(json.dumps({"sources": sources, "out_bytes": sizes[f"2->{world_size}"], "fsync": fsync}))
+            spec.write_text(json.dumps({"ranges": ranges_of(sources), "out_bytes": sizes[f"2->{world_size}"],
+                                        "fsync": fsync}))
             commands[f"I/O floor 2->{world_size}{'' if fsync else ' --no-fsync'}"] = [
-                py, str(Path(__file__).resolve()), "--io-floor", str(spec), str(out / "floor.bin")]
+                py, str(FLOOR), str(spec), str(out / "floor.bin")]
     commands[DS] = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
                     "--output_folder", str(out), "--inject_missing_state"]
     warm(ckpt)
@@ -171,11 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--stages", default="3,2", help="ZeRO stages of the checkpoints to use, e.g. 3,2")
     parser.add_argument("--write-results", action="store_true", help="replace the Reshard section of RESULTS.md")
-    parser.add_argument("--io-floor", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.io_floor:
-        io_floor(*args.io_floor)
-        return
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.ckpt_builder import BenchSpec, build
     from benchmarks.results import write_section
