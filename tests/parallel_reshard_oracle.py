@@ -18,22 +18,20 @@ degrees, another data-parallel size), then
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.fixtures import parallel_writer as writer  # noqa: E402
+from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.parallel_matrix import ParallelSpec  # noqa: E402
 
 
@@ -77,18 +75,7 @@ def run_job(job: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=Path, required=True, help="JSON list of jobs")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    options = parser.parse_args(argv)
-    deepspeed.init_distributed(dist_backend="gloo")
-    for job in json.loads(options.jobs.read_text()):
-        run_job(job)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as tests.reshard_oracle: gloo's threads sometimes abort a normal exit
+    run_jobs(run_job, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

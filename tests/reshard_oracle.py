@@ -19,11 +19,9 @@ One launch serves many jobs: starting ranks costs more than the toy models.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,7 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 from tests.fixtures import models  # noqa: E402
+from tests.fixtures.launch import run_jobs  # noqa: E402
 
 
 # fp16 with a dynamic loss scaler that moves within a few steps (loss_scale_window 2).
@@ -116,21 +115,7 @@ def run_job(job: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=Path, required=True, help="JSON list of jobs")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    options = parser.parse_args(argv)
-    deepspeed.init_distributed(dist_backend="gloo")
-    for job in json.loads(options.jobs.read_text()):
-        run_job(job)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
-    # Every job is done and flushed. Leave without running C++ static destructors: with several
-    # engines created and destroyed in one process, gloo's threads sometimes abort the exit
-    # ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_jobs(run_job, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
