@@ -110,7 +110,10 @@ def commit(staging: Staging, *, first: Sequence[str] = (), last: Sequence[str] =
     ends = set(first) | set(last)
     body = [f for f in files if f not in ends]
     attempted: list[str] = []  # whatever may have reached OUT, removed again on failure
-    copy = lambda rel: fs.copy(posixpath.join(src, rel), posixpath.join(dst, rel))  # noqa: E731
+
+    def copy(rel: str) -> None:
+        fs.copy(posixpath.join(src, rel), posixpath.join(dst, rel))
+
     try:
         fs.makedirs(dst, exist_ok=True)  # a no-op on object stores; needed where folders are real
         # Server-side copies: every store has them, not every store has a move.
