@@ -26,11 +26,17 @@ CACHE_VERSION = "1"
 # bytes as one built on threads, so they are left out of the key.
 WHERE_IT_RUNS = frozenset({"cluster"})
 
+# Options added to a task after results were cached, and their defaults: left out of the key while at
+# the default, so that a result cached before the option existed still matches (else the step runs
+# again into an output folder that already exists, and fails).
+ADDED_LATER = {"tensor_parallel": None}
+
 
 def checkpoint_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Prefect `cache_key_fn`: the task's name and its parameters, checkpoints by identity."""
     name = getattr(getattr(context, "task", None), "name", "task")
-    payload = {k: _identity(v) for k, v in sorted(parameters.items()) if not callable(v) and k not in WHERE_IT_RUNS}
+    payload = {k: _identity(v) for k, v in sorted(parameters.items())
+               if not callable(v) and k not in WHERE_IT_RUNS and not (k in ADDED_LATER and v == ADDED_LATER[k])}
     text = json.dumps([CACHE_VERSION, name, payload], sort_keys=True, default=str)
     return f"ckptflow-{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 

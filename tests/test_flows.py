@@ -117,6 +117,9 @@ def test_cache_key_is_source_tag_identity_and_options() -> None:
     assert key(checkpoint=ckpt("aaa"), dtype="fp32") != base  # other options
     other_task = SimpleNamespace(task=SimpleNamespace(name="reshard"))
     assert checkpoint_cache_key(other_task, {"out": "gs://b/work/model", "dtype": "bf16", "checkpoint": ckpt("aaa")}) != base
+    # An option added later keeps the keys of results cached before it while at its default.
+    assert key(checkpoint=ckpt("aaa"), tensor_parallel=None) == base
+    assert key(checkpoint=ckpt("aaa"), tensor_parallel=1) != base
 
 
 # ---- the flow against a server and the emulators ----------------------------------------------------
