@@ -242,8 +242,9 @@ def throughput(model: Llama, workers: list[int], whats: list[str], write: bool) 
         for what in whats:
             for n in workers:
                 r = run_through(model, what, src, n, env, DATA / "cluster")
-                if f"{what}/{n}" in runs:  # an earlier figure of the same run stays on record
-                    replaced[f"{what}/{n}"] = {k: runs[f"{what}/{n}"][k] for k in ("wall", "measured") if k in runs[f"{what}/{n}"]}
+                earlier = runs.get(f"{what}/{n}")
+                if earlier:  # an earlier figure of the same run stays on record
+                    replaced[f"{what}/{n}"] = {k: earlier[k] for k in ("wall", "measured") if k in earlier}
                 runs[f"{what}/{n}"] = r
                 print(f"{what} through {n} workers: {r['wall']:.1f} s, "
                       f"{converted_bytes(model, what) / r['wall'] / 1e6:.0f} MB/s, workers up to "
@@ -265,14 +266,16 @@ def throughput_report(model: Llama, results: Path) -> list[str]:
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; the S3 server, the "
              f"coordinator and every worker share its cores. Run {saved['started']}. Command: "
-             "`.venv/bin/python -m benchmarks.scale throughput --write-results` (see `benchmarks/scale_cluster.py`).", "",
+             "`.venv/bin/python -m benchmarks.scale throughput --write-results` (see "
+             "`benchmarks/scale_cluster.py`).", "",
              f"Checkpoint: `{model.name}`, ZeRO-3 bf16, {model.world_size} ranks, {model.numel / 1e9:.2f}B parameters, "
              f"{saved['source_bytes'] / 1e9:.1f} GB in s3rver (objects as files on this disk). The store alone, "
              "measured at the start of each invocation: " + "; ".join(
                  f"{store['measured']}: {store['small_get_ms']:.1f} ms per small range GET, 32 MiB range GETs one at "
                  "a time per reader " + ", ".join(f"{k} reader{'s' * (int(k) > 1)} {v / 1e6:,.0f} MB/s"
                                                   for k, v in store["ceiling"].items()) for store in stores) + ".", "",
-             "| run | workers | wall | converted | MB/s | per-worker peak RSS | coordinator peak RSS / CPU | load | measured |",
+             "| run | workers | wall | converted | MB/s | per-worker peak RSS | coordinator peak RSS / CPU | load "
+             "| measured |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for key, r in runs.items():
         what, n = key.split("/")
@@ -418,9 +421,10 @@ def model_report() -> list[str]:
                 times = [predict(what, rate[what], units, read, written, plan_s, index_requests, w, g * 1e9)
                          for rate, g in ((core, low), (core, high), (wall, high))]
                 ds = DEEPSPEED[name]
-                lines.append(f"| {MODELS[name].name} | {what} | {units} | {read / 1e9:,.0f} GB | {written / 1e9:,.0f} GB | "
-                             f"{w} | " + " | ".join(_clock(t) for t in times) + " | "
-                             + (f"{_clock(ds[0])}, {ds[1]} RAM |" if what == "consolidate" and w == a["workers"][0] else " |"))
+                deepspeed = f"{_clock(ds[0])}, {ds[1]} RAM" if what == "consolidate" and w == a["workers"][0] else ""
+                lines.append(f"| {MODELS[name].name} | {what} | {units} | {read / 1e9:,.0f} GB | "
+                             f"{written / 1e9:,.0f} GB | {w} | " + " | ".join(_clock(t) for t in times)
+                             + f" | {deepspeed} |")
     lines += ["", f"Memory: every worker peaked at {worker_rss / 2**20:,.0f} MiB or less in the throughput runs, "
               "whatever its unit; the coordinator's is the planning table's (405B: 533 MiB with the reshard plan), "
               f"against DeepSpeed's {DEEPSPEED['70b'][1]} (70B) and {DEEPSPEED['405b'][1]} (405B) on one machine.", ""]
