@@ -64,7 +64,7 @@ def build(spec: Any, *, data: Path = DATA, timeout: float = 1800.0, writer: str 
     from tests.fixtures.launch import launch
 
     result = launch(writer, spec.world_size, ["--write", json.dumps(asdict(spec)), "--out", str(ckpt)],
-                    timeout=timeout, env={"OMP_NUM_THREADS": "1"}, **({"log_dir": folder / "logs"} if keep_logs else {}))
+                    timeout=timeout, env={"OMP_NUM_THREADS": "1"}, log_dir=folder / "logs" if keep_logs else None)
     size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     (folder / "done.json").write_text(json.dumps({**asdict(spec), "bytes": size, "seconds": result.seconds}) + "\n")
     return ckpt

@@ -62,12 +62,6 @@ READ_PIECE = 32 << 20  # the store-ceiling readers' range size: one consolidate 
 # ---- the S3 server --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def s3_server(folder: Path) -> Iterator[dict[str, str]]:
     """s3rver on loopback with its objects under `folder`; yields the environment that points fsspec's
@@ -76,6 +70,9 @@ def s3_server(folder: Path) -> Iterator[dict[str, str]]:
     if not binary.exists():
         subprocess.run(["npm", "install", "--prefix", str(NODE), "--no-audit", "--no-fund", S3RVER], check=True,
                        stdout=subprocess.DEVNULL)
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.servers import _free_port
+
     folder.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log = open(folder.parent / "s3rver.log", "ab")
