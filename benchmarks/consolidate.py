@@ -5,8 +5,9 @@ On the same cached checkpoints (written by DeepSpeed on CPU, see `benchmarks/ckp
 - `ckptflow consolidate CKPT OUT --dtype bf16` (the CLI, with its default `--verify`, and with
   `--no-verify`);
 - DeepSpeed's `zero_to_torch.py CKPT OUT --dtype bfloat16`, the copy DeepSpeed put in the checkpoint;
-- an I/O floor: a plain-Python process that reads exactly the fp32 master bytes and writes as many
-  bytes as the bf16 output, then fsyncs (no torch, no cast, no hash);
+- an I/O floor (`benchmarks/floor.py`, the one the reshard and MoE benchmarks use): a plain-Python
+  process that reads exactly the fp32 master bytes and writes as many bytes as the bf16 output as
+  ckptflow writes (O_DIRECT where the file system takes it), then fsyncs (no torch, no cast, no hash);
 - "work only" rows: the same two conversions as library calls, timed inside the process after their
   imports (DeepSpeed's converter needs torch, over a second to import here; ckptflow's casts with
   numpy and never imports it), to separate the work from start-up.
@@ -84,24 +85,7 @@ def floor_plan(ckpt: Path) -> dict[str, object]:
     index = load_index(str(ckpt))
     plan = plan_consolidation(index, ConsolidateOptions(dtype="bf16"))
     ranges = [[part.fp32.uri, *part.fp32.byte_range] for row in index.partitions for part in row]
-    return {"ranges": ranges, "out_bytes": plan.file_bytes, "params": index.numel}
-
-
-def io_floor(spec_path: str, out: str) -> None:
-    """Subprocess body of the I/O floor: read the ranges, write out_bytes, fsync. Plain Python."""
-    spec = json.loads(Path(spec_path).read_text())
-    buffer = bytearray(32 << 20)
-    view = memoryview(buffer)
-    for uri, start, end in spec["ranges"]:
-        with open(uri, "rb", buffering=0) as fh:
-            fh.seek(start)
-            while start < end:
-                start += fh.readinto(view[:min(len(view), end - start)])
-    written = 0
-    with open(out, "wb", buffering=0) as fh:
-        while written < spec["out_bytes"]:
-            written += fh.write(view[:min(len(view), spec["out_bytes"] - written)])
-        os.fsync(fh.fileno())
+    return {"ranges": ranges, "out_bytes": plan.file_bytes, "params": index.numel, "fsync": True}
 
 
 def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
@@ -111,7 +95,7 @@ def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
         "ckptflow --no-verify": [py, "-m", "ckptflow.cli", "consolidate", str(ckpt), str(out), "--dtype", "bf16",
                                  "--no-verify"],
         "deepspeed zero_to_torch.py": [py, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out), "--dtype", "bfloat16"],
-        "I/O floor": [py, str(Path(__file__).resolve()), "--io-floor", str(floor_spec), str(out / "floor.bin")],
+        "I/O floor": [py, str(Path(__file__).resolve().with_name("floor.py")), str(floor_spec), str(out / "floor.bin")],
         "work only: ckptflow (verify)": [py, str(Path(__file__).resolve()), "--work", "ckptflow", str(ckpt), str(out)],
         "work only: ckptflow --no-verify": [py, str(Path(__file__).resolve()), "--work", "ckptflow-no-verify",
                                             str(ckpt), str(out)],
@@ -120,7 +104,7 @@ def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
 
 
 def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[Measure], dict[str, object]]:
-    from benchmarks.results import run_measured  # here: the script also runs as a plain file (--io-floor)
+    from benchmarks.results import run_measured
 
     plan = floor_plan(ckpt)
     scratch = Path(tempfile.mkdtemp(prefix="ckptflow-bench-", dir=REPO_ROOT / "benchmarks" / ".data"))
@@ -195,12 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--write-results", action="store_true", help="replace the Consolidate section of RESULTS.md")
-    parser.add_argument("--io-floor", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--work", nargs=3, metavar=("KIND", "CKPT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.io_floor:
-        io_floor(*args.io_floor)
-        return
     if args.work:
         kind, ckpt, out = args.work
         work(kind.removesuffix("-no-verify"), ckpt, out, verify=not kind.endswith("-no-verify"))

@@ -11,7 +11,8 @@ ZeRO-3 to show whether memory stays flat as the model grows. They are built once
 Contenders, each a fresh process under `/usr/bin/time` (wall time, peak RSS):
 
 - `ckptflow consolidate CKPT OUT --dtype bf16` (Hugging Face names, fused experts), with its default
-  `--verify` and with `--no-verify`;
+  `--verify` and with `--no-verify`; and the same two as library calls timed after their imports
+  ("work only", `benchmarks.consolidate --work`), to separate the work from the start-up;
 - `ckptflow reshard CKPT OUT --world-size 4` (ep 2 kept; dense groups over 4 ranks, experts over
   expert data-parallel groups of 2), with its default fsync and with `--no-fsync`;
 - `python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/TAG --output_folder OUT`: DeepSpeed's
@@ -202,6 +203,10 @@ def bench(ckpt: Path, repeat: int, scratch: Path, *, with_ds: bool = True) -> tu
     commands = {
         "ckptflow consolidate": consolidate,
         "ckptflow consolidate --no-verify": consolidate + ["--no-verify"],
+        # The same conversions as library calls, timed after their imports (benchmarks.consolidate --work).
+        "ckptflow consolidate, work only": [py, "-m", "benchmarks.consolidate", "--work", "ckptflow", str(ckpt), str(out)],
+        "ckptflow consolidate --no-verify, work only": [py, "-m", "benchmarks.consolidate", "--work",
+                                                        "ckptflow-no-verify", str(ckpt), str(out)],
         "ckptflow reshard 2->4": reshard,
         "ckptflow reshard 2->4 --no-fsync": reshard + ["--no-fsync"],
         "I/O floor consolidate": [py, floor, str(floors["consolidate"]), str(out / "floor.bin")],
@@ -314,8 +319,8 @@ def targets(results: dict[MoESpec, dict[str, Measure]], specs: list[MoESpec]) ->
     for run in ("ckptflow consolidate", "ckptflow reshard 2->4 --no-fsync", "ckptflow reshard 2->4"):
         speed = [results[s][DS].seconds / results[s][run].seconds for s in (big3, big2)]
         row(f"speed-up over ds_to_universal, {run}", ">= 10", speed, min(speed) >= 10)
-    for run in ("ckptflow consolidate", "ckptflow consolidate --no-verify", "ckptflow reshard 2->4",
-                "ckptflow reshard 2->4 --no-fsync"):
+    for run in ("ckptflow consolidate", "ckptflow consolidate --no-verify", "ckptflow consolidate, work only",
+                "ckptflow consolidate --no-verify, work only", "ckptflow reshard 2->4", "ckptflow reshard 2->4 --no-fsync"):
         ratio = [results[s][run].seconds / results[s][floor_of(run)].seconds for s in (big3, big2)]
         row(f"time / I/O floor, {run}", "<= 1.3", ratio, max(ratio) <= 1.3)
     lines += ["", f"**Peak memory as the ZeRO-3 model doubles ({small3.layers} -> {big3.layers} layers, "

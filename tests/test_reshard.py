@@ -281,6 +281,7 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
 
     from ckptflow.formats import torchsave
     from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span
+    from ckptflow.plumbing import direct
 
     monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 5 * 4096)
     src = tmp_path / "src.bin"
@@ -291,8 +292,8 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
            "small": OutTensor(OutStorage("bfloat16", 10, [Span(str(src), 7, 6, 2)])),
            "zeros": OutTensor(OutStorage("float16", 9_999)), "empty": OutTensor(OutStorage("int64", 0))}
     opened: list[int] = []
-    real_open_direct = torchsave._open_direct
-    monkeypatch.setattr(torchsave, "_open_direct", lambda path: opened.append(real_open_direct(path)) or opened[-1])
+    real_open_direct = direct.open_direct
+    monkeypatch.setattr(torchsave, "open_direct", lambda path: opened.append(real_open_direct(path)) or opened[-1])
     written = {}
     for label, threads in (("direct", 3), ("direct-one-thread", 1)):
         written[label] = tmp_path / label / "out.pt"
@@ -302,7 +303,7 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
     probe.touch()
     if real_open_direct(str(probe)) >= 0:  # this file system takes direct I/O: the writer used it
         assert opened and all(fd >= 0 for fd in opened)
-    monkeypatch.setattr(torchsave, "_O_DIRECT", 0)
+    monkeypatch.setattr(direct, "O_DIRECT", 0)
     written["page-cache"] = tmp_path / "page-cache" / "out.pt"
     written["page-cache"].parent.mkdir()
     torchsave.write_archive(str(written["page-cache"]), obj, SourceReader(chunk_bytes=2 * 4096), threads=3)

@@ -7,9 +7,11 @@ plain (no plan, no index, no callable), so it pickles to a Dask worker as well a
 reads (one `fs.cat_ranges` round per batch on a bucket, `preadv` on a local disk: straight into the
 output buffer when no cast is needed, through a small scratch buffer when one is; never a memory map,
 which a file truncated by another process would turn into a SIGBUS), cast on the way (numpy,
-`formats.casts`: no torch), hashed as written; with `verify`, each range is read back and compared with
-an independent read of the source (`formats.shard_check`): on a local disk by a checker thread that
-follows the writer, on a bucket once the object is written. It reports the shard
+`formats.casts`: no torch), hashed as written, and on a local disk written with direct I/O (whole blocks
+from the buffers to the disk, no copy into the page cache: `plumbing.direct`); with `verify`, each range
+is read back and compared with an independent read of the source (`formats.shard_check`): on a local
+disk by a checker thread that follows the writer and reads from the disk, on a bucket once the object
+is written. It reports the shard
 as `plumbing.staging.Written` (size, the checksum the store will report, the store's stamp), which
 the coordinator checks before the commit. A job is safe to run again: it rewrites its file with the
 same bytes. `run_unit(plan, unit, staging)` is `run_job(shard_job(plan, unit, staging))`.
@@ -37,6 +39,7 @@ from ckptflow.formats.casts import cast_into
 from ckptflow.formats.shard_check import verify_shard
 from ckptflow.formats.torchzip import DTYPE_SIZES
 from ckptflow.plumbing.checksums import Digests, digests_for
+from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
 from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
@@ -154,11 +157,13 @@ class _Watermark:
             self._abandoned = True
             self._cond.notify_all()
 
-    def wait_for(self, nbytes: int) -> None:
+    def wait_for(self, nbytes: int) -> int:
+        """Wait until at least `nbytes` are written; returns how many are."""
         with self._cond:
             self._cond.wait_for(lambda: self._bytes >= nbytes or self._abandoned)
             if self._bytes < nbytes:
                 raise Cancelled(f"the write stopped before byte {nbytes}")
+            return self._bytes
 
 
 def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
@@ -200,15 +205,27 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
 
 class _ShardWriter:
     """Three stages overlap, on up to three buffers: a reader thread fills batch i+2 (reads + casts)
-    while this thread writes batch i+1 and a hasher thread hashes batch i. On a local disk a flusher
-    thread keeps an fdatasync of what is written so far going, so the disk writes while the CPU
-    casts and the final fsync has little left to do."""
+    while this thread writes batch i+1 and a hasher thread hashes batch i.
+
+    On a local disk the data goes out with direct I/O where the file system takes it
+    (`plumbing.direct`): each batch sits in page-aligned memory at its place within a disk block, and
+    whole blocks go from the buffer to the disk with no copy into the page cache. Without direct I/O
+    a flusher thread keeps an fdatasync of what is written so far going, so the disk writes while the
+    CPU casts and the final fsync has little left to do."""
 
     def __init__(self, fh: Any, uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
                  store: Digests | None = None) -> None:
         self.fh, self.uri, self.local, self.layout, self.batches = fh, uri, is_local(uri), layout, batches
+        self.direct = open_direct(local_path(uri)) if self.local else -1
+        self.blocks: BlockWriter | None = None
         out_cap = max((b.out_nbytes for b in batches), default=0)
-        self.buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(max(1, min(3, len(batches))))]
+        count = max(1, min(3, len(batches)))
+        if self.direct >= 0:  # room for the end of the previous batch's last block in front of each
+            self.buffers = [np.frombuffer(aligned_buffer(BLOCK + out_cap), dtype=np.uint8) for _ in range(count)]
+            self.places = [BlockWriter.place(layout.data_start + b.file_start) for b in batches]
+        else:
+            self.buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(count)]
+            self.places = [0] * len(batches)
         self.hashed: list[Any] = [None] * len(self.buffers)  # the pending hash of what each buffer holds
         self.sha256 = hashlib.sha256(layout.header)
         self.store = store
@@ -217,30 +234,46 @@ class _ShardWriter:
         self.flushing: Any = None  # a pending fdatasync of what has been written so far (local disk)
 
     def write(self, progress: Progress, stopped: Callable[[], bool], written: Callable[[int], None] | None) -> str:
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as self.reader, \
-                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-hash") as self.hashing, \
-                ThreadPoolExecutor(1, thread_name_prefix="ckptflow-flush") as self.flusher:
-            self.fh.write(self.layout.header)
-            if written is not None:
-                self.fh.flush()
-                written(len(self.layout.header))
-            done, total = 0, sum(b.out_nbytes for b in self.batches)
-            depth = max(1, len(self.buffers) - 1)  # batches being filled ahead of the one being written
-            pending = deque(self._fill(j) for j in range(min(depth, len(self.batches))))
-            for i, batch in enumerate(self.batches):
-                pending.popleft().result()
-                if stopped():
-                    raise Cancelled(self.uri)
-                if i + depth < len(self.batches):
-                    pending.append(self._fill(i + depth))
-                self._write_batch(i, batch)
-                done += batch.out_nbytes
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-read") as self.reader, \
+                    ThreadPoolExecutor(1, thread_name_prefix="ckptflow-hash") as self.hashing, \
+                    ThreadPoolExecutor(1, thread_name_prefix="ckptflow-flush") as self.flusher:
+                self._write_header(written)
+                done, total = 0, sum(b.out_nbytes for b in self.batches)
+                depth = max(1, len(self.buffers) - 1)  # batches being filled ahead of the one being written
+                pending = deque(self._fill(j) for j in range(min(depth, len(self.batches))))
+                for i, batch in enumerate(self.batches):
+                    pending.popleft().result()
+                    if stopped():
+                        raise Cancelled(self.uri)
+                    if i + depth < len(self.batches):
+                        pending.append(self._fill(i + depth))
+                    out = self._write_batch(i, batch)
+                    done += batch.out_nbytes
+                    if written is not None:
+                        if self.blocks is None:
+                            self.fh.flush()
+                        written(out)
+                    progress(done, total)
+                self._finish()
                 if written is not None:
-                    self.fh.flush()
-                    written(len(self.layout.header) + done)
-                progress(done, total)
-            self._finish()
+                    written(self.layout.file_size)
+        finally:
+            if self.direct >= 0:
+                os.close(self.direct)
         return self.sha256.hexdigest()
+
+    def _write_header(self, written: Callable[[int], None] | None) -> None:
+        if self.direct >= 0:
+            self.blocks = BlockWriter(self.fh.fileno(), self.direct, self.layout.header)
+            out = self.blocks.done
+        else:
+            self.fh.write(self.layout.header)
+            out = len(self.layout.header)
+        if written is not None:
+            if self.blocks is None:
+                self.fh.flush()
+            written(out)
 
     def _hash(self, view: memoryview) -> None:
         self.sha256.update(view)
@@ -248,20 +281,25 @@ class _ShardWriter:
             self.store.update(view)
 
     def _fill(self, j: int) -> Any:
-        slot = j % len(self.buffers)
+        slot, place, batch = j % len(self.buffers), self.places[j], self.batches[j]
         if self.hashed[slot] is not None:
             self.hashed[slot].result()
-        return self.reader.submit(_fill, self.batches[j], self.buffers[slot])
+        return self.reader.submit(_fill, batch, self.buffers[slot][place:place + batch.out_nbytes])
 
-    def _write_batch(self, i: int, batch: Batch) -> None:
-        view = memoryview(self.buffers[i % len(self.buffers)])[:batch.out_nbytes]
+    def _write_batch(self, i: int, batch: Batch) -> int:
+        """Write batch i; returns how many leading bytes of the file are written now."""
+        buffer, place = memoryview(self.buffers[i % len(self.buffers)]), self.places[i]
+        view = buffer[place:place + batch.out_nbytes]
         self.hashed[i % len(self.buffers)] = self.hashing.submit(self._hash, view)
+        if self.blocks is not None:
+            return self.blocks.write(buffer, self.layout.data_start + batch.file_start, batch.out_nbytes)
         self.fh.write(view)
         if self.local and (self.flushing is None or self.flushing.done()):
             if self.flushing is not None:
                 self.flushing.result()
             self.fh.flush()
             self.flushing = self.flusher.submit(_datasync, self.fh.fileno())  # the disk writes while we cast
+        return self.layout.data_start + batch.file_start + batch.out_nbytes
 
     def _finish(self) -> None:
         for future in self.hashed:
@@ -269,6 +307,9 @@ class _ShardWriter:
                 future.result()
         if self.flushing is not None:
             self.flushing.result()
+        if self.blocks is not None:
+            self.blocks.close()
+            os.ftruncate(self.fh.fileno(), self.layout.file_size)  # the direct-I/O probe wrote a whole block
         if self.local:
             self.fh.flush()
             os.fsync(self.fh.fileno())

@@ -13,7 +13,10 @@ the source through it too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import os
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, scalar
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.plumbing.progress import Progress
-from ckptflow.plumbing.storage import is_local, local_path, open_fs, read_into
+from ckptflow.plumbing.direct import BLOCK, O_DIRECT, aligned_buffer
+from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs, read_into
 from ckptflow.plumbing.redaction import describe
 
 
@@ -64,6 +68,70 @@ class _Bytes:
         raw = self.scratch[:end - start]
         read_into([(uri, start, end, memoryview(raw))])
         yield raw
+
+
+class _ShardBytes(_Bytes):
+    """The shard's own bytes, read back in windows of up to `window` bytes, with direct I/O where its
+    file system takes it: from the disk itself (not what the page cache kept of the write), into
+    page-aligned memory, with no copy into the page cache. A window starts on the block before the
+    range asked for and covers the chunks after it too, so that tensors of a few hundred KB are not
+    each a round trip to the disk. `written`, when set, is how many leading bytes of the file the
+    writer has written: a window never keeps bytes past it."""
+
+    def __init__(self, uri: str, window: int) -> None:
+        self.uri, self.window = uri, window
+        self.fd: int | None = None if O_DIRECT and is_local(uri) else -1  # opened at the first read
+        self.scratch = np.frombuffer(aligned_buffer(window + 2 * BLOCK), dtype=np.uint8)
+        self.lo = self.hi = 0  # the scratch holds file bytes [lo, hi)
+        self.written: int | None = None
+
+    def close(self) -> None:
+        if self.fd is not None and self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
+
+    def _open(self) -> int:
+        if self.fd is None:
+            try:
+                self.fd = os.open(local_path(self.uri), os.O_RDONLY | O_DIRECT)
+            except OSError:
+                self.fd = -1
+        return self.fd
+
+    @contextlib.contextmanager
+    def get(self, uri: str, start: int, end: int) -> Iterator[Any]:
+        if uri != self.uri or self._open() < 0:
+            with super().get(uri, start, end) as raw:
+                yield raw
+            return
+        if not (self.lo <= start and end <= self.hi):
+            try:
+                self._read(start, end)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.close()  # the file system takes direct writes but not these reads: the page cache then
+                with super().get(uri, start, end) as raw:
+                    yield raw
+                return
+        yield self.scratch[start - self.lo:end - self.lo]
+
+    def _read(self, start: int, end: int) -> None:
+        assert end - start <= self.window
+        valid = max(end, self.written) if self.written is not None else None
+        lo = start - start % BLOCK
+        hi = lo + self.window if valid is None else max(end, min(lo + self.window, valid))
+        hi = -(-hi // BLOCK) * BLOCK
+        self.lo = self.hi = lo
+        pos = lo
+        while pos < hi:
+            n = os.preadv(self._open(), [memoryview(self.scratch)[pos - lo:hi - lo]], pos)
+            if n <= 0:
+                break
+            pos += n
+        if pos < end:
+            raise ShortRead(self.uri, start, end, max(0, pos - start))
+        self.hi = pos if valid is None else min(pos, valid)
 
 
 def read_source_into(tensor: SourceTensor, lo: int, hi: int, out: np.ndarray, dtype: str,
@@ -116,13 +184,14 @@ def verify_shard(
     sha256: str | None = None,
     chunk_bytes: int = 32 << 20,
     progress: Progress | None = None,
-    written: Callable[[int], None] | None = None,
+    written: Callable[[int], int | None] | None = None,
 ) -> ShardCheck:
     """Check the safetensors file at `uri` holds exactly `tensors`, each equal to its source cast to
     its dtype, byte for byte. With `sha256`, also check the file hashes to it.
 
     With `written`, the check runs while the file is still being written: `written(n)` must return
-    once the first n bytes of the file are written (and raise if they never will be). Each range is
+    once the first n bytes of the file are written (and raise if they never will be); it may return
+    how many are. Each range is
     then read back as soon as it exists, and the whole-file checks (size, header, what the
     safetensors library sees) come last instead of first. `progress(done, total)` counts the
     tensor bytes checked.
@@ -151,37 +220,42 @@ def _chunks(layout: hf.SafetensorsLayout, step: int) -> list[tuple[hf.TensorSlot
 
 
 def _compare_data(uri: str, expected: hf.SafetensorsLayout, by_name: dict[str, SourceTensor], chunk_bytes: int,
-                  hasher: Any, progress: Progress | None, written: Callable[[int], None] | None) -> None:
-    """Compare every chunk of the file's data with the source's. The source side of chunk i+1 is read
-    and cast on a helper thread while chunk i is compared here."""
+                  hasher: Any, progress: Progress | None, written: Callable[[int], int | None] | None) -> None:
+    """Compare every chunk of the file's data with the source's. The source side of the next
+    `_AHEAD` chunks is read and cast on a helper thread while chunk i is compared here (and, while the
+    file is still being written, while this thread waits for the writer)."""
     step = max(8, chunk_bytes // 8)  # elements per chunk: at most chunk_bytes of the widest dtype
     chunks = _chunks(expected, step)
-    wants = [np.empty(step * 8, dtype=np.uint8) for _ in range(2)]
-    shard, source = _Bytes(step * 8), _Bytes(step * 8)
+    wants = [np.empty(step * 8, dtype=np.uint8) for _ in range(min(_AHEAD, len(chunks)))]
+    shard, source = _ShardBytes(uri, step * 8), _Bytes(step * 8)
     total = expected.file_size - expected.data_start
     done = 0
 
     def expect(i: int) -> np.ndarray:
         """Chunk i as the source says it must be (read + cast), in a buffer of its own."""
         slot, lo, hi = chunks[i]
-        want = wants[i % 2][:(hi - lo) * hf.itemsize(slot.dtype)]
+        want = wants[i % len(wants)][:(hi - lo) * hf.itemsize(slot.dtype)]
         read_source_into(by_name[slot.name], lo, hi, want, slot.dtype, source)
         return want
 
-    with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-verify") as helper:
-        pending = [helper.submit(expect, 0)] if chunks else []
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-verify") as helper, contextlib.closing(shard):
+        pending = deque(helper.submit(expect, i) for i in range(len(wants)))
         for i, (slot, lo, hi) in enumerate(chunks):
-            want = pending.pop().result()
-            if i + 1 < len(chunks):
-                pending.append(helper.submit(expect, i + 1))
+            want = pending.popleft().result()
             nbytes = (hi - lo) * hf.itemsize(slot.dtype)
             start = expected.data_start + slot.begin + lo * hf.itemsize(slot.dtype)
             if written is not None:
-                written(start + nbytes)
+                mark = written(start + nbytes)
+                shard.written = mark if isinstance(mark, int) else start + nbytes
             _compare_chunk(uri, shard, start, want, slot, lo, hasher)
+            if i + len(wants) < len(chunks):  # chunk i's buffer is free again
+                pending.append(helper.submit(expect, i + len(wants)))
             done += nbytes
             if progress:
                 progress(done, total)
+
+
+_AHEAD = 3  # source chunks read and cast ahead of the comparison
 
 
 def _compare_chunk(uri: str, shard: _Bytes, start: int, want: np.ndarray, slot: hf.TensorSlot, lo: int,

@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 from ckptflow.errors import CkptflowError, CorruptFileError, OutputError
 from ckptflow.formats.serialization_id import serialization_id
 from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
+from ckptflow.plumbing.direct import BLOCK, aligned_buffer, open_direct, pwrite_all
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
 from ckptflow.plumbing.redaction import describe
@@ -396,8 +397,6 @@ class _ZipWriter:
 
 
 _ZEROS = bytes(1 << 20)
-_BLOCK = 4096  # direct I/O alignment of offsets, lengths and memory (no logical block size in use is larger)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where there is none; tests set it to 0 for the page-cache path
 
 
 def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Advance | None) -> Iterator[memoryview | bytes]:
@@ -488,7 +487,7 @@ def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         os.ftruncate(fd, data_end)  # direct writes then stay inside the file
-        direct = _open_direct(path) if jobs else -1
+        direct = open_direct(path) if jobs else -1
         try:
             results = _fill_pieces(jobs, direct if direct >= 0 else fd, reader, progress, threads)
         finally:
@@ -506,7 +505,7 @@ def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage
         _write_trailing_records(zw)
         zw.close()
         for offset, chunk in layout.writes + edges:
-            _pwrite_all(fd, chunk, offset)
+            pwrite_all(fd, chunk, offset)
         os.ftruncate(fd, zw.pos)  # the direct-I/O probe may have written past the end of a small file
     finally:
         os.close(fd)
@@ -520,35 +519,14 @@ def _piece_bounds(at: int, nbytes: int) -> list[tuple[int, int]]:
     return [(x, y) for x, y in zip(cuts, cuts[1:]) if y > x]
 
 
-def _open_direct(path: str) -> int:
-    """A second descriptor of `path` with O_DIRECT, or -1 where the file system refuses direct I/O
-    (tmpfs on older kernels, some network and FUSE file systems) or our alignment: one block of
-    zeros is written at offset 0 to find out (the archive's header overwrites it later)."""
-    if not _O_DIRECT:
-        return -1
-    try:
-        fd = os.open(path, os.O_WRONLY | _O_DIRECT)
-    except OSError:
-        return -1
-    probe = mmap.mmap(-1, _BLOCK)
-    try:
-        os.pwrite(fd, probe, 0)
-    except OSError:
-        os.close(fd)
-        return -1
-    finally:
-        probe.close()
-    return fd
-
-
 def _fill_pieces(jobs: list[tuple[OutStorage, int, int, int]], fd: int, reader: SourceReader,
                  progress: Advance | None, threads: int) -> list[tuple[int, list[tuple[int, bytes]]]]:
     """Run `_fill_piece` on every job with `threads` threads, each with its own block-aligned buffer;
     stops the others at the first error and raises it."""
-    chunk = max(_BLOCK, reader.chunk_bytes // _BLOCK * _BLOCK)
+    chunk = max(BLOCK, reader.chunk_bytes // BLOCK * BLOCK)
     buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
     for _ in range(min(threads, len(jobs))):
-        buffers.put(mmap.mmap(-1, chunk + _BLOCK))  # page-aligned memory, as direct I/O needs
+        buffers.put(aligned_buffer(chunk + BLOCK))  # page-aligned memory, as direct I/O needs
     stop = threading.Event()
 
     def fill(job: tuple[OutStorage, int, int, int]) -> tuple[int, list[tuple[int, bytes]]]:
@@ -606,8 +584,8 @@ def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: S
     while c < y:
         if stop.is_set():
             return 0, []
-        d = min(y, c - c % _BLOCK + chunk)
-        view = buffer[c % _BLOCK:c % _BLOCK + d - c]
+        d = min(y, c - c % BLOCK + chunk)
+        view = buffer[c % BLOCK:c % BLOCK + d - c]
         for span, pos, length in _sources(storage, c - at, d - at):
             part = view[pos - (c - at):pos - (c - at) + length]
             if span is None:
@@ -618,23 +596,16 @@ def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: S
                 if progress is not None:
                     progress(length)
         crc = crc32(view, crc)
-        head = min(len(view), -c % _BLOCK)
-        whole = (len(view) - head) // _BLOCK * _BLOCK
+        head = min(len(view), -c % BLOCK)
+        whole = (len(view) - head) // BLOCK * BLOCK
         if head:
             edges.append((c, bytes(view[:head])))
         if whole:
-            _pwrite_all(fd, view[head:head + whole], c + head)
+            pwrite_all(fd, view[head:head + whole], c + head)
         if head + whole < len(view):
             edges.append((c + head + whole, bytes(view[head + whole:])))
         c = d
     return crc, edges
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def archive_size(name: str, data: bytes, storages: Sequence[OutStorage]) -> int:
