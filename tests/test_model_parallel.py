@@ -307,16 +307,26 @@ def test_megatron_rules_that_average_are_refused(parallel_fixtures: Mapping[str,
 
 
 def test_zero0_in_bf16_is_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
-    """No bf16 ZeRO-0 checkpoint was at hand to verify a reading (its masters sit in unnamed optimizer
-    state): a fp32 one relabelled bf16 stands in for the message."""
+    """bf16 ZeRO-0 keeps its masters in unnamed optimizer state (`fp32_groups_flat`, see
+    formats/deepspeed/zero0.py). A fp32 checkpoint stands in, relabelled bf16 and with its `optimizer`
+    in the shape DeepSpeed 0.19.8's FP16_Optimizer saves (the keys a bf16 ZeRO-0 run on CPU wrote): the
+    refusal is the one problem, not a "damaged" file (the fixture writer cannot gather an
+    FP16_Optimizer's masters per parameter, so there is no such fixture)."""
     ckpt = copy_checkpoint(parallel_extra_fixtures["zero-dp2-z0-fp32"], tmp_path)
     model = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
-    rewrite(model, lambda s: s["ds_config"]["bf16"].update(enabled=True))
+
+    def as_bf16(state: dict) -> None:
+        state["ds_config"]["bf16"].update(enabled=True)
+        flat = torch.cat([p.detach().float().reshape(-1) for p in state["module"].values()])
+        state["module"] = {name: p.to(torch.bfloat16) for name, p in state["module"].items()}
+        state["optimizer"] = {"optimizer_state_dict": state["optimizer"], "fp32_groups_flat": [flat], "clip_grad": 1.0}
+
+    rewrite(model, as_bf16)
     assert messages(ckpt) == [(
         "unsupported-precision", f"{model} is a ZeRO-0 checkpoint trained in bf16: its fp32 master weights live in the "
-        "optimizer state, which DeepSpeed saves by index with no parameter names, and ckptflow has not verified a reading "
-        "of it; save the 16-bit weights with `engine.save_16bit_model()`, or train with ZeRO-1 or higher to get named "
-        "fp32 master weights")]
+        "optimizer state (`fp32_groups_flat`, one flat tensor per param group), which names no parameters, so ckptflow "
+        "cannot place them; save the 16-bit weights with `engine.save_16bit_model()`, or train with ZeRO-1 or higher "
+        "to get named fp32 master weights")]
 
 
 # ---- the piece arithmetic, against torch ---------------------------------------------------------------

@@ -82,7 +82,9 @@ def load_index(uri: str, tag: str | None = None) -> ModelSource:
     index, problems, _ = inspect(uri, tag)
     if problems or index is None:
         first = problems[0]
-        more = f" (and {len(problems) - 1} more problems; run `ckptflow validate {uri}`)" if len(problems) > 1 else ""
+        others = len(problems) - 1
+        more = (f" (and {others} more problem{'s' if others > 1 else ''}; run `ckptflow validate {uri}`)"
+                if others else "")
         error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
         raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
     return index

@@ -8,9 +8,13 @@ the order of the client's param groups, which only the training script knows: no
 maps an index to a parameter name. So the index names the weights and counts the optimizer state,
 and says it cannot name it; consolidation writes the weights.
 
-In a bf16 or fp16 run the module holds 16-bit copies and the fp32 masters sit in that unnamed
-optimizer state (DeepSpeed's FP16_Optimizer / BF16_Optimizer); no such checkpoint was available to
-verify a reading, so they are refused with what to do instead.
+In a bf16 or fp16 run the module holds 16-bit copies and the fp32 masters sit in unnamed optimizer
+state: DeepSpeed 0.19.8 trains both at ZeRO-0 with its FP16_Optimizer (checked here by writing a bf16
+one on CPU), whose `optimizer` entry holds `fp32_groups_flat`, one flat fp32 tensor per param group,
+beside the base optimizer's state by index. Which parameters a group holds, and in which order, is the
+training script's; nothing in the file says it. They are refused with what to do instead. (bf16 at
+ZeRO-1 with fp32 gradient accumulation is DeepSpeed's BF16_Optimizer, which saves named partitions
+like ZeRO-1 and is read as such.)
 """
 
 from __future__ import annotations
@@ -102,14 +106,16 @@ def read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_r
     if head["precision"] != "fp32":
         st.add("unsupported-precision",
                f"{uri}{of} is a ZeRO-0 checkpoint trained in {head['precision']}: its fp32 master weights live in "
-               "the optimizer state, which DeepSpeed saves by index with no parameter names, and ckptflow has not "
-               "verified a reading of it; save the 16-bit weights with `engine.save_16bit_model()`, or train with "
-               "ZeRO-1 or higher to get named fp32 master weights", file=uri)
+               "the optimizer state (`fp32_groups_flat`, one flat tensor per param group), which names no "
+               "parameters, so ckptflow cannot place them; save the 16-bit weights with "
+               "`engine.save_16bit_model()`, or train with ZeRO-1 or higher to get named fp32 master weights", file=uri)
     for name, match in [*listing.optim_names.items(), *listing.model_names.items()]:
         if int(match.group(3 if name in listing.optim_names else 2)) == mp_rank and name != model_file_name(0, 0, mp_rank):
             st.add("rank-extra", f"unexpected file {st.tag}/{name}: a ZeRO-0 checkpoint{of} has only "
                    f"{model_file_name(0, 0, mp_rank)}; it is left over from another save into the same tag folder: "
                    "remove it, or re-save the checkpoint into a fresh folder", file=join(listing.tag_uri, name))
+    if head["precision"] != "fp32":
+        st.stop_if_any()  # its optimizer entry is an FP16_Optimizer's (see the module docstring): nothing more to check
     optimizer = model0.get("optimizer")
     groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
