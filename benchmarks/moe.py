@@ -204,7 +204,8 @@ def bench(ckpt: Path, repeat: int, scratch: Path, *, with_ds: bool = True) -> tu
         "ckptflow consolidate": consolidate,
         "ckptflow consolidate --no-verify": consolidate + ["--no-verify"],
         # The same conversions as library calls, timed after their imports (benchmarks.consolidate --work).
-        "ckptflow consolidate, work only": [py, "-m", "benchmarks.consolidate", "--work", "ckptflow", str(ckpt), str(out)],
+        "ckptflow consolidate, work only": [py, "-m", "benchmarks.consolidate", "--work", "ckptflow", str(ckpt),
+                                            str(out)],
         "ckptflow consolidate --no-verify, work only": [py, "-m", "benchmarks.consolidate", "--work",
                                                         "ckptflow-no-verify", str(ckpt), str(out)],
         "ckptflow reshard 2->4": reshard,
@@ -320,7 +321,8 @@ def targets(results: dict[MoESpec, dict[str, Measure]], specs: list[MoESpec]) ->
         speed = [results[s][DS].seconds / results[s][run].seconds for s in (big3, big2)]
         row(f"speed-up over ds_to_universal, {run}", ">= 10", speed, min(speed) >= 10)
     for run in ("ckptflow consolidate", "ckptflow consolidate --no-verify", "ckptflow consolidate, work only",
-                "ckptflow consolidate --no-verify, work only", "ckptflow reshard 2->4", "ckptflow reshard 2->4 --no-fsync"):
+                "ckptflow consolidate --no-verify, work only", "ckptflow reshard 2->4",
+                "ckptflow reshard 2->4 --no-fsync"):
         ratio = [results[s][run].seconds / results[s][floor_of(run)].seconds for s in (big3, big2)]
         row(f"time / I/O floor, {run}", "<= 1.3", ratio, max(ratio) <= 1.3)
     lines += ["", f"**Peak memory as the ZeRO-3 model doubles ({small3.layers} -> {big3.layers} layers, "

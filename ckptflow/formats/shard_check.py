@@ -191,10 +191,9 @@ def verify_shard(
 
     With `written`, the check runs while the file is still being written: `written(n)` must return
     once the first n bytes of the file are written (and raise if they never will be); it may return
-    how many are. Each range is
-    then read back as soon as it exists, and the whole-file checks (size, header, what the
-    safetensors library sees) come last instead of first. `progress(done, total)` counts the
-    tensor bytes checked.
+    how many are. Each range is then read back as soon as it exists, and the whole-file checks (size,
+    header, what the safetensors library sees) come last instead of first. `progress(done, total)`
+    counts the tensor bytes checked.
     """
     expected = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     size = _check_file(uri, expected) if written is None else 0

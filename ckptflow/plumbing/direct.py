@@ -61,11 +61,11 @@ class BlockWriter:
     buffered) in pieces that each sit in page-aligned memory at `offset % BLOCK` bytes past the
     start of their buffer (see `place`).
 
-    `head`, the file's first bytes, is written first. `write(buffer, offset, nbytes)` writes the piece at file bytes [offset, offset + nbytes) whose
-    bytes are `buffer[offset % BLOCK:offset % BLOCK + nbytes]`; the head of the buffer, [0, offset %
-    BLOCK), is overwritten with the end of the previous piece so that the write starts on a block.
-    Returns how many leading bytes of the file are now written. `close()` writes the last partial
-    block through the page cache and returns the file's size.
+    `head`, the file's first bytes, is written first. `write(buffer, offset, nbytes)` writes the piece
+    at file bytes [offset, offset + nbytes), whose bytes are `buffer[offset % BLOCK:offset % BLOCK +
+    nbytes]`; the head of the buffer, [0, offset % BLOCK), is overwritten with the end of the previous
+    piece so that the write starts on a block. Returns how many leading bytes of the file are now
+    written. `close()` writes the last partial block through the page cache and returns the file's size.
     """
 
     def __init__(self, fd: int, direct: int, head: bytes = b"") -> None:
