@@ -221,7 +221,11 @@ class _ShardWriter:
         out_cap = max((b.out_nbytes for b in batches), default=0)
         count = max(1, min(3, len(batches)))
         if self.direct >= 0:  # room for the end of the previous batch's last block in front of each
-            self.buffers = [np.frombuffer(aligned_buffer(BLOCK + out_cap), dtype=np.uint8) for _ in range(count)]
+            try:
+                self.buffers = [np.frombuffer(aligned_buffer(BLOCK + out_cap), dtype=np.uint8) for _ in range(count)]
+            except BaseException:
+                os.close(self.direct)  # `write` closes it otherwise
+                raise
             self.places = [BlockWriter.place(layout.data_start + b.file_start) for b in batches]
         else:
             self.buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(count)]
