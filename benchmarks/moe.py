@@ -170,20 +170,10 @@ def floor_spec(ckpt: Path, scratch: Path, out_bytes: dict[str, int]) -> dict[str
     return specs
 
 
-def warm(ckpt: Path) -> None:
-    for path in sorted(ckpt.rglob("*.pt")):
-        with open(path, "rb", buffering=0) as fh:
-            while fh.read(64 << 20):
-                pass
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def bench(ckpt: Path, repeat: int, scratch: Path, *, with_ds: bool = True) -> tuple[list[Measure], dict[str, int]]:
     import subprocess
 
+    from benchmarks.reshard import folder_bytes, warm
     from benchmarks.results import run_measured
 
     py = sys.executable
