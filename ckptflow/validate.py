@@ -14,7 +14,7 @@ from typing import Any
 from ckptflow.formats.deepspeed.checkpoint import inspect, zero_index
 from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint, Replica
-from ckptflow.formats.deepspeed.tensors import ModelSource
+from ckptflow.formats.deepspeed.tensors import ModelSource, plain_runs
 from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint
 from ckptflow.formats.casts import count_non_finite
 from ckptflow.formats.deepspeed.layout import zero3_real
@@ -149,7 +149,7 @@ def _compare_replicas(replicas: tuple[Replica, ...], index: ModelParallelCheckpo
 def _aligned(runs: tuple[Any, ...], other: tuple[Any, ...]) -> list[tuple[int, Any, int, Any, int, int]]:
     """(full offset, ref, start, other ref, other start, numel) segments where two run lists that cover
     the same elements of a tensor line up."""
-    a, b = sorted(runs, key=lambda r: r.offset), sorted(other, key=lambda r: r.offset)
+    a, b = plain_runs(runs), plain_runs(other)
     out, i, j, ia, jb = [], 0, 0, 0, 0  # ia / jb: elements of a[i] / b[j] already used
     while i < len(a) and j < len(b):
         ra, rb = a[i], b[j]

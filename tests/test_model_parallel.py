@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -101,6 +102,34 @@ def test_consolidate_equals_the_live_engine_bit_for_bit(fixture: ParallelFixture
     if fixture.layout in ("pipe", "megatron"):
         assert not (tmp_path / "out" / "config.json").exists()
         assert any("PipelineModule" in note for note in provenance["source"]["notes"])
+
+
+@pytest.mark.parametrize("where,chunk_bytes", [("local", 100), ("local", 1000), ("memory", 700)])
+def test_row_parallel_rows_cut_by_batches_and_partitions(where: str, chunk_bytes: int, tmp_path: Path,
+                                                         parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """A row-parallel tensor is one strided run per stretch of a rank's partition; here ZeRO partitions
+    cut rows too, and batches of a few hundred bytes start and end mid-row. Written and `--verify`-ed
+    from a local disk and from a store read by byte ranges, it is the live engine's tensor."""
+    fixture = parallel_fixtures["autotp-tp2dp2-z1-fp32"]
+    index, _, _ = inspect(str(fixture.dir))
+    runs = [r for t in index.model_tensors() if t.name.endswith("down_proj.weight") for r in t.runs]
+    row = max(r.row for r in runs if r.rows > 1)
+    assert any(r.rows == 1 and r.numel % row for r in runs)  # a row cut by a partition boundary
+    source = str(fixture.dir)
+    if where == "memory":
+        fs = fsspec.filesystem("memory")
+        fs.put(source, "/row-parallel", recursive=True)
+        source = "memory:///row-parallel"
+    try:
+        consolidate(source, str(tmp_path / "out"), options=ConsolidateOptions(
+            dtype="bf16", chunk_bytes=chunk_bytes, max_shard_size="40KB", verify=True, workers=2))
+    finally:
+        if where == "memory":
+            fs.rm("/row-parallel", recursive=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted((tmp_path / "out").glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    check_oracle(fixture, tensors, "bf16")
 
 
 @pytest.mark.parametrize("name,dtype", [("autotp-tp2dp2-z1-fp32", "bf16"), ("autotp-glm-tp2-z3-fp32", "fp16"),
@@ -341,9 +370,11 @@ def _check_pieces(full: torch.Tensor, locals_: list[torch.Tensor], pieces: list[
     for local, rank_pieces in zip(locals_, pieces):
         local = local.reshape(-1)
         for piece in rank_pieces:
-            for dest, source, n in stretches(piece):
-                assert torch.equal(local[dest:dest + n], flat[source:source + n])
-                seen[source:source + n] += 1
+            for dest, source, n, rows, stride in stretches(piece):
+                for i in range(rows):
+                    at = source + i * stride
+                    assert torch.equal(local[dest + i * n:dest + (i + 1) * n], flat[at:at + n])
+                    seen[at:at + n] += 1
     assert bool(torch.all(seen == 1))
 
 

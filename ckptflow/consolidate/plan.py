@@ -192,7 +192,8 @@ def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = 
 @dataclass(frozen=True)
 class Copy:
     """Bytes [start, end) of `uri`, elements of `dtype`, copied to byte `dest` of the batch's output
-    buffer as `out_dtype` (cast when the two differ)."""
+    buffer as `out_dtype` (cast when the two differ). With `rows` > 1 the source bytes are that many
+    equal rows, landing `stride` bytes apart from `dest` (a row-parallel shard's rows)."""
 
     uri: str
     start: int
@@ -200,6 +201,13 @@ class Copy:
     dtype: str
     dest: int
     out_dtype: str
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def out_row(self) -> int:
+        """Output bytes per row."""
+        return (self.end - self.start) // DTYPE_SIZES[self.dtype] // self.rows * DTYPE_SIZES[self.out_dtype]
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,8 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
     """Cut a shard's data into batches of at most `chunk_bytes` output bytes and source bytes each.
 
     `slots` is (output dtype, byte offset in the data section, runs) per tensor in file order.
-    Copies of adjacent source bytes to adjacent output bytes are merged into one.
+    Copies of adjacent source bytes to adjacent output bytes are merged into one; a strided run
+    becomes one strided copy per batch for its whole rows there.
     """
     batches: list[Batch] = []
     copies: list[Copy] = []
@@ -240,11 +249,11 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
                 file_start = begin + pos * out_size
             end = min(numel, pos + room)
             for run in ordered:
-                lo, hi = max(pos, run.offset), min(end, run.offset + run.numel)
-                if lo < hi:
-                    start, stop = run.ref.element_range(run.start + (lo - run.offset), hi - lo)
+                for part in run.within(pos, end):
+                    start, stop = part.byte_range
                     _append_copy(copies, Copy(run.ref.uri, start, stop, run.ref.dtype,
-                                              out_used + (lo - pos) * out_size, dtype))
+                                              out_used + (part.offset - pos) * out_size, dtype,
+                                              part.rows, part.stride * out_size))
                     src_used += stop - start
             out_used += (end - pos) * out_size
             pos = end
@@ -255,7 +264,7 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
 
 def _append_copy(copies: list[Copy], copy: Copy) -> None:
     last = copies[-1] if copies else None
-    if last is not None and (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype,
+    if last is not None and last.rows == copy.rows == 1 and (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype,
                                                                                  copy.out_dtype) and \
             last.dest + (last.end - last.start) // DTYPE_SIZES[last.dtype] * DTYPE_SIZES[last.out_dtype] == copy.dest:
         copies[-1] = Copy(last.uri, last.start, copy.end, last.dtype, last.dest, last.out_dtype)

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from ckptflow.consolidate.plan import Batch, ConsolidationPlan, ShardUnit, plan_batches
+from ckptflow.consolidate.plan import Batch, ConsolidationPlan, Copy, ShardUnit, plan_batches
 from ckptflow.errors import CkptflowError, CorruptFileError, OutputError, SourceReadError
 from ckptflow.formats import hf
-from ckptflow.formats.casts import cast_into
+from ckptflow.formats.casts import cast_into, cast_rows_into
 from ckptflow.formats.shard_check import verify_shard
 from ckptflow.formats.torchzip import DTYPE_SIZES
 from ckptflow.plumbing.checksums import Digests, digests_for
@@ -344,19 +344,20 @@ def _fill(batch: Batch, out: np.ndarray) -> None:
         fetched = read_ranges([(batch.copies[i].uri, batch.copies[i].start, batch.copies[i].end) for i in remote])
         blobs = dict(zip(remote, fetched))
         for i, copy in enumerate(batch.copies):
+            blob = blobs.get(i)
+            if copy.rows > 1:
+                _fill_rows(copy, out, blob)
+                continue
             size, out_size = DTYPE_SIZES[copy.dtype], DTYPE_SIZES[copy.out_dtype]
             numel = (copy.end - copy.start) // size
             dest = out[copy.dest:copy.dest + numel * out_size]
-            blob = blobs.get(i)
             if blob is not None:
                 cast_into(dest, copy.out_dtype, blob, copy.dtype)
             elif copy.dtype == copy.out_dtype:
                 read_into([(copy.uri, copy.start, copy.end, memoryview(dest))])
             else:
                 per = max(1, _CAST_PIECE // size)
-                scratch = getattr(_scratch, "buffer", None)
-                if scratch is None:
-                    scratch = _scratch.buffer = np.empty(per * size, dtype=np.uint8)
+                scratch = _scratch_bytes(per * size)
                 for lo in range(0, numel, per):
                     n = min(per, numel - lo)
                     raw = scratch[:n * size]
@@ -364,6 +365,31 @@ def _fill(batch: Batch, out: np.ndarray) -> None:
                     cast_into(dest[lo * out_size:(lo + n) * out_size], copy.out_dtype, raw, copy.dtype)
     except OSError as exc:
         raise _source_error(exc, [c.uri for c in batch.copies]) from exc
+
+
+def _fill_rows(copy: Copy, out: np.ndarray, blob: Any) -> None:
+    """A strided copy: its rows, back to back in the source, land `copy.stride` bytes apart in `out`;
+    read a few rows at a time through the scratch buffer."""
+    dest = out[copy.dest:]
+    if blob is not None:
+        cast_rows_into(dest, copy.out_dtype, blob, copy.dtype, copy.rows, copy.out_row, copy.stride)
+        return
+    row = (copy.end - copy.start) // copy.rows  # source bytes per row
+    per = max(1, _CAST_PIECE // row)
+    scratch = _scratch_bytes(per * row)
+    for lo in range(0, copy.rows, per):
+        n = min(per, copy.rows - lo)
+        raw = scratch[:n * row]
+        read_into([(copy.uri, copy.start + lo * row, copy.start + (lo + n) * row, memoryview(raw))])
+        cast_rows_into(dest[lo * copy.stride:], copy.out_dtype, raw, copy.dtype, n, copy.out_row, copy.stride)
+
+
+def _scratch_bytes(nbytes: int) -> np.ndarray:
+    """This thread's scratch buffer, at least `nbytes` long."""
+    scratch = getattr(_scratch, "buffer", None)
+    if scratch is None or scratch.size < nbytes:
+        scratch = _scratch.buffer = np.empty(max(nbytes, _CAST_PIECE), dtype=np.uint8)
+    return scratch
 
 
 def _source_error(exc: BaseException, uris: Sequence[str]) -> CkptflowError:

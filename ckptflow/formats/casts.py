@@ -27,6 +27,8 @@ million float32 patterns (every exponent, rounding boundaries, NaN payloads, sub
 
 The work goes in blocks of `BLOCK` elements so that the temporaries stay in the CPU cache.
 
+`cast_rows_into` does the same into rows spread apart in the destination.
+
 `count_non_finite(raw, dtype)` counts NaN and Inf values in raw floating-point bytes, on the bits.
 """
 
@@ -159,6 +161,25 @@ def cast_into(dest: Any, out_dtype: str, src: Any, src_dtype: str) -> None:
         fn(as_array(src, src_bits), as_array(dest, out_bits))
         return
     _torch_cast_into(dest, out_dtype, src, src_dtype)
+
+
+def cast_rows_into(dest: np.ndarray, out_dtype: str, src: Any, src_dtype: str, rows: int, row: int,
+                   stride: int) -> None:
+    """`cast_into` for a destination of `rows` rows of `row` bytes, `stride` bytes apart from the start
+    of `dest` (uint8), the rows back to back in `src`: a row-parallel shard's rows in the full tensor."""
+    raw = as_array(src, np.uint8)
+    if rows == 1:
+        cast_into(dest[:row], out_dtype, raw, src_dtype)
+        return
+    if (rows - 1) * stride + row > dest.size or stride < row:
+        raise ValueError(f"{rows} rows of {row} bytes {stride} bytes apart do not fit in {dest.size} bytes")
+    view = np.lib.stride_tricks.as_strided(dest, shape=(rows, row), strides=(stride, 1))
+    if src_dtype == out_dtype:
+        np.copyto(view, raw.reshape(rows, row))
+        return
+    flat = np.empty(rows * row, dtype=np.uint8)
+    cast_into(flat, out_dtype, raw, src_dtype)
+    np.copyto(view, flat.reshape(rows, row))
 
 
 def _torch_cast_into(dest: Any, out_dtype: str, src: Any, src_dtype: str) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ckptflow.errors import VerificationError
 from ckptflow.formats import hf
-from ckptflow.formats.casts import cast_into, scalar
+from ckptflow.formats.casts import cast_into, cast_rows_into, scalar
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.plumbing.progress import Progress
 from ckptflow.plumbing.direct import BLOCK, O_DIRECT, aligned_buffer
@@ -39,6 +39,10 @@ class _Run(Protocol):
     start: int
     numel: int
     offset: int
+    rows: int
+    stride: int
+
+    def within(self, lo: int, hi: int) -> Sequence[_Run]: ...
 
 
 class SourceTensor(Protocol):
@@ -140,16 +144,18 @@ def read_source_into(tensor: SourceTensor, lo: int, hi: int, out: np.ndarray, dt
     range computed here from its `TensorRef` (not taken from the writer's batches), and cast."""
     source = source or _Bytes(0)
     size = hf.itemsize(dtype)
-    for run in tensor.runs:
-        a, b = max(lo, run.offset), min(hi, run.offset + run.numel)
-        if a >= b:
-            continue
-        start, end = run.ref.element_range(run.start + (a - run.offset), b - a)
+    for part in (part for run in tensor.runs for part in run.within(lo, hi)):
+        start, end = part.ref.element_range(part.start, part.numel)
+        dest = out[(part.offset - lo) * size:]
         try:
-            with source.get(run.ref.uri, start, end) as raw:
-                cast_into(out[(a - lo) * size:(b - lo) * size], dtype, raw, run.ref.dtype)
+            with source.get(part.ref.uri, start, end) as raw:
+                if part.rows > 1:
+                    cast_rows_into(dest, dtype, raw, part.ref.dtype, part.rows, part.numel // part.rows * size,
+                                   part.stride * size)
+                else:
+                    cast_into(dest[:part.numel * size], dtype, raw, part.ref.dtype)
         except (OSError, EOFError) as exc:
-            raise VerificationError(f"cannot read the source again to check the output ({describe(exc)})", file=run.ref.uri,
+            raise VerificationError(f"cannot read the source again to check the output ({describe(exc)})", file=part.ref.uri,
                                     hint="the checkpoint changed or became unreadable while converting; run again",
                                     ) from exc
 

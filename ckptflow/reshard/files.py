@@ -41,6 +41,7 @@ from typing import Any
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
+from ckptflow.formats.deepspeed.tensors import plain_runs
 from ckptflow.formats.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torchzip import DTYPE_SIZES, PickledObject, TensorRef
 from ckptflow.reshard.plan import RankUnit, ReshardPlan
@@ -318,8 +319,8 @@ def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]
             if ref.dtype != dtype or any(r.ref.dtype != dtype for r in runs or ()):
                 raise UnsupportedCheckpointError(f"param group holding {name} mixes dtypes {dtype} and {ref.dtype}",
                                                  tensor=name)
-            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * ref.itemsize) for r in runs] if runs is not None
-                      else [(ref.uri, *ref.byte_range, offset * ref.itemsize)])
+            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * ref.itemsize) for r in plain_runs(runs)]
+                      if runs is not None else [(ref.uri, *ref.byte_range, offset * ref.itemsize)])
             for uri, start, end, dst in pieces:
                 last = spans[-1] if spans else None
                 if last is not None and last.uri == uri and last.start + last.length == start and last.dst + last.length == dst:

@@ -32,7 +32,7 @@ from ckptflow.formats.deepspeed.layout import (BF16, ZERO3, Copy, param_alignmen
                                                zero3_sub_groups, zero12_layout)
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.tensors import Run
+from ckptflow.formats.deepspeed.tensors import Run, plain_runs
 from ckptflow.formats.torchzip import DTYPE_SIZES
 from ckptflow.reshard.plan import (DEFAULT_SUB_GROUP_SIZE, RankUnit, ReshardPlan, TargetFlat, _as_int, _buffer_bytes,
                                    _flag, _moment_keys, _optimizer_kind, _zero_config)
@@ -125,7 +125,7 @@ class _Runs:
 
     def __init__(self, index: ModelParallelCheckpoint) -> None:
         self.sources = _sources(index)
-        self.runs = {t.name: sorted(t.runs, key=lambda r: r.offset) for t in index.tensors}
+        self.runs = {t.name: plain_runs(t.runs) for t in index.tensors}  # a row-parallel shard: a run per row
         self.starts = {name: [r.offset for r in runs] for name, runs in self.runs.items()}
 
     def copies(self, name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:

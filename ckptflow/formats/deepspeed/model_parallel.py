@@ -9,8 +9,9 @@ made of local ones; every reader says it the same way, as `Piece`s: a block of `
 both sides, exactly as DeepSpeed's affine maps describe a shard (`deepspeed/checkpoint/affine.py`).
 
 `join` turns the pieces into byte `Run`s of the full tensor: one run per stretch that is contiguous on
-both sides (a column of a row-parallel shard is strided in the full tensor, so it takes one run per
-row), composed with the local tensor's own runs into the rank's saved partitions. Nothing is guessed:
+both sides, or one strided run for rows that are back to back in the local tensor and a fixed stride
+apart in the full one (a row-parallel shard), composed with the local tensor's own runs into the
+rank's saved partitions. Nothing is guessed:
 the runs must tile the full tensor exactly, and pieces that several ranks hold (replicated
 parameters, a pipeline's tied weight) are read from one and paired with the others as `Replica`s,
 whose bytes `ckptflow validate --deep` compares.
@@ -130,9 +131,12 @@ def check_piece(piece: Piece, full_numel: int, local_numel: int) -> str | None:
     return None
 
 
-def stretches(piece: Piece) -> list[tuple[int, int, int]]:
-    """(local start, full start, numel) of each stretch of `piece` contiguous on both sides, in the
-    piece's own row-major order. Trailing dimensions dense on both sides merge into one stretch."""
+def stretches(piece: Piece) -> list[tuple[int, int, int, int, int]]:
+    """(local start, full start, row, rows, full stride) of each stretch of `piece`, in the piece's own
+    row-major order: `rows` rows of `row` elements, back to back in the local tensor from its local
+    start, and `full stride` apart in the full tensor from its full start. Trailing dimensions dense on
+    both sides merge into one row; the dimension before them becomes the rows when it is dense in the
+    local tensor and its rows do not overlap in the full one."""
     dims = [(n, s, d) for n, s, d in zip(piece.shape, piece.source_strides, piece.dest_strides) if n != 1]
     if any(n == 0 for n, _, _ in dims):
         return []
@@ -141,6 +145,9 @@ def stretches(piece: Piece) -> list[tuple[int, int, int]]:
         block *= dims[k - 1][0]
         k -= 1
     outer = dims[:k]
+    rows, stride = 1, 0
+    if outer and outer[-1][2] == block and outer[-1][1] >= block:
+        rows, stride, _ = outer.pop()
     count = element_count([n for n, _, _ in outer])
     if count > MAX_STRETCHES:
         raise CheckpointError(f"a piece of shape {list(piece.shape)} is strided into {count} separate stretches",
@@ -149,7 +156,7 @@ def stretches(piece: Piece) -> list[tuple[int, int, int]]:
     for index in itertools.product(*(range(n) for n, _, _ in outer)):
         source = piece.source + sum(i * s for i, (_, s, _) in zip(index, outer))
         dest = piece.dest + sum(i * d for i, (_, _, d) in zip(index, outer))
-        out.append((dest, source, block))
+        out.append((dest, source, block, rows, stride))
     return out
 
 
@@ -158,8 +165,8 @@ def compose(name: str, local: ModelTensor, piece: Piece) -> list[Run]:
     runs = sorted(local.runs, key=lambda r: r.offset)
     starts = [r.offset for r in runs]
     out: list[Run] = []
-    for dest, source, numel in stretches(piece):
-        pos, end = dest, dest + numel
+    for dest, source, row, rows, stride in stretches(piece):
+        pos, end = dest, dest + row * rows
         i = bisect.bisect_right(starts, pos) - 1
         while pos < end:
             if i < 0 or i >= len(runs) or not runs[i].offset <= pos < runs[i].offset + runs[i].numel:
@@ -167,16 +174,35 @@ def compose(name: str, local: ModelTensor, piece: Piece) -> list[Run]:
                                       "partition", tensor=name, hint="run `ckptflow validate` on the source")
             run = runs[i]
             take = min(end, run.offset + run.numel) - pos
-            _append(out, Run(run.ref, run.start + pos - run.offset, take, source + pos - dest))
+            for part in _rows(run.ref, run.start + pos - run.offset, pos - dest, pos - dest + take, row, stride, source):
+                _append(out, part)
             pos += take
             i += 1
     return out
 
 
+def _rows(ref: Any, start: int, first: int, last: int, row: int, stride: int, full: int) -> list[Run]:
+    """Runs for elements [first, last) of a stretch of rows of `row` elements landing `stride` apart
+    from element `full` of the full tensor, read from `ref` at element `start` onwards: a cut row at
+    each end, the whole rows between them as one strided run."""
+    out = []
+    while first < last:
+        r, c = divmod(first, row)
+        if c or last - first < row:
+            n = min(row - c, last - first)
+            out.append(Run(ref, start, n, full + r * stride + c))
+        else:
+            k = (last - first) // row
+            n = k * row
+            out.append(Run(ref, start, n, full + r * stride, k, stride if k > 1 else 0))
+        start, first = start + n, first + n
+    return out
+
+
 def _append(runs: list[Run], run: Run) -> None:
     last = runs[-1] if runs else None
-    if last is not None and last.ref == run.ref and last.start + last.numel == run.start \
-            and last.offset + last.numel == run.offset:
+    if last is not None and last.rows == run.rows == 1 and last.ref == run.ref \
+            and last.start + last.numel == run.start and last.offset + last.numel == run.offset:
         runs[-1] = Run(last.ref, last.start, last.numel + run.numel, last.offset)
     else:
         runs.append(run)
@@ -184,12 +210,7 @@ def _append(runs: list[Run], run: Run) -> None:
 
 def clip(runs: Sequence[Run], numel: int) -> tuple[Run, ...]:
     """`runs` cut to the first `numel` elements of the full tensor (vocabulary padding dropped)."""
-    out = []
-    for run in runs:
-        if run.offset >= numel:
-            continue
-        out.append(run if run.offset + run.numel <= numel else Run(run.ref, run.start, numel - run.offset, run.offset))
-    return tuple(out)
+    return tuple(part for run in runs for part in run.within(0, numel))
 
 
 def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding],
