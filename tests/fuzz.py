@@ -17,7 +17,7 @@ Families:
 - truncation: a random rank file cut at a random point (mostly inside a chosen region);
 - pickle-ops: the pickle parsed into opcodes and mutated op by op (arguments replaced by hostile
   integers and strings, opcodes deleted, duplicated, swapped, replaced, hostile runs inserted);
-- pickles, records, counts, latest, markup, sidefiles, pushsrc, manifests, checkpoint: the corpus
+- pickles, records, counts, latest, markup, sidefiles, pushsrc, manifests, checkpoint, splits: the corpus
   kinds of that module with their parameters drawn from the seed.
 
 Replay one case (it prints the workspace and every run's output):
@@ -176,18 +176,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("pushsrc", ("pushsrc/",), doc="special files, safetensors headers, model-card inputs for push"),
     Family("manifests", ("manifests/",), doc="bad manifests and partial records at DEST"),
     Family("checkpoint", ("checkpoint/",), doc="broken checkpoints a user meets, with drawn parameters"),
+    Family("splits", ("splits/",), doc="an AutoTP checkpoint's split metadata (affine maps, vocabulary size)"),
 )}
 
 # Seeds per family: the default run (`make test`) and the long mode (`--long`, CKPTFLOW_FUZZ_LONG=1).
 DEFAULT_SEEDS = {
     "zip-directory": 2, "zip-headers": 2, "zip-pickle": 3, "zip-data": 2, "truncation": 3, "pickle-ops": 5,
     "pickles": 3, "records": 2, "counts": 2, "latest": 2, "markup": 2, "sidefiles": 2, "pushsrc": 2,
-    "manifests": 2, "checkpoint": 2,
+    "manifests": 2, "checkpoint": 2, "splits": 2,
 }
-LONG_SEEDS = {  # 3,200 cases, as before the default was cut
+LONG_SEEDS = {  # 3,400 cases: the 3,200 of before the default was cut, and the splits family
     "zip-directory": 200, "zip-headers": 200, "zip-pickle": 250, "zip-data": 150, "truncation": 250,
     "pickle-ops": 500, "pickles": 250, "records": 200, "counts": 150, "latest": 200, "markup": 150,
-    "sidefiles": 150, "pushsrc": 250, "manifests": 150, "checkpoint": 150,
+    "sidefiles": 150, "pushsrc": 250, "manifests": 150, "checkpoint": 150, "splits": 200,
 }
 
 
@@ -230,12 +231,11 @@ def report(runs: Sequence[CaseRun]) -> str:
 
 
 def _runner(keep: Path | None, workers: int, seconds: float) -> tuple[Runner, object]:
-    from tests.fixtures.cache import build
-    from tests.hostile.corpus import fixture_names
+    from tests.hostile.corpus import fixture_names, load_fixtures
     from tests.hostile.harness import Harness, Limits
     from tests.hubserver import HubServer
 
-    fixtures = build(sorted(set(fixture_names()) | set(SOURCES)))
+    fixtures = load_fixtures(sorted(set(fixture_names()) | set(SOURCES)))
     hub = HubServer().start()
     workdir = keep or Path(tempfile.mkdtemp(prefix="ckptflow-fuzz-"))
     workdir.mkdir(parents=True, exist_ok=True)

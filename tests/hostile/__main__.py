@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.hostile.corpus import all_kinds, fixture_names
+from tests.hostile.corpus import all_kinds, fixture_names, load_fixtures
 from tests.hostile.harness import Harness, Limits
 from tests.hostile.run import Runner
 
@@ -34,10 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, k in kinds.items():
             print(f"{name:55s} {','.join(k.commands):40s} {k.doc}")
         return 0
-    from tests.fixtures.cache import build
     from tests.hubserver import HubServer
 
-    fixtures = build(fixture_names())
+    fixtures = load_fixtures(fixture_names())
     hub = HubServer().start()
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="ckptflow-hostile-"))
     workdir.mkdir(parents=True, exist_ok=True)

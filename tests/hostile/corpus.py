@@ -203,11 +203,13 @@ class Workspace:
 
     @property
     def world_size(self) -> int:
-        return int(self.fixture.world_size)
+        """The data-parallel world size (of each model-parallel rank, for a model-parallel fixture)."""
+        return int(getattr(self.fixture, "world_size", None) or self.fixture.spec["dp"])
 
     @property
     def stage(self) -> int:
-        return int(self.fixture.stage)
+        stage = getattr(self.fixture, "stage", None)
+        return int(self.fixture.spec["stage"] if stage is None else stage)
 
     def optim_file(self, rank: int = 0) -> Path:
         """Rank `rank`'s optimizer file (rank taken modulo the world size, so a builder written for
@@ -333,6 +335,21 @@ def prepare(kind_: Kind, root: Path, fixtures: Mapping[str, Any], rng: random.Ra
         shutil.copytree(ws.fixture.dir, ws.src, symlinks=True)
     kind_.build(ws)
     return ws
+
+
+def load_fixtures(names: Sequence[str], progress: Any = None) -> dict[str, Any]:
+    """The fixtures `names`, built or taken from the cache: data-parallel ones (`tests.fixtures.cache`)
+    and model-parallel ones (`tests.fixtures.parallel`) alike."""
+    from tests.fixtures.cache import build
+    from tests.fixtures.parallel import build_parallel
+    from tests.fixtures.parallel_matrix import PARALLEL_SPECS
+
+    parallel = sorted(n for n in set(names) if n in PARALLEL_SPECS)
+    plain = sorted(n for n in set(names) if n not in PARALLEL_SPECS)
+    out: dict[str, Any] = dict(build(plain, progress=progress)) if plain else {}
+    if parallel:
+        out.update(build_parallel(parallel, progress=progress))
+    return out
 
 
 def fixture_names() -> tuple[str, ...]:

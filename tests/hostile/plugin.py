@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile.corpus import all_kinds, fixture_names
+from tests.hostile.corpus import all_kinds, fixture_names, load_fixtures
 from tests.hostile.harness import Harness, Limits
 from tests.hostile.run import CaseRun, Runner
 from tests.sampling import LONG_ENV
@@ -53,11 +53,10 @@ def default_limits() -> Limits:
 
 @pytest.fixture(scope="session")
 def hostile_runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
-    from tests.fixtures.cache import build
     from tests.fixtures.plugin import _progress
     from tests.fuzz import SOURCES
 
-    fixtures = build(sorted({*fixture_names(), *SOURCES}), progress=_progress(request.config))
+    fixtures = load_fixtures(sorted({*fixture_names(), *SOURCES}), progress=_progress(request.config))
     hub = request.getfixturevalue("hub_server")
     harness = Harness(workers=int(os.environ.get(WORKERS_ENV, "2")), limits=default_limits())
     runner = Runner(harness=harness, fixtures=fixtures, workdir=tmp_path_factory.mktemp("hostile"), hub=hub,

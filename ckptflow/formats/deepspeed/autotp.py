@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from posixpath import basename
 from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.detect import Layout
 from ckptflow.formats.deepspeed.index import Inspection, Listing
-from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, check_mp_files,
-                                                       join, local_tensors, open_heads, read_ranks, row_major,
-                                                       stop_on_new)
+from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, about,
+                                                       check_mp_files, join, local_tensors, open_heads, read_ranks,
+                                                       row_major, stop_on_new)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, whole_run
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
@@ -64,10 +65,10 @@ def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], layout
     maps = _MapLookup(info)
     for name, first in locals_[0].items():
         try:
-            holdings, shape, rows = _holdings(name, first, locals_, maps, info, tp)
+            holdings, shape, rows = _holdings(name, first, locals_, maps, info, tp, basename(listing.model0_uri))
             tensor, pairs = join(name, shape, first.kind, holdings, lambda mp, n: locals_[mp][n], rows=rows)
         except (CkptflowError, ValueError) as exc:
-            st.add(getattr(exc, "code", "unsupported-layout"), f"{name}: {exc}", file=listing.model0_uri)
+            st.add(getattr(exc, "code", "unsupported-layout"), about(name, exc), file=listing.model0_uri)
             continue
         tensors.append(tensor)
         replicas.extend(pairs)
@@ -97,7 +98,8 @@ def module_runs(index: ModelParallelCheckpoint) -> dict[str, tuple[Run, ...]]:
                         for n, ref in module.items() if n in params and isinstance(ref, TensorRef)})
     out = {}
     for name, first in locals_[0].items():
-        holdings, shape, rows = _holdings(name, first, locals_, maps, info, index.tp)
+        holdings, shape, rows = _holdings(name, first, locals_, maps, info, index.tp,
+                                          basename(index.ranks[0].model_file(0)))
         tensor, _ = join(name, shape, "param", holdings, lambda mp, n: locals_[mp][n], rows=rows)
         out[name] = tensor.runs
     return out
@@ -158,9 +160,14 @@ def _matches(pattern: str, name: str) -> bool:
         raise ValueError(f"the recorded pattern {excerpt(pattern, 80)} is not a regular expression ({exc})") from None
 
 
+MALFORMED = ("the file is damaged, or was written by a DeepSpeed whose affine maps ckptflow does not read: convert "
+             "it with that DeepSpeed (deepspeed.checkpoint.ds_to_universal)")
+
+
 def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, ModelTensor]], maps: _MapLookup,
-              info: Mapping[str, Any], tp: int) -> tuple[list[Holding], tuple[int, ...], int | None]:
-    """Which pieces of `name` each rank holds (from its affine map), its full shape, and the rows to keep."""
+              info: Mapping[str, Any], tp: int, where: str) -> tuple[list[Holding], tuple[int, ...], int | None]:
+    """Which pieces of `name` each rank holds (from its affine map, read from file `where`), its full
+    shape, and the rows to keep."""
     entry = maps(name)
     if entry is None:
         if first.kind == "buffer" and all(loc[name].shape == first.shape for loc in locals_):
@@ -172,7 +179,8 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         shape = tuple(int(d) for d in entry["logical_shape"])
         ranks = {int(r): v for r, v in entry["ranks"].items()}
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
-        raise UnsupportedCheckpointError(f"its affine map entry is malformed ({excerpt(entry)})") from None
+        raise UnsupportedCheckpointError(f"its affine map entry in {where} is malformed ({excerpt(entry)})",
+                                         hint=MALFORMED) from None
     if sorted(ranks) != list(range(tp)):
         raise UnsupportedCheckpointError(f"its affine map names tensor-parallel ranks {sorted(ranks)}, expected 0..{tp - 1}")
     holdings = []
@@ -182,7 +190,8 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
             shard_shape = tuple(int(d) for d in ranks[mp]["shard_shape"])
             pieces = tuple(_piece(p) for p in ranks[mp]["pieces"])
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
-            raise UnsupportedCheckpointError(f"its affine map entry for rank {mp} is malformed") from None
+            raise UnsupportedCheckpointError(f"its affine map entry for rank {mp} in {where} is malformed",
+                                             hint=MALFORMED) from None
         if shard_shape != local.shape:
             raise UnsupportedCheckpointError(f"its affine map gives tensor-parallel rank {mp} a shard of shape {excerpt(list(shard_shape), 120)} but the "
                            f"rank saved {list(local.shape)}; the folder mixes saves: re-copy it from one save")

@@ -89,6 +89,12 @@ def row_major(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def about(name: str, exc: BaseException) -> str:
+    """The message of `exc` as one about tensor `name`: prefixed with the name unless it starts with it."""
+    text = str(exc)
+    return text if text.startswith(f"{name}: ") else f"{name}: {text}"
+
+
 def concat_pieces(shapes: Sequence[Sequence[int]], dim: int) -> tuple[tuple[int, ...], list[Piece]]:
     """The full shape and one piece per rank for local tensors of `shapes` concatenated on `dim`, in
     rank order (what Megatron-style column-, row- and vocabulary-parallel tensors are). `ValueError`
@@ -232,8 +238,9 @@ def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding]
         for piece in holding.pieces:
             bad = check_piece(piece, numel, tensor.numel)
             if bad:
-                raise CheckpointError(f"{name}: a piece that rank {holding.mp_rank} holds in {holding.name} does not "
-                                      f"fit: {bad}", tensor=name, hint="the checkpoint's split metadata is inconsistent")
+                where = "" if holding.name == name else f" in {holding.name}"
+                raise CheckpointError(f"{name}: a piece that rank {holding.mp_rank} holds{where} does not fit: {bad}",
+                                      tensor=name, hint="the checkpoint's split metadata is inconsistent")
             runs = compose(name, tensor, piece)
             first = primary.get(piece.geometry)
             if first is None:
@@ -244,13 +251,21 @@ def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding]
         raise CheckpointError(f"{name}: its local tensors are saved as {sorted(dtypes)} on different ranks",
                               tensor=name, hint="the folder mixes saves: re-copy it from one save")
     runs = [run for _, rank_runs in primary.values() for run in rank_runs]
-    check_coverage(name, numel, runs)
+    try:
+        check_coverage(name, numel, runs)
+    except CheckpointError:
+        ranks = sorted({h.mp_rank for h in holdings})
+        held = " and ".join(f"rank {r}" for r in ranks) if len(ranks) <= 2 else f"rank {ranks[0]} to rank {ranks[-1]}"
+        raise CheckpointError(f"{name}: the pieces held by {held} do not tile its {numel} elements (they overlap or "
+                              "leave a gap)", tensor=name, hint="the checkpoint's split metadata is inconsistent: the "
+                              "folder mixes saves or a file is damaged; re-copy it from one save") from None
     runs.sort(key=lambda r: r.offset)
     out_shape = shape
     if rows is not None and shape and rows != shape[0]:
         if not 0 < rows < shape[0]:
-            raise CheckpointError(f"{name}: the checkpoint records a vocabulary of {rows} rows but the tensor has "
-                                  f"{shape[0]}", tensor=name, hint="the checkpoint's metadata is inconsistent")
+            raise CheckpointError(f"{name}: the checkpoint records a vocabulary of {excerpt(rows)} rows (`original_vocab_size`) "
+                                  f"but the tensor has {shape[0]}", tensor=name, hint="the checkpoint's metadata is "
+                                  "inconsistent: the folder mixes saves or a file is damaged; re-copy it from one save")
         out_shape = (rows, *shape[1:])
         runs = list(clip(runs, element_count(out_shape)))
     return ModelTensor(name, out_shape, dtypes.pop() if dtypes else "float32", kind, tuple(runs)), replicas

@@ -37,9 +37,9 @@ from typing import Any
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.detect import Layout
 from ckptflow.formats.deepspeed.index import Inspection, Listing
-from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, check_mp_files,
-                                                       concat_pieces, join, local_tensors, open_heads, read_ranks,
-                                                       row_major, stop_on_new)
+from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, about,
+                                                       check_mp_files, concat_pieces, join, local_tensors, open_heads,
+                                                       read_ranks, row_major, stop_on_new)
 from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, layer_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
@@ -338,7 +338,7 @@ def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[
             assert shape is not None and kind is not None
             tensor, pairs = join(name, shape, kind, holdings, lambda mp, n: mp_locals[mp][n], rows=rows)
         except (CkptflowError, ValueError) as exc:
-            st.add(getattr(exc, "code", "unsupported-layout"), f"{name}: {exc}", file=listing.model0_uri)
+            st.add(getattr(exc, "code", "unsupported-layout"), about(name, exc), file=listing.model0_uri)
             continue
         tensors.append(tensor)
         replicas.extend(pairs)
