@@ -788,6 +788,21 @@ _BASE_STATE_FIELDS: dict[str, Any] = {
 }
 
 
+def check_fields(st: Inspection, obj: Mapping[str, Any], fields: Mapping[str, Any], uri: str, rank: int) -> None:
+    """Each field a reader uses holds what DeepSpeed writes there (types, not values), so that what
+    follows can rely on it; one problem per field that does not."""
+    for key, ok in fields.items():
+        value = obj.get(key)
+        if value is not None and not ok(value):
+            st.add("corrupt-file", f"rank {rank}: {uri} records {key} as {excerpt(value)}, not what DeepSpeed "
+                   "writes there; the file is damaged", file=uri, rank=rank)
+
+
+def check_model_fields(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> None:
+    """`check_fields` for a model states file."""
+    check_fields(st, obj, _MODEL_FIELDS, uri, rank)
+
+
 class _Layout:
     """Parameter fragments and partitions from the rank files, checked as they are worked out."""
 
@@ -852,13 +867,7 @@ class _Layout:
         return tuple(p for n in order for p in (trainable.get(n) or [frozen[n]])), groups, partitions
 
     def _check_fields(self, obj: Mapping[str, Any], fields: Mapping[str, Any], uri: str, rank: int) -> None:
-        """Each field a reader uses holds what DeepSpeed writes there (types, not values), so that what
-        follows can rely on it; one problem per field that does not."""
-        for key, ok in fields.items():
-            value = obj.get(key)
-            if value is not None and not ok(value):
-                self.st.add("corrupt-file", f"rank {rank}: {uri} records {key} as {excerpt(value)}, not what DeepSpeed "
-                            "writes there; the file is damaged", file=uri, rank=rank)
+        check_fields(self.st, obj, fields, uri, rank)
 
     def _dtype(self, module_dtype: str | None) -> str:
         return module_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, "float32")

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CkptflowError
-from ckptflow.formats.deepspeed.index import Inspection, Listing, StopReading, ZeroCheckpoint, open_rank_file, read_zero
+from ckptflow.formats.deepspeed.index import (Inspection, Listing, StopReading, ZeroCheckpoint, check_model_fields,
+                                              open_rank_file, read_zero)
 from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE, model_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
 from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint, read_zero0
@@ -390,8 +391,15 @@ def stop_on_new(st: Inspection, since: int) -> None:
 
 
 def open_heads(st: Inspection, listing: Listing, model0: dict[str, Any], count: int) -> list[dict[str, Any]]:
-    """Data-parallel rank 0's model states of every model-parallel rank (`model0` is rank 0's)."""
-    return [model0] + [open_rank_file(st, listing.model_uri(mp), rank=0) for mp in range(1, count)]
+    """Data-parallel rank 0's model states of every model-parallel rank (`model0` is rank 0's), their
+    fields checked before any layout reads them. Stops if a field is not what DeepSpeed writes."""
+    heads = [model0] + [open_rank_file(st, listing.model_uri(mp), rank=0) for mp in range(1, count)]
+    before = len(st.problems)
+    for mp, head in enumerate(heads):
+        check_model_fields(st, head, listing.model_uri(mp), 0)
+    if len(st.problems) > before:
+        st.stop_if_any()
+    return heads
 
 
 def read_ranks(st: Inspection, listing: Listing, heads: Sequence[dict[str, Any]], stage: int | None,

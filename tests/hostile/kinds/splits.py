@@ -1,6 +1,7 @@
 """Split metadata that lies: the `universal_checkpoint_info` an AutoTP checkpoint saves in every
 tensor-parallel rank's model states, which says how each full tensor is made of the ranks' shards
-(its affine map: pieces with shapes, offsets and strides on both sides; the vocabulary size).
+(its affine map: pieces with shapes, offsets and strides on both sides; the vocabulary size), and
+the `param_shapes` by which a PipelineModule stage names the tensors of its layer files.
 
 Every rank is edited the same way (a rank that disagrees with the others is a test of its own), on a
 tensor-parallel x data-parallel ZeRO-1 checkpoint whose row-parallel tensors are read as strided runs
@@ -18,6 +19,7 @@ from tests.hostile.corpus import Workspace, kind
 from tests.hostile.torchfile import resave
 
 AUTOTP = "autotp-tp2dp2-z1-fp32"
+PIPELINE = "pipe-pp2-z1-fp32"
 ROW_PARALLEL = r"^model\.layers\.0\.self_attn\.o_proj\.weight$"
 HOSTILE_INTS = [0, -1, 1, 2, 10**12, -(10**12), 2**63, 10**5000]
 HOSTILE_VALUES: list[Any] = [None, "0", 2.5, float("nan"), True, [], {}, [[0]], {"a": 1}]
@@ -128,6 +130,16 @@ def any_field(ws: Workspace) -> None:
             parent[path[-1]] = _draw(rng)
 
     _edit_info(ws, change)
+
+
+@kind(source=PIPELINE, expect=r"rank 0: \S*/mp_rank_01_model_states\.pt records param_shapes as a list of 2 items, "
+                              r"not what DeepSpeed writes there; the file is damaged")
+def stage_shape_not_a_shape(ws: Workspace) -> None:
+    """Pipeline stage 1 records the shape of the tied embedding (which the stages share, and which is
+    looked for in the layer files before anything else) as 0.5."""
+    value = ws.param(0.5, _draw)
+    name = ws.param("tied_modules.embed.weight", lambda r: r.choice(["tied_modules.embed.weight", "2.weight"]))
+    resave(ws.tag_dir / "mp_rank_01_model_states.pt", lambda o: o["param_shapes"][0].__setitem__(name, value))
 
 
 def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> Any:
