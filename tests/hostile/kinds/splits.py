@@ -108,6 +108,23 @@ def vocabulary_size(ws: Workspace) -> None:
     _edit_info(ws, lambda info: info.__setitem__("original_vocab_size", value))
 
 
+@kind(source=AUTOTP, expect=r"lm_head\.weight: the checkpoint records a vocabulary of an integer of about 5001 digits rows")
+def vocabulary_size_too_long_to_print(ws: Workspace) -> None:
+    """A vocabulary size of 10**5000, which Python refuses to turn into digits (its message leaked
+    through once, found by the fuzzer)."""
+    _edit_info(ws, lambda info: info.__setitem__("original_vocab_size", ws.param(10**5000, _draw)))
+
+
+@kind(source=AUTOTP, expect=r"model\.norm\.weight: its affine map entry in mp_rank_00_model_states\.pt is malformed "
+                            r"\(a dict of 1 item\)")
+def malformed_tensor_entry(ws: Workspace) -> None:
+    """A tensor's whole affine map entry is a mapping of something else (found by the fuzzer: the
+    message named no file)."""
+    name = ws.param(r"^model\.norm\.weight$", lambda r: r.choice([r"^model\.norm\.weight$", ROW_PARALLEL]))
+    value = ws.param({"a": 1}, _draw)
+    _edit_info(ws, lambda info: info["affine_map"]["params"].__setitem__(name, value))
+
+
 @kind(source=AUTOTP, expect=r"records affine map format version '\[red\]0\.4; rm -rf /'")
 def any_field(ws: Workspace) -> None:
     """A hostile value anywhere in the split metadata (drawn by the fuzzer; here the affine map's format
