@@ -6,7 +6,8 @@ rank's rows as one strided `Run` (it held one run per row per rank before: 10.5 
 This composes the runs the way the AutoTP reader does (`model_parallel.concat_pieces` + `compose`),
 for local tensors saved in `--partitions` ZeRO partitions each (cut mid-row), then cuts every tensor
 into the consolidation's read batches (`plan_batches`, bf16 output, default batch size), and reports
-the runs, the batches' copies, the time and the process's peak RSS. Nothing is read or written.
+the runs, the time to compose them and to check that they tile each tensor (`check_coverage`), the
+batches' copies, and the process's peak RSS. Nothing is read or written.
 
 With `--fill DIR` it also writes one row-parallel tensor (`down_proj`, half of Llama-3-70B's in each
 dimension: 4096 x 14336 fp32, 235 MB, split over the tp ranks) as raw rank files under DIR, and times
@@ -30,7 +31,7 @@ import numpy as np
 from ckptflow.consolidate.plan import DEFAULT_CHUNK_BYTES, plan_batches
 from ckptflow.consolidate.write import _fill
 from ckptflow.formats.deepspeed.model_parallel import compose, concat_pieces
-from ckptflow.formats.deepspeed.tensors import ModelTensor, Run
+from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
 from ckptflow.formats.torchzip import TensorRef
 
 HIDDEN, INTERMEDIATE = 8192, 28672  # Llama-3-70B
@@ -94,6 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = row_parallel_runs(args.layers, args.tp, args.partitions)
     composed = time.monotonic() - started
     started = time.monotonic()
+    for layer in range(args.layers):  # the proof that the runs tile each tensor, as `join` runs it
+        check_coverage("o_proj", HIDDEN * HIDDEN, runs[2 * layer])
+        check_coverage("down_proj", HIDDEN * INTERMEDIATE, runs[2 * layer + 1])
+    covered = time.monotonic() - started
+    started = time.monotonic()
     copies = batches = 0
     for tensor in runs:
         for batch in plan_batches([("bfloat16", 0, tensor)], DEFAULT_CHUNK_BYTES):
@@ -101,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
             copies += len(batch.copies)
     planned = time.monotonic() - started
     print(f"{args.layers} layers, tp {args.tp}, {args.partitions} partitions per local tensor: "
-          f"{sum(map(len, runs)):,} runs for {len(runs)} row-parallel tensors in {composed:.2f} s; "
+          f"{sum(map(len, runs)):,} runs for {len(runs)} row-parallel tensors in {composed:.2f} s, "
+          f"checked to tile them in {covered:.2f} s; "
           f"{batches:,} batches of {copies:,} copies in {planned:.2f} s; peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     if args.fill is not None:
