@@ -264,8 +264,8 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
 
 def _append_copy(copies: list[Copy], copy: Copy) -> None:
     last = copies[-1] if copies else None
-    if last is not None and last.rows == copy.rows == 1 and (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype,
-                                                                                 copy.out_dtype) and \
+    if last is not None and last.rows == copy.rows == 1 and \
+            (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype, copy.out_dtype) and \
             last.dest + (last.end - last.start) // DTYPE_SIZES[last.dtype] * DTYPE_SIZES[last.out_dtype] == copy.dest:
         copies[-1] = Copy(last.uri, last.start, copy.end, last.dtype, last.dest, last.out_dtype)
     else:
