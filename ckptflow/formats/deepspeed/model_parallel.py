@@ -11,10 +11,9 @@ both sides, exactly as DeepSpeed's affine maps describe a shard (`deepspeed/chec
 `join` turns the pieces into byte `Run`s of the full tensor: one run per stretch that is contiguous on
 both sides, or one strided run for rows that are back to back in the local tensor and a fixed stride
 apart in the full one (a row-parallel shard), composed with the local tensor's own runs into the
-rank's saved partitions. Nothing is guessed:
-the runs must tile the full tensor exactly, and pieces that several ranks hold (replicated
-parameters, a pipeline's tied weight) are read from one and paired with the others as `Replica`s,
-whose bytes `ckptflow validate --deep` compares.
+rank's saved partitions. Nothing is guessed: the runs must tile the full tensor exactly, and pieces
+that several ranks hold (replicated parameters, a pipeline's tied weight) are read from one and
+paired with the others as `Replica`s, whose bytes `ckptflow validate --deep` compares.
 """
 
 from __future__ import annotations
