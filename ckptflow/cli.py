@@ -98,7 +98,8 @@ def render_report(report: "ValidationReport") -> None:
             out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
         return
     where = f"{report.root}/{report.tag}" if report.tag else report.source
-    say("invalid", "red", f"{where}: {len(report.problems)} problem(s)")
+    count = len(report.problems)
+    say("invalid", "red", f"{where}: {count} problem{'s' if count != 1 else ''}")
     for p in report.problems:
         out.print(Text.assemble("  ", (f"{one_line(p.code)}:", "red"), " ", one_line(p.message)), soft_wrap=True)
 

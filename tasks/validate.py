@@ -89,7 +89,7 @@ def validate_checkpoint(
         report_rows(report),
         key=checkpoint_key("validation", report.root or source, report.tag),
         description=f"Validation of {report.root or source} at {report.tag or 'latest'}: "
-        + ("valid" if report.ok else f"{len(report.problems)} problem(s)"),
+        + ("valid" if report.ok else f"{len(report.problems)} problem{'s' if len(report.problems) != 1 else ''}"),
     )
     if not report.ok:
         where = f"{report.root}/{report.tag}" if report.tag else source

@@ -232,6 +232,21 @@ def test_files_of_another_save_are_named(parallel_fixtures: Mapping[str, Paralle
     assert len(got) == 2
 
 
+def test_the_cli_counts_the_problems(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    ckpt = copy_checkpoint(parallel_fixtures["autotp-tp2-z1-fp32"], tmp_path)
+    tag = ckpt / "global_step3"
+    shutil.copy(tag / "mp_rank_01_model_states.pt", tag / "mp_rank_02_model_states.pt")
+    one = CliRunner().invoke(app, ["validate", str(ckpt)])
+    assert one.exit_code == 1 and one.output.startswith(f"invalid {tag}: 1 problem\n")
+    shutil.copy(tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt", tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt")
+    two = CliRunner().invoke(app, ["validate", str(ckpt)])
+    assert two.exit_code == 1 and two.output.startswith(f"invalid {tag}: 2 problems\n")
+
+
 def rewrite(path: Path, change: object) -> None:
     """Load a checkpoint file with torch (tests only), let `change` edit it, save it back."""
     state = load_pt(path)
