@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from ckptflow.consolidate.plan import plan_batches
 from ckptflow.consolidate import write
+from ckptflow.consolidate.plan import plan_batches
 from ckptflow.consolidate.write import _fill
 from ckptflow.errors import CheckpointError
 from ckptflow.formats import casts
@@ -162,7 +163,7 @@ def test_batches_and_the_checker_read_a_row_parallel_tensor_right(chunk_bytes: i
     runs = []
     _, pieces = concat_pieces([(rows, c) for c in cols], 1)
     lo = 0
-    for rank, (piece, c) in enumerate(zip(pieces, cols)):
+    for rank, (split, c) in enumerate(zip(pieces, cols)):
         path = tmp_path / f"rank{rank}.bin"
         pad = rng.standard_normal(3).astype(np.float32)  # the local tensor sits after 3 other elements
         path.write_bytes(pad.tobytes() + np.ascontiguousarray(full[:, lo:lo + c]).tobytes())
@@ -171,7 +172,7 @@ def test_batches_and_the_checker_read_a_row_parallel_tensor_right(chunk_bytes: i
         cut = 4 * c + 2
         local = ModelTensor("w", (rows, c), "float32", "param",
                             (Run(saved, 3, cut, 0), Run(saved, 3 + cut, rows * c - cut, cut)))
-        runs += compose("w", local, piece)
+        runs += compose("w", local, split)
         lo += c
     check_coverage("w", full.size, runs)
     assert any(r.rows > 1 for r in runs)
@@ -188,11 +189,8 @@ def test_batches_and_the_checker_read_a_row_parallel_tensor_right(chunk_bytes: i
         got[batch.file_start - begin:batch.file_start - begin + batch.out_nbytes] = out
     assert np.array_equal(got, expected)
 
-    class Tensor:
-        name, dtype, shape = "w", out_dtype, full.shape
-
-    Tensor.runs = tuple(runs)
+    tensor = SimpleNamespace(name="w", dtype=out_dtype, shape=full.shape, runs=tuple(runs))
     for a, b in [(0, full.size), (3, 50), (17, 18), (40, full.size)]:
         checked = np.zeros((b - a) * size, dtype=np.uint8)
-        read_source_into(Tensor, a, b, checked, out_dtype)
+        read_source_into(tensor, a, b, checked, out_dtype)
         assert np.array_equal(checked, expected[a * size:b * size]), (a, b)
