@@ -60,15 +60,18 @@ def test_fuzz(family: str, hostile_runner: Runner, request: pytest.FixtureReques
 # - pushsrc 34 ... 218: the case itself wrote a 300 MiB file, over the harness's file-size bound, for a
 #   push that copies it whole (now 200 MiB, still over safetensors' 100 MB header limit);
 # - zip-directory 76, 104, 132: a flipped "version needed" field, zipfile's NotImplementedError escaping
-#   the exact-range archive reader as a traceback (now a corrupt file, named).
+#   the exact-range archive reader as a traceback (now a corrupt file, named);
+# - splits 145 ... 560: integers of thousands of digits in an affine map printed as Python's
+#   int-conversion error, and a missing affine map entry reported without the file it is missing from.
 REGRESSIONS = {"counts": (24, 41, 65, 110, 145, 148), "pickles": (15, 39, 94, 154, 179),
-               "pushsrc": (34, 80, 105, 186, 218), "zip-directory": (76, 104, 132)}
+               "pushsrc": (34, 80, 105, 186, 218), "zip-directory": (76, 104, 132),
+               "splits": (145, 296, 311, 346, 396, 532, 545, 547, 560)}
 
 
 # By default two seeds of each cause (one for pushsrc, whose case writes 200 MiB), all in the long mode.
 REGRESSIONS_SAMPLED = sample([(f, s) for f, seeds in REGRESSIONS.items() for s in seeds],
                              [("counts", 24), ("counts", 145), ("pickles", 15), ("pickles", 94), ("pushsrc", 34),
-                              ("zip-directory", 76), ("zip-directory", 132)])
+                              ("zip-directory", 76), ("zip-directory", 132), ("splits", 145), ("splits", 296)])
 
 
 @pytest.mark.parametrize("family,seed", REGRESSIONS_SAMPLED)

@@ -262,7 +262,8 @@ def test_a_parameter_without_split_metadata_is_refused_not_guessed(parallel_fixt
                 ["affine_map"]["params"].pop(r"^model\.layers\.0\.self_attn\.o_proj\.weight$"))
     assert messages(ckpt) == [(
         "unsupported-layout", "model.layers.0.self_attn.o_proj.weight: the checkpoint does not say how it is split over "
-        "the 2 tensor-parallel ranks (no entry in universal_checkpoint_info.affine_map); ckptflow does not guess")]
+        "the 2 tensor-parallel ranks (no entry in universal_checkpoint_info.affine_map of mp_rank_00_model_states.pt); ckptflow "
+        "does not guess")]
 
 
 def test_split_metadata_must_agree_across_ranks(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:

@@ -173,8 +173,8 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         if first.kind == "buffer" and all(loc[name].shape == first.shape for loc in locals_):
             whole = Piece(first.shape, 0, row_major(first.shape), 0, row_major(first.shape))
             return [Holding(mp, name, (whole,)) for mp in range(tp)], first.shape, None
-        raise UnsupportedCheckpointError(f"the checkpoint does not say how it is split over the {tp} tensor-parallel ranks (no entry in "
-                       f"{UC_INFO}.affine_map); ckptflow does not guess")
+        raise UnsupportedCheckpointError(f"the checkpoint does not say how it is split over the {tp} tensor-parallel ranks "
+                                         f"(no entry in {UC_INFO}.affine_map of {where}); ckptflow does not guess")
     try:
         shape = tuple(int(d) for d in entry["logical_shape"])
         ranks = {int(r): v for r, v in entry["ranks"].items()}
@@ -182,7 +182,8 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         raise UnsupportedCheckpointError(f"its affine map entry in {where} is malformed ({excerpt(entry)})",
                                          hint=MALFORMED) from None
     if sorted(ranks) != list(range(tp)):
-        raise UnsupportedCheckpointError(f"its affine map names tensor-parallel ranks {sorted(ranks)}, expected 0..{tp - 1}")
+        raise UnsupportedCheckpointError(f"its affine map names tensor-parallel ranks {excerpt(sorted(ranks))}, expected "
+                                         f"0..{tp - 1}")
     holdings = []
     for mp in range(tp):
         local = locals_[mp][name]

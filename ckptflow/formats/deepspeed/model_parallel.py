@@ -121,7 +121,7 @@ def check_piece(piece: Piece, full_numel: int, local_numel: int) -> str | None:
     local tensor, or None."""
     n = len(piece.shape)
     if len(piece.source_strides) != n or len(piece.dest_strides) != n:
-        return f"its strides do not match its shape {list(piece.shape)}"
+        return f"its strides do not match its shape {excerpt(list(piece.shape))}"
     if any(d < 0 for d in piece.shape) or any(s < 0 for s in piece.source_strides + piece.dest_strides):
         return "it has negative sizes or strides"
     if piece.source < 0 or piece.dest < 0:
@@ -131,9 +131,9 @@ def check_piece(piece: Piece, full_numel: int, local_numel: int) -> str | None:
     last_source = piece.source + sum((d - 1) * s for d, s in zip(piece.shape, piece.source_strides))
     last_dest = piece.dest + sum((d - 1) * s for d, s in zip(piece.shape, piece.dest_strides))
     if last_source >= full_numel:
-        return f"it reaches element {last_source} of a tensor of {full_numel}"
+        return f"it reaches element {excerpt(last_source)} of a tensor of {excerpt(full_numel)}"
     if last_dest >= local_numel:
-        return f"it reaches element {last_dest} of a local tensor of {local_numel}"
+        return f"it reaches element {excerpt(last_dest)} of a local tensor of {local_numel}"
     return None
 
 
@@ -156,7 +156,7 @@ def stretches(piece: Piece) -> list[tuple[int, int, int, int, int]]:
         rows, stride, _ = outer.pop()
     count = element_count([n for n, _, _ in outer])
     if count > MAX_STRETCHES:
-        raise CheckpointError(f"a piece of shape {list(piece.shape)} is strided into {count} separate stretches",
+        raise CheckpointError(f"a piece of shape {excerpt(list(piece.shape))} is strided into {excerpt(count)} separate stretches",
                               hint="ckptflow reads tensors by byte range; this split is too fine-grained to read")
     out = []
     for index in itertools.product(*(range(n) for n, _, _ in outer)):
@@ -256,7 +256,7 @@ def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding]
     except CheckpointError:
         ranks = sorted({h.mp_rank for h in holdings})
         held = " and ".join(f"rank {r}" for r in ranks) if len(ranks) <= 2 else f"rank {ranks[0]} to rank {ranks[-1]}"
-        raise CheckpointError(f"{name}: the pieces held by {held} do not tile its {numel} elements (they overlap or "
+        raise CheckpointError(f"{name}: the pieces held by {held} do not tile its {excerpt(numel)} elements (they overlap or "
                               "leave a gap)", tensor=name, hint="the checkpoint's split metadata is inconsistent: the "
                               "folder mixes saves or a file is damaged; re-copy it from one save") from None
     runs.sort(key=lambda r: r.offset)
@@ -264,7 +264,7 @@ def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding]
     if rows is not None and shape and rows != shape[0]:
         if not 0 < rows < shape[0]:
             raise CheckpointError(f"{name}: the checkpoint records a vocabulary of {excerpt(rows)} rows (`original_vocab_size`) "
-                                  f"but the tensor has {shape[0]}", tensor=name, hint="the checkpoint's metadata is "
+                                  f"but the tensor has {excerpt(shape[0])}", tensor=name, hint="the checkpoint's metadata is "
                                   "inconsistent: the folder mixes saves or a file is damaged; re-copy it from one save")
         out_shape = (rows, *shape[1:])
         runs = list(clip(runs, element_count(out_shape)))

@@ -282,7 +282,7 @@ class _StageModules:
                 for name, shape in (group.items() if isinstance(group, Mapping) else ()):
                     ref = module.get(name)
                     if ref is not None and tuple(ref.shape) != tuple(shape):
-                        st.add("ranks-disagree", f"{label(mp)} trains {name} of shape {list(shape)} but its layer file "
+                        st.add("ranks-disagree", f"{label(mp)} trains {name} of shape {excerpt(list(shape))} but its layer file "
                                f"holds {list(ref.shape)}; the folder mixes saves: re-copy it from one save",
                                file=listing.model_uri(mp))
 
@@ -332,7 +332,8 @@ def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[
                 kind = locals_[0].kind
                 full, pieces, rows = _split(name, [t.shape for t in locals_], info, tp, kind)
                 if shape is not None and full != shape:
-                    raise UnsupportedCheckpointError(f"stages hold it with different shapes {list(shape)} and {list(full)}")
+                    raise UnsupportedCheckpointError(f"stages hold it with different shapes {excerpt(list(shape))} and "
+                                                     f"{excerpt(list(full))}")
                 shape = full
                 holdings.extend(Holding(mp, name, tuple(p)) for mp, p in zip(view, pieces))
             assert shape is not None and kind is not None

@@ -31,10 +31,16 @@ def _edit_info(ws: Workspace, change: Callable[[dict], None]) -> None:
         resave(path, lambda o: change(o["universal_checkpoint_info"]))
 
 
-def _entry(ws: Workspace, info: dict) -> dict:
-    """The affine map entry of a parameter: the row-parallel `o_proj` of layer 0, or a drawn one."""
-    params = info["affine_map"]["params"]
-    return params[ws.param(ROW_PARALLEL, lambda r: r.choice(sorted(params)))]
+def _entry(ws: Workspace) -> Callable[[dict], dict]:
+    """The affine map entry of one parameter, the same in every rank: the row-parallel `o_proj` of
+    layer 0, or one drawn once."""
+    pick = ws.param(None, lambda r: r.random())
+
+    def entry(info: dict) -> dict:
+        params = info["affine_map"]["params"]
+        return params[ROW_PARALLEL if pick is None else sorted(params)[int(pick * len(params))]]
+
+    return entry
 
 
 def _draw(rng: random.Random) -> Any:
@@ -46,12 +52,13 @@ def _draw(rng: random.Random) -> Any:
       forbid=r"weight: model\.layers")  # the tensor named once, not once per layer of the reader
 def piece_past_the_tensor(ws: Workspace) -> None:
     """A piece of rank 1's shard reaches 10**12 elements into a 4096-element tensor."""
+    entry = _entry(ws)
     rank = ws.param(1, lambda r: r.randrange(2))
     dim = ws.param(-1, lambda r: r.choice([0, -1]))  # the first or last: 1-d tensors have one
     value = ws.param(10**12, lambda r: r.choice(HOSTILE_INTS))
 
     def change(info: dict) -> None:
-        piece = _entry(ws, info)["ranks"][rank]["pieces"][0]
+        piece = entry(info)["ranks"][rank]["pieces"][0]
         piece["shape"][dim] = value
 
     _edit_info(ws, change)
@@ -63,11 +70,12 @@ def piece_past_the_tensor(ws: Workspace) -> None:
 def pieces_overlap(ws: Workspace) -> None:
     """Rank 1's shard of a row-parallel tensor claims rank 0's columns: two pieces on the same block,
     half the tensor covered by none."""
+    entry = _entry(ws)
     rank = ws.param(1, lambda r: r.randrange(2))
     offset = ws.param(0, lambda r: r.choice([0, 1, 31, 33, 64, 4095]))
 
     def change(info: dict) -> None:
-        _entry(ws, info)["ranks"][rank]["pieces"][0]["source"][0] = offset
+        entry(info)["ranks"][rank]["pieces"][0]["source"][0] = offset
 
     _edit_info(ws, change)
 
@@ -77,11 +85,12 @@ def pieces_overlap(ws: Workspace) -> None:
 def rows_overlap(ws: Workspace) -> None:
     """Rank 1's rows of a row-parallel tensor are recorded 16 elements apart while each is 32 long:
     its rows overlap in the full tensor (no longer one strided run) and leave the rest uncovered."""
+    entry = _entry(ws)
     rank = ws.param(1, lambda r: r.randrange(2))
     stride = ws.param(16, lambda r: r.choice([0, 1, 16, 31, 33, 64, 65, -64]))
 
     def change(info: dict) -> None:
-        _entry(ws, info)["ranks"][rank]["pieces"][0]["source"][1][0] = stride
+        entry(info)["ranks"][rank]["pieces"][0]["source"][1][0] = stride
 
     _edit_info(ws, change)
 
@@ -91,11 +100,12 @@ def rows_overlap(ws: Workspace) -> None:
                             r"DeepSpeed whose affine maps ckptflow does not read")
 def malformed_entry(ws: Workspace) -> None:
     """Rank 1's entry in a tensor's affine map is not a mapping of shard shape and pieces."""
+    entry = _entry(ws)
     rank = ws.param(1, lambda r: r.randrange(2))
     value = ws.param(None, _draw)
 
     def change(info: dict) -> None:
-        _entry(ws, info)["ranks"][rank] = value
+        entry(info)["ranks"][rank] = value
 
     _edit_info(ws, change)
 
@@ -112,7 +122,8 @@ def vocabulary_size(ws: Workspace) -> None:
 def vocabulary_size_too_long_to_print(ws: Workspace) -> None:
     """A vocabulary size of 10**5000, which Python refuses to turn into digits (its message leaked
     through once, found by the fuzzer)."""
-    _edit_info(ws, lambda info: info.__setitem__("original_vocab_size", ws.param(10**5000, _draw)))
+    value = ws.param(10**5000, _draw)
+    _edit_info(ws, lambda info: info.__setitem__("original_vocab_size", value))
 
 
 @kind(source=AUTOTP, expect=r"model\.norm\.weight: its affine map entry in mp_rank_00_model_states\.pt is malformed "
