@@ -156,8 +156,8 @@ def stretches(piece: Piece) -> list[tuple[int, int, int, int, int]]:
         rows, stride, _ = outer.pop()
     count = element_count([n for n, _, _ in outer])
     if count > MAX_STRETCHES:
-        raise CheckpointError(f"a piece of shape {excerpt(list(piece.shape))} is strided into {excerpt(count)} separate stretches",
-                              hint="ckptflow reads tensors by byte range; this split is too fine-grained to read")
+        raise CheckpointError(f"a piece of shape {excerpt(list(piece.shape))} is strided into {excerpt(count)} separate "
+                              "stretches", hint="ckptflow reads tensors by byte range; this split is too fine-grained to read")
     out = []
     for index in itertools.product(*(range(n) for n, _, _ in outer)):
         source = piece.source + sum(i * s for i, (_, s, _) in zip(index, outer))
@@ -256,8 +256,8 @@ def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding]
     except CheckpointError:
         ranks = sorted({h.mp_rank for h in holdings})
         held = " and ".join(f"rank {r}" for r in ranks) if len(ranks) <= 2 else f"rank {ranks[0]} to rank {ranks[-1]}"
-        raise CheckpointError(f"{name}: the pieces held by {held} do not tile its {excerpt(numel)} elements (they overlap or "
-                              "leave a gap)", tensor=name, hint="the checkpoint's split metadata is inconsistent: the "
+        raise CheckpointError(f"{name}: the pieces held by {held} do not tile its {excerpt(numel)} elements (they overlap "
+                              "or leave a gap)", tensor=name, hint="the checkpoint's split metadata is inconsistent: the "
                               "folder mixes saves or a file is damaged; re-copy it from one save") from None
     runs.sort(key=lambda r: r.offset)
     out_shape = shape
