@@ -99,8 +99,7 @@ def run_lifecycle(parameters: dict[str, Any]) -> FlowOutcome:
         os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.lifecycle import checkpoint_lifecycle
 
-    state = checkpoint_lifecycle(**parameters, return_state=True)
-    return _outcome(state)
+    return _outcome(run_here(checkpoint_lifecycle, parameters))
 
 
 def watch_once(roots: Sequence[str], *, state: str, baseline: bool, exclude: Sequence[str]) -> FlowOutcome:
@@ -112,27 +111,54 @@ def watch_once(roots: Sequence[str], *, state: str, baseline: bool, exclude: Seq
         )
     from flows.watch import watch_latest
 
-    run_state = watch_latest(roots=list(roots), state=state, baseline=baseline, exclude=list(exclude), return_state=True)
-    return _outcome(run_state)
+    parameters = {"roots": list(roots), "state": state, "baseline": baseline, "exclude": list(exclude)}
+    return _outcome(run_here(watch_latest, parameters))
 
 
-def _outcome(state: Any) -> FlowOutcome:
-    run_id = str(getattr(state, "state_details", None) and state.state_details.flow_run_id)
-    if not state.is_completed():
-        message = state.message or state.name
-        try:
-            state.result()
-        except Exception as exc:  # the flow's own exception says it best
-            message = redact(str(exc)) or message
-        raise FlowFailed(message, run_id)
-    return FlowOutcome(flow_run_id=run_id, flow_run_name=_run_name(run_id), result=state.result())
+@dataclass(frozen=True)
+class Ran:
+    """A flow run made in this process: its final state, and its value or the exception it raised."""
+
+    state: Any
+    flow_run: Any
+    value: Any = None
+    error: BaseException | None = None
 
 
-def _run_name(run_id: str) -> str:
+def run_here(flow: Any, parameters: dict[str, Any]) -> Ran:
+    """Run `flow` in this process; its final state and the value it returned, kept in memory.
+
+    The value is not read back from the final state: when the server is slow to take that state,
+    Prefect's client retries, the server rejects the repeated transition and sends its own copy of the
+    state back without the data, and `state.result()` raises MissingResult on a run that completed.
+    The state and the run come from a state hook."""
+    seen: list[tuple[Any, Any]] = []
+
+    def hook(_flow: Any, flow_run: Any, state: Any) -> None:
+        seen.append((flow_run, state))
+
+    hooked = flow.with_options(
+        on_completion=[*flow.on_completion_hooks, hook],
+        on_failure=[*flow.on_failure_hooks, hook],
+        on_cancellation=[*flow.on_cancellation_hooks, hook],
+        on_crashed=[*flow.on_crashed_hooks, hook],
+    )
+    value, error = None, None
     try:
-        from prefect.client.orchestration import get_client
+        value = hooked(**parameters)
+    except Exception as exc:
+        error = exc
+    if not seen:  # the run never reached a final state (it failed before it was created)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"flow {flow.name!r} returned without a final state")
+    flow_run, state = seen[-1]
+    return Ran(state=state, flow_run=flow_run, value=value, error=error)
 
-        with get_client(sync_client=True) as client:
-            return client.read_flow_run(run_id).name
-    except Exception:
-        return run_id
+
+def _outcome(ran: Ran) -> FlowOutcome:
+    run_id = str(ran.flow_run.id)
+    if ran.error is not None or not ran.state.is_completed():
+        message = redact(str(ran.error)) if ran.error is not None else ""
+        raise FlowFailed(message or ran.state.message or ran.state.name, run_id)
+    return FlowOutcome(flow_run_id=run_id, flow_run_name=ran.flow_run.name, result=ran.value)

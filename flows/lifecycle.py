@@ -474,15 +474,13 @@ def post_training(
     """
     results, failures = [], []
     for run in runs:
-        state = checkpoint_lifecycle(
-            source=run, consolidation=consolidation, reshard=reshard, verification=verification,
-            destinations=destinations, publishing=publishing, workspace=workspace, cluster=cluster, return_state=True,
-        )
-        if state.is_completed():
-            results.append(state.result())
-        else:
-            error = state.result(raise_on_failure=False)
-            failures.append(f"{run}: {error if isinstance(error, BaseException) else state.message}")
+        try:  # the value in memory, not read back from the child's state (see flows.commands.run_here)
+            results.append(checkpoint_lifecycle(
+                source=run, consolidation=consolidation, reshard=reshard, verification=verification,
+                destinations=destinations, publishing=publishing, workspace=workspace, cluster=cluster,
+            ))
+        except Exception as exc:
+            failures.append(f"{run}: {exc}")
     if failures:
         raise LifecycleError(f"{len(failures)} of {len(runs)} run(s) failed: " + "; ".join(failures))
     return results

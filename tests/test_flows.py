@@ -156,9 +156,11 @@ def lifecycle_parameters(bucket_run: dict[str, str], destinations: list[dict[str
 
 
 def run_lifecycle(parameters: dict[str, Any]) -> Any:
+    """The run's final state and its value, in memory (`flows.commands.run_here`, as `ckptflow run` does)."""
+    from flows.commands import run_here
     from flows.lifecycle import checkpoint_lifecycle
 
-    return checkpoint_lifecycle(**parameters, return_state=True)
+    return run_here(checkpoint_lifecycle, parameters)
 
 
 def task_runs(flow_run_id: Any) -> list[Any]:
@@ -174,8 +176,8 @@ def first_run(prefect_server: str, bucket_run: dict[str, str]) -> dict[str, Any]
     published = f"{bucket_run['base']}/published"
     params = lifecycle_parameters(bucket_run, [{"uri": published, "what": "both"}])
     started = time.monotonic()
-    state = run_lifecycle(params)
-    return {"params": params, "state": state, "seconds": time.monotonic() - started, "published": published}
+    ran = run_lifecycle(params)
+    return {"params": params, "state": ran.state, "value": ran.value, "seconds": time.monotonic() - started, "published": published}
 
 
 def test_lifecycle_end_to_end_from_and_to_the_bucket(
@@ -189,7 +191,7 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
 
     state = first_run["state"]
     assert state.is_completed(), state.message
-    summary = state.result()
+    summary = first_run["value"]
     tag = bucket_run["tag"]
     assert summary["failures"] == []
     assert summary["checkpoint"]["root"] == bucket_run["source"] and summary["checkpoint"]["tag"] == tag
@@ -402,7 +404,8 @@ def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> 
     fs.invalidate_cache()
     before = {p: i.get("generation") for p, i in fs.find(first_run["published"], detail=True).items()}
 
-    state = run_lifecycle(first_run["params"])
+    ran = run_lifecycle(first_run["params"])
+    state = ran.state
 
     assert state.is_completed(), state.message
     runs = task_runs(state.state_details.flow_run_id)
@@ -416,7 +419,7 @@ def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> 
     assert "write_shard" not in by_name and "write_rank" not in by_name  # no unit ran again
     fs.invalidate_cache()
     assert {p: i.get("generation") for p, i in fs.find(first_run["published"], detail=True).items()} == before
-    assert state.result()["published"] == first_run["state"].result()["published"]
+    assert ran.value["published"] == first_run["value"]["published"]
 
 
 def test_transient_publish_failures_are_retried(first_run: dict[str, Any], bucket_run: dict[str, str], gcs_server) -> None:
@@ -426,17 +429,17 @@ def test_transient_publish_failures_are_retried(first_run: dict[str, Any], bucke
     params = lifecycle_parameters(bucket_run, [{"uri": dest, "what": "model"}])
     proxy.configure(rate=1.0, kinds=("503", "reset"), only_paths=(token,), max_faults=4, seed=1)
     try:
-        state = run_lifecycle(params)
+        ran = run_lifecycle(params)
     finally:
         faults = sum(proxy.faults.values())
         proxy.reset()
 
     assert faults == 4
-    assert state.is_completed(), state.message
+    assert ran.state.is_completed(), ran.state.message
     fs = fsspec.filesystem("gs")
     fs.invalidate_cache()
     manifest = json.loads(fs.cat_file(f"{dest}/{bucket_run['tag']}/model/ckptflow-manifest.json"))
-    assert len(manifest["files"]) == state.result()["published"][0]["files"]
+    assert len(manifest["files"]) == ran.value["published"][0]["files"]
 
 
 def test_permanent_publish_failure_fails_the_flow_and_publishes_nothing(
@@ -445,7 +448,7 @@ def test_permanent_publish_failure_fails_the_flow_and_publishes_nothing(
     params = lifecycle_parameters(bucket_run, [{"uri": s3.url, "what": "both"}])
     s3.proxy.configure(status=403)
     try:
-        state = run_lifecycle(params)
+        state = run_lifecycle(params).state
     finally:
         s3.proxy.reset()
 
@@ -520,10 +523,10 @@ def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
     params.update(reshard={"world_sizes": []}, workspace=str(tmp_path / "work"),
                   consolidation={"dtype": "bf16", "max_shard_size": "100KB", "deployment": gpu_deployment})
 
-    state = run_lifecycle(params)
+    ran = run_lifecycle(params)
 
-    assert state.is_completed(), state.message
-    summary = state.result()
+    assert ran.state.is_completed(), ran.state.message
+    summary = ran.value
     assert summary["model"]["details"]["deployment"] == gpu_deployment
     assert summary["verification"]["ok"] and summary["verification"]["tensors_compared"] > 0
     child_id = summary["model"]["details"]["flow_run"]
@@ -536,10 +539,10 @@ def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
     # The same model into a folder that is in the way: the child fails, and so does the parent, saying why.
     blocked = tmp_path / "blocked"
     params.update(workspace=str(blocked))
-    target = Path(state.result()["model"]["uri"].replace(str(tmp_path / "work"), str(blocked)))
+    target = Path(summary["model"]["uri"].replace(str(tmp_path / "work"), str(blocked)))
     target.mkdir(parents=True)
     (target / "someone-elses-file").write_text("x")
-    failed = run_lifecycle(params)
+    failed = run_lifecycle(params).state
     assert failed.is_failed()
     assert f"consolidation deployment '{gpu_deployment}' run" in failed.message
     assert "ended Failed" in failed.message and "already exists and is not empty" in failed.message
@@ -553,7 +556,7 @@ def test_a_gpu_deployment_without_a_worker_fails_at_once(deployed, bucket_run: d
     params.update(workspace=str(tmp_path / "work"), validation={"settle_seconds": 300},
                   consolidation={"deployment": "consolidate-checkpoint/gpu"})
     started = time.monotonic()
-    state = run_lifecycle(params)
+    state = run_lifecycle(params).state
     assert state.is_failed()
     assert time.monotonic() - started < 60
     assert (
@@ -616,6 +619,44 @@ def test_cli_watch_once(prefect_server: str, tmp_path: Path) -> None:
     assert again.exit_code == 0 and "1 checkpoint(s) under 1 root(s), 0 new" in again.output
     gone = CliRunner().invoke(app, ["watch", str(tmp_path / "gone"), "--once", "--state", state])
     assert gone.exit_code == 1 and f"{tmp_path / 'gone'} does not exist" in gone.output
+
+
+def test_a_completed_run_whose_state_came_back_without_data_still_gives_its_value(
+    prefect_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What made `ckptflow run` fail on a slow server: the client's retry of the final transition got the
+    server's copy of the Completed state back, without the data, and `state.result()` raised MissingResult.
+    The proposal is made to return that copy here; the CLI's runner still has the value and the run's name."""
+    import prefect.flow_engine
+    from prefect import flow
+    from prefect.exceptions import MissingResult
+
+    from flows.commands import FlowFailed, _outcome, run_here
+
+    propose = prefect.flow_engine.propose_state_sync
+
+    def without_data(client: Any, state: Any, **kwargs: Any) -> Any:
+        accepted = propose(client, state, **kwargs)
+        return accepted.model_copy(update={"data": None}) if accepted.is_completed() else accepted
+
+    monkeypatch.setattr(prefect.flow_engine, "propose_state_sync", without_data)
+
+    @flow(name="value-kept", flow_run_name="kept {n}")
+    def value_kept(n: int) -> dict[str, int]:
+        return {"n": n}
+
+    with pytest.raises(MissingResult):  # the way the CLI read it before
+        value_kept(n=1, return_state=True).result()
+    outcome = _outcome(run_here(value_kept, {"n": 2}))
+    assert outcome.result == {"n": 2} and outcome.flow_run_name == "kept 2"
+
+    @flow(name="fails-with-a-reason")
+    def fails() -> None:
+        raise ValueError("the flow's own reason")
+
+    with pytest.raises(FlowFailed, match="^the flow's own reason$") as failed:
+        _outcome(run_here(fails, {}))
+    assert failed.value.flow_run_id
 
 
 # ---- the manual deployment as a user runs it: a process worker on this machine, only `source` given ---------

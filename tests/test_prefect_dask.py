@@ -26,6 +26,7 @@ from typing import Any
 import fsspec.core
 from prefect import flow, task
 
+from flows.commands import run_here
 from tests.cluster import DaskCluster, read_range, whoami
 
 
@@ -154,8 +155,8 @@ def test_flow_survives_a_worker_killed_mid_task(prefect_server: str, cluster: Da
     from prefect import get_client
 
     log, release = tmp_path / "runs", tmp_path / "release"
-    thread, out = _in_thread(lambda: blocking_flow.with_options(task_runner=_runner(cluster))(
-        str(log), str(release), return_state=True))
+    thread, out = _in_thread(lambda: run_here(blocking_flow.with_options(task_runner=_runner(cluster)),
+                                              {"log": str(log), "release": str(release)}))
     _wait_until(lambda: len(_lines(log)) == 1, "the task to start")
     first = _lines(log)[0]
     cluster.kill(first)
@@ -163,11 +164,11 @@ def test_flow_survives_a_worker_killed_mid_task(prefect_server: str, cluster: Da
     release.touch()
     thread.join(60)
 
-    state = out["result"]
+    state = out["result"].state
     assert state.is_completed(), out
     other = (set(cluster.workers) - {first}).pop()
     assert _lines(log) == [first, other]
-    assert state.result() == other
+    assert out["result"].value == other
     history = _state_history(state.state_details.flow_run_id)
     assert len(history) == 1, history  # one task run, run twice
     (states,) = history.values()
@@ -179,8 +180,8 @@ def test_flow_survives_a_worker_killed_mid_task(prefect_server: str, cluster: Da
 def test_finished_task_runs_again_when_its_worker_dies(prefect_server: str, cluster: DaskCluster,
                                                        tmp_path: Path) -> None:
     log, started, release = tmp_path / "finished", tmp_path / "started", tmp_path / "release"
-    thread, out = _in_thread(lambda: finished_then_blocking_flow.with_options(task_runner=_runner(cluster))(
-        str(log), str(started), str(release), return_state=True))
+    thread, out = _in_thread(lambda: run_here(finished_then_blocking_flow.with_options(task_runner=_runner(cluster)),
+                                              {"log": str(log), "started": str(started), "release": str(release)}))
     _wait_until(lambda: _lines(started) == ["w0"], "the second task to start on w0")
     assert _lines(log) == ["w1"]
     cluster.kill("w1")
@@ -188,9 +189,9 @@ def test_finished_task_runs_again_when_its_worker_dies(prefect_server: str, clus
     release.touch()
     thread.join(60)
 
-    state = out["result"]
+    state = out["result"].state
     assert state.is_completed(), out
-    assert state.result() == ("w1", "w0")
+    assert out["result"].value == ("w1", "w0")
     history = _state_history(state.state_details.flow_run_id)
     note_states = next(v for k, v in history.items() if k.startswith("note#"))
     assert note_states == ["PENDING", "RUNNING", "COMPLETED"] * 2, history
