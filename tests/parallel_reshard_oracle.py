@@ -30,9 +30,14 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from tests.fixtures import parallel_extra_writer  # noqa: E402
 from tests.fixtures import parallel_writer as writer  # noqa: E402
 from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.parallel_matrix import ParallelSpec  # noqa: E402
+
+
+# A ZeRO-0 bf16 run's state is read as the extra fixtures' writer reads it (FP16_Optimizer's flat groups).
+writer._local_states = parallel_extra_writer._local_states
 
 
 def run_job(job: dict[str, Any]) -> None:
@@ -40,9 +45,7 @@ def run_job(job: dict[str, Any]) -> None:
     if spec.world_size != dist.get_world_size():
         raise SystemExit(f"{spec.name} wants {spec.world_size} ranks, this launch has {dist.get_world_size()}")
     if spec.layout == "autotp" and spec.tp == 1:
-        from tests.fixtures.parallel_extra_writer import DataParallelHFJob
-
-        work: writer.Job = DataParallelHFJob(spec)
+        work: writer.Job = parallel_extra_writer.DataParallelHFJob(spec)
     else:
         work = writer.JOBS[spec.layout](spec)
     engine, _ = work.initialize()

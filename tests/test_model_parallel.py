@@ -18,6 +18,7 @@ Each wrong-diagnosis case is a test of its message.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptflow.consolidate import ConsolidateOptions, consolidate
+from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
 from ckptflow.validate import validate
@@ -39,6 +41,19 @@ from tests.test_parallel_fixtures import load_pt, universal_tensor
 MATRIX_NAMES = [s.name for s in PARALLEL_MATRIX if s.layout not in (AUTOEP, DSMOE) and not s.name.endswith("no-ucinfo")]
 EXTRA_NAMES = [s.name for s in EXTRA_MATRIX]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# ZeRO-0 in bf16 names only its bf16 weights (its masters are unnamed): consolidated in bf16, exactly.
+SIXTEEN_BIT_ZERO0 = {s.name for s in EXTRA_MATRIX if s.stage == 0 and s.dtype != "fp32"}
+
+
+def output_dtype(fixture: ParallelFixture) -> str:
+    """The dtype a consolidation of `fixture` writes by default here: fp32, or the training dtype where
+    that is all the checkpoint names."""
+    return fixture.spec["dtype"] if fixture.name in SIXTEEN_BIT_ZERO0 else "fp32"
+
+
+def rounded(tensors: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """fp32 tensors rounded to `dtype` and back, as a 16-bit model computes in fp32."""
+    return {name: t.to(DTYPES[dtype]).float() for name, t in tensors.items()}
 
 
 @pytest.fixture(params=MATRIX_NAMES + EXTRA_NAMES)
@@ -95,8 +110,8 @@ def test_validate_deep_finds_nothing_wrong(fixture: ParallelFixture) -> None:
 
 
 def test_consolidate_equals_the_live_engine_bit_for_bit(fixture: ParallelFixture, tmp_path: Path) -> None:
-    got = consolidated(fixture, tmp_path / "out")
-    check_oracle(fixture, got, "fp32")
+    got = consolidated(fixture, tmp_path / "out", output_dtype(fixture))
+    check_oracle(fixture, got, output_dtype(fixture))
     provenance = json.loads((tmp_path / "out" / "ckptflow_provenance.json").read_text())
     assert provenance["source"]["layout"] == validate(str(fixture.dir)).summary()["layout"]
     if fixture.layout in ("pipe", "megatron"):
@@ -152,7 +167,8 @@ def test_from_pretrained_loads_it_and_gives_the_oracle_logits(name: str, tmp_pat
     from transformers import AutoModelForCausalLM
 
     fixture = {**parallel_fixtures, **parallel_extra_fixtures}[name]
-    consolidate(str(fixture.dir), str(tmp_path / "out"), options=ConsolidateOptions(workers=2))
+    dtype = output_dtype(fixture)
+    consolidate(str(fixture.dir), str(tmp_path / "out"), options=ConsolidateOptions(dtype=dtype, workers=2))
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
     assert {key: value for key, value in info.items() if value} == {}
     tied = fixture.spec["model"] == "llama-tied"
@@ -160,7 +176,12 @@ def test_from_pretrained_loads_it_and_gives_the_oracle_logits(name: str, tmp_pat
     logits = load_file(fixture.logits_path)
     with torch.no_grad():
         again = model.eval()(input_ids=logits["input_ids"]).logits
-    assert torch.equal(again, logits["logits"])
+        if dtype == "fp32":
+            assert torch.equal(again, logits["logits"])
+        else:  # the reference model, its weights rounded as the training dtype rounds the masters
+            reference = AutoModelForCausalLM.from_pretrained(fixture.reference_dir, dtype=torch.float32)
+            reference.load_state_dict(rounded(reference.state_dict(), dtype))
+            assert torch.equal(again, reference.eval()(input_ids=logits["input_ids"]).logits)
 
 
 @pytest.mark.parametrize("name", [n for n in MATRIX_NAMES + EXTRA_NAMES if n.startswith(("pipe", "megatron"))])
@@ -170,12 +191,19 @@ def test_pipeline_output_runs_the_reference_model(name: str, tmp_path: Path,
     from tests.fixtures import parallel_models as models
 
     fixture = {**parallel_fixtures, **parallel_extra_fixtures}[name]
-    weights = consolidated(fixture, tmp_path / "out")
+    dtype = output_dtype(fixture)
+    weights = consolidated(fixture, tmp_path / "out", dtype)
     if fixture.spec["stage"] == 0:
         weights["tied_modules.embed.weight"] = weights.pop("0.weight")
     forward = models.megatron_reference_logits if fixture.layout == "megatron" else models.pipe_reference_logits
     logits = load_file(fixture.logits_path)
-    assert torch.equal(forward(weights, logits["input_ids"]).float(), logits["logits"])
+    if dtype == "fp32":
+        assert torch.equal(forward(weights, logits["input_ids"]).float(), logits["logits"])
+    else:  # the reference forward on the oracle's masters rounded as the training dtype rounds them
+        masters = {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items() if k.startswith("fp32/")}
+        want = forward({**load_file(fixture.buffers_path), **rounded(masters, dtype)}, logits["input_ids"])
+        got = forward({name: t.float() if t.is_floating_point() else t for name, t in weights.items()}, logits["input_ids"])
+        assert torch.equal(got.float(), want.float())
 
 
 @pytest.mark.parametrize("name", [n for n in MATRIX_NAMES if "-z0-" not in n])
@@ -351,27 +379,61 @@ def test_megatron_rules_that_average_are_refused(parallel_fixtures: Mapping[str,
     assert [name for _, message in got for name in [message.split(":")[0]]] == ["1.fc1.bias", "2.fc1.bias", "3.fc1.bias"]
 
 
-def test_zero0_in_bf16_is_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
-    """bf16 ZeRO-0 keeps its masters in unnamed optimizer state (`fp32_groups_flat`, see
-    formats/deepspeed/zero0.py). A fp32 checkpoint stands in, relabelled bf16 and with its `optimizer`
-    in the shape DeepSpeed 0.19.8's FP16_Optimizer saves (the keys a bf16 ZeRO-0 run on CPU wrote): the
-    refusal is the one problem, not a "damaged" file (the fixture writer cannot gather an
-    FP16_Optimizer's masters per parameter, so there is no such fixture)."""
-    ckpt = copy_checkpoint(parallel_extra_fixtures["zero-dp2-z0-fp32"], tmp_path)
+@pytest.mark.parametrize("name", sorted(SIXTEEN_BIT_ZERO0))
+def test_zero0_in_bf16_is_written_in_bf16_only(name: str, parallel_extra_fixtures: Mapping[str, ParallelFixture],
+                                               tmp_path: Path) -> None:
+    """bf16 ZeRO-0 (DeepSpeed's FP16_Optimizer) names its bf16 weights only; the fp32 masters sit unnamed in
+    `fp32_groups_flat` (formats/deepspeed/zero0.py). The bf16 model is exact (the tests above: every
+    weight is the live engine's master rounded to bf16); an fp32 model is refused in one line, nothing
+    written."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+    from ckptflow.formats.deepspeed.zero0 import masters_note
+
+    fixture = parallel_extra_fixtures[name]
+    assert fixture.spec["optimizer"] == "FP16_Optimizer"
+    summary = validate(str(fixture.dir)).summary()
+    assert (summary["precision"], summary["frozen"]) == ("bf16", 0)
+    assert masters_note("bf16") in summary["notes"]
+    out = tmp_path / "out"
+    refused = CliRunner().invoke(app, ["consolidate", str(fixture.dir), str(out), "--dtype", "fp32"])
+    assert refused.exit_code == 1 and "\n" not in refused.output.strip(), refused.output
+    assert " ".join(refused.output.split()) == (
+        f"error: {fixture.dir}/global_step3 is a {summary['layout']} checkpoint trained in bf16: it names its weights "
+        "in bf16 only (its fp32 masters sit in the optimizer state with no parameter names), so a fp32 model made from "
+        "it would not hold the masters; consolidate with --dtype bf16: bit for bit the weights DeepSpeed trained "
+        "with; or train with ZeRO-1 or higher for named fp32 masters")
+    assert not out.exists()
+    with pytest.raises(UnsupportedCheckpointError) as again:
+        consolidate(str(fixture.dir), str(out), options=ConsolidateOptions(dtype="fp16"))
+    assert again.value.code == "unsupported-precision" and not out.exists()
+
+
+def test_zero0_masters_that_do_not_fit_the_weights_are_named(parallel_extra_fixtures: Mapping[str, ParallelFixture],
+                                                             tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(parallel_extra_fixtures["zero-dp2-z0-bf16"], tmp_path)
     model = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
 
-    def as_bf16(state: dict) -> None:
-        state["ds_config"]["bf16"].update(enabled=True)
-        flat = torch.cat([p.detach().float().reshape(-1) for p in state["module"].values()])
-        state["module"] = {name: p.to(torch.bfloat16) for name, p in state["module"].items()}
-        state["optimizer"] = {"optimizer_state_dict": state["optimizer"], "fp32_groups_flat": [flat], "clip_grad": 1.0}
+    held = []
 
-    rewrite(model, as_bf16)
+    def grow(state: dict) -> None:
+        state["optimizer"]["fp32_groups_flat"][0] = torch.zeros(10**6)
+        held.append(sum(flat.numel() for flat in state["optimizer"]["fp32_groups_flat"]))
+
+    rewrite(model, grow)
+    weights = sum(math.prod(shape) for shape in parallel_extra_fixtures["zero-dp2-z0-bf16"].spec["params"].values())
     assert messages(ckpt) == [(
-        "unsupported-precision", f"{model} is a ZeRO-0 checkpoint trained in bf16: its fp32 master weights live in the "
-        "optimizer state (`fp32_groups_flat`, one flat tensor per param group), which names no parameters, so ckptflow "
-        "cannot place them; save the 16-bit weights with `engine.save_16bit_model()`, or train with ZeRO-1 or higher "
-        "to get named fp32 master weights")]
+        "corrupt-file", f"{model} holds {held[0]} fp32 master elements for {weights} weight elements; the optimizer "
+        "state is from another model: re-save the checkpoint")]
+
+    def drop(state: dict) -> None:
+        del state["optimizer"]["fp32_groups_flat"]
+
+    rewrite(model, drop)
+    assert messages(ckpt) == [(
+        "corrupt-file", f"{model} is a ZeRO-0 checkpoint trained in bf16, but its optimizer holds no flat fp32 master "
+        "per param group (`fp32_groups_flat`, 2 expected); the file is damaged or was written by another tool")]
 
 
 # ---- the piece arithmetic, against torch ---------------------------------------------------------------

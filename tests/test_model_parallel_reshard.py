@@ -45,8 +45,8 @@ ALL_CASES = (
     ("pipe-pp2-z1-fp32", 2), ("pipe-pp2-z1-bf16", 2), ("pipe-pp2dp2-z1-fp32", 1),
     ("megatron-pp2tp2-z1-fp32-ucinfo", 2),
 )
-# ZeRO-0: DeepSpeed loads the source itself at the new size.
-NATIVE = (("autotp-tp2-z0-fp32", 2),)
+# ZeRO-0: DeepSpeed loads the source itself at the new size (in bf16 too: FP16_Optimizer's flat masters).
+NATIVE = (("autotp-tp2-z0-fp32", 2), ("autotp-tp2-z0-bf16", 2))
 # AutoTP merged to tensor-parallel degree 1 at the new data-parallel size: (fixture, dp, 1).
 ALL_MERGES = (
     ("autotp-tp2-z1-fp32", 2, 1), ("autotp-tp2-z2-fp32", 1, 1), ("autotp-tp2-z3-fp32", 2, 1),
@@ -137,14 +137,20 @@ def check_validates(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFix
 
 
 @pytest.fixture(scope="session")
-def mp_oracle(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_reshard_oracle(parallel_fixtures, RESHARDS, NATIVE, tmp_path_factory.mktemp("mp-reshard-oracle"))
+def both_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
+                  parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
+    return {**parallel_fixtures, **parallel_extra_fixtures}
+
+
+@pytest.fixture(scope="session")
+def mp_oracle(both_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_reshard_oracle(both_fixtures, RESHARDS, NATIVE, tmp_path_factory.mktemp("mp-reshard-oracle"))
 
 
 @pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
 def test_deepspeed_loads_it_holding_the_source_state(mp_oracle: dict[str, Any], case: tuple,
-                                                     parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    check_loaded_state(mp_oracle, case, parallel_fixtures[case[0]])
+                                                     both_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_loaded_state(mp_oracle, case, both_fixtures[case[0]])
 
 
 @pytest.mark.parametrize("case", RESHARDS, ids=case_id)
@@ -175,14 +181,16 @@ def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures:
     assert not (tmp_path / "out").exists()
 
 
-def test_zero0_is_not_resharded_and_says_why(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
-    fixture = parallel_fixtures["autotp-tp2dp2-z0-fp32"]
+@pytest.mark.parametrize("name,dp", [("autotp-tp2dp2-z0-fp32", 2), ("autotp-tp2-z0-bf16", 1)])
+def test_zero0_is_not_resharded_and_says_why(name: str, dp: int, both_fixtures: Mapping[str, ParallelFixture],
+                                             tmp_path: Path) -> None:
+    fixture = both_fixtures[name]
     with pytest.raises(UnsupportedCheckpointError) as info:
         reshard(str(fixture.dir), str(tmp_path / "out"), world_size=1)
     assert info.value.code == "reshard-not-needed"
     assert str(info.value) == (
-        f"{fixture.dir}/global_step3 is a checkpoint in the AutoTP (tensor-parallel; tp 2 x dp 2, ZeRO-0) layout: its "
-        "files hold whole tensors and do not depend on the data-parallel size, and DeepSpeed loads it natively at any "
-        f"data-parallel size, so there is nothing to reshard; point the run at {fixture.dir} as it is, with 1 "
+        f"{fixture.dir}/global_step3 is a checkpoint in the AutoTP (tensor-parallel; tp 2 x dp {dp}, ZeRO-0) layout: "
+        "its files hold whole tensors and do not depend on the data-parallel size, and DeepSpeed loads it natively at "
+        f"any data-parallel size, so there is nothing to reshard; point the run at {fixture.dir} as it is, with 1 "
         "data-parallel rank")
     assert not (tmp_path / "out").exists()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptflow.errors import CheckpointError
+from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.tensors import ModelSource, Run
 from ckptflow.formats.torchzip import DTYPE_SIZES
@@ -157,6 +157,7 @@ def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = 
     frozen parameters are left out with `exclude_frozen`; buffers keep their dtype.
     """
     options = options or ConsolidateOptions()
+    _check_exact(index, options)
     tensors: list[OutputTensor] = []
     excluded: list[str] = []
     for t in index.model_tensors():
@@ -184,6 +185,21 @@ def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = 
         tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
         notes=tuple(index.summary().get("notes") or ()),
     )
+
+
+def _check_exact(index: ModelSource, options: ConsolidateOptions) -> None:
+    """ZeRO-0 in bf16 or fp16 names only its 16-bit weights (formats/deepspeed/zero0.py): a model in that
+    dtype is exact, one in another dtype would be made from rounded weights, not from the masters."""
+    trained = hf.OUTPUT_DTYPES.get(index.precision)
+    if index.stage != 0 or index.precision == "fp32" or trained is None or options.torch_dtype == trained:
+        return
+    raise UnsupportedCheckpointError(
+        f"{index.root}/{index.tag} is a {index.layout} checkpoint trained in {index.precision}: it names its weights "
+        f"in {index.precision} only (its fp32 masters sit in the optimizer state with no parameter names), so a "
+        f"{options.dtype} model made from it would not hold the masters", code="unsupported-precision",
+        uri=index.root, expected=index.precision, actual=options.dtype,
+        hint=f"consolidate with --dtype {index.precision}: bit for bit the weights DeepSpeed trained with; or "
+             "train with ZeRO-1 or higher for named fp32 masters")
 
 
 # ---- batches: what one unit reads and writes, chunk by chunk (pure) --------------------------------

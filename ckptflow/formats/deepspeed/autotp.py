@@ -28,7 +28,7 @@ from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelChe
                                                        row_major, stop_on_new)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, whole_run
 from ckptflow.formats.torchzip import TensorRef
-from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
+from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER, masters_note
 from ckptflow.plumbing.text import excerpt
 
 UC_INFO = "universal_checkpoint_info"
@@ -110,7 +110,9 @@ def _describe(layout: Layout, stage: int) -> str:
 
 
 def _notes(ranks: Sequence[Any]) -> tuple[str, ...]:
-    return (UNNAMED_OPTIMIZER,) if ranks[0].stage == 0 else ()
+    if ranks[0].stage != 0:
+        return ()
+    return (UNNAMED_OPTIMIZER, *([masters_note(ranks[0].precision)] if ranks[0].masters_unnamed else []))
 
 
 def _uc_info(st: Inspection, listing: Listing, heads: Sequence[Mapping[str, Any]], label: Any) -> Mapping[str, Any]:

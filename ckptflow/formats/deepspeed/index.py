@@ -671,19 +671,21 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
     return obj
 
 
+def precision_of(config: Any) -> str:
+    """The training precision a saved `ds_config` names: "bf16", "fp16" or "fp32"."""
+    config = config if isinstance(config, Mapping) else {}
+    if enabled_section(config, "bf16") or enabled_section(config, "bfloat16"):
+        return "bf16"
+    return "fp16" if enabled_section(config, "fp16") else "fp32"
+
+
 def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> dict[str, Any]:
     missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
     if missing:
         st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
                "it was replaced or written by another tool", file=uri)
         return {}
-    config = obj.get("ds_config")
-    config = config if isinstance(config, Mapping) else {}
-    precision = "fp32"
-    if enabled_section(config, "bf16") or enabled_section(config, "bfloat16"):
-        precision = "bf16"
-    elif enabled_section(config, "fp16"):
-        precision = "fp16"
+    precision = precision_of(obj.get("ds_config"))
     world_size, step, version = obj["dp_world_size"], obj["global_steps"], obj.get("ds_version", "unknown")
     if not _count(world_size) or world_size < 1:
         st.add("corrupt-file", f"{uri} records a data-parallel world size of {excerpt(world_size)}; the file is damaged",

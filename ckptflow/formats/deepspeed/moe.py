@@ -24,7 +24,7 @@ from typing import Any
 from ckptflow.formats.deepspeed.detect import Layout
 from ckptflow.formats.deepspeed.experts import (ExpertCheckpoint, check_expert_file, check_expert_files, open_files,
                                                 ordered)
-from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint, read_zero
+from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint, precision_of, read_zero
 from ckptflow.formats.deepspeed.names import (EXPERT_FILE_RE, EXPP_FILE_RE, expert_file_name, expert_group_degree,
                                               expp_file_name)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
@@ -247,8 +247,7 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     for tensors in by_expert.values():
         for name, ref in tensors.items():
             out[name] = ModelTensor(name, ref.shape, ref.dtype, "param", (whole_run(ref, name),))
-    config = model0.get("ds_config") or {}
-    precision = "bf16" if isinstance(config, Mapping) and (config.get("bf16") or {}).get("enabled") else "fp32"
+    precision = precision_of(model0.get("ds_config"))
     return ExpertCheckpoint(
         root=st.root, tag=st.tag, kind="moe", stage=0, world_size=world_size, ep=ep, precision=precision,
         step=model0.get("global_steps", 0), ds_version=str(model0.get("ds_version", "unknown")),

@@ -42,7 +42,7 @@ from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelChe
                                                        read_ranks, row_major, stop_on_new)
 from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, layer_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
-from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER
+from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER, masters_note
 from ckptflow.formats.torchzip import TensorRef, open_archive
 from ckptflow.plumbing.storage import join as join_uri
 from ckptflow.plumbing.text import excerpt
@@ -108,7 +108,8 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
     if zero0:
         notes = (f"{UNNAMED_OPTIMIZER}; at ZeRO-0 a PipelineModule records no parameter names either: tensors are "
                  "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
-                 "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",)
+                 "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",
+                 *([masters_note(first.precision)] if first.masters_unnamed else []))
     return ModelParallelCheckpoint(
         root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
         step=first.step, ds_version=first.ds_version, kind=layout.kind,

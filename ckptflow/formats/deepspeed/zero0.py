@@ -9,12 +9,16 @@ maps an index to a parameter name. So the index names the weights and counts the
 and says it cannot name it; consolidation writes the weights.
 
 In a bf16 or fp16 run the module holds 16-bit copies and the fp32 masters sit in unnamed optimizer
-state: DeepSpeed 0.19.8 trains both at ZeRO-0 with its FP16_Optimizer (checked here by writing a bf16
-one on CPU), whose `optimizer` entry holds `fp32_groups_flat`, one flat fp32 tensor per param group,
-beside the base optimizer's state by index. Which parameters a group holds, and in which order, is the
-training script's; nothing in the file says it. They are refused with what to do instead. (bf16 at
-ZeRO-1 with fp32 gradient accumulation is DeepSpeed's BF16_Optimizer, which saves named partitions
-like ZeRO-1 and is read as such.)
+state: DeepSpeed 0.19.8 trains both at ZeRO-0 with its FP16_Optimizer, whose `optimizer` entry holds
+`optimizer_state_dict` (the base optimizer's, one flat state per param group) and `fp32_groups_flat`,
+one flat fp32 tensor per param group. Which parameters a group holds, and in which order, is the
+training script's; nothing in the file says it, so the masters cannot be placed. The 16-bit weights
+can: after every step FP16_Optimizer copies each master into its 16-bit parameter (a round to nearest
+even, the cast `formats.casts` does bit for bit), so the module's weights are exactly the masters
+rounded to the training dtype. The index names them, in that dtype; a consolidation in that dtype is
+exact, and one in any other is refused (`masters_unnamed`). (bf16 at ZeRO-1 with fp32 gradient
+accumulation is DeepSpeed's BF16_Optimizer, which saves named partitions like ZeRO-1 and is read as
+such.)
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from ckptflow.plumbing.storage import join
 
 UNNAMED_OPTIMIZER = ("ZeRO-0 saves the optimizer state by index, and nothing in the checkpoint maps an index to "
                      "a parameter name: it is left out (the weights are named, in `module`)")
+
+
+def masters_note(precision: str) -> str:
+    return (f"the weights are saved in {precision}, exactly the fp32 masters rounded as DeepSpeed rounds them; the "
+            f"masters themselves sit unnamed in the optimizer state, so a model is written in {precision} only")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class Zero0Checkpoint:
     model_states: Mapping[str, Any]
     mp_rank: int = 0
     stage: int = 0
+    master_elements: int | None = None  # 16-bit weights: the elements of FP16_Optimizer's flat fp32 masters
 
     @property
     def tag_uri(self) -> str:
@@ -68,8 +78,17 @@ class Zero0Checkpoint:
         return sum(t.numel for t in self.tensors if t.kind != "buffer")
 
     @property
-    def frozen_unknown(self) -> int:
-        """Weights the optimizer does not hold (frozen ones); which they are, the file does not say."""
+    def masters_unnamed(self) -> bool:
+        """The weights are 16-bit copies of fp32 masters that cannot be placed (see the module docstring)."""
+        return self.precision != "fp32"
+
+    @property
+    def frozen_unknown(self) -> int | str:
+        """Weights the optimizer does not hold (frozen ones); which they are, the file does not say. With
+        16-bit weights the optimizer holds flat masters, so only their elements can be counted."""
+        if self.master_elements is not None:
+            frozen = self.numel - self.master_elements
+            return f"{frozen:,} elements" if frozen else 0
         return max(0, sum(t.kind != "buffer" for t in self.tensors) - self.optimizer_params)
 
     def model_tensors(self) -> tuple[ModelTensor, ...]:
@@ -89,8 +108,14 @@ class Zero0Checkpoint:
             "tied": len(self.tied),
             "buffers": sum(t.kind == "buffer" for t in self.tensors),
             "param_groups": self.optimizer_groups,
-            "notes": [f"{UNNAMED_OPTIMIZER} ({self.optimizer_params} tensors in {self.optimizer_groups} param groups)"],
+            "notes": [f"{UNNAMED_OPTIMIZER} ({self._held()})", *([masters_note(self.precision)] if self.masters_unnamed else [])],
         }
+
+
+    def _held(self) -> str:
+        if self.master_elements is not None:
+            return f"{self.master_elements:,} fp32 master elements in {self.optimizer_groups} param groups"
+        return f"{self.optimizer_params} tensors in {self.optimizer_groups} param groups"
 
 
 def read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_rank: int = 0, mp_world_size: int = 1,
@@ -103,25 +128,22 @@ def read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_r
     head = model_head(st, model0, uri, mp_world_size)
     st.stop_if_any()
     of = f" ({where})" if where else ""
-    if head["precision"] != "fp32":
-        st.add("unsupported-precision",
-               f"{uri}{of} is a ZeRO-0 checkpoint trained in {head['precision']}: its fp32 master weights live in "
-               "the optimizer state (`fp32_groups_flat`, one flat tensor per param group), which names no "
-               "parameters, so ckptflow cannot place them; save the 16-bit weights with "
-               "`engine.save_16bit_model()`, or train with ZeRO-1 or higher to get named fp32 master weights", file=uri)
     for name, match in [*listing.optim_names.items(), *listing.model_names.items()]:
         if int(match.group(3 if name in listing.optim_names else 2)) == mp_rank and name != model_file_name(0, 0, mp_rank):
             st.add("rank-extra", f"unexpected file {st.tag}/{name}: a ZeRO-0 checkpoint{of} has only "
                    f"{model_file_name(0, 0, mp_rank)}; it is left over from another save into the same tag folder: "
                    "remove it, or re-save the checkpoint into a fresh folder", file=join(listing.tag_uri, name))
-    if head["precision"] != "fp32":
-        st.stop_if_any()  # its optimizer entry is an FP16_Optimizer's (see the module docstring): nothing more to check
+    sixteen, masters = head["precision"] != "fp32", None
     optimizer = model0.get("optimizer")
+    if sixteen and isinstance(optimizer, Mapping):  # FP16_Optimizer's entry: the base optimizer's state inside
+        masters = optimizer.get("fp32_groups_flat")
+        optimizer = optimizer.get("optimizer_state_dict")
     groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
                                                for g in groups):
-        st.add("corrupt-file", f"{uri}{of} has no ZeRO-0 optimizer state (`optimizer` with param groups); the file "
-               "is damaged or was written by another tool", file=uri)
+        inside = " inside FP16_Optimizer's `optimizer_state_dict`" if sixteen else ""
+        st.add("corrupt-file", f"{uri}{of} has no ZeRO-0 optimizer state (`optimizer` with param groups{inside}); "
+               "the file is damaged or was written by another tool", file=uri)
     module = module if module is not None else model0.get("module")
     if not isinstance(module, Mapping):
         st.add("corrupt-file", f"{uri}{of} holds no module state dict; the file is damaged or was written by "
@@ -130,6 +152,7 @@ def read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_r
     assert isinstance(optimizer, Mapping) and isinstance(groups, list) and isinstance(module, Mapping)
     buffers = set(model0.get("buffer_names") or [])
     tensors, tied = _module_tensors(module, buffers)
+    held = _check_masters(st, masters, groups, tensors, head["precision"], uri, of) if sixteen else None
     state = optimizer.get("state") or {}
     steps = [s.get("step") for s in state.values() if isinstance(s, Mapping)] if isinstance(state, Mapping) else []
     step = max([int(s) for s in steps if isinstance(s, (int, float)) and not isinstance(s, bool)], default=0)
@@ -137,8 +160,27 @@ def read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_r
         root=st.root, tag=st.tag, world_size=head["world_size"], precision=head["precision"], step=head["step"],
         ds_version=head["ds_version"], model_file=uri, tensors=tensors, tied=tied,
         optimizer_params=sum(len(g["params"]) for g in groups), optimizer_groups=len(groups), optimizer_step=step,
-        model_states=model0, mp_rank=mp_rank,
+        model_states=model0, mp_rank=mp_rank, master_elements=held,
     )
+
+
+def _check_masters(st: Inspection, masters: Any, groups: list[Any], tensors: tuple[ModelTensor, ...], precision: str,
+                   uri: str, of: str) -> int | None:
+    """FP16_Optimizer's masters: one flat fp32 tensor per param group, together no more elements than the
+    module's weights (frozen ones have no master). Their order is not in the file (module docstring).
+    Returns how many elements they hold."""
+    if not isinstance(masters, list) or len(masters) != len(groups) or not all(
+            isinstance(m, TensorRef) and m.dtype == "float32" and len(m.shape) == 1 for m in masters):
+        st.add("corrupt-file", f"{uri}{of} is a ZeRO-0 checkpoint trained in {precision}, but its optimizer holds "
+               f"no flat fp32 master per param group (`fp32_groups_flat`, {len(groups)} expected); the file is "
+               "damaged or was written by another tool", file=uri)
+        return None
+    held = sum(m.shape[0] for m in masters)
+    weights = sum(t.numel for t in tensors if t.kind != "buffer")
+    if held > weights:
+        st.add("corrupt-file", f"{uri}{of} holds {held} fp32 master elements for {weights} weight elements; the "
+               "optimizer state is from another model: re-save the checkpoint", file=uri)
+    return held
 
 
 def _module_tensors(module: Mapping[str, Any], buffers: set[str]) -> tuple[tuple[ModelTensor, ...], dict[str, str]]:
@@ -160,4 +202,4 @@ def _module_tensors(module: Mapping[str, Any], buffers: set[str]) -> tuple[tuple
     return tuple(out), tied
 
 
-__all__ = ["UNNAMED_OPTIMIZER", "Zero0Checkpoint", "read_zero0"]
+__all__ = ["UNNAMED_OPTIMIZER", "Zero0Checkpoint", "masters_note", "read_zero0"]
