@@ -9,12 +9,17 @@ into the consolidation's read batches (`plan_batches`, bf16 output, default batc
 the runs, the time to compose them and to check that they tile each tensor (`check_coverage`), the
 batches' copies, and the process's peak RSS. Nothing is read or written.
 
+With `--merge M` it also plans the copies of a tensor-parallel merge (`ckptflow reshard
+--tensor-parallel 1`) of those tensors into ZeRO-1 partitions over M data-parallel ranks
+(`reshard.tensor_parallel._Runs`, as its ZeRO-1/2 planner cuts each target partition), and reports
+their number, the time and the peak RSS.
+
 With `--fill DIR` it also writes one row-parallel tensor (`down_proj`, half of Llama-3-70B's in each
 dimension: 4096 x 14336 fp32, 235 MB, split over the tp ranks) as raw rank files under DIR, and times
 the consolidation's batch fill (read, cast to fp32 and to bf16, placed as full rows) on them, the
 files in the page cache (the second of two passes).
 
-    .venv/bin/python -m benchmarks.tp_runs [--layers 80] [--tp 8] [--partitions 3] [--fill DIR]
+    .venv/bin/python -m benchmarks.tp_runs [--layers 80] [--tp 8] [--partitions 3] [--merge 8] [--fill DIR]
 
 Recorded in RESULTS.md ("Tensor-parallel merge").
 """
@@ -25,6 +30,7 @@ import argparse
 import resource
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -32,6 +38,7 @@ from ckptflow.consolidate.plan import DEFAULT_CHUNK_BYTES, plan_batches
 from ckptflow.consolidate.write import _fill
 from ckptflow.formats.deepspeed.model_parallel import compose, concat_pieces
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
+from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span, write_archive
 from ckptflow.formats.torchzip import TensorRef
 
 HIDDEN, INTERMEDIATE = 8192, 28672  # Llama-3-70B
@@ -59,6 +66,37 @@ def row_parallel_runs(layers: int, tp: int, partitions: int) -> list[tuple[Run, 
     return out
 
 
+def merge(runs: list[tuple[Run, ...]], world_size: int) -> tuple[int, float]:
+    """The merge's copies for the tensors of `runs` laid out one after another in one param group and
+    partitioned over `world_size` ranks: (copies, seconds)."""
+    from ckptflow.reshard.tensor_parallel import _Runs
+
+    refs = sorted({r.ref for tensor in runs for r in tensor}, key=lambda ref: (ref.uri, ref.key))
+    by_rank: dict[str, list[SimpleNamespace]] = {}
+    for ref in refs:
+        by_rank.setdefault(ref.uri, []).append(SimpleNamespace(fp32=ref, group=0))
+    files = sorted(by_rank)  # zero_pp_rank_{p}_mp_rank_{mp}: virtual rank mp * partitions + p
+    partitions = len({f.split("zero_pp_rank_")[1].split("_")[0] for f in files})
+    ranks = [SimpleNamespace(world_size=partitions, partitions=[
+        by_rank[f"/ckpt/tag/zero_pp_rank_{p}_mp_rank_{mp:02d}_optim_states.pt"] for p in range(partitions)])
+        for mp in range(len(files) // partitions)]
+    tensors = [ModelTensor(f"t{i}", (), "float32", "param", tensor) for i, tensor in enumerate(runs)]
+    started = time.monotonic()
+    index = _Runs(SimpleNamespace(ranks=ranks, tensors=tensors))
+    numels = [sum(r.numel for r in tensor) for tensor in runs]
+    total = sum(numels)
+    partition = -(-total // world_size)
+    count = 0
+    for rank in range(world_size):
+        lo, hi, offset = rank * partition, min(total, (rank + 1) * partition), 0
+        for tensor, numel in zip(tensors, numels):
+            a, b = max(offset, lo), min(offset + numel, hi)
+            if a < b:
+                count += len(index.copies(tensor.name, 0, a - offset, b - offset, a - lo))
+            offset += numel
+    return count, time.monotonic() - started
+
+
 def fill(folder: Path, tp: int, rows: int = HIDDEN // 2, cols: int = INTERMEDIATE // 2) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     width = cols // tp
@@ -82,6 +120,35 @@ def fill(folder: Path, tp: int, rows: int = HIDDEN // 2, cols: int = INTERMEDIAT
             took = time.monotonic() - started
         print(f"fill of a {rows} x {cols} row-parallel tensor to {dtype}: {len(runs)} runs, "
               f"{sum(len(b.copies) for b in batches):,} copies, {took:.2f} s, {rows * cols * 4 / took / 1e9:.2f} GB/s of source")
+    # The merge's write of the same tensor into a torch file (the target flat of `reshard
+    # --tensor-parallel 1`), its runs as strided spans and as one span per row, the archive in the
+    # page cache (no fsync).
+    for label, spans in (("strided spans", [Span(r.ref.uri, *_span(r)) for r in runs]),
+                         ("per-row spans", [Span(p.ref.uri, *_span(p)) for r in runs for p in r.plain()])):
+        storage = OutStorage("float32", rows * cols, spans)
+        for _ in range(2):
+            target = folder / "merged.pt"
+            started = time.monotonic()
+            write_archive(str(target), {"w": OutTensor(storage)}, SourceReader(), durable=False, threads=2)
+            took = time.monotonic() - started
+        assert np.array_equal(np.frombuffer(torch_data(target), dtype=np.float32).reshape(rows, cols)[:, :width],
+                              np.fromfile(folder / f"tp{tp}-rank0-{rows}x{width}.bin", dtype=np.float32).reshape(rows, width))
+        target.unlink()
+        print(f"merge write of that tensor from {len(spans):,} {label}: {took:.2f} s, "
+              f"{rows * cols * 4 / took / 1e9:.2f} GB/s")
+
+
+def _span(run: Run) -> tuple[int, int, int, int, int]:
+    start, end = run.byte_range
+    return start, end - start, run.offset * 4, run.rows, run.stride * 4
+
+
+def torch_data(path: Path) -> bytes:
+    """The one storage of a torch file written by `write_archive`, read with the zip module."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith("/data/0")))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--partitions", type=int, default=3, help="ZeRO partitions per local tensor")
     parser.add_argument("--fill", type=Path, help="also time the batch fill on rank files written here")
+    parser.add_argument("--merge", type=int, help="also plan a tensor-parallel merge to this many data-parallel ranks")
     args = parser.parse_args(argv)
     started = time.monotonic()
     runs = row_parallel_runs(args.layers, args.tp, args.partitions)
@@ -111,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
           f"checked to tile them in {covered:.2f} s; "
           f"{batches:,} batches of {copies:,} copies in {planned:.2f} s; peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    if args.merge is not None:
+        copies, took = merge(runs, args.merge)
+        print(f"merge to tp 1 x dp {args.merge}: {copies:,} copies planned in {took:.2f} s; peak RSS "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     if args.fill is not None:
         fill(args.fill, args.tp)
 

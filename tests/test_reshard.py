@@ -324,6 +324,63 @@ def test_direct_io_page_cache_and_streamed_writes_give_the_same_archive(tmp_path
     assert loaded["zeros"].count_nonzero() == 0 and loaded["empty"].numel() == 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_strided_spans_place_rows_as_per_row_spans_do(tmp_path: Path, monkeypatch, seed: int) -> None:
+    """A tensor-parallel merge's storages: column slices of a row-major tensor, each a strided span
+    (rows back to back in the source, a full row apart in the storage), some rows cut into plain
+    spans, some cells left as zeros. Written in place (direct I/O, several threads, chunks smaller and
+    larger than a row) and front to back, every archive equals the one written from the same bytes as
+    one plain span per row, and holds what the spans say."""
+    import random
+
+    import fsspec
+
+    from ckptflow.formats import torchsave
+    from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span
+
+    rng = random.Random(seed)
+    monkeypatch.setattr(torchsave, "SEGMENT_BYTES", 3 * 4096)
+    widths = [rng.randrange(4, 300, 4) for _ in range(rng.randrange(1, 5))]  # bytes of each rank's slice of a row
+    row_bytes = sum(widths) + rng.choice([0, 8])  # a few padding bytes at each row's end: zeros
+    rows = rng.randrange(3, 200)
+    src = tmp_path / "src.bin"
+    raw = rng.randbytes(rows * row_bytes + 4096)
+    src.write_bytes(raw)
+    strided, plain, want = [], [], bytearray(rows * row_bytes)
+    at = rng.randrange(0, 64)
+    for col, width in enumerate(widths):
+        left = sum(widths[:col])
+        r = 0
+        while r < rows:
+            n = min(rows - r, rng.randrange(1, 40))
+            if rng.random() < 0.15:  # a cell no span fills
+                r += n
+                continue
+            dst = r * row_bytes + left
+            strided.append(Span(str(src), at, n * width, dst, n, row_bytes if n > 1 else 0))
+            for i in range(n):
+                plain.append(Span(str(src), at + i * width, width, dst + i * row_bytes))
+                want[dst + i * row_bytes:dst + i * row_bytes + width] = raw[at + i * width:at + (i + 1) * width]
+            at += n * width
+            r += n
+    numel = rows * row_bytes // 4 if row_bytes % 4 == 0 else None
+    dtype, numel = ("float32", numel) if numel is not None else ("uint8", rows * row_bytes)
+    archives = {}
+    for label, spans in (("strided", strided), ("plain", plain)):
+        obj = {"merged": OutTensor(OutStorage(dtype, numel, spans)), "other": OutTensor(OutStorage("int64", 3))}
+        for threads, chunk in ((3, 4096), (1, 3 * 4096)):
+            path = tmp_path / f"{label}-{threads}" / "out.pt"
+            path.parent.mkdir()
+            torchsave.write_archive(str(path), obj, SourceReader(chunk_bytes=chunk), threads=threads)
+            archives[f"{label}-{threads}"] = path.read_bytes()
+        torchsave.write_archive(f"memory://{label}-{seed}/out.pt", obj, SourceReader(chunk_bytes=4096))
+        archives[f"{label}-streamed"] = fsspec.filesystem("memory").cat(f"/{label}-{seed}/out.pt")
+    assert len(set(archives.values())) == 1, {k: len(v) for k, v in archives.items()}
+    path = tmp_path / "strided-3" / "out.pt"
+    loaded = torch.load(path, weights_only=False)["merged"]
+    assert loaded.numpy().tobytes() == bytes(want)
+
+
 def test_a_rank_written_by_several_threads_is_the_same_file(ds_fixtures, tmp_path: Path, monkeypatch) -> None:
     """Many pieces and threads against one piece and one thread on a real 2 -> 1 reshard (DeepSpeed
     checks the latter in the oracle tests below), pieces small enough that every partition has many."""

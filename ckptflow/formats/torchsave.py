@@ -43,6 +43,7 @@ from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
 from ckptflow.plumbing.redaction import describe
 
+import numpy as np
 from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
 STORAGE_CLASSES: dict[str, str] = {dtype: cls for cls, (dtype, _size) in STORAGE_DTYPES.items()}
@@ -58,18 +59,32 @@ Advance = Callable[[int], None]  # inside the writer: source bytes just copied (
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """`length` bytes from byte `start` of the file at `uri`, placed at byte `dst` of a storage."""
+    """`length` bytes from byte `start` of the file at `uri`, placed at byte `dst` of a storage. With
+    `rows` > 1 they are that many equal rows, row i placed at `dst + i * stride` (a row-parallel shard:
+    its rows back to back in the source, a full row apart in the storage)."""
 
     uri: str
     start: int
     length: int
     dst: int
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last storage byte it fills."""
+        return self.dst + (self.rows - 1) * self.stride + self.length // self.rows
 
 
 class OutStorage:
-    """A storage to be written: its dtype, element count and the source spans that fill it."""
+    """A storage to be written: its dtype, element count and the source spans that fill it.
 
-    __slots__ = ("dtype", "numel", "spans")
+    Plain spans must not overlap (checked). Strided spans interleave (rank 0's rows, then rank 1's,
+    within each row of the storage); their rows come from runs whose coverage the checkpoint's index
+    checked, so only their bounds are checked here, and `reach` (the furthest byte any span up to
+    each one fills) lets a window find the spans it meets."""
+
+    __slots__ = ("dtype", "numel", "spans", "strided", "reach")
 
     def __init__(self, dtype: str, numel: int, spans: Iterable[Span] = ()) -> None:
         if dtype not in STORAGE_CLASSES:
@@ -77,11 +92,17 @@ class OutStorage:
         self.dtype = dtype
         self.numel = numel
         self.spans = sorted(spans, key=lambda s: s.dst)
+        self.strided = any(span.rows > 1 for span in self.spans)
         end = 0
+        self.reach: list[int] = []
         for span in self.spans:
-            assert span.dst >= end and span.length >= 0, "overlapping spans in a storage"
-            end = span.dst + span.length
+            assert span.length >= 0 and span.rows >= 1 and span.length % span.rows == 0, "a malformed span"
+            assert span.rows == 1 or span.stride >= span.length // span.rows, "a span's rows overlap"
+            assert self.strided or span.dst >= end, "overlapping spans in a storage"
+            end = max(end, span.end)
+            self.reach.append(end)
         assert end <= self.nbytes, "spans reach past the storage"
+        assert self.source_bytes <= self.nbytes, "overlapping spans in a storage"
 
     @property
     def nbytes(self) -> int:
@@ -400,6 +421,13 @@ _ZEROS = bytes(1 << 20)
 
 
 def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Advance | None) -> Iterator[memoryview | bytes]:
+    if storage.strided:  # filled window by window on this thread (its spans are not in the read-ahead)
+        buffer = memoryview(bytearray(min(storage.nbytes, source.reader.chunk_bytes)))
+        for a in range(0, storage.nbytes, len(buffer)):
+            view = buffer[:min(len(buffer), storage.nbytes - a)]
+            _fill_window(storage, a, view, source.reader, progress)
+            yield view
+        return
     pos = 0
     for span in [*storage.spans, Span("", 0, 0, storage.nbytes)]:
         while pos < span.dst:
@@ -419,7 +447,8 @@ def _write_streamed(fh: BinaryIO, name: str, data: bytes, storages: list[OutStor
     """The whole archive front to back, the source read a few chunks ahead on another thread."""
     zw = _ZipWriter(fh, name)
     _write_small_records(zw, data)
-    source = _ReadAhead(reader, [span for storage in storages for span in storage.spans if span.length])
+    source = _ReadAhead(reader, [span for storage in storages if not storage.strided
+                                 for span in storage.spans if span.length])
     try:
         for key, storage in enumerate(storages):
             zw.record(f"data/{key}", _storage_chunks(storage, source, progress), storage.nbytes)
@@ -573,6 +602,74 @@ def _sources(storage: OutStorage, a: int, b: int) -> Iterator[tuple[Span | None,
         i += 1
 
 
+def _fill_plain(storage: OutStorage, a: int, view: memoryview, reader: SourceReader, progress: Advance | None) -> None:
+    """Bytes [a, a + len(view)) of a storage of plain spans into `view`, zeros where no span lands."""
+    for span, pos, length in _sources(storage, a, a + len(view)):
+        part = view[pos - a:pos - a + length]
+        if span is None:
+            for i in range(0, length, len(_ZEROS)):
+                part[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), length - i)]
+        else:
+            reader.read_into(span.uri, span.start + (pos - span.dst), part)
+            if progress is not None:
+                progress(length)
+
+
+_scratch = threading.local()
+
+
+def _fill_window(storage: OutStorage, a: int, view: memoryview, reader: SourceReader, progress: Advance | None) -> None:
+    """Bytes [a, a + len(view)) of a storage with strided spans into `view`: zeros where no span lands;
+    each span's rows in the window read as one range (rows cut by the window's ends are read whole)
+    and placed with one strided numpy copy."""
+    b = a + len(view)
+    if storage.source_bytes < storage.nbytes:  # some bytes are no span's (padding): zeros first
+        for i in range(0, len(view), len(_ZEROS)):
+            view[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), len(view) - i)]
+    out = np.frombuffer(view, dtype=np.uint8)
+    for span in storage.spans[bisect_right(storage.reach, a):]:
+        if span.dst >= b:
+            break
+        if span.end <= a:
+            continue
+        row = span.length // span.rows
+        stride = span.stride if span.rows > 1 else row
+        first = max(0, (a - span.dst - row) // stride + 1)  # the first row ending after a
+        last = min(span.rows, -(-(b - span.dst) // stride))  # one past the last row starting before b
+        if first >= last:
+            continue
+        if span.rows == 1:  # a plain span: straight into the window
+            lo, hi = max(a, span.dst), min(b, span.dst + span.length)
+            reader.read_into(span.uri, span.start + lo - span.dst, view[lo - a:hi - a])
+            placed = hi - lo
+        else:
+            n = last - first
+            scratch = getattr(_scratch, "buffer", None)
+            if scratch is None or len(scratch) < n * row:
+                scratch = _scratch.buffer = bytearray(max(n * row, 1 << 20))
+            raw = memoryview(scratch)[:n * row]
+            reader.read_into(span.uri, span.start + first * row, raw)
+            rows = np.frombuffer(raw, dtype=np.uint8).reshape(n, row)
+            whole_from = first + (span.dst + first * stride < a)  # rows wholly inside the window
+            whole_to = last - (span.dst + (last - 1) * stride + row > b)
+            cut = ({first} if whole_from > first else set()) | ({last - 1} if whole_to < last else set())
+            placed = 0
+            if whole_to > whole_from:
+                k = whole_to - whole_from
+                at = span.dst + whole_from * stride - a
+                target = np.lib.stride_tricks.as_strided(out[at:], shape=(k, row), strides=(stride, 1))
+                target[...] = rows[whole_from - first:whole_to - first]
+                placed += k * row
+            for i in cut:
+                at = span.dst + i * stride
+                lo, hi = max(a, at), min(b, at + row)
+                if lo < hi:
+                    out[lo - a:hi - a] = rows[i - first, lo - at:hi - at]
+                    placed += hi - lo
+        if progress is not None:
+            progress(placed)
+
+
 def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: SourceReader, buffer: memoryview,
                 chunk: int, stop: threading.Event, progress: Advance | None) -> tuple[int, list[tuple[int, bytes]]]:
     """Write bytes [x, y) of the file, which hold `storage` from byte `at` on: whole blocks now (with
@@ -586,15 +683,7 @@ def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: S
             return 0, []
         d = min(y, c - c % BLOCK + chunk)
         view = buffer[c % BLOCK:c % BLOCK + d - c]
-        for span, pos, length in _sources(storage, c - at, d - at):
-            part = view[pos - (c - at):pos - (c - at) + length]
-            if span is None:
-                for i in range(0, length, len(_ZEROS)):
-                    part[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), length - i)]
-            else:
-                reader.read_into(span.uri, span.start + (pos - span.dst), part)
-                if progress is not None:
-                    progress(length)
+        (_fill_window if storage.strided else _fill_plain)(storage, c - at, view, reader, progress)
         crc = crc32(view, crc)
         head = min(len(view), -c % BLOCK)
         whole = (len(view) - head) // BLOCK * BLOCK

@@ -41,7 +41,6 @@ from typing import Any
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
-from ckptflow.formats.deepspeed.tensors import plain_runs
 from ckptflow.formats.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torchzip import DTYPE_SIZES, PickledObject, TensorRef
 from ckptflow.reshard.plan import RankUnit, ReshardPlan
@@ -141,7 +140,7 @@ def _gathered(numel: int, copies: Sequence[Copy], refs: Callable[[int, int], Ten
             raise CheckpointError(f"{ref.uri}: a partition holds {ref.numel} {ref.dtype} elements, too few for the "
                                   f"layout ({c.src_offset}+{c.numel} {dtype})", file=ref.uri, rank=c.src_rank)
         start, end = ref.element_range(c.src_offset, c.numel)
-        spans.append(Span(ref.uri, start, end - start, c.dst_offset * size))
+        spans.append(Span(ref.uri, start, end - start, c.dst_offset * size, c.rows, c.stride * size))
     return OutStorage(dtype, numel, spans)
 
 
@@ -319,14 +318,15 @@ def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]
             if ref.dtype != dtype or any(r.ref.dtype != dtype for r in runs or ()):
                 raise UnsupportedCheckpointError(f"param group holding {name} mixes dtypes {dtype} and {ref.dtype}",
                                                  tensor=name)
-            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * ref.itemsize) for r in plain_runs(runs)]
-                      if runs is not None else [(ref.uri, *ref.byte_range, offset * ref.itemsize)])
-            for uri, start, end, dst in pieces:
+            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * ref.itemsize, r.rows, r.stride * ref.itemsize)
+                       for r in runs] if runs is not None else [(ref.uri, *ref.byte_range, offset * ref.itemsize, 1, 0)])
+            for uri, start, end, dst, rows, stride in pieces:
                 last = spans[-1] if spans else None
-                if last is not None and last.uri == uri and last.start + last.length == start and last.dst + last.length == dst:
+                if rows == 1 and last is not None and last.rows == 1 and last.uri == uri and \
+                        last.start + last.length == start and last.dst + last.length == dst:
                     spans[-1] = Span(last.uri, last.start, last.length + end - start, last.dst)
                 else:
-                    spans.append(Span(uri, start, end - start, dst))
+                    spans.append(Span(uri, start, end - start, dst, rows, stride))
             placed.append((ref, offset, param.shape if runs is not None else None))
         if dtype is None:
             continue

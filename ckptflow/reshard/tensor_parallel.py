@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -32,7 +33,6 @@ from ckptflow.formats.deepspeed.layout import (BF16, ZERO3, Copy, param_alignmen
                                                zero3_sub_groups, zero12_layout)
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.tensors import Run, plain_runs
 from ckptflow.formats.torchzip import DTYPE_SIZES
 from ckptflow.reshard.plan import (DEFAULT_SUB_GROUP_SIZE, RankUnit, ReshardPlan, TargetFlat, _as_int, _buffer_bytes,
                                    _flag, _moment_keys, _optimizer_kind, _zero_config)
@@ -121,33 +121,36 @@ def _sources(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple
 
 
 class _Runs:
-    """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions."""
+    """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions. A
+    row-parallel shard's rows stay one strided run, and become strided copies: the writer reads them
+    as one range and places them a full row apart (`formats.torchsave.Span`)."""
 
     def __init__(self, index: ModelParallelCheckpoint) -> None:
         self.sources = _sources(index)
-        self.runs = {t.name: plain_runs(t.runs) for t in index.tensors}  # a row-parallel shard: a run per row
-        self.starts = {name: [r.offset for r in runs] for name, runs in self.runs.items()}
+        self.runs = {t.name: t.runs for t in index.tensors}
+        # The furthest element each run up to this one reaches: strided runs interleave, so a window
+        # [first, last) starts its search at the first run reaching past `first`.
+        self.reach = {name: list(itertools.accumulate((r.end for r in runs), max)) for name, runs in self.runs.items()}
 
     def copies(self, name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:
-        """Copies of elements [first, last) of parameter `name` to `dst` onwards of a target flat."""
+        """Copies of elements [first, last) of parameter `name` to `dst` onwards of a target flat, in
+        the order of the parameter's runs."""
         runs, out = self.runs[name], []
-        i = max(0, bisect.bisect_right(self.starts[name], first) - 1)
-        while i < len(runs) and runs[i].offset < last:
-            run: Run = runs[i]
-            a, b = max(first, run.offset), min(last, run.offset + run.numel)
-            if a < b:
-                rank, g = self.sources[(run.ref.uri, run.ref.key, run.ref.storage_offset)]
+        for run in runs[bisect.bisect_right(self.reach[name], first):]:
+            if run.offset >= last:
+                break
+            for part in run.within(first, last):
+                rank, g = self.sources[(part.ref.uri, part.ref.key, part.ref.storage_offset)]
                 if g != group:
                     raise UnsupportedCheckpointError(f"{name}: its tensor-parallel shards sit in different param groups")
-                _append(out, Copy(src_rank=rank, src_flat=g, src_offset=run.start + a - run.offset,
-                                  dst_offset=dst + a - first, numel=b - a))
-            i += 1
+                _append(out, Copy(src_rank=rank, src_flat=g, src_offset=part.start, dst_offset=dst + part.offset - first,
+                                  numel=part.numel, rows=part.rows, stride=part.stride))
         return out
 
 
 def _append(copies: list[Copy], c: Copy) -> None:
     last = copies[-1] if copies else None
-    if last is not None and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat) and \
+    if last is not None and last.rows == c.rows == 1 and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat) and \
             last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset:
         copies[-1] = Copy(src_rank=c.src_rank, src_flat=c.src_flat, src_offset=last.src_offset,
                           dst_offset=last.dst_offset, numel=last.numel + c.numel)

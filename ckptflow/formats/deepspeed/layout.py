@@ -44,13 +44,17 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size
 class Copy:
     """`numel` elements from offset `src_offset` of source rank `src_rank`'s flat partition `src_flat`
     to offset `dst_offset` of one target rank's flat partition. (A 1024 -> 768 reshard of a 405B
-    ZeRO-3 checkpoint plans two million: slots halve what each weighs.)"""
+    ZeRO-3 checkpoint plans two million: slots halve what each weighs.) With `rows` > 1 the elements
+    are that many equal rows, row i landing at `dst_offset + i * stride` (a row-parallel shard merged
+    into its full tensor)."""
 
     src_rank: int
     src_flat: int
     src_offset: int
     dst_offset: int
     numel: int
+    rows: int = 1
+    stride: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
