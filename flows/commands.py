@@ -128,10 +128,10 @@ class Ran:
 def run_here(flow: Any, parameters: dict[str, Any]) -> Ran:
     """Run `flow` in this process; its final state and the value it returned, kept in memory.
 
-    The value is not read back from the final state: when the server is slow to take that state,
-    Prefect's client retries, the server rejects the repeated transition and sends its own copy of the
-    state back without the data, and `state.result()` raises MissingResult on a run that completed.
-    The state and the run come from a state hook."""
+    The value is not read back from the final state: a run that completed on a slow server once came
+    back with a Completed state without its data (Prefect's client takes the server's copy of the state
+    when its proposal is not simply accepted, e.g. a repeat of a request that timed out), and
+    `state.result()` raised MissingResult. The state and the run come from a state hook."""
     seen: list[tuple[Any, Any]] = []
 
     def hook(_flow: Any, flow_run: Any, state: Any) -> None:

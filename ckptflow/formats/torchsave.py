@@ -84,7 +84,7 @@ class OutStorage:
     checked, so only their bounds are checked here, and `reach` (the furthest byte any span up to
     each one fills) lets a window find the spans it meets."""
 
-    __slots__ = ("dtype", "numel", "spans", "strided", "reach")
+    __slots__ = ("dtype", "numel", "spans", "strided", "reach", "gaps")
 
     def __init__(self, dtype: str, numel: int, spans: Iterable[Span] = ()) -> None:
         if dtype not in STORAGE_CLASSES:
@@ -103,6 +103,7 @@ class OutStorage:
             self.reach.append(end)
         assert end <= self.nbytes, "spans reach past the storage"
         assert self.source_bytes <= self.nbytes, "overlapping spans in a storage"
+        self.gaps = self.source_bytes < self.nbytes  # some bytes are no span's: zeros
 
     @property
     def nbytes(self) -> int:
@@ -623,14 +624,14 @@ def _fill_window(storage: OutStorage, a: int, view: memoryview, reader: SourceRe
     each span's rows in the window read as one range (rows cut by the window's ends are read whole)
     and placed with one strided numpy copy."""
     b = a + len(view)
-    if storage.source_bytes < storage.nbytes:  # some bytes are no span's (padding): zeros first
+    if storage.gaps:  # zeros first, the spans over them
         for i in range(0, len(view), len(_ZEROS)):
             view[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), len(view) - i)]
     out = np.frombuffer(view, dtype=np.uint8)
     for span in storage.spans[bisect_right(storage.reach, a):]:
         if span.dst >= b:
             break
-        if span.end <= a:
+        if span.end <= a or not span.length:
             continue
         row = span.length // span.rows
         stride = span.stride if span.rows > 1 else row

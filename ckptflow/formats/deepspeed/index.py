@@ -403,6 +403,7 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
     st.stop_if_any()
     stage = _check_agreement(st, listing, head, models, optims, model_uris, optim_uris, mp_world_size)
     st.stop_if_any()
+    _check_zero0_bf16_optimizer(st, model0, first_model, where)
     layout = _Layout(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris, module)
     params, groups, partitions = layout.build()
     st.stop_if_any()
@@ -671,6 +672,23 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
     return obj
 
 
+def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: str, where: str | None) -> None:
+    """A PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose files look like
+    ZeRO-1's (`bf16_zero_pp_rank_*`), while the model states, written as ZeRO-0's, record no
+    `param_shapes`. DeepSpeed 0.19.8 cannot load that checkpoint back (`tests/fixtures/parallel_extra.py`)."""
+    config = model0.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if model0.get("param_shapes") is not None or stage != 0:
+        return
+    st.add("unsupported-layout", f"{uri}{f' ({where})' if where else ''} is a ZeRO-0 checkpoint whose optimizer is "
+           "DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at ZeRO-0); ckptflow does not read "
+           "that layout, and DeepSpeed 0.19.8 cannot load it back either (its loader fails with KeyError 0): train "
+           "with ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save the 16-bit weights with "
+           "`engine.save_16bit_model()`", file=uri)
+    st.stop_if_any()
+
+
 def precision_of(config: Any) -> str:
     """The training precision a saved `ds_config` names: "bf16", "fp16" or "fp32"."""
     config = config if isinstance(config, Mapping) else {}
@@ -834,7 +852,11 @@ class _Layout:
                 self.st.add("ranks-disagree", f"rank {rank}: {self.model_uris[rank]} lists other parameter shapes than "
                             "rank 0; the folder mixes saves of different models: re-copy it from one save",
                             file=self.model_uris[rank], rank=rank)
-        if not isinstance(shapes, list) or len(shapes) != len(self._fp32_groups(0)):
+        if not isinstance(shapes, list):
+            self.st.add("corrupt-file", f"{self.model_uris[0]} records no parameter shapes (`param_shapes` is "
+                        f"{excerpt(shapes)}), which every ZeRO-1/2/3 save holds; the file is damaged or was written "
+                        "by another tool", file=self.model_uris[0], rank=0)
+        elif len(shapes) != len(self._fp32_groups(0)):
             self.st.add("corrupt-file", f"{self.model_uris[0]} lists {len(shapes)} param groups but "
                         f"{self.optim_uris[0]} holds {len(self._fp32_groups(0))}; the files come from different saves",
                         file=self.optim_uris[0], rank=0)

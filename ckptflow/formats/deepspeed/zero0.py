@@ -108,9 +108,9 @@ class Zero0Checkpoint:
             "tied": len(self.tied),
             "buffers": sum(t.kind == "buffer" for t in self.tensors),
             "param_groups": self.optimizer_groups,
-            "notes": [f"{UNNAMED_OPTIMIZER} ({self._held()})", *([masters_note(self.precision)] if self.masters_unnamed else [])],
+            "notes": [f"{UNNAMED_OPTIMIZER} ({self._held()})",
+                      *([masters_note(self.precision)] if self.masters_unnamed else [])],
         }
-
 
     def _held(self) -> str:
         if self.master_elements is not None:
