@@ -104,8 +104,9 @@ def contenders(ckpt: Path, out: Path, floor_spec: Path) -> dict[str, list[str]]:
 
 
 def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[Measure], dict[str, object]]:
-    from benchmarks.results import run_measured
+    from benchmarks.results import compile_sources, run_measured
 
+    compile_sources()
     plan = floor_plan(ckpt)
     scratch = Path(tempfile.mkdtemp(prefix="ckptflow-bench-", dir=REPO_ROOT / "benchmarks" / ".data"))
     try:

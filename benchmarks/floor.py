@@ -5,7 +5,9 @@ that the measured process is Python and the I/O and nothing else:
 
     python benchmarks/floor.py SPEC.json OUT
 
-SPEC: {"ranges": [[path, start, end], ...], "out_bytes": N, "fsync": true}.
+SPEC: {"ranges": [[path, start, end], ...], "out_bytes": N, "fsync": true, "read_back": false}. With
+`read_back` the written file is then read back whole with O_DIRECT, from the disk itself: what
+`ckptflow consolidate --verify` adds to the I/O (it compares every byte on the disk with the source).
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ def io_floor(spec_path: str, out: str) -> None:
     if spec["fsync"]:
         os.fsync(fd)
     os.close(fd)
+    if spec.get("read_back"):
+        try:
+            fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            fd = os.open(out, os.O_RDONLY)
+        done = 0
+        while done < total:
+            n = os.preadv(fd, [view], done)
+            if n <= 0:
+                break
+            done += n
+        os.close(fd)
 
 
 def ranges_of(paths: list[str]) -> list[list[object]]:

@@ -65,7 +65,7 @@ def folder_bytes(folder: Path) -> int:
 
 def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[str, int]]:
     from benchmarks.floor import ranges_of
-    from benchmarks.results import run_measured
+    from benchmarks.results import compile_sources, run_measured
 
     py = sys.executable
     tag = (ckpt / "latest").read_text().strip()
@@ -90,6 +90,7 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
                 py, str(FLOOR), str(spec), str(out / "floor.bin")]
     commands[DS] = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
                     "--output_folder", str(out), "--inject_missing_state"]
+    compile_sources()
     warm(ckpt)
     runs: dict[str, list[tuple[float, int]]] = {label: [] for label in commands}
     for round_ in range(repeat):
