@@ -102,8 +102,9 @@ class OutStorage:
             end = max(end, span.end)
             self.reach.append(end)
         assert end <= self.nbytes, "spans reach past the storage"
-        assert self.source_bytes <= self.nbytes, "overlapping spans in a storage"
-        self.gaps = self.source_bytes < self.nbytes  # some bytes are no span's: zeros
+        filled = self.source_bytes
+        assert filled <= self.nbytes, "overlapping spans in a storage"
+        self.gaps = filled < self.nbytes  # some bytes are no span's: zeros
 
     @property
     def nbytes(self) -> int:
@@ -608,12 +609,16 @@ def _fill_plain(storage: OutStorage, a: int, view: memoryview, reader: SourceRea
     for span, pos, length in _sources(storage, a, a + len(view)):
         part = view[pos - a:pos - a + length]
         if span is None:
-            for i in range(0, length, len(_ZEROS)):
-                part[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), length - i)]
+            _zero(part)
         else:
             reader.read_into(span.uri, span.start + (pos - span.dst), part)
             if progress is not None:
                 progress(length)
+
+
+def _zero(view: memoryview) -> None:
+    for i in range(0, len(view), len(_ZEROS)):
+        view[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), len(view) - i)]
 
 
 _scratch = threading.local()
@@ -625,8 +630,7 @@ def _fill_window(storage: OutStorage, a: int, view: memoryview, reader: SourceRe
     and placed with one strided numpy copy."""
     b = a + len(view)
     if storage.gaps:  # zeros first, the spans over them
-        for i in range(0, len(view), len(_ZEROS)):
-            view[i:i + len(_ZEROS)] = _ZEROS[:min(len(_ZEROS), len(view) - i)]
+        _zero(view)
     out = np.frombuffer(view, dtype=np.uint8)
     for span in storage.spans[bisect_right(storage.reach, a):]:
         if span.dst >= b:
