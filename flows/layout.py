@@ -6,7 +6,9 @@ Workspace (outputs before publishing; a bucket URL when a GPU deployment writes 
     <workspace>/<run-slug>/<tag>-<identity>/zero-ws<N>/
 
 The content identity in the path means a checkpoint rewritten under the same tag builds into a fresh
-folder. Destinations: a bucket or folder URL gets `<uri>/<tag>/model/` and `<uri>/<tag>/zero-ws<N>/`;
+folder, and so does a new `tasks.caching.CACHE_VERSION`. So a folder found there holds this checkpoint's
+output: a step whose cached result is gone (another machine, a cleared result store) takes it as it is
+when it holds what the step would write (`committed_output` of the consolidate and reshard cores). Destinations: a bucket or folder URL gets `<uri>/<tag>/model/` and `<uri>/<tag>/zero-ws<N>/`;
 a Hub repo gets the model on its revision (default branch when empty) and resharded checkpoint N on
 the branch `zero-ws<N>` (or `<revision>-zero-ws<N>`).
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from ckptflow.plumbing.storage import join, open_fs
 from flows.params import ConsolidationOptions, Destination
+from tasks.caching import CACHE_VERSION
 from tasks.models import Checkpoint
 
 WORKSPACE_ENV = "CKPTFLOW_WORKSPACE"
@@ -39,7 +42,11 @@ def run_slug(root: str) -> str:
 
 
 def checkpoint_workspace(checkpoint: Checkpoint, workspace: str | None) -> str:
-    return join(workspace or default_workspace(), run_slug(checkpoint.root), f"{checkpoint.tag}-{checkpoint.identity[:12]}")
+    """The folder a checkpoint's outputs are built in: named after its run, tag and content identity, and
+    after the cache version when that is past 1 (outputs whose meaning changed are built afresh)."""
+    version = "" if CACHE_VERSION == "1" else f"-v{CACHE_VERSION}"
+    return join(workspace or default_workspace(), run_slug(checkpoint.root),
+                f"{checkpoint.tag}-{checkpoint.identity[:12]}{version}")
 
 
 def model_folder(base: str, options: ConsolidationOptions) -> str:

@@ -23,10 +23,12 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptflow.consolidate import (
     ConsolidateOptions,
+    ConsolidationPlan,
     ConsolidationResult,
     ShardJob,
     UnitResult,
     abort,
+    committed_output,
     finalize,
     plan_consolidation,
     prepare_output,
@@ -94,30 +96,10 @@ def consolidate_model(
     plan = plan_consolidation(load_index(checkpoint.root, checkpoint.tag), options)
     logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), format_size(plan.total_size),
                 plan.dtype)
-    factor = 2 if verify else 1  # written, then (verify) read back
-    total = sum(u.nbytes for u in plan.units) * factor
-    address = cluster_address(cluster)
-    staging = prepare_output(plan, out)
-    cancel = threading.Event()
-    with ProgressArtifact(nbytes=plan.total_size,
-                          description=f"Consolidating {checkpoint.uri} to {dtype}") as sink:
-        progress = Tally(total, sink)
-        try:
-            jobs = [shard_job(plan, u, staging) for u in plan.units]
-            with unit_runner(address) as submit:
-                if address:
-                    logger.info("writing %d shard(s) on the Dask cluster at %s", len(jobs), address)
-                    results = run_bounded(lambda job: submit(write_shard, job=job), jobs, CLUSTER_AHEAD, cancel,
-                                          done=lambda job, _r: progress.add(job.unit.index, job.unit.nbytes * factor))
-                else:
-                    results = run_bounded(
-                        lambda job: submit(write_shard, job=job, progress=progress.part(job.unit.index), cancel=cancel),
-                        jobs, workers, cancel)
-            result = finalize(plan, results, staging)
-        except BaseException:
-            abort(staging)
-            raise
-    logger.info("wrote %s: %d file(s), %d shard(s)%s", out, len(result.files), len(result.shards),
+    # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
+    # is taken as it is when it holds this very model; anything else there fails the step.
+    result = committed_output(plan, out) or _build(checkpoint, plan, out, workers, cluster_address(cluster))
+    logger.info("%s holds %d file(s), %d shard(s)%s", out, len(result.files), len(result.shards),
                 ", each re-read and compared with the source" if result.verified else "")
     markdown(
         model_summary(checkpoint, result, _sizes(out)),
@@ -131,6 +113,34 @@ def consolidate_model(
         bytes=result.total_size,
         details={"dtype": result.dtype, "shards": len(result.shards), "verified_shards": result.verified},
     )
+
+
+def _build(checkpoint: Checkpoint, plan: ConsolidationPlan, out: str, workers: int, address: str | None
+           ) -> ConsolidationResult:
+    """Write the plan's shards (a `write_shard` task each, on threads or on the cluster at `address`) and commit."""
+    logger = get_run_logger()
+    factor = 2 if plan.options.verify else 1  # written, then (verify) read back
+    total = sum(u.nbytes for u in plan.units) * factor
+    staging = prepare_output(plan, out)
+    cancel = threading.Event()
+    with ProgressArtifact(nbytes=plan.total_size,
+                          description=f"Consolidating {checkpoint.uri} to {plan.options.dtype}") as sink:
+        progress = Tally(total, sink)
+        try:
+            jobs = [shard_job(plan, u, staging) for u in plan.units]
+            with unit_runner(address) as submit:
+                if address:
+                    logger.info("writing %d shard(s) on the Dask cluster at %s", len(jobs), address)
+                    results = run_bounded(lambda job: submit(write_shard, job=job), jobs, CLUSTER_AHEAD, cancel,
+                                          done=lambda job, _r: progress.add(job.unit.index, job.unit.nbytes * factor))
+                else:
+                    results = run_bounded(
+                        lambda job: submit(write_shard, job=job, progress=progress.part(job.unit.index), cancel=cancel),
+                        jobs, workers, cancel)
+            return finalize(plan, results, staging)
+        except BaseException:
+            abort(staging)
+            raise
 
 
 _WHAT = {

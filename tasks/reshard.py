@@ -26,8 +26,8 @@ from prefect.cache_policies import NO_CACHE
 from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.storage import open_fs
-from ckptflow.reshard import (RankJob, ReshardPlan, RngCopy, UnitResult, abort, finalize, plan_output, prepare_output,
-                              rank_job, run_job, write_threads)
+from ckptflow.reshard import (RankJob, ReshardPlan, RngCopy, UnitResult, abort, committed_output, finalize, plan_output,
+                              prepare_output, rank_job, run_job, write_threads)
 from ckptflow.reshard.rng import describe
 from ckptflow.plumbing.redaction import describe as describe_error
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
@@ -83,28 +83,10 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
     plan = plan_output(checkpoint.root, out, world_size=world_size, tag=checkpoint.tag, tensor_parallel=tensor_parallel)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))
-    address = cluster_address(cluster)
-    staging = prepare_output(plan, out)
-    threads = 1 if address else write_threads(workers, len(plan.units))
-    cancel = threading.Event()
-    with ProgressArtifact(nbytes=plan.read_bytes,
-                          description=f"Resharding {checkpoint.uri} to {world_size} ranks") as sink:
-        progress = Tally(plan.read_bytes, sink)
-        try:
-            with unit_runner(address) as submit:
-                if address:
-                    logger.info("writing %d rank(s) on the Dask cluster at %s", len(plan.units), address)
-                    results = run_bounded(lambda u: submit(write_rank, job=rank_job(plan, u, staging)), plan.units,
-                                          CLUSTER_AHEAD, cancel, done=lambda u, _r: progress.add(u.rank, u.read_bytes))
-                else:
-                    results = run_bounded(
-                        lambda u: submit(write_rank, job=rank_job(plan, u, staging, threads=threads),
-                                         progress=progress.part(u.rank), cancel=cancel),
-                        plan.units, workers, cancel)
-            rng_files = finalize(plan, staging, results=results)
-        except BaseException:
-            abort(staging)
-            raise
+    # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
+    # is taken as it is when it holds this very checkpoint; anything else there fails the step.
+    results, rng_files = committed_output(plan, out) or _build(checkpoint, plan, out, workers,
+                                                               cluster_address(cluster))
     if rng_files:
         logger.info("Trainer RNG files: %s", describe(rng_files))
     markdown(
@@ -122,6 +104,33 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
                  "tensor_parallel": tensor_parallel,
                  "rng_files": describe(rng_files) if rng_files else None},
     )
+
+
+def _build(checkpoint: Checkpoint, plan: ReshardPlan, out: str, workers: int, address: str | None
+           ) -> tuple[list[UnitResult], tuple[RngCopy, ...]]:
+    """Write every target rank (a `write_rank` task each, on threads or on the cluster at `address`) and commit."""
+    logger = get_run_logger()
+    staging = prepare_output(plan, out)
+    threads = 1 if address else write_threads(workers, len(plan.units))
+    cancel = threading.Event()
+    with ProgressArtifact(nbytes=plan.read_bytes,
+                          description=f"Resharding {checkpoint.uri} to {plan.world_size} ranks") as sink:
+        progress = Tally(plan.read_bytes, sink)
+        try:
+            with unit_runner(address) as submit:
+                if address:
+                    logger.info("writing %d rank(s) on the Dask cluster at %s", len(plan.units), address)
+                    results = run_bounded(lambda u: submit(write_rank, job=rank_job(plan, u, staging)), plan.units,
+                                          CLUSTER_AHEAD, cancel, done=lambda u, _r: progress.add(u.rank, u.read_bytes))
+                else:
+                    results = run_bounded(
+                        lambda u: submit(write_rank, job=rank_job(plan, u, staging, threads=threads),
+                                         progress=progress.part(u.rank), cancel=cancel),
+                        plan.units, workers, cancel)
+            return results, finalize(plan, staging, results=results)
+        except BaseException:
+            abort(staging)
+            raise
 
 
 def reshard_summary(checkpoint: Checkpoint, plan: ReshardPlan, results: list[UnitResult], rng_files: tuple[RngCopy, ...],

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ from ckptflow.consolidate import (
     OutputTensor,
     Run,
     ShardUnit,
+    committed_output,
     consolidate,
     finalize,
     plan_batches,
@@ -591,6 +593,50 @@ def test_refuses_a_non_empty_output(ds_fixtures: Mapping[str, Fixture], tmp_path
     (tmp_path / "empty").mkdir()
     consolidate(str(fixture.dir), str(tmp_path / "empty"))
     assert (tmp_path / "empty" / hf.SAFE_WEIGHTS_NAME).exists()
+
+
+def test_a_committed_model_is_taken_only_when_it_is_this_plans(ds_fixtures: Mapping[str, Fixture],
+                                                                 tmp_path: Path) -> None:
+    """`committed_output`: what the Prefect step takes when its cached result is gone but its folder is
+    there. The same plan gets the folder's shards back (no byte read, nothing written); another plan,
+    a shard gone or cut, or a folder ckptflow did not write is refused saying what differs."""
+    fixture = ds_fixtures["z2-fp32-ws4"]
+    index = load_index(str(fixture.dir))
+    out = tmp_path / "out"
+    plan = plan_consolidation(index, ConsolidateOptions(dtype="bf16", max_shard_size="1KB"))
+    assert committed_output(plan, str(out)) is None
+    made = consolidate(str(fixture.dir), str(out), options=ConsolidateOptions(dtype="bf16", max_shard_size="1KB"))
+    stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+    found = committed_output(plan, str(out))
+    assert found is not None and found.shards == tuple(replace(s, written=None) for s in made.shards)
+    assert (found.files, found.side_files, found.verified) == (made.files, made.side_files, True)
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == stamps
+
+    def refused(other: ConsolidationPlan, why: str) -> None:
+        with pytest.raises(OutputError, match=rf"^{out} already exists and does not hold this output: {why}; "
+                                              r"remove it, or choose another folder$"):
+            committed_output(other, str(out))
+
+    refused(plan_consolidation(index, ConsolidateOptions(dtype="fp32", max_shard_size="1KB")),
+            "it was made with output dtype 'bfloat16', this run asks for 'float32'")
+    refused(plan_consolidation(index, ConsolidateOptions(dtype="bf16")),
+            "it was made with output max_shard_size 1000, this run asks for 5000000000")
+    unverified = tmp_path / "unverified"
+    consolidate(str(fixture.dir), str(unverified), options=ConsolidateOptions(dtype="bf16", verify=False))
+    with pytest.raises(OutputError, match="its shards were written without --verify, this run verifies them"):
+        committed_output(plan_consolidation(index, ConsolidateOptions(dtype="bf16")), str(unverified))
+    assert committed_output(plan_consolidation(index, ConsolidateOptions(dtype="bf16", verify=False)),
+                            str(unverified)) is not None
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    with shard.open("r+b") as fh:
+        fh.truncate(shard.stat().st_size - 1)
+    refused(plan, rf"its {shard.name} is missing, is not {shard.stat().st_size + 1} bytes or has no sha256")
+    shard.unlink()
+    refused(plan, rf"its {shard.name} is missing, is not \d+ bytes or has no sha256")
+    (out / PROVENANCE_NAME).write_text("[]")
+    refused(plan, f"its {PROVENANCE_NAME} is not a ckptflow provenance record")
+    (out / PROVENANCE_NAME).unlink()
+    refused(plan, f"it has no {PROVENANCE_NAME}, so ckptflow did not write it")
 
 
 def test_fails_early_without_disk_space(tmp_path: Path) -> None:

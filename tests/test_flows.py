@@ -422,6 +422,34 @@ def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> 
     assert ran.value["published"] == first_run["value"]["published"]
 
 
+def test_steps_whose_cached_results_are_gone_take_the_folders_they_built(first_run: dict[str, Any],
+                                                                          bucket_run: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """The result store is gone (a worker on another machine, a cleared store) but the workspace is not:
+    the build steps run again, find the folders they committed and take them as they are (no unit runs,
+    no file is rewritten), and the run ends as the first one did. It used to fail with "already exists"."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    work = Path(bucket_run["workspace"])
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in work.rglob("*")}
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
+        ran = run_lifecycle(first_run["params"])
+    state = ran.state
+    assert state.is_completed(), state.message
+    by_name: dict[str, list[str]] = {}
+    for r in task_runs(state.state_details.flow_run_id):
+        by_name.setdefault(r.task_key.rsplit("-", 1)[0], []).append(r.state.name)
+    assert by_name["consolidate_model"] == ["Completed"]
+    assert by_name["reshard_checkpoint"] == ["Completed", "Completed"]
+    assert "write_shard" not in by_name and "write_rank" not in by_name
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in work.rglob("*")} == stamps
+    for key in ("model", "reshards", "failures"):
+        assert ran.value[key] == first_run["value"][key], key
+    pushed = [(p["destination"], p["details"]["uploaded"], p["details"]["skipped"]) for p in ran.value["published"]]
+    before = {p["destination"]: p["files"] for p in first_run["value"]["published"]}
+    assert pushed == [(where, 0, before[where]) for where, _, _ in pushed] and len(pushed) == 3  # all there already
+
+
 def test_transient_publish_failures_are_retried(first_run: dict[str, Any], bucket_run: dict[str, str], gcs_server) -> None:
     proxy, _ = gcs_server
     token = f"pub{uuid.uuid4().hex[:8]}"
@@ -545,7 +573,8 @@ def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
     failed = run_lifecycle(params).state
     assert failed.is_failed()
     assert f"consolidation deployment '{gpu_deployment}' run" in failed.message
-    assert "ended Failed" in failed.message and "already exists and is not empty" in failed.message
+    assert "ended Failed" in failed.message
+    assert f"{target} already exists and does not hold this output: it has no ckptflow_provenance.json" in failed.message
     assert child.name == f"llama@{bucket_run['tag']} bf16"
 
 

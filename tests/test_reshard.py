@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError
-from ckptflow.reshard import abort, finalize, plan_reshard, prepare_output, reshard, run_unit
+from ckptflow.reshard import (abort, committed_output, finalize, plan_output, plan_reshard, prepare_output, reshard,
+                              run_unit)
 from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
 from tests.sampling import sample
 from tests.tensors import read_tensor
@@ -460,6 +461,41 @@ def test_refuses_an_existing_non_empty_output(ds_fixtures, tmp_path: Path) -> No
         reshard(str(ds_fixtures["z2-bf16-ws2"].dir), str(out), world_size=3)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_committed_reshard_is_taken_only_when_it_is_this_plans(ds_fixtures, tmp_path: Path) -> None:
+    """`committed_output`: what the Prefect step takes when its cached result is gone but its folder is
+    there. The same plan gets each rank's files and sizes back (nothing written); a plan for another
+    world size, a file gone or a folder that is not a checkpoint is refused saying what differs."""
+    src = str(ds_fixtures["z2-bf16-ws2"].dir)
+    out = tmp_path / "out"
+    plan = plan_output(src, str(out), world_size=3)
+    assert committed_output(plan, str(out)) is None
+    made = reshard(src, str(out), world_size=3)
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*")}
+    found = committed_output(plan, str(out))
+    assert found is not None
+    results, rng_files = found
+    assert [r.rank for r in results] == [0, 1, 2] and rng_files == made.rng_files
+    assert tuple(f for r in results for f in r.files) == made.files
+    assert sum(r.bytes_written for r in results) == made.bytes_written
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*")} == stamps
+
+    def refused(other: Any, why: str) -> None:
+        with pytest.raises(OutputError, match=rf"^{out} already exists and does not hold this output: {why}; "
+                                              r"remove it, or choose another folder$"):
+            committed_output(other, str(out))
+
+    refused(plan_output(src, str(out), world_size=4),
+            "it has no global_step3/bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")
+    refused(plan_output(src, str(out), world_size=1), r"it reads back as ZeRO-2 at 3 ranks with \d+ tensors, expected "
+                                                      r"ZeRO-2 at 1 with \d+")
+    (out / "global_step3" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    refused(plan, "it has no global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    (out / "latest").write_text("global_step9")
+    refused(plan, "its `latest` names 'global_step9', this run writes 'global_step3'")
+    (out / "latest").unlink()
+    refused(plan, "it has no `latest` file")
 
 
 def test_an_empty_output_folder_is_used(ds_fixtures, tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ exists.
 
 from ckptflow.consolidate.plan import (Batch, ConsolidateOptions, ConsolidationPlan, Copy, OutputTensor, Run, ShardUnit,
                                        plan_batches, plan_consolidation)
-from ckptflow.consolidate.run import (ConsolidationResult, abort, consolidate, finalize, prepare_output, provenance,
-                                      run_units)
+from ckptflow.consolidate.run import (ConsolidationResult, abort, committed_output, consolidate, finalize,
+                                      prepare_output, provenance, run_units)
 from ckptflow.consolidate.write import ShardJob, UnitResult, run_job, run_unit, shard_job
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "ShardUnit",
     "UnitResult",
     "abort",
+    "committed_output",
     "consolidate",
     "finalize",
     "plan_batches",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,8 +27,9 @@ from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.executors import Executor, run_units as run_all
-from ckptflow.plumbing.files import write_bytes
+from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, check_written
 from ckptflow.plumbing.storage import is_local, join, local_path
@@ -139,6 +141,68 @@ def finalize(plan: ConsolidationPlan, results: Sequence[UnitResult], staging: St
     return ConsolidationResult(out=staging.out, shards=shards, side_files=tuple(side),
                                files=tuple([f for f in files if f != marker] + [marker]),
                                total_size=plan.total_size, dtype=plan.dtype, verified=verified, plan=plan)
+
+
+PROVENANCE_LIMIT = 64 << 20  # the record lists every shard and tied name: a few hundred KiB at 405B
+# What a committed model must have been made with to be taken as this plan's: (record section, key).
+RECORD_KEYS = (("source", "uri"), ("source", "tag"), ("source", "step"), ("output", "dtype"),
+               ("output", "max_shard_size"), ("output", "exclude_frozen"), ("output", "total_size"),
+               ("output", "total_parameters"))
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult | None:
+    """The model an earlier run of this same plan committed at OUT; None when OUT is absent or empty.
+
+    OUT is taken when its provenance record names the plan's source, tag and output options (and says
+    the shards were verified, when the plan verifies), and every file the plan writes is there, each
+    shard at its planned size and with the record's sha256 for it. No tensor byte is read: the commit
+    moves the index (or the only shard) last, so a folder that holds it is whole. Anything else at OUT
+    is an `OutputError` (code `out-exists`) that says what differs.
+    """
+    present = stage.committed_files(out)
+    if not present:
+        return None
+    if hf.PROVENANCE_NAME not in present:
+        raise stage.not_this_output(out, f"it has no {hf.PROVENANCE_NAME}, so ckptflow did not write it")
+    try:
+        record = load_json(read_regular(join(out, hf.PROVENANCE_NAME), limit=PROVENANCE_LIMIT,
+                                        what="provenance record"))
+    except ValueError as exc:  # not JSON, too deep, too large, not a regular file
+        raise stage.not_this_output(out, f"its {hf.PROVENANCE_NAME} does not read back ({describe(exc)})") from None
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), dict) for k in ("source", "output", "shards")):
+        raise stage.not_this_output(out, f"its {hf.PROVENANCE_NAME} is not a ckptflow provenance record")
+    output, listed = record["output"], record["shards"]
+    want = provenance(plan, ())
+    for part, key in RECORD_KEYS:
+        found = record[part].get(key)
+        if found != want[part][key]:
+            raise stage.not_this_output(out, f"it was made with {part} {key} {found!r}, this run asks for "
+                                             f"{want[part][key]!r}")
+    if plan.options.verify and output.get("verified") is not True:
+        raise stage.not_this_output(out, "its shards were written without --verify, this run verifies them")
+    sizes = {u.filename: u.layout().file_size for u in plan.units}
+    if sorted(listed) != sorted(sizes):
+        raise stage.not_this_output(out, f"its {hf.PROVENANCE_NAME} lists other shards than this plan writes")
+    for name, size in sizes.items():
+        entry = listed[name]
+        if present.get(name) != size or not isinstance(entry, dict) or entry.get("size") != size \
+                or not SHA256.fullmatch(str(entry.get("sha256"))):
+            raise stage.not_this_output(out, f"its {name} is missing, is not {size} bytes or has no sha256")
+    side = hf.find_side_files(plan.root)
+    for name in side + ([hf.SAFE_WEIGHTS_INDEX_NAME] if plan.sharded else []):
+        if name not in present:
+            raise stage.not_this_output(out, f"it has no {name}")
+    shards = tuple(UnitResult(u.index, u.filename, sizes[u.filename], listed[u.filename]["sha256"],
+                              output.get("verified") is True) for u in plan.units)
+    files = [u.filename for u in plan.units] + side + [hf.PROVENANCE_NAME]
+    marker = hf.SAFE_WEIGHTS_INDEX_NAME if plan.sharded else files[0]
+    files = [f for f in files if f != marker] + [marker]
+    logger.info("%s already holds this model (committed by an earlier run): %d shard(s), %s %s", out, len(shards),
+                format_size(plan.total_size), plan.dtype)
+    return ConsolidationResult(out=out, shards=shards, side_files=tuple(side), files=tuple(files),
+                               total_size=plan.total_size, dtype=plan.dtype,
+                               verified=all(s.verified for s in shards), plan=plan)
 
 
 def abort(staging: Staging | None) -> None:

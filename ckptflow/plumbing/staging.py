@@ -77,6 +77,29 @@ def check_out_free(out: str) -> None:
                           hint="choose a new folder, or remove this one first")
 
 
+def committed_files(out: str) -> dict[str, int]:
+    """Every file under OUT (paths relative to it) and its size; {} when OUT is absent or an empty folder.
+
+    What a step checks before it takes an output an earlier run committed (`not_this_output` otherwise):
+    the commit moves a folder into place whole, its marker last, so a folder that holds its marker
+    holds everything the run wrote."""
+    fs, path = open_fs(out)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):
+        return {}
+    if not fs.isdir(path):
+        raise OutputError(f"{out} exists and is a file", code="out-exists", uri=out,
+                          hint="choose a folder name that does not exist")
+    return {posixpath.relpath(p, path): int(info.get("size") or 0)
+            for p, info in fs.find(path, detail=True).items() if info.get("type") != "directory"}
+
+
+def not_this_output(out: str, why: str) -> OutputError:
+    """The error for an OUT that holds something other than the output a step was asked for."""
+    return OutputError(f"{out} already exists and does not hold this output: {why}", code="out-exists", uri=out,
+                       hint="remove it, or choose another folder")
+
+
 def prepare(out: str, *, need: int = 0) -> Staging:
     """Check that `out` is free and (on a local disk) that `need` bytes fit beside it, and make a
     hidden staging folder next to it."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.index import ZeroCheckpoint
+from ckptflow.formats.deepspeed.index import ZeroCheckpoint, read_latest
 from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
@@ -239,23 +239,64 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     for name in plan.carried:
         copy_regular(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), inside=inside,
                      hint=_CARRY_HINT, durable=durable)
-    index, problems, _ = inspect(staging.uri, plan.tag)
-    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
-        index = index.zero
-    if problems or not isinstance(index, type(plan.index)):
-        raise VerificationError(
-            f"the resharded checkpoint does not read back as a valid checkpoint: {problems[0].message if problems else '?'}",
-            uri=staging.uri, hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` output")
-    got, want = _tensor_count(index), _tensor_count(plan.index)
-    if (index.world_size, index.stage, got) != (plan.world_size, plan.stage, want):
-        raise VerificationError(
-            f"the resharded checkpoint reads back as ZeRO-{index.stage} at {index.world_size} ranks with "
-            f"{got} tensors, expected ZeRO-{plan.stage} at {plan.world_size} with {want}", uri=staging.uri,
-            expected=plan.world_size, actual=index.world_size)
+    problem = _read_back(plan, staging.uri)
+    if problem:
+        raise VerificationError(f"the resharded checkpoint {problem}", uri=staging.uri, expected=plan.world_size,
+                                hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` "
+                                     "output")
     rng_files = _carry_over(plan, staging, durable=durable)
     write_bytes(staging.join(LATEST), plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
     return rng_files
+
+
+def _read_back(plan: ReshardPlan, uri: str) -> str | None:
+    """What is wrong with the checkpoint at `uri` as the output of `plan` (its headers read back: tag,
+    layout, world size, stage and tensor count), or None."""
+    index, problems, _ = inspect(uri, plan.tag)
+    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
+        index = index.zero
+    if problems or not isinstance(index, type(plan.index)):
+        return f"does not read back as a valid checkpoint: {problems[0].message if problems else '?'}"
+    got, want = _tensor_count(index), _tensor_count(plan.index)
+    if (index.world_size, index.stage, got) != (plan.world_size, plan.stage, want):
+        return (f"reads back as ZeRO-{index.stage} at {index.world_size} ranks with {got} tensors, expected "
+                f"ZeRO-{plan.stage} at {plan.world_size} with {want}")
+    return None
+
+
+def committed_output(plan: ReshardPlan, out: str) -> tuple[list[UnitResult], tuple[RngCopy, ...]] | None:
+    """What an earlier run of this same plan committed at OUT, as `run_units` and `finalize` report it
+    (each rank's files and their sizes; the Trainer RNG files); None when OUT is absent or empty.
+
+    OUT is taken when its `latest` names the plan's tag, every file the plan writes is in its tag
+    folder, and its headers read back as the plan's output (layout, world size, stage, tensor count;
+    `finalize` checks the same before a commit). A DeepSpeed folder does not record its source, so
+    the caller names OUT after the source's identity (the Prefect flow's workspace does). Anything
+    else at OUT is an `OutputError` (code `out-exists`) that says what differs.
+    """
+    present = stage.committed_files(out)
+    if not present:
+        return None
+    if LATEST not in present:
+        raise stage.not_this_output(out, f"it has no `{LATEST}` file")
+    try:
+        fs, path = open_fs(out)
+        latest = read_latest(fs, posixpath.join(path, LATEST), join(out, LATEST))
+    except CheckpointError as exc:  # its own hint (fix `latest` or pass --tag) is not what to do here
+        raise stage.not_this_output(out, str(exc).removesuffix(f"; {exc.hint}")) from None
+    if latest != plan.tag:
+        raise stage.not_this_output(out, f"its `{LATEST}` names {latest!r}, this run writes {plan.tag!r}")
+    missing = [name for name in plan.files if f"{plan.tag}/{name}" not in present]
+    if missing:
+        raise stage.not_this_output(out, f"it has no {plan.tag}/{missing[0]}")
+    problem = _read_back(plan, out)
+    if problem:
+        raise stage.not_this_output(out, f"it {problem}")
+    logger.info("%s already holds this checkpoint at %d ranks (committed by an earlier run)", out, plan.world_size)
+    results = [UnitResult(rank=u.rank, files=u.files, bytes_read=0, seconds=0.0,
+                          bytes_written=sum(present[f"{plan.tag}/{name}"] for name in u.files)) for u in plan.units]
+    return results, plan_rng_files(carried_files(plan, out)[1], plan.world_size)
 
 
 def _tensor_count(index: Any) -> int:
