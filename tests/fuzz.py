@@ -17,6 +17,9 @@ Families:
 - truncation: a random rank file cut at a random point (mostly inside a chosen region);
 - pickle-ops: the pickle parsed into opcodes and mutated op by op (arguments replaced by hostile
   integers and strings, opcodes deleted, duplicated, swapped, replaced, hostile runs inserted);
+- parallel-zip, parallel-pickle-ops: the same flips, cuts and op-level mutations in any file of a
+  model-parallel fixture (AutoTP, AutoEP, deepspeed.moe, PipelineModule, Megatron-style): expert,
+  layer and per-model-parallel-rank files included;
 - pickles, records, counts, latest, markup, sidefiles, pushsrc, manifests, checkpoint, splits: the corpus
   kinds of that module with their parameters drawn from the seed.
 
@@ -49,6 +52,15 @@ SOURCES = (
     "z1-bf16-ws2", "z1-fp32-ws1", "z1-bf16-ws2-fp32accum", "z2-fp32-ws2", "z2-bf16-ws3",
     "z3-bf16-ws2", "z3-fp32-ws3", "llama-z3-bf16-ws2",
 )
+# Model-parallel fixtures (AutoTP, AutoEP, deepspeed.moe, PipelineModule, Megatron-style): the
+# `parallel-*` families damage their files (expert, layer and per-model-parallel-rank files included).
+PARALLEL_SOURCES = (
+    "autotp-tp2-z0-fp32", "autotp-tp2-z1-bf16", "autotp-tp2-z2-fp32", "autotp-tp2-z3-fp32", "autotp-tp2dp2-z1-fp32",
+    "autotp-glm-tp2-z1-fp32", "autotp-llama-tied-tp2-z1-fp32", "autoep-qwen3-moe-ep2-z2-bf16",
+    "autoep-mixtral-ep2-z3-fp32", "autoep-qwen3-moe-ep2dp2-z2-fp32", "dsmoe-ep2-z0-fp32", "dsmoe-ep2-z2-bf16",
+    "dsmoe-ep2dp2-z2-fp32", "pipe-pp2-z1-bf16", "pipe-pp2dp2-z1-fp32", "megatron-pp2tp2-z1-fp32-ucinfo",
+)
+ALL_SOURCES = SOURCES + PARALLEL_SOURCES
 # Any clean outcome: success, a clean error, or a usage error.
 GENERIC = Outcome(code=(0, 1, 2))
 
@@ -150,9 +162,10 @@ def _pickle_ops(ws: Workspace) -> None:
 class Family:
     name: str
     kinds: tuple[str, ...]  # corpus kinds drawn from (by name prefix), or () for `build`
-    any_source: bool = False  # draw the fixture from SOURCES instead of the kind's own
+    any_source: bool = False  # draw the fixture from `sources` instead of the kind's own
     build: object = None  # a builder of its own (the op-level pickle mutator)
     doc: str = ""
+    sources: tuple[str, ...] = SOURCES  # what `any_source` and `build` draw the fixture from
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -177,18 +190,24 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("manifests", ("manifests/",), doc="bad manifests and partial records at DEST"),
     Family("checkpoint", ("checkpoint/",), doc="broken checkpoints a user meets, with drawn parameters"),
     Family("splits", ("splits/",), doc="an AutoTP checkpoint's split metadata (affine maps, vocabulary size)"),
+    Family("parallel-zip", ("zipfiles/directory-flip", "zipfiles/local-header-flip", "zipfiles/pickle-flip",
+                            "zipfiles/data-flip", "zipfiles/truncated-in-region"), any_source=True,
+           sources=PARALLEL_SOURCES, doc="byte flips and cuts in any file of a model-parallel checkpoint"),
+    Family("parallel-pickle-ops", (), build=_pickle_ops, sources=PARALLEL_SOURCES,
+           doc="op-level mutations of the pickle of any file of a model-parallel checkpoint"),
 )}
 
 # Seeds per family: the default run (`make test`) and the long mode (`--long`, CKPTFLOW_FUZZ_LONG=1).
 DEFAULT_SEEDS = {
     "zip-directory": 2, "zip-headers": 2, "zip-pickle": 3, "zip-data": 2, "truncation": 3, "pickle-ops": 5,
     "pickles": 3, "records": 2, "counts": 2, "latest": 2, "markup": 2, "sidefiles": 2, "pushsrc": 2,
-    "manifests": 2, "checkpoint": 2, "splits": 2,
+    "manifests": 2, "checkpoint": 2, "splits": 2, "parallel-zip": 2, "parallel-pickle-ops": 2,
 }
-LONG_SEEDS = {  # 3,400 cases: the 3,200 of before the default was cut, and the splits family
+LONG_SEEDS = {  # 4,000 cases: the 3,200 of before the default was cut, splits and the parallel families
     "zip-directory": 200, "zip-headers": 200, "zip-pickle": 250, "zip-data": 150, "truncation": 250,
     "pickle-ops": 500, "pickles": 250, "records": 200, "counts": 150, "latest": 200, "markup": 150,
-    "sidefiles": 150, "pushsrc": 250, "manifests": 150, "checkpoint": 150, "splits": 200,
+    "sidefiles": 150, "pushsrc": 250, "manifests": 150, "checkpoint": 150, "splits": 200, "parallel-zip": 300,
+    "parallel-pickle-ops": 300,
 }
 
 
@@ -197,12 +216,12 @@ def case(family: str, seed: int) -> Kind:
     fam = FAMILIES[family]
     pick = random.Random(f"{family}:{seed}")  # independent of the builder's own Random(seed)
     if fam.build is not None:
-        source = pick.choice(SOURCES)
+        source = pick.choice(fam.sources)
         return Kind(f"fuzz/{family}", fam.build, source, dict.fromkeys(CHECKPOINT_READERS, GENERIC), None,  # type: ignore[arg-type]
                     fam.doc)
     kinds = [k for n, k in all_kinds().items() if any(n == p or (p.endswith("/") and n.startswith(p)) for p in fam.kinds)]
     chosen = pick.choice(kinds)
-    source = pick.choice(SOURCES) if fam.any_source else chosen.source
+    source = pick.choice(fam.sources) if fam.any_source else chosen.source
     return dataclasses.replace(chosen, source=source, outcomes=dict.fromkeys(chosen.outcomes, GENERIC), hangs=False)
 
 
@@ -235,7 +254,7 @@ def _runner(keep: Path | None, workers: int, seconds: float) -> tuple[Runner, ob
     from tests.hostile.harness import Harness, Limits
     from tests.hubserver import HubServer
 
-    fixtures = load_fixtures(sorted(set(fixture_names()) | set(SOURCES)))
+    fixtures = load_fixtures(sorted(set(fixture_names()) | set(ALL_SOURCES)))
     hub = HubServer().start()
     workdir = keep or Path(tempfile.mkdtemp(prefix="ckptflow-fuzz-"))
     workdir.mkdir(parents=True, exist_ok=True)

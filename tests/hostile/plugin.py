@@ -54,9 +54,9 @@ def default_limits() -> Limits:
 @pytest.fixture(scope="session")
 def hostile_runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
     from tests.fixtures.plugin import _progress
-    from tests.fuzz import SOURCES
+    from tests.fuzz import ALL_SOURCES
 
-    fixtures = load_fixtures(sorted({*fixture_names(), *SOURCES}), progress=_progress(request.config))
+    fixtures = load_fixtures(sorted({*fixture_names(), *ALL_SOURCES}), progress=_progress(request.config))
     hub = request.getfixturevalue("hub_server")
     harness = Harness(workers=int(os.environ.get(WORKERS_ENV, "2")), limits=default_limits())
     runner = Runner(harness=harness, fixtures=fixtures, workdir=tmp_path_factory.mktemp("hostile"), hub=hub,

@@ -59,7 +59,8 @@ def local_header_flip(ws: Workspace) -> None:
     """Bytes of a local file header flipped (a storage's signature, canonically)."""
     path = ws.any_rank_file(ws.optim_file(0))
     reg = regions(path)
-    storage_headers = [h for h in reg.headers if any(h[1] == d[0] for d in reg.data)]
+    # A file may hold no storage at all (a pipeline layer without parameters): then any header.
+    storage_headers = [h for h in reg.headers if any(h[1] == d[0] for d in reg.data)] or list(reg.headers)
     positions, values = ws.param(([storage_headers[0][0]], [0x00]),
                                  lambda r: _random_flips(r, *r.choice([h for h in reg.headers if h[1] > h[0]])))
     flip(path, positions, values)
