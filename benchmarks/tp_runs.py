@@ -14,12 +14,16 @@ With `--merge M` it also plans the copies of a tensor-parallel merge (`ckptflow 
 (`reshard.tensor_parallel._Runs`, as its ZeRO-1/2 planner cuts each target partition), and reports
 their number, the time and the peak RSS.
 
+With `--fill DIR --bucket [SECONDS ...]` it then times the merge write of that tensor from and to an S3
+server on loopback (moto, behind a proxy that delays every request: a bucket's latency), which is
+how `reshard --tensor-parallel 1` runs from a bucket to a bucket.
+
 With `--fill DIR` it also writes one row-parallel tensor (`down_proj`, half of Llama-3-70B's in each
 dimension: 4096 x 14336 fp32, 235 MB, split over the tp ranks) as raw rank files under DIR, and times
 the consolidation's batch fill (read, cast to fp32 and to bf16, placed as full rows) on them, the
 files in the page cache (the second of two passes).
 
-    .venv/bin/python -m benchmarks.tp_runs [--layers 80] [--tp 8] [--partitions 3] [--merge 8] [--fill DIR]
+    .venv/bin/python -m benchmarks.tp_runs [--layers 80] [--tp 8] [--partitions 3] [--merge 8] [--fill DIR [--bucket]]
 
 Recorded in RESULTS.md ("Tensor-parallel merge").
 """
@@ -33,6 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from fsspec.core import url_to_fs
 
 from ckptflow.consolidate.plan import DEFAULT_CHUNK_BYTES, plan_batches
 from ckptflow.consolidate.write import _fill
@@ -122,20 +127,70 @@ def fill(folder: Path, tp: int, rows: int = HIDDEN // 2, cols: int = INTERMEDIAT
               f"{sum(len(b.copies) for b in batches):,} copies, {took:.2f} s, {rows * cols * 4 / took / 1e9:.2f} GB/s of source")
     # The merge's write of the same tensor into a torch file (the target flat of `reshard
     # --tensor-parallel 1`), its runs as strided spans and as one span per row, the archive in the
-    # page cache (no fsync).
-    for label, spans in (("strided spans", [Span(r.ref.uri, *_span(r)) for r in runs]),
-                         ("per-row spans", [Span(p.ref.uri, *_span(p)) for r in runs for p in r.plain()])):
+    # page cache (no fsync); and streamed front to back, as to a bucket (here `memory://`).
+    strided = [Span(r.ref.uri, *_span(r)) for r in runs]
+    for label, spans, target in (("strided spans", strided, str(folder / "merged.pt")),
+                                 ("per-row spans", [Span(p.ref.uri, *_span(p)) for r in runs for p in r.plain()],
+                                  str(folder / "merged.pt")),
+                                 ("strided spans, streamed to memory://", strided, "memory://tp-runs/merged.pt")):
         storage = OutStorage("float32", rows * cols, spans)
         for _ in range(2):
-            target = folder / "merged.pt"
             started = time.monotonic()
-            write_archive(str(target), {"w": OutTensor(storage)}, SourceReader(), durable=False, threads=2)
+            write_archive(target, {"w": OutTensor(storage)}, SourceReader(), durable=False, threads=2)
             took = time.monotonic() - started
         assert np.array_equal(np.frombuffer(torch_data(target), dtype=np.float32).reshape(rows, cols)[:, :width],
                               np.fromfile(folder / f"tp{tp}-rank0-{rows}x{width}.bin", dtype=np.float32).reshape(rows, width))
-        target.unlink()
+        fs, path = url_to_fs(target)
+        fs.rm(path)
         print(f"merge write of that tensor from {len(spans):,} {label}: {took:.2f} s, "
               f"{rows * cols * 4 / took / 1e9:.2f} GB/s")
+
+
+def bucket(folder: Path, tp: int, delays: list[float], rows: int = HIDDEN // 2, cols: int = INTERMEDIATE // 2) -> None:
+    """The merge write of the `--fill` tensor from a bucket to a bucket: its rank files put in an S3
+    server on loopback (moto, as the tests start it) behind a proxy that delays every request by each
+    of `delays` seconds (a bucket's latency), the torch file streamed back to the same bucket."""
+    import logging
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    from tests.faultproxy import FaultProxy
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    proxy = FaultProxy(server.get_host_and_port()[1], xml_errors=True).start()
+    try:
+        os.environ.update({"FSSPEC_S3_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
+                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+        import fsspec.config
+
+        fsspec.config.set_conf_env(fsspec.config.conf)
+        fs = fsspec.filesystem("s3")
+        fs.mkdir("tp-runs")
+        width = cols // tp
+        _, pieces = concat_pieces([(rows, width)] * tp, 1)
+        runs: list[Run] = []
+        for rank, piece in enumerate(pieces):
+            path = folder / f"tp{tp}-rank{rank}-{rows}x{width}.bin"
+            fs.put(str(path), f"s3://tp-runs/{path.name}")
+            ref = TensorRef(f"s3://tp-runs/{path.name}", "0", "float32", (rows * width,), (1,), 0, rows * width, 0)
+            runs += compose("w", ModelTensor("w", (rows, width), "float32", "param", (Run(ref, 0, rows * width, 0),)),
+                            piece)
+        storage = OutStorage("float32", rows * cols, [Span(r.ref.uri, *_span(r)) for r in runs])
+        for delay in delays:
+            proxy.configure(delay=delay)
+            took = []
+            for _ in range(3):
+                started = time.monotonic()
+                write_archive("s3://tp-runs/merged.pt", {"w": OutTensor(storage)}, SourceReader(), durable=False)
+                took.append(time.monotonic() - started)
+            print(f"merge write of that tensor from {len(runs)} strided spans, s3:// to s3://, {delay * 1000:.0f} ms per "
+                  f"request: {min(took):.2f}-{max(took):.2f} s (3 runs)")
+    finally:
+        proxy.stop()
+        server.stop()
 
 
 def _span(run: Run) -> tuple[int, int, int, int, int]:
@@ -143,11 +198,12 @@ def _span(run: Run) -> tuple[int, int, int, int, int]:
     return start, end - start, run.offset * 4, run.rows, run.stride * 4
 
 
-def torch_data(path: Path) -> bytes:
+def torch_data(uri: str) -> bytes:
     """The one storage of a torch file written by `write_archive`, read with the zip module."""
     import zipfile
 
-    with zipfile.ZipFile(path) as zf:
+    fs, path = url_to_fs(uri)
+    with fs.open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
         return zf.read(next(n for n in zf.namelist() if n.endswith("/data/0")))
 
 
@@ -158,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--partitions", type=int, default=3, help="ZeRO partitions per local tensor")
     parser.add_argument("--fill", type=Path, help="also time the batch fill on rank files written here")
     parser.add_argument("--merge", type=int, help="also plan a tensor-parallel merge to this many data-parallel ranks")
+    parser.add_argument("--bucket", type=float, nargs="*", metavar="SECONDS",
+                        help="with --fill, also time the merge write from and to an S3 server with these delays")
     args = parser.parse_args(argv)
     started = time.monotonic()
     runs = row_parallel_runs(args.layers, args.tp, args.partitions)
@@ -185,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     if args.fill is not None:
         fill(args.fill, args.tp)
+        if args.bucket is not None:
+            bucket(args.fill, args.tp, args.bucket or [0.0, 0.03])
 
 
 if __name__ == "__main__":

@@ -330,8 +330,9 @@ def test_strided_spans_place_rows_as_per_row_spans_do(tmp_path: Path, monkeypatc
     """A tensor-parallel merge's storages: column slices of a row-major tensor, each a strided span
     (rows back to back in the source, a full row apart in the storage), some rows cut into plain
     spans, some cells left as zeros. Written in place (direct I/O, several threads, chunks smaller and
-    larger than a row) and front to back, every archive equals the one written from the same bytes as
-    one plain span per row, and holds what the spans say."""
+    larger than a row) and front to back, from a local file and from a store, every archive equals the
+    one written from the same bytes as one plain span per row, and holds what the spans say."""
+    import dataclasses
     import random
 
     import fsspec
@@ -366,8 +367,11 @@ def test_strided_spans_place_rows_as_per_row_spans_do(tmp_path: Path, monkeypatc
             r += n
     numel = rows * row_bytes // 4 if row_bytes % 4 == 0 else None
     dtype, numel = ("float32", numel) if numel is not None else ("uint8", rows * row_bytes)
+    # The source on a store too: each window's spans read in one round of requests (`read_many`).
+    fsspec.filesystem("memory").pipe(f"/src-{seed}/src.bin", raw)
+    remote = [dataclasses.replace(span, uri=f"memory://src-{seed}/src.bin") for span in strided]
     archives = {}
-    for label, spans in (("strided", strided), ("plain", plain)):
+    for label, spans in (("strided", strided), ("plain", plain), ("from-store", remote)):
         obj = {"merged": OutTensor(OutStorage(dtype, numel, spans)), "other": OutTensor(OutStorage("int64", 3))}
         for threads, chunk in ((3, 4096), (1, 3 * 4096)):
             path = tmp_path / f"{label}-{threads}" / "out.pt"

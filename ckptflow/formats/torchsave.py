@@ -40,7 +40,8 @@ from ckptflow.formats.serialization_id import serialization_id
 from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
 from ckptflow.plumbing.direct import BLOCK, aligned_buffer, open_direct, pwrite_all
 from ckptflow.plumbing.progress import Progress, Tally
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs
+from ckptflow.plumbing.storage import read_into as read_ranges_into
 from ckptflow.plumbing.redaction import describe
 
 import numpy as np
@@ -274,12 +275,28 @@ class SourceReader:
         except OSError as exc:
             raise read_error(uri, exc) from exc
         if got < len(view):
-            raise CorruptFileError(
-                f"{uri} ended at byte {start + got} while reading {len(view)} bytes from byte {start}", file=uri,
-                hint="the file changed or was truncated while being read; copy it again",
-            )
+            raise _cut_short(uri, start, len(view), got)
         with self._lock:
             self.bytes_read += got
+
+    def read_many(self, reads: Sequence[tuple[str, int, memoryview]]) -> None:
+        """`read_into` for several (uri, start, view) at once: local files one after the other, those on
+        a bucket in one round of concurrent requests per store (a window's rows from every rank)."""
+        remote = [(uri, start, start + len(view), view) for uri, start, view in reads if not is_local(uri) and len(view)]
+        for uri, start, view in reads:
+            if is_local(uri):
+                self.read_into(uri, start, view)
+        if not remote:
+            return
+        try:
+            read_ranges_into(remote)
+        except ShortRead as exc:
+            raise _cut_short(exc.uri, exc.start, exc.end - exc.start, exc.got) from None
+        except OSError as exc:
+            uris = sorted({uri for uri, *_ in remote})
+            raise read_error(uris[0] if len(uris) == 1 else f"{uris[0]} (or {len(uris) - 1} more)", exc) from exc
+        with self._lock:
+            self.bytes_read += sum(end - start for _, start, end, _ in remote)
 
     def close(self) -> None:
         with self._lock:
@@ -289,51 +306,78 @@ class SourceReader:
             fh.close()
 
 
-class _ReadAhead:
-    """Reads a sequence of spans on a background thread, `depth` chunks ahead of the consumer, so that
-    reading the source overlaps checksumming and writing the output (the GIL is released in both)."""
+def _cut_short(uri: str, start: int, length: int, got: int) -> CorruptFileError:
+    return CorruptFileError(f"{uri} ended at byte {start + got} while reading {length} bytes from byte {start}",
+                            file=uri, hint="the file changed or was truncated while being read; copy it again")
 
-    def __init__(self, reader: SourceReader, spans: Iterable[Span]) -> None:
+
+@dataclass(frozen=True)
+class _Window:
+    """Bytes [at, at + length) of a storage with strided spans, filled whole (`_fill_window`)."""
+
+    storage: OutStorage
+    at: int
+    length: int
+
+
+class _ReadAhead:
+    """Reads a sequence of jobs on a background thread, `depth` chunks ahead of the consumer, so that
+    reading the source overlaps checksumming and writing the output (the GIL is released in both): a
+    plain span is read in chunks, a window of a strided storage is filled whole (its spans' rows read
+    and placed) in one chunk buffer."""
+
+    def __init__(self, reader: SourceReader, jobs: Iterable[Span | _Window]) -> None:
         self.reader = reader
         self.free: queue.Queue[memoryview] = queue.Queue()
         for _ in range(reader.depth):
             self.free.put(memoryview(bytearray(reader.chunk_bytes)))
         self.ready: queue.Queue[Any] = queue.Queue()
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(list(spans),), name="ckptflow-read-ahead", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(list(jobs),), name="ckptflow-read-ahead", daemon=True)
         self.thread.start()
 
-    def _run(self, spans: list[Span]) -> None:
+    def _buffer(self) -> memoryview | None:
+        """A free chunk buffer, or None once the consumer stopped."""
+        while not self.stop.is_set():
+            try:
+                return self.free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def _run(self, jobs: list[Span | _Window]) -> None:
         try:
-            for span in spans:
-                for offset in range(0, span.length, self.reader.chunk_bytes):
-                    while True:
-                        if self.stop.is_set():
-                            return
-                        try:
-                            buffer = self.free.get(timeout=0.1)
-                            break
-                        except queue.Empty:
-                            continue
-                    view = buffer[: min(self.reader.chunk_bytes, span.length - offset)]
-                    self.reader.read_into(span.uri, span.start + offset, view)
-                    self.ready.put((buffer, view))
+            for job in jobs:
+                if isinstance(job, _Window):
+                    buffer = self._buffer()
+                    if buffer is None:
+                        return
+                    view = buffer[:job.length]
+                    self.ready.put((buffer, view, _fill_window(job.storage, job.at, view, self.reader, None)))
+                    continue
+                for offset in range(0, job.length, self.reader.chunk_bytes):
+                    buffer = self._buffer()
+                    if buffer is None:
+                        return
+                    view = buffer[: min(self.reader.chunk_bytes, job.length - offset)]
+                    self.reader.read_into(job.uri, job.start + offset, view)
+                    self.ready.put((buffer, view, len(view)))
         except BaseException as exc:  # handed to the consumer, raised there
             self.ready.put(exc)
 
-    def chunks(self, span: Span) -> Iterator[memoryview]:
-        """The chunks of `span`, the next span the reader thread reads; each is valid until the next."""
-        left = span.length
-        while left:
+    def chunks(self, nbytes: int) -> Iterator[tuple[memoryview, int]]:
+        """The next `nbytes` bytes the reader thread has read (a span's, or a strided storage's windows),
+        as (chunk, source bytes in it); each chunk is valid until the next."""
+        while nbytes:
             item = self.ready.get()
             if isinstance(item, BaseException):
                 raise item
-            buffer, view = item
+            buffer, view, read = item
             try:
-                yield view
+                yield view, read
             finally:
                 self.free.put(buffer)
-            left -= len(view)
+            nbytes -= len(view)
 
     def close(self) -> None:
         self.stop.set()
@@ -423,12 +467,11 @@ _ZEROS = bytes(1 << 20)
 
 
 def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Advance | None) -> Iterator[memoryview | bytes]:
-    if storage.strided:  # filled window by window on this thread (its spans are not in the read-ahead)
-        buffer = memoryview(bytearray(min(storage.nbytes, source.reader.chunk_bytes)))
-        for a in range(0, storage.nbytes, len(buffer)):
-            view = buffer[:min(len(buffer), storage.nbytes - a)]
-            _fill_window(storage, a, view, source.reader, progress)
+    if storage.strided:  # its windows, filled ahead on the reader thread
+        for view, placed in source.chunks(storage.nbytes):
             yield view
+            if progress is not None:
+                progress(placed)
         return
     pos = 0
     for span in [*storage.spans, Span("", 0, 0, storage.nbytes)]:
@@ -437,11 +480,21 @@ def _storage_chunks(storage: OutStorage, source: _ReadAhead, progress: Advance |
             yield _ZEROS[:n]
             pos += n
         if span.length:
-            for chunk in source.chunks(span):
+            for chunk, read in source.chunks(span.length):
                 yield chunk
                 if progress is not None:
-                    progress(len(chunk))
+                    progress(read)
             pos += span.length
+
+
+def _read_jobs(storages: Sequence[OutStorage], chunk: int) -> Iterator[Span | _Window]:
+    """What the read-ahead reads, in the order the archive is written: each plain span with bytes, each
+    strided storage as windows of `chunk` bytes."""
+    for storage in storages:
+        if storage.strided:
+            yield from (_Window(storage, a, min(chunk, storage.nbytes - a)) for a in range(0, storage.nbytes, chunk))
+        else:
+            yield from (span for span in storage.spans if span.length)
 
 
 def _write_streamed(fh: BinaryIO, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
@@ -449,8 +502,7 @@ def _write_streamed(fh: BinaryIO, name: str, data: bytes, storages: list[OutStor
     """The whole archive front to back, the source read a few chunks ahead on another thread."""
     zw = _ZipWriter(fh, name)
     _write_small_records(zw, data)
-    source = _ReadAhead(reader, [span for storage in storages if not storage.strided
-                                 for span in storage.spans if span.length])
+    source = _ReadAhead(reader, _read_jobs(storages, reader.chunk_bytes))
     try:
         for key, storage in enumerate(storages):
             zw.record(f"data/{key}", _storage_chunks(storage, source, progress), storage.nbytes)
@@ -624,14 +676,15 @@ def _zero(view: memoryview) -> None:
 _scratch = threading.local()
 
 
-def _fill_window(storage: OutStorage, a: int, view: memoryview, reader: SourceReader, progress: Advance | None) -> None:
+def _fill_window(storage: OutStorage, a: int, view: memoryview, reader: SourceReader, progress: Advance | None) -> int:
     """Bytes [a, a + len(view)) of a storage with strided spans into `view`: zeros where no span lands;
-    each span's rows in the window read as one range (rows cut by the window's ends are read whole)
-    and placed with one strided numpy copy."""
+    each span's rows in the window read as one range (rows cut by the window's ends are read whole),
+    every span's at once (`SourceReader.read_many`: concurrent requests on a bucket), then placed with
+    one strided numpy copy each. Returns the source bytes placed (also told to `progress`)."""
     b = a + len(view)
     if storage.gaps:  # zeros first, the spans over them
         _zero(view)
-    out = np.frombuffer(view, dtype=np.uint8)
+    pieces = []  # (span, first row, one past the last row, row bytes, stride) of each span in the window
     for span in storage.spans[bisect_right(storage.reach, a):]:
         if span.dst >= b:
             break
@@ -641,38 +694,59 @@ def _fill_window(storage: OutStorage, a: int, view: memoryview, reader: SourceRe
         stride = span.stride if span.rows > 1 else row
         first = max(0, (a - span.dst - row) // stride + 1)  # the first row ending after a
         last = min(span.rows, -(-(b - span.dst) // stride))  # one past the last row starting before b
-        if first >= last:
-            continue
+        if first < last:
+            pieces.append((span, first, last, row, stride))
+    need = sum((last - first) * row for span, first, last, row, _ in pieces if span.rows > 1)
+    scratch = getattr(_scratch, "buffer", None)
+    if scratch is None or len(scratch) < need:
+        scratch = _scratch.buffer = bytearray(max(need, 1 << 20))
+    reads, at = [], 0
+    for span, first, last, row, _ in pieces:
         if span.rows == 1:  # a plain span: straight into the window
             lo, hi = max(a, span.dst), min(b, span.dst + span.length)
-            reader.read_into(span.uri, span.start + lo - span.dst, view[lo - a:hi - a])
-            placed = hi - lo
+            reads.append((span.uri, span.start + lo - span.dst, view[lo - a:hi - a]))
         else:
-            n = last - first
-            scratch = getattr(_scratch, "buffer", None)
-            if scratch is None or len(scratch) < n * row:
-                scratch = _scratch.buffer = bytearray(max(n * row, 1 << 20))
-            raw = memoryview(scratch)[:n * row]
-            reader.read_into(span.uri, span.start + first * row, raw)
-            rows = np.frombuffer(raw, dtype=np.uint8).reshape(n, row)
-            whole_from = first + (span.dst + first * stride < a)  # rows wholly inside the window
-            whole_to = last - (span.dst + (last - 1) * stride + row > b)
-            cut = ({first} if whole_from > first else set()) | ({last - 1} if whole_to < last else set())
-            placed = 0
-            if whole_to > whole_from:
-                k = whole_to - whole_from
-                at = span.dst + whole_from * stride - a
-                target = np.lib.stride_tricks.as_strided(out[at:], shape=(k, row), strides=(stride, 1))
-                target[...] = rows[whole_from - first:whole_to - first]
-                placed += k * row
-            for i in cut:
-                at = span.dst + i * stride
-                lo, hi = max(a, at), min(b, at + row)
-                if lo < hi:
-                    out[lo - a:hi - a] = rows[i - first, lo - at:hi - at]
-                    placed += hi - lo
+            reads.append((span.uri, span.start + first * row, memoryview(scratch)[at:at + (last - first) * row]))
+            at += (last - first) * row
+    reader.read_many(reads)
+    out = np.frombuffer(view, dtype=np.uint8)
+    total = 0
+    for (span, first, last, row, stride), (_, _, raw) in zip(pieces, reads):
+        if span.rows == 1:
+            placed = len(raw)
+        else:
+            placed = _place_rows(out, a, np.frombuffer(raw, dtype=np.uint8).reshape(last - first, row), span, first,
+                                 stride)
+        total += placed
         if progress is not None:
             progress(placed)
+    return total
+
+
+def _place_rows(out: np.ndarray, a: int, rows: np.ndarray, span: Span, first: int, stride: int) -> int:
+    """Rows `first`... of `span` (`rows`, back to back) into the window `out` of the storage at byte `a`:
+    the rows wholly inside with one strided copy, the one or two cut by the window's ends by hand.
+    Returns the bytes placed."""
+    b = a + len(out)
+    n, row = rows.shape
+    last = first + n
+    whole_from = first + (span.dst + first * stride < a)  # rows wholly inside the window
+    whole_to = last - (span.dst + (last - 1) * stride + row > b)
+    cut = ({first} if whole_from > first else set()) | ({last - 1} if whole_to < last else set())
+    placed = 0
+    if whole_to > whole_from:
+        k = whole_to - whole_from
+        at = span.dst + whole_from * stride - a
+        target = np.lib.stride_tricks.as_strided(out[at:], shape=(k, row), strides=(stride, 1))
+        target[...] = rows[whole_from - first:whole_to - first]
+        placed += k * row
+    for i in cut:
+        at = span.dst + i * stride
+        lo, hi = max(a, at), min(b, at + row)
+        if lo < hi:
+            out[lo - a:hi - a] = rows[i - first, lo - at:hi - at]
+            placed += hi - lo
+    return placed
 
 
 def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: SourceReader, buffer: memoryview,
