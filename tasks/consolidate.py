@@ -98,7 +98,12 @@ def consolidate_model(
                 plan.dtype)
     # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
     # is taken as it is when it holds this very model; anything else there fails the step.
-    result = committed_output(plan, out) or _build(checkpoint, plan, out, workers, cluster_address(cluster))
+    result = committed_output(plan, out)
+    if result is not None:
+        logger.info("%s already holds this model, committed by an earlier run whose cached result is gone: taken "
+                    "as it is, nothing written", out)
+    else:
+        result = _build(checkpoint, plan, out, workers, cluster_address(cluster))
     logger.info("%s holds %d file(s), %d shard(s)%s", out, len(result.files), len(result.shards),
                 ", each re-read and compared with the source" if result.verified else "")
     markdown(

@@ -85,8 +85,11 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
                 format_size(plan.write_bytes))
     # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
     # is taken as it is when it holds this very checkpoint; anything else there fails the step.
-    results, rng_files = committed_output(plan, out) or _build(checkpoint, plan, out, workers,
-                                                               cluster_address(cluster))
+    found = committed_output(plan, out)
+    if found is not None:
+        logger.info("%s already holds this checkpoint, committed by an earlier run whose cached result is gone: "
+                    "taken as it is, nothing written", out)
+    results, rng_files = found or _build(checkpoint, plan, out, workers, cluster_address(cluster))
     if rng_files:
         logger.info("Trainer RNG files: %s", describe(rng_files))
     markdown(
