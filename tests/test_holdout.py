@@ -82,10 +82,9 @@ def test_consolidate(name: str, dtype: str, holdout_fixtures: Mapping[str, Paral
         with torch.no_grad():
             again = model.eval()(input_ids=logits["input_ids"]).logits
     else:
-        from tests.fixtures import parallel_models as models
+        from tests.fixtures.parallel_models_extra import reference_logits
 
-        forward = models.megatron_reference_logits if fixture.layout == "megatron" else models.pipe_reference_logits
-        again = forward(got, logits["input_ids"]).float()
+        again = reference_logits(fixture.name)(got, logits["input_ids"]).float()
     assert torch.equal(again, logits["logits"])
 
 

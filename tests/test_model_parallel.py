@@ -36,6 +36,7 @@ from ckptflow.validate import validate
 from tests.fixtures.parallel import ParallelFixture
 from tests.fixtures.parallel_extra import EXTRA_MATRIX, UNLOADABLE
 from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.fixtures.parallel_models_extra import reference_logits
 from tests.test_parallel_fixtures import load_pt, universal_tensor
 
 MATRIX_NAMES = [s.name for s in PARALLEL_MATRIX if s.layout not in (AUTOEP, DSMOE) and not s.name.endswith("no-ucinfo")]
@@ -188,14 +189,12 @@ def test_from_pretrained_loads_it_and_gives_the_oracle_logits(name: str, tmp_pat
 def test_pipeline_output_runs_the_reference_model(name: str, tmp_path: Path,
                                                   parallel_fixtures: Mapping[str, ParallelFixture],
                                                   parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> None:
-    from tests.fixtures import parallel_models as models
-
     fixture = {**parallel_fixtures, **parallel_extra_fixtures}[name]
     dtype = output_dtype(fixture)
     weights = consolidated(fixture, tmp_path / "out", dtype)
     if fixture.spec["stage"] == 0:
         weights["tied_modules.embed.weight"] = weights.pop("0.weight")
-    forward = models.megatron_reference_logits if fixture.layout == "megatron" else models.pipe_reference_logits
+    forward = reference_logits(name)
     logits = load_file(fixture.logits_path)
     if dtype == "fp32":
         assert torch.equal(forward(weights, logits["input_ids"]).float(), logits["logits"])
@@ -206,9 +205,10 @@ def test_pipeline_output_runs_the_reference_model(name: str, tmp_path: Path,
         assert torch.equal(got.float(), want.float())
 
 
-@pytest.mark.parametrize("name", [n for n in MATRIX_NAMES if "-z0-" not in n])
-def test_ds_to_universal_agrees(name: str, tmp_path: Path, parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    fixture = parallel_fixtures[name]
+@pytest.mark.parametrize("name", [n for n in MATRIX_NAMES + EXTRA_NAMES if "-z0-" not in n])
+def test_ds_to_universal_agrees(name: str, tmp_path: Path, parallel_fixtures: Mapping[str, ParallelFixture],
+                                parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> None:
+    fixture = {**parallel_fixtures, **parallel_extra_fixtures}[name]
     assert fixture.universal_dir is not None
     got = consolidated(fixture, tmp_path / "out")
     for param in fixture.spec["params"]:
