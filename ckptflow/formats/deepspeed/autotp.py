@@ -184,8 +184,8 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         raise UnsupportedCheckpointError(f"its affine map entry in {where} is malformed ({excerpt(entry)})",
                                          hint=MALFORMED) from None
     if sorted(ranks) != list(range(tp)):
-        raise UnsupportedCheckpointError(f"its affine map names tensor-parallel ranks {excerpt(sorted(ranks))}, expected "
-                                         f"0..{tp - 1}")
+        raise UnsupportedCheckpointError(f"its affine map entry in {where} names tensor-parallel ranks "
+                                         f"{excerpt(sorted(ranks))}, expected 0..{tp - 1}", hint=MALFORMED)
     holdings = []
     for mp in range(tp):
         local = locals_[mp][name]
