@@ -269,9 +269,12 @@ class _StageModules:
                             and all(n in content and content[n].shape == s for n, s in params.items())
                             and t == 0})
             if len(found) != 1:
-                why = "none does" if not found else f"layers {found} all could"
-                st.add("unsupported-layout", f"cannot tell which layer file holds tied module {excerpt(key)} "
-                       f"({sorted(params)}): {why}; ckptflow does not guess")
+                recorded = excerpt(", ".join(f"{n} {list(s)}" for n, s in sorted(params.items())))
+                why = (f"layer files {', '.join(f'layer_{x:02d}-model_00-model_states.pt' for x in found)} all could"
+                       if found else "no layer file (layer_NN-model_00-model_states.pt) holds it")
+                st.add("unsupported-layout", f"cannot tell which layer file holds tied module {excerpt(key)} with the "
+                       f"shapes the stages' mp_rank_NN_model_states.pt record for it ({recorded}): {why}; the folder "
+                       "mixes saves or a file is damaged: re-copy it from one save")
                 continue
             out[key] = found[0]
         return out
