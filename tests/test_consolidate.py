@@ -627,6 +627,16 @@ def test_a_committed_model_is_taken_only_when_it_is_this_plans(ds_fixtures: Mapp
         committed_output(plan_consolidation(index, ConsolidateOptions(dtype="bf16")), str(unverified))
     assert committed_output(plan_consolidation(index, ConsolidateOptions(dtype="bf16", verify=False)),
                             str(unverified)) is not None
+    (out / "junk.bin").write_bytes(b"x")
+    refused(plan, r"it holds junk\.bin, which this run does not write")
+    (out / "junk.bin").unlink()
+    index = out / hf.SAFE_WEIGHTS_INDEX_NAME
+    original = index.read_bytes()
+    index.write_bytes(original.replace(b"model-00001", b"model-00002", 1))
+    refused(plan, rf"its {hf.SAFE_WEIGHTS_INDEX_NAME} is not the index of this model")
+    index.write_bytes(b"{}")
+    refused(plan, rf"its {hf.SAFE_WEIGHTS_INDEX_NAME} is missing or not the {len(original)} bytes this run writes")
+    index.write_bytes(original)
     shard = sorted(out.glob("model-*.safetensors"))[0]
     with shard.open("r+b") as fh:
         fh.truncate(shard.stat().st_size - 1)

@@ -470,7 +470,8 @@ def test_refuses_an_existing_non_empty_output(ds_fixtures, tmp_path: Path) -> No
 def test_a_committed_reshard_is_taken_only_when_it_is_this_plans(ds_fixtures, tmp_path: Path) -> None:
     """`committed_output`: what the Prefect step takes when its cached result is gone but its folder is
     there. The same plan gets each rank's files and sizes back (nothing written); a plan for another
-    world size, a file gone or a folder that is not a checkpoint is refused saying what differs."""
+    world size, a file more, a carried file gone, a rank file of another size or a `latest` naming
+    another tag is refused saying what differs."""
     src = str(ds_fixtures["z2-bf16-ws2"].dir)
     out = tmp_path / "out"
     plan = plan_output(src, str(out), world_size=3)
@@ -490,12 +491,23 @@ def test_a_committed_reshard_is_taken_only_when_it_is_this_plans(ds_fixtures, tm
                                               r"remove it, or choose another folder$"):
             committed_output(other, str(out))
 
-    refused(plan_output(src, str(out), world_size=4),
-            "it has no global_step3/bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")
-    refused(plan_output(src, str(out), world_size=1), r"it reads back as ZeRO-2 at 3 ranks with \d+ tensors, expected "
-                                                      r"ZeRO-2 at 1 with \d+")
-    (out / "global_step3" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
-    refused(plan, "it has no global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    for world_size in (4, 1):
+        refused(plan_output(src, str(out), world_size=world_size),
+                r"its global_step3/bf16_zero_pp_rank_\d_mp_rank_00_optim_states\.pt is missing or not the \d+ bytes "
+                r"this run writes")
+    (out / "junk.bin").write_bytes(b"x")
+    refused(plan, r"it holds junk\.bin, which this run does not write")
+    (out / "junk.bin").unlink()
+    carried = (out / "zero_to_fp32.py").read_bytes()
+    (out / "zero_to_fp32.py").unlink()
+    refused(plan, r"its zero_to_fp32\.py is missing or not the \d+ bytes this run writes")
+    (out / "zero_to_fp32.py").write_bytes(carried)
+    optim = out / "global_step3" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    size = optim.stat().st_size
+    with optim.open("ab") as fh:
+        fh.write(bytes(1000))
+    refused(plan, rf"its global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states\.pt is missing or not the {size} "
+                  r"bytes this run writes")
     (out / "latest").write_text("global_step9")
     refused(plan, "its `latest` names 'global_step9', this run writes 'global_step3'")
     (out / "latest").unlink()

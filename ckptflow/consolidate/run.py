@@ -32,7 +32,7 @@ from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, check_written
-from ckptflow.plumbing.storage import is_local, join, local_path
+from ckptflow.plumbing.storage import is_local, join, local_path, open_fs
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +155,11 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
     """The model an earlier run of this same plan committed at OUT; None when OUT is absent or empty.
 
     OUT is taken when its provenance record names the plan's source, tag and output options (and says
-    the shards were verified, when the plan verifies), and every file the plan writes is there, each
-    shard at its planned size and with the record's sha256 for it. No tensor byte is read: the commit
-    moves the index (or the only shard) last, so a folder that holds it is whole. Anything else at OUT
-    is an `OutputError` (code `out-exists`) that says what differs.
+    the shards were verified, when the plan verifies), and it holds exactly the files the plan writes:
+    each shard at its planned size with the record's sha256 for it, the config and tokenizer files at
+    the sizes they come to, the shard index byte for byte. No tensor byte is read: the commit moves the
+    index (or the only shard) last, so a folder that holds it is whole. Anything else at OUT is an
+    `OutputError` (code `out-exists`) that says what differs.
     """
     present = stage.committed_files(out)
     if not present:
@@ -190,9 +191,14 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
                 or not SHA256.fullmatch(str(entry.get("sha256"))):
             raise stage.not_this_output(out, f"its {name} is missing, is not {size} bytes or has no sha256")
     side = hf.find_side_files(plan.root)
-    for name in side + ([hf.SAFE_WEIGHTS_INDEX_NAME] if plan.sharded else []):
-        if name not in present:
-            raise stage.not_this_output(out, f"it has no {name}")
+    expected = {**_side_sizes(plan, side), **sizes, hf.PROVENANCE_NAME: present[hf.PROVENANCE_NAME]}
+    if plan.sharded:
+        index = hf.index_json(plan.weight_map, total_size=plan.total_size, total_parameters=plan.total_parameters)
+        expected[hf.SAFE_WEIGHTS_INDEX_NAME] = len(index.encode())
+    stage.check_committed(out, present, expected)
+    if plan.sharded and read_regular(join(out, hf.SAFE_WEIGHTS_INDEX_NAME), limit=len(index.encode()),
+                                     what="shard index") != index.encode():
+        raise stage.not_this_output(out, f"its {hf.SAFE_WEIGHTS_INDEX_NAME} is not the index of this model")
     shards = tuple(UnitResult(u.index, u.filename, sizes[u.filename], listed[u.filename]["sha256"],
                               output.get("verified") is True) for u in plan.units)
     files = [u.filename for u in plan.units] + side + [hf.PROVENANCE_NAME]
@@ -203,6 +209,13 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
     return ConsolidationResult(out=out, shards=shards, side_files=tuple(side), files=tuple(files),
                                total_size=plan.total_size, dtype=plan.dtype,
                                verified=all(s.verified for s in shards), plan=plan)
+
+
+def _side_sizes(plan: ConsolidationPlan, names: Sequence[str]) -> dict[str, int]:
+    """The size each config and tokenizer file comes to in the model folder (`hf.copy_side_files`)."""
+    fs, root = open_fs(plan.root)
+    return {name: len(hf.rewrite_config(hf.read_config(plan.root), plan.dtype)) if name == hf.CONFIG_NAME
+            else int(fs.size(f"{root}/{name}")) for name in names}
 
 
 def abort(staging: Staging | None) -> None:

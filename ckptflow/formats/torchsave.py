@@ -40,8 +40,7 @@ from ckptflow.formats.serialization_id import serialization_id
 from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
 from ckptflow.plumbing.direct import BLOCK, aligned_buffer, open_direct, pwrite_all
 from ckptflow.plumbing.progress import Progress, Tally
-from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs
-from ckptflow.plumbing.storage import read_into as read_ranges_into
+from ckptflow.plumbing.storage import is_local, local_path, open_fs
 from ckptflow.plumbing.redaction import describe
 
 import numpy as np
@@ -282,21 +281,29 @@ class SourceReader:
     def read_many(self, reads: Sequence[tuple[str, int, memoryview]]) -> None:
         """`read_into` for several (uri, start, view) at once: local files one after the other, those on
         a bucket in one round of concurrent requests per store (a window's rows from every rank)."""
-        remote = [(uri, start, start + len(view), view) for uri, start, view in reads if not is_local(uri) and len(view)]
+        stores: dict[int, tuple[Any, list[tuple[str, str, int, memoryview]]]] = {}
         for uri, start, view in reads:
             if is_local(uri):
                 self.read_into(uri, start, view)
-        if not remote:
-            return
-        try:
-            read_ranges_into(remote)
-        except ShortRead as exc:
-            raise _cut_short(exc.uri, exc.start, exc.end - exc.start, exc.got) from None
-        except OSError as exc:
-            uris = sorted({uri for uri, *_ in remote})
-            raise read_error(uris[0] if len(uris) == 1 else f"{uris[0]} (or {len(uris) - 1} more)", exc) from exc
-        with self._lock:
-            self.bytes_read += sum(end - start for _, start, end, _ in remote)
+            elif len(view):
+                fs, path = open_fs(uri)
+                stores.setdefault(id(fs), (fs, []))[1].append((uri, path, start, view))
+        for fs, items in stores.values():
+            try:
+                blobs = fs.cat_ranges([i[1] for i in items], [i[2] for i in items],
+                                      [i[2] + len(i[3]) for i in items], on_error="return")
+            except OSError as exc:
+                raise read_error(items[0][0], exc) from exc
+            for (uri, _path, start, view), blob in zip(items, blobs):
+                if isinstance(blob, OSError):
+                    raise read_error(uri, blob) from blob
+                if isinstance(blob, BaseException):
+                    raise blob
+                if len(blob) != len(view):
+                    raise _cut_short(uri, start, len(view), min(len(blob), len(view)))
+                view[:] = blob
+            with self._lock:
+                self.bytes_read += sum(len(i[3]) for i in items)
 
     def close(self) -> None:
         with self._lock:

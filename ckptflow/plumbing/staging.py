@@ -94,6 +94,17 @@ def committed_files(out: str) -> dict[str, int]:
             for p, info in fs.find(path, detail=True).items() if info.get("type") != "directory"}
 
 
+def check_committed(out: str, present: Mapping[str, int], expected: Mapping[str, int]) -> None:
+    """Raise `not_this_output` unless OUT's files (`committed_files`) are exactly `expected`: every one
+    there at its size, nothing else."""
+    for name, size in expected.items():
+        if present.get(name) != size:
+            raise not_this_output(out, f"its {name} is missing or not the {size} bytes this run writes")
+    others = sorted(set(present) - set(expected))
+    if others:
+        raise not_this_output(out, f"it holds {others[0]}, which this run does not write")
+
+
 def not_this_output(out: str, why: str) -> OutputError:
     """The error for an OUT that holds something other than the output a step was asked for."""
     return OutputError(f"{out} already exists and does not hold this output: {why}", code="out-exists", uri=out,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.index import ZeroCheckpoint, read_latest
+from ckptflow.formats.deepspeed.index import LATEST_HINT, ZeroCheckpoint, read_latest
 from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
@@ -145,13 +145,17 @@ def rank_job(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, chunk_bytes
     """The job that writes target rank `unit.rank`'s files into `staging`: the object trees of
     `files.py`, pickled here (on the coordinator, which holds the index), so the worker only streams
     bytes."""
+    return RankJob(rank=unit.rank, world_size=plan.world_size, staging=staging.uri, tag=plan.tag,
+                   files=_file_jobs(plan, unit), chunk_bytes=chunk_bytes, durable=durable, threads=threads)
+
+
+def _file_jobs(plan: ReshardPlan, unit: RankUnit) -> tuple[FileJob, ...]:
     files = []
     for name, tree in ((unit.optim_file, optim_states(plan, unit)),
                        *(((unit.model_file, model_states(plan, unit)),) if unit.model_file else ())):
         data, storages = dumps(tree)
         files.append(FileJob(name=name, pickle=data, storages=tuple(storages), size=archive_size(name, data, storages)))
-    return RankJob(rank=unit.rank, world_size=plan.world_size, staging=staging.uri, tag=plan.tag, files=tuple(files),
-                   chunk_bytes=chunk_bytes, durable=durable, threads=threads)
+    return tuple(files)
 
 
 def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: Progress | None = None,
@@ -256,8 +260,10 @@ def _read_back(plan: ReshardPlan, uri: str) -> str | None:
     index, problems, _ = inspect(uri, plan.tag)
     if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
         index = index.zero
-    if problems or not isinstance(index, type(plan.index)):
-        return f"does not read back as a valid checkpoint: {problems[0].message if problems else '?'}"
+    if problems:
+        return f"does not read back as a valid checkpoint: {problems[0].message}"
+    if not isinstance(index, type(plan.index)):
+        return f"reads back as a {type(index).__name__}, where this run writes a {type(plan.index).__name__}"
     got, want = _tensor_count(index), _tensor_count(plan.index)
     if (index.world_size, index.stage, got) != (plan.world_size, plan.stage, want):
         return (f"reads back as ZeRO-{index.stage} at {index.world_size} ranks with {got} tensors, expected "
@@ -269,10 +275,11 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[UnitResult], tup
     """What an earlier run of this same plan committed at OUT, as `run_units` and `finalize` report it
     (each rank's files and their sizes; the Trainer RNG files); None when OUT is absent or empty.
 
-    OUT is taken when its `latest` names the plan's tag, every file the plan writes is in its tag
-    folder, and its headers read back as the plan's output (layout, world size, stage, tensor count;
-    `finalize` checks the same before a commit). A DeepSpeed folder does not record its source, so
-    the caller names OUT after the source's identity (the Prefect flow's workspace does). Anything
+    OUT is taken when it holds exactly the files the plan writes (`latest` naming the plan's tag, each
+    rank's files at their planned sizes, the files carried over from the source at theirs, the Trainer
+    RNG files) and its headers read back as the plan's output (layout, world size, stage, tensor
+    count; `finalize` checks the same before a commit). A DeepSpeed folder does not record its source,
+    so the caller names OUT after the source's identity (the Prefect flow's workspace does). Anything
     else at OUT is an `OutputError` (code `out-exists`) that says what differs.
     """
     present = stage.committed_files(out)
@@ -283,20 +290,30 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[UnitResult], tup
     try:
         fs, path = open_fs(out)
         latest = read_latest(fs, posixpath.join(path, LATEST), join(out, LATEST))
-    except CheckpointError as exc:  # its own hint (fix `latest` or pass --tag) is not what to do here
-        raise stage.not_this_output(out, str(exc).removesuffix(f"; {exc.hint}")) from None
+    except CheckpointError as exc:  # its advice (fix `latest` or pass --tag) is not what to do here
+        raise stage.not_this_output(out, str(exc).replace(f"; {LATEST_HINT}", "")) from None
     if latest != plan.tag:
         raise stage.not_this_output(out, f"its `{LATEST}` names {latest!r}, this run writes {plan.tag!r}")
-    missing = [name for name in plan.files if f"{plan.tag}/{name}" not in present]
-    if missing:
-        raise stage.not_this_output(out, f"it has no {plan.tag}/{missing[0]}")
+    carried, rng_names = carried_files(plan, out)
+    rng_files = plan_rng_files(rng_names, plan.world_size)
+    expected = {LATEST: len(plan.tag.encode()), **{rel: _size(uri) for rel, uri in carried},
+                **{c.target: _size(join(plan.root, c.source)) for c in rng_files},
+                **{f"{plan.tag}/{name}": _size(join(plan.index.tag_uri, name)) for name in plan.carried}}
+    files = {u.rank: _file_jobs(plan, u) for u in plan.units}
+    expected.update({f"{plan.tag}/{f.name}": f.size for jobs in files.values() for f in jobs})
+    stage.check_committed(out, present, expected)
     problem = _read_back(plan, out)
     if problem:
         raise stage.not_this_output(out, f"it {problem}")
     logger.info("%s already holds this checkpoint at %d ranks (committed by an earlier run)", out, plan.world_size)
     results = [UnitResult(rank=u.rank, files=u.files, bytes_read=0, seconds=0.0,
-                          bytes_written=sum(present[f"{plan.tag}/{name}"] for name in u.files)) for u in plan.units]
-    return results, plan_rng_files(carried_files(plan, out)[1], plan.world_size)
+                          bytes_written=sum(f.size for f in files[u.rank])) for u in plan.units]
+    return results, rng_files
+
+
+def _size(uri: str) -> int:
+    fs, path = open_fs(uri)
+    return int(fs.size(path))
 
 
 def _tensor_count(index: Any) -> int:

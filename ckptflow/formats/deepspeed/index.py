@@ -285,6 +285,7 @@ class ZeroCheckpoint:
 
 
 MAX_LATEST_BYTES = 4096  # a tag is a folder name: DeepSpeed writes a few dozen bytes
+LATEST_HINT = "refusing to follow it; fix `latest` or pass --tag"
 
 
 def check_tag(tag: str, where: str) -> str | None:
@@ -302,7 +303,7 @@ def read_latest(fs: Any, path: str, where: str) -> str:
     """The tag the `latest` file at `path` names, reading at most `MAX_LATEST_BYTES`; `CheckpointError`
     (code `latest-unsafe`) when it is not a regular file, too long, not text, or not a plain folder
     name. A local FIFO, device or folder is never opened for reading (`plumbing.files`)."""
-    hint = "refusing to follow it; fix `latest` or pass --tag"
+    hint = LATEST_HINT
     uri = unstrip(fs, path)
     try:
         if is_local(uri):
