@@ -8,9 +8,11 @@ Workspace (outputs before publishing; a bucket URL when a GPU deployment writes 
 The content identity in the path means a checkpoint rewritten under the same tag builds into a fresh
 folder, and so does a new `tasks.caching.CACHE_VERSION`. So a folder found there holds this checkpoint's
 output: a step whose cached result is gone (another machine, a cleared result store) takes it as it is
-when it holds what the step would write (`committed_output` of the consolidate and reshard cores). Destinations: a bucket or folder URL gets `<uri>/<tag>/model/` and `<uri>/<tag>/zero-ws<N>/`;
-a Hub repo gets the model on its revision (default branch when empty) and resharded checkpoint N on
-the branch `zero-ws<N>` (or `<revision>-zero-ws<N>`).
+when it holds what the step would write (`committed_output` of the consolidate and reshard cores).
+
+Destinations: a bucket or folder URL gets `<uri>/<tag>/model/` and `<uri>/<tag>/zero-ws<N>/`; a Hub
+repo gets the model on its revision (default branch when empty) and resharded checkpoint N on the
+branch `zero-ws<N>` (or `<revision>-zero-ws<N>`).
 """
 
 from __future__ import annotations

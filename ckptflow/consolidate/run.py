@@ -33,6 +33,7 @@ from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, check_written
 from ckptflow.plumbing.storage import is_local, join, local_path, open_fs
+from ckptflow.plumbing.text import excerpt
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +179,8 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
     for part, key in RECORD_KEYS:
         found = record[part].get(key)
         if found != want[part][key]:
-            raise stage.not_this_output(out, f"it was made with {part} {key} {found!r}, this run asks for "
-                                             f"{want[part][key]!r}")
+            raise stage.not_this_output(out, f"it was made with {part} {key} {excerpt(found)}, this run asks for "
+                                             f"{excerpt(want[part][key])}")
     if plan.options.verify and output.get("verified") is not True:
         raise stage.not_this_output(out, "its shards were written without --verify, this run verifies them")
     sizes = {u.filename: u.layout().file_size for u in plan.units}

@@ -45,6 +45,7 @@ from ckptflow.plumbing.files import check_regular, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
+from ckptflow.plumbing.text import excerpt
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
@@ -293,7 +294,7 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[UnitResult], tup
     except CheckpointError as exc:  # its advice (fix `latest` or pass --tag) is not what to do here
         raise stage.not_this_output(out, str(exc).replace(f"; {LATEST_HINT}", "")) from None
     if latest != plan.tag:
-        raise stage.not_this_output(out, f"its `{LATEST}` names {latest!r}, this run writes {plan.tag!r}")
+        raise stage.not_this_output(out, f"its `{LATEST}` names {excerpt(latest)}, this run writes {excerpt(plan.tag)}")
     carried, rng_names = carried_files(plan, out)
     rng_files = plan_rng_files(rng_names, plan.world_size)
     expected = {LATEST: len(plan.tag.encode()), **{rel: _size(uri) for rel, uri in carried},
