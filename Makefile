@@ -16,12 +16,13 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # torch goes in first, from its exact pin, so that no dependency can pull a CUDA build.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt ckptflow/formats/_casts.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 2>&1 | grep -v "is ignored" || true
 	set -o pipefail; $(PY) -m pip install -q -c constraints.txt -e '.[test]' 2>&1 | { grep -v "is ignored" || true; }
 	$(PY) -c "import torch, deepspeed, prefect, ckptflow" 2>/dev/null
+	$(PY) -c "import ckptflow.formats._casts" 2>/dev/null || echo "warning: the compiled casts were not built (no C compiler?); numpy does the casts, slower" >&2
 	touch $(STAMP)
 
 # Two processes, each taking whole test files (a file's session fixtures, such as a DeepSpeed oracle

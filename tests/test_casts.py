@@ -1,9 +1,13 @@
 """The numpy casts of `ckptflow.formats.casts` against torch's own CPU casts, bit for bit: every 16-bit
 pattern for the widening casts, and for the narrowing ones several million float32 patterns (every
 sign and exponent with the rounding boundaries of both targets, NaNs with many payloads, infinities,
-subnormals, and random bits)."""
+subnormals, and random bits). Every test runs twice: with the compiled float32 -> bfloat16 / float16
+casts (`ckptflow.formats._casts`) and with numpy alone, as an install without a C compiler runs."""
 
 from __future__ import annotations
+
+import shutil
+import sysconfig
 
 import numpy as np
 import pytest
@@ -14,6 +18,15 @@ from ckptflow.formats import casts
 # torch's float32 -> bfloat16 NaN is 0xFFFF in its AVX2 / AVX-512 kernels, 0x7FC0 in the scalar
 # fallback; ckptflow writes the former. Elsewhere only the NaN lanes are left out of the comparison.
 X86_KERNELS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+COMPILED = casts.native
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "compiled" and COMPILED is None:
+        pytest.skip("ckptflow.formats._casts was not built (test_the_install_built_the_compiled_casts says why)")
+    monkeypatch.setattr(casts, "native", COMPILED if request.param == "compiled" else None)
+    return request.param
 
 
 def ours(src: str, out: str, bits: np.ndarray, out_bits: type) -> np.ndarray:
@@ -184,3 +197,40 @@ def test_count_non_finite_float32_and_integers() -> None:
     assert count_non_finite(values.numpy().tobytes(), "float32") == 3
     assert count_non_finite(values.double().numpy().tobytes(), "float64") == 3
     assert count_non_finite(torch.arange(10).numpy().tobytes(), "int64") == 0
+
+
+def test_the_install_built_the_compiled_casts(implementation: str) -> None:
+    """Where a C compiler is at hand, `pip install` builds the compiled casts (setup.py makes the
+    extension optional, so a failed build would only print a warning and leave the numpy casts)."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here: the install keeps the numpy casts")
+    assert COMPILED is not None, "ckptflow.formats._casts is missing: run `make install` and read pip's warnings"
+
+
+def test_the_compiled_casts_refuse_buffers_of_the_wrong_size(implementation: str) -> None:
+    if implementation != "compiled":
+        pytest.skip("the compiled module's own argument checks")
+    for name in ("fp32_to_bf16", "fp32_to_fp16"):
+        with pytest.raises(ValueError, match="not half"):
+            getattr(COMPILED, name)(bytes(8), bytearray(2))
+        with pytest.raises(ValueError, match="whole float32"):
+            getattr(COMPILED, name)(bytes(6), bytearray(3))
+        with pytest.raises(TypeError):
+            getattr(COMPILED, name)(bytes(8), bytes(4))  # a read-only output
+
+
+def test_strided_and_read_only_sources_cast_alike() -> None:
+    """A read-only source (bytes, as a store returns them) and a strided one (numpy only takes these
+    through its own path) give the bits a contiguous writable one gives."""
+    bits = np.random.default_rng(5).integers(0, 1 << 32, 2 * 1000 + 1, dtype=np.uint32)
+    for out, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        contiguous = bits[::2].copy()  # torch casts a strided tensor with its scalar loop (NaN: 0x7FC0)
+        want = torch.from_numpy(contiguous.view(np.int32)).view(torch.float32).to(dtype).view(torch.int16).numpy()
+        keep = slice(None) if X86_KERNELS or out == "float16" else ~np.isnan(bits[::2].view(np.float32))
+        from_bytes = np.empty(1001, dtype=np.uint16)
+        casts.cast_into(from_bytes, out, bits[::2].tobytes(), "float32")
+        strided = np.empty(2002, dtype=np.uint16)[::2]
+        getattr(casts, "fp32_to_bf16" if out == "bfloat16" else "fp32_to_fp16")(bits[::2], strided)
+        for got in (from_bytes, strided):
+            assert np.array_equal(got[keep], want.view(np.uint16)[keep]), out

@@ -27,6 +27,12 @@ million float32 patterns (every exponent, rounding boundaries, NaN payloads, sub
 
 The work goes in blocks of `BLOCK` elements so that the temporaries stay in the CPU cache.
 
+float32 -> bfloat16 and float32 -> float16, the casts a consolidation spends its CPU on, go through
+the compiled `ckptflow.formats._casts` where the install built it (one pass without the GIL: 8 to 11
+GB/s of source against numpy's 3 for bfloat16, F16C against numpy's well under 1 for float16), and
+through numpy otherwise; `native` is that module or None. Both give the same bits, checked against
+torch by the same tests.
+
 `cast_rows_into` does the same into rows spread apart in the destination.
 
 `count_non_finite(raw, dtype)` counts NaN and Inf values in raw floating-point bytes, on the bits.
@@ -37,6 +43,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+try:
+    from ckptflow.formats import _casts as native
+except ImportError:  # built without a C compiler: numpy gives the same bits, slower
+    native = None
 
 BLOCK = 1 << 16  # elements per step; the uint32 scratch (256 KiB) stays in the L2 cache
 
@@ -60,8 +71,16 @@ def as_array(buffer: Any, dtype: Any) -> np.ndarray:
     return np.frombuffer(buffer, dtype=dtype)
 
 
+def _native_fits(src: np.ndarray, out: np.ndarray) -> bool:
+    """Whether the compiled casts can take these arrays: both contiguous, `out` writable."""
+    return native is not None and src.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
+
+
 def fp32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
     """`out` (uint16, bfloat16 bits) = `src` (uint32, float32 bits) rounded as torch rounds."""
+    if _native_fits(src, out):
+        native.fp32_to_bf16(src, out)
+        return
     n = src.size
     scratch = np.empty(min(n, BLOCK), dtype=np.uint32)
     for i in range(0, n, BLOCK):
@@ -81,6 +100,9 @@ def fp32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
 
 def fp32_to_fp16(src: np.ndarray, out: np.ndarray) -> None:
     """`out` (uint16, float16 bits) = `src` (uint32, float32 bits) rounded as torch rounds."""
+    if _native_fits(src, out) and native.has_f16c:
+        native.fp32_to_fp16(src, out)
+        return
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(0, src.size, BLOCK):
             s = src[i:i + BLOCK]
