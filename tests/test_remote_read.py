@@ -91,3 +91,22 @@ def test_gcs_permission_error_is_not_called_corruption(ds_fixtures, gcs):
     message = report.problems[0].message
     assert "cannot read" in message and "Forbidden" in message and "check access to the store" in message
     assert "truncated" not in message and "corrupt" not in message
+
+
+def test_small_files_are_opened_on_threads_on_a_store_and_in_turn_on_a_local_disk(tmp_path):
+    """`map_files`: a store's requests wait on the network, so they go out together; a local file's
+    parsing is Python holding the GIL, where threads would only contend for it."""
+    import threading
+
+    from ckptflow.plumbing.storage import map_files
+
+    def where(item: int) -> tuple[int, str]:
+        return item, threading.current_thread().name
+
+    local = [str(tmp_path / f"{i}.pt") for i in range(5)]
+    for uris in (local, [f"file://{u}" for u in local]):
+        assert map_files(where, list(range(5)), uris) == [(i, threading.current_thread().name) for i in range(5)]
+    mixed = local[:4] + ["memory://ckpt/4.pt"]
+    got = map_files(where, list(range(5)), mixed)
+    assert [i for i, _ in got] == list(range(5))  # results in order
+    assert all(name.startswith("ckptflow-open") for _, name in got), got

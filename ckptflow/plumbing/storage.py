@@ -8,13 +8,21 @@ FSSPEC_S3_ENDPOINT_URL, config files) applies to `gs://`, `s3://`, `memory://` a
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from ckptflow.errors import OutputError
 from ckptflow.plumbing.sizes import format_size
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+FILE_THREADS = 16  # small files read at once from a store, where each request waits on the network
 
 
 class ShortRead(EOFError):
@@ -61,6 +69,18 @@ def unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     if proto == "file":
         return path
     return f"{proto}://{path.lstrip('/')}" if proto != "memory" else f"memory://{path}"
+
+
+def map_files(fn: Callable[[T], R], items: Sequence[T], uris: Sequence[str]) -> list[R]:
+    """`[fn(item) for item in items]`, where `fn(item)` reads and parses the file `uris[i]` of the same
+    position. When any of them is on a store, on up to `FILE_THREADS` threads: each call waits on the
+    network. When all are on a local disk, here, one after another: parsing a small file is Python
+    holding the GIL, and threads would only contend for it (the 515 files of an AutoEP checkpoint with
+    512 experts: 0.20 s in turn, 0.35 to 0.45 s on 16 threads, measured here)."""
+    if all(is_local(uri) for uri in uris) or len(items) < 2:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(FILE_THREADS, len(items)), thread_name_prefix="ckptflow-open") as pool:
+        return list(pool.map(fn, items))
 
 
 def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:

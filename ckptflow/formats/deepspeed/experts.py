@@ -12,7 +12,6 @@ holds them (`model_tensors`), with the ZeRO index and the expert files a reshard
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,7 @@ from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor
 from ckptflow.formats.torchzip import TensorRef, open_archive
-from ckptflow.plumbing.storage import join
+from ckptflow.plumbing.storage import join, map_files
 
 LAYOUT_NAMES = {"autoep": "AutoEP", "moe": "deepspeed.moe"}
 
@@ -108,8 +107,8 @@ def check_expert_files(st: Inspection, listing: Listing, experts: Sequence[int],
 
 
 def open_files(st: Inspection, tag_uri: str, names: Iterable[str], label: Callable[[str], str]) -> dict[str, dict[str, Any]]:
-    """The files `names` of the tag folder parsed in parallel (small pickles; remote stores answer slowly,
-    not narrowly); unreadable ones are problems, their messages starting with `label(name)`, and absent
+    """The files `names` of the tag folder parsed (in parallel on a store: `plumbing.storage.map_files`);
+    unreadable ones are problems, their messages starting with `label(name)`, and absent
     from the result."""
     names = list(names)
     if not names:
@@ -133,8 +132,7 @@ def open_files(st: Inspection, tag_uri: str, names: Iterable[str], label: Callab
             return {}
         return obj
 
-    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
-        objs = list(pool.map(one, names))
+    objs = map_files(one, names, [join(tag_uri, name) for name in names])
     return {n: o for n, o in zip(names, objs) if o}
 
 

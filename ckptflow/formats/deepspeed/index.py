@@ -30,7 +30,6 @@ import os
 import posixpath
 import re
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +41,7 @@ from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage,
 from ckptflow.formats.torchzip import ArchiveCache, PickledObject, TensorRef, open_archive, read_scalar
 from ckptflow.plumbing.files import open_regular
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import is_local, join, local_path, open_fs, unstrip
+from ckptflow.plumbing.storage import is_local, join, local_path, map_files, open_fs, unstrip
 from ckptflow.plumbing.text import excerpt
 from ckptflow.plumbing.redaction import describe
 
@@ -601,11 +600,10 @@ def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision
 
 def _open_ranks(st: Inspection, model0: dict[str, Any], model_uris: list[str],
                 optim_uris: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every rank file parsed, in parallel: remote stores answer slowly, not narrowly."""
-    with ThreadPoolExecutor(max_workers=min(16, len(model_uris) + len(optim_uris))) as pool:
-        models = [model0] + list(pool.map(lambda a: open_rank_file(st, a[1], a[0]), list(enumerate(model_uris))[1:]))
-        optims = list(pool.map(lambda a: open_rank_file(st, a[1], a[0]), list(enumerate(optim_uris))))
-    return models, optims
+    """Every rank file parsed (in parallel on a store: `plumbing.storage.map_files`)."""
+    jobs = list(enumerate(model_uris))[1:] + list(enumerate(optim_uris))
+    parsed = map_files(lambda job: open_rank_file(st, job[1], job[0]), jobs, [uri for _, uri in jobs])
+    return [model0] + parsed[:len(model_uris) - 1], parsed[len(model_uris) - 1:]
 
 
 def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], models: list[dict[str, Any]],
