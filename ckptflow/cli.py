@@ -9,6 +9,7 @@ as escape sequences.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -387,6 +388,11 @@ def main() -> None:
     except KeyboardInterrupt:
         say("interrupted", "red", "", err)
         sys.exit(130)
+    finally:
+        # Whatever is alive now lives until the process ends: left to the collector, the interpreter's
+        # shutdown walks and frees the cycles of every module imported (typer, pydantic, numpy,
+        # fsspec), about 0.08 s of each run here; frozen, the operating system reclaims them at once.
+        gc.freeze()
 
 
 if __name__ == "__main__":
