@@ -169,6 +169,35 @@ def test_a_missing_expert_file_is_named(expert_fixtures, tmp_path: Path) -> None
     )]
 
 
+@pytest.mark.parametrize("name, label", [
+    ("layer_1_expert_2_mp_rank_00_model_states.pt", "expert 2 of MoE layer 1: "),
+    ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "rank 1: "),
+])
+def test_a_folder_device_or_fifo_in_a_files_place_is_named_as_what_it_is(expert_fixtures, tmp_path: Path, name: str,
+                                                                        label: str) -> None:
+    """Not "empty, copy it again" nor "check access to the store": what is there, and never opened (a
+    FIFO would block the open, a device would never end)."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    ckpt = _copy(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"], tmp_path)
+    path = ckpt / "global_step3" / name
+    hint = "; put the file DeepSpeed saved in its place (copy it again from the training run)"
+    for make, what in ((Path.mkdir, "a folder"), (lambda p: p.symlink_to("/dev/zero"), "a character device"),
+                       (os.mkfifo, "a FIFO (named pipe)")):
+        path.unlink() if not path.is_dir() or path.is_symlink() else path.rmdir()
+        make(path)
+        message = f"{path} is {what}, not a regular file{hint}"
+        problems = _problems(ckpt)
+        assert problems == [("not-a-regular-file", label + message)], problems
+        result = CliRunner().invoke(app, ["consolidate", str(ckpt), str(tmp_path / "out")])
+        assert result.exit_code == 1 and " ".join(result.output.split()) == f"error: {label}{message}"
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_rank_is_named_and_only_then(expert_fixtures, tmp_path: Path) -> None:
     ckpt = _copy(expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"], tmp_path)
     (ckpt / "global_step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()

@@ -36,8 +36,9 @@ from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileError, SourceReadError, UnsafePickleError
 from ckptflow.formats.deepspeed.names import ENUMS, RECORDS
+from ckptflow.plumbing.files import check_regular
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import is_local, open_fs, read_ranges
+from ckptflow.plumbing.storage import READ_FLAGS, is_local, open_fs, read_ranges
 from ckptflow.plumbing.text import excerpt, one_line, plain
 from ckptflow.plumbing.redaction import describe
 
@@ -413,6 +414,9 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {one_line(str(exc), 200)}"
 
 
+_NOT_REGULAR_HINT = "put the file DeepSpeed saved in its place (copy it again from the training run)"
+
+
 class Archive:
     """One torch zip archive: its plain-data object tree with `TensorRef`s in place of tensors."""
 
@@ -440,8 +444,10 @@ class Archive:
 
     def _open(self) -> "Archive":
         try:
-            self.size = self.fs.size(self.path)
-        except FileNotFoundError:
+            # A local FIFO, device or folder in a rank file's place is named as what it is, never opened.
+            self.size = check_regular(self.uri, hint=_NOT_REGULAR_HINT) if is_local(self.uri) else \
+                self.fs.size(self.path)
+        except (FileNotFoundError, CheckpointNotFoundError):
             raise CheckpointNotFoundError(
                 f"{self.uri} does not exist", file=self.uri, hint="check the path and the tag"
             ) from None
@@ -996,7 +1002,7 @@ def _pickle_info(infos: list[zipfile.ZipInfo]) -> zipfile.ZipInfo | None:
 
 def _local_ranges(uri: str, ranges: list[tuple[int, int]]) -> list[bytes]:
     """Byte ranges of a local file through one descriptor (short at the end of the file)."""
-    fd = os.open(uri[len("file://"):] if uri.startswith("file://") else uri, os.O_RDONLY)
+    fd = os.open(uri[len("file://"):] if uri.startswith("file://") else uri, READ_FLAGS)
     try:
         return [os.pread(fd, end - start, start) for start, end in ranges]
     finally:

@@ -22,6 +22,10 @@ from ckptflow.plumbing.sizes import format_size
 T = TypeVar("T")
 R = TypeVar("R")
 
+# A local source is opened without blocking, so that a FIFO swapped in for a checked file cannot hang
+# the open (a read from it then fails); for a regular file the flag changes nothing.
+READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+
 FILE_THREADS = 16  # small files read at once from a store, where each request waits on the network
 
 
@@ -102,7 +106,7 @@ def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
                 continue
             fd = fds.get(uri)
             if fd is None:
-                fd = fds[uri] = os.open(local_path(uri), os.O_RDONLY)
+                fd = fds[uri] = os.open(local_path(uri), READ_FLAGS)
             pos = 0
             while pos < end - start:
                 n = os.preadv(fd, [view[pos:end - start]], start + pos)
@@ -134,7 +138,7 @@ def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
             if is_local(uri):
                 fd = fds.get(uri)
                 if fd is None:
-                    fd = fds[uri] = os.open(local_path(uri), os.O_RDONLY)
+                    fd = fds[uri] = os.open(local_path(uri), READ_FLAGS)
                 out[i] = os.pread(fd, end - start, start) if end > start else b""
                 if len(out[i]) != end - start:
                     raise ShortRead(uri, start, end, len(out[i]))
