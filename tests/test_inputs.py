@@ -136,3 +136,44 @@ def test_copies_fail_as_one_line_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "copy").exists()
     assert copy_regular(str(paths["in"]), str(tmp_path / "sub" / "copy.json"), inside=str(paths["root"])) == 2
     assert (tmp_path / "sub" / "copy.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_large_local_copies_are_byte_exact_with_or_without_direct_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     direct: bool) -> None:
+    """Files of a megabyte or more go to a local disk with direct I/O (whole blocks from an aligned
+    buffer, the last partial block through the page cache); chunks that are not whole blocks move the
+    piece inside the buffer. Where the file system refuses direct I/O, the page cache takes them."""
+    from ckptflow.plumbing import direct as direct_io
+    from ckptflow.plumbing import files
+
+    if not direct:
+        monkeypatch.setattr(direct_io, "O_DIRECT", 0)  # open_direct then refuses, as on such a file system
+    opened = []
+    monkeypatch.setattr(files, "open_direct", lambda path: opened.append(path) or direct_io.open_direct(path))
+    rng = __import__("random").Random(7)
+    for size in (files.DIRECT_MIN - 1, files.DIRECT_MIN, files.DIRECT_MIN + 1, files.DIRECT_MIN + 4095, 3_000_017):
+        src, dst = tmp_path / f"src-{size}", tmp_path / "out" / f"dst-{size}"
+        src.write_bytes(rng.randbytes(size))
+        for chunk in (files.COPY_CHUNK, 5000, 1 << 16):
+            dst.unlink(missing_ok=True)
+            assert copy_regular(str(src), str(dst), chunk=chunk, durable=True) == size
+            assert dst.read_bytes() == src.read_bytes(), (size, chunk)
+    assert len(opened) == 4 * 3  # every copy of a megabyte or more tried direct I/O; the smaller one did not
+    with pytest.raises(OutputError, match="cannot write /dev/full \\(No space left on device\\)"):
+        copy_regular(str(tmp_path / "src-3000017"), "/dev/full")
+
+
+def test_copies_side_by_side_report_the_first_failure(tmp_path: Path) -> None:
+    from ckptflow.plumbing.files import copy_all
+
+    paths = _specials(tmp_path)
+    sources = []
+    for i in range(6):
+        sources.append(tmp_path / f"{i}.bin")
+        sources[-1].write_bytes(bytes([i]) * (1000 + i))
+    pairs = [(str(s), str(tmp_path / "out" / s.name)) for s in sources]
+    assert copy_all(pairs) == sum(1000 + i for i in range(6))
+    assert all((tmp_path / "out" / s.name).read_bytes() == s.read_bytes() for s in sources)
+    with pytest.raises(UnsafeInputError, match="FIFO"):
+        copy_all(pairs[:3] + [(str(paths["fifo"]), str(tmp_path / "out2" / "fifo"))] + pairs[3:])

@@ -26,10 +26,12 @@ import os
 import posixpath
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, OutputError, SourceReadError, UnsafeInputError
+from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
@@ -143,17 +145,25 @@ def read_regular(uri: str, *, limit: int, what: str = "file", inside: str | None
 
 
 COPY_CHUNK = 8 << 20
+COPY_THREADS = 4  # copies at once in `copy_all`
+DIRECT_MIN = 1 << 20  # local copies this large or larger are written with direct I/O
 
 
 def copy_regular(src: str, dst: str, *, inside: str | None = None, hint: str | None = None, durable: bool = False,
                  chunk: int = COPY_CHUNK) -> int:
     """Copy the regular file `src` (see `check_regular`) to `dst`, creating its folder; returns the bytes
-    copied. With `durable`, a local `dst` is flushed to disk before returning."""
+    copied. With `durable`, a local `dst` is flushed to disk before returning. A local file of a megabyte
+    or more copied to a local `dst` is written with direct I/O where the file system takes it
+    (`_copy_direct`)."""
     dst_fs, dst_path = open_fs(dst)
     copied = 0
     with open_regular(src, inside=inside, hint=hint) as fin:
         try:
             dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+            if is_local(src) and is_local(dst) and os.fstat(fin.fileno()).st_size >= DIRECT_MIN:
+                direct = _copy_direct(fin, src, local_path(dst), chunk, durable)
+                if direct is not None:
+                    return direct
             with dst_fs.open(dst_path, "wb") as fout:
                 while data := _read(fin, src, chunk):
                     fout.write(data)
@@ -168,9 +178,58 @@ def copy_regular(src: str, dst: str, *, inside: str | None = None, hint: str | N
     return copied
 
 
-def _read(fh: IO[bytes], uri: str, size: int) -> bytes:
+def _copy_direct(fin: IO[bytes], src: str, path: str, chunk: int, durable: bool) -> int | None:
+    """Copy `fin` to the local file `path` with direct I/O (`plumbing.direct`): the bytes go from one
+    page-aligned buffer to the disk and never fill the page cache, so the file costs nothing to flush
+    afterwards (buffered, the 805 MB of expert files a MoE reshard carries took as long again to
+    fsync as to copy, here). None, with `path` left empty, where the file system refuses direct I/O."""
+    with open(path, "wb") as fout:
+        direct = open_direct(path)
+        if direct < 0:
+            return None
+        buffer = aligned_buffer(chunk + BLOCK)
+        try:
+            with memoryview(buffer) as view:
+                blocks, copied = BlockWriter(fout.fileno(), direct), 0
+                while True:
+                    place = BlockWriter.place(copied)
+                    n = _read(fin, src, view[place:place + chunk])
+                    if not n:
+                        break
+                    blocks.write(view, copied, n)
+                    copied += n
+                blocks.close()
+            os.ftruncate(fout.fileno(), copied)  # the direct-I/O probe wrote a whole block
+            if durable:
+                os.fsync(fout.fileno())
+        finally:
+            os.close(direct)
+            buffer.close()
+    return copied
+
+
+def copy_all(copies: Sequence[tuple[str, str]], *, inside: str | None = None, hint: str | None = None,
+             threads: int = COPY_THREADS) -> int:
+    """`copy_regular(src, dst)` for each pair, up to `threads` at once (each copy waits on a disk or a
+    store); returns the bytes copied. The first failure is raised once the copies under way end; the
+    queued ones are dropped. Nothing is flushed: the caller's commit fsyncs the staged files together
+    (`plumbing.staging.commit`), which is what makes thousands of small files cheap. An fsync after
+    each file costs a journal commit each: the 512 expert files of an AutoEP checkpoint took 1.2 to
+    1.7 s one after another with an fsync each, 0.85 to 0.93 s on 4 threads and flushed together."""
+    if len(copies) < 2 or threads < 2:
+        return sum(copy_regular(src, dst, inside=inside, hint=hint) for src, dst in copies)
+    pool = ThreadPoolExecutor(max_workers=min(threads, len(copies)), thread_name_prefix="ckptflow-copy")
     try:
-        return fh.read(size)
+        futures = [pool.submit(copy_regular, src, dst, inside=inside, hint=hint) for src, dst in copies]
+        return sum(future.result() for future in futures)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read(fh: IO[bytes], uri: str, size_or_view: int | memoryview) -> Any:
+    """`fh.read(size)` (bytes) or `fh.readinto(view)` (a count); a failed read is a `SourceReadError`."""
+    try:
+        return fh.read(size_or_view) if isinstance(size_or_view, int) else fh.readinto(size_or_view) or 0
     except OSError as exc:
         raise SourceReadError(f"cannot read {uri} ({_reason(exc)})", file=uri, hint="check the file and run again") from exc
 

@@ -41,7 +41,7 @@ from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.checksums import digests_for
 from ckptflow.plumbing.executors import Cancelled, Executor
 from ckptflow.plumbing.executors import run_units as run_all
-from ckptflow.plumbing.files import check_regular, copy_regular, write_bytes
+from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
@@ -228,7 +228,7 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
 
     Files the plan carries as they are (PipelineModule layer files, per-expert files) are copied into the staged tag
-    folder first. With the units' `results`, every planned file must have been reported and be in the
+    folder first, several at once, and made durable by the commit's fsync of every staged file. With the units' `results`, every planned file must have been reported and be in the
     staging folder as its unit left it (`plumbing.staging.check_written`: sizes and the store's
     checksums, no data read). The staged files' headers must then read back as a checkpoint at the new
     world size. Raises `VerificationError` otherwise; the staging folder is then left for `abort`."""
@@ -241,9 +241,8 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
         if missing:
             raise VerificationError(f"{missing[0]} was planned but no unit reported writing it", file=missing[0],
                                     hint="run every unit of the plan before finalize")
-    for name in plan.carried:
-        copy_regular(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name)), inside=inside,
-                     hint=_CARRY_HINT, durable=durable)
+    copy_all([(join(plan.index.tag_uri, name), staging.join(posixpath.join(plan.tag, name))) for name in plan.carried],
+             inside=inside, hint=_CARRY_HINT)  # flushed with the rest by the commit
     problem = _read_back(plan, staging.uri)
     if problem:
         raise VerificationError(f"the resharded checkpoint {problem}", uri=staging.uri, expected=plan.world_size,
