@@ -228,7 +228,8 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
 
     Files the plan carries as they are (PipelineModule layer files, per-expert files) are copied into the staged tag
-    folder first, several at once, and made durable by the commit's fsync of every staged file. With the units' `results`, every planned file must have been reported and be in the
+    folder first, several at once (`plumbing.files.copy_all`), and made durable by the commit's fsync of
+    every staged file. With the units' `results`, every planned file must have been reported and be in the
     staging folder as its unit left it (`plumbing.staging.check_written`: sizes and the store's
     checksums, no data read). The staged files' headers must then read back as a checkpoint at the new
     world size. Raises `VerificationError` otherwise; the staging folder is then left for `abort`."""
