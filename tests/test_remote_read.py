@@ -98,15 +98,36 @@ def test_small_files_are_opened_on_threads_on_a_store_and_in_turn_on_a_local_dis
     parsing is Python holding the GIL, where threads would only contend for it."""
     import threading
 
-    from ckptflow.plumbing.storage import map_files
+    from ckptflow.plumbing.storage import LOCAL_PROBE, map_files
 
     def where(item: int) -> tuple[int, str]:
         return item, threading.current_thread().name
 
-    local = [str(tmp_path / f"{i}.pt") for i in range(5)]
+    n = LOCAL_PROBE  # as many as are parsed in turn before their waits are judged (the next test)
+    local = [str(tmp_path / f"{i}.pt") for i in range(n)]
     for uris in (local, [f"file://{u}" for u in local]):
-        assert map_files(where, list(range(5)), uris) == [(i, threading.current_thread().name) for i in range(5)]
+        assert map_files(where, list(range(n)), uris) == [(i, threading.current_thread().name) for i in range(n)]
     mixed = local[:4] + ["memory://ckpt/4.pt"]
     got = map_files(where, list(range(5)), mixed)
     assert [i for i, _ in got] == list(range(5))  # results in order
     assert all(name.startswith("ckptflow-open") for _, name in got), got
+
+
+def test_local_files_that_keep_the_reader_waiting_go_on_threads(tmp_path):
+    """A network file system mounted as a local path (NFS, Lustre) answers each read after a wait: once
+    the first calls have waited longer than they computed, the rest run on threads."""
+    import threading
+    import time
+
+    from ckptflow.plumbing.storage import LOCAL_PROBE, map_files
+
+    def slow(item: int) -> tuple[int, str]:
+        time.sleep(0.01)  # as a remote read waits, holding no GIL
+        return item, threading.current_thread().name
+
+    local = [str(tmp_path / f"{i}.pt") for i in range(12)]
+    got = map_files(slow, list(range(12)), local)
+    assert [i for i, _ in got] == list(range(12))
+    here = threading.current_thread().name
+    assert [name for _, name in got[:LOCAL_PROBE]] == [here] * LOCAL_PROBE
+    assert all(name.startswith("ckptflow-open") for _, name in got[LOCAL_PROBE:]), got
