@@ -148,7 +148,7 @@ def _measure(what: str, root: str, to: int, chunk_bytes: int) -> dict[str, Any]:
         out["units"] = len(plan.units)
         out["read_bytes"] = plan.read_bytes
         out["write_bytes"] = plan.write_bytes
-        chunk = 8 << 20  # torchsave.CHUNK_BYTES: SourceReader's read size
+        chunk = 8 << 20  # formats.torch.writer.CHUNK_BYTES: SourceReader's read size
         out["per_unit"] = [{"copies": sum(len(f.copies) for f in u.flats),
                             "spans": 3 * sum(len(f.copies) for f in u.flats),
                             "requests": 3 * sum(math.ceil(4 * c.numel / chunk) for f in u.flats for c in f.copies),
@@ -362,7 +362,7 @@ def profile(model: Llama, what: str, to: int, top: int) -> None:
         c = time.process_time()
         prof.enable()
         for rank in range(sample):
-            open_archive(str(tag / kind.format(rank)))
+            open_archive(str(tag / kind.format(rank)), formats_api().ALLOWED)
         prof.disable()
         per_file = (time.process_time() - c) / sample
         print(f"## open_archive({kind.format('r')}): {per_file * 1000:.1f} ms CPU per file under cProfile, "

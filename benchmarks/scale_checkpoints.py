@@ -6,7 +6,7 @@ Llama-3-70B at 512, or a `tiny` one) as DeepSpeed 0.19.8 writes one: `latest` an
 with the key structure of a real DeepSpeed-written Llama (`check_structure` compares the two) and
 the param groups of a Hugging Face Trainer (weights with decay, norms without).
 
-The archives are real torch zip files: the pickles come from `ckptflow.formats.torchsave.dumps`, the zip
+The archives are real torch zip files: the pickles come from `ckptflow.formats.torch.pickler.dumps`, the zip
 records are laid out as torch writes them, and every storage's bytes are a hole (the file has its
 full size, but only its headers, pickle and central directory are on disk; the CRC-32s are those of
 zeros). Checked on the `tiny` shape (`tests/test_scale_benchmark.py`): `torch.load` reads every
@@ -43,10 +43,13 @@ DS_VERSION = "0.19.8"
 def formats_api() -> SimpleNamespace:
     """The torch-archive writer and reader: the one place they are imported here (they move to
     `ckptflow.formats` in phase 2)."""
-    from ckptflow.formats import torchsave
-    from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
+    from ckptflow.formats.deepspeed.names import ALLOWED
+    from ckptflow.formats.torch import pickler
+    from ckptflow.formats.torch.tensorref import TensorRef
+    from ckptflow.formats.torch.unpickler import PickledObject
+    from ckptflow.formats.torch.zipdir import open_archive
 
-    return SimpleNamespace(torchsave=torchsave, open_archive=open_archive, PickledObject=PickledObject,
+    return SimpleNamespace(pickler=pickler, open_archive=open_archive, ALLOWED=ALLOWED, PickledObject=PickledObject,
                            TensorRef=TensorRef)
 
 
@@ -215,7 +218,7 @@ def _crc_zeros(nbytes: int, _cache: dict[int, int] = {}) -> int:  # noqa: B006 -
 
 class SparseArchive:
     """A torch zip archive written front to back, the records laid out as `torch.save` (and
-    `ckptflow.formats.torchsave`) lay them out: 64-byte aligned data behind an `FB` extra field, sizes and
+    `ckptflow.formats.torch.writer`) lay them out: 64-byte aligned data behind an `FB` extra field, sizes and
     CRC-32 in data descriptors, zip64 extra fields and end records. `hole(name, nbytes)` records a
     storage of zeros without writing it: the file system keeps a hole."""
 
@@ -313,7 +316,7 @@ def generate(model: Llama, root: Path | None = None) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     tag = root / TAG
     tag.mkdir(parents=True)
-    ts = formats_api().torchsave
+    ts = formats_api().pickler
     started = time.monotonic()
     model_pkl, model_storages = ts.dumps(model_states_tree(model, ts))
     optim_pkl, optim_storages = ts.dumps(optim_states_tree(model, ts))
@@ -397,10 +400,10 @@ def _diff(a: Any, b: Any, path: str = "") -> list[str]:
 
 def check_structure(real_tag: Path, synthetic_tag: Path) -> list[str]:
     """Differences in key structure between rank 1's files of a real ZeRO-3 bf16 checkpoint and ours."""
-    open_archive = formats_api().open_archive
+    api = formats_api()
     problems = []
     for name in ("zero_pp_rank_1_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
-        real = schema(open_archive(str(real_tag / name)).obj)
-        ours = schema(open_archive(str(synthetic_tag / name)).obj)
+        real = schema(api.open_archive(str(real_tag / name), api.ALLOWED).obj)
+        ours = schema(api.open_archive(str(synthetic_tag / name), api.ALLOWED).obj)
         problems += [f"{name}{p}" for p in _diff(real, ours)]
     return problems

@@ -43,8 +43,9 @@ from ckptflow.consolidate.plan import DEFAULT_CHUNK_BYTES, plan_batches
 from ckptflow.consolidate.write import _fill
 from ckptflow.formats.deepspeed.model_parallel import compose, concat_pieces
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
-from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span, write_archive
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.pickler import OutStorage, OutTensor, Span
+from ckptflow.formats.torch.writer import SourceReader, write_archive
+from ckptflow.formats.torch.tensorref import TensorRef
 
 HIDDEN, INTERMEDIATE = 8192, 28672  # Llama-3-70B
 

@@ -19,9 +19,9 @@ from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint
 from ckptflow.formats.casts import count_non_finite
 from ckptflow.formats.deepspeed.layout import zero3_real
 from ckptflow.errors import CkptflowError
-from ckptflow.formats.torchzip import TensorRef, read_scalar
+from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
 from ckptflow.plumbing.progress import Progress, Tally
-from ckptflow.plumbing.storage import read_ranges
+from ckptflow.plumbing.ranges import read_ranges
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ckptflow.formats.torchzip import TensorRef, check_length
+from ckptflow.formats.torch.tensorref import TensorRef, check_length
 from ckptflow.plumbing.storage import open_fs
 
 if TYPE_CHECKING:

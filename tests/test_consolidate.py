@@ -46,7 +46,7 @@ from ckptflow.errors import (
     SourceReadError,
     VerificationError,
 )
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.fixtures import MATRIX, Fixture
 from tests.fixtures.matrix import WRITER

@@ -10,7 +10,7 @@ import fsspec
 import torch
 
 from ckptflow.plumbing.storage import open_fs
-from ckptflow.formats.torchzip import open_archive
+from ckptflow.formats.torch.zipdir import open_archive
 from tests.tensors import read_elements
 from ckptflow.validate import validate
 from ckptflow.formats.deepspeed.checkpoint import load_index

@@ -20,7 +20,7 @@ from ckptflow.formats.deepspeed import tensors
 from ckptflow.formats.deepspeed.model_parallel import Piece, compose, concat_pieces
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, plain_runs, slice_runs
 from ckptflow.formats.shard_check import read_source_into
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.tensorref import TensorRef
 
 
 def ref(numel: int, uri: str = "/ckpt/a.pt", dtype: str = "float32") -> TensorRef:

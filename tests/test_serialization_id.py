@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow.formats.serialization_id import serialization_id, std_hash
+from ckptflow.formats.torch.serialization_id import serialization_id, std_hash
 
 
 def _records(blob: bytes) -> tuple[list[tuple[str, int]], str]:
@@ -43,7 +43,8 @@ def test_std_hash_of_known_strings() -> None:
 
 
 def test_an_archive_written_twice_is_the_same_bytes(tmp_path: Path) -> None:
-    from ckptflow.formats.torchsave import OutStorage, OutTensor, SourceReader, Span, write_archive
+    from ckptflow.formats.torch.pickler import OutStorage, OutTensor, Span
+    from ckptflow.formats.torch.writer import SourceReader, write_archive
 
     src = tmp_path / "src.bin"
     src.write_bytes(bytes(range(256)) * 16)

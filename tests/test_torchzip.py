@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ckptflow.errors import CorruptFileError, UnsafePickleError
-from ckptflow.formats.torchzip import TensorRef, open_archive
+from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.zipdir import open_archive
 from tests.tensors import iter_chunks, read_elements, read_tensor
 
 
@@ -137,7 +138,7 @@ def test_missing_file_names_it(tmp_path):
 
 
 def test_scalars_read_without_torch(tmp_path):
-    from ckptflow.formats.torchzip import read_scalar
+    from ckptflow.formats.torch.tensorref import read_scalar
 
     values = {
         "f32": torch.tensor(3.0), "f64": torch.tensor(-2.5, dtype=torch.float64), "i64": torch.tensor(2**40),
@@ -154,7 +155,7 @@ def test_scalars_read_without_torch(tmp_path):
 def test_records_are_checked_as_they_are_used(tmp_path):
     """A tensor's storage reference is checked again when the tensor is made (a BUILD run after
     `persistent_load` could otherwise have changed its key, dtype or size behind the first check)."""
-    from ckptflow.formats.torchzip import _Storage, _TensorRecord
+    from ckptflow.formats.torch.unpickler import TensorRecord as _TensorRecord, _Storage
 
     archive = open_archive(save(tmp_path, {"w": torch.ones(4)}))
     key = archive.obj["w"].key

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.tensors import ModelSource, Run
-from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
 
 DEFAULT_CHUNK_BYTES = 32 << 20

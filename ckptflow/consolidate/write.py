@@ -37,14 +37,15 @@ from ckptflow.errors import CkptflowError, CorruptFileError, OutputError, Source
 from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, cast_rows_into
 from ckptflow.formats.shard_check import verify_shard
-from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.checksums import Digests, digests_for
 from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
 from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, Written, written
-from ckptflow.plumbing.storage import ShortRead, is_local, local_path, open_fs, protocol, read_into, read_ranges
+from ckptflow.plumbing.ranges import ShortRead, read_into, read_ranges
+from ckptflow.plumbing.storage import is_local, local_path, open_fs, protocol
 from ckptflow.plumbing.redaction import describe
 
 logger = logging.getLogger(__name__)

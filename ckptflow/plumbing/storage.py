@@ -23,21 +23,9 @@ from ckptflow.plumbing.sizes import format_size
 T = TypeVar("T")
 R = TypeVar("R")
 
-# A local source is opened without blocking, so that a FIFO swapped in for a checked file cannot hang
-# the open (a read from it then fails); for a regular file the flag changes nothing.
-READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
-
 FILE_THREADS = 16  # small files read at once from a store, where each request waits on the network
 LOCAL_PROBE = 4  # local files parsed in turn before `map_files` judges whether they wait more than compute
 LOCAL_WAIT = 0.02  # seconds those first calls must have waited in all (a busy CPU's delays stay under it)
-
-
-class ShortRead(EOFError):
-    """A byte range ends past the end of its file: the file is shorter than the reader was told."""
-
-    def __init__(self, uri: str, start: int, end: int, got: int) -> None:
-        self.uri, self.start, self.end, self.got = uri, start, end, got
-        super().__init__(f"{uri}: bytes {start}-{end} requested but only {got} could be read")
 
 
 def open_fs(uri: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -107,82 +95,6 @@ def map_files(fn: Callable[[T], R], items: Sequence[T], uris: Sequence[str]) -> 
 def _on_threads(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     with ThreadPoolExecutor(max_workers=min(FILE_THREADS, len(items)), thread_name_prefix="ckptflow-open") as pool:
         return list(pool.map(fn, items))
-
-
-def read_into(reads: "list[tuple[str, int, int, memoryview]]") -> None:
-    """Fill buffers from byte ranges: each read is (uri, start, end, a writable view of end - start bytes).
-
-    Local files are read with `os.preadv` straight into the views, never memory-mapped: a mapped file
-    that another process truncates kills the reader with SIGBUS when it touches a page past the new
-    end, while a read past the end simply comes back short (here: `ShortRead`). Other stores get one
-    `fs.cat_ranges` call per filesystem, so a batch of ranges costs one round of concurrent requests.
-    A range that ends past the end of its file raises `ShortRead` (an `EOFError`); store errors propagate as raised.
-    """
-    fds: dict[str, int] = {}
-    remote: dict[int, tuple[fsspec.AbstractFileSystem, list[tuple[str, str, int, int, memoryview]]]] = {}
-    try:
-        for uri, start, end, view in reads:
-            if not is_local(uri):
-                fs, path = open_fs(uri)
-                remote.setdefault(id(fs), (fs, []))[1].append((uri, path, start, end, view))
-                continue
-            fd = fds.get(uri)
-            if fd is None:
-                fd = fds[uri] = os.open(local_path(uri), READ_FLAGS)
-            pos = 0
-            while pos < end - start:
-                n = os.preadv(fd, [view[pos:end - start]], start + pos)
-                if n <= 0:
-                    raise ShortRead(uri, start, end, pos)
-                pos += n
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    for fs, items in remote.values():
-        blobs = fs.cat_ranges([i[1] for i in items], [i[2] for i in items], [i[3] for i in items], on_error="raise")
-        for (uri, _path, start, end, view), blob in zip(items, blobs):
-            if isinstance(blob, BaseException):
-                raise blob
-            if len(blob) != end - start:
-                raise ShortRead(uri, start, end, len(blob))
-            view[:len(blob)] = blob
-
-
-def read_ranges(ranges: "list[tuple[str, int, int]]") -> list[bytes]:
-    """The bytes of each (uri, start, end): local files through one descriptor each, other stores
-    with one `fs.cat_ranges` call per filesystem (concurrent requests on a bucket). A range past the
-    end of its file raises `ShortRead`."""
-    out: list[bytes] = [b""] * len(ranges)
-    groups: dict[int, tuple[fsspec.AbstractFileSystem, list[tuple[int, str]]]] = {}
-    fds: dict[str, int] = {}
-    try:
-        for i, (uri, start, end) in enumerate(ranges):
-            if is_local(uri):
-                fd = fds.get(uri)
-                if fd is None:
-                    fd = fds[uri] = os.open(local_path(uri), READ_FLAGS)
-                out[i] = os.pread(fd, end - start, start) if end > start else b""
-                if len(out[i]) != end - start:
-                    raise ShortRead(uri, start, end, len(out[i]))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    for i, (uri, _start, _end) in enumerate(ranges):
-        if is_local(uri):
-            continue
-        fs, path = open_fs(uri)
-        groups.setdefault(id(fs), (fs, []))[1].append((i, path))
-    for fs, items in groups.values():
-        blobs = fs.cat_ranges([p for _, p in items], [ranges[i][1] for i, _ in items], [ranges[i][2] for i, _ in items],
-                              on_error="raise")
-        for (i, _path), blob in zip(items, blobs):
-            if isinstance(blob, BaseException):
-                raise blob
-            uri, start, end = ranges[i]
-            if len(blob) != end - start:
-                raise ShortRead(uri, start, end, len(blob))
-            out[i] = blob
-    return out
 
 
 def check_space(parent: str, need: int, out: str) -> None:

@@ -1,10 +1,10 @@
 """The files DeepSpeed writes for one data-parallel rank, rebuilt for a new world size from a plan.
 
 `optim_states` and `model_states` return the object trees of one target rank's optimizer file and
-model-states file, ready for `ckptflow.formats.torchsave.write_archive`: the source rank's plain data (as
-`ckptflow.formats.torchzip` read it) with every field that depends on the world size rewritten, tensors as
+model-states file, ready for `formats.torch.writer.write_archive`: the source rank's plain data (as
+`formats.torch.zipdir` read it) with every field that depends on the world size rewritten, tensors as
 `OutTensor`s whose storages name the source byte ranges that fill them, and DeepSpeed's objects
-(loss scaler, fragment addresses, ZeRO stage) as the pickle stand-ins torchsave writes by name.
+(loss scaler, fragment addresses, ZeRO stage) as the pickle stand-ins `formats.torch.pickler` writes by name.
 
 Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and the engine's
 `_save_checkpoint`:
@@ -41,8 +41,9 @@ from typing import Any
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
-from ckptflow.formats.torchsave import Call, Global, Instance, OutStorage, OutTensor, Span
-from ckptflow.formats.torchzip import DTYPE_SIZES, PickledObject, TensorRef
+from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.reshard.plan import RankUnit, ReshardPlan
 
 

@@ -31,7 +31,7 @@ from ckptflow.formats.deepspeed.layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZER
                                                zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.tensors import Run
-from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 
 
 # ---- the plan ---------------------------------------------------------------------------------------

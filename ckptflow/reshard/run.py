@@ -36,7 +36,8 @@ from ckptflow.formats.deepspeed.index import LATEST_HINT, ZeroCheckpoint, read_l
 from ckptflow.formats.deepspeed.checkpoint import inspect
 from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
-from ckptflow.formats.torchsave import CHUNK_BYTES, OutStorage, SourceReader, archive_size, dumps, write_pickled
+from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
+from ckptflow.formats.torch.pickler import OutStorage, dumps
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.checksums import digests_for
 from ckptflow.plumbing.executors import Cancelled, Executor

@@ -33,7 +33,7 @@ from ckptflow.formats.deepspeed.layout import (BF16, ZERO3, Copy, param_alignmen
                                                zero3_sub_groups, zero12_layout)
 from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.torchzip import DTYPE_SIZES
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.plan import (DEFAULT_SUB_GROUP_SIZE, RankUnit, ReshardPlan, TargetFlat, _as_int, _buffer_bytes,
                                    _flag, _moment_keys, _optimizer_kind, _zero_config)
 
@@ -123,7 +123,7 @@ def _sources(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple
 class _Runs:
     """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions. A
     row-parallel shard's rows stay one strided run, and become strided copies: the writer reads them
-    as one range and places them a full row apart (`formats.torchsave.Span`)."""
+    as one range and places them a full row apart (`formats.torch.pickler.Span`)."""
 
     def __init__(self, index: ModelParallelCheckpoint) -> None:
         self.sources = _sources(index)

@@ -27,7 +27,7 @@ from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelChe
                                                        check_mp_files, join, local_tensors, open_heads, read_ranks,
                                                        row_major, stop_on_new)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, whole_run
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER, masters_note
 from ckptflow.plumbing.text import excerpt
 

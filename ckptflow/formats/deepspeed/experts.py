@@ -18,9 +18,10 @@ from typing import Any
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError
 from ckptflow.formats.deepspeed.detect import Layout
 from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
+from ckptflow.formats.deepspeed.names import ALLOWED, EXPERT_FILE_RE, expert_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor
-from ckptflow.formats.torchzip import TensorRef, open_archive
+from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.storage import join, map_files
 
 LAYOUT_NAMES = {"autoep": "AutoEP", "moe": "deepspeed.moe"}
@@ -117,7 +118,7 @@ def open_files(st: Inspection, tag_uri: str, names: Iterable[str], label: Callab
     def one(name: str) -> dict[str, Any]:
         uri = join(tag_uri, name)
         try:
-            obj = open_archive(uri).obj
+            obj = open_archive(uri, ALLOWED).obj
         except CkptflowError as exc:
             code = "expert-missing" if isinstance(exc, CheckpointNotFoundError) else exc.code
             st.add(code, f"{label(name)}: {exc}", file=uri)

@@ -35,10 +35,12 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, UnsafeInputError
 from ckptflow.formats.deepspeed.layout import partition_ranks, zero3_piece, zero3_real, zero12_padded
-from ckptflow.formats.deepspeed.names import (LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, expert_group_degree,
+from ckptflow.formats.deepspeed.names import (ALLOWED, LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, expert_group_degree,
                                               model_file_name, optim_file_name)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, contiguous, whole_run
-from ckptflow.formats.torchzip import ArchiveCache, PickledObject, TensorRef, open_archive, read_scalar
+from ckptflow.formats.torch.zipdir import ArchiveCache, open_archive
+from ckptflow.formats.torch.unpickler import PickledObject
+from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
 from ckptflow.plumbing.files import open_regular
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, join, local_path, map_files, open_fs, unstrip
@@ -655,7 +657,7 @@ def _shown(value: Any) -> str:
 
 def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
     try:
-        obj = open_archive(uri, st.cache).obj
+        obj = open_archive(uri, ALLOWED, cache=st.cache).obj
     except CkptflowError as exc:
         code = "rank-missing" if isinstance(exc, CheckpointNotFoundError) else exc.code
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)

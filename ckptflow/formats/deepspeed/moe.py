@@ -28,7 +28,7 @@ from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import (EXPERT_FILE_RE, EXPP_FILE_RE, expert_file_name, expert_group_degree,
                                               expp_file_name)
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.storage import join
 
 GATE_RE = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.gate\.wg\.weight$")  # one per MoE layer, in module order

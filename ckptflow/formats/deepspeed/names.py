@@ -1,6 +1,6 @@
 """The names DeepSpeed 0.19.8 gives its checkpoint files and the classes its pickles reference.
 
-One home for these facts: the reader's allow-list, the index and the writer of resharded files all
+One home for these facts: the unpickler's allow-list (`ALLOWED`), the index and the writer of resharded files all
 take them from here.
 """
 
@@ -10,8 +10,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ckptflow.formats.torch.unpickler import Allowed
+
 # DeepSpeed classes that appear in checkpoint pickles. The reader turns them into plain records
-# (`formats.torchzip.PickledObject`); the reshard writer writes them back by name.
+# (`formats.torch.unpickler.PickledObject`); the reshard writer writes them back by name.
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
 DYNAMIC_LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
 FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
@@ -19,6 +21,8 @@ RECORDS = (LOSS_SCALER, DYNAMIC_LOSS_SCALER, FRAGMENT_ADDRESS)
 # Enums pickled by value (ZeroStageEnum(2)): read back as the int.
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 ENUMS = (ZERO_STAGE_ENUM,)
+# What a DeepSpeed checkpoint pickle may name beyond torch's tensors: the unpickler's allow-list.
+ALLOWED = Allowed(records=frozenset(RECORDS), enums=frozenset(ENUMS))
 
 # Files of one tag folder.
 LATEST = "latest"

@@ -40,10 +40,11 @@ from ckptflow.formats.deepspeed.index import Inspection, Listing
 from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, about,
                                                        check_mp_files, concat_pieces, join, local_tensors, open_heads,
                                                        read_ranks, row_major, stop_on_new)
-from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, layer_file_name
+from ckptflow.formats.deepspeed.names import ALLOWED, LAYER_FILE_RE, layer_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
 from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER, masters_note
-from ckptflow.formats.torchzip import TensorRef, open_archive
+from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.storage import join as join_uri
 from ckptflow.plumbing.text import excerpt
 from ckptflow.plumbing.redaction import describe
@@ -163,7 +164,7 @@ def _open_layers(st: Inspection, listing: Listing, names: Mapping[tuple[int, int
     for key, name in sorted(names.items()):
         uri = join_uri(listing.tag_uri, name)
         try:
-            obj = open_archive(uri).obj
+            obj = open_archive(uri, ALLOWED).obj
         except CkptflowError as exc:
             st.add(exc.code, f"layer file {name}: {exc}", file=uri)
             continue

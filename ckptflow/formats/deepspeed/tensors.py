@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ckptflow.errors import CheckpointError
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.sizes import element_count
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from ckptflow.formats.deepspeed.index import Inspection, Listing, model_head
 from ckptflow.formats.deepspeed.names import model_file_name
 from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
-from ckptflow.formats.torchzip import TensorRef
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join
 

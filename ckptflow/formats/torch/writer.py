@@ -1,52 +1,48 @@
 """Torch zip archives (`torch.save` files), written as a stream from byte ranges of other files.
 
 `torch.save` needs every tensor in memory. Resharding writes files far larger than the memory it may
-use, so this module writes the same format without ever holding a tensor: the object tree is pickled
-with `OutTensor` stand-ins whose `OutStorage` says which byte ranges of which source files fill it
-(zeros elsewhere), and each storage is then streamed into the archive in bounded chunks, front to
-back or, for a local file, by several threads writing pieces in place.
+use, so this module writes the same format without ever holding a tensor: the pickle comes from
+`pickler.dumps` with `OutStorage`s that say which byte ranges of which source files fill each storage
+(zeros elsewhere), and each storage is then streamed into the archive in bounded chunks, front to back
+or, for a local file, by several threads writing pieces in place.
 
 The archive is what `torch.save` writes (torch 2.x, checked against 2.13): records `data.pkl`,
 `.format_version`, `.storage_alignment`, `byteorder`, `data/<key>` for each storage in key order,
 `version` and `.data/serialization_id` (derived from the records, as torch derives it:
-`formats.serialization_id`), each stored uncompressed, data aligned to 64 bytes with an `FB` extra
-field, sizes and CRC-32 in a data descriptor (flag bit 3) and zip64 end records. `torch.load` (and
-DeepSpeed, which calls it) reads these files as its own. Nothing random goes in: the same object and
-sources give the same bytes, whoever writes them.
-
-Pickling and writing are two steps, so that they can happen in different processes: `dumps(obj)` gives
-the pickle and its `OutStorage`s (byte ranges of source files, small), and `write_pickled` streams
-them into an archive; `write_archive(uri, obj, ...)` does both.
+`serialization_id`), each stored uncompressed, data aligned to 64 bytes with an `FB` extra field,
+sizes and CRC-32 in a data descriptor (flag bit 3) and zip64 end records. `torch.load` (and DeepSpeed,
+which calls it) reads these files as its own. Nothing random goes in: the same object and sources give
+the same bytes, whoever writes them. `write_archive(uri, obj, ...)` pickles and writes in one call.
 """
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
-import pickle
 import queue
 import struct
 import threading
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptflow.errors import CkptflowError, CorruptFileError, OutputError
-from ckptflow.formats.serialization_id import serialization_id
-from ckptflow.formats.torchzip import DTYPE_SIZES, STORAGE_DTYPES, read_error
+import numpy as np
+from isal.isal_zlib import (  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
+    crc32,
+    crc32_combine,
+)
+
+from ckptflow.errors import CkptflowError, OutputError
+from ckptflow.formats.torch.pickler import OutStorage, Span, dumps
+from ckptflow.formats.torch.serialization_id import serialization_id
 from ckptflow.plumbing.direct import BLOCK, aligned_buffer, open_direct, pwrite_all
 from ckptflow.plumbing.progress import Progress, Tally
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.ranges import RangeReader, read_error
 from ckptflow.plumbing.redaction import describe
+from ckptflow.plumbing.storage import is_local, local_path, open_fs
 
-import numpy as np
-from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
-
-STORAGE_CLASSES: dict[str, str] = {dtype: cls for cls, (dtype, _size) in STORAGE_DTYPES.items()}
 ALIGNMENT = 64
 CHUNK_BYTES = 8 << 20
 SEGMENT_BYTES = 64 << 20  # the unit of work when several threads write one archive
@@ -54,268 +50,32 @@ _MAX32 = 0xFFFFFFFF
 _ZIP64_LIMIT = _MAX32  # sizes and offsets from here on go to zip64 fields (lowered by tests)
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names (what torch writes)
 
+
 Advance = Callable[[int], None]  # inside the writer: source bytes just copied (from any thread)
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """`length` bytes from byte `start` of the file at `uri`, placed at byte `dst` of a storage. With
-    `rows` > 1 they are that many equal rows, row i placed at `dst + i * stride` (a row-parallel shard:
-    its rows back to back in the source, a full row apart in the storage)."""
-
-    uri: str
-    start: int
-    length: int
-    dst: int
-    rows: int = 1
-    stride: int = 0
-
-    @property
-    def end(self) -> int:
-        """One past the last storage byte it fills."""
-        return self.dst + (self.rows - 1) * self.stride + self.length // self.rows
-
-
-class OutStorage:
-    """A storage to be written: its dtype, element count and the source spans that fill it.
-
-    Plain spans must not overlap (checked). Strided spans interleave (rank 0's rows, then rank 1's,
-    within each row of the storage); their rows come from runs whose coverage the checkpoint's index
-    checked, so only their bounds are checked here, and `reach` (the furthest byte any span up to
-    each one fills) lets a window find the spans it meets."""
-
-    __slots__ = ("dtype", "numel", "spans", "strided", "reach", "gaps")
-
-    def __init__(self, dtype: str, numel: int, spans: Iterable[Span] = ()) -> None:
-        if dtype not in STORAGE_CLASSES:
-            raise ValueError(f"no torch storage class for dtype {dtype!r}")
-        self.dtype = dtype
-        self.numel = numel
-        self.spans = sorted(spans, key=lambda s: s.dst)
-        self.strided = any(span.rows > 1 for span in self.spans)
-        end = 0
-        self.reach: list[int] = []
-        for span in self.spans:
-            assert span.length >= 0 and span.rows >= 1 and span.length % span.rows == 0, "a malformed span"
-            assert span.rows == 1 or span.stride >= span.length // span.rows, "a span's rows overlap"
-            assert self.strided or span.dst >= end, "overlapping spans in a storage"
-            end = max(end, span.end)
-            self.reach.append(end)
-        assert end <= self.nbytes, "spans reach past the storage"
-        filled = self.source_bytes
-        assert filled <= self.nbytes, "overlapping spans in a storage"
-        self.gaps = filled < self.nbytes  # some bytes are no span's: zeros
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZES[self.dtype]
-
-    @property
-    def source_bytes(self) -> int:
-        return sum(s.length for s in self.spans)
-
-
-class OutTensor:
-    """A tensor view of an `OutStorage`, pickled exactly as torch pickles a CPU tensor."""
-
-    __slots__ = ("storage", "offset", "shape", "stride")
-
-    def __init__(self, storage: OutStorage, offset: int = 0, shape: tuple[int, ...] | None = None,
-                 stride: tuple[int, ...] | None = None) -> None:
-        self.storage = storage
-        self.offset = offset
-        self.shape = tuple(shape) if shape is not None else (storage.numel,)
-        self.stride = tuple(stride) if stride is not None else _contiguous_stride(self.shape)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for dim in reversed(shape):
-        stride.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(stride))
-
-
-class Global:
-    """A module-level name (class, function, dtype) written into the pickle by name, never imported.
-
-    Writing needs neither torch nor DeepSpeed in the process: the pickle only names them, and they are
-    imported when the file is loaded.
-    """
-
-    __slots__ = ("module", "name")
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __repr__(self) -> str:
-        return f"Global({self.module}.{self.name})"
-
-
-class Call:
-    """`func(*args)` at load time, as pickle writes objects that reduce to a call (torch.Size, enums)."""
-
-    __slots__ = ("func", "args")
-
-    def __init__(self, func: Global, args: tuple[Any, ...]) -> None:
-        self.func, self.args = func, tuple(args)
-
-
-class Instance:
-    """An instance of class `cls` restored from `state` without `__init__`, as pickle writes plain
-    objects (`cls.__new__(cls, *args)`, then `__setstate__` or `__dict__.update(state)`)."""
-
-    __slots__ = ("cls", "args", "state")
-
-    def __init__(self, cls: Global, state: Any, args: tuple[Any, ...] = ()) -> None:
-        self.cls, self.state, self.args = cls, state, tuple(args)
-
-
-REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
-_STORAGE_GLOBALS = {dtype: Global("torch", cls) for dtype, cls in STORAGE_CLASSES.items()}
-
-
-class _Pickler(pickle._Pickler):  # the Python implementation: its dispatch table can be extended
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def __init__(self, file: BinaryIO) -> None:
-        super().__init__(file, protocol=2)
-        self.storages: list[OutStorage] = []
-        self.keys: dict[int, str] = {}
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, OutStorage):
-            return None
-        key = self.keys.get(id(obj))
-        if key is None:
-            key = self.keys[id(obj)] = str(len(self.storages))
-            self.storages.append(obj)
-        return ("storage", _STORAGE_GLOBALS[obj.dtype], key, "cpu", obj.numel)
-
-    def save_global_name(self, obj: Global) -> None:
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("utf-8"))
-        self.memoize(obj)
-
-    def save_call(self, obj: Call) -> None:
-        self.save(obj.func)
-        self.save(obj.args)
-        self.write(pickle.REDUCE)
-        self.memoize(obj)
-
-    def save_instance(self, obj: Instance) -> None:
-        self.save(obj.cls)
-        self.save(obj.args)
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        self.save(obj.state)
-        self.write(pickle.BUILD)
-
-    def save_tensor(self, obj: OutTensor) -> None:
-        self.save_call(Call(REBUILD_TENSOR, (obj.storage, obj.offset, obj.shape, obj.stride, False, OrderedDict())))
-
-    dispatch[Global] = save_global_name
-    dispatch[Call] = save_call
-    dispatch[Instance] = save_instance
-    dispatch[OutTensor] = save_tensor
-
-
-def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
-    """The pickle of `obj` (protocol 2, as torch writes it) and its storages in key order.
-
-    `obj` is plain data (dicts, lists, tuples, numbers, strings, OrderedDicts) with `OutTensor`,
-    `Global`, `Call` and `Instance` stand-ins for everything torch or DeepSpeed would pickle.
-    """
-    buf = io.BytesIO()
-    pickler = _Pickler(buf)
-    pickler.dump(obj)
-    return buf.getvalue(), pickler.storages
-
-
-class SourceReader:
-    """Reads byte ranges of source files, keeping local files open (one handle per file and thread, so
-    threads may share a reader) and asking other stores for exactly each range (one request per
-    chunk, no read-ahead past it); counts what it read."""
+class SourceReader(RangeReader):
+    """The reader an archive's storages are streamed through: `plumbing.ranges` with the chunk size and
+    read-ahead depth of the writer, and a store's error as the `SourceReadError` a user reads (a short
+    read is a `ShortRead`, whoever reads)."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, depth: int = 3) -> None:
+        super().__init__()
         self.chunk_bytes = chunk_bytes
         self.depth = depth
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._opened: list[BinaryIO] = []
-        self.bytes_read = 0
-
-    def _file(self, uri: str) -> BinaryIO:
-        files = self._local.__dict__.setdefault("files", {})
-        fh = files.get(uri)
-        if fh is None:
-            fh = open(local_path(uri), "rb", buffering=0)
-            files[uri] = fh
-            with self._lock:
-                self._opened.append(fh)
-        return fh
 
     def read_into(self, uri: str, start: int, view: memoryview) -> None:
-        """Fill `view` with the bytes of `uri` from byte `start`; a failed read is a `SourceReadError`."""
-        got = 0
-        try:
-            if is_local(uri):
-                fh = self._file(uri)
-                fh.seek(start)
-                while got < len(view):
-                    n = fh.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-            elif len(view):
-                fs, path = open_fs(uri)
-                data = fs.cat_file(path, start=start, end=start + len(view))
-                got = min(len(data), len(view))
-                view[:got] = data[:got]
-        except OSError as exc:
-            raise read_error(uri, exc) from exc
-        if got < len(view):
-            raise _cut_short(uri, start, len(view), got)
-        with self._lock:
-            self.bytes_read += got
+        """Fill `view` with the bytes of `uri` from byte `start`."""
+        self.read_many([(uri, start, view)])
 
     def read_many(self, reads: Sequence[tuple[str, int, memoryview]]) -> None:
         """`read_into` for several (uri, start, view) at once: local files one after the other, those on
         a bucket in one round of concurrent requests per store (a window's rows from every rank)."""
-        stores: dict[int, tuple[Any, list[tuple[str, str, int, memoryview]]]] = {}
-        for uri, start, view in reads:
-            if is_local(uri):
-                self.read_into(uri, start, view)
-            elif len(view):
-                fs, path = open_fs(uri)
-                stores.setdefault(id(fs), (fs, []))[1].append((uri, path, start, view))
-        for fs, items in stores.values():
-            try:
-                blobs = fs.cat_ranges([i[1] for i in items], [i[2] for i in items],
-                                      [i[2] + len(i[3]) for i in items], on_error="return")
-            except OSError as exc:
-                raise read_error(items[0][0], exc) from exc
-            for (uri, _path, start, view), blob in zip(items, blobs):
-                if isinstance(blob, OSError):
-                    raise read_error(uri, blob) from blob
-                if isinstance(blob, BaseException):
-                    raise blob
-                if len(blob) != len(view):
-                    raise _cut_short(uri, start, len(view), min(len(blob), len(view)))
-                view[:] = blob
-            with self._lock:
-                self.bytes_read += sum(len(i[3]) for i in items)
-
-    def close(self) -> None:
-        with self._lock:
-            opened, self._opened = self._opened, []
-            self._local = threading.local()
-        for fh in opened:
-            fh.close()
-
-
-def _cut_short(uri: str, start: int, length: int, got: int) -> CorruptFileError:
-    return CorruptFileError(f"{uri} ended at byte {start + got} while reading {length} bytes from byte {start}",
-                            file=uri, hint="the file changed or was truncated while being read; copy it again")
+        try:
+            self.fill(reads)
+        except OSError as exc:
+            uri = next((u for u, _s, _v in reads if getattr(exc, "filename", None) == local_path(u)), reads[0][0])
+            raise read_error(uri, exc) from exc
 
 
 @dataclass(frozen=True)

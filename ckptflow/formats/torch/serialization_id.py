@@ -3,7 +3,7 @@
 torch's `PyTorchStreamWriter` (caffe2/serialize/inline_container.cc) writes, as its last record, 40
 decimal digits derived from what it wrote before: 20 for a combined hash of the record names, 20 for a
 combined hash of the records' CRC-32s. Nothing random goes in, so `torch.save` of the same object
-gives the same file every time, and so does `formats.torchsave`: an archive written twice, on threads
+gives the same file every time, and so does `formats.torch.writer`: an archive written twice, on threads
 or on a cluster, is byte for byte the same, and byte for byte what torch writes.
 
 The parts, as torch builds them (checked against torch 2.13's own output for 0 to 5,100 storages):

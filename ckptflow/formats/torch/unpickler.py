@@ -1,0 +1,569 @@
+"""The bounded allow-list unpickler of torch archives: the one place checkpoint pickles become data.
+
+Globals resolve through an allow-list: torch's tensor rebuilders and a few plain builtins always, plus
+what the caller passes in `Allowed` (for DeepSpeed checkpoints, `formats.deepspeed.names.ALLOWED`):
+records, kept as `PickledObject`s, and enums, read as their values. Any other global is refused with
+`UnsafePickleError` before anything runs. Unpickling is bounded: the pickle's size and opcode count,
+tuples nested at most `MAX_DEPTH` deep while they are built (hashing a deeper one overflows the C
+stack), BUILD only on the objects that take state, and the object tree it yields at most `MAX_DEPTH`
+deep and `MAX_OBJECTS` nodes with shared references counted every time they are reached (so a
+"billion laughs" of shared lists is refused, never expanded); shared references stay shared in the
+tree. Tensors come back as `TensorRef`s, made by the archive the pickle belongs to (`PickleSource`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ckptflow.errors import (
+    CorruptFileError,
+    UnsafePickleError,
+)
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES, TensorRef
+from ckptflow.plumbing.text import excerpt, one_line, plain
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The globals a pickle may name beyond torch's tensors and plain containers: `records` are classes
+    kept as `PickledObject`s (qualified name, arguments, state; nothing of theirs is imported or run),
+    `enums` are enum classes read as their integer values."""
+
+    records: frozenset[str] = field(default_factory=frozenset)
+    enums: frozenset[str] = field(default_factory=frozenset)
+
+    def record_classes(self) -> dict[str, type]:
+        """A stand-in class per record, made anew for each archive so its records are told apart."""
+        return {name: _record_class(name) for name in self.records}
+
+
+TORCH_ONLY = Allowed()  # what `torch.load(weights_only=True)` reads: tensors and plain data
+
+
+class PickleSource(Protocol):
+    """What the unpickler needs of the archive whose pickle it reads."""
+
+    uri: str
+    allowed: Allowed
+    records: dict[str, type]  # `allowed.record_classes()`, once per archive
+
+    def storage_size(self, key: str) -> int | None:
+        """Bytes of the archive's entry `data/<key>`, or None when it has none."""
+
+    def tensor(self, record: TensorRecord) -> TensorRef:
+        """The `TensorRef` of a tensor record, checked against the archive."""
+
+
+# Bounds on what one pickle may cost. DeepSpeed's largest pickles (model states of a model with tens of
+# thousands of tensors) are a few MB of a few hundred thousand opcodes, nest under ten levels and hold
+# a few objects per tensor.
+MAX_PICKLE_BYTES = 256 << 20
+
+
+MAX_PICKLE_OPS = 20_000_000
+
+
+MAX_DEPTH = 100
+
+
+MAX_OBJECTS = 10_000_000
+
+
+@dataclass(frozen=True)
+class PickledObject:
+    """A DeepSpeed object from the allow-list, kept as its qualified name and plain state."""
+
+    qualname: str
+    args: tuple[Any, ...]
+    state: Any
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if isinstance(self.state, dict):
+            return self.state.get(name, default)
+        return default
+
+
+def _record_class(qualname: str) -> type:
+    """A stand-in class for one allowed DeepSpeed global: it stores arguments and state, runs nothing."""
+
+    class Record:
+        def __init__(self, *args: Any) -> None:
+            self.args = args
+            self.state: Any = None
+
+        def __new__(cls, *args: Any) -> "Record":
+            obj = object.__new__(cls)
+            obj.args = args
+            obj.state = None
+            return obj
+
+        def __setstate__(self, state: Any) -> None:
+            self.state = state
+
+    Record.__qualname__ = Record.__name__ = qualname
+    return Record
+
+
+def _enum_value(value: Any) -> int:
+    if not isinstance(value, int):
+        raise pickle.UnpicklingError(f"enum value {value!r} is not an int")
+    return value
+
+
+class _Storage:
+    """A storage reference from a pickle: its key, dtype and element count."""
+
+    __slots__ = ("key", "dtype", "numel")
+
+    def __init__(self, key: str, dtype: str, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _StorageType:
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class _Marker:
+    """A class named by the pickle only as a type tag (torch.Tensor, Parameter): never instantiated."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and dispatch table can be bounded
+    """The allow-list unpickler of one archive's pickle, with the bounds of the module docstring.
+
+    The Python implementation rather than the C one: its memo is a dict (the C unpickler grows an
+    array to the largest index a PUT names: a 5-byte opcode costs gigabytes), its loop counts
+    opcodes, and its dispatch table lets the opcodes that build, hash and instantiate be checked.
+    Its speed (about a microsecond an opcode) is no cost next to the files' sizes.
+
+    Hashing is where a pickle can hurt while it loads: a tuple's hash recurses in C without a guard
+    (one nested 100,000 deep crashes the interpreter) and is not cached (one made of shared tuples
+    costs its whole expansion, every time it is hashed). So every tuple and frozenset is measured as
+    it is built (how deep, how many nodes when expanded) and refused past `MAX_DEPTH` / `MAX_OBJECTS`,
+    and every key or member hashed (SETITEM, SETITEMS, DICT, ADDITEMS, FROZENSET, the set, frozenset
+    and OrderedDict constructors) is charged its expansion against a budget of `MAX_OBJECTS`."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, data: bytes, archive: PickleSource) -> None:
+        super().__init__(io.BytesIO(data))
+        self.archive = archive
+        self.storages: dict[str, _Storage] = {}
+        self.sizes: dict[int, tuple[Any, int, int]] = {}  # id -> (tuple or frozenset, height, nodes expanded)
+        self.hashed = 0  # nodes hashed so far
+
+    def load(self) -> Any:  # pickle._Unpickler.load with an opcode budget
+        self._unframer = pickle._Unframer(self._file_read, self._file_readline)
+        self.read, self.readinto, self.readline = self._unframer.read, self._unframer.readinto, self._unframer.readline
+        self.metastack, self.stack = [], []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            for _ in range(MAX_PICKLE_OPS):
+                key = read(1)
+                if not key:
+                    raise EOFError("the pickle ends before its STOP opcode")
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:
+            return stop.value
+        raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} opcodes")
+
+    def find_class(self, module: str, name: str) -> Any:
+        return find_class(module, name, self.archive)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unknown persistent id ({_what(pid)}), where torch writes a storage tuple")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _StorageType) or not isinstance(key, str) or type(numel) is not int:
+            raise pickle.UnpicklingError("malformed storage reference")
+        check_storage(self.archive, key, stype.dtype, numel)
+        storage = self.storages.get(key)
+        if storage is None:
+            storage = self.storages[key] = _Storage(key, stype.dtype, numel)
+        return storage
+
+    # -- measuring what gets hashed ----------------------------------------------------------------
+
+    def _nodes(self, item: Any) -> int:
+        known = self.sizes.get(id(item))
+        return known[2] if known is not None else 1
+
+    def _measure(self, value: Any) -> None:
+        """Record how deep and how large (expanded) a tuple or frozenset just built is."""
+        if not value:
+            return
+        height, nodes = 0, 1
+        for item in value:
+            known = self.sizes.get(id(item))
+            if known is not None:
+                height, nodes = max(height, known[1]), nodes + known[2]
+            else:
+                nodes += 1
+        if height + 1 > MAX_DEPTH:
+            raise pickle.UnpicklingError(f"tuples or frozensets nested more than {MAX_DEPTH} deep")
+        if nodes > MAX_OBJECTS:
+            raise pickle.UnpicklingError(f"a tuple of shared references that expands to more than {MAX_OBJECTS:,} objects")
+        self.sizes[id(value)] = (value, height + 1, nodes)
+
+    def _charge(self, items: Any) -> None:
+        """Count what hashing `items` costs against the budget."""
+        if isinstance(items, dict):
+            items = items.keys()
+        elif not isinstance(items, list | tuple | set | frozenset):
+            raise pickle.UnpicklingError(f"a set or dict built from {_what(items)}")
+        self.hashed += sum(self._nodes(item) for item in items)
+        if self.hashed > MAX_OBJECTS:
+            raise pickle.UnpicklingError(f"its keys and set members expand to more than {MAX_OBJECTS:,} objects")
+
+    def load_setitem(self) -> None:
+        self._charge((self.stack[-2],))
+        pickle._Unpickler.load_setitem(self)
+
+    def load_setitems(self) -> None:
+        self._charge(self.stack[::2])
+        pickle._Unpickler.load_setitems(self)
+
+    def load_dict(self) -> None:
+        self._charge(self.stack[::2])
+        pickle._Unpickler.load_dict(self)
+
+    def load_additems(self) -> None:
+        self._charge(self.stack)
+        pickle._Unpickler.load_additems(self)
+
+    def load_frozenset(self) -> None:
+        self._charge(self.stack)
+        pickle._Unpickler.load_frozenset(self)
+        self._measure(self.stack[-1])
+
+    def load_reduce(self) -> None:
+        if len(self.stack) < 2 or not isinstance(self.stack[-1], tuple):
+            raise pickle.UnpicklingError("REDUCE without a callable and an argument tuple")
+        func, args = self.stack[-2], self.stack[-1]
+        if func in (set, frozenset, OrderedDict):
+            for arg in args:
+                self._charge(arg)
+        pickle._Unpickler.load_reduce(self)
+        if type(self.stack[-1]) is frozenset:
+            self._measure(self.stack[-1])
+
+    def load_newobj(self) -> None:
+        self._record_only(self.stack[-2] if len(self.stack) >= 2 else None)
+        pickle._Unpickler.load_newobj(self)
+
+    def load_newobj_ex(self) -> None:
+        self._record_only(self.stack[-3] if len(self.stack) >= 3 else None)
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
+        self._record_only(klass)
+        pickle._Unpickler._instantiate(self, klass, args)
+
+    def _record_only(self, cls: Any) -> None:
+        """NEWOBJ, NEWOBJ_EX, INST and OBJ make instances of DeepSpeed's records only (the allowed
+        builtins and torch names are built through REDUCE, as torch pickles them)."""
+        if cls not in self.archive.records.values():
+            raise pickle.UnpicklingError(f"an instance of {_what(cls)} made without REDUCE")
+
+    def load_build(self) -> None:
+        """BUILD only on DeepSpeed's records (their state is kept) and on dicts (torch's `_metadata`
+        attribute of a state dict): never on a storage reference, a function or a type marker."""
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("BUILD with nothing to build")
+        state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) in self.archive.records.values() or (
+            isinstance(inst, OrderedDict) and isinstance(state, dict) and all(type(k) is str for k in state)
+        ):
+            return pickle._Unpickler.load_build(self)
+        raise pickle.UnpicklingError(f"BUILD gives {_what(inst)} a state it cannot take")
+
+
+def _measured(original: Any) -> Any:
+    def load(self: Unpickler) -> None:
+        original(self)
+        self._measure(self.stack[-1])
+
+    return load
+
+
+for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
+    Unpickler.dispatch[_op[0]] = _measured(pickle._Unpickler.dispatch[_op[0]])
+
+
+for _op, _method in ((pickle.SETITEM, Unpickler.load_setitem), (pickle.SETITEMS, Unpickler.load_setitems),
+                     (pickle.DICT, Unpickler.load_dict), (pickle.ADDITEMS, Unpickler.load_additems),
+                     (pickle.FROZENSET, Unpickler.load_frozenset), (pickle.REDUCE, Unpickler.load_reduce),
+                     (pickle.NEWOBJ, Unpickler.load_newobj), (pickle.NEWOBJ_EX, Unpickler.load_newobj_ex),
+                     (pickle.BUILD, Unpickler.load_build)):
+    Unpickler.dispatch[_op[0]] = _method
+
+
+def check_storage(archive: PickleSource, key: Any, dtype: Any, numel: Any) -> None:
+    """A storage reference names an entry of the archive that holds exactly its bytes."""
+    size = archive.storage_size(key) if isinstance(key, str) else None
+    if size is None:
+        raise pickle.UnpicklingError(f"storage {storage_key(key)} is named in the pickle but missing from the archive")
+    if dtype not in DTYPE_SIZES:
+        raise pickle.UnpicklingError(f"storage {storage_key(key)} has an unknown dtype {excerpt(dtype)}")
+    if type(numel) is not int or numel < 0:
+        raise pickle.UnpicklingError(f"storage {storage_key(key)} has an element count of {excerpt(numel)}")
+    expected = numel * DTYPE_SIZES[dtype]
+    if size != expected:
+        raise pickle.UnpicklingError(f"storage {storage_key(key)} holds {size} bytes, expected {excerpt(expected)}")
+
+
+def _qualname(qual: str, limit: int = 120) -> str:
+    """A global's dotted name for a message: as it is, control characters escaped, cut when long."""
+    return plain(qual) if len(qual) <= limit else f"{plain(qual[:limit])}... ({len(qual):,} characters)"
+
+
+def storage_key(key: Any) -> str:
+    """A storage key for a message: as it is when it looks like one torch writes, else quoted."""
+    return key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else excerpt(key)
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+
+
+def _what(obj: Any) -> str:
+    """What an object from a pickle is, in a few words, whatever it holds."""
+    if isinstance(obj, _Storage):
+        return "a storage reference"
+    if isinstance(obj, _StorageType):
+        return "a storage type"
+    if isinstance(obj, _Marker):
+        return obj.name
+    if callable(obj) and not isinstance(obj, type):
+        return f"the function {getattr(obj, '__name__', '?')}"
+    return excerpt(obj) if isinstance(obj, str | bytes | int | float | bool | type(None)) else f"a {type(obj).__name__}"
+
+
+def why_unreadable(exc: BaseException) -> str:
+    """The reason a pickle could not be read, in words a user can act on."""
+    if isinstance(exc, pickle.UnpicklingError):
+        return one_line(str(exc), 300)
+    if isinstance(exc, RecursionError):
+        return f"it nests objects more than {MAX_DEPTH} deep"
+    if isinstance(exc, MemoryError):
+        return "it needs more memory than any checkpoint pickle"
+    if isinstance(exc, EOFError):
+        return "it is truncated"
+    if isinstance(exc, OverflowError):
+        return f"a number out of range: {one_line(str(exc), 200)}"
+    return f"{type(exc).__name__}: {one_line(str(exc), 200)}"
+
+
+class TensorRecord:
+    """A tensor as the pickle rebuilt it: storage, offset, shape, stride (a class the pickle cannot name)."""
+
+    __slots__ = ("storage", "offset", "shape", "stride")
+
+    def __init__(self, storage: "_Storage", offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or len(value) > 64 or any(type(x) is not int for x in value):
+        raise pickle.UnpicklingError(f"a tensor's {what} is {_what(value)}, not a tuple of integers")
+    return tuple(value)
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorRecord:
+    if not isinstance(storage, _Storage):
+        raise pickle.UnpicklingError("tensor without a storage")
+    if type(offset) is not int:
+        raise pickle.UnpicklingError(f"a tensor's storage offset is {_what(offset)}, not an integer")
+    shape, strides = _ints(size, "shape"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(f"a tensor has {len(shape)} dimensions but {len(strides)} strides")
+    return TensorRecord(storage, offset, shape, strides)
+
+
+def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
+    return data
+
+
+def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
+    if func is not _rebuild_tensor and func is not _rebuild_parameter:
+        raise pickle.UnpicklingError("tensor rebuilt through an unexpected function")
+    return func(*args)
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    return _ints(dims, "shape")
+
+
+def _device(kind: Any, index: Any = None) -> str:
+    if not isinstance(kind, str) or not (index is None or type(index) is int):
+        raise pickle.UnpicklingError("a device that is not a name and an index")
+    return f"{kind}:{index}" if index is not None else kind
+
+
+def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8"):
+        raise pickle.UnpicklingError("unexpected _codecs.encode call")
+    return text.encode(encoding)
+
+
+_SAFE_GLOBALS: dict[str, Any] = {
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+    "torch.Tensor": _Marker("torch.Tensor"),
+    "torch.nn.parameter.Parameter": _Marker("torch.nn.parameter.Parameter"),
+    "torch.Size": _size,
+    "torch.device": _device,
+    "collections.OrderedDict": OrderedDict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.slice": slice,
+    "_codecs.encode": _codecs_encode,
+}
+
+
+def plain_tree(root: Any, archive: PickleSource) -> Any:
+    """The unpickled tree as plain data: tensor records become `TensorRef`s, DeepSpeed records
+    `PickledObject`s, containers are rebuilt around them.
+
+    Without recursion, each object once: an object reached twice (a shared reference) becomes one
+    plain object reached twice, so a "billion laughs" costs its size in the pickle, not its expansion.
+    The tree is refused (`CorruptFileError`) when it nests more than `MAX_DEPTH` deep, holds a
+    reference cycle, or would hold more than `MAX_OBJECTS` nodes were every shared reference copied:
+    whatever walks it later stays bounded too."""
+    done: dict[int, tuple[Any, int]] = {}  # id -> (plain object, nodes it stands for when expanded)
+    path: set[int] = set()  # the objects being rebuilt: the ancestors of the one on top of the stack
+    seen: set[int] = set()  # tuples and frozensets already checked as keys or set members
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        obj, ready = stack.pop()
+        key = id(obj)
+        if ready:
+            path.discard(key)
+            done[key] = _rebuilt(obj, done, archive)
+            continue
+        if key in done:
+            continue
+        kids = _children(obj, archive, seen)
+        if kids is None:
+            done[key] = (_leaf(obj, archive, seen), 1)
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise _tree_error(archive, f"it nests containers more than {MAX_DEPTH} deep")
+        path.add(key)
+        stack.append((obj, True))
+        for kid in kids:
+            if id(kid) in path:
+                raise _tree_error(archive, "it holds a reference cycle")
+            if id(kid) not in done:
+                stack.append((kid, False))
+    return done[id(root)][0]
+
+
+def _tree_error(archive: PickleSource, why: str) -> CorruptFileError:
+    return CorruptFileError(f"{archive.uri}: cannot read its pickle ({why})", file=archive.uri,
+                            hint="the file is corrupt or was not written by DeepSpeed; copy it again")
+
+
+def _is_record(obj: Any, archive: PickleSource) -> bool:
+    return type(obj).__name__ in archive.records and type(obj) is archive.records[type(obj).__name__]
+
+
+def _children(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
+    """What a container holds (None for a leaf)."""
+    if isinstance(obj, tuple | list):
+        return obj
+    if isinstance(obj, dict):
+        for k in obj:
+            _check_hashable(k, archive, "a dict key", seen)
+        return list(obj.values())
+    if _is_record(obj, archive):
+        return (obj.args, obj.state)
+    return None
+
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _check_hashable(value: Any, archive: PickleSource, what: str, seen: set[int]) -> None:
+    """A dict key or set member must be plain data: atoms, and tuples and frozensets of them (each
+    looked into once, `seen` remembering which)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, tuple | frozenset):
+            if id(item) not in seen:
+                seen.add(id(item))
+                pending.extend(item)
+        elif not isinstance(item, _ATOMS):
+            raise _tree_error(archive, f"{what} is {_what(item)}, not plain data")
+
+
+def _leaf(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
+    if isinstance(obj, TensorRecord):
+        return archive.tensor(obj)
+    if isinstance(obj, _ATOMS):
+        return obj
+    if isinstance(obj, slice) and all(isinstance(x, _ATOMS) for x in (obj.start, obj.stop, obj.step)):
+        return obj
+    if isinstance(obj, set | frozenset):
+        for member in obj:
+            _check_hashable(member, archive, "a set member", seen)
+        return obj
+    raise _tree_error(archive, f"it holds {_what(obj)} where data belongs")
+
+
+def _rebuilt(obj: Any, done: dict[int, tuple[Any, int]], archive: PickleSource) -> tuple[Any, int]:
+    """(plain copy of `obj` made of its children's, the nodes it stands for when expanded)."""
+    if isinstance(obj, dict):
+        kids = [done[id(v)] for v in obj.values()]
+        plain: Any = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, kid in zip(obj, kids):
+            plain[k] = kid[0]
+    elif _is_record(obj, archive):
+        kids = [done[id(obj.args)], done[id(obj.state)]]
+        plain = PickledObject(type(obj).__name__, kids[0][0], kids[1][0])
+    else:
+        kids = [done[id(v)] for v in obj]
+        plain = [kid[0] for kid in kids] if isinstance(obj, list) else tuple(kid[0] for kid in kids)
+    nodes = 1 + sum(kid[1] for kid in kids)
+    if nodes > MAX_OBJECTS:
+        raise _tree_error(archive, f"its shared references expand to more than {MAX_OBJECTS:,} objects")
+    return plain, nodes
+
+
+def find_class(module: str, name: str, archive: PickleSource) -> Any:
+    """What a global named by the pickle stands for: an allowed torch name or builtin, a record, an
+    enum's value reader; `UnsafePickleError` for anything else, before anything is imported or run."""
+    if module == "__builtin__":  # protocol-2 pickles use Python 2's module name
+        module = "builtins"
+    qual = f"{module}.{name}"
+    if module == "torch" and name in STORAGE_DTYPES:
+        return _StorageType(STORAGE_DTYPES[name][0])
+    if qual in _SAFE_GLOBALS:
+        return _SAFE_GLOBALS[qual]
+    if qual in archive.records:
+        return archive.records[qual]
+    if qual in archive.allowed.enums:
+        return _enum_value
+    if module == "torch" and name in DTYPE_SIZES:
+        return name
+    raise UnsafePickleError(
+        f"{archive.uri} refers to {_qualname(qual)}, which ckptflow does not load", file=archive.uri, actual=qual,
+        hint="refused without running anything; only torch tensors and DeepSpeed's checkpoint "
+        "classes are allowed; if this file is yours, re-save it without custom objects",
+    )
