@@ -80,7 +80,7 @@ def warm(ckpt: Path, ranges: list[list]) -> None:
 def floor_plan(ckpt: Path) -> dict[str, object]:
     """The fp32 master byte ranges of every rank and the size of the bf16 output."""
     from ckptflow.consolidate import ConsolidateOptions, plan_consolidation
-    from ckptflow.formats.deepspeed.checkpoint import load_index
+    from ckptflow.formats.deepspeed import load_index
 
     index = load_index(str(ckpt))
     plan = plan_consolidation(index, ConsolidateOptions(dtype="bf16"))

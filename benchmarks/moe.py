@@ -159,7 +159,7 @@ def floor_spec(ckpt: Path, scratch: Path, out_bytes: dict[str, int]) -> dict[str
     source file and the size of each reshard output."""
     from benchmarks.floor import ranges_of
     from ckptflow.consolidate import ConsolidateOptions, plan_consolidation
-    from ckptflow.formats.deepspeed.checkpoint import load_index
+    from ckptflow.formats.deepspeed import load_index
 
     index = load_index(str(ckpt))
     plan = plan_consolidation(index, ConsolidateOptions(dtype="bf16"))

@@ -48,8 +48,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.scale_checkpoints import DATA, MODELS, REPO_ROOT, TAG, Llama, check_structure, disk_usage, \
-    formats_api, generate
+from benchmarks.scale_checkpoints import (
+    DATA,
+    MODELS,
+    REPO_ROOT,
+    TAG,
+    Llama,
+    check_structure,
+    disk_usage,
+    formats_api,
+    generate,
+)
 
 SECTION = "## Scale: planning"
 # What `plan` measures, each in its own process: step -> (measurement, filesystem).
@@ -69,7 +78,7 @@ STEPS = {
 def planning_api() -> SimpleNamespace:
     """The coordinator's public API: the index, the plans and the jobs shipped to workers."""
     from ckptflow.consolidate import ConsolidateOptions, plan_batches, plan_consolidation, shard_job
-    from ckptflow.formats.deepspeed.checkpoint import load_index
+    from ckptflow.formats.deepspeed import load_index
     from ckptflow.plumbing.staging import Staging
     from ckptflow.reshard import plan_reshard, rank_job
 

@@ -41,11 +41,12 @@ from fsspec.core import url_to_fs
 
 from ckptflow.consolidate.plan import DEFAULT_CHUNK_BYTES, plan_batches
 from ckptflow.consolidate.write import _fill
-from ckptflow.formats.deepspeed.model_parallel import compose, concat_pieces
-from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
+from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.readers.model_parallel import compose, concat_pieces
+from ckptflow.formats.deepspeed.runs import Run, check_coverage
 from ckptflow.formats.torch.pickler import OutStorage, OutTensor, Span
-from ckptflow.formats.torch.writer import SourceReader, write_archive
 from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.writer import SourceReader, write_archive
 
 HIDDEN, INTERMEDIATE = 8192, 28672  # Llama-3-70B
 

@@ -113,7 +113,7 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check that a ZeRO checkpoint is complete and consistent. Exit 0 valid, 1 not."""
-    from ckptflow.formats.deepspeed.index import check_tag
+    from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.validate import validate as run_validate
 
     if tag is not None and check_tag(tag, "--tag"):
@@ -151,7 +151,7 @@ def consolidate_command(
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from ckptflow.consolidate import ConsolidateOptions, consolidate
-    from ckptflow.formats.deepspeed.index import check_tag
+    from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
 
     if tag is not None and check_tag(tag, "--tag"):
@@ -292,7 +292,7 @@ def reshard_command(
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from ckptflow.formats.deepspeed.index import check_tag
+    from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import reshard
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.formats.deepspeed.checkpoint import inspect, zero_index
-from ckptflow.formats.deepspeed.index import Problem, ZeroCheckpoint
-from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint, Replica
-from ckptflow.formats.deepspeed.tensors import ModelSource, plain_runs
-from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint
-from ckptflow.formats.casts import count_non_finite
-from ckptflow.formats.deepspeed.layout import zero3_real
 from ckptflow.errors import CkptflowError
+from ckptflow.formats.casts import count_non_finite
+from ckptflow.formats.deepspeed import inspect, zero_index
+from ckptflow.formats.deepspeed.inspection import Problem
+from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.partition import zero3_real
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Replica
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
+from ckptflow.formats.deepspeed.runs import plain_runs
 from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import read_ranges
@@ -32,7 +33,7 @@ class ValidationReport:
     root: str | None
     tag: str | None
     problems: tuple[Problem, ...]
-    index: ModelSource | None = field(default=None, repr=False, compare=False)
+    index: Partitioned | None = field(default=None, repr=False, compare=False)
     deep: bool = False
 
     @property
@@ -166,7 +167,7 @@ def _aligned(runs: tuple[Any, ...], other: tuple[Any, ...]) -> list[tuple[int, A
     return out
 
 
-def _scan_model(index: ModelSource, progress: Progress | None) -> list[Problem]:
+def _scan_model(index: Partitioned, progress: Progress | None) -> list[Problem]:
     """NaN/Inf in the weights of any layout: every trained and frozen tensor's runs."""
     jobs = [(t.name, "weights", r.ref, r.start, r.numel, r.ref.uri) for t in index.model_tensors() if t.kind != "buffer"
             for r in t.runs]

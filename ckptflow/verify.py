@@ -18,11 +18,11 @@ import numpy as np
 from ckptflow.consolidate import plan_consolidation
 from ckptflow.errors import VerificationError
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.checkpoint import load_index
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.shard_check import SourceTensor, read_source_into
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
-from ckptflow.plumbing.redaction import describe
 
 if TYPE_CHECKING:
     import torch

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CkptflowError
-from ckptflow.formats.deepspeed.index import read_latest
 from ckptflow.formats.deepspeed.names import LATEST
+from ckptflow.formats.deepspeed.tag import read_latest
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.storage import open_fs, unstrip
 

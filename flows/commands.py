@@ -8,13 +8,13 @@ watch` needs a real Prefect API: the watcher's memory and the events live there.
 from __future__ import annotations
 
 import os
-from ckptflow.plumbing.redaction import redact
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from ckptflow.plumbing.redaction import redact
 from flows.params import ConsolidationOptions, Destination, ReshardOptions, ValidationOptions, VerificationOptions
 
 

@@ -31,6 +31,8 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
+from ckptflow.plumbing.redaction import describe
+from ckptflow.plumbing.sizes import format_size
 from flows import layout
 from flows.params import (
     ConsolidationOptions,
@@ -42,8 +44,6 @@ from flows.params import (
     VerificationOptions,
     flow_timeout_seconds,
 )
-from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import checkpoint_key, code, link, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.consolidate import consolidate_model

@@ -25,18 +25,18 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 from uuid import UUID
 
-from urllib.parse import quote
-
-from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.text import one_line
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
+
+from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.text import one_line
 
 logger = logging.getLogger(__name__)
 

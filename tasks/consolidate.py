@@ -36,11 +36,11 @@ from ckptflow.consolidate import (
     shard_job,
 )
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.checkpoint import load_index
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.plumbing.progress import Tally
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.storage import open_fs
-from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output

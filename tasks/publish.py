@@ -21,9 +21,9 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.publish import push
-from ckptflow.plumbing.redaction import describe
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published

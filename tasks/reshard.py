@@ -24,12 +24,24 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ckptflow.plumbing.progress import Tally
+from ckptflow.plumbing.redaction import describe as describe_error
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.storage import open_fs
-from ckptflow.reshard import (RankJob, ReshardPlan, RngCopy, UnitResult, abort, committed_output, finalize, plan_output,
-                              prepare_output, rank_job, run_job, write_threads)
+from ckptflow.reshard import (
+    RankJob,
+    ReshardPlan,
+    RngCopy,
+    UnitResult,
+    abort,
+    committed_output,
+    finalize,
+    plan_output,
+    prepare_output,
+    rank_job,
+    run_job,
+    write_threads,
+)
 from ckptflow.reshard.rng import describe
-from ckptflow.plumbing.redaction import describe as describe_error
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output

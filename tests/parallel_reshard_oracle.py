@@ -35,7 +35,6 @@ from tests.fixtures import parallel_writer as writer  # noqa: E402
 from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.parallel_matrix import ParallelSpec  # noqa: E402
 
-
 # A ZeRO-0 bf16 run's state is read as the extra fixtures' writer reads it (FP16_Optimizer's flat groups).
 writer._local_states = parallel_extra_writer._local_states
 

@@ -34,7 +34,6 @@ from deepspeed import comm as dist  # noqa: E402
 from tests.fixtures import models  # noqa: E402
 from tests.fixtures.launch import run_jobs  # noqa: E402
 
-
 # fp16 with a dynamic loss scaler that moves within a few steps (loss_scale_window 2).
 FP16_CONFIG = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
 

@@ -5,6 +5,10 @@
   steps, `plumbing` nothing of formats or steps, `errors` nothing at all; a step uses another step
   only through its package's public names, never its modules.
 - The core never imports Prefect; shipped code (`ckptflow`, `tasks`, `flows`) never imports `tests`.
+- Inside `formats`: the torch archive rooms (`formats.torch`) know nothing of DeepSpeed; the DeepSpeed
+  rooms below the readers (`model`, `inspection`, `tag`, `partition`, `config`, ...) import no reader;
+  a layout's reader imports the shared bases (`zero`, `zero0`, `experts`, `model_parallel`), never
+  another layout's reader.
 - Importing the core sets no environment variable.
 """
 
@@ -128,3 +132,29 @@ def test_importing_the_core_sets_no_environment_variable() -> None:
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+DEEPSPEED = "ckptflow.formats.deepspeed"
+READERS = f"{DEEPSPEED}.readers"
+READER_BASES = {f"{READERS}.{name}" for name in ("zero", "zero0", "experts", "model_parallel")}
+
+
+def test_the_torch_archive_rooms_know_nothing_of_deepspeed() -> None:
+    wrong = sorted(f"{name} imports {target}" for name, targets in core_graph().items()
+                   if name.startswith("ckptflow.formats.torch") for target in targets
+                   if target.startswith(DEEPSPEED))
+    assert wrong == []
+
+
+def test_readers_stand_on_the_bases_and_never_on_each_other() -> None:
+    graph = core_graph()
+    assert READER_BASES <= set(graph), "a reader base moved: update READER_BASES"
+    leaves = {name for name in graph if name.startswith(READERS + ".") and name not in READER_BASES}
+    assert {f"{READERS}.{n}" for n in ("autotp", "pipeline", "autoep", "moe")} <= leaves
+    wrong = []
+    for name, targets in graph.items():
+        if name.startswith(DEEPSPEED + ".") and not name.startswith(READERS):
+            wrong += [f"{name} imports the reader {t}" for t in targets if t.startswith(READERS + ".")]
+        if name in leaves:
+            wrong += [f"{name} imports the reader {t}" for t in targets if t in leaves]
+    assert wrong == []

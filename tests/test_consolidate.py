@@ -34,10 +34,6 @@ from ckptflow.consolidate import (
     prepare_output,
     run_unit,
 )
-from ckptflow.formats.deepspeed.tensors import check_coverage
-from ckptflow.formats import hf
-from ckptflow.formats.hf import PROVENANCE_NAME
-from ckptflow.plumbing.sizes import parse_size
 from ckptflow.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -46,8 +42,12 @@ from ckptflow.errors import (
     SourceReadError,
     VerificationError,
 )
+from ckptflow.formats import hf
+from ckptflow.formats.deepspeed import load_index
+from ckptflow.formats.deepspeed.runs import check_coverage
+from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.formats.torch.tensorref import TensorRef
-from ckptflow.formats.deepspeed.checkpoint import load_index
+from ckptflow.plumbing.sizes import parse_size
 from tests.fixtures import MATRIX, Fixture
 from tests.fixtures.matrix import WRITER
 from tests.fixtures.models import BIG_INT64, build_model

@@ -33,20 +33,20 @@ from safetensors.torch import load_file
 
 from ckptflow.consolidate import ConsolidateOptions, consolidate
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.checkpoint import inspect, load_index
-from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.deepspeed import inspect, load_index
 from ckptflow.formats.deepspeed.names import ALLOWED
+from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
-from tests.sampling import sample
-from tests.test_reshard import _differences
 from tests.fixtures.parallel import ParallelFixture
 from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
 from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.sampling import sample
 from tests.tensors import read_tensor
+from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]

@@ -26,11 +26,16 @@ from safetensors.torch import load_file
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.reshard import reshard
 from tests.fixtures.parallel import ParallelFixture
-from tests.sampling import sample
 from tests.fixtures.parallel_extra import HOLDOUT_MATRIX
+from tests.sampling import sample
 from tests.test_model_parallel import check_oracle, consolidated
-from tests.test_model_parallel_reshard import (case_id, check_loaded_state, check_same_files, check_validates,
-                                               run_reshard_oracle)
+from tests.test_model_parallel_reshard import (
+    case_id,
+    check_loaded_state,
+    check_same_files,
+    check_validates,
+    run_reshard_oracle,
+)
 
 NAMES = [spec.name for spec in HOLDOUT_MATRIX]
 ALL_RESHARDS = (

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.errors import PublishError
-from ckptflow.publish import push
+from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.plumbing.retry import RetryPolicy
+from ckptflow.publish import push
 from tests.hubserver import READ_TOKEN, WRITE_TOKEN, HubServer
 
 FAST = RetryPolicy(attempts=6, base_delay=0.05, max_delay=0.3)

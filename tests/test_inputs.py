@@ -13,8 +13,15 @@ import fsspec
 import pytest
 
 from ckptflow.errors import CheckpointNotFoundError, OutputError, UnsafeInputError
-from ckptflow.plumbing.files import (MAX_JSON_DEPTH, JsonTooDeep, check_regular, copy_regular, load_json, open_regular,
-                                     read_regular)
+from ckptflow.plumbing.files import (
+    MAX_JSON_DEPTH,
+    JsonTooDeep,
+    check_regular,
+    copy_regular,
+    load_json,
+    open_regular,
+    read_regular,
+)
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.text import excerpt, one_line, plain
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckptflow.formats.deepspeed.checkpoint import READERS, inspect
-from ckptflow.formats.deepspeed.detect import detect
-from ckptflow.formats.deepspeed.index import Inspection, read_head
+from ckptflow.formats.deepspeed import READERS, inspect
+from ckptflow.formats.deepspeed.inspection import Inspection, read_head
+from ckptflow.formats.deepspeed.topology import detect
 from tests.fixtures.parallel_matrix import PARALLEL_MATRIX
 
 KINDS = {"autotp": "autotp", "autoep": "autoep", "dsmoe": "moe", "pipe": "pipeline", "megatron": "megatron"}

@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 
 from ckptflow.consolidate import ConsolidateOptions, consolidate
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.checkpoint import inspect
-from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed import inspect
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.validate import validate
 from tests.fixtures.parallel import ParallelFixture
 from tests.fixtures.parallel_extra import EXTRA_MATRIX, UNLOADABLE
@@ -389,7 +389,7 @@ def test_zero0_in_bf16_is_written_in_bf16_only(name: str, parallel_extra_fixture
     from typer.testing import CliRunner
 
     from ckptflow.cli import app
-    from ckptflow.formats.deepspeed.zero0 import masters_note
+    from ckptflow.formats.deepspeed.readers.zero0 import masters_note
 
     fixture = parallel_extra_fixtures[name]
     assert fixture.spec["optimizer"] == "FP16_Optimizer"
@@ -469,7 +469,7 @@ def test_zero0_masters_that_do_not_fit_the_weights_are_named(parallel_extra_fixt
 def _check_pieces(full: torch.Tensor, locals_: list[torch.Tensor], pieces: list[list]) -> None:
     """Every piece's stretches copy elements of the local tensors to where they are in `full`, and
     together they cover `full` exactly once."""
-    from ckptflow.formats.deepspeed.model_parallel import stretches
+    from ckptflow.formats.deepspeed.readers.model_parallel import stretches
 
     flat, seen = full.reshape(-1), torch.zeros(full.numel(), dtype=torch.int64)
     for local, rank_pieces in zip(locals_, pieces):
@@ -484,8 +484,8 @@ def _check_pieces(full: torch.Tensor, locals_: list[torch.Tensor], pieces: list[
 
 
 def test_pieces_of_affine_maps_and_megatron_rules_match_torch() -> None:
-    from ckptflow.formats.deepspeed.model_parallel import Piece, concat_pieces
-    from ckptflow.formats.deepspeed.pipeline import _halves, _sub_params
+    from ckptflow.formats.deepspeed.readers.model_parallel import Piece, concat_pieces
+    from ckptflow.formats.deepspeed.readers.pipeline import _halves, _sub_params
 
     full = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
     # Row-parallel (columns split 4 + 6): one stretch per row, strided in the full tensor.

@@ -9,11 +9,11 @@ from pathlib import Path
 import fsspec
 import torch
 
-from ckptflow.plumbing.storage import open_fs
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.torch.zipdir import open_archive
-from tests.tensors import read_elements
+from ckptflow.plumbing.storage import open_fs
 from ckptflow.validate import validate
-from ckptflow.formats.deepspeed.checkpoint import load_index
+from tests.tensors import read_elements
 from tests.test_validate import full_param
 
 

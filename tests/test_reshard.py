@@ -33,18 +33,36 @@ import pytest
 import torch
 
 from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointError
-from ckptflow.reshard import (abort, committed_output, finalize, plan_output, plan_reshard, prepare_output, reshard,
-                              run_unit)
-from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.deepspeed.names import ALLOWED
+from ckptflow.formats.deepspeed.partition import (
+    Extent,
+    moves,
+    param_alignment,
+    piece_offsets,
+    round_robin_order,
+    zero3_moves,
+    zero3_piece,
+    zero3_sub_groups,
+    zero12_fragments,
+    zero12_layout,
+)
+from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
+from ckptflow.reshard import (
+    abort,
+    committed_output,
+    finalize,
+    plan_output,
+    plan_reshard,
+    prepare_output,
+    reshard,
+    run_unit,
+)
+from tests.fixtures.launch import launch
 from tests.sampling import sample
 from tests.tensors import read_tensor
-from ckptflow.formats.deepspeed.checkpoint import load_index
-from ckptflow.formats.deepspeed.layout import (Extent, moves, param_alignment, piece_offsets, round_robin_order, zero3_moves,
-                                  zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
-from tests.fixtures.launch import launch
 
 # ---- the arithmetic, with integers ------------------------------------------------------------------
 
@@ -554,8 +572,8 @@ def test_output_failures_are_one_line_errors_and_leave_nothing(ds_fixtures, tmp_
 
     from typer.testing import CliRunner
 
-    from ckptflow.formats.torch import writer as torchsave
     from ckptflow.cli import app
+    from ckptflow.formats.torch import writer as torchsave
 
     src = str(ds_fixtures["z3-bf16-ws2"].dir)
     # OUT under a file: the staging folder cannot be made

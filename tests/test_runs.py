@@ -17,8 +17,9 @@ from ckptflow.consolidate.write import _fill
 from ckptflow.errors import CheckpointError
 from ckptflow.formats import casts
 from ckptflow.formats.deepspeed import tensors
-from ckptflow.formats.deepspeed.model_parallel import Piece, compose, concat_pieces
-from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, plain_runs, slice_runs
+from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.readers.model_parallel import Piece, compose, concat_pieces
+from ckptflow.formats.deepspeed.runs import Run, check_coverage, plain_runs, slice_runs
 from ckptflow.formats.shard_check import read_source_into
 from ckptflow.formats.torch.tensorref import TensorRef
 

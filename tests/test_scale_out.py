@@ -34,7 +34,7 @@ import fsspec.core
 import pytest
 
 from ckptflow.consolidate import ConsolidateOptions, consolidate, plan_consolidation
-from ckptflow.formats.deepspeed.checkpoint import load_index
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.plumbing.executors import cluster as dask_executor
 from ckptflow.reshard import plan_output, reshard
 from tests.cluster import REPO, Coordinator, DaskCluster

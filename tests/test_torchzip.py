@@ -155,7 +155,8 @@ def test_scalars_read_without_torch(tmp_path):
 def test_records_are_checked_as_they_are_used(tmp_path):
     """A tensor's storage reference is checked again when the tensor is made (a BUILD run after
     `persistent_load` could otherwise have changed its key, dtype or size behind the first check)."""
-    from ckptflow.formats.torch.unpickler import TensorRecord as _TensorRecord, _Storage
+    from ckptflow.formats.torch.unpickler import TensorRecord as _TensorRecord
+    from ckptflow.formats.torch.unpickler import _Storage
 
     archive = open_archive(save(tmp_path, {"w": torch.ones(4)}))
     key = archive.obj["w"].key

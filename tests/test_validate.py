@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tensors import read_elements, read_tensor
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.validate import validate
-from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.hostile.corpus import DEEP, VALIDATE, all_kinds, prepare
 from tests.hostile.plugin import corpus_params
+from tests.tensors import read_elements, read_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ckptflow.cli"]
@@ -156,7 +156,7 @@ def test_valid_checkpoint_json_summary(ds_fixtures):
 def test_deep_scan_reads_no_padding_of_frozen_zero3_pieces(z3):
     """ZeRO-3 pads each rank's piece of a frozen parameter and leaves the padding uninitialized: NaN
     there is garbage, not divergence. NaN in the parameter's own elements is."""
-    from ckptflow.formats.deepspeed.layout import zero3_piece, zero3_real
+    from ckptflow.formats.deepspeed.partition import zero3_piece, zero3_real
 
     index = load_index(str(z3))
     ws = index.world_size

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptflow.formats import hf
 from ckptflow.consolidate import ConsolidateOptions, consolidate, plan_consolidation, prepare_output, run_unit
 from ckptflow.errors import VerificationError
+from ckptflow.formats import hf
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.shard_check import verify_shard
 from ckptflow.verify import read_source, verify_model
-from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.fixtures import Fixture
 
 

@@ -19,10 +19,27 @@ weights are read, never the optimizer moments, and never a 16-bit module copy wh
 exists.
 """
 
-from ckptflow.consolidate.plan import (Batch, ConsolidateOptions, ConsolidationPlan, Copy, OutputTensor, Run, ShardUnit,
-                                       plan_batches, plan_consolidation)
-from ckptflow.consolidate.run import (ConsolidationResult, abort, committed_output, consolidate, finalize,
-                                      prepare_output, provenance, run_units)
+from ckptflow.consolidate.plan import (
+                                       Batch,
+                                       ConsolidateOptions,
+                                       ConsolidationPlan,
+                                       Copy,
+                                       OutputTensor,
+                                       Run,
+                                       ShardUnit,
+                                       plan_batches,
+                                       plan_consolidation,
+)
+from ckptflow.consolidate.run import (
+                                       ConsolidationResult,
+                                       abort,
+                                       committed_output,
+                                       consolidate,
+                                       finalize,
+                                       prepare_output,
+                                       provenance,
+                                       run_units,
+)
 from ckptflow.consolidate.write import ShardJob, UnitResult, run_job, run_unit, shard_job
 
 __all__ = [

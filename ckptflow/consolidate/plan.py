@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.tensors import ModelSource, Run
+from ckptflow.formats.deepspeed.model import Partitioned
+from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
 
@@ -149,7 +150,7 @@ class ConsolidationPlan:
         return sum(u.layout().file_size for u in self.units)
 
 
-def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = None) -> ConsolidationPlan:
+def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = None) -> ConsolidationPlan:
     """The consolidation of `index` under `options`: output tensors in state-dict order, packed into
     shards as `save_pretrained` packs them. Pure: reads nothing.
 
@@ -187,7 +188,7 @@ def plan_consolidation(index: ModelSource, options: ConsolidateOptions | None = 
     )
 
 
-def _check_exact(index: ModelSource, options: ConsolidateOptions) -> None:
+def _check_exact(index: Partitioned, options: ConsolidateOptions) -> None:
     """ZeRO-0 in bf16 or fp16 names only its 16-bit weights (formats/deepspeed/zero0.py): a model in that
     dtype is exact, one in another dtype would be made from rounded weights, not from the masters."""
     trained = hf.OUTPUT_DTYPES.get(index.precision)

@@ -24,9 +24,10 @@ from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, pla
 from ckptflow.consolidate.write import UnitResult, run_job, run_unit, shard_job
 from ckptflow.errors import OutputError
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.checkpoint import load_index
+from ckptflow.formats.deepspeed import load_index
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.executors import Executor, run_units as run_all
+from ckptflow.plumbing.executors import Executor
+from ckptflow.plumbing.executors import run_units as run_all
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe

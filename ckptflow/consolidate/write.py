@@ -42,11 +42,11 @@ from ckptflow.plumbing.checksums import Digests, digests_for
 from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
 from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.ranges import ShortRead, read_into, read_ranges
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, Written, written
-from ckptflow.plumbing.ranges import ShortRead, read_into, read_ranges
 from ckptflow.plumbing.storage import is_local, local_path, open_fs, protocol
-from ckptflow.plumbing.redaction import describe
 
 logger = logging.getLogger(__name__)
 

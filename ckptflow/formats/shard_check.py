@@ -28,11 +28,11 @@ from ckptflow.errors import VerificationError
 from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, cast_rows_into, scalar
 from ckptflow.formats.torch.tensorref import TensorRef
-from ckptflow.plumbing.progress import Progress
 from ckptflow.plumbing.direct import BLOCK, O_DIRECT, aligned_buffer
+from ckptflow.plumbing.progress import Progress
 from ckptflow.plumbing.ranges import ShortRead, read_into
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
 from ckptflow.plumbing.redaction import describe
+from ckptflow.plumbing.storage import is_local, local_path, open_fs
 
 
 class _Run(Protocol):

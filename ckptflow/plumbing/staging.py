@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 from ckptflow.errors import OutputError, VerificationError
 from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamp, stamps_match, store_checksum
-from ckptflow.plumbing.storage import check_space, is_local, local_path, open_fs
 from ckptflow.plumbing.redaction import describe
+from ckptflow.plumbing.storage import check_space, is_local, local_path, open_fs
 
 logger = logging.getLogger(__name__)
 

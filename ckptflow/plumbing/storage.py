@@ -19,7 +19,6 @@ from fsspec.core import url_to_fs
 from ckptflow.errors import OutputError
 from ckptflow.plumbing.sizes import format_size
 
-
 T = TypeVar("T")
 R = TypeVar("R")
 

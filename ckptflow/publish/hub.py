@@ -28,12 +28,12 @@ from typing import Any
 
 from ckptflow.errors import CkptflowError, PublishError
 from ckptflow.formats.hf import PROVENANCE_NAME, read_safetensors_header
+from ckptflow.plumbing.checksums import Digests
 from ckptflow.plumbing.files import load_json, open_regular, read_regular
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
-from ckptflow.plumbing.checksums import Digests
 from ckptflow.plumbing.text import excerpt, one_line
 from ckptflow.publish.source import PushResult, SourceFile, list_source
 

@@ -35,9 +35,9 @@ import fsspec
 from ckptflow.errors import PublishError
 from ckptflow.plumbing.files import load_json, read_regular
 from ckptflow.plumbing.redaction import describe
+from ckptflow.plumbing.retry import RetryPolicy, retry_call
 from ckptflow.plumbing.storage import is_local, join, local_path, protocol, unstrip
 from ckptflow.plumbing.text import excerpt
-from ckptflow.plumbing.retry import RetryPolicy, retry_call
 from ckptflow.publish.manifest import LEASE_NAME
 from ckptflow.publish.source import failure_advice, failure_reason
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ckptflow.errors import VerificationError

@@ -17,9 +17,9 @@ from typing import Any
 import fsspec
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.plumbing.files import check_regular, open_regular
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.plumbing.files import check_regular, open_regular
 from ckptflow.plumbing.storage import is_local, open_fs, unstrip
 from ckptflow.publish.manifest import LEASE_NAME, MANIFEST_NAME, PARTIAL_RECORD_NAME
 

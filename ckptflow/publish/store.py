@@ -38,8 +38,16 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ckptflow.errors import (CheckpointError, CkptflowError, PublishError, UnsafeInputError, UploadMismatchError,
-                             UploadSessionError, VerificationError)
+from ckptflow.errors import (
+    CheckpointError,
+    CkptflowError,
+    PublishError,
+    UnsafeInputError,
+    UploadMismatchError,
+    UploadSessionError,
+    VerificationError,
+)
+from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
 from ckptflow.plumbing.executors import Cancelled, run_units
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
@@ -47,11 +55,17 @@ from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, retry_call, status_code
 from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
 from ckptflow.plumbing.text import one_line
-from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
 from ckptflow.publish.lease import hold_lease
 from ckptflow.publish.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
-from ckptflow.publish.source import (READ_CHUNK, PushResult, SourceFile, failure_advice, failure_reason, list_source,
-                                     open_source)
+from ckptflow.publish.source import (
+    READ_CHUNK,
+    PushResult,
+    SourceFile,
+    failure_advice,
+    failure_reason,
+    list_source,
+    open_source,
+)
 
 logger = logging.getLogger(__name__)
 

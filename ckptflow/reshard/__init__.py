@@ -19,9 +19,23 @@ Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 ran
 
 from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardPlan, TargetFlat, plan_reshard
 from ckptflow.reshard.rng import RngCopy, plan_rng_files
-from ckptflow.reshard.run import (FileJob, RankJob, ReshardResult, UnitResult, abort, committed_output, finalize,
-                                  plan_output, prepare_output, rank_job, reshard, run_job, run_unit, run_units,
-                                  write_threads)
+from ckptflow.reshard.run import (
+                                  FileJob,
+                                  RankJob,
+                                  ReshardResult,
+                                  UnitResult,
+                                  abort,
+                                  committed_output,
+                                  finalize,
+                                  plan_output,
+                                  prepare_output,
+                                  rank_job,
+                                  reshard,
+                                  run_job,
+                                  run_unit,
+                                  run_units,
+                                  write_threads,
+)
 
 __all__ = [
     "FileJob", "FrozenPiece", "RankJob", "RankUnit", "ReshardPlan", "ReshardResult", "RngCopy", "TargetFlat",

@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.layout import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
+from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject

@@ -23,16 +23,28 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
-from ckptflow.formats.deepspeed.index import ZeroCheckpoint
-from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.deepspeed.layout import (BF16, DEFAULT_SUB_GROUP_SIZE, ZERO, ZERO3, Copy, Extent, moves,
-                                               param_alignment, piece_offsets, round_robin_order, zero3_moves,
-                                               zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
+from ckptflow.formats.deepspeed.config import is_set, sub_group_size
+from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.tensors import Run
+from ckptflow.formats.deepspeed.partition import (
+    BF16,
+    ZERO3,
+    Copy,
+    Extent,
+    moves,
+    param_alignment,
+    piece_offsets,
+    round_robin_order,
+    zero3_moves,
+    zero3_piece,
+    zero3_sub_groups,
+    zero12_fragments,
+    zero12_layout,
+)
+from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-
 
 # ---- the plan ---------------------------------------------------------------------------------------
 
@@ -219,33 +231,15 @@ def _plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> ReshardP
 
 
 def _plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> ReshardPlan:
-    optimizer = _optimizer_kind(index)
+    optimizer = index.optimizer_kind
     _check_supported(index, optimizer, expert_parallel=expert_parallel)
     if optimizer == ZERO3:
         return _plan_zero3(index, world_size)
     return _plan_zero12(index, world_size, optimizer, module=not expert_parallel)
 
 
-def _optimizer_kind(index: ZeroCheckpoint) -> str:
-    if index.stage == 3:
-        return ZERO3
-    osd = index.optim_states[0]["optimizer_state_dict"]
-    return ZERO if "zero_stage" in osd else BF16
-
-
-def _zero_config(index: ZeroCheckpoint) -> Mapping[str, Any]:
-    config = index.model_states[0].get("ds_config") or {}
-    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
-    return zero if isinstance(zero, Mapping) else {}
-
-
-def _flag(zero: Mapping[str, Any], key: str) -> bool:
-    value = zero.get(key, False)
-    return value is True or (isinstance(value, str) and value.lower() == "true")
-
-
 def _check_supported(index: ZeroCheckpoint, optimizer: str, *, expert_parallel: bool = False) -> None:
-    zero = _zero_config(index)
+    zero = index.zero_config
     where = index.tag_uri
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key)
@@ -286,12 +280,6 @@ def _check_supported(index: ZeroCheckpoint, optimizer: str, *, expert_parallel: 
                                              "expert-parallel checkpoint", uri=where)
 
 
-def _moment_keys(index: ZeroCheckpoint) -> int:
-    """How many partition-sized tensors (fp32 weights and moments) each flat holds."""
-    part = index.partitions[0][0]
-    return 1 + sum(1 for ref in part.state.values() if part.is_moment(ref))
-
-
 @dataclass(frozen=True)
 class _Zero12Group:
     """One ZeRO-1/2 param group at the target world size: what each rank holds of it, and what the
@@ -309,9 +297,9 @@ def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str, *, modu
     """`module`: rebuild the 16-bit flat buffers the module's tensors view (a data-parallel save); an
     expert-parallel save clones each module tensor, and its module is copied as it is."""
     groups = [_zero12_group(index, g, world_size, optimizer) for g in range(len(index.groups))]
-    n_tensors = _moment_keys(index)
+    n_tensors = index.tensors_per_partition
     # Rank 0 also writes the model file: the 16-bit module copy, frozen parameters and buffers.
-    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + _buffer_bytes(index)
+    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + index.buffer_bytes
     units = []
     for r in range(world_size):
         flats = tuple(g.flats[r] for g in groups)
@@ -344,7 +332,7 @@ def _meta_rank(index: ZeroCheckpoint, rank: int) -> int:
 def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str) -> _Zero12Group:
     """Group `g` at `world_size`: each of its shards (one for a dense group; one per expert-parallel
     rank for an expert group) re-partitioned from its source ranks over its target ranks."""
-    zero = _zero_config(index)
+    zero = index.zero_config
     group = index.groups[g]
     by_name = index.param_by_name
     bf16_opt = optimizer == BF16
@@ -352,8 +340,8 @@ def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str
     params = [by_name[n] for n in src_names]
     src_ws, dst_ws = index.world_size // group.ep, world_size // group.ep  # partitions per shard
     align = 1 if bf16_opt or not params else param_alignment(DTYPE_SIZES[params[0].dtype],
-                                                             _flag(zero, "parameter_alignment"))
-    if _flag(zero, "round_robin_gradients") and not bf16_opt:
+                                                             is_set(zero, "parameter_alignment"))
+    if is_set(zero, "round_robin_gradients") and not bf16_opt:
         # The saved order is the round-robin order for the source world size: undo it, redo it for M.
         original = [""] * len(src_names)
         for pos, i in enumerate(round_robin_order(len(src_names), src_ws)):
@@ -434,11 +422,11 @@ def _check_zero12_source(index: ZeroCheckpoint, g: int, shard: int, names: Seque
 
 
 def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
-    zero = _zero_config(index)
+    zero = index.zero_config
     src_ws = index.world_size
-    sub_group_size = _as_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP_SIZE)
+    group_size = sub_group_size(zero)
     by_name = index.param_by_name
-    n_tensors = _moment_keys(index)
+    n_tensors = index.tensors_per_partition
     per_rank_flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     flat_shapes = []
     for g, group in enumerate(index.groups):
@@ -446,13 +434,13 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
         numels = [by_name[n].numel for n in names]
         src_count, dst_count = src_ws // group.ep, world_size // group.ep  # partitions per shard
         src_offsets = piece_offsets(numels, src_count)
-        if len(zero3_sub_groups([zero3_piece(n, src_count) for n in numels], sub_group_size)) > 1:
+        if len(zero3_sub_groups([zero3_piece(n, src_count) for n in numels], group_size)) > 1:
             raise UnsupportedCheckpointError(
                 f"param group {g} of {index.tag_uri} is split into ZeRO-3 sub-groups at {src_ws} ranks, which "
                 "ckptflow does not read", uri=index.tag_uri)
         for shard in range(group.ep):
             _check_zero3_source(index, g, shard, names, numels, src_offsets, group.ranks(src_ws, shard))
-        for sub in zero3_sub_groups([zero3_piece(n, dst_count) for n in numels], sub_group_size):
+        for sub in zero3_sub_groups([zero3_piece(n, dst_count) for n in numels], group_size):
             sub_numels = [numels[i] for i in sub]
             dst_offsets = piece_offsets(sub_numels, dst_count)
             size = sum(zero3_piece(n, dst_count) for n in sub_numels)
@@ -475,7 +463,7 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
         )
         flats = tuple(per_rank_flats[r])
         frozen_bytes = sum(c.numel * DTYPE_SIZES[p.dtype] for p, piece in zip(frozen, pieces) for c in piece.copies)
-        frozen_bytes += _buffer_bytes(index)
+        frozen_bytes += index.buffer_bytes
         units.append(RankUnit(
             rank=r, meta_rank=_meta_rank(index, r), optim_file=optim_file_name(index.precision, r, index.mp_rank),
             model_file=model_file_name(3, r, index.mp_rank), flats=flats, frozen=pieces, mp_rank=index.mp_rank,
@@ -487,10 +475,6 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
         source_world_size=src_ws, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=(), module=(), units=tuple(units), index=index,
     )
-
-
-def _buffer_bytes(index: ZeroCheckpoint) -> int:
-    return sum(b.ref.storage_numel * b.ref.itemsize for b in index.buffers)
 
 
 def _check_zero3_source(index: ZeroCheckpoint, g: int, shard: int, names: Sequence[str], numels: Sequence[int],
@@ -506,10 +490,3 @@ def _check_zero3_source(index: ZeroCheckpoint, g: int, shard: int, names: Sequen
             raise UnsupportedCheckpointError(
                 f"{n} in param group {g} of {index.tag_uri} sits at {got}, not where DeepSpeed's ZeRO-3 partitioning "
                 f"at {count} ranks puts it ({want})", uri=index.tag_uri, tensor=n)
-
-
-def _as_int(value: Any, default: int) -> int:
-    try:
-        return int(float(value)) if value is not None else default
-    except (TypeError, ValueError):
-        return default

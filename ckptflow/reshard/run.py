@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
-from ckptflow.formats.deepspeed.index import LATEST_HINT, ZeroCheckpoint, read_latest
-from ckptflow.formats.deepspeed.checkpoint import inspect
-from ckptflow.formats.deepspeed.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed import inspect
+from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
-from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
+from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed.tag import LATEST_HINT, read_latest
 from ckptflow.formats.torch.pickler import OutStorage, dumps
+from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.checksums import digests_for
 from ckptflow.plumbing.executors import Cancelled, Executor

@@ -27,15 +27,23 @@ from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.autotp import module_runs
-from ckptflow.formats.deepspeed.index import Param, ParamGroup, ZeroCheckpoint
-from ckptflow.formats.deepspeed.layout import (BF16, ZERO3, Copy, param_alignment, piece_offsets, zero3_piece,
-                                               zero3_sub_groups, zero12_layout)
-from ckptflow.formats.deepspeed.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.config import is_set, sub_group_size
+from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.partition import (
+    BF16,
+    ZERO3,
+    Copy,
+    param_alignment,
+    piece_offsets,
+    zero3_piece,
+    zero3_sub_groups,
+    zero12_layout,
+)
+from ckptflow.formats.deepspeed.readers.autotp import module_runs
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.plan import (DEFAULT_SUB_GROUP_SIZE, RankUnit, ReshardPlan, TargetFlat, _as_int, _buffer_bytes,
-                                   _flag, _moment_keys, _optimizer_kind, _zero_config)
+from ckptflow.reshard.plan import RankUnit, ReshardPlan, TargetFlat
 
 
 def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> ReshardPlan:
@@ -67,13 +75,13 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
     if frozen:
         raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
                                          "ckptflow has not verified", uri=index.root)
-    if _flag(_zero_config(index.ranks[0]), "round_robin_gradients"):
+    if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
         raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
                                          "a tensor-parallel merge does not handle", uri=index.root)
     source = _merged_source(index)
-    if _optimizer_kind(source) == ZERO3:
+    if source.optimizer_kind == ZERO3:
         return _plan_zero3(index, source, world_size)
-    return _plan_zero12(index, source, world_size, _optimizer_kind(source))
+    return _plan_zero12(index, source, world_size, source.optimizer_kind)
 
 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
@@ -169,9 +177,9 @@ def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
 def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str) -> ReshardPlan:
     runs = _Runs(index)
     by_name = source.param_by_name
-    zero = _zero_config(source)
+    zero = source.zero_config
     bf16 = optimizer == BF16
-    n_tensors = _moment_keys(source)
+    n_tensors = source.tensors_per_partition
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]
     slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
@@ -180,7 +188,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
         names = list(group.params)
         numels = [by_name[n].numel for n in names]
         align = 1 if bf16 or not names else param_alignment(DTYPE_SIZES[by_name[names[0]].dtype],
-                                                            _flag(zero, "parameter_alignment"))
+                                                            is_set(zero, "parameter_alignment"))
         dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
         cumulative = not any(dst.param_paddings)
         for r in range(world_size):
@@ -203,7 +211,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
         flat_shapes.append(tuple((n, by_name[n].shape) for n in names))
         param_paddings.append(dst.param_paddings)
         module.append((dst.flat_numel, tuple(zip(names, dst.offsets))))
-    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in source.params) + _buffer_bytes(source)
+    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in source.params) + source.buffer_bytes
     units = []
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
@@ -228,14 +236,14 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
 def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> ReshardPlan:
     runs = _Runs(index)
     by_name = source.param_by_name
-    sub_group_size = _as_int(_zero_config(source).get("sub_group_size"), DEFAULT_SUB_GROUP_SIZE)
-    n_tensors = _moment_keys(source)
+    group_size = sub_group_size(source.zero_config)
+    n_tensors = source.tensors_per_partition
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     flat_shapes = []
     for g, group in enumerate(source.groups):
         names = list(group.params)
         numels = [by_name[n].numel for n in names]
-        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], sub_group_size):
+        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], group_size):
             sub_names, sub_numels = [names[i] for i in sub], [numels[i] for i in sub]
             offsets = piece_offsets(sub_numels, world_size)
             size = sum(zero3_piece(n, world_size) for n in sub_numels)
@@ -255,8 +263,8 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
         units.append(RankUnit(
             rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r),
             model_file=model_file_name(3, r), flats=tuple(flats[r]),
-            read_bytes=4 * n_tensors * moved + _buffer_bytes(source),
-            write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + _buffer_bytes(source),
+            read_bytes=4 * n_tensors * moved + source.buffer_bytes,
+            write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + source.buffer_bytes,
         ))
     return ReshardPlan(
         root=index.root, tag=index.tag, stage=3, precision=source.precision, optimizer=ZERO3,

@@ -1,7 +1,91 @@
-"""DeepSpeed's checkpoint layouts: where each piece of a partitioned training state lives.
+"""Opening a DeepSpeed checkpoint of any layout: resolve the tag, detect its topology, run its reader.
 
-`names` (file names and the classes DeepSpeed pickles), `index` (tag resolution and the immutable
-index of a data-parallel ZeRO 0/1/2/3 checkpoint), `layout` (DeepSpeed's partition arithmetic, pure
-functions over integers). Readers of the tensor-, pipeline- and expert-parallel layouts live beside
-them. Nothing here reads tensor bytes or knows about pipeline steps.
+`inspect(uri)` gives the index (a `Partitioned`; for data-parallel ZeRO the `ZeroCheckpoint`), every
+problem found, and where it looked; `load_index(uri)` is the same for callers that only want a good
+index. A layout that no reader handles yet is a problem that names the layout and what to do instead,
+never "damaged".
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing, Problem, StopReading, read_head
+from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.readers.autoep import read_autoep
+from ckptflow.formats.deepspeed.readers.autotp import read_autotp
+from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed.readers.moe import read_moe
+from ckptflow.formats.deepspeed.readers.pipeline import read_pipeline
+from ckptflow.formats.deepspeed.readers.zero import read_zero
+from ckptflow.formats.deepspeed.readers.zero0 import read_zero0
+from ckptflow.formats.deepspeed.tag import resolve_tag
+from ckptflow.formats.deepspeed.topology import Topology, detect
+
+Reader = Callable[[Inspection, Listing, dict[str, Any], Topology], Partitioned]
+
+# One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
+READERS: dict[str, Reader] = {
+    "zero": lambda st, listing, model0, topology: (read_zero0 if topology.stage == 0 else read_zero)(st, listing, model0),
+    "autotp": read_autotp,
+    "pipeline": read_pipeline,
+    "megatron": read_pipeline,
+    "autoep": read_autoep,
+    "moe": read_moe,
+}
+
+_WHAT_TO_DO = {
+    "tensor-parallel": "ckptflow needs to know how each parameter is split, and the checkpoint does not say: save "
+                       "it with `universal_checkpoint_info` in the client state (as Megatron-DeepSpeed does), or "
+                       "convert it with your framework's own tools",
+}
+_DEFAULT_WHAT_TO_DO = ("ckptflow cannot convert this layout yet: convert it with DeepSpeed's universal converter "
+                       "(python -m deepspeed.checkpoint.ds_to_universal --input_folder <tag folder> --output_folder "
+                       "<out>) and load that with `\"checkpoint\": {\"load_universal\": true}`")
+
+
+def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[Problem], tuple[str, str] | None]:
+    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+    explicit = tag is not None
+    try:
+        root, tag = resolve_tag(uri, tag)
+    except CkptflowError as exc:
+        return None, [Problem(exc.code, str(exc), exc.file)], None
+    st = Inspection(root, tag, explicit_tag=explicit)
+    try:
+        listing, model0 = read_head(st)
+        topology = detect(listing.names, model0)
+        reader = READERS.get(topology.kind)
+        if reader is None:
+            st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {topology.description} layout; "
+                   f"{_WHAT_TO_DO.get(topology.kind, _DEFAULT_WHAT_TO_DO)}", file=listing.tag_uri)
+            st.stop_if_any()
+        index = reader(st, listing, model0, topology)  # type: ignore[misc]  # reader is set: the add above stops
+    except StopReading:
+        return None, st.problems, (root, tag)
+    return index, st.problems, (root, tag)
+
+
+def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:
+    """The data-parallel ZeRO index a source is made of (itself, or an expert-parallel checkpoint's),
+    None for layouts without one."""
+    if isinstance(source, ZeroCheckpoint):
+        return source
+    if isinstance(source, ExpertCheckpoint):
+        return source.zero
+    return None
+
+
+def load_index(uri: str, tag: str | None = None) -> Partitioned:
+    """The index of a valid checkpoint; `CheckpointError` naming the first problem otherwise."""
+    index, problems, _ = inspect(uri, tag)
+    if problems or index is None:
+        first = problems[0]
+        others = len(problems) - 1
+        more = (f" (and {others} more problem{'s' if others > 1 else ''}; run `ckptflow validate {uri}`)"
+                if others else "")
+        error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
+        raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
+    return index

@@ -10,9 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ckptflow.errors import (
-    CorruptFileError,
-)
+from ckptflow.errors import CorruptFileError
 from ckptflow.plumbing.ranges import read_ranges
 from ckptflow.plumbing.sizes import element_count
 

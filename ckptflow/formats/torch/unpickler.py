@@ -20,10 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckptflow.errors import (
-    CorruptFileError,
-    UnsafePickleError,
-)
+from ckptflow.errors import CorruptFileError, UnsafePickleError
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES, TensorRef
 from ckptflow.plumbing.text import excerpt, one_line, plain
 

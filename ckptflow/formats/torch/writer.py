@@ -29,10 +29,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
-from isal.isal_zlib import (  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
-    crc32,
-    crc32_combine,
-)
+from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
 from ckptflow.errors import CkptflowError, OutputError
 from ckptflow.formats.torch.pickler import OutStorage, Span, dumps

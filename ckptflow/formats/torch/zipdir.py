@@ -24,12 +24,7 @@ import zipfile
 from collections import OrderedDict
 from typing import Any
 
-from ckptflow.errors import (
-    CheckpointNotFoundError,
-    CkptflowError,
-    CorruptFileError,
-    UnsafePickleError,
-)
+from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileError, UnsafePickleError
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import (
     MAX_PICKLE_BYTES,

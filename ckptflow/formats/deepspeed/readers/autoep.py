@@ -27,12 +27,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.formats.deepspeed.detect import Layout
-from ckptflow.formats.deepspeed.experts import (ExpertCheckpoint, check_expert_file, check_expert_files, open_files,
-                                                ordered, rename_tied)
-from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint, read_zero
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.model import ModelTensor, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
-from ckptflow.formats.deepspeed.tensors import ModelTensor, check_coverage, slice_runs, whole_run
+from ckptflow.formats.deepspeed.readers.experts import (
+    ExpertCheckpoint,
+    check_expert_file,
+    check_expert_files,
+    open_files,
+    ordered,
+    rename_tied,
+)
+from ckptflow.formats.deepspeed.readers.zero import read_zero
+from ckptflow.formats.deepspeed.runs import check_coverage, slice_runs, whole_run
+from ckptflow.formats.deepspeed.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ class MoELayer:
         raise KeyError(expert)
 
 
-def read_autoep(st: Inspection, listing: Listing, model0: dict[str, Any], layout: Layout) -> ExpertCheckpoint:
+def read_autoep(st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology) -> ExpertCheckpoint:
     """The index of an AutoEP checkpoint, checked cheapest first: the layer metadata and the file set
     from the listing, then the ZeRO files, then the per-rank placement and the expert files."""
     model0_uri = listing.model0_uri
@@ -88,7 +96,7 @@ def read_autoep(st: Inspection, listing: Listing, model0: dict[str, Any], layout
     st.stop_if_any()
     if listing.stage3:
         check_expert_files(st, listing, [], "AutoEP ZeRO-3 keeps experts in the ZeRO partitions, not in expert files")
-    elif layout.stage == 0:
+    elif topology.stage == 0:
         st.add("unsupported-layout", f"{listing.tag_uri} is an AutoEP checkpoint without ZeRO optimizer files "
                "(ZeRO-0), which ckptflow does not read; convert it with DeepSpeed's universal converter", file=model0_uri)
     else:

@@ -21,13 +21,26 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckptflow.formats.deepspeed.detect import Layout
-from ckptflow.formats.deepspeed.experts import (ExpertCheckpoint, check_expert_file, check_expert_files, open_files,
-                                                ordered)
-from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint, precision_of, read_zero
-from ckptflow.formats.deepspeed.names import (EXPERT_FILE_RE, EXPP_FILE_RE, expert_file_name, expert_group_degree,
-                                              expp_file_name)
-from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
+from ckptflow.formats.deepspeed.config import precision_of
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.model import ModelTensor, ZeroCheckpoint
+from ckptflow.formats.deepspeed.names import (
+    EXPERT_FILE_RE,
+    EXPP_FILE_RE,
+    expert_file_name,
+    expert_group_degree,
+    expp_file_name,
+)
+from ckptflow.formats.deepspeed.readers.experts import (
+    ExpertCheckpoint,
+    check_expert_file,
+    check_expert_files,
+    open_files,
+    ordered,
+)
+from ckptflow.formats.deepspeed.readers.zero import read_zero
+from ckptflow.formats.deepspeed.runs import whole_run
+from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.storage import join
 
@@ -35,14 +48,14 @@ GATE_RE = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.gate\.wg\.weight$")  # one
 EXPERT_RE = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<id>\d+)\.(?P<rest>.+)$")
 
 
-def read_moe(st: Inspection, listing: Listing, model0: dict[str, Any], layout: Layout) -> ExpertCheckpoint:
+def read_moe(st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology) -> ExpertCheckpoint:
     """The index of a deepspeed.moe checkpoint (ZeRO-0, or ZeRO-1/2), checked cheapest first."""
     uri = listing.model0_uri
     _check_topology(st, model0, uri)
     layers = _moe_layers(st, model0, uri)
     experts = _num_experts(st, model0, uri, len(layers))
     st.stop_if_any()
-    if layout.stage == 0:
+    if topology.stage == 0:
         return _read_zero0(st, listing, model0, layers, experts)
     expected = check_expert_files(st, listing, experts, "deepspeed.moe saves one file per MoE layer and global expert")
     for name in listing.names:

@@ -1,4 +1,4 @@
-"""The model a checkpoint holds, as tensors and the byte runs that make them: what every reader gives.
+"""The byte runs that make a model's tensors out of the tensors a checkpoint saved.
 
 Whatever the layout (data-parallel ZeRO, tensor-, expert- or pipeline-parallel), a reader describes
 the full model as `ModelTensor`s: the name the model's own code uses (Hugging Face names for Hugging
@@ -15,15 +15,13 @@ tensor-parallel degree 8 would otherwise need 65,536 runs for its two row-parall
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 
 from ckptflow.errors import CheckpointError
 from ckptflow.formats.torch.tensorref import TensorRef
-from ckptflow.plumbing.sizes import element_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,44 +101,6 @@ class Run:
 
     def _row(self, i: int) -> Run:
         return Run(self.ref, self.start + i * self.row, self.row, self.offset + i * self.stride)
-
-
-@dataclass(frozen=True)
-class ModelTensor:
-    """One tensor of the full model: its name and shape, the dtype its runs are stored in (fp32 masters
-    for trained parameters, the module's dtype for frozen ones, a buffer's own dtype), and its runs."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    kind: str  # "param", "frozen" or "buffer"
-    runs: tuple[Run, ...]
-
-    @property
-    def numel(self) -> int:
-        return element_count(self.shape)
-
-
-class ModelSource(Protocol):
-    """What the consolidate step needs of a checkpoint index, whatever its layout."""
-
-    root: str
-    tag: str
-    step: int
-    stage: int
-    world_size: int
-    precision: str
-    ds_version: str
-
-    @property
-    def tied(self) -> Mapping[str, str]: ...
-
-    @property
-    def layout(self) -> str: ...
-
-    def model_tensors(self) -> tuple[ModelTensor, ...]: ...
-
-    def summary(self) -> dict[str, Any]: ...
 
 
 def contiguous(ref: TensorRef, name: str) -> TensorRef:

@@ -24,8 +24,8 @@ from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LAYER
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A checkpoint's layout: its kind and parallel degrees (1 where the kind has no such dimension)."""
+class Topology:
+    """A checkpoint's topology: its kind and parallel degrees (1 where the kind has no such dimension)."""
 
     kind: str
     stage: int | None  # None until the optimizer files say (ZeRO-1 and 2 look alike from rank 0)
@@ -48,7 +48,7 @@ class Layout:
         return f"{name}; {' x '.join(degrees)}{stage})" if "(" in name else f"{name} ({' x '.join(degrees)}{stage})"
 
 
-def detect(names: Iterable[str], model0: Mapping[str, Any]) -> Layout:
+def detect(names: Iterable[str], model0: Mapping[str, Any]) -> Topology:
     """The layout of a tag folder holding the files `names`, whose rank-0 model states are `model0`."""
     names = list(names)
     mp_ranks = {int(m.group(2)) for n in names if (m := MODEL_FILE_RE.match(n))}
@@ -61,25 +61,25 @@ def detect(names: Iterable[str], model0: Mapping[str, Any]) -> Layout:
     stage = _stage(model0, names)
     layers = [m for n in names if (m := LAYER_FILE_RE.match(n))]
     if any(m.group(2) is not None for m in layers):
-        return Layout("megatron", stage, dp, tp=max(tp, 1), pp=pp)
+        return Topology("megatron", stage, dp, tp=max(tp, 1), pp=pp)
     if layers or (model0.get("module") is None and pp > 1):
-        return Layout("pipeline", stage, dp, pp=pp)
+        return Topology("pipeline", stage, dp, pp=pp)
     autoep = model0.get("ds_autoep_layers")
     if isinstance(autoep, list) and autoep:
         ep = _positive(autoep[0].get("ep_size") if isinstance(autoep[0], Mapping) else None, 1)
-        return Layout("autoep", stage, dp, ep=ep)
+        return Topology("autoep", stage, dp, ep=ep)
     experts = model0.get("num_experts")
     if experts or any(EXPERT_FILE_RE.match(n) or EXPP_FILE_RE.match(n) for n in names):
-        return Layout("moe", stage, dp, ep=_moe_ep(names))
+        return Topology("moe", stage, dp, ep=_moe_ep(names))
     mp_world_size = _positive(model0.get("mp_world_size"), 1)
     recorded = "tp_degree" in dims or "mp_world_size" in model0  # the files' own word beats a glob
     if (len(mp_ranks) > 1 and not recorded) or tp > 1 or mp_world_size > 1:
         tp = max(tp, mp_world_size) if recorded else max(tp, len(mp_ranks), mp_world_size)
         info = model0.get("universal_checkpoint_info")
         if isinstance(info, Mapping) and isinstance(info.get("affine_map"), Mapping):
-            return Layout("autotp", stage, dp, tp=tp)
-        return Layout("tensor-parallel", stage, dp, tp=tp)
-    return Layout("zero", stage, dp)
+            return Topology("autotp", stage, dp, tp=tp)
+        return Topology("tensor-parallel", stage, dp, tp=tp)
+    return Topology("zero", stage, dp)
 
 
 def _positive(value: Any, default: int) -> int:

@@ -21,14 +21,26 @@ from posixpath import basename
 from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.detect import Layout
-from ckptflow.formats.deepspeed.index import Inspection, Listing
-from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, about,
-                                                       check_mp_files, join, local_tensors, open_heads, read_ranks,
-                                                       row_major, stop_on_new)
-from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, whole_run
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.readers.model_parallel import (
+    Holding,
+    ModelParallelCheckpoint,
+    Piece,
+    Replica,
+    about,
+    check_mp_files,
+    join,
+    local_tensors,
+    open_heads,
+    read_ranks,
+    row_major,
+    stop_on_new,
+)
+from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, masters_note
+from ckptflow.formats.deepspeed.runs import Run, whole_run
+from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
-from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER, masters_note
 from ckptflow.plumbing.text import excerpt
 
 UC_INFO = "universal_checkpoint_info"
@@ -40,17 +52,17 @@ def where(tp: int) -> Any:
     return lambda mp: f"tensor-parallel rank {mp} of {tp}"
 
 
-def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], layout: Layout) -> ModelParallelCheckpoint:
+def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology) -> ModelParallelCheckpoint:
     """The index of an AutoTP checkpoint; every problem goes to `st` (reading stops at each stage's)."""
-    tp = layout.tp
+    tp = topology.tp
     label = where(tp)
-    check_mp_files(st, listing, tp, label, layout.description)
+    check_mp_files(st, listing, tp, label, topology.description)
     left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
     heads = open_heads(st, listing, model0, tp)
     stop_on_new(st, left_over)
     info = _uc_info(st, listing, heads, label)
     stop_on_new(st, left_over)
-    ranks = read_ranks(st, listing, heads, layout.stage, label)
+    ranks = read_ranks(st, listing, heads, topology.stage, label)
     locals_ = local_tensors(st, ranks, label)
     for mp in range(1, tp):
         extra, missing = sorted(set(locals_[mp]) - set(locals_[0])), sorted(set(locals_[0]) - set(locals_[mp]))
@@ -76,7 +88,7 @@ def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], layout
     zero = ranks[0]
     return ModelParallelCheckpoint(
         root=st.root, tag=st.tag, stage=zero.stage, world_size=zero.world_size, precision=zero.precision,
-        step=zero.step, ds_version=zero.ds_version, kind="autotp", description=_describe(layout, zero.stage), tp=tp,
+        step=zero.step, ds_version=zero.ds_version, kind="autotp", description=_describe(topology, zero.stage), tp=tp,
         pp=1, ranks=tuple(ranks), tensors=tuple(tensors), tied=tied, replicas=tuple(replicas),
         notes=_notes(ranks),
     )
@@ -105,8 +117,8 @@ def module_runs(index: ModelParallelCheckpoint) -> dict[str, tuple[Run, ...]]:
     return out
 
 
-def _describe(layout: Layout, stage: int) -> str:
-    return Layout(layout.kind, stage, layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep).description
+def _describe(topology: Topology, stage: int) -> str:
+    return Topology(topology.kind, stage, topology.dp, tp=topology.tp, pp=topology.pp, ep=topology.ep).description
 
 
 def _notes(ranks: Sequence[Any]) -> tuple[str, ...]:

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CkptflowError
-from ckptflow.formats.deepspeed.index import (Inspection, Listing, StopReading, ZeroCheckpoint, check_model_fields,
-                                              open_rank_file, read_zero)
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing, StopReading, check_model_fields, open_rank_file
+from ckptflow.formats.deepspeed.model import Degrees, ModelTensor, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE, model_file_name
-from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage
-from ckptflow.formats.deepspeed.zero0 import Zero0Checkpoint, read_zero0
+from ckptflow.formats.deepspeed.readers.zero import read_zero
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, read_zero0
+from ckptflow.formats.deepspeed.runs import Run, check_coverage
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join as join_uri
 from ckptflow.plumbing.text import excerpt
@@ -306,6 +307,10 @@ class ModelParallelCheckpoint:
     @property
     def layout(self) -> str:
         return self.description
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.world_size, tp=self.tp, pp=self.pp)
 
     @property
     def mp_world_size(self) -> int:

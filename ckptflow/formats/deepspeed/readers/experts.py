@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError
-from ckptflow.formats.deepspeed.detect import Layout
-from ckptflow.formats.deepspeed.index import Inspection, Listing, ZeroCheckpoint
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.model import Degrees, ModelTensor, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import ALLOWED, EXPERT_FILE_RE, expert_file_name
-from ckptflow.formats.deepspeed.tensors import ModelTensor
+from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.storage import join, map_files
@@ -54,7 +54,11 @@ class ExpertCheckpoint:
 
     @property
     def layout(self) -> str:
-        return Layout(self.kind, self.stage, self.world_size, ep=self.ep).description
+        return Topology(self.kind, self.stage, self.world_size, ep=self.ep).description
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.world_size, ep=self.ep)
 
     @property
     def numel(self) -> int:

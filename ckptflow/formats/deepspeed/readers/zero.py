@@ -1,8 +1,7 @@
-"""The DeepSpeed ZeRO checkpoint layout (stages 1, 2 and 3), read into an immutable index.
+"""The reader of data-parallel ZeRO-1/2/3 checkpoints, the base every other layout's reader stands on.
 
-`inspect` reads a checkpoint cheapest-first (the `latest` pointer, the folder listing, rank 0's model
-states, then every rank file) and returns the index together with every problem it found on the way.
-`load_index` is the same for callers that only want a good index. Nothing here reads tensor bytes
+`read_zero` reads a tag folder cheapest-first (the folder listing, rank 0's model states, then every
+rank file) into a `model.ZeroCheckpoint`, collecting every problem on the way. Nothing here reads tensor bytes
 but each rank's optimizer step (a one-element tensor, so that ranks saved at different steps are caught
 by every reader): the index says, for every parameter, which bytes of which rank file hold its fp32 master weights and
 optimizer moments, so consolidation and resharding can plan before they read.
@@ -17,7 +16,7 @@ Layout facts (DeepSpeed 0.19.8):
   pieces of the group's parameters, concatenated.
 - Expert parallelism (AutoEP, deepspeed.moe): a param group named `ep_size_N` (`moe: True`) holds, in
   each rank's file, the experts of that rank's expert-parallel rank (r % N), and is partitioned as above
-  over that rank's expert data-parallel group (world_size / N ranks, `layout.partition_ranks`), not over
+  over that rank's expert data-parallel group (world_size / N ranks, `partition.partition_ranks`), not over
   every rank. Each expert-parallel rank's copy of such a group is one *shard*: its parameters have the
   same names and shapes in every shard (`Param.shard` tells them apart) and different values. ZeRO-3
   records the ranks of each sub-group in `ds_zero_partition_groups`; they are checked against this.
@@ -26,363 +25,33 @@ Layout facts (DeepSpeed 0.19.8):
 from __future__ import annotations
 
 import math
-import os
-import posixpath
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, UnsafeInputError
-from ckptflow.formats.deepspeed.layout import partition_ranks, zero3_piece, zero3_real, zero12_padded
-from ckptflow.formats.deepspeed.names import (ALLOWED, LATEST, MODEL_FILE_RE, OPTIM_FILE_RE, SAFE_TAG, expert_group_degree,
-                                              model_file_name, optim_file_name)
-from ckptflow.formats.deepspeed.tensors import ModelTensor, Run, check_coverage, contiguous, whole_run
-from ckptflow.formats.torch.zipdir import ArchiveCache, open_archive
-from ckptflow.formats.torch.unpickler import PickledObject
+from ckptflow.errors import CkptflowError
+from ckptflow.formats.deepspeed.config import precision_of
+from ckptflow.formats.deepspeed.inspection import (
+    BASE_STATE_FIELDS,
+    MODEL_FIELDS,
+    OPTIM_FIELDS,
+    Inspection,
+    Listing,
+    check_fields,
+    check_file_set,
+    is_count,
+    is_flat,
+    open_rank_file,
+    shown,
+)
+from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
+from ckptflow.formats.deepspeed.names import expert_group_degree
+from ckptflow.formats.deepspeed.partition import zero3_piece, zero12_padded
 from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
-from ckptflow.plumbing.files import open_regular
-from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import is_local, join, local_path, map_files, open_fs, unstrip
-from ckptflow.plumbing.text import excerpt
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.plumbing.redaction import describe
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a checkpoint: a stable code, a one-line message, and where."""
-
-    code: str
-    message: str
-    file: str | None = None
-    rank: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "file": self.file, "rank": self.rank}
-
-
-@dataclass(frozen=True, slots=True)
-class Fragment:
-    """A run of a parameter's flat elements inside one rank's flat partition of its param group.
-    (A 405B ZeRO-3 checkpoint at 1024 ranks has 1.16 million: slots keep each at 72 bytes.)"""
-
-    rank: int
-    group: int
-    offset: int
-    numel: int
-    param_offset: int
-
-
-@dataclass(frozen=True)
-class Param:
-    """One parameter: shape, training dtype, and where its values live. `shard` is the expert-parallel
-    rank whose copy of an expert-group parameter this is (0 for every parameter of a dense group)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    group: int | None
-    fragments: tuple[Fragment, ...] = ()
-    frozen_pieces: tuple[TensorRef, ...] = ()
-    shard: int = 0
-
-    @property
-    def frozen(self) -> bool:
-        return self.group is None
-
-    @property
-    def numel(self) -> int:
-        return element_count(self.shape)
-
-
-@dataclass(frozen=True)
-class Buffer:
-    name: str
-    ref: TensorRef
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    """One optimizer param group: its hyper-parameters and its parameters, in flattening order. `ep` is
-    the expert-parallel degree of an expert group (`ep_size_N`): each of its `ep` shards is partitioned
-    over `layout.partition_ranks(world_size, ep, shard)`; 1 for a group partitioned over every rank."""
-
-    index: int
-    hyper: Mapping[str, Any]
-    params: tuple[str, ...]
-    ep: int = 1
-
-    def ranks(self, world_size: int, shard: int = 0) -> tuple[int, ...]:
-        """The global ranks, in partition order, holding shard `shard` of this group at `world_size`."""
-        return partition_ranks(world_size, self.ep, shard)
-
-
-@dataclass(frozen=True)
-class Partition:
-    """One rank's flat fp32 partition of one param group and the optimizer state over it.
-
-    `numel` counts the partition's elements including its tail `padding`; `fp32` holds the first
-    `fp32.numel` of them as saved (the ZeRO-1/2 optimizer drops the tail padding when saving;
-    BF16_Optimizer and ZeRO-3 keep it). `state` is the base optimizer's state over the partition:
-    `exp_avg`/`exp_avg_sq` as `TensorRef`s of `numel` elements, `step` as a tensor or a number.
-    """
-
-    rank: int
-    group: int
-    numel: int
-    padding: int
-    fp32: TensorRef
-    state: Mapping[str, Any] = field(default_factory=dict)
-
-    def is_moment(self, value: Any) -> bool:
-        """Whether an optimizer state entry is a tensor over this flat partition (a moment, not `step`)."""
-        return isinstance(value, TensorRef) and len(value.shape) == 1 and value.numel in (self.numel, self.fp32.numel)
-
-
-@dataclass(frozen=True)
-class RankFiles:
-    rank: int
-    optim: str
-    model: str | None
-
-
-@dataclass(frozen=True)
-class ZeroCheckpoint:
-    """Immutable index of a ZeRO checkpoint: what is where, never the tensors themselves."""
-
-    root: str
-    tag: str
-    stage: int
-    world_size: int
-    precision: str
-    step: int
-    ds_version: str
-    files: tuple[RankFiles, ...]
-    params: tuple[Param, ...]
-    buffers: tuple[Buffer, ...]
-    tied: Mapping[str, str]
-    groups: tuple[ParamGroup, ...]
-    partitions: tuple[tuple[Partition, ...], ...]
-    module_order: tuple[str, ...]
-    model_states: tuple[Mapping[str, Any], ...]
-    optim_states: tuple[Mapping[str, Any], ...]
-    mp_rank: int = 0  # the model-parallel rank this data-parallel checkpoint belongs to (`mp_rank_XX`)
-
-    @property
-    def tag_uri(self) -> str:
-        return join(self.root, self.tag)
-
-    @property
-    def param_by_name(self) -> dict[str, Param]:
-        """Parameters by name; of an expert group (whose shards share names and shapes), shard 0's."""
-        return {p.name: p for p in self.params if p.shard == 0}
-
-    @property
-    def param_by_key(self) -> dict[tuple[int, str], Param]:
-        """Every parameter by (shard, name)."""
-        return {(p.shard, p.name): p for p in self.params}
-
-    @property
-    def expert_parallel(self) -> bool:
-        """Whether some param group is partitioned per expert-parallel rank (AutoEP, deepspeed.moe)."""
-        return any(g.ep > 1 for g in self.groups)
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.params)
-
-    def model_file(self, rank: int = 0) -> str:
-        return self.files[rank if self.stage == 3 else 0].model or self.files[0].model or ""
-
-    @property
-    def layout(self) -> str:
-        return f"ZeRO-{self.stage}, data-parallel {self.world_size}"
-
-    def summary(self) -> dict[str, Any]:
-        """What the checkpoint is, for a report: layout, stage, world size, precision, step, sizes."""
-        return {
-            "layout": self.layout,
-            "stage": self.stage,
-            "world_size": self.world_size,
-            "precision": self.precision,
-            "step": self.step,
-            "ds_version": self.ds_version,
-            "params": len(self.params),
-            "numel": self.numel,
-            "frozen": sum(p.frozen for p in self.params),
-            "tied": len(self.tied),
-            "buffers": len(self.buffers),
-            "param_groups": len(self.groups),
-        }
-
-    def model_tensors(self) -> tuple[ModelTensor, ...]:
-        """The full model in state-dict order, tied aliases left out (see `tied`): trained parameters
-        from their fp32 master fragments, frozen ones from their saved copies (ZeRO-3: per-rank pieces,
-        padding cut), buffers as saved. An expert-parallel index holds expert-local shards under
-        DeepSpeed's names: its layout's reader (`autoep`, `moe`) gives the model instead."""
-        assert not self.expert_parallel, "an expert-parallel index is read through its layout's reader"
-        params = self.param_by_name
-        buffers = {b.name: b for b in self.buffers}
-        names = [n for n in self.module_order if n in params or n in buffers]
-        names += [n for n in [*params, *buffers] if n not in names]
-        out = []
-        checked: set[int] = set()
-        for name in names:
-            if name in self.tied:
-                continue
-            if name in buffers:
-                ref = buffers[name].ref
-                out.append(ModelTensor(name, ref.shape, ref.dtype, "buffer", (whole_run(ref, name),)))
-                continue
-            param = params[name]
-            runs = self.param_runs(param, checked)
-            check_coverage(name, param.numel, runs)
-            dtype = param.dtype if param.frozen else "float32"
-            out.append(ModelTensor(name, param.shape, dtype, "frozen" if param.frozen else "param", runs))
-        return tuple(out)
-
-    def param_runs(self, param: Param, checked: set[int] | None = None) -> tuple[Run, ...]:
-        """The runs that hold `param`: fp32 master fragments when trained, its saved copies when frozen."""
-        return self.frozen_runs(param) if param.frozen else self.trainable_runs(param, checked)
-
-    def trainable_runs(self, param: Param, checked: set[int] | None = None) -> tuple[Run, ...]:
-        """The fp32 master-weight runs of a trainable parameter, one per fragment. `checked` holds the
-        ids of partition tensors already found contiguous (each is checked once, not per fragment)."""
-        runs = []
-        checked = set() if checked is None else checked
-        for frag in param.fragments:
-            part = self.partitions[frag.rank][frag.group]
-            fp32 = part.fp32
-            if id(fp32) not in checked:
-                contiguous(fp32, param.name)
-                checked.add(id(fp32))
-            if frag.offset + frag.numel > fp32.numel:
-                raise CheckpointError(
-                    f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of "
-                    f"param group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri,
-                    rank=frag.rank, tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
-                )
-            runs.append(Run(fp32, frag.offset, frag.numel, frag.param_offset))
-        return tuple(runs)
-
-    def frozen_runs(self, param: Param) -> tuple[Run, ...]:
-        """A frozen parameter's runs: ZeRO-3 per-rank pieces of ceil(numel / world size) elements, padding
-        cut; ZeRO-1/2 one full tensor (the module copy, the only value a frozen parameter has)."""
-        if self.stage != 3 or len(param.frozen_pieces) == 1 and self.world_size == 1:
-            if len(param.frozen_pieces) != 1:
-                raise CheckpointError(f"frozen parameter {param.name} has {len(param.frozen_pieces)} saved copies, "
-                                      "expected 1", tensor=param.name, hint="run `ckptflow validate` on the source")
-            return (Run(contiguous(param.frozen_pieces[0], param.name), 0, param.numel, 0),)
-        piece = zero3_piece(param.numel, self.world_size)
-        runs = []
-        for rank, ref in enumerate(param.frozen_pieces):
-            take = zero3_real(param.numel, self.world_size, rank)
-            if take:
-                runs.append(Run(contiguous(ref, param.name), 0, take, rank * piece))
-        return tuple(runs)
-
-
-# ---- the tag --------------------------------------------------------------------------------------
-
-
-MAX_LATEST_BYTES = 4096  # a tag is a folder name: DeepSpeed writes a few dozen bytes
-LATEST_HINT = "refusing to follow it; fix `latest` or pass --tag"
-
-
-def check_tag(tag: str, where: str) -> str | None:
-    """The problem with `tag` as a folder name, or None when it is safe."""
-    if not tag:
-        return f"{where} is empty"
-    if "/" in tag or "\\" in tag or ".." in tag or "\x00" in tag:
-        return f"{where} names {excerpt(tag)}, which is not a plain folder name (path separators or '..')"
-    if not SAFE_TAG.match(tag):
-        return f"{where} names {excerpt(tag)}, which has characters DeepSpeed never writes in a tag"
-    return None
-
-
-def read_latest(fs: Any, path: str, where: str) -> str:
-    """The tag the `latest` file at `path` names, reading at most `MAX_LATEST_BYTES`; `CheckpointError`
-    (code `latest-unsafe`) when it is not a regular file, too long, not text, or not a plain folder
-    name. A local FIFO, device or folder is never opened for reading (`plumbing.files`)."""
-    hint = LATEST_HINT
-    uri = unstrip(fs, path)
-    try:
-        if is_local(uri):
-            with open_regular(uri, hint=hint) as fh:
-                raw = fh.read(MAX_LATEST_BYTES + 1)
-        else:
-            raw = fs.cat_file(path, start=0, end=MAX_LATEST_BYTES + 1)
-    except UnsafeInputError as exc:
-        raise CheckpointError(str(exc).replace(uri, where, 1), code="latest-unsafe", file=where) from None
-    if len(raw) > MAX_LATEST_BYTES:
-        raise CheckpointError(f"{where} holds more than {MAX_LATEST_BYTES} bytes, so it is not a DeepSpeed `latest` "
-                              "pointer", code="latest-unsafe", file=where, hint=hint)
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{where} is not UTF-8 text but {excerpt(raw)}, so it is not a DeepSpeed `latest` "
-                              "pointer", code="latest-unsafe", file=where, hint=hint) from None
-    bad = check_tag(text, where)
-    if bad:
-        raise CheckpointError(bad, code="latest-unsafe", file=where, hint=hint)
-    return text
-
-
-def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
-    """(root, tag) for a folder holding `latest` or for a tag folder itself."""
-    fs, path = open_fs(uri)
-    if tag is not None:
-        bad = check_tag(tag, "--tag")
-        if bad:
-            raise CheckpointError(bad, code="tag-unsafe", uri=uri, hint="pass the name of a folder beside `latest`")
-        return uri.rstrip("/"), tag
-    latest = posixpath.join(path, LATEST)
-    if fs.isfile(latest) or (is_local(uri) and os.path.lexists(local_path(join(uri, LATEST)))):
-        return uri.rstrip("/"), read_latest(fs, latest, join(uri, LATEST))  # a FIFO or folder is refused there
-    if not fs.exists(path):
-        raise CheckpointNotFoundError(f"{uri} does not exist", code="source-missing", uri=uri,
-                                      hint="check the path or URL")
-    names = [posixpath.basename(p) for p in fs.ls(path, detail=False)]
-    if any(MODEL_FILE_RE.match(n) for n in names):
-        parent = uri.rstrip("/").rsplit("/", 1)
-        return parent[0] if len(parent) == 2 else ".", parent[-1]
-    raise CheckpointNotFoundError(
-        f"no `latest` file in {uri}", code="latest-missing", uri=uri, file=join(uri, LATEST),
-        hint="point at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass --tag",
-    )
-
-
-# ---- reading --------------------------------------------------------------------------------------
-
-
-class StopReading(Exception):
-    """Raised inside `inspect` to stop at a stage whose problems make later checks meaningless."""
-
-
-@dataclass
-class Inspection:
-    """What a reader knows while it reads one checkpoint: where, and every problem found so far."""
-
-    root: str
-    tag: str
-    explicit_tag: bool = False
-    problems: list[Problem] = field(default_factory=list)
-    cache: ArchiveCache = field(default_factory=ArchiveCache, repr=False)  # pickles the ranks repeat, unpickled once
-
-    def add(self, code: str, message: str, *, file: str | None = None, rank: int | None = None) -> None:
-        self.problems.append(Problem(code, message, file, rank))
-
-    def stop_if_any(self) -> None:
-        if self.problems:
-            raise StopReading
-
-
-def read_head(st: Inspection) -> tuple[Listing, dict[str, Any]]:
-    """The tag folder's listing and rank 0's model states: what every reader starts from."""
-    listing = list_tag(st)
-    model0 = open_rank_file(st, listing.model0_uri, rank=0)
-    st.stop_if_any()
-    return listing, model0
+from ckptflow.plumbing.sizes import element_count
+from ckptflow.plumbing.storage import map_files
+from ckptflow.plumbing.text import excerpt
 
 
 def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_rank: int = 0, mp_world_size: int = 1,
@@ -399,19 +68,19 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
     first_model = listing.model_uri(mp_rank)
     head = model_head(st, model0, first_model, mp_world_size)
     st.stop_if_any()
-    model_uris, optim_uris = _check_file_set(st, listing, head["world_size"], head["precision"], mp_rank, where)
+    model_uris, optim_uris = check_file_set(st, listing, head["world_size"], head["precision"], mp_rank, where)
     st.stop_if_any()
     models, optims = _open_ranks(st, model0, model_uris, optim_uris)
     st.stop_if_any()
     stage = _check_agreement(st, listing, head, models, optims, model_uris, optim_uris, mp_world_size)
     st.stop_if_any()
     _check_zero0_bf16_optimizer(st, model0, first_model, where)
-    layout = _Layout(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris, module)
-    params, groups, partitions = layout.build()
+    parts = _Partitioning(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris, module)
+    params, groups, partitions = parts.build()
     st.stop_if_any()
     _check_steps(st, partitions, optim_uris)
     st.stop_if_any()
-    module = layout.module
+    module = parts.module
     return ZeroCheckpoint(
         root=st.root,
         tag=st.tag,
@@ -426,7 +95,7 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
         ),
         params=params,
         buffers=tuple(Buffer(n, module[n]) for n in models[0].get("buffer_names", []) if n in module),
-        tied=layout.tied,
+        tied=parts.tied,
         groups=groups,
         partitions=partitions,
         module_order=tuple(module),
@@ -469,137 +138,6 @@ def _step(value: int | float) -> str:
     return f"{value:g}" if isinstance(value, float) and math.isfinite(value) else excerpt(value)
 
 
-@dataclass(frozen=True)
-class Listing:
-    """The DeepSpeed files of a tag folder, by name."""
-
-    tag_uri: str
-    names: tuple[str, ...]
-    model_names: Mapping[str, re.Match[str]]
-    optim_names: Mapping[str, re.Match[str]]
-
-    @property
-    def stage3(self) -> bool:
-        return any(m.group(1) is not None for m in self.model_names.values())
-
-    @property
-    def model0_uri(self) -> str:
-        """Rank 0's model states: every layout has this file."""
-        return self.model_uri(0)
-
-    def model_uri(self, mp_rank: int) -> str:
-        """Data-parallel rank 0's model states of model-parallel rank `mp_rank`."""
-        return join(self.tag_uri, model_file_name(3 if self.stage3 else 1, 0, mp_rank))
-
-
-def list_tag(st: Inspection) -> Listing:
-    """The tag folder's listing: it exists and holds rank 0's model states."""
-    tag_uri = join(st.root, st.tag)
-    fs, tag_path = open_fs(tag_uri)
-    if not fs.isdir(tag_path):
-        why = (
-            "check the --tag value against the folders beside `latest`"
-            if st.explicit_tag
-            else "`latest` names a tag that was never saved or not yet uploaded: wait for the upload, or point "
-            "`latest` at an existing tag"
-        )
-        st.add("tag-missing", f"tag folder {tag_uri} does not exist; {why}", file=tag_uri)
-        st.stop_if_any()
-    names = tuple(sorted(posixpath.basename(p) for p in fs.ls(tag_path, detail=False)))
-    listing = Listing(
-        tag_uri, names,
-        {n: m for n in names if (m := MODEL_FILE_RE.match(n))},
-        {n: m for n in names if (m := OPTIM_FILE_RE.match(n))},
-    )
-    if model_file_name(3 if listing.stage3 else 1, 0) not in listing.model_names:
-        st.add(
-            "model-missing",
-            f"{join(tag_uri, 'mp_rank_00_model_states.pt')} (ZeRO-1/2) or "
-            f"{join(tag_uri, 'zero_pp_rank_0_mp_rank_00_model_states.pt')} (ZeRO-3) is missing; this is not a "
-            "DeepSpeed ZeRO tag folder, or rank 0's upload has not finished",
-            file=tag_uri,
-        )
-        st.stop_if_any()
-    return listing
-
-
-# More missing ranks than this are reported as one problem, not one each.
-MAX_LISTED_MISSING = 8
-
-
-def _check_file_set(st: Inspection, listing: Listing, world_size: int, precision: str, mp_rank: int = 0,
-                    where: str | None = None) -> tuple[list[str], list[str]]:
-    """Exactly the files the world size implies for model-parallel rank `mp_rank`, none missing, none
-    extra among that rank's files: (model URIs, optim URIs). `where` names the model-parallel rank.
-
-    The world size comes from a file and may be absurd: names are built for the files present, and
-    ranks missing past `MAX_LISTED_MISSING` are counted, not listed."""
-    first_model = model_file_name(3 if listing.stage3 else 1, 0, mp_rank)
-    label = "rank" if where is None else "data-parallel rank"
-    of = "" if where is None else f" of {where}"
-    present: dict[str, int] = {}  # expected files present -> rank
-    for name, m in listing.optim_names.items():
-        rank = int(m.group(2))
-        if rank < world_size and name == optim_file_name(precision, rank, mp_rank):
-            present[name] = rank
-    for name, m in listing.model_names.items():
-        rank = int(m.group(1) or 0)
-        if rank < world_size and name == (model_file_name(3, rank, mp_rank) if listing.stage3 else first_model):
-            present[name] = rank
-    wanted = world_size * (2 if listing.stage3 else 1) + (0 if listing.stage3 else 1)
-    if wanted - len(present) > MAX_LISTED_MISSING:
-        have = sorted({r for n, r in present.items() if n in listing.optim_names})
-        first = next(r for r in range(world_size) if r not in have)
-        name = optim_file_name(precision, first, mp_rank)
-        st.add("rank-missing",
-               f"{join(listing.tag_uri, first_model)} records a data-parallel world size of {excerpt(world_size)} but "
-               f"the tag folder holds optimizer files for {len(have)} {label}(s){of}; {wanted - len(present):,} files "
-               f"are missing, the first {st.tag}/{name} ({label} {first}); the upload may still be in progress, or "
-               f"{first_model} is damaged", file=join(listing.tag_uri, name), rank=first)
-        return [], []
-    expected_optim = {optim_file_name(precision, r, mp_rank): r for r in range(world_size)}
-    expected_model = ({model_file_name(3, r, mp_rank): r for r in range(world_size)} if listing.stage3
-                      else {first_model: 0})
-    for name, rank in {**expected_model, **expected_optim}.items():
-        if name not in listing.names:
-            st.add(
-                "rank-missing",
-                f"{label} {rank} of {world_size}{of} is missing: expected {st.tag}/{name} under {st.root}; the upload "
-                f"may still be in progress, or the checkpoint was saved with fewer ranks",
-                file=join(listing.tag_uri, name), rank=rank,
-            )
-    mine = [n for n, m in listing.model_names.items() if int(m.group(2)) == mp_rank]
-    mine += [n for n, m in listing.optim_names.items() if int(m.group(3)) == mp_rank]
-    if where is None:  # a data-parallel checkpoint: files of any other model-parallel rank do not belong
-        others = [n for n, m in listing.model_names.items() if int(m.group(2)) != mp_rank]
-        others += [n for n, m in listing.optim_names.items() if int(m.group(3)) != mp_rank]
-        for name in others:
-            st.add("rank-extra", f"unexpected file {st.tag}/{name}: it belongs to another model-parallel rank, but "
-                   f"{first_model} records a data-parallel checkpoint (model-parallel size 1); it is left over from "
-                   "another save into the same tag folder: remove it, or re-save the checkpoint into a fresh folder",
-                   file=join(listing.tag_uri, name))
-    for name in mine:
-        if name not in expected_model and name not in expected_optim:
-            m = listing.model_names.get(name) or listing.optim_names[name]
-            rank = int(m.group(2) if name in listing.optim_names else (m.group(1) or 0))
-            why = (
-                f"{label} {rank}{of} is beyond the data-parallel world size {world_size} recorded in {first_model}"
-                if where is not None and rank >= world_size else
-                f"rank {rank} is beyond the world size {world_size} recorded in {first_model}"
-                if rank >= world_size
-                else f"its precision prefix does not match the {precision} training recorded in {first_model}"
-            )
-            st.add(
-                "rank-extra",
-                f"unexpected file {st.tag}/{name}: {why}; it is left over from another save into the same tag "
-                "folder: remove it, or re-save the checkpoint into a fresh folder",
-                file=join(listing.tag_uri, name), rank=rank,
-            )
-    model_uris = [join(listing.tag_uri, n) for n in expected_model]
-    optim_uris = [join(listing.tag_uri, n) for n in expected_optim]
-    return model_uris, optim_uris
-
-
 def _open_ranks(st: Inspection, model0: dict[str, Any], model_uris: list[str],
                 optim_uris: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every rank file parsed (in parallel on a store: `plumbing.storage.map_files`)."""
@@ -619,8 +157,8 @@ def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], mod
             if h[key] != head[key]:
                 st.add(
                     "ranks-disagree",
-                    f"rank {rank} records {label} {_shown(h[key])} in {model_uris[rank]} but rank 0 records "
-                    f"{_shown(head[key])}; the folder mixes files from different saves: re-copy the tag folder from one save",
+                    f"rank {rank} records {label} {shown(h[key])} in {model_uris[rank]} but rank 0 records "
+                    f"{shown(head[key])}; the folder mixes files from different saves: re-copy the tag folder from one save",
                     file=model_uris[rank], rank=rank,
                 )
     optim_heads = [_optim_head(st, o, u, r) for r, (o, u) in enumerate(zip(optims, optim_uris))]
@@ -648,31 +186,6 @@ def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], mod
     return stage
 
 
-def _shown(value: Any) -> str:
-    """A value from a file in a message: a plain version or number as it is, anything else quoted."""
-    if isinstance(value, str) and SAFE_TAG.match(value) and len(value) <= 60:
-        return value
-    return excerpt(value)
-
-
-def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
-    try:
-        obj = open_archive(uri, ALLOWED, cache=st.cache).obj
-    except CkptflowError as exc:
-        code = "rank-missing" if isinstance(exc, CheckpointNotFoundError) else exc.code
-        st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
-        return {}
-    except OSError as exc:
-        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({describe(exc)}); check access to the store and retry",
-               file=uri, rank=rank)
-        return {}
-    if not isinstance(obj, dict):
-        st.add("corrupt-file", f"rank {rank}: {uri} holds a {type(obj).__name__}, not a DeepSpeed state dict; the "
-               "file is not a DeepSpeed checkpoint file", file=uri, rank=rank)
-        return {}
-    return obj
-
-
 def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: str, where: str | None) -> None:
     """A PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose files look like
     ZeRO-1's (`bf16_zero_pp_rank_*`), while the model states, written as ZeRO-0's, record no
@@ -690,14 +203,6 @@ def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: 
     st.stop_if_any()
 
 
-def precision_of(config: Any) -> str:
-    """The training precision a saved `ds_config` names: "bf16", "fp16" or "fp32"."""
-    config = config if isinstance(config, Mapping) else {}
-    if enabled_section(config, "bf16") or enabled_section(config, "bfloat16"):
-        return "bf16"
-    return "fp16" if enabled_section(config, "fp16") else "fp32"
-
-
 def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> dict[str, Any]:
     missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
     if missing:
@@ -706,11 +211,11 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
         return {}
     precision = precision_of(obj.get("ds_config"))
     world_size, step, version = obj["dp_world_size"], obj["global_steps"], obj.get("ds_version", "unknown")
-    if not _count(world_size) or world_size < 1:
+    if not is_count(world_size) or world_size < 1:
         st.add("corrupt-file", f"{uri} records a data-parallel world size of {excerpt(world_size)}; the file is damaged",
                file=uri)
         return {}
-    if not _count(step):
+    if not is_count(step):
         st.add("corrupt-file", f"{uri} records a global step of {excerpt(step)}, not a step count; the file is damaged",
                file=uri)
         return {}
@@ -730,17 +235,6 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
     return {"world_size": world_size, "precision": precision, "step": step, "ds_version": version}
 
 
-def _count(value: Any) -> bool:
-    """Whether `value` is a count a checkpoint records: a non-negative int (not a bool) that fits the
-    int64 torch and DeepSpeed keep counts in (a larger one, thousands of digits, cannot even be printed)."""
-    return type(value) is int and 0 <= value <= MAX_NUMEL
-
-
-def enabled_section(config: Mapping[str, Any], key: str) -> bool:
-    section = config.get(key)
-    return isinstance(section, Mapping) and bool(section.get("enabled", False))
-
-
 def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> dict[str, Any]:
     osd = obj.get("optimizer_state_dict")
     if not isinstance(osd, Mapping) or "partition_count" not in osd:
@@ -749,7 +243,7 @@ def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> 
         return {"stage": None, "world_size": None}
     count = osd["partition_count"]
     counts = count if isinstance(count, list) and count else [count]
-    if not all(_count(c) and c >= 1 for c in counts):
+    if not all(is_count(c) and c >= 1 for c in counts):
         st.add("corrupt-file", f"rank {rank}: {uri} records a partition count of {excerpt(count)}; the file is damaged",
                file=uri, rank=rank)
         return {"stage": None, "world_size": None}
@@ -761,70 +255,7 @@ def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> 
     return {"stage": int(stage), "world_size": max(counts)}
 
 
-# A tensor has at most 2**63 - 1 elements (torch counts them in an int64).
-MAX_NUMEL = 2**63 - 1
-
-
-def _is_shape(value: Any) -> bool:
-    return (isinstance(value, tuple | list) and len(value) <= 64 and all(_count(d) for d in value)
-            and element_count(value) <= MAX_NUMEL)
-
-
-def _is_shape_map(value: Any) -> bool:
-    return isinstance(value, Mapping) and all(isinstance(k, str) and _is_shape(v) for k, v in value.items())
-
-
-def _is_list_of(test: Any) -> Any:
-    return lambda value: isinstance(value, list) and all(test(v) for v in value)
-
-
-def _is_str_map(value: Any) -> bool:
-    return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
-
-
-def _flat(ref: TensorRef) -> bool:
-    """A flat partition or moment: one dimension, contiguous."""
-    return len(ref.shape) == 1 and ref.is_contiguous
-
-
-# What a reader relies on in each file: the fields it reads, and what they must hold (None is "absent").
-_MODEL_FIELDS: dict[str, Any] = {
-    "module": lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
-    "param_shapes": _is_list_of(_is_shape_map),
-    "buffer_names": _is_list_of(lambda n: isinstance(n, str)),
-    "shared_params": _is_str_map,
-    "frozen_param_shapes": _is_shape_map,
-    "frozen_param_fragments": lambda v: isinstance(v, Mapping),
-}
-_OPTIM_FIELDS: dict[str, Any] = {
-    "fp32_flat_groups": lambda v: isinstance(v, list),
-    "single_partition_of_fp32_groups": lambda v: isinstance(v, list),
-    "group_paddings": _is_list_of(_count),
-    "param_alignment_paddings": _is_list_of(lambda v: v is None or _is_list_of(_count)(v)),
-    "param_slice_mappings": _is_list_of(lambda v: v is None or isinstance(v, Mapping)),
-}
-_BASE_STATE_FIELDS: dict[str, Any] = {
-    "state": lambda v: isinstance(v, Mapping),
-    "param_groups": _is_list_of(lambda v: isinstance(v, Mapping)),
-}
-
-
-def check_fields(st: Inspection, obj: Mapping[str, Any], fields: Mapping[str, Any], uri: str, rank: int) -> None:
-    """Each field a reader uses holds what DeepSpeed writes there (types, not values), so that what
-    follows can rely on it; one problem per field that does not."""
-    for key, ok in fields.items():
-        value = obj.get(key)
-        if value is not None and not ok(value):
-            st.add("corrupt-file", f"rank {rank}: {uri} records {key} as {excerpt(value)}, not what DeepSpeed "
-                   "writes there; the file is damaged", file=uri, rank=rank)
-
-
-def check_model_fields(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> None:
-    """`check_fields` for a model states file."""
-    check_fields(st, obj, _MODEL_FIELDS, uri, rank)
-
-
-class _Layout:
+class _Partitioning:
     """Parameter fragments and partitions from the rank files, checked as they are worked out."""
 
     def __init__(self, st: Inspection, stage: int, world_size: int, precision: str,
@@ -841,10 +272,10 @@ class _Layout:
     def build(self) -> tuple[tuple[Param, ...], tuple[ParamGroup, ...], tuple[tuple[Partition, ...], ...]]:
         for rank, (m, uri) in enumerate(zip(self.models, self.model_uris)):
             if rank == 0 or self.stage == 3:
-                self._check_fields(m, _MODEL_FIELDS, uri, rank)
+                self._check_fields(m, MODEL_FIELDS, uri, rank)
         for rank, (osd, uri) in enumerate(zip(self.osds, self.optim_uris)):
-            self._check_fields(osd, _OPTIM_FIELDS, uri, rank)
-            self._check_fields(self._base_state(rank), _BASE_STATE_FIELDS, uri, rank)
+            self._check_fields(osd, OPTIM_FIELDS, uri, rank)
+            self._check_fields(self._base_state(rank), BASE_STATE_FIELDS, uri, rank)
         self.st.stop_if_any()
         model0 = self.models[0]
         shapes: list[Mapping[str, tuple[int, ...]]] = model0["param_shapes"]
@@ -976,7 +407,7 @@ class _Layout:
                         file=uri, rank=rank)
             return empty
         ref = flat[group]
-        if not _flat(ref):
+        if not is_flat(ref):
             self.st.add("corrupt-file", f"rank {rank}: the fp32 partition of param group {group} in {uri} is a strided "
                         f"view (shape {excerpt(list(ref.shape))}, stride {excerpt(list(ref.stride))}), not the contiguous "
                         "flat tensor DeepSpeed saves; the file is damaged", file=uri, rank=rank)
@@ -1006,7 +437,7 @@ class _Layout:
                 self.st.add("partition-mismatch", f"rank {rank}: optimizer state {excerpt(key)} of param group {group} "
                             f"in {uri} has {value.numel} elements but the fp32 partition has {numel}; the file is damaged",
                             file=uri, rank=rank)
-            elif not _flat(value):
+            elif not is_flat(value):
                 self.st.add("corrupt-file", f"rank {rank}: optimizer state {excerpt(key)} of param group {group} in "
                             f"{uri} is a strided view (stride {excerpt(list(value.stride))}), not the contiguous flat "
                             "tensor DeepSpeed saves; the file is damaged", file=uri, rank=rank)

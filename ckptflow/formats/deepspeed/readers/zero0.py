@@ -27,9 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.formats.deepspeed.index import Inspection, Listing, model_head
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.model import Degrees, ModelTensor
 from ckptflow.formats.deepspeed.names import model_file_name
-from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
+from ckptflow.formats.deepspeed.readers.zero import model_head
+from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join
@@ -72,6 +74,10 @@ class Zero0Checkpoint:
     @property
     def layout(self) -> str:
         return f"ZeRO-0, data-parallel {self.world_size}"
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.world_size)
 
     @property
     def numel(self) -> int:

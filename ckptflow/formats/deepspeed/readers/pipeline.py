@@ -35,19 +35,32 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.detect import Layout
-from ckptflow.formats.deepspeed.index import Inspection, Listing
-from ckptflow.formats.deepspeed.model_parallel import (Holding, ModelParallelCheckpoint, Piece, Replica, about,
-                                                       check_mp_files, concat_pieces, join, local_tensors, open_heads,
-                                                       read_ranks, row_major, stop_on_new)
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.model import ModelTensor
 from ckptflow.formats.deepspeed.names import ALLOWED, LAYER_FILE_RE, layer_file_name
-from ckptflow.formats.deepspeed.tensors import ModelTensor, whole_run
-from ckptflow.formats.deepspeed.zero0 import UNNAMED_OPTIMIZER, masters_note
+from ckptflow.formats.deepspeed.readers.model_parallel import (
+    Holding,
+    ModelParallelCheckpoint,
+    Piece,
+    Replica,
+    about,
+    check_mp_files,
+    concat_pieces,
+    join,
+    local_tensors,
+    open_heads,
+    read_ranks,
+    row_major,
+    stop_on_new,
+)
+from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, masters_note
+from ckptflow.formats.deepspeed.runs import whole_run
+from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.zipdir import open_archive
+from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.storage import join as join_uri
 from ckptflow.plumbing.text import excerpt
-from ckptflow.plumbing.redaction import describe
 
 UC_INFO = "universal_checkpoint_info"
 TIED = "tied_modules."
@@ -63,10 +76,10 @@ NO_UC_INFO = ("nothing in it says how each parameter is split over the {tp} tens
               "your framework's own tools")
 
 
-def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layout: Layout) -> ModelParallelCheckpoint:
+def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology) -> ModelParallelCheckpoint:
     """The index of a PipelineModule checkpoint (`pipeline`, or `megatron` with tensor parallelism)."""
-    megatron = layout.kind == "megatron"
-    pp, tp = layout.pp, layout.tp if megatron else 1
+    megatron = topology.kind == "megatron"
+    pp, tp = topology.pp, topology.tp if megatron else 1
     count = pp * tp
 
     def label(mp: int) -> str:
@@ -75,9 +88,9 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
 
     info: Mapping[str, Any] = {}
     if tp > 1:
-        info = _uc_info(st, listing, model0, layout)
+        info = _uc_info(st, listing, model0, topology)
         st.stop_if_any()
-    check_mp_files(st, listing, count, label, layout.description, layer_files=True)
+    check_mp_files(st, listing, count, label, topology.description, layer_files=True)
     left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
     layer_names = _layer_files(st, listing, tp if megatron else None)
     heads = open_heads(st, listing, model0, count)
@@ -90,10 +103,10 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
                        "from one save", file=listing.model_uri(mp))
     layers = _open_layers(st, listing, layer_names)
     stop_on_new(st, left_over)
-    zero0 = layout.stage == 0
+    zero0 = topology.stage == 0
     plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
     stop_on_new(st, left_over)
-    ranks = read_ranks(st, listing, heads, layout.stage, label, plan.modules if plan else [{}] * count)
+    ranks = read_ranks(st, listing, heads, topology.stage, label, plan.modules if plan else [{}] * count)
     if zero0:
         mp_locals, views = _layer_views(heads, layers, tp)
     else:
@@ -113,8 +126,8 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
                  *([masters_note(first.precision)] if first.masters_unnamed else []))
     return ModelParallelCheckpoint(
         root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
-        step=first.step, ds_version=first.ds_version, kind=layout.kind,
-        description=Layout(layout.kind, first.stage, layout.dp, tp=layout.tp, pp=pp).description, tp=tp, pp=pp,
+        step=first.step, ds_version=first.ds_version, kind=topology.kind,
+        description=Topology(topology.kind, first.stage, topology.dp, tp=topology.tp, pp=pp).description, tp=tp, pp=pp,
         ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas),
         carried=tuple(sorted(layer_names.values())), notes=notes,
     )
@@ -123,11 +136,11 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], layo
 # ---- files -------------------------------------------------------------------------------------------
 
 
-def _uc_info(st: Inspection, listing: Listing, model0: Mapping[str, Any], layout: Layout) -> Mapping[str, Any]:
+def _uc_info(st: Inspection, listing: Listing, model0: Mapping[str, Any], topology: Topology) -> Mapping[str, Any]:
     info = model0.get(UC_INFO)
     if not isinstance(info, Mapping):
-        st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {layout.description} layout without "
-               f"`{UC_INFO}`: " + NO_UC_INFO.format(tp=layout.tp), file=listing.model0_uri)
+        st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {topology.description} layout without "
+               f"`{UC_INFO}`: " + NO_UC_INFO.format(tp=topology.tp), file=listing.model0_uri)
         return {}
     return info
 

@@ -1,0 +1,53 @@
+"""What DeepSpeed's saved config and records mean: the training precision, the ZeRO section and its flags,
+the optimizer that laid the partitions out, and counts as DeepSpeed records them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ckptflow.formats.deepspeed.partition import BF16, DEFAULT_SUB_GROUP_SIZE, ZERO, ZERO3
+
+
+def precision_of(config: Any) -> str:
+    """The training precision a saved `ds_config` names: "bf16", "fp16" or "fp32"."""
+    config = config if isinstance(config, Mapping) else {}
+    if enabled_section(config, "bf16") or enabled_section(config, "bfloat16"):
+        return "bf16"
+    return "fp16" if enabled_section(config, "fp16") else "fp32"
+
+
+def enabled_section(config: Mapping[str, Any], key: str) -> bool:
+    """Whether the section `key` of a config is there with `enabled` on."""
+    section = config.get(key)
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+
+
+def zero_section(config: Any) -> Mapping[str, Any]:
+    """The `zero_optimization` section of a saved `ds_config` ({} where it has none)."""
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    return zero if isinstance(zero, Mapping) else {}
+
+
+def is_set(section: Mapping[str, Any], key: str) -> bool:
+    """Whether a boolean option of a config section is on (DeepSpeed's configs hold True or "true")."""
+    value = section.get(key, False)
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def optimizer_kind(stage: int, optimizer_state: Mapping[str, Any]) -> str:
+    """Which DeepSpeed optimizer laid the partitions out (`partition.ZERO`, `BF16`, `ZERO3`), from the
+    ZeRO stage and a rank's `optimizer_state_dict`: BF16_Optimizer records no `zero_stage`."""
+    if stage == 3:
+        return ZERO3
+    return ZERO if "zero_stage" in optimizer_state else BF16
+
+
+def sub_group_size(zero: Mapping[str, Any]) -> int:
+    """ZeRO-3's `sub_group_size` from a `zero_optimization` section (DeepSpeed's default where unset or
+    not a number)."""
+    value = zero.get("sub_group_size")
+    try:
+        return int(float(value)) if value is not None else DEFAULT_SUB_GROUP_SIZE
+    except (TypeError, ValueError):
+        return DEFAULT_SUB_GROUP_SIZE
