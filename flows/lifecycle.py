@@ -33,7 +33,7 @@ from pydantic import Field
 
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
-from flows import layout
+from flows import paths
 from flows.params import (
     ConsolidationOptions,
     Destination,
@@ -140,20 +140,20 @@ def checkpoint_lifecycle(
     )
     if not tag:
         _rename_run(source_label(source, checkpoint.tag))
-    base = layout.checkpoint_workspace(checkpoint, workspace or None)
+    base = paths.checkpoint_workspace(checkpoint, workspace or None)
     log.info("building %s into %s", checkpoint.uri, base)
 
     # Build: the model (and its verification) and every reshard, side by side. A step whose output
     # folder is gone (a cleaned workspace) is built again even when its result is cached.
     def build_options(out: str) -> dict[str, Any]:
         if refresh:
-            layout.remove(out)
+            paths.remove(out)
         return {"refresh_cache": True} if refresh or _gone(out) else {}
 
     model_future: PrefectFuture[Output] | None = None
     verify_future: PrefectFuture[dict[str, Any]] | None = None
     if consolidation.enabled:
-        out = layout.model_folder(base, consolidation)
+        out = paths.model_folder(base, consolidation)
         built = build_options(out)
         if consolidation.deployment:
             model_future = consolidate_on_deployment.with_options(**built).submit(
@@ -171,7 +171,7 @@ def checkpoint_lifecycle(
                 )
     reshard_futures = {}
     for n in reshard.world_sizes:
-        out = layout.reshard_folder(base, n, reshard.tensor_parallel)
+        out = paths.reshard_folder(base, n, reshard.tensor_parallel)
         reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
             checkpoint, out, n, cluster=cluster or None, tensor_parallel=reshard.tensor_parallel)
 
@@ -190,13 +190,13 @@ def checkpoint_lifecycle(
     for dest in destinations:
         targets: list[tuple[Output, str, str | None]] = []
         if dest.includes("model") and model is not None:
-            targets.append((model, *layout.model_destination(dest, checkpoint.tag)))
+            targets.append((model, *paths.model_destination(dest, checkpoint.tag)))
         if dest.includes("reshards"):
-            targets += [(o, *layout.reshard_destination(dest, checkpoint.tag, n, reshard.tensor_parallel))
+            targets += [(o, *paths.reshard_destination(dest, checkpoint.tag, n, reshard.tensor_parallel))
                         for n, o in reshards.items() if o]
         for output, uri, revision in targets:
             # A bucket destination whose manifest is gone (deleted since) is published again.
-            gone = not dest.is_hub and _gone(layout.published_marker(uri))
+            gone = not dest.is_hub and _gone(paths.published_marker(uri))
             options: dict[str, Any] = {"tags": {"hub-upload"} if dest.is_hub else {"bucket-upload"}}
             if refresh or gone:
                 options["refresh_cache"] = True
@@ -367,7 +367,7 @@ def _gone(uri: str) -> bool:
     """True when nothing is at `uri` any more; False when it is there or cannot be checked (the step's
     own task then meets the same error and reports it)."""
     try:
-        return not layout.exists(uri)
+        return not paths.exists(uri)
     except Exception as exc:
         get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, describe(exc))
         return False

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 # Bump to invalidate every cached result when the meaning of a task's output changes (the workspace
-# folders are named after it too, `flows.layout`, so no step takes an output built before the bump).
+# folders are named after it too, `flows.paths`, so no step takes an output built before the bump).
 CACHE_VERSION = "1"
 
 

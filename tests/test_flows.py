@@ -373,14 +373,14 @@ def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, 
     from prefect import flow
 
     from ckptflow.reshard import reshard
-    from flows import layout
+    from flows import paths
     from flows.params import ReshardOptions
     from tasks.reshard import reshard_checkpoint
 
     options = ReshardOptions(world_sizes=[2], merge_tensor_parallel=True)
     assert options.tensor_parallel == 1 and ReshardOptions(world_sizes=[2]).tensor_parallel is None
-    out = layout.reshard_folder(str(tmp_path), 2, options.tensor_parallel)
-    assert out.endswith("/zero-ws2-tp1") and layout.reshard_folder(str(tmp_path), 2).endswith("/zero-ws2")
+    out = paths.reshard_folder(str(tmp_path), 2, options.tensor_parallel)
+    assert out.endswith("/zero-ws2-tp1") and paths.reshard_folder(str(tmp_path), 2).endswith("/zero-ws2")
     src = parallel_fixtures["autotp-tp2-z1-fp32"]
 
     @flow

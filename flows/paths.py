@@ -1,4 +1,4 @@
-"""Where the lifecycle flow writes and publishes: the workspace layout and the destination layout.
+"""Where the lifecycle flow writes and publishes: the workspace folders and the destinations.
 
 Workspace (outputs before publishing; a bucket URL when a GPU deployment writes the model)::
 
