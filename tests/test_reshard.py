@@ -1029,10 +1029,7 @@ def test_training_resumes_on_the_same_loss_curve(oracle, curve) -> None:
 def test_bf16_optimizer_checkpoints(ds_fixtures, tmp_path: Path) -> None:
     """bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer) is planned like ZeRO-1."""
     fixture = ds_fixtures["z1-bf16-ws2-fp32accum"]
-    try:
-        index = load_index(str(fixture.dir))
-    except CheckpointError as exc:
-        pytest.xfail(f"the index does not read BF16_Optimizer checkpoints yet: {exc}")
+    index = load_index(str(fixture.dir))
     plan = plan_reshard(index, 3)
     assert plan.optimizer == "bf16"
     reshard(str(fixture.dir), str(tmp_path / "out"), world_size=3)
