@@ -186,6 +186,20 @@ def wait_for_file(started: str, release: str, timeout: float = 60.0) -> dict[str
     return me
 
 
+def meet(log: str, workers: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Append this worker's name to `log`, then block until `workers` distinct workers have written
+    theirs: tasks that call it cannot all finish on one worker, whatever the scheduler's timing."""
+    me = whoami()
+    with open(log, "a") as fh:
+        fh.write(me["name"] + "\n")
+    deadline = time.monotonic() + timeout
+    while len(set(Path(log).read_text().split())) < workers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{Path(log).read_text().split()} in {log}: {workers} workers never met")
+        time.sleep(0.02)
+    return me
+
+
 # ---- starting and stopping ---------------------------------------------------------------------------
 
 
