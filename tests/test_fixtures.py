@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -155,15 +154,20 @@ def test_failed_generation_leaves_nothing_behind(tmp_path: Path) -> None:
 def test_launch_stops_the_other_ranks_and_shows_the_failing_log(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
         "rank = int(os.environ['RANK'])\n"
+        "stopped = lambda *_: (open(sys.argv[1] + f'/stopped{rank}', 'w').close(), sys.exit(143))\n"
+        "signal.signal(signal.SIGTERM, stopped)\n"
+        "open(sys.argv[1] + f'/ready{rank}', 'w').close()\n"
         "print(f'rank {rank} of {os.environ[\"WORLD_SIZE\"]} says hello', flush=True)\n"
+        "while rank == 1 and not all(os.path.exists(sys.argv[1] + f'/ready{r}') for r in (0, 2)):\n"
+        "    time.sleep(0.01)  # fails once the others can say they were stopped\n"
         "sys.exit(3) if rank == 1 else time.sleep(60)\n"
     )
-    started = time.monotonic()
     with pytest.raises(LaunchError) as raised:
-        launch(script, 3, timeout=30)
-    assert time.monotonic() - started < 20
+        launch(script, 3, [str(tmp_path)], timeout=30)  # the timeout is the hang guard
+    # The other ranks were stopped (signalled), not waited for: theirs would have been a 60 s sleep.
+    assert sorted(p.name for p in tmp_path.glob("stopped*")) == ["stopped0", "stopped2"]
     error = raised.value
     assert (error.rank, error.returncode) == (1, 3)
     assert f"rank 1 of 3 running {script} exited with code 3; the other ranks were stopped." in str(error)

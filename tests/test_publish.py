@@ -218,13 +218,11 @@ def test_truncated_responses_are_retried(gcs: Store, tmp_path: Path) -> None:
 def test_forbidden_fails_fast_without_retries(gcs: Store, tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "model", MODEL)
     gcs.proxy.configure(status=403)
-    started = time.monotonic()
 
     with pytest.raises(PublishError) as caught:
         push(str(folder), gcs.url)
 
-    assert time.monotonic() - started < 5
-    assert gcs.proxy.requests == 1
+    assert gcs.proxy.requests == 1  # fast because nothing is retried: one request, no backoff
     message = str(caught.value)
     assert message.startswith(f"could not take the lease {gcs.url}/ckptflow-push.lease: OSError: Forbidden")
     assert message.endswith("; check the credentials fsspec uses for this URL and that they allow reading and writing there")

@@ -15,6 +15,7 @@ import torch
 
 from ckptflow.errors import CorruptFileError, UnsafePickleError
 from ckptflow.formats.torchzip import TensorRef, open_archive
+from tests.hostile.guard import returns_within
 from tests.tensors import iter_chunks, read_elements, read_tensor
 
 
@@ -175,8 +176,6 @@ def test_pickle_bombs_cost_their_size(tmp_path):
     """Shared references stay shared (a "billion laughs" is refused by its expanded size, quickly),
     a memo index of 2**31 costs nothing, BUILD on an allowed function is refused, and a tuple nested
     far past any recursion limit is refused before it is ever hashed."""
-    import time
-
     from tests.hostile import pickleasm as asm
     from tests.hostile.torchfile import inject
 
@@ -193,10 +192,8 @@ def test_pickle_bombs_cost_their_size(tmp_path):
         path = tmp_path / f"{name}.pt"
         path.write_bytes(Path(base).read_bytes())
         inject(path, "payload", ops)
-        started = time.monotonic()
         if message is None:
-            assert open_archive(str(path)).obj["payload"] is None
+            assert returns_within(lambda: open_archive(str(path)), name).obj["payload"] is None
         else:
             with pytest.raises(CorruptFileError, match=message):
-                open_archive(str(path))
-        assert time.monotonic() - started < 5, name
+                returns_within(lambda: open_archive(str(path)), name)
