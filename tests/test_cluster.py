@@ -11,7 +11,7 @@ from pathlib import Path
 import fsspec.core
 import pytest
 
-from tests.cluster import Coordinator, DaskCluster, meet, read_range, wait_for_file
+from tests.servers.cluster import Coordinator, DaskCluster, meet, read_range, wait_for_file
 
 BLOB = bytes(range(256)) * 4096  # 1 MiB
 

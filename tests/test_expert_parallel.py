@@ -43,7 +43,7 @@ from tests.test_reshard import _differences
 from tests.fixtures.parallel import ParallelFixture
 from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
 from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
-from tests.tensors import read_tensor
+from tests.oracles.tensors import read_tensor
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
@@ -375,7 +375,7 @@ class Oracle:
         for (world_size, layout), items in sorted(jobs.items()):
             jobs_file = self.root / f"jobs-{world_size}-{layout}-{held_out}.json"
             jobs_file.write_text(json.dumps(items, indent=1))
-            launch("tests.expert_reshard_oracle", world_size, ["--jobs", str(jobs_file)],
+            launch("tests.oracles.expert_reshard", world_size, ["--jobs", str(jobs_file)],
                    log_dir=self.root / f"logs-{world_size}-{layout}-{held_out}", timeout=900)
 
 

@@ -135,7 +135,7 @@ def bucket_run(gcs_server, llama_trainer_ckpt, tmp_path_factory: pytest.TempPath
     The workspace is a local folder: outputs are moved into place by rename there, where the
     emulator lacks the `moveTo` call gcsfs tries first (and retries for half a minute per file).
     """
-    from tests.servers import GCS_BUCKET
+    from tests.servers.stores import GCS_BUCKET
 
     base = f"gs://{GCS_BUCKET}/flows-{uuid.uuid4().hex[:10]}"
     fs = fsspec.filesystem("gs")

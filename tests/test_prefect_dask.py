@@ -27,7 +27,7 @@ import fsspec.core
 from prefect import flow, task
 
 from flows.commands import run_here
-from tests.cluster import DaskCluster, meet, read_range, whoami
+from tests.servers.cluster import DaskCluster, meet, read_range, whoami
 
 
 @dataclass(frozen=True)

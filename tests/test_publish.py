@@ -1,7 +1,7 @@
 """Pushing folders to object stores: round trips, faults, crashes, idempotence, messages.
 
 GCS and S3 are real servers on loopback (the gcp-storage-emulator through gcsfs, moto through s3fs),
-each behind a fault-injecting proxy (tests/faultproxy.py); see tests/servers.py.
+each behind a fault-injecting proxy (tests/servers/faultproxy.py); see tests/servers/stores.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ckptflow.plumbing.redaction import redact
 from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
 from ckptflow.publish import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, push
 from ckptflow.publish import store as publish
-from tests.servers import AWS_SECRET, Store
+from tests.servers.stores import AWS_SECRET, Store
 
 FAST = RetryPolicy(attempts=8, base_delay=0.05, max_delay=0.5)
 REPO_ROOT = Path(__file__).resolve().parents[1]

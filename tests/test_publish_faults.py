@@ -36,7 +36,7 @@ from ckptflow.publish.lease import LEASE_NAME, hold_lease
 from tests.hostile.harness import Limits
 from tests.hostile.plugin import long_mode_env
 from tests.hostile.run import Runner
-from tests.servers import Store
+from tests.servers.stores import Store
 
 LONG = long_mode_env()
 BIG = 120 * 2**20  # three resumable chunks with ckptflow's 50 MiB blocks (56 MiB, 56 MiB, 8 MiB)

@@ -11,7 +11,7 @@ import torch
 
 from ckptflow.plumbing.storage import open_fs
 from ckptflow.formats.torchzip import open_archive
-from tests.tensors import read_elements
+from tests.oracles.tensors import read_elements
 from ckptflow.validate import validate
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.test_validate import full_param

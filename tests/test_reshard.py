@@ -37,7 +37,7 @@ from ckptflow.reshard import (abort, committed_output, finalize, plan_output, pl
                               run_unit)
 from ckptflow.formats.torchzip import PickledObject, TensorRef, open_archive
 from tests.sampling import sample
-from tests.tensors import read_tensor
+from tests.oracles.tensors import read_tensor
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from ckptflow.formats.deepspeed.layout import (Extent, moves, param_alignment, piece_offsets, round_robin_order, zero3_moves,
                                   zero3_piece, zero3_sub_groups, zero12_fragments, zero12_layout)
@@ -682,7 +682,7 @@ def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_
     reshard(str(llama_trainer_ckpt.dir), str(out), world_size=world_size)
     state_file = tmp_path / "state.json"
     spec = dict(llama_trainer_ckpt.spec)
-    launch("tests.reshard_trainer", world_size,
+    launch("tests.oracles.reshard_trainer", world_size,
            ["--spec", json.dumps(spec), "--checkpoint", str(out), "--out", str(state_file)], log_dir=tmp_path / "logs")
     state = json.loads(state_file.read_text())
     assert state["global_step"] == state["engine_global_steps"] == spec["steps"] + 2
@@ -824,7 +824,7 @@ def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
                                  losses=str(losses[(name, world_size)])))
         jobs_file = root / f"jobs-{world_size}.json"
         jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.reshard_oracle", world_size, ["--jobs", str(jobs_file)], log_dir=root / f"logs-{world_size}")
+        launch("tests.oracles.reshard", world_size, ["--jobs", str(jobs_file)], log_dir=root / f"logs-{world_size}")
     return {"sources": sources, "outs": outs, "resaved": resaved, "losses": losses, "root": root, "specs": specs}
 
 

@@ -16,7 +16,7 @@ import torch
 from ckptflow.errors import CorruptFileError, UnsafePickleError
 from ckptflow.formats.torchzip import TensorRef, open_archive
 from tests.hostile.guard import returns_within
-from tests.tensors import iter_chunks, read_elements, read_tensor
+from tests.oracles.tensors import iter_chunks, read_elements, read_tensor
 
 
 def save(tmp_path: Path, obj, name: str = "f.pt") -> str:

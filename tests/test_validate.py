@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tensors import read_elements, read_tensor
+from tests.oracles.tensors import read_elements, read_tensor
 from ckptflow.validate import validate
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.hostile.corpus import DEEP, VALIDATE, all_kinds, prepare

@@ -8,7 +8,7 @@ by default exit 1 with one clean error whose text matches `expect`. `xfail` name
 fail today, with the issue item that will fix them (strict: a fixed case fails until the mark goes).
 
 Builders draw their parameters through `ws.param(canonical, chooser)`: the corpus run uses the
-canonical value (the case with the pinned message), the fuzzer (`tests/fuzz.py`) a seeded random one.
+canonical value (the case with the pinned message), the fuzzer (`tests/hostile/fuzz.py`) a seeded random one.
 """
 
 from __future__ import annotations

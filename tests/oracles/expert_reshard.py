@@ -1,7 +1,7 @@
 """Rank script for the expert-parallel reshard oracle: DeepSpeed itself, at this launch's world size,
 trains or loads a parallel fixture's model and saves it again.
 
-Run on M ranks by ``launch("tests.expert_reshard_oracle", M, ["--jobs", FILE])``. ``FILE`` holds a
+Run on M ranks by ``launch("tests.oracles.expert_reshard", M, ["--jobs", FILE])``. ``FILE`` holds a
 JSON list of jobs, run in order. Each builds the model of a parallel fixture (``"spec"``: its
 ``spec.json``) with that fixture's DeepSpeed config through the fixture writer's own job class
 (``tests.fixtures.parallel_writer.JOBS``), at this world size, and then:

@@ -1,6 +1,6 @@
 """Rank script for the reshard oracle: DeepSpeed itself loads checkpoints natively and saves them again.
 
-Run on M ranks by ``launch("tests.reshard_oracle", M, ["--jobs", FILE])``. ``FILE`` holds a JSON list of
+Run on M ranks by ``launch("tests.oracles.reshard", M, ["--jobs", FILE])``. ``FILE`` holds a JSON list of
 jobs, run in order; each builds the fixture model at this world size with the fixture's DeepSpeed
 config (``"dtype": "fp16"`` adds an fp16 section, see ``allow_fp16_on_cpu``; ``"zero"`` holds extra
 ``zero_optimization`` settings), and then either

@@ -1,6 +1,6 @@
 """Rank script: a Hugging Face Trainer run resumes from a resharded checkpoint at its new world size.
 
-Run by ``launch("tests.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint", DIR, "--out", FILE])``
+Run by ``launch("tests.oracles.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint", DIR, "--out", FILE])``
 where DIR is a ``checkpoint-K`` folder resharded to M ranks and SPEC_JSON the fixture's spec. The run
 is set up as ``tests.fixtures.trainer`` set up the original one (same model, DeepSpeed config with
 "auto" values, optimizer built by the Trainer), with ``max_steps`` two past the checkpoint, and calls

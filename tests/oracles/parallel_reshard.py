@@ -1,7 +1,7 @@
 """Rank script for the model-parallel reshard oracle: DeepSpeed itself loads checkpoints natively at a
 new data-parallel size, and everything it then holds is gathered and compared with the fixture's oracle.
 
-Run on N ranks by ``launch("tests.parallel_reshard_oracle", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
+Run on N ranks by ``launch("tests.oracles.parallel_reshard", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
 list of jobs of one layout (AutoTP, PipelineModule and Megatron-style each install process-wide
 groups), run in order. Each job builds the fixture's model with ``tests.fixtures.parallel_writer``'s own
 job for its ``spec`` (a ``ParallelSpec`` whose ``world_size`` is N: the same tensor and pipeline
