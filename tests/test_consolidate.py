@@ -49,8 +49,8 @@ from ckptflow.errors import (
 from ckptflow.formats.torchzip import TensorRef
 from ckptflow.formats.deepspeed.checkpoint import load_index
 from tests.fixtures import MATRIX, Fixture
-from tests.fixtures.matrix import WRITER
-from tests.fixtures.models import BIG_INT64, build_model
+from tests.fixtures.specs.data_parallel import WRITER
+from tests.fixtures.models.data_parallel import BIG_INT64, build_model
 from tests.oracles.tensors import storage_ranges, tensor_reads
 
 WRITER_NAMES = [spec.name for spec in MATRIX if spec.launcher == WRITER]
@@ -363,7 +363,7 @@ def fp16_checkpoints() -> dict[int, Path]:
     from tests.fixtures.launch import REPO_ROOT, launch
 
     digest = hashlib.sha256(f"{torch.__version__} {deepspeed.__version__}".encode())
-    for script in ("tests/oracles/reshard.py", "tests/fixtures/models.py"):
+    for script in ("tests/oracles/reshard.py", "tests/fixtures/models/data_parallel.py"):
         digest.update((REPO_ROOT / script).read_bytes())
     root = REPO_ROOT / ".cache" / "consolidate-fp16" / digest.hexdigest()[:16]
     if not (root / "done").exists():

@@ -16,7 +16,7 @@ Oracles, none of them ckptflow (`tests/fixtures/PARALLEL_LAYOUTS.md`):
   is at another size.
 
 Every test runs on the matrix's expert-parallel fixtures and on the held-out ones
-(`tests/fixtures/parallel_holdout.py`).
+(`tests/fixtures/specs/expert_holdout.py`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.sampling import sample
 from tests.test_reshard import _differences
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
-from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
+from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
 from tests.oracles.tensors import read_tensor
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]

@@ -33,8 +33,8 @@ from ckptflow.formats.torchzip import open_archive
 from ckptflow.reshard import reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_matrix import ParallelSpec
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
 from tests.test_reshard import _differences, _plain
 

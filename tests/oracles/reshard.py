@@ -31,7 +31,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
-from tests.fixtures import models  # noqa: E402
+from tests.fixtures.models import data_parallel as models  # noqa: E402
 from tests.fixtures.launch import run_jobs  # noqa: E402
 
 
