@@ -103,8 +103,8 @@ def _write(spec: MoESpec, out: Path) -> None:
     import transformers
 
     sys.path.insert(0, str(REPO_ROOT))
-    from tests.fixtures.parallel_models import param_groups
-    from tests.fixtures.parallel_writer import patch_transformers_output_capture_registry
+    from tests.fixtures.models.parallel import param_groups
+    from tests.fixtures.writers.parallel import patch_transformers_output_capture_registry
 
     deepspeed.init_distributed(dist_backend="gloo")
     patch_transformers_output_capture_registry()

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/publish.py [--size-gb 1] [--repeat 2] [--fault-rate 0.2]
 
-The emulator (gcp-storage-emulator, in memory) and the fault proxy (tests/faultproxy.py) each run in
+The emulator (gcp-storage-emulator, in memory) and the fault proxy (tests/servers/faultproxy.py) each run in
 their own process, so that neither shares the interpreter lock with the client being timed. Both
 clients talk to the same emulator; each run writes a fresh prefix, which is checked byte for byte
 against the source (sha256 of every object read back) and deleted outside the timed part.
@@ -46,7 +46,7 @@ os._exit(0)  # the server threads are not daemons
 PROXY = """
 import os, sys, time
 sys.path.insert(0, sys.argv[3])
-from tests.faultproxy import FaultProxy
+from tests.servers.faultproxy import FaultProxy
 proxy = FaultProxy(int(sys.argv[1])).start()
 proxy.configure(rate=float(sys.argv[2]), seed=int(sys.argv[4]))
 print(proxy.url, flush=True)

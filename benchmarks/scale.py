@@ -14,7 +14,7 @@ bytes left as holes. `plan` measures, each in a fresh subprocess (`nice`; wall a
   (a shard's tensors with their runs, where it goes, the options), and a sample of reshard `RankJob`s
   (each file's pickle and its storages as spans of source byte ranges), with the coordinator's time to
   make them (a `RankJob` runs `files.py` and pickles its trees);
-- `ship-dask`: every consolidation job submitted to a real local Dask cluster (`tests.cluster`) through
+- `ship-dask`: every consolidation job submitted to a real local Dask cluster (`tests.servers.cluster`) through
   `plumbing.executors.cluster` (`Client.get_executor(pure=False)`): coordinator, scheduler and worker cost;
 - `index-bucket`: `load_index` through `simbucket://`, the same files behind fsspec's buffered remote
   file, counting the requests a bucket would get.
@@ -265,7 +265,7 @@ def _weigh(*payload: Any) -> dict[str, Any]:
 
 def _ship_dask(root: str, chunk_bytes: int) -> dict[str, Any]:
     """Every consolidation `ShardJob` submitted to a real local Dask cluster (a scheduler and two worker
-    processes, `tests.cluster`) the way `consolidate --cluster` submits them (`plumbing.executors.cluster`:
+    processes, `tests.servers.cluster`) the way `consolidate --cluster` submits them (`plumbing.executors.cluster`:
     impure, so nothing is tokenized; pickled, and unpickled again by the scheduler, which holds them until
     the task is done), each running `_weigh` instead of `run_job`."""
     import tempfile
@@ -274,7 +274,7 @@ def _ship_dask(root: str, chunk_bytes: int) -> dict[str, Any]:
 
     sys.path.insert(0, str(REPO_ROOT))
     from ckptflow.plumbing.executors import cluster as dask_executor
-    from tests.cluster import start_cluster
+    from tests.servers.cluster import start_cluster
 
     api = planning_api()
     index = api.load_index(root)

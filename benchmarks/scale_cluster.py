@@ -5,7 +5,7 @@ what those figures predict for Llama-3-70B and 405B on 4 to 64 workers.
 shape of `scale_checkpoints.py` (Llama-3.2-1B's layers, 8 of them, untied embeddings, 8 ranks; real
 headers and pickles, 12.1 GB of tensor bytes, all zeros, which costs a store and the network what any
 bytes cost). Then, for each worker count, it starts a fresh Dask scheduler and that many worker
-processes (one thread each, no nanny; `tests.cluster.start_cluster` with the store reached directly)
+processes (one thread each, no nanny; `tests.servers.cluster.start_cluster` with the store reached directly)
 and runs the CLI as a user would:
 
     ckptflow consolidate s3://ckpt/llama-1b-ws8 s3://ckpt/out --dtype bf16 --max-shard-size 100MB --cluster tcp://...
@@ -71,7 +71,7 @@ def s3_server(folder: Path) -> Iterator[dict[str, str]]:
         subprocess.run(["npm", "install", "--prefix", str(NODE), "--no-audit", "--no-fund", S3RVER], check=True,
                        stdout=subprocess.DEVNULL)
     sys.path.insert(0, str(REPO_ROOT))
-    from tests.servers import _free_port
+    from tests.servers.stores import _free_port
 
     folder.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -191,7 +191,7 @@ def run_through(model: Llama, what: str, src: str, workers: int, env: dict[str, 
     """One CLI run of `what` through a fresh cluster of `workers` processes: wall, coordinator peak
     RSS and CPU, every worker's peak RSS, the output's size; the output is removed afterwards."""
     sys.path.insert(0, str(REPO_ROOT))
-    from tests.cluster import start_cluster
+    from tests.servers.cluster import start_cluster
 
     out = f"s3://{BUCKET}/out-{what}-{workers}"
     fs = _s3(env)

@@ -157,7 +157,7 @@ def bucket(folder: Path, tp: int, delays: list[float], rows: int = HIDDEN // 2, 
 
     from moto.server import ThreadedMotoServer
 
-    from tests.faultproxy import FaultProxy
+    from tests.servers.faultproxy import FaultProxy
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -13,10 +13,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # Fixture plugins, one module per area: each registers its own session fixtures.
 pytest_plugins = [
     "tests.fixtures.plugin",
-    "tests.prefect_plugin",
-    "tests.servers",
+    "tests.servers.prefect",
+    "tests.servers.stores",
     "tests.hostile.plugin",
-    "tests.cluster",
+    "tests.servers.cluster",
 ]
 
 # The longest files first (serial seconds of the default run, longest first), so that the two processes

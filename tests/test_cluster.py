@@ -11,7 +11,7 @@ from pathlib import Path
 import fsspec.core
 import pytest
 
-from tests.cluster import Coordinator, DaskCluster, read_range, wait_for_file, whoami
+from tests.servers.cluster import Coordinator, DaskCluster, meet, read_range, wait_for_file
 
 BLOB = bytes(range(256)) * 4096  # 1 MiB
 
@@ -60,10 +60,12 @@ def test_each_worker_reads_through_its_own_proxies(cluster: DaskCluster, gcs, s3
     assert coordinator_traffic.range_bytes == 0 and coordinator_traffic.media_downloads == 0
 
 
-def test_unpinned_work_spreads_over_both_workers(cluster: DaskCluster):
+def test_unpinned_work_spreads_over_both_workers(cluster: DaskCluster, tmp_path: Path):
+    log, workers = str(tmp_path / "met"), len(cluster.workers)
     with cluster.client() as client:
         executor = client.get_executor(pure=False)
-        names = {r["name"] for r in executor.map(lambda _: (time.sleep(0.2), whoami())[1], range(8))}
+        # Each task waits until both workers have started one: the scheduler must hand work to both.
+        names = {r["name"] for r in executor.map(lambda _: meet(log, workers), range(8))}
     assert names == set(cluster.workers)
 
 

@@ -49,9 +49,9 @@ from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.sizes import parse_size
 from tests.fixtures import MATRIX, Fixture
-from tests.fixtures.matrix import WRITER
-from tests.fixtures.models import BIG_INT64, build_model
-from tests.tensors import storage_ranges, tensor_reads
+from tests.fixtures.models.data_parallel import BIG_INT64, build_model
+from tests.fixtures.specs.data_parallel import WRITER
+from tests.oracles.tensors import storage_ranges, tensor_reads
 
 WRITER_NAMES = [spec.name for spec in MATRIX if spec.launcher == WRITER]
 
@@ -354,7 +354,7 @@ def test_fp16_training_checkpoint(name: str, ds_fixtures: Mapping[str, Fixture],
 def fp16_checkpoints() -> dict[int, Path]:
     """Real fp16 checkpoints of the toy model (ZeRO-1, 2 and 3, 2 ranks, 3 steps, dynamic loss scaler),
     written by DeepSpeed's own fp16 path on CPU with its "fp16 not supported" device gate lifted (the
-    reshard tests' rank script, tests/reshard_oracle.py). Cached in .cache/ by a hash of the scripts."""
+    reshard tests' rank script, tests/oracles/reshard.py). Cached in .cache/ by a hash of the scripts."""
     import hashlib
     import tempfile
 
@@ -363,7 +363,7 @@ def fp16_checkpoints() -> dict[int, Path]:
     from tests.fixtures.launch import REPO_ROOT, launch
 
     digest = hashlib.sha256(f"{torch.__version__} {deepspeed.__version__}".encode())
-    for script in ("tests/reshard_oracle.py", "tests/fixtures/models.py"):
+    for script in ("tests/oracles/reshard.py", "tests/fixtures/models/data_parallel.py"):
         digest.update((REPO_ROOT / script).read_bytes())
     root = REPO_ROOT / ".cache" / "consolidate-fp16" / digest.hexdigest()[:16]
     if not (root / "done").exists():
@@ -373,7 +373,7 @@ def fp16_checkpoints() -> dict[int, Path]:
             jobs = [{"model": "toy", "stage": stage, "dtype": "fp16", "write": str(tmp / f"z{stage}"), "steps": 3}
                     for stage in (1, 2, 3)]
             (tmp / "jobs.json").write_text(json.dumps(jobs))
-            launch("tests.reshard_oracle", 2, ["--jobs", str(tmp / "jobs.json")])
+            launch("tests.oracles.reshard", 2, ["--jobs", str(tmp / "jobs.json")])
             (tmp / "done").write_text("")
             shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)

@@ -16,7 +16,7 @@ Oracles, none of them ckptflow (`tests/fixtures/PARALLEL_LAYOUTS.md`):
   is at another size.
 
 Every test runs on the matrix's expert-parallel fixtures and on the held-out ones
-(`tests/fixtures/parallel_holdout.py`).
+(`tests/fixtures/specs/expert_holdout.py`).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_holdout import HOLDOUT_MATRIX
-from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
+from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.oracles.tensors import read_tensor
 from tests.sampling import sample
-from tests.tensors import read_tensor
 from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
@@ -378,7 +378,7 @@ class Oracle:
         for (world_size, layout), items in sorted(jobs.items()):
             jobs_file = self.root / f"jobs-{world_size}-{layout}-{held_out}.json"
             jobs_file.write_text(json.dumps(items, indent=1))
-            launch("tests.expert_reshard_oracle", world_size, ["--jobs", str(jobs_file)],
+            launch("tests.oracles.expert_reshard", world_size, ["--jobs", str(jobs_file)],
                    log_dir=self.root / f"logs-{world_size}-{layout}-{held_out}", timeout=900)
 
 

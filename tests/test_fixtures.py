@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,8 @@ import pytest
 from flows.demo_checkpoint import write_demo_checkpoint
 from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch
 from tests.fixtures.cache import _generate_group
-from tests.fixtures.matrix import TRAINER, FixtureSpec
-from tests.fixtures.models import BIG_INT64
+from tests.fixtures.models.data_parallel import BIG_INT64
+from tests.fixtures.specs.data_parallel import TRAINER, FixtureSpec
 from tests.sampling import long_mode
 
 NAMES = [spec.name for spec in MATRIX]
@@ -152,18 +151,47 @@ def test_failed_generation_leaves_nothing_behind(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_path: Path) -> None:
+    """The key follows the rank scripts' imports: every module that shapes a set's checkpoints, none of
+    the machinery; docstrings, comments and layout change no key."""
+    from tests.fixtures.cache import KEYED_SOURCES, _code, keyed_modules
+    from tests.fixtures.sets import EXTRA_SOURCES, HOLDOUT_SOURCES, PARALLEL_SOURCES
+
+    fx = "tests.fixtures."
+    assert keyed_modules(KEYED_SOURCES) == (
+        "flows.demo_checkpoint", fx + "models.data_parallel", fx + "specs.data_parallel", fx + "writers.data_parallel",
+        fx + "writers.rank", fx + "writers.trainer")
+    assert keyed_modules(PARALLEL_SOURCES) == (
+        fx + "models.parallel", fx + "specs.parallel", fx + "writers.parallel", fx + "writers.rank")
+    assert set(keyed_modules(EXTRA_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "models.parallel_extra",
+                                                  fx + "specs.extra", fx + "writers.parallel_extra"}
+    assert set(keyed_modules(HOLDOUT_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "specs.expert_holdout"}
+    plain, explained = tmp_path / "plain.py", tmp_path / "explained.py"
+    plain.write_text("def f(x):\n    return x + 1\n")
+    explained.write_text('"""A module."""\n\n\ndef f(x):  # one more\n    """Add one."""\n\n    return (x\n            + 1)\n')
+    other = tmp_path / "other.py"
+    other.write_text("def f(x):\n    return x + 2\n")
+    assert _code(plain) == _code(explained)
+    assert _code(plain) != _code(other)
+
+
 def test_launch_stops_the_other_ranks_and_shows_the_failing_log(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
         "rank = int(os.environ['RANK'])\n"
+        "stopped = lambda *_: (open(sys.argv[1] + f'/stopped{rank}', 'w').close(), sys.exit(143))\n"
+        "signal.signal(signal.SIGTERM, stopped)\n"
+        "open(sys.argv[1] + f'/ready{rank}', 'w').close()\n"
         "print(f'rank {rank} of {os.environ[\"WORLD_SIZE\"]} says hello', flush=True)\n"
+        "while rank == 1 and not all(os.path.exists(sys.argv[1] + f'/ready{r}') for r in (0, 2)):\n"
+        "    time.sleep(0.01)  # fails once the others can say they were stopped\n"
         "sys.exit(3) if rank == 1 else time.sleep(60)\n"
     )
-    started = time.monotonic()
     with pytest.raises(LaunchError) as raised:
-        launch(script, 3, timeout=30)
-    assert time.monotonic() - started < 20
+        launch(script, 3, [str(tmp_path)], timeout=30)  # the timeout is the hang guard
+    # The other ranks were stopped (signalled), not waited for: theirs would have been a 60 s sleep.
+    assert sorted(p.name for p in tmp_path.glob("stopped*")) == ["stopped0", "stopped2"]
     error = raised.value
     assert (error.rank, error.returncode) == (1, 3)
     assert f"rank 1 of 3 running {script} exited with code 3; the other ranks were stopped." in str(error)
@@ -239,7 +267,7 @@ def test_deepspeed_loads_the_fixtures_back_to_the_same_state(ds_fixtures, tmp_pa
     for name in names:
         fixture = ds_fixtures[name]
         args += ["--spec", str(fixture.root / "spec.json"), "--ckpt", str(fixture.dir), "--out", str(tmp_path / name)]
-    launch("tests.fixtures.reload", 2, args, timeout=300)
+    launch("tests.fixtures.writers.reload", 2, args, timeout=300)
     for name in names:
         expected = load_file(ds_fixtures[name].expected_path)
         reloaded = load_file(tmp_path / name)

@@ -1,8 +1,8 @@
-"""The seeded fuzzer (tests/fuzz.py) over the real fixtures: every command that reads the input, on
+"""The seeded fuzzer (tests/hostile/fuzz.py) over the real fixtures: every command that reads the input, on
 hostile variations of it, each run in a forked child bounded in time (8 s), address space (2 GiB over
 the CLI's own) and file size (256 MiB); the oracle of tests/hostile/oracle.py judges each run.
 
-Default run (`make test`): the seeds in `tests.fuzz.DEFAULT_SEEDS`, 40 cases and about 135 command
+Default run (`make test`): the seeds in `tests.hostile.fuzz.DEFAULT_SEEDS`, 40 cases and about 135 command
 runs, plus the regression seeds (it was 128 cases and 155 s of one process before the cuts that keep
 `make test` under 10 minutes); after a hang the case's other commands are skipped. Long mode: `pytest
 tests/test_fuzz.py --long` or `CKPTFLOW_FUZZ_LONG=1`: `LONG_SEEDS` (4,000 cases, about 15,000 runs,
@@ -11,7 +11,7 @@ case; a sample of 300 long-mode cases (1,200 runs) took 677 s at load 10, so the
 hours there. `CKPTFLOW_FUZZ_START=N` shifts the seeds (a fresh sample); a failure prints
 each failing run with the command that replays it:
 
-    CKPTFLOW_FIXTURE_CACHE=... python -m tests.fuzz replay FAMILY SEED --command COMMAND
+    CKPTFLOW_FIXTURE_CACHE=... python -m tests.hostile.fuzz replay FAMILY SEED --command COMMAND
 
 Families that fail today are strict xfails naming the items of issue 14 behind their failures (none
 today). Seeds a long run found failing are run from then on (`REGRESSIONS`: two of each cause by
@@ -24,7 +24,7 @@ import os
 
 import pytest
 
-from tests.fuzz import DEFAULT_SEEDS, FAMILIES, LONG_SEEDS, report, run_family
+from tests.hostile.fuzz import DEFAULT_SEEDS, FAMILIES, LONG_SEEDS, report, run_family
 from tests.hostile.plugin import long_mode
 from tests.hostile.run import Runner
 from tests.sampling import sample

@@ -1,5 +1,5 @@
 """Issue 11's "done when", for the tensor- and pipeline-parallel layouts: checkpoints that no test used
-while the readers were written (``tests/fixtures/parallel_extra.py``, ``HOLDOUT_MATRIX``: other seeds and
+while the readers were written (``tests/fixtures/specs/extra.py``, ``HOLDOUT_MATRIX``: other seeds and
 other combinations of degrees, stage and dtype) validate, consolidate and reshard, with every oracle of
 ``test_model_parallel.py`` and ``test_model_parallel_reshard.py`` agreeing bit for bit:
 
@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.reshard import reshard
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_extra import HOLDOUT_MATRIX
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.extra import HOLDOUT_MATRIX
 from tests.sampling import sample
 from tests.test_model_parallel import check_oracle, consolidated
 from tests.test_model_parallel_reshard import (
@@ -87,7 +87,7 @@ def test_consolidate(name: str, dtype: str, holdout_fixtures: Mapping[str, Paral
         with torch.no_grad():
             again = model.eval()(input_ids=logits["input_ids"]).logits
     else:
-        from tests.fixtures.parallel_models_extra import reference_logits
+        from tests.fixtures.models.parallel_extra import reference_logits
 
         again = reference_logits(fixture.name)(got, logits["input_ids"]).float()
     assert torch.equal(again, logits["logits"])

@@ -71,7 +71,7 @@ def test_the_harness_bounds_time_memory_and_disk(hostile_runner: Runner, tmp_pat
     harness = hostile_runner.harness
     argv = ["validate", str(tmp_path)]  # the command itself ends at once: the hooks misbehave before it
     hung = harness.run(argv, cwd=tmp_path, hooks=[("hang", "")], limits=Limits(seconds=2))
-    assert hung.timed_out and 1.9 < hung.seconds < 10
+    assert hung.timed_out and 1.9 < hung.seconds < 60  # killed at its limit; 60 s is a hang guard
     big = tmp_path / "big.bin"
     disk = harness.run(argv, cwd=tmp_path, hooks=[("fill", str(big))], limits=Limits(seconds=30, file_size=8 << 20))
     assert not disk.timed_out and "File too large" in disk.stderr, disk.stderr

@@ -1,5 +1,5 @@
 """Pushing to the Hugging Face Hub: the real huggingface_hub client against the local Hub server of
-tests/hubserver.py (HF_HUB_DISABLE_XET=1), round trips through snapshot_download and transformers."""
+tests/servers/hub.py (HF_HUB_DISABLE_XET=1), round trips through snapshot_download and transformers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ckptflow.errors import PublishError
 from ckptflow.formats.hf import PROVENANCE_NAME
 from ckptflow.plumbing.retry import RetryPolicy
 from ckptflow.publish import push
-from tests.hubserver import READ_TOKEN, WRITE_TOKEN, HubServer
+from tests.servers.hub import READ_TOKEN, WRITE_TOKEN, HubServer
 
 FAST = RetryPolicy(attempts=6, base_delay=0.05, max_delay=0.3)
 

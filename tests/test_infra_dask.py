@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster import REPO, _stop, base_env
-from tests.prefect_plugin import prefect_cli
+from tests.servers.cluster import REPO, _stop, base_env
+from tests.servers.prefect import prefect_cli
 
 DASK = REPO / "infra" / "dask"
 
@@ -72,7 +72,7 @@ def test_manifest_command_lines_start_a_cluster(tmp_path: Path) -> None:
     to a temporary folder) with the environment the operator gives the worker containers."""
     from distributed import Client
 
-    from tests.servers import _free_port
+    from tests.servers.stores import _free_port
 
     containers = _containers(_load("daskcluster.yaml"))
     port, dashboard = _free_port(), _free_port()

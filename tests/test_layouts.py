@@ -1,7 +1,7 @@
 """Every checkpoint layout DeepSpeed writes is recognised and named: the right diagnosis first.
 
 Each real parallel fixture (AutoTP, AutoEP, deepspeed.moe, PipelineModule, Megatron-style; written by
-DeepSpeed on CPU, `tests/fixtures/parallel_matrix.py`) is detected as its own layout with its degrees,
+DeepSpeed on CPU, `tests/fixtures/specs/parallel.py`) is detected as its own layout with its degrees,
 and `ckptflow validate` says so in one line: never "damaged", "missing" or "another model". Layouts
 without a reader yet, and Megatron-style checkpoints that do not record how their parameters are
 split, are refused with what to do instead; every other one reads with no problem.
@@ -14,7 +14,7 @@ import pytest
 from ckptflow.formats.deepspeed import READERS, inspect
 from ckptflow.formats.deepspeed.inspection import Inspection, read_head
 from ckptflow.formats.deepspeed.topology import detect
-from tests.fixtures.parallel_matrix import PARALLEL_MATRIX
+from tests.fixtures.specs.parallel import PARALLEL_MATRIX
 
 KINDS = {"autotp": "autotp", "autoep": "autoep", "dsmoe": "moe", "pipe": "pipeline", "megatron": "megatron"}
 # Read by a reader, and still refused: nothing records how the parameters are split over tensor ranks.

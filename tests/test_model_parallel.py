@@ -33,10 +33,10 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import inspect
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.validate import validate
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_extra import EXTRA_MATRIX, UNLOADABLE
-from tests.fixtures.parallel_matrix import AUTOEP, DSMOE, PARALLEL_MATRIX
-from tests.fixtures.parallel_models_extra import reference_logits
+from tests.fixtures.models.parallel_extra import reference_logits
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.extra import EXTRA_MATRIX, UNLOADABLE
+from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
 from tests.test_parallel_fixtures import load_pt, universal_tensor
 
 MATRIX_NAMES = [s.name for s in PARALLEL_MATRIX if s.layout not in (AUTOEP, DSMOE) and not s.name.endswith("no-ucinfo")]

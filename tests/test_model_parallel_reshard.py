@@ -2,7 +2,7 @@
 DeepSpeed itself (issue 11).
 
 For each case ckptflow reshards the fixture to the new data-parallel size, keeping its tensor and
-pipeline degrees; then DeepSpeed builds the same model at that size (``tests.parallel_reshard_oracle``),
+pipeline degrees; then DeepSpeed builds the same model at that size (``tests.oracles.parallel_reshard``),
 loads the reshard natively (``engine.load_checkpoint``, no universal checkpoint), and
 
 - everything it holds, gathered the way the fixture writer gathered the oracle (fp32 weights, Adam
@@ -34,8 +34,8 @@ from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_matrix import ParallelSpec
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
 from tests.test_reshard import _differences, _plain
 
@@ -102,7 +102,7 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
     for (world_size, layout, tp), jobs in sorted(launches.items()):
         jobs_file = root / f"jobs-{world_size}-{layout}-tp{tp}.json"
         jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.parallel_reshard_oracle", world_size, ["--jobs", str(jobs_file)], timeout=900,
+        launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
                log_dir=root / f"logs-{world_size}-{layout}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
 

@@ -32,9 +32,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.fixtures.parallel import ParallelFixture
-from tests.fixtures.parallel_matrix import AUTOEP, AUTOTP, DSMOE, MEGATRON, PARALLEL_MATRIX, PIPE
-from tests.fixtures.parallel_models import MICRO_BATCH, SEQ_LEN, VOCAB
+from tests.fixtures.models.parallel import MICRO_BATCH, SEQ_LEN, VOCAB
+from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.specs.parallel import AUTOEP, AUTOTP, DSMOE, MEGATRON, PARALLEL_MATRIX, PIPE
 
 NAMES = [spec.name for spec in PARALLEL_MATRIX]
 HF_NAMES = [spec.name for spec in PARALLEL_MATRIX if spec.is_hf]

@@ -27,7 +27,7 @@ import fsspec.core
 from prefect import flow, task
 
 from flows.commands import run_here
-from tests.cluster import DaskCluster, read_range, whoami
+from tests.servers.cluster import DaskCluster, meet, read_range, whoami
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,9 @@ class Done:
 
 
 @task
-def run_unit(unit: Unit) -> Done:
+def run_unit(unit: Unit, log: str, workers: int) -> Done:
     got = read_range(unit.url, unit.start, unit.end)
-    time.sleep(0.2)  # long enough for the scheduler to spread the units over both workers
+    meet(log, workers)  # returns once every worker has started a unit: the units are spread over all
     return Done(unit.index, got["name"], got["pid"], got["nbytes"])
 
 
@@ -71,8 +71,8 @@ def note_and_wait(log: str, release: str) -> str:
 
 
 @flow
-def units_flow(units: list[Unit]) -> list[Done]:
-    return [f.result() for f in [run_unit.submit(u) for u in units]]
+def units_flow(units: list[Unit], log: str, workers: int) -> list[Done]:
+    return [f.result() for f in [run_unit.submit(u, log, workers) for u in units]]
 
 
 @flow
@@ -134,13 +134,14 @@ def _state_history(flow_run_id: Any) -> dict[str, list[str]]:
                 sorted(client.read_task_run_states(r.id), key=lambda s: s.timestamp)] for r in runs}
 
 
-def test_flow_runs_its_tasks_on_the_cluster(prefect_server: str, cluster: DaskCluster, gcs, coordinator_traffic) -> None:
+def test_flow_runs_its_tasks_on_the_cluster(prefect_server: str, cluster: DaskCluster, gcs, coordinator_traffic,
+                                            tmp_path: Path) -> None:
     fs, path = fsspec.core.url_to_fs(f"{gcs.url}/blob.bin")
     fs.pipe_file(path, bytes(1 << 20))
     coordinator_traffic.reset()
     units = [Unit(i, f"{gcs.url}/blob.bin", i * 4096, i * 4096 + 1000 + i) for i in range(8)]
 
-    done = units_flow.with_options(task_runner=_runner(cluster))(units)
+    done = units_flow.with_options(task_runner=_runner(cluster))(units, str(tmp_path / "met"), len(cluster.workers))
 
     assert [d.index for d in done] == list(range(8))
     assert all(isinstance(d, Done) for d in done)  # a dataclass made on a worker, unpickled here

@@ -1,7 +1,7 @@
 """Pushing folders to object stores: round trips, faults, crashes, idempotence, messages.
 
 GCS and S3 are real servers on loopback (the gcp-storage-emulator through gcsfs, moto through s3fs),
-each behind a fault-injecting proxy (tests/faultproxy.py); see tests/servers.py.
+each behind a fault-injecting proxy (tests/servers/faultproxy.py); see tests/servers/stores.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ckptflow.plumbing.redaction import redact
 from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
 from ckptflow.publish import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, push
 from ckptflow.publish import store as publish
-from tests.servers import AWS_SECRET, Store
+from tests.servers.stores import AWS_SECRET, Store
 
 FAST = RetryPolicy(attempts=8, base_delay=0.05, max_delay=0.5)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -218,13 +218,11 @@ def test_truncated_responses_are_retried(gcs: Store, tmp_path: Path) -> None:
 def test_forbidden_fails_fast_without_retries(gcs: Store, tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "model", MODEL)
     gcs.proxy.configure(status=403)
-    started = time.monotonic()
 
     with pytest.raises(PublishError) as caught:
         push(str(folder), gcs.url)
 
-    assert time.monotonic() - started < 5
-    assert gcs.proxy.requests == 1
+    assert gcs.proxy.requests == 1  # fast because nothing is retried: one request, no backoff
     message = str(caught.value)
     assert message.startswith(f"could not take the lease {gcs.url}/ckptflow-push.lease: OSError: Forbidden")
     assert message.endswith("; check the credentials fsspec uses for this URL and that they allow reading and writing there")

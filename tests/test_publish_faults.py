@@ -24,6 +24,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -35,7 +36,7 @@ from ckptflow.publish.lease import LEASE_NAME, hold_lease
 from tests.hostile.harness import Limits
 from tests.hostile.plugin import long_mode_env
 from tests.hostile.run import Runner
-from tests.servers import Store
+from tests.servers.stores import Store
 
 LONG = long_mode_env()
 BIG = 120 * 2**20  # three resumable chunks with ckptflow's 50 MiB blocks (56 MiB, 56 MiB, 8 MiB)
@@ -148,13 +149,14 @@ def test_a_second_push_to_the_same_dest_fails_at_once(hostile_runner: Runner, tm
     first = threading.Thread(target=lambda: results.setdefault("first", hostile_runner.harness.run(
         ["push", str(src), str(dest)], cwd=tmp_path, limits=limits)))
     first.start()
-    time.sleep(0.5)
-    started = time.monotonic()
+    _wait_until(lambda: _holder(dest / LEASE_NAME) is not None or not first.is_alive(), "the first push's lease")
+    assert _holder(dest / LEASE_NAME) is not None, ("the first push ended before its lease was seen", results)
     second = hostile_runner.harness.run(["push", str(src), str(dest)], cwd=tmp_path, limits=limits)
-    second_seconds = time.monotonic() - started
     first.join()
     assert results["first"].returncode == 0, results["first"].describe()  # type: ignore[attr-defined]
-    assert second.returncode == 1 and second.seconds < 5, (second_seconds, second.describe())  # its own run time
+    # Refused, not queued: a second push that waited for the lease would have pushed and exited 0.
+    # `limits` (120 s) is the hang guard.
+    assert second.returncode == 1, second.describe()
     assert "lease" in second.stderr or "another push" in second.stderr, second.describe()
 
 
@@ -170,7 +172,8 @@ def test_the_lease_is_taken_with_a_conditional_create_on_s3(s3: Store, tmp_path:
         try:
             with hold_lease(fs, root, s3.url):
                 outcomes.append("held")
-                time.sleep(1.0)
+                # Held until every contender has had its answer, so none can find the lease released.
+                _wait_until(lambda: len(outcomes) == len(threads), "every contender's answer", fail=False)
         except PublishError as exc:
             outcomes.append(str(exc))
 
@@ -183,6 +186,26 @@ def test_the_lease_is_taken_with_a_conditional_create_on_s3(s3: Store, tmp_path:
     assert all("another push to" in o and "is held by" in o and "since" in o for o in outcomes if o != "held"), outcomes
     fs.invalidate_cache()
     assert not fs.exists(f"{root}/{LEASE_NAME}")
+
+
+def _wait_until(check: Callable[[], bool], what: str, *, timeout: float = 60.0, fail: bool = True) -> None:
+    """Poll `check` until it holds; `timeout` is a hang guard (TimeoutError, or a return with `fail=False`
+    so that the test's own assertions say what went wrong)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            if fail:
+                raise TimeoutError(f"timed out waiting for {what}")
+            return
+        time.sleep(0.01)
+
+
+def _holder(lease: Path) -> dict | None:
+    """The holder a local lease file names, or None while there is none (or it is still being written)."""
+    try:
+        return json.loads(lease.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _src(tmp_path: Path) -> Path:

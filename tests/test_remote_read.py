@@ -13,7 +13,7 @@ from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.storage import open_fs
 from ckptflow.validate import validate
-from tests.tensors import read_elements
+from tests.oracles.tensors import read_elements
 from tests.test_validate import full_param
 
 

@@ -61,8 +61,8 @@ from ckptflow.reshard import (
     run_unit,
 )
 from tests.fixtures.launch import launch
+from tests.oracles.tensors import read_tensor
 from tests.sampling import sample
-from tests.tensors import read_tensor
 
 # ---- the arithmetic, with integers ------------------------------------------------------------------
 
@@ -707,7 +707,7 @@ def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_
     reshard(str(llama_trainer_ckpt.dir), str(out), world_size=world_size)
     state_file = tmp_path / "state.json"
     spec = dict(llama_trainer_ckpt.spec)
-    launch("tests.reshard_trainer", world_size,
+    launch("tests.oracles.reshard_trainer", world_size,
            ["--spec", json.dumps(spec), "--checkpoint", str(out), "--out", str(state_file)], log_dir=tmp_path / "logs")
     state = json.loads(state_file.read_text())
     assert state["global_step"] == state["engine_global_steps"] == spec["steps"] + 2
@@ -849,7 +849,7 @@ def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
                                  losses=str(losses[(name, world_size)])))
         jobs_file = root / f"jobs-{world_size}.json"
         jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.reshard_oracle", world_size, ["--jobs", str(jobs_file)], log_dir=root / f"logs-{world_size}")
+        launch("tests.oracles.reshard", world_size, ["--jobs", str(jobs_file)], log_dir=root / f"logs-{world_size}")
     return {"sources": sources, "outs": outs, "resaved": resaved, "losses": losses, "root": root, "specs": specs}
 
 
@@ -1054,10 +1054,7 @@ def test_training_resumes_on_the_same_loss_curve(oracle, curve) -> None:
 def test_bf16_optimizer_checkpoints(ds_fixtures, tmp_path: Path) -> None:
     """bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer) is planned like ZeRO-1."""
     fixture = ds_fixtures["z1-bf16-ws2-fp32accum"]
-    try:
-        index = load_index(str(fixture.dir))
-    except CheckpointError as exc:
-        pytest.xfail(f"the index does not read BF16_Optimizer checkpoints yet: {exc}")
+    index = load_index(str(fixture.dir))
     plan = plan_reshard(index, 3)
     assert plan.optimizer == "bf16"
     reshard(str(fixture.dir), str(tmp_path / "out"), world_size=3)

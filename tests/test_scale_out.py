@@ -1,5 +1,5 @@
 """Consolidate and reshard through a real Dask cluster (issue 12): a scheduler and two worker processes
-on loopback (`tests.cluster`), each behind its own counting proxies in front of the GCS emulator and
+on loopback (`tests.servers.cluster`), each behind its own counting proxies in front of the GCS emulator and
 moto's S3 server, the test process the coordinator behind the session's proxies.
 
 What is pinned:
@@ -37,10 +37,10 @@ from ckptflow.consolidate import ConsolidateOptions, consolidate, plan_consolida
 from ckptflow.formats.deepspeed import load_index
 from ckptflow.plumbing.executors import cluster as dask_executor
 from ckptflow.reshard import plan_output, reshard
-from tests.cluster import REPO, Coordinator, DaskCluster
 from tests.fixtures import Fixture
-from tests.servers import Store
-from tests.tensors import storage_ranges
+from tests.oracles.tensors import storage_ranges
+from tests.servers.cluster import REPO, Coordinator, DaskCluster
+from tests.servers.stores import Store
 
 FIXTURE = "llama-z3-bf16-ws2"
 OPTIONS = {"dtype": "bf16", "max_shard_size": "40KB"}

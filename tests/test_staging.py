@@ -11,7 +11,7 @@ import pytest
 from ckptflow.errors import OutputError
 from ckptflow.plumbing.staging import Staging, commit, prepare
 from ckptflow.plumbing.storage import open_fs
-from tests.servers import Store
+from tests.servers.stores import Store
 
 SHARDS = [f"model-{i:05d}-of-00040.safetensors" for i in range(40)]
 INDEX = "model.safetensors.index.json"

@@ -16,7 +16,8 @@ import torch
 from ckptflow.errors import CorruptFileError, UnsafePickleError
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.zipdir import open_archive
-from tests.tensors import iter_chunks, read_elements, read_tensor
+from tests.hostile.guard import returns_within
+from tests.oracles.tensors import iter_chunks, read_elements, read_tensor
 
 
 def save(tmp_path: Path, obj, name: str = "f.pt") -> str:
@@ -177,8 +178,6 @@ def test_pickle_bombs_cost_their_size(tmp_path):
     """Shared references stay shared (a "billion laughs" is refused by its expanded size, quickly),
     a memo index of 2**31 costs nothing, BUILD on an allowed function is refused, and a tuple nested
     far past any recursion limit is refused before it is ever hashed."""
-    import time
-
     from tests.hostile import pickleasm as asm
     from tests.hostile.torchfile import inject
 
@@ -195,10 +194,8 @@ def test_pickle_bombs_cost_their_size(tmp_path):
         path = tmp_path / f"{name}.pt"
         path.write_bytes(Path(base).read_bytes())
         inject(path, "payload", ops)
-        started = time.monotonic()
         if message is None:
-            assert open_archive(str(path)).obj["payload"] is None
+            assert returns_within(lambda: open_archive(str(path)), name).obj["payload"] is None
         else:
             with pytest.raises(CorruptFileError, match=message):
-                open_archive(str(path))
-        assert time.monotonic() - started < 5, name
+                returns_within(lambda: open_archive(str(path)), name)

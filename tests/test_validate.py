@@ -17,7 +17,7 @@ from ckptflow.formats.deepspeed import load_index
 from ckptflow.validate import validate
 from tests.hostile.corpus import DEEP, VALIDATE, all_kinds, prepare
 from tests.hostile.plugin import corpus_params
-from tests.tensors import read_elements, read_tensor
+from tests.oracles.tensors import read_elements, read_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ckptflow.cli"]

@@ -32,6 +32,29 @@ def put(uri: str, data: bytes) -> None:
     fs.pipe_file(path, data)
 
 
+def until_the_clock_passes(uri: str, probe: str, timeout: float = 10.0) -> None:
+    """Wait until a file written now at `probe` (same store, outside what is scanned) gets a later
+    stamp than `uri` has, so that rewriting `uri` with as many bytes changes its version (mtime and
+    size on local and memory stores), however coarse the store's clock."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    _, probe_path = fsspec.core.url_to_fs(probe)
+    before = _stamp(fs.info(path))
+    deadline = time.monotonic() + timeout
+    while True:
+        fs.pipe_file(probe_path, b"")
+        if _stamp(fs.info(probe_path)) > before:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the clock of {probe} never passed {before}")
+        time.sleep(0.001)
+    fs.rm_file(probe_path)
+
+
+def _stamp(info: dict) -> float:
+    stamp = info.get("mtime", info.get("created"))  # memory:// gives a datetime
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+
 def test_finds_every_latest_with_its_tag_and_folder(mem: str) -> None:
     put(f"{mem}/runs/a/latest", b"global_step3\n")
     put(f"{mem}/runs/a/global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt", b"x")
@@ -88,7 +111,7 @@ def test_an_unchanged_latest_is_not_read_again(mem: str) -> None:
     # Same version as recorded: the recorded tag is taken as is, the file is not read.
     again = find_latest([mem], known={first.root: Seen(first.version, "global_step1-recorded")}).sightings[0]
     assert again.tag == "global_step1-recorded"
-    time.sleep(0.01)
+    until_the_clock_passes(f"{mem}/a/latest", f"{mem}/clock-probe")
     put(f"{mem}/a/latest", b"global_step2")
     moved = find_latest([mem], known={first.root: Seen(first.version, "global_step1")}).sightings[0]
     assert moved.tag == "global_step2" and moved.version != first.version
@@ -123,7 +146,7 @@ def test_content_identity_follows_the_files(tmp_path) -> None:
     (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").write_bytes(b"rank1")
     second = content_identity(str(tmp_path), "global_step3")
     assert second != first
-    time.sleep(0.01)
+    until_the_clock_passes(str(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"), str(tmp_path / "clock-probe"))
     (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").write_bytes(b"RANK1")  # same size, rewritten
     assert content_identity(str(tmp_path), "global_step3") != second
     with pytest.raises(FileNotFoundError, match="holds no files"):
@@ -194,7 +217,7 @@ def test_watch_flow_emits_each_new_tag_once(prefect_server: str, tmp_path) -> No
 
     assert watch_latest(roots=[str(runs)], state=state)["emitted"] == []
 
-    time.sleep(0.01)
+    until_the_clock_passes(str(runs / "a" / "latest"), str(tmp_path / "clock-probe"))
     (runs / "a" / "latest").write_text("global_step2")
     third = watch_latest(roots=[str(runs)], state=state)
     assert [(e["root"], e["tag"]) for e in third["emitted"]] == [(f"{runs}/a", "global_step2")]

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, k in kinds.items():
             print(f"{name:55s} {','.join(k.commands):40s} {k.doc}")
         return 0
-    from tests.hubserver import HubServer
+    from tests.servers.hub import HubServer
 
     fixtures = load_fixtures(fixture_names())
     hub = HubServer().start()

@@ -8,7 +8,7 @@ by default exit 1 with one clean error whose text matches `expect`. `xfail` name
 fail today, with the issue item that will fix them (strict: a fixed case fails until the mark goes).
 
 Builders draw their parameters through `ws.param(canonical, chooser)`: the corpus run uses the
-canonical value (the case with the pinned message), the fuzzer (`tests/fuzz.py`) a seeded random one.
+canonical value (the case with the pinned message), the fuzzer (`tests/hostile/fuzz.py`) a seeded random one.
 """
 
 from __future__ import annotations
@@ -339,10 +339,10 @@ def prepare(kind_: Kind, root: Path, fixtures: Mapping[str, Any], rng: random.Ra
 
 def load_fixtures(names: Sequence[str], progress: Any = None) -> dict[str, Any]:
     """The fixtures `names`, built or taken from the cache: data-parallel ones (`tests.fixtures.cache`)
-    and model-parallel ones (`tests.fixtures.parallel`) alike."""
+    and model-parallel ones (`tests.fixtures.sets`) alike."""
     from tests.fixtures.cache import build
-    from tests.fixtures.parallel import build_parallel
-    from tests.fixtures.parallel_matrix import PARALLEL_SPECS
+    from tests.fixtures.sets import build_parallel
+    from tests.fixtures.specs.parallel import PARALLEL_SPECS
 
     parallel = sorted(n for n in set(names) if n in PARALLEL_SPECS)
     plain = sorted(n for n in set(names) if n not in PARALLEL_SPECS)

@@ -54,7 +54,7 @@ def default_limits() -> Limits:
 @pytest.fixture(scope="session")
 def hostile_runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
     from tests.fixtures.plugin import _progress
-    from tests.fuzz import ALL_SOURCES
+    from tests.hostile.fuzz import ALL_SOURCES
 
     fixtures = load_fixtures(sorted({*fixture_names(), *ALL_SOURCES}), progress=_progress(request.config))
     hub = request.getfixturevalue("hub_server")

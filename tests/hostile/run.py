@@ -46,7 +46,7 @@ class Runner:
     harness: Harness
     fixtures: Mapping[str, Any]
     workdir: Path
-    hub: Any = None  # tests.hubserver.HubServer for push-hf, else those commands are skipped
+    hub: Any = None  # tests.servers.hub.HubServer for push-hf, else those commands are skipped
     limits: Limits = field(default_factory=Limits)
     keep: bool = False  # keep workspaces of runs that were fine (failed ones are always kept)
     # After a command hung, skip the case's other commands (they read the same input the same way
@@ -87,7 +87,7 @@ class Runner:
         limits = replace(self.limits, seconds=ws.seconds) if ws.seconds else self.limits
         env = dict(ws.env)
         if command == PUSH_HF:
-            from tests.hubserver import WRITE_TOKEN
+            from tests.servers.hub import WRITE_TOKEN
 
             env.update(HF_ENDPOINT=self.hub.url, HF_TOKEN=WRITE_TOKEN, HF_HOME=str(ws.root / "hf-home"))
         before = snapshot(ws, self.hub)

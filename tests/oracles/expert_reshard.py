@@ -1,10 +1,10 @@
 """Rank script for the expert-parallel reshard oracle: DeepSpeed itself, at this launch's world size,
 trains or loads a parallel fixture's model and saves it again.
 
-Run on M ranks by ``launch("tests.expert_reshard_oracle", M, ["--jobs", FILE])``. ``FILE`` holds a
+Run on M ranks by ``launch("tests.oracles.expert_reshard", M, ["--jobs", FILE])``. ``FILE`` holds a
 JSON list of jobs, run in order. Each builds the model of a parallel fixture (``"spec"``: its
 ``spec.json``) with that fixture's DeepSpeed config through the fixture writer's own job class
-(``tests.fixtures.parallel_writer.JOBS``), at this world size, and then:
+(``tests.fixtures.writers.parallel.JOBS``), at this world size, and then:
 
 - with ``"write": DIR``: trains the fixture's steps from scratch and saves there, so that what
   DeepSpeed writes at this size can be compared field by field with a reshard;
@@ -31,8 +31,9 @@ from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from tests.fixtures.launch import run_jobs  # noqa: E402
-from tests.fixtures.parallel_matrix import ParallelSpec  # noqa: E402
-from tests.fixtures.parallel_writer import JOBS, _relink_optimizer_state  # noqa: E402
+from tests.fixtures.specs.parallel import ParallelSpec  # noqa: E402
+from tests.fixtures.writers.parallel import JOBS  # noqa: E402
+from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 
 
 def run_job(job: dict[str, Any]) -> None:
@@ -53,7 +54,7 @@ def run_job(job: dict[str, Any]) -> None:
             raise RuntimeError(f"DeepSpeed loaded nothing from {job['load']}")
         if job.get("save"):
             engine.save_checkpoint(job["save"], tag=tag, client_state=runner.client_state())
-        _relink_optimizer_state(engine)
+        relink_optimizer_state(engine)
         state = runner.gather(engine)
         buffers = runner.buffers(engine)
         if dist.get_rank() == 0 and job.get("state"):

@@ -1,9 +1,9 @@
 """Rank script for the model-parallel reshard oracle: DeepSpeed itself loads checkpoints natively at a
 new data-parallel size, and everything it then holds is gathered and compared with the fixture's oracle.
 
-Run on N ranks by ``launch("tests.parallel_reshard_oracle", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
+Run on N ranks by ``launch("tests.oracles.parallel_reshard", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
 list of jobs of one layout (AutoTP, PipelineModule and Megatron-style each install process-wide
-groups), run in order. Each job builds the fixture's model with ``tests.fixtures.parallel_writer``'s own
+groups), run in order. Each job builds the fixture's model with ``tests.fixtures.writers.parallel``'s own
 job for its ``spec`` (a ``ParallelSpec`` whose ``world_size`` is N: the same tensor and pipeline
 degrees, another data-parallel size), then
 
@@ -30,10 +30,11 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.fixtures import parallel_extra_writer  # noqa: E402
-from tests.fixtures import parallel_writer as writer  # noqa: E402
 from tests.fixtures.launch import run_jobs  # noqa: E402
-from tests.fixtures.parallel_matrix import ParallelSpec  # noqa: E402
+from tests.fixtures.specs.parallel import ParallelSpec  # noqa: E402
+from tests.fixtures.writers import parallel as writer  # noqa: E402
+from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
+from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 
 # A ZeRO-0 bf16 run's state is read as the extra fixtures' writer reads it (FP16_Optimizer's flat groups).
 writer._local_states = parallel_extra_writer._local_states
@@ -52,7 +53,7 @@ def run_job(job: dict[str, Any]) -> None:
     path, _ = engine.load_checkpoint(job["load"], tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {job['load']}")
-    writer._relink_optimizer_state(engine)
+    relink_optimizer_state(engine)
     state = work.gather(engine)
     buffers = work.buffers(engine)
     if job.get("save"):

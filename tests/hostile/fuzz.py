@@ -25,9 +25,9 @@ Families:
 
 Replay one case (it prints the workspace and every run's output):
 
-    CKPTFLOW_FIXTURE_CACHE=... python -m tests.fuzz replay FAMILY SEED [--command C] [--keep DIR]
+    CKPTFLOW_FIXTURE_CACHE=... python -m tests.hostile.fuzz replay FAMILY SEED [--command C] [--keep DIR]
 
-Run a family by hand: `python -m tests.fuzz run FAMILY --count 50 [--start 1000]`.
+Run a family by hand: `python -m tests.hostile.fuzz run FAMILY --count 50 [--start 1000]`.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def run_family(runner: Runner, family: str, seeds: Sequence[int], commands: Sequ
 
 def replay_line(run: CaseRun) -> str:
     family, seed = run.label.split("--")[1:3]
-    return f"python -m tests.fuzz replay {family} {seed} --command {run.command}"
+    return f"python -m tests.hostile.fuzz replay {family} {seed} --command {run.command}"
 
 
 def report(runs: Sequence[CaseRun]) -> str:
@@ -252,7 +252,7 @@ def report(runs: Sequence[CaseRun]) -> str:
 def _runner(keep: Path | None, workers: int, seconds: float) -> tuple[Runner, object]:
     from tests.hostile.corpus import fixture_names, load_fixtures
     from tests.hostile.harness import Harness, Limits
-    from tests.hubserver import HubServer
+    from tests.servers.hub import HubServer
 
     fixtures = load_fixtures(sorted(set(fixture_names()) | set(ALL_SOURCES)))
     hub = HubServer().start()
@@ -264,7 +264,7 @@ def _runner(keep: Path | None, workers: int, seconds: float) -> tuple[Runner, ob
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.hostile.fuzz", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     replay = sub.add_parser("replay", help="run one case and print every run")
     replay.add_argument("family", choices=sorted(FAMILIES))

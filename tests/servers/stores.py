@@ -4,7 +4,7 @@
   STORAGE_EMULATOR_HOST and FSSPEC_GCS_TOKEN=anon, exactly as a user would configure it.
 - `s3`: moto's ThreadedMotoServer behind a FaultProxy; s3fs reaches it through
   FSSPEC_S3_ENDPOINT_URL and dummy AWS keys.
-- `hub`: the local Hub of `tests/hubserver.py`, driven by the real huggingface_hub client.
+- `hub`: the local Hub of `tests/servers/hub.py`, driven by the real huggingface_hub client.
 
 Each test gets a fresh prefix (and bucket for S3) and faults switched off when it ends.
 """
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.faultproxy import FaultProxy
-from tests.hubserver import HubServer
+from tests.servers.faultproxy import FaultProxy
+from tests.servers.hub import HubServer
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("HF_HUB_DISABLE_XET", "1")

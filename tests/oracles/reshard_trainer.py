@@ -1,8 +1,8 @@
 """Rank script: a Hugging Face Trainer run resumes from a resharded checkpoint at its new world size.
 
-Run by ``launch("tests.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint", DIR, "--out", FILE])``
+Run by ``launch("tests.oracles.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint", DIR, "--out", FILE])``
 where DIR is a ``checkpoint-K`` folder resharded to M ranks and SPEC_JSON the fixture's spec. The run
-is set up as ``tests.fixtures.trainer`` set up the original one (same model, DeepSpeed config with
+is set up as ``tests.fixtures.writers.trainer`` set up the original one (same model, DeepSpeed config with
 "auto" values, optimizer built by the Trainer), with ``max_steps`` two past the checkpoint, and calls
 ``trainer.train(resume_from_checkpoint=DIR)``. Rank 0 writes the Trainer's state to FILE as JSON,
 with what each rank's `Trainer._load_rng_state` did: the files it loaded, its "Didn't find an RNG
@@ -22,8 +22,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from tests.fixtures import models  # noqa: E402
-from tests.fixtures.trainer import _Batches, _configure_distributed_state, trainer_ds_config  # noqa: E402
+from tests.fixtures.models import data_parallel as models  # noqa: E402
+from tests.fixtures.writers.trainer import _Batches, _configure_distributed_state, trainer_ds_config  # noqa: E402
 
 EXTRA_STEPS = 2
 

@@ -1,6 +1,6 @@
 """Rank script for the reshard oracle: DeepSpeed itself loads checkpoints natively and saves them again.
 
-Run on M ranks by ``launch("tests.reshard_oracle", M, ["--jobs", FILE])``. ``FILE`` holds a JSON list of
+Run on M ranks by ``launch("tests.oracles.reshard", M, ["--jobs", FILE])``. ``FILE`` holds a JSON list of
 jobs, run in order; each builds the fixture model at this world size with the fixture's DeepSpeed
 config (``"dtype": "fp16"`` adds an fp16 section, see ``allow_fp16_on_cpu``; ``"zero"`` holds extra
 ``zero_optimization`` settings), and then either
@@ -31,8 +31,8 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
-from tests.fixtures import models  # noqa: E402
 from tests.fixtures.launch import run_jobs  # noqa: E402
+from tests.fixtures.models import data_parallel as models  # noqa: E402
 
 # fp16 with a dynamic loss scaler that moves within a few steps (loss_scale_window 2).
 FP16_CONFIG = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}

@@ -6,14 +6,14 @@ dies. Every worker has its own environment, in which `STORAGE_EMULATOR_HOST` and
 `FSSPEC_S3_ENDPOINT_URL` point at that worker's own counting `FaultProxy` in front of the session's
 GCS emulator and moto S3 server: each worker's requests to the buckets show up in its own counters
 (`cluster.workers["w0"].gcs.counters.range_bytes`). The test process (the coordinator) keeps the
-session proxies of `tests.servers`; `coordinator_traffic` hands them over with their counters reset.
+session proxies of `tests.servers.stores`; `coordinator_traffic` hands them over with their counters reset.
 
 - `cluster` (per test): the session's cluster with both workers running (a worker killed by an earlier
   test is started again under its name and proxies) and every worker proxy's counters reset.
 - `cluster.kill(name)` SIGKILLs a worker process (no nanny, so nothing restarts it) and waits until
   the scheduler has dropped it; Dask then reschedules its tasks on the other worker.
 - Worker-side helpers (`whoami`, `read_range`, `wait_for_file`) live here so that the workers import
-  them by name from `tests.cluster`, like any task function of a package the workers have installed.
+  them by name from `tests.servers.cluster`, like any task function of a package the workers have installed.
 
 Start-up (scheduler and two workers registered) takes 1.5-1.7 s on this 2-core machine under load,
 about 1.1 s to stop; restarting a killed worker about 0.6 s.
@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from tests.faultproxy import FaultProxy
+from tests.servers.faultproxy import FaultProxy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER_NAMES = ("w0", "w1")
 WORKER_THREADS = 2
 START_TIMEOUT = 60.0
@@ -186,6 +186,20 @@ def wait_for_file(started: str, release: str, timeout: float = 60.0) -> dict[str
     return me
 
 
+def meet(log: str, workers: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Append this worker's name to `log`, then block until `workers` distinct workers have written
+    theirs: tasks that call it cannot all finish on one worker, whatever the scheduler's timing."""
+    me = whoami()
+    with open(log, "a") as fh:
+        fh.write(me["name"] + "\n")
+    deadline = time.monotonic() + timeout
+    while len(set(Path(log).read_text().split())) < workers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{Path(log).read_text().split()} in {log}: {workers} workers never met")
+        time.sleep(0.02)
+    return me
+
+
 # ---- starting and stopping ---------------------------------------------------------------------------
 
 
@@ -320,7 +334,7 @@ def cluster(dask_cluster: DaskCluster) -> Iterator[DaskCluster]:
 
 @dataclass(frozen=True)
 class Coordinator:
-    """The test process's own proxies (those of `tests.servers`), counting what the coordinator fetches."""
+    """The test process's own proxies (those of `tests.servers.stores`), counting what the coordinator fetches."""
 
     gcs: FaultProxy
     s3: FaultProxy

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
