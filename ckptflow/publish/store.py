@@ -40,7 +40,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from ckptflow.errors import (CheckpointError, CkptflowError, PublishError, UnsafeInputError, UploadMismatchError,
                              UploadSessionError, VerificationError)
-from ckptflow.plumbing.executors import Cancelled, run_units
+from ckptflow.plumbing.steps import Cancelled, run_units
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
