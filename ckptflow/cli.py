@@ -294,18 +294,18 @@ def reshard_command(
 
     from ckptflow.formats.deepspeed.index import check_tag
     from ckptflow.plumbing.sizes import format_size
-    from ckptflow.reshard import reshard
+    from ckptflow.reshard import ReshardOptions, reshard
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
+    options = ReshardOptions(world_size=world_size, tensor_parallel=tensor_parallel, workers=workers, durable=fsync)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
                TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("resharding", total=None)
         try:
             with units_on(cluster) as executor:
-                result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
-                                 executor=executor, tensor_parallel=tensor_parallel,
+                result = reshard(src, dest, tag=tag, options=options, executor=executor,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
@@ -336,7 +336,7 @@ def push_command(
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     from ckptflow.plumbing.sizes import format_size
-    from ckptflow.publish import push
+    from ckptflow.publish import PushOptions, push
 
     if not dest.startswith("hf://") and (revision or private):
         raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
@@ -346,7 +346,8 @@ def push_command(
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("uploading", total=None)
         try:
-            result = push(src, dest, revision=revision, private=private, workers=workers, break_lease=break_lease,
+            options = PushOptions(revision=revision, private=private, workers=workers, break_lease=break_lease)
+            result = push(src, dest, options=options,
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
