@@ -46,7 +46,7 @@ from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.steps import Cancelled, run_step
 from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
-from ckptflow.plumbing.text import excerpt
+from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardOptions, ReshardPlan, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
@@ -69,7 +69,7 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
     report = validate(src, tag=tag)
     if not report.ok or report.index is None:
         first = report.problems[0]
-        more = f" (and {len(report.problems) - 1} more; run `ckptflow validate {src}`)" if len(report.problems) > 1 else ""
+        more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
         raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
     if tensor_parallel is not None:
