@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CkptflowError
 from ckptflow.plumbing.text import one_line
 
@@ -134,7 +135,7 @@ def consolidate_command(
     src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
     dest: str = typer.Argument(..., metavar="OUT", help="Model folder to create, local or URL; must not exist."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to convert instead of the one `latest` names."),
-    dtype: DType = typer.Option(DType.fp32, "--dtype", help="Output dtype."),
+    dtype: DType = typer.Option(DType(DEFAULT_DTYPE), "--dtype", help="Output dtype."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB or 500MB."),
     exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="Leave frozen parameters out."),
     workers: int = typer.Option(4, "--workers", min=1, help="Shards written at once."),
@@ -185,7 +186,7 @@ def consolidate_command(
 def run_command(
     src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest`, local or URL."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to process instead of the one `latest` names."),
-    dtype: DType = typer.Option(DType.bf16, "--dtype", help="Consolidated model dtype."),
+    dtype: DType = typer.Option(DType(DEFAULT_DTYPE), "--dtype", help="Consolidated model dtype."),
     consolidate: bool = typer.Option(True, "--consolidate/--no-consolidate", help="Build the Hugging Face model."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest model shard, e.g. 5GB."),
     reshard: Optional[str] = typer.Option(None, "--reshard", help="World sizes to reshard to, e.g. 1,4."),

@@ -21,6 +21,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from ckptflow import DEFAULT_DTYPE
 from ckptflow.consolidate import (
     ConsolidateOptions,
     ConsolidateStep,
@@ -76,7 +77,7 @@ def consolidate_model(
     checkpoint: Checkpoint,
     out: str,
     *,
-    dtype: str = "bf16",
+    dtype: str = DEFAULT_DTYPE,
     max_shard_size: str = "5GB",
     exclude_frozen: bool = False,
     workers: int = 4,
