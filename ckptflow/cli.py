@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CkptflowError
 from ckptflow.plumbing.text import one_line
 
@@ -134,7 +135,7 @@ def consolidate_command(
     src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
     dest: str = typer.Argument(..., metavar="OUT", help="Model folder to create, local or URL; must not exist."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to convert instead of the one `latest` names."),
-    dtype: DType = typer.Option(DType.fp32, "--dtype", help="Output dtype."),
+    dtype: DType = typer.Option(DType(DEFAULT_DTYPE), "--dtype", help="Output dtype."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB or 500MB."),
     exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="Leave frozen parameters out."),
     workers: int = typer.Option(4, "--workers", min=1, help="Shards written at once."),
@@ -185,7 +186,7 @@ def consolidate_command(
 def run_command(
     src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest`, local or URL."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to process instead of the one `latest` names."),
-    dtype: DType = typer.Option(DType.bf16, "--dtype", help="Consolidated model dtype."),
+    dtype: DType = typer.Option(DType(DEFAULT_DTYPE), "--dtype", help="Consolidated model dtype."),
     consolidate: bool = typer.Option(True, "--consolidate/--no-consolidate", help="Build the Hugging Face model."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest model shard, e.g. 5GB."),
     reshard: Optional[str] = typer.Option(None, "--reshard", help="World sizes to reshard to, e.g. 1,4."),
@@ -294,18 +295,18 @@ def reshard_command(
 
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
-    from ckptflow.reshard import reshard
+    from ckptflow.reshard import ReshardOptions, reshard
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
+    options = ReshardOptions(world_size=world_size, tensor_parallel=tensor_parallel, workers=workers, durable=fsync)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
                TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("resharding", total=None)
         try:
             with units_on(cluster) as executor:
-                result = reshard(src, dest, world_size=world_size, tag=tag, workers=workers, durable=fsync,
-                                 executor=executor, tensor_parallel=tensor_parallel,
+                result = reshard(src, dest, tag=tag, options=options, executor=executor,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None
@@ -336,7 +337,7 @@ def push_command(
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     from ckptflow.plumbing.sizes import format_size
-    from ckptflow.publish import push
+    from ckptflow.publish import PushOptions, push
 
     if not dest.startswith("hf://") and (revision or private):
         raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
@@ -346,7 +347,8 @@ def push_command(
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("uploading", total=None)
         try:
-            result = push(src, dest, revision=revision, private=private, workers=workers, break_lease=break_lease,
+            options = PushOptions(revision=revision, private=private, workers=workers, break_lease=break_lease)
+            result = push(src, dest, options=options,
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
         except CkptflowError as exc:
             raise fail(exc) from None

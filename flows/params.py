@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 from prefect.blocks.system import Secret
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
 
+from ckptflow import DEFAULT_DTYPE
+
 # A size such as '5GB', '500MB', '2GiB' or a byte count, as a JSON-schema pattern (no regex flags there).
 SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([KkMmGgTt][Ii]?[Bb]|[Bb])?\s*$"
 _SIZE_RE = re.compile(SIZE_PATTERN)
@@ -80,7 +82,7 @@ class ConsolidationOptions(_Options):
         description="Build a Hugging Face safetensors model from the checkpoint's fp32 master weights.",
     )
     dtype: Literal["bf16", "fp16", "fp32"] = Field(
-        default="bf16", title="Output dtype", description="Floating-point dtype of the consolidated weights."
+        default=DEFAULT_DTYPE, title="Output dtype", description="Floating-point dtype of the consolidated weights."
     )
     max_shard_size: str = Field(
         default="5GB",

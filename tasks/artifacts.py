@@ -37,6 +37,7 @@ from prefect.artifacts import (
 
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.text import one_line
+from ckptflow.publish import HubTarget
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ def web_url(uri: str, *, revision: str | None = None, endpoint: str | None = Non
     """A link a browser opens for a destination: the Hub repo (at its revision) or the bucket's console
     page; None for a local folder."""
     if uri.startswith("hf://"):
-        repo = uri[len("hf://"):].strip("/")
+        target = HubTarget.parse(uri)
         base = (endpoint or "https://huggingface.co").rstrip("/")
-        return f"{base}/{repo}/tree/{revision or 'main'}"
+        kind = "" if target.repo_type == "model" else f"{target.repo_type}s/"
+        return f"{base}/{kind}{target.repo_id}/tree/{revision or target.revision or 'main'}"
     if uri.startswith(("gs://", "gcs://")):
         return "https://console.cloud.google.com/storage/browser/" + uri.split("://", 1)[1].strip("/")
     if uri.startswith(("s3://", "s3a://")):

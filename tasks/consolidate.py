@@ -1,10 +1,11 @@
 """The consolidation task: the core's plan, one Prefect task per output shard, then finalize.
 
-`consolidate_model` calls `ckptflow.consolidate` step by step (`plan_consolidation`,
-`prepare_output`, one `ShardJob` per shard run by `run_job`, `finalize`, `abort` on failure) and runs
-the shards as `write_shard` tasks, so each shard shows in the UI (`consolidate global_step3 bf16`,
-`write shard 2/5`): through the flow's task runner, at most `workers` at a time, or, with a `cluster`
-address (or `$CKPTFLOW_CLUSTER`), on that Dask cluster through prefect-dask (`tasks.units`). The
+`consolidate_model` plans (`plan_consolidation`) and runs the core's `ConsolidateStep` with the core's
+one step driver (`plumbing.steps.run_step`: prepare, one `ShardJob` per shard run by `run_job`,
+`finalize`, `abort` on failure), the shards submitted as `write_shard` tasks (`tasks.units`), so each
+shard shows in the UI (`consolidate global_step3 bf16`, `write shard 2/5`): through the flow's task
+runner, at most `workers` at a time, or, with a `cluster` address (or `$CKPTFLOW_CLUSTER`), on that
+Dask cluster through prefect-dask. The
 outputs are the same bytes either way. It is cached on the checkpoint's identity, the options and
 OUT (not on where it ran): a second flow run for the same checkpoint does not convert again.
 
@@ -15,37 +16,33 @@ artifact (key `consolidation-<source>-<tag>-<dtype>`): a table of every file in 
 from __future__ import annotations
 
 import posixpath
-import threading
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from ckptflow import DEFAULT_DTYPE
 from ckptflow.consolidate import (
     ConsolidateOptions,
+    ConsolidateStep,
     ConsolidationPlan,
     ConsolidationResult,
     ShardJob,
-    UnitResult,
-    abort,
-    committed_output,
-    finalize,
+    ShardResult,
     plan_consolidation,
-    prepare_output,
     run_job,
-    shard_job,
 )
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed import load_index
-from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.steps import run_step
 from ckptflow.plumbing.storage import open_fs
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
-from tasks.units import CLUSTER_AHEAD, cluster_address, run_bounded, unit_runner
+from tasks.units import cluster_address, unit_executor
 
 
 def _shard_run_name() -> str:
@@ -64,7 +61,7 @@ def _shard_run_name() -> str:
 # persisted result would land in that worker's own storage, out of the flow run's reach.
 @task(name="write-shard", task_run_name=_shard_run_name, cache_policy=NO_CACHE, persist_result=False,
       **io_retries(retries=2))
-def write_shard(job: ShardJob, progress: Any = None, cancel: Any = None) -> UnitResult:
+def write_shard(job: ShardJob, progress: Any = None, cancel: Any = None) -> ShardResult:
     """`ckptflow.consolidate.run_job`: one output shard into the staging folder (the same bytes on a retry)."""
     return run_job(job, progress=progress, cancel=cancel)
 
@@ -80,7 +77,7 @@ def consolidate_model(
     checkpoint: Checkpoint,
     out: str,
     *,
-    dtype: str = "bf16",
+    dtype: str = DEFAULT_DTYPE,
     max_shard_size: str = "5GB",
     exclude_frozen: bool = False,
     workers: int = 4,
@@ -98,7 +95,7 @@ def consolidate_model(
                 plan.dtype)
     # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
     # is taken as it is when it holds this very model; anything else there fails the step.
-    result = committed_output(plan, out)
+    result = ConsolidateStep(plan, out).committed()
     if result is not None:
         logger.info("%s already holds this model, committed by an earlier run whose cached result is gone: taken "
                     "as it is, nothing written", out)
@@ -123,29 +120,13 @@ def consolidate_model(
 def _build(checkpoint: Checkpoint, plan: ConsolidationPlan, out: str, workers: int, address: str | None
            ) -> ConsolidationResult:
     """Write the plan's shards (a `write_shard` task each, on threads or on the cluster at `address`) and commit."""
-    logger = get_run_logger()
-    factor = 2 if plan.options.verify else 1  # written, then (verify) read back
-    total = sum(u.nbytes for u in plan.units) * factor
-    staging = prepare_output(plan, out)
-    cancel = threading.Event()
     with ProgressArtifact(nbytes=plan.total_size,
-                          description=f"Consolidating {checkpoint.uri} to {plan.options.dtype}") as sink:
-        progress = Tally(total, sink)
-        try:
-            jobs = [shard_job(plan, u, staging) for u in plan.units]
-            with unit_runner(address) as submit:
-                if address:
-                    logger.info("writing %d shard(s) on the Dask cluster at %s", len(jobs), address)
-                    results = run_bounded(lambda job: submit(write_shard, job=job), jobs, CLUSTER_AHEAD, cancel,
-                                          done=lambda job, _r: progress.add(job.unit.index, job.unit.nbytes * factor))
-                else:
-                    results = run_bounded(
-                        lambda job: submit(write_shard, job=job, progress=progress.part(job.unit.index), cancel=cancel),
-                        jobs, workers, cancel)
-            return finalize(plan, results, staging)
-        except BaseException:
-            abort(staging)
-            raise
+                          description=f"Consolidating {checkpoint.uri} to {plan.options.dtype}") as sink, \
+            unit_executor(address, {run_job: write_shard}) as executor:
+        if address:
+            get_run_logger().info("writing %d shard(s) on the Dask cluster at %s", len(plan.units), address)
+        return run_step(ConsolidateStep(plan, out), executor=executor, workers=workers, in_process=not address,
+                        progress=sink)
 
 
 _WHAT = {

@@ -16,14 +16,14 @@ concurrency limits (`prefect concurrency-limit create hub-upload 2`).
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 from prefect import get_run_logger, task
 
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.publish import push
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.publish import HubTarget, Manifest, PushOptions, push
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
@@ -77,16 +77,16 @@ def publish_output(
     """Push the folder `output.uri` to `destination` (an `hf://` repo or any fsspec URL)."""
     logger = get_run_logger()
     hub = destination.startswith("hf://")
+    if hub:  # the revision may come in the URL (hf://org/name@v1) as the core reads it
+        revision = revision or HubTarget.parse(destination).revision
     n = output.world_size
     what = output.kind if n is None else f"{output.kind} ({n} rank{'' if n == 1 else 's'})"
-    kwargs: dict[str, Any] = {"workers": workers}
-    token = None
-    if hub:
-        token = _resolve_token(token_secret)
-        kwargs.update(revision=revision, private=private, endpoint=endpoint, token=token)
+    options = PushOptions(revision=revision, private=private, workers=workers, endpoint=endpoint) if hub \
+        else PushOptions(workers=workers)
+    token = _resolve_token(token_secret) if hub else None
     with ProgressArtifact(nbytes=output.bytes or 0,
                           description=f"Publishing the {what} of {checkpoint.tag} to {destination}") as sink:
-        result = push(output.uri, destination, progress=sink, **kwargs)
+        result = push(output.uri, destination, options=options, token=token, progress=sink)
     logger.info(
         "published %s to %s: %d file(s) uploaded (%s), %d already there",
         output.uri, destination, len(result.uploaded), format_size(result.bytes_uploaded or 0), len(result.skipped),
@@ -115,22 +115,17 @@ def _published_files(
     (sha256 for LFS files; small files are stored in git and show their git blob id). [] when unreadable."""
     try:
         if result.manifest_uri:
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(result.manifest_uri)
-            doc = json.loads(fs.cat_file(path))
-            return [{"file": f["path"], "size": int(f["size"]), "sha256": f["sha256"]} for f in doc["files"]]
+            fs, path = open_fs(result.manifest_uri)
+            manifest = Manifest.from_json(fs.cat_file(path), uri=result.manifest_uri)
+            return [{"file": f.path, "size": f.size, "sha256": f.sha256} for f in manifest.files]
         if destination.startswith("hf://"):
             from huggingface_hub import HfApi
 
-            repo = destination[len("hf://"):].strip("/")
-            repo_type = "model"
-            for kind in ("datasets", "spaces"):
-                if repo.startswith(kind + "/"):
-                    repo, repo_type = repo[len(kind) + 1:], kind[:-1]
+            target = HubTarget.parse(destination)
             api = HfApi(endpoint=endpoint, token=token)
             rows = []
-            for item in api.list_repo_tree(repo, repo_type=repo_type, revision=revision, recursive=True):
+            for item in api.list_repo_tree(target.repo_id, repo_type=target.repo_type,
+                                           revision=revision or target.revision, recursive=True):
                 size = getattr(item, "size", None)
                 if size is None:  # a folder
                     continue
@@ -147,7 +142,7 @@ def _file_table(
     checkpoint: Checkpoint, output: Output, what: str, destination: str, revision: str | None, url: str | None, result: Any,
     files: list[dict[str, Any]],
 ) -> None:
-    where = destination + (f" @ {revision}" if revision else "")
+    where = destination + (f" @ {revision}" if revision and not destination.endswith(f"@{revision}") else "")
     total = sum(f["size"] for f in files)
     lines = [
         f"## {what.capitalize()} of {checkpoint.tag} published",

@@ -1,12 +1,13 @@
 """The reshard task: the core's steps, one Prefect task per target rank.
 
-`reshard_checkpoint` calls `ckptflow.reshard` step by step, as `ckptflow.reshard.reshard` does:
-`plan_output` (validates the source and refuses an OUT inside it), `prepare_output`, one `RankJob`
-per target rank (made here, just before it is sent: pickles and source byte ranges) run by `run_job`
-as `write_rank` tasks (`write rank 1/4 (ws4)`: unique when one run reshards to several world sizes)
-through the flow's task runner, or, with a `cluster` address (or `$CKPTFLOW_CLUSTER`), on that Dask
-cluster through prefect-dask (`tasks.units`), then `finalize` (every file checked against the store's
-metadata, `latest` last), `abort` on failure. Cached on the checkpoint's identity, the world size and
+`reshard_checkpoint` plans as `ckptflow.reshard.reshard` does (`plan_output` validates the source
+and refuses an OUT inside it) and runs the same `ReshardStep` with the core's one step driver
+(`plumbing.steps.run_step`): prepare, one `RankJob` per target rank (made here, just before it is
+sent: pickles and source byte ranges) run by `run_job` as `write_rank` tasks (`write rank 1/4 (ws4)`:
+unique when one run reshards to several world sizes) through the flow's task runner, or, with a
+`cluster` address (or `$CKPTFLOW_CLUSTER`), on that Dask cluster through prefect-dask
+(`tasks.units`), then finalize (every file checked against the store's metadata, `latest` last),
+abort on failure. Cached on the checkpoint's identity, the world size and
 OUT (not on where it ran).
 
 A reshard of at least `PROGRESS_BYTES` shows a progress bar while it runs; the result is one artifact
@@ -17,36 +18,22 @@ source rank each Trainer RNG file came from.
 from __future__ import annotations
 
 import posixpath
-import threading
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ckptflow.plumbing.progress import Tally
 from ckptflow.plumbing.redaction import describe as describe_error
 from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.steps import run_step
 from ckptflow.plumbing.storage import open_fs
-from ckptflow.reshard import (
-    RankJob,
-    ReshardPlan,
-    RngCopy,
-    UnitResult,
-    abort,
-    committed_output,
-    finalize,
-    plan_output,
-    prepare_output,
-    rank_job,
-    run_job,
-    write_threads,
-)
+from ckptflow.reshard import RankJob, RankResult, ReshardPlan, ReshardStep, RngCopy, plan_output, run_job, write_threads
 from ckptflow.reshard.rng import describe
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
 from tasks.retries import io_retries
-from tasks.units import CLUSTER_AHEAD, cluster_address, run_bounded, unit_runner
+from tasks.units import cluster_address, unit_executor
 
 
 def _rank_run_name() -> str:
@@ -74,7 +61,7 @@ def _reshard_run_name() -> str:
 # worker's own storage, out of the flow run's reach.
 @task(name="write-rank", task_run_name=_rank_run_name, cache_policy=NO_CACHE, persist_result=False,
       **io_retries(retries=2))
-def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> UnitResult:
+def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> RankResult:
     """`ckptflow.reshard.run_job`: one target rank's files into the staging folder (the same bytes on a retry)."""
     return run_job(job, progress=progress, cancel=cancel)
 
@@ -97,7 +84,7 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
                 format_size(plan.write_bytes))
     # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
     # is taken as it is when it holds this very checkpoint; anything else there fails the step.
-    found = committed_output(plan, out)
+    found = ReshardStep(plan, out).committed()
     if found is not None:
         logger.info("%s already holds this checkpoint, committed by an earlier run whose cached result is gone: "
                     "taken as it is, nothing written", out)
@@ -122,33 +109,19 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
 
 
 def _build(checkpoint: Checkpoint, plan: ReshardPlan, out: str, workers: int, address: str | None
-           ) -> tuple[list[UnitResult], tuple[RngCopy, ...]]:
+           ) -> tuple[list[RankResult], tuple[RngCopy, ...]]:
     """Write every target rank (a `write_rank` task each, on threads or on the cluster at `address`) and commit."""
-    logger = get_run_logger()
-    staging = prepare_output(plan, out)
     threads = 1 if address else write_threads(workers, len(plan.units))
-    cancel = threading.Event()
     with ProgressArtifact(nbytes=plan.read_bytes,
-                          description=f"Resharding {checkpoint.uri} to {plan.world_size} ranks") as sink:
-        progress = Tally(plan.read_bytes, sink)
-        try:
-            with unit_runner(address) as submit:
-                if address:
-                    logger.info("writing %d rank(s) on the Dask cluster at %s", len(plan.units), address)
-                    results = run_bounded(lambda u: submit(write_rank, job=rank_job(plan, u, staging)), plan.units,
-                                          CLUSTER_AHEAD, cancel, done=lambda u, _r: progress.add(u.rank, u.read_bytes))
-                else:
-                    results = run_bounded(
-                        lambda u: submit(write_rank, job=rank_job(plan, u, staging, threads=threads),
-                                         progress=progress.part(u.rank), cancel=cancel),
-                        plan.units, workers, cancel)
-            return results, finalize(plan, staging, results=results)
-        except BaseException:
-            abort(staging)
-            raise
+                          description=f"Resharding {checkpoint.uri} to {plan.world_size} ranks") as sink, \
+            unit_executor(address, {run_job: write_rank}) as executor:
+        if address:
+            get_run_logger().info("writing %d rank(s) on the Dask cluster at %s", len(plan.units), address)
+        return run_step(ReshardStep(plan, out, threads=threads), executor=executor, workers=workers,
+                        in_process=not address, progress=sink)
 
 
-def reshard_summary(checkpoint: Checkpoint, plan: ReshardPlan, results: list[UnitResult], rng_files: tuple[RngCopy, ...],
+def reshard_summary(checkpoint: Checkpoint, plan: ReshardPlan, results: list[RankResult], rng_files: tuple[RngCopy, ...],
                     out: str, listing: list[str]) -> str:
     """One table, a row per target rank (its files and their size), and a line each on the files carried
     over and the Trainer RNG files."""

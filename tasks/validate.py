@@ -14,6 +14,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from ckptflow.errors import CheckpointError
+from ckptflow.plumbing.text import and_more
 from ckptflow.validate import ValidationReport, validate
 from ckptflow.watch import content_identity
 from tasks.artifacts import checkpoint_key, field_rows, source_name, table, text
@@ -95,7 +96,7 @@ def validate_checkpoint(
         where = f"{report.root}/{report.tag}" if report.tag else source
         waited = f" after waiting {settle_seconds:.0f} s for files to arrive" if still_arriving(report) and attempt > 1 else ""
         lines = "; ".join(f"{p.code}: {p.message}" for p in report.problems[:5])
-        more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
+        more = and_more(len(report.problems) - 5, "problem")
         raise CheckpointError(f"{where} is not a valid checkpoint{waited}: {lines}{more}", uri=source)
 
     index = report.index

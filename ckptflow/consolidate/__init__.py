@@ -10,9 +10,10 @@ Three parts, each usable on its own (the Prefect layer and a Dask cluster run th
    into the staging folder in bounded batches of byte-range reads, cast on the way, hashed as written,
    and (with `verify`) checked against an independent read of the source. `run_unit(plan, unit,
    staging)` does both.
-3. `run.py`: `prepare_output`, `run_units` (threads, or any `concurrent.futures.Executor` such as a
-   Dask cluster's), `finalize` (each shard checked against the store's metadata, side files,
-   provenance, index last, commit), `abort`, and `consolidate(src, out, ...)`, which runs them all.
+3. `run.py`: `prepare_output`, `finalize` (each shard checked against the store's metadata, side
+   files, provenance, index last, commit), `abort`, `ConsolidateStep` (the three and the units as one
+   `plumbing.steps.Step`, run on threads or any `concurrent.futures.Executor`: a Dask cluster's,
+   Prefect tasks), and `consolidate(src, out, ...)`, which runs them all.
 
 Memory stays at a few batch buffers per worker whatever the model size; only the fp32 master
 weights are read, never the optimizer moments, and never a 16-bit module copy where an fp32 master
@@ -31,6 +32,7 @@ from ckptflow.consolidate.plan import (
                                        plan_consolidation,
 )
 from ckptflow.consolidate.run import (
+                                       ConsolidateStep,
                                        ConsolidationResult,
                                        abort,
                                        committed_output,
@@ -38,13 +40,13 @@ from ckptflow.consolidate.run import (
                                        finalize,
                                        prepare_output,
                                        provenance,
-                                       run_units,
 )
-from ckptflow.consolidate.write import ShardJob, UnitResult, run_job, run_unit, shard_job
+from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, run_unit, shard_job
 
 __all__ = [
     "Batch",
     "ConsolidateOptions",
+    "ConsolidateStep",
     "ConsolidationPlan",
     "ConsolidationResult",
     "Copy",
@@ -52,7 +54,7 @@ __all__ = [
     "Run",
     "ShardJob",
     "ShardUnit",
-    "UnitResult",
+    "ShardResult",
     "abort",
     "committed_output",
     "consolidate",
@@ -63,6 +65,5 @@ __all__ = [
     "provenance",
     "run_job",
     "run_unit",
-    "run_units",
     "shard_job",
 ]

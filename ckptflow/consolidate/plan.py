@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.model import Partitioned
@@ -29,12 +30,13 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 class ConsolidateOptions:
     """How to consolidate.
 
-    `dtype` is "fp32", "bf16" or "fp16" (torch names such as "bfloat16" are accepted too);
+    `dtype` is "fp32" (`ckptflow.DEFAULT_DTYPE`), "bf16" or "fp16" (torch names such as "bfloat16"
+    are accepted too);
     `max_shard_size` is bytes or a string such as "5GB"; `chunk_bytes` bounds each read batch, and so
     the memory per worker (about three batches).
     """
 
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     max_shard_size: int | str = "5GB"
     exclude_frozen: bool = False
     workers: int = 4

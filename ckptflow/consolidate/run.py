@@ -2,11 +2,13 @@
 
 `prepare_output(plan, out)` checks OUT and the free space and makes the staging folder
 (`plumbing.staging`); the units (`consolidate.write.run_job`, one `ShardJob` per shard) write into
-it, on threads or on any `concurrent.futures.Executor` (a Dask cluster); `finalize` checks what each
-unit reports against the store's metadata, adds the config and tokenizer files, a provenance record
-and the shard index, then commits the folder into place with the index (or the only shard) last.
-`abort` removes the staging folder. `consolidate(src, out, ...)` does all of it. The coordinator
-(the process that plans and finalizes) reads headers and pickles only, never a tensor byte.
+it; `finalize` checks what each unit reports against the store's metadata, adds the config and
+tokenizer files, a provenance record and the shard index, then commits the folder into place with
+the index (or the only shard) last. `abort` removes the staging folder. `ConsolidateStep` is the
+four as a `plumbing.steps.Step`, which `run_step` runs on threads or on any
+`concurrent.futures.Executor` (a Dask cluster, Prefect tasks); `consolidate(src, out, ...)` does
+all of it. The coordinator (the process that plans and finalizes) reads headers and pickles only,
+never a tensor byte.
 """
 
 from __future__ import annotations
@@ -15,24 +17,23 @@ import json
 import logging
 import os
 import re
-import threading
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, plan_consolidation
-from ckptflow.consolidate.write import UnitResult, run_job, run_unit, shard_job
+from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, ShardUnit, plan_consolidation
+from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, shard_job
 from ckptflow.errors import OutputError
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed import load_index
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.executors import Executor
-from ckptflow.plumbing.executors import run_units as run_all
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
-from ckptflow.plumbing.progress import Progress, Tally
+from ckptflow.plumbing.progress import Progress
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, check_written
+from ckptflow.plumbing.steps import run_step
 from ckptflow.plumbing.storage import is_local, join, local_path, open_fs
 from ckptflow.plumbing.text import excerpt
 
@@ -44,7 +45,7 @@ class ConsolidationResult:
     """What `consolidate` / `finalize` produced."""
 
     out: str
-    shards: tuple[UnitResult, ...]
+    shards: tuple[ShardResult, ...]
     side_files: tuple[str, ...]
     files: tuple[str, ...]
     total_size: int
@@ -77,7 +78,7 @@ def ckptflow_version() -> str:
             return "unknown"
 
 
-def provenance(plan: ConsolidationPlan, shards: Sequence[UnitResult]) -> dict[str, Any]:
+def provenance(plan: ConsolidationPlan, shards: Sequence[ShardResult]) -> dict[str, Any]:
     """The record written beside the model: where it came from and what each shard hashes to."""
     root = os.path.abspath(local_path(plan.root)) if is_local(plan.root) else plan.root
     return {
@@ -108,7 +109,7 @@ def provenance(plan: ConsolidationPlan, shards: Sequence[UnitResult]) -> dict[st
     }
 
 
-def finalize(plan: ConsolidationPlan, results: Sequence[UnitResult], staging: Staging) -> ConsolidationResult:
+def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: Staging) -> ConsolidationResult:
     """Add config, tokenizer, provenance and index to `staging`, then commit it into place as OUT, the
     index last (or, unsharded, the only shard last: it is what makes the folder loadable).
 
@@ -201,7 +202,7 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
     if plan.sharded and read_regular(join(out, hf.SAFE_WEIGHTS_INDEX_NAME), limit=len(index.encode()),
                                      what="shard index") != index.encode():
         raise stage.not_this_output(out, f"its {hf.SAFE_WEIGHTS_INDEX_NAME} is not the index of this model")
-    shards = tuple(UnitResult(u.index, u.filename, sizes[u.filename], listed[u.filename]["sha256"],
+    shards = tuple(ShardResult(u.index, u.filename, sizes[u.filename], listed[u.filename]["sha256"],
                               output.get("verified") is True) for u in plan.units)
     files = [u.filename for u in plan.units] + side + [hf.PROVENANCE_NAME]
     marker = hf.SAFE_WEIGHTS_INDEX_NAME if plan.sharded else files[0]
@@ -225,20 +226,40 @@ def abort(staging: Staging | None) -> None:
     stage.abort(staging)
 
 
-def run_units(plan: ConsolidationPlan, staging: Staging, *, progress: Progress | None = None,
-              executor: Executor | None = None) -> list[UnitResult]:
-    """Run every unit on `plan.options.workers` threads, or as `ShardJob`s on `executor` (a Dask
-    cluster: `plumbing.executors.cluster`); the first failure stops the others. On threads progress
-    counts bytes as they are written and checked; on an executor, each shard's bytes when it finishes."""
-    factor = 2 if plan.options.verify else 1
-    tally = Tally(sum(u.nbytes for u in plan.units) * factor, progress)
-    tally.start()
-    if executor is not None:
-        return run_all(run_job, (shard_job(plan, u, staging) for u in plan.units), executor=executor,
-                       done=lambda job, _result: tally.add(job.unit.index, job.unit.nbytes * factor))
-    cancel = threading.Event()
-    return run_all(lambda u: run_unit(plan, u, staging, progress=tally.part(u.index), cancel=cancel), plan.units,
-                   workers=plan.options.workers, cancel=cancel)
+class ConsolidateStep:
+    """Consolidating `plan` into OUT, as the step driver runs it (`plumbing.steps`): units are the
+    plan's shards, a job is a `ShardJob`, `run` is `run_job`, and `finalize` commits the index (or the
+    only shard) last. The coordinator reads headers and pickles only, never a tensor byte."""
+
+    run = staticmethod(run_job)
+
+    def __init__(self, plan: ConsolidationPlan, out: str) -> None:
+        self.plan, self.out = plan, out
+        self.staging: Staging | None = None
+
+    def committed(self) -> ConsolidationResult | None:
+        return committed_output(self.plan, self.out)
+
+    def prepare(self) -> tuple[ShardUnit, ...]:
+        self.staging = prepare_output(self.plan, self.out)
+        return self.plan.units
+
+    def job(self, unit: ShardUnit) -> ShardJob:
+        return shard_job(self.plan, unit, self._staging())
+
+    def unit_bytes(self, unit: ShardUnit) -> int:
+        """Bytes written, and with `verify` read back and checked."""
+        return unit.nbytes * (2 if self.plan.options.verify else 1)
+
+    def finalize(self, results: Sequence[ShardResult]) -> ConsolidationResult:
+        return finalize(self.plan, results, self._staging())
+
+    def abort(self) -> None:
+        abort(self.staging)
+
+    def _staging(self) -> Staging:
+        assert self.staging is not None, "prepare() comes first"
+        return self.staging
 
 
 def consolidate(
@@ -263,10 +284,4 @@ def consolidate(
     plan = plan_consolidation(index, options)
     logger.info("plan: %d tensors in %d shard(s), %s %s from %s of source", sum(len(u.tensors) for u in plan.units),
                 len(plan.units), format_size(plan.total_size), plan.dtype, format_size(plan.source_bytes))
-    staging = prepare_output(plan, out)
-    try:
-        results = run_units(plan, staging, progress=progress, executor=executor)
-        return finalize(plan, results, staging)
-    except BaseException:
-        abort(staging)
-        raise
+    return run_step(ConsolidateStep(plan, out), executor=executor, workers=options.workers, progress=progress)

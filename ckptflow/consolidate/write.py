@@ -40,19 +40,19 @@ from ckptflow.formats.shard_check import verify_shard
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.checksums import Digests, digests_for
 from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
-from ckptflow.plumbing.executors import Cancelled
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import ShortRead, read_into, read_ranges
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, Written, written
+from ckptflow.plumbing.steps import Cancelled
 from ckptflow.plumbing.storage import is_local, local_path, open_fs, protocol
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class UnitResult:
+class ShardResult:
     """One shard written (and, when `verified`, reopened and checked against the source)."""
 
     index: int
@@ -93,13 +93,13 @@ def run_unit(
     verify: bool | None = None,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
-) -> UnitResult:
+) -> ShardResult:
     """Write shard `unit` of `plan` into the staging folder; with `verify` (default: the plan's
     option) reopen it and check every byte against the source (see `run_job`)."""
     return run_job(shard_job(plan, unit, staging, verify=verify), progress=progress, cancel=cancel)
 
 
-def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threading.Event | None = None) -> UnitResult:
+def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threading.Event | None = None) -> ShardResult:
     """Write the job's shard; with `job.verify` reopen it and check every byte against the source.
     Safe to run again: the file is rewritten, with the same bytes.
 
@@ -127,7 +127,7 @@ def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threadin
                                                             progress=checked, written=done))
         logger.info("wrote and checked %s (%s) in %.2fs", uri, format_size(layout.file_size),
                     time.monotonic() - started)
-        return UnitResult(unit.index, unit.filename, layout.file_size, sha256, True,
+        return ShardResult(unit.index, unit.filename, layout.file_size, sha256, True,
                           written(job.staging, unit.filename, layout.file_size))
     sha256 = _write_shard(uri, layout, batches, wrote, stopped, store=store)
     logger.info("wrote %s (%s) in %.2fs", uri, format_size(layout.file_size), time.monotonic() - started)
@@ -135,7 +135,7 @@ def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threadin
         if stopped():
             raise Cancelled(unit.filename)
         verify_shard(uri, unit.tensors, chunk_bytes=job.chunk_bytes, progress=checked)
-    return UnitResult(unit.index, unit.filename, layout.file_size, sha256, verify,
+    return ShardResult(unit.index, unit.filename, layout.file_size, sha256, verify,
                       written(job.staging, unit.filename, layout.file_size, store))
 
 

@@ -90,3 +90,11 @@ def one_line(text: str, limit: int | None = None) -> str:
 
 
 __all__ = ["EXCERPT_CHARS", "excerpt", "one_line", "plain"]
+
+
+def and_more(count: int, noun: str, *, then: str = "") -> str:
+    """What follows the first few of several things named in a message: ' (and 2 more problems; run
+    `ckptflow validate SRC`)' for `count` 2, `noun` 'problem' and `then` 'run ...'; '' when `count` is 0."""
+    if count <= 0:
+        return ""
+    return f" (and {count} more {noun}{'s' if count != 1 else ''}{f'; {then}' if then else ''})"

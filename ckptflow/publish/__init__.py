@@ -5,14 +5,16 @@
 - `hub.py`: the Hugging Face Hub, one commit;
 - `manifest.py`, `checksums.py`: the commit marker of a bucket push, and the digests that prove an
   object holds its source's bytes;
-- `push.py`: `push(src, dest)`, which sends each destination to its publisher.
+- `push.py`: `push(src, dest, options=PushOptions(...))`, which sends each destination to its
+  publisher.
 """
 
+from ckptflow.publish.hub import HubTarget
 from ckptflow.publish.manifest import MANIFEST_NAME, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
-from ckptflow.publish.push import push
+from ckptflow.publish.push import PushOptions, push
 from ckptflow.publish.source import PushResult, SourceFile, list_source
 
 __all__ = [
-    "MANIFEST_NAME", "PARTIAL_RECORD_NAME", "Manifest", "ManifestEntry", "PushResult", "SourceFile", "list_source",
-    "push",
+    "MANIFEST_NAME", "PARTIAL_RECORD_NAME", "HubTarget", "Manifest", "ManifestEntry", "PushOptions", "PushResult",
+    "SourceFile", "list_source", "push",
 ]

@@ -48,11 +48,11 @@ from ckptflow.errors import (
     VerificationError,
 )
 from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
-from ckptflow.plumbing.executors import Cancelled, run_units
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, causes, retry_call, status_code
+from ckptflow.plumbing.steps import Cancelled, run_units
 from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
 from ckptflow.plumbing.text import one_line
 from ckptflow.publish.lease import hold_lease

@@ -13,17 +13,18 @@ Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 ran
 - `rng.py`: `plan_rng_files(names, M)`, pure: which Trainer RNG file each target rank gets;
 - `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `rank_job` (what a
   worker needs for one rank: pickles and source byte ranges) and `run_job`, `run_unit` (both),
-  `run_units` (threads or any `concurrent.futures.Executor`), `finalize` (`latest` last), `abort`, and
-  `reshard(src, out, world_size=M)`, which runs them all.
+  `finalize` (`latest` last), `abort`, `ReshardStep` (all of it as one `plumbing.steps.Step`, run on
+  threads or any `concurrent.futures.Executor`), and `reshard(src, out, world_size=M)`, which runs it.
 """
 
-from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardPlan, TargetFlat, plan_reshard
+from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardOptions, ReshardPlan, TargetFlat, plan_reshard
 from ckptflow.reshard.rng import RngCopy, plan_rng_files
 from ckptflow.reshard.run import (
                                   FileJob,
                                   RankJob,
+                                  RankResult,
                                   ReshardResult,
-                                  UnitResult,
+                                  ReshardStep,
                                   abort,
                                   committed_output,
                                   finalize,
@@ -33,12 +34,11 @@ from ckptflow.reshard.run import (
                                   reshard,
                                   run_job,
                                   run_unit,
-                                  run_units,
                                   write_threads,
 )
 
 __all__ = [
-    "FileJob", "FrozenPiece", "RankJob", "RankUnit", "ReshardPlan", "ReshardResult", "RngCopy", "TargetFlat",
-    "UnitResult", "abort", "committed_output", "finalize", "plan_output", "plan_reshard", "plan_rng_files", "prepare_output", "rank_job",
-    "reshard", "run_job", "run_unit", "run_units", "write_threads",
+    "FileJob", "FrozenPiece", "RankJob", "RankResult", "RankUnit", "ReshardOptions", "ReshardPlan", "ReshardResult",
+    "ReshardStep", "RngCopy", "TargetFlat", "abort", "committed_output", "finalize", "plan_output", "plan_reshard",
+    "plan_rng_files", "prepare_output", "rank_job", "reshard", "run_job", "run_unit", "write_threads",
 ]

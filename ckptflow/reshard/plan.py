@@ -46,6 +46,42 @@ from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheck
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 
+# ---- options --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardOptions:
+    """How to reshard.
+
+    `world_size` is the data-parallel size the output is for; `tensor_parallel`, when given, the
+    tensor-parallel degree an AutoTP checkpoint is merged to (1). `workers` threads write at once (one
+    per target rank while there are more ranks than workers, the rest sharing a rank's files:
+    `reshard.run.write_threads`); `durable` flushes every file to disk before the commit.
+    """
+
+    world_size: int
+    tensor_parallel: int | None = None
+    workers: int = 4
+    durable: bool = True
+
+    def __post_init__(self) -> None:
+        check_world_size(self.world_size)
+        if self.tensor_parallel is not None and (not _is_count(self.tensor_parallel)):
+            raise ValueError(f"tensor_parallel must be a positive integer, got {self.tensor_parallel!r}")
+        if not _is_count(self.workers):
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+
+
+def check_world_size(world_size: Any) -> None:
+    """`ValueError` unless `world_size` is a whole number of ranks, at least 1."""
+    if not _is_count(world_size):
+        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
 # ---- the plan ---------------------------------------------------------------------------------------
 
 
@@ -179,8 +215,7 @@ def plan_reshard(index: Any, world_size: int) -> ReshardPlan | ModelParallelResh
     Raises `ValueError` for a world size below 1 and `UnsupportedCheckpointError` for layouts ckptflow
     cannot convert, or a source whose recorded layout is not the one DeepSpeed's arithmetic predicts.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    check_world_size(world_size)
     if isinstance(index, ExpertCheckpoint):
         return _plan_expert_parallel(index, world_size)
     if getattr(index, "stage", None) == 0:
@@ -251,7 +286,7 @@ def _check_supported(index: ZeroCheckpoint, optimizer: str, *, expert_parallel: 
     if model0.get("num_experts") is not None and not expert_parallel:
         raise UnsupportedCheckpointError(f"{where} holds mixture-of-experts layers but was not read as an "
                                          "expert-parallel checkpoint", uri=where,
-                                         hint="open it through formats.deepspeed.checkpoint.load_index")
+                                         hint="open it through formats.deepspeed.load_index")
     for rank, optim in enumerate(index.optim_states):
         osd = optim["optimizer_state_dict"]
         if optimizer == ZERO3:

@@ -15,8 +15,9 @@
    RNG files renamed for the new world size, `rng.py`), writes `latest` and commits everything into
    place with `latest` last. `abort(staging)` cleans up.
 
-`reshard(src, out, world_size=M)` runs all four, the units on threads or on any
-`concurrent.futures.Executor` (a Dask cluster); the CLI and the Prefect task call the same steps.
+`ReshardStep` is 2-4 as a `plumbing.steps.Step`, which `run_step` runs on threads or on any
+`concurrent.futures.Executor` (a Dask cluster, Prefect tasks); `reshard(src, out, world_size=M)` runs
+all four, as the CLI does, and the Prefect task runs the same step.
 Archives carry torch's content-derived serialization id, so a rank's files are the same bytes whoever
 writes them, and however often.
 """
@@ -28,6 +29,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,15 +43,14 @@ from ckptflow.formats.torch.pickler import OutStorage, dumps
 from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
 from ckptflow.plumbing import staging as stage
 from ckptflow.plumbing.checksums import digests_for
-from ckptflow.plumbing.executors import Cancelled, Executor
-from ckptflow.plumbing.executors import run_units as run_all
 from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
+from ckptflow.plumbing.steps import Cancelled, run_step
 from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
-from ckptflow.plumbing.text import excerpt
+from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
-from ckptflow.reshard.plan import RankUnit, ReshardPlan, plan_reshard
+from ckptflow.reshard.plan import RankUnit, ReshardOptions, ReshardPlan, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
 from ckptflow.validate import validate
@@ -70,7 +71,7 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
     report = validate(src, tag=tag)
     if not report.ok or report.index is None:
         first = report.problems[0]
-        more = f" (and {len(report.problems) - 1} more; run `ckptflow validate {src}`)" if len(report.problems) > 1 else ""
+        more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
         raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
     if tensor_parallel is not None:
@@ -100,7 +101,7 @@ def prepare_output(plan: ReshardPlan, out: str) -> Staging:
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnitResult:
+class RankResult:
     rank: int
     files: tuple[str, ...]
     bytes_read: int
@@ -163,7 +164,7 @@ def _file_jobs(plan: ReshardPlan, unit: RankUnit) -> tuple[FileJob, ...]:
 
 def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: Progress | None = None,
              chunk_bytes: int = CHUNK_BYTES, durable: bool = True, threads: int = 1,
-             cancel: threading.Event | None = None) -> UnitResult:
+             cancel: threading.Event | None = None) -> RankResult:
     """Write target rank `unit.rank`'s files into the staging folder, streaming from the source
     (`run_job(rank_job(...))`).
 
@@ -178,7 +179,7 @@ def run_unit(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, progress: P
     return run_job(job, progress=progress, cancel=cancel)
 
 
-def run_job(job: RankJob, *, progress: Progress | None = None, cancel: threading.Event | None = None) -> UnitResult:
+def run_job(job: RankJob, *, progress: Progress | None = None, cancel: threading.Event | None = None) -> RankResult:
     """Write the job's files into the staging folder's tag folder, streaming their storages from the
     source, and report each (`Written`). A file that does not come to its planned size is an
     `OutputError` (a ckptflow bug). Safe to run again: the same bytes go to the same files."""
@@ -211,7 +212,7 @@ def run_job(job: RankJob, *, progress: Progress | None = None, cancel: threading
     names = tuple(f.name for f in job.files)
     logger.info("rank %d of %d: wrote %s (%.1f MB) in %.2f s", job.rank, job.world_size, ", ".join(names), size / 1e6,
                 time.monotonic() - started)
-    return UnitResult(rank=job.rank, files=names, bytes_read=reader.bytes_read, bytes_written=size,
+    return RankResult(rank=job.rank, files=names, bytes_read=reader.bytes_read, bytes_written=size,
                       seconds=time.monotonic() - started, written=tuple(reports))
 
 
@@ -225,7 +226,7 @@ def write_threads(workers: int, units: int) -> int:
 
 
 def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
-             results: Sequence[UnitResult] = ()) -> tuple[RngCopy, ...]:
+             results: Sequence[RankResult] = ()) -> tuple[RngCopy, ...]:
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
     whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
 
@@ -274,8 +275,8 @@ def _read_back(plan: ReshardPlan, uri: str) -> str | None:
     return None
 
 
-def committed_output(plan: ReshardPlan, out: str) -> tuple[list[UnitResult], tuple[RngCopy, ...]] | None:
-    """What an earlier run of this same plan committed at OUT, as `run_units` and `finalize` report it
+def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tuple[RngCopy, ...]] | None:
+    """What an earlier run of this same plan committed at OUT, as `ReshardStep.finalize` reports it
     (each rank's files and their sizes; the Trainer RNG files); None when OUT is absent or empty.
 
     OUT is taken when it holds exactly the files the plan writes (`latest` naming the plan's tag, each
@@ -309,7 +310,7 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[UnitResult], tup
     if problem:
         raise stage.not_this_output(out, f"it {problem}")
     logger.info("%s already holds this checkpoint at %d ranks (committed by an earlier run)", out, plan.world_size)
-    results = [UnitResult(rank=u.rank, files=u.files, bytes_read=0, seconds=0.0,
+    results = [RankResult(rank=u.rank, files=u.files, bytes_read=0, seconds=0.0,
                           bytes_written=sum(f.size for f in files[u.rank])) for u in plan.units]
     return results, rng_files
 
@@ -410,28 +411,51 @@ class ReshardResult:
         return describe(self.rng_files)
 
 
-def run_units(plan: ReshardPlan, staging: Staging, *, workers: int = 4, progress: Progress | None = None,
-              durable: bool = True, executor: Executor | None = None) -> list[UnitResult]:
-    """Every target rank on `workers` threads: one per rank while there are more ranks than workers, the
-    rest sharing a rank's optimizer file (`write_threads`). Or every rank as a `RankJob` on `executor`
-    (a Dask cluster), each made here just before it is sent. The first failure stops the others."""
-    tally = Tally(plan.read_bytes, progress)  # source bytes to copy (small per-rank scalars left out)
-    tally.start()
-    if executor is not None:
-        return run_all(run_job, (rank_job(plan, u, staging, durable=durable) for u in plan.units), executor=executor,
-                       done=lambda job, _result: tally.add(job.rank, job.read_bytes))
-    threads = write_threads(workers, len(plan.units))
-    cancel = threading.Event()
-    return run_all(lambda u: run_unit(plan, u, staging, progress=tally.part(u.rank), durable=durable,
-                                      threads=threads, cancel=cancel),
-                   plan.units, workers=max(1, min(workers, len(plan.units))), cancel=cancel, name="reshard")
+class ReshardStep:
+    """Resharding `plan` into OUT, as the step driver runs it (`plumbing.steps`): units are the plan's
+    target ranks, a job is a `RankJob` (its optimizer file written by `threads` threads), `run` is
+    `run_job`, and `finalize` carries the source's other files over and commits `latest` last. Its
+    output is the units' results and the Trainer RNG files written, as `committed_output` gives them."""
+
+    run = staticmethod(run_job)
+
+    def __init__(self, plan: ReshardPlan, out: str, *, durable: bool = True, threads: int = 1) -> None:
+        self.plan, self.out, self.durable, self.threads = plan, out, durable, threads
+        self.staging: Staging | None = None
+
+    def committed(self) -> tuple[list[RankResult], tuple[RngCopy, ...]] | None:
+        return committed_output(self.plan, self.out)
+
+    def prepare(self) -> tuple[RankUnit, ...]:
+        self.staging = prepare_output(self.plan, self.out)
+        return tuple(self.plan.units)
+
+    def job(self, unit: RankUnit) -> RankJob:
+        return rank_job(self.plan, unit, self._staging(), durable=self.durable, threads=self.threads)
+
+    def unit_bytes(self, unit: RankUnit) -> int:
+        """Source bytes copied (the small per-rank scalars left out)."""
+        return unit.read_bytes
+
+    def finalize(self, results: Sequence[RankResult]) -> tuple[list[RankResult], tuple[RngCopy, ...]]:
+        return list(results), finalize(self.plan, self._staging(), durable=self.durable, results=results)
+
+    def abort(self) -> None:
+        abort(self.staging)
+
+    def _staging(self) -> Staging:
+        assert self.staging is not None, "prepare() comes first"
+        return self.staging
 
 
-def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, workers: int | None = None,
-            progress: Progress | None = None, durable: bool = True, tensor_parallel: int | None = None,
+def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | None = None,
+            options: ReshardOptions | None = None, workers: int | None = None, durable: bool = True,
+            tensor_parallel: int | None = None, progress: Progress | None = None,
             executor: Executor | None = None) -> ReshardResult:
-    """Reshard the checkpoint at `src` to `world_size` data-parallel ranks into the new folder `out`
-    (with `tensor_parallel=1`, an AutoTP checkpoint's tensor parallelism is merged away too).
+    """Reshard the checkpoint at `src` into the new folder `out` as `options` say: to
+    `options.world_size` data-parallel ranks (with `tensor_parallel=1`, an AutoTP checkpoint's tensor
+    parallelism is merged away too). The options may come as keywords instead (`world_size`,
+    `workers`, `durable`, `tensor_parallel`: `ReshardOptions`' fields), not both.
 
     The source is validated first and refused, before anything is written, when it has problems.
     `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
@@ -440,19 +464,31 @@ def reshard(src: str, out: str, *, world_size: int, tag: str | None = None, work
     bytes. On any error nothing is left at `out` and the staging folder is removed.
     """
     started = time.monotonic()
-    plan = plan_output(src, out, world_size=world_size, tag=tag, tensor_parallel=tensor_parallel)
-    staging = prepare_output(plan, out)
-    try:
-        results = run_units(plan, staging, workers=workers or 4, progress=progress, durable=durable, executor=executor)
-        rng_files = finalize(plan, staging, durable=durable, results=results)
-    except BaseException:
-        abort(staging)
-        raise
+    options = _options(options, world_size=world_size, workers=workers, durable=durable,
+                       tensor_parallel=tensor_parallel)
+    plan = plan_output(src, out, world_size=options.world_size, tag=tag, tensor_parallel=options.tensor_parallel)
+    threads = write_threads(options.workers, len(plan.units)) if executor is None else 1
+    step = ReshardStep(plan, out, durable=options.durable, threads=threads)
+    results, rng_files = run_step(step, executor=executor, workers=options.workers, progress=progress, name="reshard")
     seconds = time.monotonic() - started
-    logger.info("resharded %s (%d ranks) to %s (%d ranks) in %.1f s", src, plan.source_world_size, out, world_size,
-                seconds)
+    logger.info("resharded %s (%d ranks) to %s (%d ranks) in %.1f s", src, plan.source_world_size, out,
+                plan.world_size, seconds)
     return ReshardResult(
         out=out, tag=plan.tag, stage=plan.stage, precision=plan.precision, source_world_size=plan.source_world_size,
         world_size=plan.world_size, files=plan.files, bytes_read=sum(r.bytes_read for r in results),
         bytes_written=sum(r.bytes_written for r in results), seconds=seconds, rng_files=rng_files,
     )
+
+
+def _options(options: ReshardOptions | None, *, world_size: int | None, workers: int | None, durable: bool,
+             tensor_parallel: int | None) -> ReshardOptions:
+    """`options`, or the options the keywords give; a `TypeError` when both or neither are given."""
+    keywords = world_size is not None or workers is not None or tensor_parallel is not None or not durable
+    if options is not None and keywords:
+        raise TypeError("give reshard() its options as `options` or as keywords, not both")
+    if options is not None:
+        return options
+    if world_size is None:
+        raise TypeError("reshard() needs `world_size` (or `options`)")
+    return ReshardOptions(world_size=world_size, tensor_parallel=tensor_parallel, workers=workers or 4,
+                          durable=durable)

@@ -43,15 +43,14 @@ from ckptflow.formats.deepspeed.partition import (
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.plan import RankUnit, ReshardPlan, TargetFlat
+from ckptflow.reshard.plan import RankUnit, ReshardPlan, TargetFlat, check_world_size
 
 
 def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> ReshardPlan:
     """The plan that turns the AutoTP checkpoint `index` into a `tensor_parallel` = 1 checkpoint at
     `world_size` data-parallel ranks; reads nothing. `UnsupportedCheckpointError` for anything else."""
     where = f"{index.root}/{index.tag}"
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"--world-size must be a whole number of ranks, at least 1; got {world_size!r}")
+    check_world_size(world_size)
     current = getattr(index, "tp", 1)
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "autotp":
         raise UnsupportedCheckpointError(
