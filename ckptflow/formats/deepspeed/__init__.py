@@ -23,6 +23,7 @@ from ckptflow.formats.deepspeed.readers.zero import read_zero
 from ckptflow.formats.deepspeed.readers.zero0 import read_zero0
 from ckptflow.formats.deepspeed.tag import resolve_tag
 from ckptflow.formats.deepspeed.topology import Topology, detect
+from ckptflow.plumbing.text import and_more
 
 Reader = Callable[[Inspection, Listing, dict[str, Any], Topology], Partitioned]
 
@@ -83,9 +84,7 @@ def load_index(uri: str, tag: str | None = None) -> Partitioned:
     index, problems, _ = inspect(uri, tag)
     if problems or index is None:
         first = problems[0]
-        others = len(problems) - 1
-        more = (f" (and {others} more problem{'s' if others > 1 else ''}; run `ckptflow validate {uri}`)"
-                if others else "")
+        more = and_more(len(problems) - 1, "problem", then=f"run `ckptflow validate {uri}`")
         error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
         raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
     return index
