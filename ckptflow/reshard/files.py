@@ -44,7 +44,7 @@ from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ra
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.reshard.plan import RankUnit, ReshardPlan
+from ckptflow.reshard.plan import DataParallelPlan, RankUnit, ReshardPlan
 
 
 class _Tree:
@@ -127,7 +127,7 @@ def _fragment_address(start: int, numel: int) -> Instance:
     return Instance(_global(FRAGMENT_ADDRESS), {"numel": numel, "start": start})
 
 
-def _size(shape: Sequence[int]) -> Call:
+def _torch_size(shape: Sequence[int]) -> Call:
     return Call(Global("torch", "Size"), (tuple(int(d) for d in shape),))
 
 
@@ -156,12 +156,12 @@ def _target_config(config: Any, src_ws: int, dst_ws: int) -> Any:
     return out
 
 
-def _base_state(plan: ReshardPlan, rank: int) -> Mapping[str, Any]:
+def _base_state(plan: DataParallelPlan, rank: int) -> Mapping[str, Any]:
     osd = plan.index.optim_states[rank]["optimizer_state_dict"]
     return osd["optimizer_state_dict"] if plan.optimizer == ZERO3 else osd["base_optimizer_state"]
 
 
-def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
+def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
     """The unit's fp32 flat partitions and the base optimizer's state for each, both resharded."""
     ix = plan.index
     meta_state = _base_state(plan, unit.meta_rank).get("state") or {}
@@ -183,9 +183,9 @@ def _flat_states(plan: ReshardPlan, unit: RankUnit, tree: _Tree) -> tuple[list[O
     return fp32, states
 
 
-def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
+def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     """The object tree of target rank `unit.rank`'s optimizer file, ready for `write_archive`."""
-    plan = plan.part(unit)  # a model-parallel plan: the data-parallel plan of the unit's mp rank
+    plan = whole.part(unit)  # of a model-parallel plan, the data-parallel plan of the unit's mp rank
     ix = plan.index
     source = ix.optim_states[unit.meta_rank]
     osd = source["optimizer_state_dict"]
@@ -230,11 +230,11 @@ def optim_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     return top
 
 
-def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
+def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     """The object tree of target rank `unit.rank`'s model-states file, ready for `write_archive`.
 
     A PipelineModule saves no `module` there (its weights are in the layer files): nothing to remap."""
-    plan = plan.part(unit)  # a model-parallel plan: the data-parallel plan of the unit's mp rank
+    plan = whole.part(unit)  # of a model-parallel plan, the data-parallel plan of the unit's mp rank
     ix = plan.index
     source = ix.model_states[unit.meta_rank if plan.stage == 3 else 0]
     module = source.get("module")
@@ -242,9 +242,9 @@ def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "param_shapes":
-            out[key] = [OrderedDict((n, _size(s)) for n, s in flat) for flat in plan.flat_shapes]
+            out[key] = [OrderedDict((n, _torch_size(s)) for n, s in flat) for flat in plan.flat_shapes]
         elif key == "frozen_param_shapes" and isinstance(value, Mapping):
-            out[key] = OrderedDict((n, _size(s)) for n, s in value.items())
+            out[key] = OrderedDict((n, _torch_size(s)) for n, s in value.items())
         elif key == "frozen_param_fragments" and isinstance(value, Mapping) and plan.stage == 3:
             out[key] = _frozen_fragments(plan, unit, value)
         elif key == "shared_params" and plan.stage == 3:  # DeepSpeed fills it on global rank 0 only
@@ -265,7 +265,7 @@ def model_states(plan: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     return out
 
 
-def _partition_groups(plan: ReshardPlan, unit: RankUnit, source: Sequence[Any]) -> list[dict[str, Any]]:
+def _partition_groups(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]) -> list[dict[str, Any]]:
     """ZeRO-3 `ds_zero_partition_groups` of the target rank: one entry per flat (sub-group), over the
     ranks its param group is partitioned over at the new world size (`stage3._zero3_partition_group_metadata`).
     Families and group names are the source's for the same param group."""
@@ -283,7 +283,7 @@ def _partition_groups(plan: ReshardPlan, unit: RankUnit, source: Sequence[Any]) 
     return out
 
 
-def _autoep_layers(plan: ReshardPlan, unit: RankUnit, source: Sequence[Any]) -> list[Any]:
+def _autoep_layers(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]) -> list[Any]:
     """`ds_autoep_layers` as the writing rank records it at the new world size: the meta rank's entries
     (the same expert-parallel rank) with that rank's expert data-parallel rank and size. ZeRO-1/2 keep
     rank 0's, as DeepSpeed writes the file from rank 0."""
@@ -298,7 +298,7 @@ def _autoep_layers(plan: ReshardPlan, unit: RankUnit, source: Sequence[Any]) -> 
     return out
 
 
-def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]
+def _module_remap(plan: DataParallelPlan, module: Mapping[str, Any]
                   ) -> dict[tuple[str, str, int], tuple[OutStorage, int, tuple[int, ...] | None]]:
     """ZeRO-1/2 module tensors of trainable parameters view one flat 16-bit buffer per param group;
     rebuild each buffer at the new world size and send every view (tied aliases too) into it. A
@@ -337,7 +337,7 @@ def _module_remap(plan: ReshardPlan, module: Mapping[str, Any]
     return remap
 
 
-def _frozen_fragments(plan: ReshardPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict:
+def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict:
     by_name = plan.index.param_by_name
     pieces = {p.name: p for p in unit.frozen}
     out = OrderedDict()

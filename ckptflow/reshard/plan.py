@@ -6,7 +6,7 @@ checking that the source is laid out exactly as that arithmetic predicts for its
 refusing layouts ckptflow cannot convert. Nothing here reads a byte.
 
 A model-parallel checkpoint (AutoTP, PipelineModule, Megatron-style) is one data-parallel checkpoint
-per model-parallel rank: its plan (`ModelParallelReshardPlan`) is one `ReshardPlan` per model-parallel
+per model-parallel rank: its plan (`ModelParallelPlan`) is one `DataParallelPlan` per model-parallel
 rank, each writing that rank's `..._mp_rank_XX_...` files at the new data-parallel size, the units of
 all of them side by side; everything model-parallel (split metadata, layer files) stays as it is.
 
@@ -130,8 +130,9 @@ class RankUnit:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReshardPlan:
-    """How to turn the checkpoint `index` into the same checkpoint at `world_size` ranks."""
+class DataParallelPlan:
+    """How to turn the data-parallel ZeRO checkpoint `index` into the same checkpoint at `world_size` ranks
+    (of a model-parallel checkpoint: one model-parallel rank's files, `mp_rank` in its units)."""
 
     root: str
     tag: str
@@ -159,7 +160,7 @@ class ReshardPlan:
     def files(self) -> tuple[str, ...]:
         return tuple(name for unit in self.units for name in unit.files) + self.carried
 
-    def part(self, unit: RankUnit) -> ReshardPlan:
+    def part(self, unit: RankUnit) -> DataParallelPlan:
         """The data-parallel plan `unit` belongs to: this one."""
         return self
 
@@ -173,9 +174,9 @@ class ReshardPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelParallelReshardPlan:
+class ModelParallelPlan:
     """How to turn a model-parallel checkpoint into the same one at `world_size` data-parallel ranks:
-    one `ReshardPlan` per model-parallel rank (`parts`), their units side by side (`units`), and the
+    one `DataParallelPlan` per model-parallel rank (`parts`), their units side by side (`units`), and the
     tag-folder files that stay as they are (`carried`: PipelineModule layer files)."""
 
     root: str
@@ -184,7 +185,7 @@ class ModelParallelReshardPlan:
     precision: str
     source_world_size: int
     world_size: int
-    parts: tuple[ReshardPlan, ...]
+    parts: tuple[DataParallelPlan, ...]
     carried: tuple[str, ...]
     index: ModelParallelCheckpoint = field(repr=False, compare=False)
 
@@ -204,12 +205,17 @@ class ModelParallelReshardPlan:
     def write_bytes(self) -> int:
         return sum(part.write_bytes for part in self.parts)
 
-    def part(self, unit: RankUnit) -> ReshardPlan:
+    def part(self, unit: RankUnit) -> DataParallelPlan:
         """The data-parallel plan of `unit`'s model-parallel rank."""
         return self.parts[unit.mp_rank]
 
 
-def plan_reshard(index: Any, world_size: int) -> ReshardPlan | ModelParallelReshardPlan:
+# The plan of any reshard: what `reshard.run` writes, one `RankUnit` at a time, each through the
+# data-parallel plan it belongs to (`plan.part(unit)`).
+ReshardPlan = DataParallelPlan | ModelParallelPlan
+
+
+def plan_reshard(index: Any, world_size: int) -> ReshardPlan:
     """The plan that reshards `index` to `world_size` data-parallel ranks; reads nothing.
 
     Raises `ValueError` for a world size below 1 and `UnsupportedCheckpointError` for layouts ckptflow
@@ -235,16 +241,16 @@ def plan_reshard(index: Any, world_size: int) -> ReshardPlan | ModelParallelResh
     return _plan_data_parallel(index, world_size)
 
 
-def _plan_model_parallel(index: ModelParallelCheckpoint, world_size: int) -> ModelParallelReshardPlan:
+def _plan_model_parallel(index: ModelParallelCheckpoint, world_size: int) -> ModelParallelPlan:
     """One data-parallel plan per model-parallel rank; every rank's files carry its `mp_rank_XX`."""
     parts = tuple(_plan_data_parallel(rank, world_size) for rank in index.ranks)
-    return ModelParallelReshardPlan(
+    return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=world_size, parts=parts, carried=index.carried, index=index,
     )
 
 
-def _plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> ReshardPlan:
+def _plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> DataParallelPlan:
     """The data-parallel plan of the ZeRO index under an AutoEP or deepspeed.moe checkpoint, its expert
     groups over the new expert data-parallel groups; the per-expert files carried as they are."""
     index = source.zero
@@ -265,7 +271,7 @@ def _plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> ReshardP
     return replace(plan, carried=source.expert_files, group_ep=tuple(g.ep for g in index.groups))
 
 
-def _plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> ReshardPlan:
+def _plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> DataParallelPlan:
     optimizer = index.optimizer_kind
     _check_supported(index, optimizer, expert_parallel=expert_parallel)
     if optimizer == ZERO3:
@@ -328,7 +334,7 @@ class _Zero12Group:
     module: tuple[int, tuple[tuple[str, int], ...]]  # 16-bit flat numel, param offsets
 
 
-def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str, *, module: bool = True) -> ReshardPlan:
+def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str, *, module: bool = True) -> DataParallelPlan:
     """`module`: rebuild the 16-bit flat buffers the module's tensors view (a data-parallel save); an
     expert-parallel save clones each module tensor, and its module is copied as it is."""
     groups = [_zero12_group(index, g, world_size, optimizer) for g in range(len(index.groups))]
@@ -347,7 +353,7 @@ def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str, *, modu
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + (module_bytes if r == 0 else 0),
         ))
-    return ReshardPlan(
+    return DataParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision, optimizer=optimizer,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(g.shapes for g in groups),
         param_alignment_paddings=tuple(g.param_paddings for g in groups),
@@ -456,7 +462,7 @@ def _check_zero12_source(index: ZeroCheckpoint, g: int, shard: int, names: Seque
             hint="check zero_optimization.round_robin_gradients / parameter_alignment in its ds_config")
 
 
-def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
+def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     zero = index.zero_config
     src_ws = index.world_size
     group_size = sub_group_size(zero)
@@ -505,7 +511,7 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> ReshardPlan:
             read_bytes=4 * n_tensors * sum(c.numel for f in flats for c in f.copies) + frozen_bytes,
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + frozen_bytes,
         ))
-    return ReshardPlan(
+    return DataParallelPlan(
         root=index.root, tag=index.tag, stage=3, precision=index.precision, optimizer=ZERO3,
         source_world_size=src_ws, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=(), module=(), units=tuple(units), index=index,

@@ -300,9 +300,9 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tup
         raise stage.not_this_output(out, f"its `{LATEST}` names {excerpt(latest)}, this run writes {excerpt(plan.tag)}")
     carried, rng_names = carried_files(plan, out)
     rng_files = plan_rng_files(rng_names, plan.world_size)
-    expected = {LATEST: len(plan.tag.encode()), **{rel: _size(uri) for rel, uri in carried},
-                **{c.target: _size(join(plan.root, c.source)) for c in rng_files},
-                **{f"{plan.tag}/{name}": _size(join(plan.index.tag_uri, name)) for name in plan.carried}}
+    expected = {LATEST: len(plan.tag.encode()), **{rel: _file_size(uri) for rel, uri in carried},
+                **{c.target: _file_size(join(plan.root, c.source)) for c in rng_files},
+                **{f"{plan.tag}/{name}": _file_size(join(plan.index.tag_uri, name)) for name in plan.carried}}
     files = {u.rank: _file_jobs(plan, u) for u in plan.units}
     expected.update({f"{plan.tag}/{f.name}": f.size for jobs in files.values() for f in jobs})
     stage.check_committed(out, present, expected)
@@ -315,7 +315,7 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tup
     return results, rng_files
 
 
-def _size(uri: str) -> int:
+def _file_size(uri: str) -> int:
     fs, path = open_fs(uri)
     return int(fs.size(path))
 

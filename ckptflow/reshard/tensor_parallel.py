@@ -10,7 +10,7 @@ ranks' shards, no `universal_checkpoint_info`, `mp_world_size` 1, `checkpoint_pa
 tp 1, and the `tensor_parallel` section left out of the recorded config. Load it with the same model
 and a config without `tensor_parallel` at M ranks.
 
-The plan is an ordinary `ReshardPlan` whose source is a `ZeroCheckpoint` built over the tensor-parallel
+The plan is an ordinary `DataParallelPlan` whose source is a `ZeroCheckpoint` built over the tensor-parallel
 ranks' partitions (virtual rank `mp * D + d`), so `reshard.files` writes it unchanged. Refused:
 ZeRO-0 (its optimizer state names no parameter, so it cannot be joined), frozen parameters,
 `round_robin_gradients`, scaled pieces (the reader refuses those already), target degrees other than 1,
@@ -43,10 +43,10 @@ from ckptflow.formats.deepspeed.partition import (
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.plan import RankUnit, ReshardPlan, TargetFlat, check_world_size
+from ckptflow.reshard.plan import DataParallelPlan, RankUnit, TargetFlat, check_world_size
 
 
-def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> ReshardPlan:
+def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> DataParallelPlan:
     """The plan that turns the AutoTP checkpoint `index` into a `tensor_parallel` = 1 checkpoint at
     `world_size` data-parallel ranks; reads nothing. `UnsupportedCheckpointError` for anything else."""
     where = f"{index.root}/{index.tag}"
@@ -173,7 +173,7 @@ def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
 # ---- ZeRO-1/2 --------------------------------------------------------------------------------------
 
 
-def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str) -> ReshardPlan:
+def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str) -> DataParallelPlan:
     runs = _Runs(index)
     by_name = source.param_by_name
     zero = source.zero_config
@@ -221,7 +221,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
         ))
-    return ReshardPlan(
+    return DataParallelPlan(
         root=index.root, tag=index.tag, stage=source.stage, precision=source.precision, optimizer=optimizer,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=tuple(param_paddings), module=tuple(module), units=tuple(units), index=source,
@@ -232,7 +232,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
 # ---- ZeRO-3 -----------------------------------------------------------------------------------------
 
 
-def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> ReshardPlan:
+def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     runs = _Runs(index)
     by_name = source.param_by_name
     group_size = sub_group_size(source.zero_config)
@@ -265,7 +265,7 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
             read_bytes=4 * n_tensors * moved + source.buffer_bytes,
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + source.buffer_bytes,
         ))
-    return ReshardPlan(
+    return DataParallelPlan(
         root=index.root, tag=index.tag, stage=3, precision=source.precision, optimizer=ZERO3,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=(), module=(), units=tuple(units), index=source,
