@@ -123,7 +123,7 @@ def _compare_replicas(replicas: tuple[Replica, ...], index: ModelParallelCheckpo
         segments = _aligned(rep.runs, rep.other)
         batch: list[tuple[int, Any, int, Any, int, int]] = []
         size = 0
-        for seg in segments + [None]:  # type: ignore[list-item]
+        for seg in segments + [None]:
             if seg is not None:
                 batch.append(seg)
                 size += seg[5] * seg[1].itemsize

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -82,7 +82,8 @@ def _verify_local(path: str, out: str, source: str | None, tag: str | None, devi
     causal = any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
     try:
-        model, info = cls.from_pretrained(path, output_loading_info=True, dtype="auto")
+        # with output_loading_info, (model, info): transformers' annotations give the model alone
+        model, info = cast(tuple[Any, dict[str, Any]], cls.from_pretrained(path, output_loading_info=True, dtype="auto"))
     except Exception as exc:
         raise VerificationError(f"transformers cannot load {out} ({describe(exc)})", file=out) from None
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):

@@ -21,27 +21,27 @@ exists.
 """
 
 from ckptflow.consolidate.plan import (
-                                       Batch,
-                                       ConsolidateOptions,
-                                       ConsolidationPlan,
-                                       Copy,
-                                       OutputTensor,
-                                       Run,
-                                       ShardUnit,
-                                       plan_batches,
-                                       plan_consolidation,
+    Batch,
+    ConsolidateOptions,
+    ConsolidationPlan,
+    Copy,
+    OutputTensor,
+    ShardUnit,
+    plan_batches,
+    plan_consolidation,
 )
 from ckptflow.consolidate.run import (
-                                       ConsolidateStep,
-                                       ConsolidationResult,
-                                       abort,
-                                       committed_output,
-                                       consolidate,
-                                       finalize,
-                                       prepare_output,
-                                       provenance,
+    ConsolidateStep,
+    ConsolidationResult,
+    abort,
+    committed_output,
+    consolidate,
+    finalize,
+    prepare_output,
+    provenance,
 )
 from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, run_unit, shard_job
+from ckptflow.formats.deepspeed.runs import Run
 
 __all__ = [
     "Batch",

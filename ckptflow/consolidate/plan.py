@@ -176,7 +176,7 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
             hint="drop --exclude-frozen" if excluded else "check the source is the checkpoint you meant",
         )
     written = {t.name for t in tensors}
-    shards = hf.pack_shards([(t.name, t.nbytes) for t in tensors], options.max_shard_size)
+    shards = hf.pack_shards([(t.name, t.nbytes) for t in tensors], parse_size(options.max_shard_size))
     by_name = {t.name: t for t in tensors}
     units = tuple(
         ShardUnit(i, hf.shard_filename(i, len(shards)), tuple(by_name[n] for n in shard))

@@ -119,7 +119,7 @@ def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threadin
     store = digests_for(protocol(fs), layout.file_size)
     tally = Tally(unit.nbytes * (2 if verify else 1), progress)
     wrote, checked = tally.part("write"), tally.part("check")
-    stopped = (lambda: cancel.is_set()) if cancel is not None else (lambda: False)
+    stopped: Callable[[], bool] = cancel.is_set if cancel is not None else (lambda: False)
     started = time.monotonic()
     if verify and is_local(uri):
         sha256 = _write_and_check(uri, layout, batches, wrote, stopped,
@@ -169,7 +169,7 @@ class _Watermark:
 
 def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
                      progress: Progress, stopped: Callable[[], bool],
-                     check: Callable[[Callable[[int], None]], Any]) -> str:
+                     check: Callable[[Callable[[int], int]], Any]) -> str:
     """Write the shard on this thread while `check(written)` runs on another, `written(n)` blocking it
     until the first n bytes of the file are written. A failed write stops the check and is the error
     raised (a source that breaks fails both; the writer's error says it best); otherwise the check's
@@ -293,7 +293,7 @@ class _ShardWriter:
 
     def _write_batch(self, i: int, batch: Batch) -> int:
         """Write batch i; returns how many leading bytes of the file are written now."""
-        buffer, place = memoryview(self.buffers[i % len(self.buffers)]), self.places[i]
+        buffer, place = self.buffers[i % len(self.buffers)].data, self.places[i]
         view = buffer[place:place + batch.out_nbytes]
         self.hashed[i % len(self.buffers)] = self.hashing.submit(self._hash, view)
         if self.blocks is not None:
@@ -355,14 +355,14 @@ def _fill(batch: Batch, out: np.ndarray) -> None:
             if blob is not None:
                 cast_into(dest, copy.out_dtype, blob, copy.dtype)
             elif copy.dtype == copy.out_dtype:
-                read_into([(copy.uri, copy.start, copy.end, memoryview(dest))])
+                read_into([(copy.uri, copy.start, copy.end, dest.data)])
             else:
                 per = max(1, _CAST_PIECE // size)
                 scratch = _scratch_bytes(per * size)
                 for lo in range(0, numel, per):
                     n = min(per, numel - lo)
                     raw = scratch[:n * size]
-                    read_into([(copy.uri, copy.start + lo * size, copy.start + (lo + n) * size, memoryview(raw))])
+                    read_into([(copy.uri, copy.start + lo * size, copy.start + (lo + n) * size, raw.data)])
                     cast_into(dest[lo * out_size:(lo + n) * out_size], copy.out_dtype, raw, copy.dtype)
     except OSError as exc:
         raise _source_error(exc, [c.uri for c in batch.copies]) from exc
@@ -381,7 +381,7 @@ def _fill_rows(copy: Copy, out: np.ndarray, blob: Any) -> None:
     for lo in range(0, copy.rows, per):
         n = min(per, copy.rows - lo)
         raw = scratch[:n * row]
-        read_into([(copy.uri, copy.start + lo * row, copy.start + (lo + n) * row, memoryview(raw))])
+        read_into([(copy.uri, copy.start + lo * row, copy.start + (lo + n) * row, raw.data)])
         cast_rows_into(dest[lo * copy.stride:], copy.out_dtype, raw, copy.dtype, n, copy.out_row, copy.stride)
 
 

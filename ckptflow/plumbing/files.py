@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import posixpath
 import stat
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, OutputError, SourceReadError, UnsafeInputError
 from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
@@ -227,9 +228,12 @@ def copy_all(copies: Sequence[tuple[str, str]], *, inside: str | None = None, hi
 
 
 def _read(fh: IO[bytes], uri: str, size_or_view: int | memoryview) -> Any:
-    """`fh.read(size)` (bytes) or `fh.readinto(view)` (a count); a failed read is a `SourceReadError`."""
+    """`fh.read(size)` (bytes) or `fh.readinto(view)` (a count); a failed read is a `SourceReadError`.
+    Every file `open_regular` gives (a buffered local file, an fsspec file) reads into a buffer."""
     try:
-        return fh.read(size_or_view) if isinstance(size_or_view, int) else fh.readinto(size_or_view) or 0
+        if isinstance(size_or_view, int):
+            return fh.read(size_or_view)
+        return cast(io.BufferedIOBase, fh).readinto(size_or_view) or 0
     except OSError as exc:
         raise SourceReadError(f"cannot read {uri} ({_reason(exc)})", file=uri, hint="check the file and run again") from exc
 
@@ -287,6 +291,7 @@ def depth_of(doc: Any, stop: int) -> int:
     pending: list[tuple[Any, int]] = [(doc, 0)]
     while pending:
         node, depth = pending.pop()
+        items: Iterable[Any]
         if isinstance(node, dict):
             items = node.values()
         elif isinstance(node, list):

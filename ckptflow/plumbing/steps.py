@@ -171,7 +171,7 @@ def _bounded(submit: Callable[[T], Future[R]], units: Iterable[T], cancel: threa
                 if unit is _END:
                     exhausted = True
                     break
-                running[submit(unit)] = (submitted, unit)  # type: ignore[arg-type]
+                running[submit(unit)] = (submitted, unit)
                 submitted += 1
             if not running:
                 break

@@ -54,7 +54,7 @@ def local_path(uri: str) -> str:
 def protocol(fs: fsspec.AbstractFileSystem) -> str:
     """The filesystem's main protocol name ('file', 'gs', 's3', 'memory', ...)."""
     proto = fs.protocol
-    return proto[0] if isinstance(proto, (tuple, list)) else proto
+    return str(proto[0] if isinstance(proto, (tuple, list)) else proto)
 
 
 def unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:

@@ -62,7 +62,8 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
             return None
         if not fs.isdir(root):
             raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
-        return fs.find(root, withdirs=False, detail=True)
+        found: dict[str, dict[str, Any]] = fs.find(root, withdirs=False, detail=True)
+        return found
 
     try:
         found = retry_call(listing, policy)

@@ -20,21 +20,21 @@ Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 ran
 from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardOptions, ReshardPlan, TargetFlat, plan_reshard
 from ckptflow.reshard.rng import RngCopy, plan_rng_files
 from ckptflow.reshard.run import (
-                                  FileJob,
-                                  RankJob,
-                                  RankResult,
-                                  ReshardResult,
-                                  ReshardStep,
-                                  abort,
-                                  committed_output,
-                                  finalize,
-                                  plan_output,
-                                  prepare_output,
-                                  rank_job,
-                                  reshard,
-                                  run_job,
-                                  run_unit,
-                                  write_threads,
+    FileJob,
+    RankJob,
+    RankResult,
+    ReshardResult,
+    ReshardStep,
+    abort,
+    committed_output,
+    finalize,
+    plan_output,
+    prepare_output,
+    rank_job,
+    reshard,
+    run_job,
+    run_unit,
+    write_threads,
 )
 
 __all__ = [

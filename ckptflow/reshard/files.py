@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
@@ -71,12 +72,12 @@ class _Tree:
         if (ref.uri, ref.key) in self.remapped_keys:
             raise CheckpointError(f"{ref.uri}: a module tensor views a flattened param group at element "
                                   f"{ref.storage_offset}, where no parameter starts", file=ref.uri)
-        storage = self.storages.get((ref.uri, ref.key))
-        if storage is None:
+        saved = self.storages.get((ref.uri, ref.key))
+        if saved is None:
             nbytes = ref.storage_numel * ref.itemsize
-            storage = OutStorage(ref.dtype, ref.storage_numel, [Span(ref.uri, ref.data_offset, nbytes, 0)] if nbytes else [])
-            self.storages[(ref.uri, ref.key)] = storage
-        return OutTensor(storage, ref.storage_offset, ref.shape, ref.stride)
+            saved = OutStorage(ref.dtype, ref.storage_numel, [Span(ref.uri, ref.data_offset, nbytes, 0)] if nbytes else [])
+            self.storages[(ref.uri, ref.key)] = saved
+        return OutTensor(saved, ref.storage_offset, ref.shape, ref.stride)
 
     def convert(self, obj: Any) -> Any:
         if not isinstance(obj, (TensorRef, PickledObject, dict, list, tuple)):
@@ -158,7 +159,21 @@ def _target_config(config: Any, src_ws: int, dst_ws: int) -> Any:
 
 def _base_state(plan: DataParallelPlan, rank: int) -> Mapping[str, Any]:
     osd = plan.index.optim_states[rank]["optimizer_state_dict"]
-    return osd["optimizer_state_dict"] if plan.optimizer == ZERO3 else osd["base_optimizer_state"]
+    base: Mapping[str, Any] = osd["optimizer_state_dict"] if plan.optimizer == ZERO3 else osd["base_optimizer_state"]
+    return base
+
+
+def _partition_tensor(index: ZeroCheckpoint, moment: str | None = None) -> Callable[[int, int], TensorRef]:
+    """Source rank r's fp32 partition of flat f (`moment` None), or the optimizer moment over it."""
+    def ref(rank: int, flat: int) -> TensorRef:
+        part = index.partitions[rank][flat]
+        return part.fp32 if moment is None else part.state[moment]
+    return ref
+
+
+def _frozen_piece(param: Param) -> Callable[[int, int], TensorRef]:
+    """Source rank r's saved piece of the frozen ZeRO-3 parameter `param`."""
+    return lambda rank, _flat: param.frozen_pieces[rank]
 
 
 def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
@@ -167,7 +182,7 @@ def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree) -> tuple[l
     meta_state = _base_state(plan, unit.meta_rank).get("state") or {}
     fp32, states = [], {}
     for i, flat in enumerate(unit.flats):
-        storage = _gathered(flat.numel, flat.copies, lambda r, f: ix.partitions[r][f].fp32, "float32")
+        storage = _gathered(flat.numel, flat.copies, _partition_tensor(ix), "float32")
         fp32.append(OutTensor(storage, 0, (flat.saved,)))
         if flat.group not in meta_state:  # the optimizer has not stepped: no state, as in the source
             continue
@@ -175,8 +190,7 @@ def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree) -> tuple[l
         state = {}
         for key, value in meta_state[flat.group].items():
             if part.is_moment(value):
-                state[key] = OutTensor(_gathered(flat.numel, flat.copies,
-                                                 lambda r, f, k=key: ix.partitions[r][f].state[k], value.dtype))
+                state[key] = OutTensor(_gathered(flat.numel, flat.copies, _partition_tensor(ix, key), value.dtype))
             else:
                 state[key] = tree.convert(value)
         states[i] = state
@@ -337,15 +351,15 @@ def _module_remap(plan: DataParallelPlan, module: Mapping[str, Any]
     return remap
 
 
-def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict:
+def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict[str, OutTensor]:
     by_name = plan.index.param_by_name
     pieces = {p.name: p for p in unit.frozen}
-    out = OrderedDict()
+    out: OrderedDict[str, OutTensor] = OrderedDict()
     for name in source:
         param = by_name[name]
         piece = pieces[name]
         dtype = param.frozen_pieces[0].dtype
-        out[name] = OutTensor(_gathered(piece.numel, piece.copies, lambda r, f, p=param: p.frozen_pieces[r], dtype))
+        out[name] = OutTensor(_gathered(piece.numel, piece.copies, _frozen_piece(param), dtype))
     return out
 
 

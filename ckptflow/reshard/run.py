@@ -74,6 +74,7 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
         more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
         raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
+    plan: ReshardPlan
     if tensor_parallel is not None:
         plan = plan_tensor_parallel_merge(report.index, world_size, tensor_parallel)
     else:

@@ -142,7 +142,8 @@ class _Runs:
     def copies(self, name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:
         """Copies of elements [first, last) of parameter `name` to `dst` onwards of a target flat, in
         the order of the parameter's runs."""
-        runs, out = self.runs[name], []
+        runs = self.runs[name]
+        out: list[Copy] = []
         for run in runs[bisect.bisect_right(self.reach[name], first):]:
             if run.offset >= last:
                 break
