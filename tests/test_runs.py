@@ -16,7 +16,7 @@ from ckptflow.consolidate.plan import plan_batches
 from ckptflow.consolidate.write import _fill
 from ckptflow.errors import CheckpointError
 from ckptflow.formats import casts
-from ckptflow.formats.deepspeed import tensors
+from ckptflow.formats.deepspeed import runs as tensors
 from ckptflow.formats.deepspeed.model import ModelTensor
 from ckptflow.formats.deepspeed.readers.model_parallel import Piece, compose, concat_pieces
 from ckptflow.formats.deepspeed.runs import Run, check_coverage, plain_runs, slice_runs
@@ -121,7 +121,7 @@ def test_coverage_check_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fine_grained_pieces_still_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptflow.formats.deepspeed import model_parallel
+    from ckptflow.formats.deepspeed.readers import model_parallel
 
     monkeypatch.setattr(model_parallel, "MAX_STRETCHES", 3)
     # A 3-d piece strided on its two outer dimensions: only the inner one becomes rows.

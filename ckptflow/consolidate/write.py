@@ -195,10 +195,10 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     try:
         with _open_output(uri) as fh:
             return _ShardWriter(fh, uri, layout, batches, store).write(progress, stopped, written)
+    except EOFError as exc:  # a `ShortRead` (a CorruptFileError too): said here as a source gone short
+        raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
     except (CkptflowError, Cancelled):
         raise
-    except EOFError as exc:
-        raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
     except OSError as exc:
         raise OutputError(f"cannot write {uri} ({describe(exc)})", file=uri,
                           hint="check the destination is writable and has room, then run again") from exc
