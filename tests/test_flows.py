@@ -736,7 +736,8 @@ def test_manual_deployment_with_only_source_completes_on_a_process_worker(
         worker.wait(30)
     assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{(tmp_path / 'worker.log').read_text()[-3000:]}"
     assert run.name == f"llama@{llama_bf16_ckpt.tag}"
-    models = list((tmp_path / "work").glob("*/*/model-bf16-*/model*.safetensors"))
+    # the form's dtype left at its default: fp32, the one default of the core, the CLI and the form
+    models = list((tmp_path / "work").glob("*/*/model-fp32-*/model*.safetensors"))
     assert models, "the model was built in the worker's local workspace"
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
