@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 from ckptflow.errors import CkptflowError
 from ckptflow.formats.deepspeed.config import precision_of
@@ -146,13 +146,16 @@ def _open_ranks(st: Inspection, model0: dict[str, Any], model_uris: list[str],
     return [model0] + parsed[:len(model_uris) - 1], parsed[len(model_uris) - 1:]
 
 
-def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], models: list[dict[str, Any]],
+def _check_agreement(st: Inspection, listing: Listing, head: ModelHead, models: list[dict[str, Any]],
                      optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str],
                      mp_world_size: int = 1) -> int:
     """The ranks agree on step, world size, version and ZeRO stage; returns the stage."""
     heads = [head] + [model_head(st, m, u, mp_world_size) for m, u in zip(models[1:], model_uris[1:])]
     st.stop_if_any()
-    for key, label in (("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version")):
+    agreed: tuple[tuple[Literal["step", "world_size", "ds_version"], str], ...] = (
+        ("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version"),
+    )
+    for key, label in agreed:
         for rank, h in enumerate(heads[1:], start=1):
             if h[key] != head[key]:
                 st.add(
@@ -203,7 +206,24 @@ def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: 
     st.stop_if_any()
 
 
-def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> dict[str, Any]:
+class ModelHead(TypedDict, total=False):
+    """What a rank's model states record about the save; empty where the file failed its checks (the
+    problem is in the `Inspection`, which the caller stops on before reading any of it)."""
+
+    world_size: int
+    precision: str
+    step: int
+    ds_version: str
+
+
+class _OptimHead(TypedDict, total=False):
+    """What a rank's optimizer states record; empty where the file failed its checks (as `ModelHead`)."""
+
+    stage: int
+    world_size: int
+
+
+def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> ModelHead:
     missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
     if missing:
         st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
@@ -235,23 +255,23 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
     return {"world_size": world_size, "precision": precision, "step": step, "ds_version": version}
 
 
-def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> dict[str, Any]:
+def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> _OptimHead:
     osd = obj.get("optimizer_state_dict")
     if not isinstance(osd, Mapping) or "partition_count" not in osd:
         st.add("corrupt-file", f"rank {rank}: {uri} is a torch file but not a ZeRO optimizer state (no "
                "optimizer_state_dict.partition_count); it was replaced or written by another tool", file=uri, rank=rank)
-        return {"stage": None, "world_size": None}
+        return {}
     count = osd["partition_count"]
     counts = count if isinstance(count, list) and count else [count]
     if not all(is_count(c) and c >= 1 for c in counts):
         st.add("corrupt-file", f"rank {rank}: {uri} records a partition count of {excerpt(count)}; the file is damaged",
                file=uri, rank=rank)
-        return {"stage": None, "world_size": None}
+        return {}
     stage = osd.get("zero_stage", 1)  # BF16_Optimizer (ZeRO-1 with bf16 weights, fp32 gradients) records no stage
     if stage not in (0, 1, 2, 3) or type(stage) is bool:
         st.add("corrupt-file", f"rank {rank}: {uri} records ZeRO stage {excerpt(stage)}; the file is damaged",
                file=uri, rank=rank)
-        return {"stage": None, "world_size": None}
+        return {}
     return {"stage": int(stage), "world_size": max(counts)}
 
 
@@ -386,13 +406,14 @@ class _Partitioning:
                 continue
             for group, entry in zip(groups, recorded):
                 ranks = list(group.ranks(self.ws, rank % group.ep))
-                want = {"partition_count": len(ranks), "partition_rank": ranks.index(rank), "partition_ranks": ranks}
-                have = {k: entry.get(k) for k in want} if isinstance(entry, Mapping) else entry
-                if have != want:
+                want_sub = {"partition_count": len(ranks), "partition_rank": ranks.index(rank), "partition_ranks": ranks}
+                have_sub = {k: entry.get(k) for k in want_sub} if isinstance(entry, Mapping) else entry
+                if have_sub != want_sub:
                     self.st.add("partition-mismatch", f"rank {rank}: {uri} records sub-group {group.index} "
-                                f"({excerpt(group.hyper.get('name'))}) as {have}, but at {self.ws} ranks {self._over(group)} "
-                                f"DeepSpeed's default topology gives {want}; the checkpoint was saved with another "
-                                "expert-parallel topology, which ckptflow cannot place", file=uri, rank=rank)
+                                f"({excerpt(group.hyper.get('name'))}) as {have_sub}, but at {self.ws} ranks "
+                                f"{self._over(group)} DeepSpeed's default topology gives {want_sub}; the checkpoint "
+                                "was saved with another expert-parallel topology, which ckptflow cannot place",
+                                file=uri, rank=rank)
 
     @staticmethod
     def _over(group: ParamGroup) -> str:

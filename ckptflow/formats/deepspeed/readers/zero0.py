@@ -181,7 +181,7 @@ def _check_masters(st: Inspection, masters: Any, groups: list[Any], tensors: tup
                f"no flat fp32 master per param group (`fp32_groups_flat`, {len(groups)} expected); the file is "
                "damaged or was written by another tool", file=uri)
         return None
-    held = sum(m.shape[0] for m in masters)
+    held: int = sum(m.shape[0] for m in masters)  # 1-D TensorRefs, checked above
     weights = sum(t.numel for t in tensors if t.kind != "buffer")
     if held > weights:
         st.add("corrupt-file", f"{uri}{of} holds {held} fp32 master elements for {weights} weight elements; the "
