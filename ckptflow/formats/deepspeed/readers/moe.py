@@ -214,8 +214,9 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     expert-parallel rank, is checked for presence and shape only (it names no parameter)."""
     uri = listing.model0_uri
     optimizer = model0.get("optimizer")
-    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
-    eps = [expert_group_degree(g) for g in groups] if isinstance(groups, list) else []
+    recorded = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    groups: list[Any] = recorded if isinstance(recorded, list) else []  # not a list: no eps, which stops the reading below
+    eps = [expert_group_degree(g) for g in groups]
     if not eps or None in eps:
         st.add("corrupt-file", f"{uri} holds no optimizer param groups naming the expert-parallel degree (ep_size_N); "
                "ckptflow cannot tell which expp_rank files to expect", file=uri)
@@ -225,6 +226,7 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     if not isinstance(world_size, int) or world_size < 1 or world_size % ep:
         st.add("corrupt-file", f"{uri} records a data-parallel world size of {world_size!r}, which {ep} expert-parallel "
                "ranks cannot split; the file is damaged", file=uri)
+        world_size = 0  # never used: the problem stops the reading before the index is built
     for name in listing.names:
         m = EXPP_FILE_RE.match(name)
         if m and int(m.group(1)) >= ep:
