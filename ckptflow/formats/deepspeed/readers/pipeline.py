@@ -53,7 +53,7 @@ from ckptflow.formats.deepspeed.readers.model_parallel import (
     row_major,
     stop_on_new,
 )
-from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, masters_note
+from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, Zero0Checkpoint, masters_note
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -120,6 +120,7 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], topo
     first = ranks[0]
     notes: tuple[str, ...] = (NAMES_NOTE,)
     if zero0:
+        assert isinstance(first, Zero0Checkpoint)  # read_ranks reads stage 0 with read_zero0
         notes = (f"{UNNAMED_OPTIMIZER}; at ZeRO-0 a PipelineModule records no parameter names either: tensors are "
                  "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
                  "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",
@@ -387,8 +388,8 @@ def _split(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any]
     elif (sub := rules.sub_params(name)) is not None:
         full, pieces = _sub_params(name, shapes, sub, info)
     elif rules.matches("parameter_with_row_parallelism_patterns", name):
-        full, pieces = concat_pieces(shapes, 1)
-        pieces = [[p] for p in pieces]
+        full, concat = concat_pieces(shapes, 1)
+        pieces = [[p] for p in concat]
     else:
         full, concat = concat_pieces(shapes, 0)
         pieces = [[p] for p in concat]
