@@ -61,8 +61,8 @@ def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[
         if reader is None:
             st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {topology.description} layout; "
                    f"{_WHAT_TO_DO.get(topology.kind, _DEFAULT_WHAT_TO_DO)}", file=listing.tag_uri)
-            st.stop_if_any()
-        index = reader(st, listing, model0, topology)  # type: ignore[misc]  # reader is set: the add above stops
+            raise StopReading  # the problem just added is the report
+        index = reader(st, listing, model0, topology)
     except StopReading:
         return None, st.problems, (root, tag)
     return index, st.problems, (root, tag)

@@ -304,15 +304,28 @@ class Partitioned(Protocol):
     """What every reader gives the consolidate and reshard steps, whatever the layout: where the
     checkpoint is (`root`, `tag`), what trained it (`stage`, `precision`, `step`, `ds_version`), how it
     is partitioned (`world_size`, the data-parallel size, and `degrees`), the full model as tensors,
-    the tied aliases left out of them, and a summary for reports."""
+    the tied aliases left out of them, and a summary for reports. Read-only: the indexes are frozen."""
 
-    root: str
-    tag: str
-    step: int
-    stage: int
-    world_size: int
-    precision: str
-    ds_version: str
+    @property
+    def root(self) -> str: ...
+
+    @property
+    def tag(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def ds_version(self) -> str: ...
 
     @property
     def tied(self) -> Mapping[str, str]: ...
