@@ -28,7 +28,9 @@ Reader = Callable[[Inspection, Listing, dict[str, Any], Topology], Partitioned]
 
 # One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
 READERS: dict[str, Reader] = {
-    "zero": lambda st, listing, model0, topology: (read_zero0 if topology.stage == 0 else read_zero)(st, listing, model0),
+    "zero": lambda st, listing, model0, topology: (
+        (read_zero0 if topology.stage == 0 else read_zero)(st, listing, model0)
+    ),
     "autotp": read_autotp,
     "pipeline": read_pipeline,
     "megatron": read_pipeline,
@@ -86,6 +88,7 @@ def load_index(uri: str, tag: str | None = None) -> Partitioned:
         others = len(problems) - 1
         more = (f" (and {others} more problem{'s' if others > 1 else ''}; run `ckptflow validate {uri}`)"
                 if others else "")
-        error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
+        not_found = first.code in ("latest-missing", "source-missing", "tag-missing")
+        error_type = CheckpointNotFoundError if not_found else CheckpointError
         raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
     return index

@@ -247,7 +247,8 @@ class ZeroCheckpoint:
                 raise CheckpointError(
                     f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of "
                     f"param group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri,
-                    rank=frag.rank, tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
+                    rank=frag.rank, tensor=param.name,
+                    hint="the rank files do not belong together; run `ckptflow validate`",
                 )
             runs.append(Run(fp32, frag.offset, frag.numel, frag.param_offset))
         return tuple(runs)

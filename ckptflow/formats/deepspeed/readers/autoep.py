@@ -99,7 +99,8 @@ def read_autoep(st: Inspection, listing: Listing, model0: dict[str, Any], topolo
         check_expert_files(st, listing, [], "AutoEP ZeRO-3 keeps experts in the ZeRO partitions, not in expert files")
     elif topology.stage == 0:
         st.add("unsupported-layout", f"{listing.tag_uri} is an AutoEP checkpoint without ZeRO optimizer files "
-               "(ZeRO-0), which ckptflow does not read; convert it with DeepSpeed's universal converter", file=model0_uri)
+               "(ZeRO-0), which ckptflow does not read; convert it with DeepSpeed's universal converter",
+               file=model0_uri)
     else:
         check_expert_files(st, listing, [layer.num_experts for layer in layers],
                            "AutoEP ZeRO-1/2 saves one file per MoE layer and global expert")
@@ -248,7 +249,8 @@ def _check_ranks(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer
             elif group.ep != layer.ep or group.hyper.get("name") != layer.group:
                 st.add("partition-mismatch", f"{name} is in param group {group.index} ({group.hyper.get('name')!r}, "
                        f"expert-parallel degree {group.ep}) but ds_autoep_layers puts MoE layer {layer.id} on "
-                       f"{layer.group!r} ({layer.ep} ranks); the files do not belong together", file=zero.files[0].optim)
+                       f"{layer.group!r} ({layer.ep} ranks); the files do not belong together",
+                       file=zero.files[0].optim)
     ranks = range(zero.world_size) if zero.stage == 3 else range(1)
     for rank in ranks:
         uri = zero.model_file(rank)
@@ -314,7 +316,9 @@ def _renamer(layers: Sequence[MoELayer], preset: Preset) -> Any:
     return rename
 
 
-def _tensors(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer], preset: Preset) -> tuple[ModelTensor, ...]:
+def _tensors(
+    st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer], preset: Preset
+) -> tuple[ModelTensor, ...]:
     rename = _renamer(layers, preset)
     experts = {f"{layer.prefix}.{w}" for layer in layers for w in WEIGHTS}
     aliases = {f"{layer.path}.{preset.router}.gate.{rest}" for layer in layers for rest in ("weight", "bias")}
@@ -360,8 +364,9 @@ def _fused(st: Inspection, zero: ZeroCheckpoint, layer: MoELayer, preset: Preset
     shards = {w: [params.get((e, f"{layer.prefix}.{w}")) for e in range(layer.ep)] for w in WEIGHTS}
     shapes = {w: {p.shape if p is not None else None for p in shards[w]} for w in WEIGHTS}
     if any(len(s) != 1 or None in s for s in shapes.values()):
-        st.add("corrupt-file", f"MoE layer {layer.id} ({layer.path}): its expert weights are not saved for every one of "
-               f"{layer.ep} expert-parallel ranks with one shape ({ {w: sorted(map(str, s)) for w, s in shapes.items()} })",
+        seen = {w: sorted(map(str, s)) for w, s in shapes.items()}
+        st.add("corrupt-file", f"MoE layer {layer.id} ({layer.path}): its expert weights are not saved for every "
+               f"one of {layer.ep} expert-parallel ranks with one shape ({seen})",
                file=zero.files[0].optim)
         return []
     saved = {w: [p for p in shards[w] if p is not None] for w in WEIGHTS}  # one per rank, checked above
