@@ -40,10 +40,22 @@ torch by the same tests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+
+class NativeCasts(Protocol):
+    """What `ckptflow.formats._casts` (`_casts.c`, typed in `_casts.pyi`) offers."""
+
+    has_f16c: int
+
+    def fp32_to_bf16(self, src: np.ndarray, out: np.ndarray, /) -> None: ...
+
+    def fp32_to_fp16(self, src: np.ndarray, out: np.ndarray, /) -> None: ...
+
+
+native: NativeCasts | None  # the compiled module, or None where the install did not build it
 try:
     from ckptflow.formats import _casts as native
 except ImportError:  # built without a C compiler: numpy gives the same bits, slower
@@ -72,13 +84,13 @@ def as_array(buffer: Any, dtype: Any) -> np.ndarray:
 
 
 def _native_fits(src: np.ndarray, out: np.ndarray) -> bool:
-    """Whether the compiled casts can take these arrays: both contiguous, `out` writable."""
-    return native is not None and src.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
+    """Whether the compiled casts (where built) can take these arrays: both contiguous, `out` writable."""
+    return src.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
 
 
 def fp32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
     """`out` (uint16, bfloat16 bits) = `src` (uint32, float32 bits) rounded as torch rounds."""
-    if _native_fits(src, out):
+    if native is not None and _native_fits(src, out):
         native.fp32_to_bf16(src, out)
         return
     n = src.size
@@ -100,7 +112,7 @@ def fp32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
 
 def fp32_to_fp16(src: np.ndarray, out: np.ndarray) -> None:
     """`out` (uint16, float16 bits) = `src` (uint32, float32 bits) rounded as torch rounds."""
-    if _native_fits(src, out) and native.has_f16c:
+    if native is not None and _native_fits(src, out) and native.has_f16c:
         native.fp32_to_fp16(src, out)
         return
     with np.errstate(over="ignore", invalid="ignore"):

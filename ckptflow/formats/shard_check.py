@@ -71,7 +71,7 @@ class _Bytes:
         if self.scratch.size < end - start:
             self.scratch = np.empty(end - start, dtype=np.uint8)
         raw = self.scratch[:end - start]
-        read_into([(uri, start, end, memoryview(raw))])
+        read_into([(uri, start, end, raw.data)])
         yield raw
 
 
@@ -130,7 +130,7 @@ class _ShardBytes(_Bytes):
         self.lo = self.hi = lo
         pos = lo
         while pos < hi:
-            n = os.preadv(self._open(), [memoryview(self.scratch)[pos - lo:hi - lo]], pos)
+            n = os.preadv(self._open(), [self.scratch.data[pos - lo:hi - lo]], pos)
             if n <= 0:
                 break
             pos += n
@@ -156,9 +156,10 @@ def read_source_into(tensor: SourceTensor, lo: int, hi: int, out: np.ndarray, dt
                 else:
                     cast_into(dest[:part.numel * size], dtype, raw, part.ref.dtype)
         except (OSError, EOFError) as exc:
-            raise VerificationError(f"cannot read the source again to check the output ({describe(exc)})", file=part.ref.uri,
-                                    hint="the checkpoint changed or became unreadable while converting; run again",
-                                    ) from exc
+            raise VerificationError(
+                f"cannot read the source again to check the output ({describe(exc)})", file=part.ref.uri,
+                hint="the checkpoint changed or became unreadable while converting; run again",
+            ) from exc
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -284,12 +285,14 @@ def _check_file(uri: str, expected: hf.SafetensorsLayout) -> int:
     local disk). Returns the size."""
     fs, path = open_fs(uri)
     try:
-        size = fs.size(path)
+        size: int = fs.size(path)
         head = fs.cat_file(path, start=0, end=min(size, 8))
         length = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
         prefix = fs.cat_file(path, start=0, end=min(size, length, 8 + (100 << 20)))
     except (OSError, ValueError) as exc:
-        raise VerificationError(f"cannot reopen {uri} ({describe(exc)})", file=uri, hint="the shard was not written") from exc
+        raise VerificationError(
+            f"cannot reopen {uri} ({describe(exc)})", file=uri, hint="the shard was not written"
+        ) from exc
     _check_header(uri, prefix, expected)
     if size != expected.file_size:
         raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,

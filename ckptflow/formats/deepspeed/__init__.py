@@ -29,7 +29,9 @@ Reader = Callable[[Inspection, Listing, dict[str, Any], Topology], Partitioned]
 
 # One reader per layout kind (see `detect`); a kind missing here is refused with `_unsupported`.
 READERS: dict[str, Reader] = {
-    "zero": lambda st, listing, model0, topology: (read_zero0 if topology.stage == 0 else read_zero)(st, listing, model0),
+    "zero": lambda st, listing, model0, topology: (
+        (read_zero0 if topology.stage == 0 else read_zero)(st, listing, model0)
+    ),
     "autotp": read_autotp,
     "pipeline": read_pipeline,
     "megatron": read_pipeline,
@@ -62,8 +64,8 @@ def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[
         if reader is None:
             st.add("unsupported-layout", f"{listing.tag_uri} is a checkpoint in the {topology.description} layout; "
                    f"{_WHAT_TO_DO.get(topology.kind, _DEFAULT_WHAT_TO_DO)}", file=listing.tag_uri)
-            st.stop_if_any()
-        index = reader(st, listing, model0, topology)  # type: ignore[misc]  # reader is set: the add above stops
+            raise StopReading  # the problem just added is the report
+        index = reader(st, listing, model0, topology)
     except StopReading:
         return None, st.problems, (root, tag)
     return index, st.problems, (root, tag)
@@ -85,6 +87,7 @@ def load_index(uri: str, tag: str | None = None) -> Partitioned:
     if problems or index is None:
         first = problems[0]
         more = and_more(len(problems) - 1, "problem", then=f"run `ckptflow validate {uri}`")
-        error_type = CheckpointNotFoundError if first.code in ("latest-missing", "source-missing", "tag-missing") else CheckpointError
+        not_found = first.code in ("latest-missing", "source-missing", "tag-missing")
+        error_type = CheckpointNotFoundError if not_found else CheckpointError
         raise error_type(first.message + more, code=first.code, uri=uri, file=first.file, rank=first.rank)
     return index

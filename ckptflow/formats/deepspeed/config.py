@@ -23,10 +23,15 @@ def enabled_section(config: Mapping[str, Any], key: str) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
+def section(config: Any, key: str) -> Mapping[str, Any]:
+    """The section `key` of a saved `ds_config` ({} where it has none)."""
+    found = config.get(key) if isinstance(config, Mapping) else None
+    return found if isinstance(found, Mapping) else {}
+
+
 def zero_section(config: Any) -> Mapping[str, Any]:
     """The `zero_optimization` section of a saved `ds_config` ({} where it has none)."""
-    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
-    return zero if isinstance(zero, Mapping) else {}
+    return section(config, "zero_optimization")
 
 
 def is_set(section: Mapping[str, Any], key: str) -> bool:

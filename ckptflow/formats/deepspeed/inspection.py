@@ -219,7 +219,8 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
         return {}
     except OSError as exc:
-        st.add("unreadable-file", f"rank {rank}: cannot read {uri} ({describe(exc)}); check access to the store and retry",
+        st.add("unreadable-file",
+               f"rank {rank}: cannot read {uri} ({describe(exc)}); check access to the store and retry",
                file=uri, rank=rank)
         return {}
     if not isinstance(obj, dict):

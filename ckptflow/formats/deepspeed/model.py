@@ -247,7 +247,8 @@ class ZeroCheckpoint:
                 raise CheckpointError(
                     f"{param.name}: its fragment on rank {frag.rank} reaches element {frag.offset + frag.numel} of "
                     f"param group {frag.group}, but {part.fp32.uri} saved {part.fp32.numel}", uri=part.fp32.uri,
-                    rank=frag.rank, tensor=param.name, hint="the rank files do not belong together; run `ckptflow validate`",
+                    rank=frag.rank, tensor=param.name,
+                    hint="the rank files do not belong together; run `ckptflow validate`",
                 )
             runs.append(Run(fp32, frag.offset, frag.numel, frag.param_offset))
         return tuple(runs)
@@ -304,15 +305,28 @@ class Partitioned(Protocol):
     """What every reader gives the consolidate and reshard steps, whatever the layout: where the
     checkpoint is (`root`, `tag`), what trained it (`stage`, `precision`, `step`, `ds_version`), how it
     is partitioned (`world_size`, the data-parallel size, and `degrees`), the full model as tensors,
-    the tied aliases left out of them, and a summary for reports."""
+    the tied aliases left out of them, and a summary for reports. Read-only: the indexes are frozen."""
 
-    root: str
-    tag: str
-    step: int
-    stage: int
-    world_size: int
-    precision: str
-    ds_version: str
+    @property
+    def root(self) -> str: ...
+
+    @property
+    def tag(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def ds_version(self) -> str: ...
 
     @property
     def tied(self) -> Mapping[str, str]: ...

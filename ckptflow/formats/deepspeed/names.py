@@ -54,7 +54,9 @@ def optim_file_name(precision: str, rank: int, mp_rank: int = 0) -> str:
 def layer_file_name(layer: int, tp_rank: int | None = None) -> str:
     """A PipelineModule layer's file (`layer_{XX}-model_states.pt`); with Megatron-style tensor
     parallelism one per tensor-parallel rank (`layer_{XX}-model_{TT}-model_states.pt`)."""
-    return f"layer_{layer:02d}-model_states.pt" if tp_rank is None else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+    if tp_rank is None:
+        return f"layer_{layer:02d}-model_states.pt"
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
 def expert_file_name(layer: int, expert: int, mp_rank: int = 0) -> str:

@@ -160,7 +160,9 @@ def zero3_real(numel: int, world_size: int, rank: int) -> int:
     return max(0, min(piece, numel - rank * piece))
 
 
-def zero3_sub_groups(pieces: Sequence[int], sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> tuple[tuple[int, ...], ...]:
+def zero3_sub_groups(
+    pieces: Sequence[int], sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+) -> tuple[tuple[int, ...], ...]:
     """`_create_fp16_sub_groups`: parameter indices of each sub-group, from per-rank piece sizes."""
     if sub_group_size is None or sub_group_size >= sum(pieces):
         return (tuple(range(len(pieces))),)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckptflow.formats.torch.pure_pickle import PyPickler
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES
 
 STORAGE_CLASSES: dict[str, str] = {dtype: cls for cls, (dtype, _size) in STORAGE_DTYPES.items()}
@@ -140,8 +141,8 @@ REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
 _STORAGE_GLOBALS = {dtype: Global("torch", cls) for dtype, cls in STORAGE_CLASSES.items()}
 
 
-class _Pickler(pickle._Pickler):  # the Python implementation: its dispatch table can be extended
-    dispatch = dict(pickle._Pickler.dispatch)
+class _Pickler(PyPickler):  # the Python implementation: its dispatch table can be extended
+    dispatch = dict(PyPickler.dispatch)
 
     def __init__(self, file: BinaryIO) -> None:
         super().__init__(file, protocol=2)

@@ -68,8 +68,9 @@ def unordered_set_order(hashes: Sequence[int]) -> list[int]:
         if before is None:  # an empty bucket: the node goes to the front of the whole list
             nxt[node] = head
             head = node
-            if nxt[node] is not None:
-                table[hashes[nxt[node]] % count] = node  # type: ignore[index]
+            after = nxt[node]
+            if after is not None:
+                table[hashes[after] % count] = node
             table[bucket] = -1
         elif before == -1:
             nxt[node] = head

@@ -97,11 +97,14 @@ def read_scalar(ref: TensorRef) -> float | int | bool:
         raise ValueError(f"{ref.uri}: storage {ref.key} holds {ref.numel} elements, not one")
     start = ref.data_offset + ref.storage_offset * ref.itemsize
     raw = read_ranges([(ref.uri, start, start + ref.itemsize)])[0]
+    value: float | int | bool  # struct gives Any; the formats above give these
     if ref.dtype == "bfloat16":  # the upper half of a float32
-        return struct.unpack("<f", b"\x00\x00" + raw)[0]
+        value = struct.unpack("<f", b"\x00\x00" + raw)[0]
+        return value
     if ref.dtype not in _SCALAR_FORMATS:
         raise ValueError(f"{ref.uri}: cannot read a {ref.dtype} scalar")
-    return struct.unpack(_SCALAR_FORMATS[ref.dtype], raw)[0]
+    value = struct.unpack(_SCALAR_FORMATS[ref.dtype], raw)[0]
+    return value
 
 
 def check_length(ref: TensorRef, raw: bytes, expected: int) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckptflow.errors import CorruptFileError, UnsafePickleError
+from ckptflow.formats.torch.pure_pickle import PyUnpickler, Stop, Unframer
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES, TensorRef
 from ckptflow.plumbing.text import excerpt, one_line, plain
 
@@ -135,7 +136,7 @@ class _Marker:
         self.name = name
 
 
-class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and dispatch table can be bounded
+class Unpickler(PyUnpickler):  # the Python implementation: its loop and dispatch table can be bounded
     """The allow-list unpickler of one archive's pickle, with the bounds of the module docstring.
 
     The Python implementation rather than the C one: its memo is a dict (the C unpickler grows an
@@ -150,7 +151,7 @@ class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and d
     and every key or member hashed (SETITEM, SETITEMS, DICT, ADDITEMS, FROZENSET, the set, frozenset
     and OrderedDict constructors) is charged its expansion against a budget of `MAX_OBJECTS`."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch = dict(PyUnpickler.dispatch)
 
     def __init__(self, data: bytes, archive: PickleSource) -> None:
         super().__init__(io.BytesIO(data))
@@ -160,7 +161,7 @@ class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and d
         self.hashed = 0  # nodes hashed so far
 
     def load(self) -> Any:  # pickle._Unpickler.load with an opcode budget
-        self._unframer = pickle._Unframer(self._file_read, self._file_readline)
+        self._unframer = Unframer(self._file_read, self._file_readline)
         self.read, self.readinto, self.readline = self._unframer.read, self._unframer.readinto, self._unframer.readline
         self.metastack, self.stack = [], []
         self.append = self.stack.append
@@ -172,7 +173,7 @@ class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and d
                 if not key:
                     raise EOFError("the pickle ends before its STOP opcode")
                 dispatch[key[0]](self)
-        except pickle._Stop as stop:
+        except Stop as stop:
             return stop.value
         raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} opcodes")
 
@@ -211,7 +212,9 @@ class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and d
         if height + 1 > MAX_DEPTH:
             raise pickle.UnpicklingError(f"tuples or frozensets nested more than {MAX_DEPTH} deep")
         if nodes > MAX_OBJECTS:
-            raise pickle.UnpicklingError(f"a tuple of shared references that expands to more than {MAX_OBJECTS:,} objects")
+            raise pickle.UnpicklingError(
+                f"a tuple of shared references that expands to more than {MAX_OBJECTS:,} objects"
+            )
         self.sizes[id(value)] = (value, height + 1, nodes)
 
     def _charge(self, items: Any) -> None:
@@ -226,47 +229,47 @@ class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and d
 
     def load_setitem(self) -> None:
         self._charge((self.stack[-2],))
-        pickle._Unpickler.load_setitem(self)
+        PyUnpickler.load_setitem(self)
 
     def load_setitems(self) -> None:
         self._charge(self.stack[::2])
-        pickle._Unpickler.load_setitems(self)
+        PyUnpickler.load_setitems(self)
 
     def load_dict(self) -> None:
         self._charge(self.stack[::2])
-        pickle._Unpickler.load_dict(self)
+        PyUnpickler.load_dict(self)
 
     def load_additems(self) -> None:
         self._charge(self.stack)
-        pickle._Unpickler.load_additems(self)
+        PyUnpickler.load_additems(self)
 
     def load_frozenset(self) -> None:
         self._charge(self.stack)
-        pickle._Unpickler.load_frozenset(self)
+        PyUnpickler.load_frozenset(self)
         self._measure(self.stack[-1])
 
     def load_reduce(self) -> None:
-        if len(self.stack) < 2 or not isinstance(self.stack[-1], tuple):
+        func, args = self.stack[-2:] if len(self.stack) >= 2 else (None, None)
+        if not isinstance(args, tuple):
             raise pickle.UnpicklingError("REDUCE without a callable and an argument tuple")
-        func, args = self.stack[-2], self.stack[-1]
         if func in (set, frozenset, OrderedDict):
             for arg in args:
                 self._charge(arg)
-        pickle._Unpickler.load_reduce(self)
+        PyUnpickler.load_reduce(self)
         if type(self.stack[-1]) is frozenset:
             self._measure(self.stack[-1])
 
     def load_newobj(self) -> None:
         self._record_only(self.stack[-2] if len(self.stack) >= 2 else None)
-        pickle._Unpickler.load_newobj(self)
+        PyUnpickler.load_newobj(self)
 
     def load_newobj_ex(self) -> None:
         self._record_only(self.stack[-3] if len(self.stack) >= 3 else None)
-        pickle._Unpickler.load_newobj_ex(self)
+        PyUnpickler.load_newobj_ex(self)
 
     def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
         self._record_only(klass)
-        pickle._Unpickler._instantiate(self, klass, args)
+        PyUnpickler._instantiate(self, klass, args)
 
     def _record_only(self, cls: Any) -> None:
         """NEWOBJ, NEWOBJ_EX, INST and OBJ make instances of DeepSpeed's records only (the allowed
@@ -283,7 +286,8 @@ class Unpickler(pickle._Unpickler):  # the Python implementation: its loop and d
         if type(inst) in self.archive.records.values() or (
             isinstance(inst, OrderedDict) and isinstance(state, dict) and all(type(k) is str for k in state)
         ):
-            return pickle._Unpickler.load_build(self)
+            PyUnpickler.load_build(self)
+            return
         raise pickle.UnpicklingError(f"BUILD gives {_what(inst)} a state it cannot take")
 
 
@@ -296,7 +300,7 @@ def _measured(original: Any) -> Any:
 
 
 for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
-    Unpickler.dispatch[_op[0]] = _measured(pickle._Unpickler.dispatch[_op[0]])
+    Unpickler.dispatch[_op[0]] = _measured(PyUnpickler.dispatch[_op[0]])
 
 
 for _op, _method in ((pickle.SETITEM, Unpickler.load_setitem), (pickle.SETITEMS, Unpickler.load_setitems),

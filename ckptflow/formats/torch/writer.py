@@ -17,6 +17,7 @@ the same bytes, whoever writes them. `write_archive(uri, obj, ...)` pickles and 
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import queue
@@ -26,7 +27,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
@@ -148,13 +149,21 @@ class _ReadAhead:
         self.thread.join()
 
 
+class _Sink(Protocol):
+    """Where `_ZipWriter` writes: a binary file, `_Hashed` over one, or `_Layout`. `skip` seeks."""
+
+    def write(self, data: bytes | memoryview, /) -> object: ...
+
+    def seek(self, offset: int, whence: int, /) -> object: ...
+
+
 class _ZipWriter:
     """The zip container torch uses, written front to back (the output need not be seekable). For
     records whose data other threads write in place (`_write_in_place`), `begin` writes the
     header, `skip` leaves room for the data and its descriptor, and `descriptor` gives that once the
     CRC is known."""
 
-    def __init__(self, fh: BinaryIO, prefix: str) -> None:
+    def __init__(self, fh: _Sink, prefix: str) -> None:
         self.fh = fh
         self.prefix = prefix
         self.pos = 0
@@ -261,7 +270,7 @@ def _read_jobs(storages: Sequence[OutStorage], chunk: int) -> Iterator[Span | _W
             yield from (span for span in storage.spans if span.length)
 
 
-def _write_streamed(fh: BinaryIO, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
+def _write_streamed(fh: _Sink, name: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
                     progress: Advance | None) -> int:
     """The whole archive front to back, the source read a few chunks ahead on another thread."""
     zw = _ZipWriter(fh, name)
@@ -320,7 +329,7 @@ def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage
     two never meet in one page. A record's CRC-32 is its pieces' CRCs combined.
     """
     layout = _Layout()
-    zw = _ZipWriter(layout, name)  # type: ignore[arg-type]
+    zw = _ZipWriter(layout, name)
     _write_small_records(zw, data)
     places = []  # (entry, storage, data offset in the file, descriptor offset)
     for key, storage in enumerate(storages):
@@ -387,11 +396,12 @@ def _fill_pieces(jobs: list[tuple[OutStorage, int, int, int]], fd: int, reader: 
         futures = [pool.submit(fill, job) for job in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
-            if future.done() and future.exception() is not None:
+            error = future.exception() if future.done() else None
+            if error is not None:
                 stop.set()
                 for other in futures:
                     other.cancel()
-                raise future.exception()  # type: ignore[misc]
+                raise error
     return [future.result() for future in futures]
 
 
@@ -543,7 +553,7 @@ def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: S
 def archive_size(name: str, data: bytes, storages: Sequence[OutStorage]) -> int:
     """The size of the file `write_pickled` writes for pickle `data` and `storages` under the file
     name `name`, worked out without writing it."""
-    zw = _ZipWriter(_Layout(), os.path.splitext(name.rstrip("/").rsplit("/", 1)[-1])[0] or "archive")  # type: ignore[arg-type]
+    zw = _ZipWriter(_Layout(), os.path.splitext(name.rstrip("/").rsplit("/", 1)[-1])[0] or "archive")
     _write_small_records(zw, data)
     for key, storage in enumerate(storages):
         entry = zw.begin(f"data/{key}", storage.nbytes)
@@ -595,6 +605,9 @@ class _Hashed:
         self.digests.update(data)
         return self.fh.write(data)
 
+    def seek(self, offset: int, whence: int) -> int:
+        raise io.UnsupportedOperation("a hashed stream is written front to back")
+
 
 def _write_archive(uri: str, data: bytes, storages: list[OutStorage], reader: SourceReader,
                    progress: Progress | None, durable: bool, threads: int, digests: Any) -> int:
@@ -620,8 +633,8 @@ def _write_archive(uri: str, data: bytes, storages: list[OutStorage], reader: So
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
     try:
-        size = _write_streamed(fh if digests is None else _Hashed(fh, digests), name, data, storages, reader,  # type: ignore[arg-type]
-                               advance)
+        sink: _Sink = fh if digests is None else _Hashed(fh, digests)
+        size = _write_streamed(sink, name, data, storages, reader, advance)
         if durable and is_local(uri):
             fh.flush()
             os.fsync(fh.fileno())

@@ -188,7 +188,9 @@ class Archive:
                             hint="the file is damaged or not a DeepSpeed checkpoint file",
                         )
                     data_pkl = zf.read(pkl)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError, NotImplementedError) as exc:
+        except (
+            zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError, NotImplementedError
+        ) as exc:
             if isinstance(exc, CorruptFileError):
                 raise
             if isinstance(exc.__context__, OSError):  # zipfile reports a failed read as "not a zip file"
@@ -283,7 +285,9 @@ class Archive:
         try:
             check_storage(self, storage.key, storage.dtype, storage.numel)
         except pickle.UnpicklingError as exc:
-            raise CorruptFileError(f"{self.uri}: {exc}", file=self.uri, hint="the file is corrupt; copy it again") from None
+            raise CorruptFileError(
+                f"{self.uri}: {exc}", file=self.uri, hint="the file is corrupt; copy it again"
+            ) from None
         if any(d < 0 for d in record.shape):
             raise CorruptFileError(f"{self.uri}: a tensor of storage {storage_key(storage.key)} has the shape "
                                    f"{excerpt(list(record.shape), 120)}, with a negative dimension", file=self.uri,

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptflow.formats.deepspeed.config import section
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
@@ -39,7 +40,7 @@ from ckptflow.formats.deepspeed.readers.experts import (
     rename_tied,
 )
 from ckptflow.formats.deepspeed.readers.zero import read_zero
-from ckptflow.formats.deepspeed.runs import check_coverage, slice_runs, whole_run
+from ckptflow.formats.deepspeed.runs import Run, check_coverage, slice_runs, whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 
 
@@ -98,7 +99,8 @@ def read_autoep(st: Inspection, listing: Listing, model0: dict[str, Any], topolo
         check_expert_files(st, listing, [], "AutoEP ZeRO-3 keeps experts in the ZeRO partitions, not in expert files")
     elif topology.stage == 0:
         st.add("unsupported-layout", f"{listing.tag_uri} is an AutoEP checkpoint without ZeRO optimizer files "
-               "(ZeRO-0), which ckptflow does not read; convert it with DeepSpeed's universal converter", file=model0_uri)
+               "(ZeRO-0), which ckptflow does not read; convert it with DeepSpeed's universal converter",
+               file=model0_uri)
     else:
         check_expert_files(st, listing, [layer.num_experts for layer in layers],
                            "AutoEP ZeRO-1/2 saves one file per MoE layer and global expert")
@@ -146,10 +148,8 @@ def _check_topology(st: Inspection, listing: Listing, model0: Mapping[str, Any],
         st.add("unsupported-layout", f"{uri} was trained with use_data_before_expert_parallelism, which puts "
                "expert-parallel ranks on strided ranks; the files do not record that placement, and ckptflow reads "
                "DeepSpeed's default topology only: convert it with DeepSpeed's universal converter", file=uri)
-    tensor_parallel, expert_parallel = (config.get(k) if isinstance(config.get(k), Mapping) else {}
-                                        for k in ("tensor_parallel", "expert_parallel"))
-    tp = tensor_parallel.get("autotp_size") or 1
-    etp = expert_parallel.get("expert_tensor_parallel_size") or 1
+    tp = section(config, "tensor_parallel").get("autotp_size") or 1
+    etp = section(config, "expert_parallel").get("expert_tensor_parallel_size") or 1
     mp_ranks = {m.group(2) for m in listing.model_names.values()} | {m.group(3) for m in listing.optim_names.values()}
     if (isinstance(tp, int) and tp > 1) or (isinstance(etp, int) and etp > 1) or mp_ranks - {"00"}:
         st.add("unsupported-layout", f"{uri} is AutoEP folded with tensor parallelism (autotp_size {tp}, "
@@ -249,7 +249,8 @@ def _check_ranks(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer
             elif group.ep != layer.ep or group.hyper.get("name") != layer.group:
                 st.add("partition-mismatch", f"{name} is in param group {group.index} ({group.hyper.get('name')!r}, "
                        f"expert-parallel degree {group.ep}) but ds_autoep_layers puts MoE layer {layer.id} on "
-                       f"{layer.group!r} ({layer.ep} ranks); the files do not belong together", file=zero.files[0].optim)
+                       f"{layer.group!r} ({layer.ep} ranks); the files do not belong together",
+                       file=zero.files[0].optim)
     ranks = range(zero.world_size) if zero.stage == 3 else range(1)
     for rank in ranks:
         uri = zero.model_file(rank)
@@ -315,7 +316,9 @@ def _renamer(layers: Sequence[MoELayer], preset: Preset) -> Any:
     return rename
 
 
-def _tensors(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer], preset: Preset) -> tuple[ModelTensor, ...]:
+def _tensors(
+    st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer], preset: Preset
+) -> tuple[ModelTensor, ...]:
     rename = _renamer(layers, preset)
     experts = {f"{layer.prefix}.{w}" for layer in layers for w in WEIGHTS}
     aliases = {f"{layer.path}.{preset.router}.gate.{rest}" for layer in layers for rest in ("weight", "bias")}
@@ -361,11 +364,13 @@ def _fused(st: Inspection, zero: ZeroCheckpoint, layer: MoELayer, preset: Preset
     shards = {w: [params.get((e, f"{layer.prefix}.{w}")) for e in range(layer.ep)] for w in WEIGHTS}
     shapes = {w: {p.shape if p is not None else None for p in shards[w]} for w in WEIGHTS}
     if any(len(s) != 1 or None in s for s in shapes.values()):
-        st.add("corrupt-file", f"MoE layer {layer.id} ({layer.path}): its expert weights are not saved for every one of "
-               f"{layer.ep} expert-parallel ranks with one shape ({ {w: sorted(map(str, s)) for w, s in shapes.items()} })",
+        seen = {w: sorted(map(str, s)) for w, s in shapes.items()}
+        st.add("corrupt-file", f"MoE layer {layer.id} ({layer.path}): its expert weights are not saved for every "
+               f"one of {layer.ep} expert-parallel ranks with one shape ({seen})",
                file=zero.files[0].optim)
         return []
-    (w1,), (w2,), (w3,) = shapes["w1"], shapes["w2"], shapes["w3"]
+    saved = {w: [p for p in shards[w] if p is not None] for w in WEIGHTS}  # one per rank, checked above
+    w1, w2, w3 = (saved[w][0].shape for w in WEIGHTS)  # one shape per weight, checked above
     if len(w1) != 3 or w3 != w1 or w2 != (w1[0], w1[2], w1[1]) or w1[0] != layer.local:
         st.add("corrupt-file", f"MoE layer {layer.id} ({layer.path}): expert weights w1 {list(w1)}, w2 {list(w2)}, "
                f"w3 {list(w3)} are not [{layer.local}, I, H], [{layer.local}, H, I], [{layer.local}, I, H] for its "
@@ -373,9 +378,10 @@ def _fused(st: Inspection, zero: ZeroCheckpoint, layer: MoELayer, preset: Preset
         return []
     _, inter, hidden = w1
     block = inter * hidden
-    gate_up, down = [], []
+    gate_up: list[Run] = []
+    down: list[Run] = []
     for e in range(layer.ep):
-        runs = {w: zero.trainable_runs(shards[w][e]) for w in WEIGHTS}
+        runs = {w: zero.trainable_runs(saved[w][e]) for w in WEIGHTS}
         for j, expert in enumerate(layer.placement[e]):
             gate_up += slice_runs(runs["w1"], j * block, block, expert * 2 * block)
             gate_up += slice_runs(runs["w3"], j * block, block, expert * 2 * block + block)

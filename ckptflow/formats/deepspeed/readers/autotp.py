@@ -52,7 +52,9 @@ def where(tp: int) -> Any:
     return lambda mp: f"tensor-parallel rank {mp} of {tp}"
 
 
-def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology) -> ModelParallelCheckpoint:
+def read_autotp(
+    st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology
+) -> ModelParallelCheckpoint:
     """The index of an AutoTP checkpoint; every problem goes to `st` (reading stops at each stage's)."""
     tp = topology.tp
     label = where(tp)
@@ -67,8 +69,10 @@ def read_autotp(st: Inspection, listing: Listing, model0: dict[str, Any], topolo
     for mp in range(1, tp):
         extra, missing = sorted(set(locals_[mp]) - set(locals_[0])), sorted(set(locals_[0]) - set(locals_[mp]))
         if extra or missing:
-            st.add("ranks-disagree", f"{label(mp)} holds other tensors than {label(0)} (its own: {excerpt(', '.join(map(str, extra[:3])), 120)}, missing: "
-                   f"{excerpt(', '.join(map(str, missing[:3])), 120)}); the folder mixes saves of different models: re-copy it from one save",
+            st.add("ranks-disagree", f"{label(mp)} holds other tensors than {label(0)} (its own: "
+                   f"{excerpt(', '.join(map(str, extra[:3])), 120)}, missing: "
+                   f"{excerpt(', '.join(map(str, missing[:3])), 120)}); the folder mixes saves of different models: "
+                   "re-copy it from one save",
                    file=listing.model_uri(mp))
     st.stop_if_any()
     tied = _tied(st, ranks, label)
@@ -137,8 +141,8 @@ def _uc_info(st: Inspection, listing: Listing, heads: Sequence[Mapping[str, Any]
         return {}
     version = info["affine_map"].get("version", AFFINE_MAP_VERSION)
     if not isinstance(version, int) or version > AFFINE_MAP_VERSION:
-        st.add("unsupported-layout", f"{listing.model0_uri} records affine map format version {excerpt(version)}; ckptflow "
-               f"reads version {AFFINE_MAP_VERSION}: convert it with the DeepSpeed that wrote it "
+        st.add("unsupported-layout", f"{listing.model0_uri} records affine map format version {excerpt(version)}; "
+               f"ckptflow reads version {AFFINE_MAP_VERSION}: convert it with the DeepSpeed that wrote it "
                "(deepspeed.checkpoint.ds_to_universal)", file=listing.model0_uri)
     for mp, head in enumerate(heads[1:], start=1):
         if head.get(UC_INFO) != info:
@@ -161,13 +165,17 @@ class _MapLookup:
             return exact
         found = [p for p in self.params if isinstance(p, str) and _matches(p, name)]
         if len(found) > 1:
-            raise ValueError(f"more than one affine map pattern matches it ({excerpt(', '.join(map(str, found[:3])), 120)})")
+            raise ValueError(
+                f"more than one affine map pattern matches it ({excerpt(', '.join(map(str, found[:3])), 120)})"
+            )
         return self.params[found[0]] if found else None
 
 
 def _matches(pattern: str, name: str) -> bool:
     if len(pattern) > MAX_PATTERN:
-        raise ValueError(f"a recorded pattern is {len(pattern)} characters long; ckptflow matches at most {MAX_PATTERN}")
+        raise ValueError(
+            f"a recorded pattern is {len(pattern)} characters long; ckptflow matches at most {MAX_PATTERN}"
+        )
     try:
         return re.match(pattern, name) is not None
     except re.error as exc:
@@ -187,8 +195,10 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         if first.kind == "buffer" and all(loc[name].shape == first.shape for loc in locals_):
             whole = Piece(first.shape, 0, row_major(first.shape), 0, row_major(first.shape))
             return [Holding(mp, name, (whole,)) for mp in range(tp)], first.shape, None
-        raise UnsupportedCheckpointError(f"the checkpoint does not say how it is split over the {tp} tensor-parallel ranks "
-                                         f"(no entry in {UC_INFO}.affine_map of {where}); ckptflow does not guess")
+        raise UnsupportedCheckpointError(
+            f"the checkpoint does not say how it is split over the {tp} tensor-parallel ranks "
+            f"(no entry in {UC_INFO}.affine_map of {where}); ckptflow does not guess"
+        )
     try:
         shape = tuple(int(d) for d in entry["logical_shape"])
         ranks = {int(r): v for r, v in entry["ranks"].items()}
@@ -208,8 +218,10 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
             raise UnsupportedCheckpointError(f"its affine map entry for rank {mp} in {where} is malformed",
                                              hint=MALFORMED) from None
         if shard_shape != local.shape:
-            raise UnsupportedCheckpointError(f"its affine map gives tensor-parallel rank {mp} a shard of shape {excerpt(list(shard_shape), 120)} but the "
-                           f"rank saved {list(local.shape)}; the folder mixes saves: re-copy it from one save")
+            raise UnsupportedCheckpointError(
+                f"its affine map gives tensor-parallel rank {mp} a shard of shape {excerpt(list(shard_shape), 120)} "
+                f"but the rank saved {list(local.shape)}; the folder mixes saves: re-copy it from one save"
+            )
         holdings.append(Holding(mp, name, pieces))
     rows = None
     vocab = info.get("vocabulary_parameter_patterns") or []
@@ -223,9 +235,11 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
 def _piece(raw: Mapping[str, Any]) -> Piece:
     scale = raw.get("scale", 1.0)
     if scale not in (None, 1, 1.0):
-        raise UnsupportedCheckpointError(f"a piece holds the tensor scaled by {excerpt(scale)} (a replicated row-parallel bias divided by the "
-                       "world size); ckptflow has not verified reading scaled pieces: convert this checkpoint with "
-                       "deepspeed.checkpoint.ds_to_universal")
+        raise UnsupportedCheckpointError(
+            f"a piece holds the tensor scaled by {excerpt(scale)} (a replicated row-parallel bias divided by the "
+            "world size); ckptflow has not verified reading scaled pieces: convert this checkpoint with "
+            "deepspeed.checkpoint.ds_to_universal"
+        )
     source_offset, source_strides = raw["source"]
     dest_offset, dest_strides = raw["dest"]
     return Piece(tuple(int(d) for d in raw["shape"]), int(source_offset), tuple(int(s) for s in source_strides),
@@ -239,8 +253,8 @@ def _tied(st: Inspection, ranks: Sequence[Any], label: Any) -> dict[str, str]:
     for mp, index in enumerate(ranks[1:], start=1):
         for alias, owner in index.tied.items():
             if tied.setdefault(alias, owner) != owner:
-                st.add("ranks-disagree", f"{label(mp)} ties {excerpt(alias)} to {excerpt(owner)} but {label(0)} ties it to {excerpt(tied[alias])}; "
-                       "re-copy the tag folder from one save")
+                st.add("ranks-disagree", f"{label(mp)} ties {excerpt(alias)} to {excerpt(owner)} but {label(0)} ties "
+                       f"it to {excerpt(tied[alias])}; re-copy the tag folder from one save")
     return tied
 
 

@@ -111,7 +111,9 @@ def check_expert_files(st: Inspection, listing: Listing, experts: Sequence[int],
     return expected
 
 
-def open_files(st: Inspection, tag_uri: str, names: Iterable[str], label: Callable[[str], str]) -> dict[str, dict[str, Any]]:
+def open_files(
+    st: Inspection, tag_uri: str, names: Iterable[str], label: Callable[[str], str]
+) -> dict[str, dict[str, Any]]:
     """The files `names` of the tag folder parsed (in parallel on a store: `plumbing.storage.map_files`);
     unreadable ones are problems, their messages starting with `label(name)`, and absent
     from the result."""

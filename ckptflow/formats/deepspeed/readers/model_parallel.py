@@ -157,8 +157,10 @@ def stretches(piece: Piece) -> list[tuple[int, int, int, int, int]]:
         rows, stride, _ = outer.pop()
     count = element_count([n for n, _, _ in outer])
     if count > MAX_STRETCHES:
-        raise CheckpointError(f"a piece of shape {excerpt(list(piece.shape))} is strided into {excerpt(count)} separate "
-                              "stretches", hint="ckptflow reads tensors by byte range; this split is too fine-grained to read")
+        raise CheckpointError(
+            f"a piece of shape {excerpt(list(piece.shape))} is strided into {excerpt(count)} separate stretches",
+            hint="ckptflow reads tensors by byte range; this split is too fine-grained to read",
+        )
     out = []
     for index in itertools.product(*(range(n) for n, _, _ in outer)):
         source = piece.source + sum(i * s for i, (_, s, _) in zip(index, outer))
@@ -181,7 +183,8 @@ def compose(name: str, local: ModelTensor, piece: Piece) -> list[Run]:
                                       "partition", tensor=name, hint="run `ckptflow validate` on the source")
             run = runs[i]
             take = min(end, run.offset + run.numel) - pos
-            for part in _rows(run.ref, run.start + pos - run.offset, pos - dest, pos - dest + take, row, stride, source):
+            parts = _rows(run.ref, run.start + pos - run.offset, pos - dest, pos - dest + take, row, stride, source)
+            for part in parts:
                 _append(out, part)
             pos += take
             i += 1
@@ -257,16 +260,21 @@ def join(name: str, shape: Sequence[int], kind: str, holdings: Sequence[Holding]
     except CheckpointError:
         ranks = sorted({h.mp_rank for h in holdings})
         held = " and ".join(f"rank {r}" for r in ranks) if len(ranks) <= 2 else f"rank {ranks[0]} to rank {ranks[-1]}"
-        raise CheckpointError(f"{name}: the pieces held by {held} do not tile its {excerpt(numel)} elements (they overlap "
-                              "or leave a gap)", tensor=name, hint="the checkpoint's split metadata is inconsistent: the "
-                              "folder mixes saves or a file is damaged; re-copy it from one save") from None
+        raise CheckpointError(
+            f"{name}: the pieces held by {held} do not tile its {excerpt(numel)} elements (they overlap or leave a "
+            "gap)",
+            tensor=name, hint="the checkpoint's split metadata is inconsistent: the folder mixes saves or a file is "
+            "damaged; re-copy it from one save",
+        ) from None
     runs.sort(key=lambda r: r.offset)
     out_shape = shape
     if rows is not None and shape and rows != shape[0]:
         if not 0 < rows < shape[0]:
-            raise CheckpointError(f"{name}: the checkpoint records a vocabulary of {excerpt(rows)} rows (`original_vocab_size`) "
-                                  f"but the tensor has {excerpt(shape[0])}", tensor=name, hint="the checkpoint's metadata is "
-                                  "inconsistent: the folder mixes saves or a file is damaged; re-copy it from one save")
+            raise CheckpointError(
+                f"{name}: the checkpoint records a vocabulary of {excerpt(rows)} rows (`original_vocab_size`) "
+                f"but the tensor has {excerpt(shape[0])}", tensor=name, hint="the checkpoint's metadata is "
+                "inconsistent: the folder mixes saves or a file is damaged; re-copy it from one save",
+            )
         out_shape = (rows, *shape[1:])
         runs = list(clip(runs, element_count(out_shape)))
     return ModelTensor(name, out_shape, dtypes.pop() if dtypes else "float32", kind, tuple(runs)), replicas
@@ -407,7 +415,8 @@ def open_heads(st: Inspection, listing: Listing, model0: dict[str, Any], count: 
 
 
 def read_ranks(st: Inspection, listing: Listing, heads: Sequence[dict[str, Any]], stage: int | None,
-               where: Callable[[int], str], modules: Sequence[Mapping[str, Any] | None] | None = None) -> list[RankIndex]:
+               where: Callable[[int], str],
+               modules: Sequence[Mapping[str, Any] | None] | None = None) -> list[RankIndex]:
     """The data-parallel checkpoint of every model-parallel rank (`heads[mp]` its rank-0 model states),
     each read on its own so that every rank's problems are reported; then they must agree on stage,
     data-parallel size, precision, step and version. Stops at any problem."""
@@ -428,9 +437,9 @@ def read_ranks(st: Inspection, listing: Listing, heads: Sequence[dict[str, Any]]
         for attr, label in (("stage", "ZeRO stage"), ("world_size", "data-parallel world size"),
                             ("precision", "precision"), ("step", "global step"), ("ds_version", "DeepSpeed version")):
             if getattr(index, attr) != getattr(first, attr):
-                st.add("ranks-disagree", f"{where(mp)} records {label} {excerpt(getattr(index, attr))} but {where(0)} records "
-                       f"{excerpt(getattr(first, attr))}; the folder mixes files from different saves: re-copy the tag folder "
-                       "from one save", file=listing.model_uri(mp))
+                st.add("ranks-disagree", f"{where(mp)} records {label} {excerpt(getattr(index, attr))} but {where(0)} "
+                       f"records {excerpt(getattr(first, attr))}; the folder mixes files from different saves: re-copy "
+                       "the tag folder from one save", file=listing.model_uri(mp))
         dims = heads[mp].get("checkpoint_parallel_dimensions")
         if dims != heads[0].get("checkpoint_parallel_dimensions"):
             st.add("ranks-disagree", f"{where(mp)} records parallel dimensions {excerpt(dims)} but {where(0)} records "
@@ -440,7 +449,9 @@ def read_ranks(st: Inspection, listing: Listing, heads: Sequence[dict[str, Any]]
     return out
 
 
-def local_tensors(st: Inspection, ranks: Sequence[RankIndex], where: Callable[[int], str]) -> list[dict[str, ModelTensor]]:
+def local_tensors(
+    st: Inspection, ranks: Sequence[RankIndex], where: Callable[[int], str]
+) -> list[dict[str, ModelTensor]]:
     """Each rank's local tensors by name; a rank whose runs do not add up is a problem (and stops)."""
     out = []
     for mp, index in enumerate(ranks):
@@ -453,6 +464,6 @@ def local_tensors(st: Inspection, ranks: Sequence[RankIndex], where: Callable[[i
     return out
 
 
-__all__ = ["Holding", "ModelParallelCheckpoint", "Piece", "RankIndex", "Replica", "check_mp_files", "check_piece", "clip",
-           "compose", "concat_pieces", "join", "local_tensors", "open_heads", "read_ranks", "row_major", "stop_on_new",
-           "stretches"]
+__all__ = ["Holding", "ModelParallelCheckpoint", "Piece", "RankIndex", "Replica", "check_mp_files", "check_piece",
+           "clip", "compose", "concat_pieces", "join", "local_tensors", "open_heads", "read_ranks", "row_major",
+           "stop_on_new", "stretches"]

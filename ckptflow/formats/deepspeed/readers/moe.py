@@ -108,7 +108,8 @@ def _moe_layers(st: Inspection, model0: Mapping[str, Any], uri: str) -> list[str
 
 def _num_experts(st: Inspection, model0: Mapping[str, Any], uri: str, layers: int) -> list[int]:
     experts = model0.get("num_experts")
-    if not isinstance(experts, list) or len(experts) != layers or not all(isinstance(n, int) and n > 0 for n in experts):
+    if not isinstance(experts, list) or len(experts) != layers or not all(
+            isinstance(n, int) and n > 0 for n in experts):
         st.add("corrupt-file", f"{uri} records num_experts {experts!r} for {layers} deepspeed.moe layers (one count "
                "per layer expected); the file is damaged", file=uri)
         return []
@@ -157,7 +158,8 @@ def _zero_tensors(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[str], e
         if group is None or group.ep == 1:
             if m:
                 st.add("partition-mismatch", f"{param.name} is an expert parameter outside any ep_size_N param "
-                       "group; ckptflow cannot tell which expert-parallel rank's expert it is", file=zero.files[0].optim)
+                       "group; ckptflow cannot tell which expert-parallel rank's expert it is",
+                       file=zero.files[0].optim)
                 continue
             out[param.name] = ModelTensor(param.name, param.shape, param.dtype if param.frozen else "float32",
                                           "frozen" if param.frozen else "param", zero.param_runs(param))
@@ -214,8 +216,10 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     expert-parallel rank, is checked for presence and shape only (it names no parameter)."""
     uri = listing.model0_uri
     optimizer = model0.get("optimizer")
-    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
-    eps = [expert_group_degree(g) for g in groups] if isinstance(groups, list) else []
+    recorded = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    # not a list: no eps, which stops the reading below
+    groups: list[Any] = recorded if isinstance(recorded, list) else []
+    eps = [expert_group_degree(g) for g in groups]
     if not eps or None in eps:
         st.add("corrupt-file", f"{uri} holds no optimizer param groups naming the expert-parallel degree (ep_size_N); "
                "ckptflow cannot tell which expp_rank files to expect", file=uri)
@@ -223,19 +227,21 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     ep = max(e for e in eps if e is not None)
     world_size = model0.get("dp_world_size")
     if not isinstance(world_size, int) or world_size < 1 or world_size % ep:
-        st.add("corrupt-file", f"{uri} records a data-parallel world size of {world_size!r}, which {ep} expert-parallel "
-               "ranks cannot split; the file is damaged", file=uri)
+        st.add("corrupt-file", f"{uri} records a data-parallel world size of {world_size!r}, which {ep} "
+               "expert-parallel ranks cannot split; the file is damaged", file=uri)
+        world_size = 0  # never used: the problem stops the reading before the index is built
     for name in listing.names:
         m = EXPP_FILE_RE.match(name)
         if m and int(m.group(1)) >= ep:
             st.add("rank-extra", f"unexpected file {st.tag}/{name}: the optimizer is split over {ep} expert-parallel "
-                   "ranks; it is left over from another save into the same tag folder", file=join(listing.tag_uri, name))
+                   "ranks; it is left over from another save into the same tag folder",
+                   file=join(listing.tag_uri, name))
     for e in range(ep):
         name = expp_file_name(e)
         if name not in listing.names:
             st.add("rank-missing", f"expert-parallel rank {e} of {ep} is missing: expected {st.tag}/{name} under "
-                   f"{st.root} (its optimizer state); the upload may still be in progress", file=join(listing.tag_uri, name),
-                   rank=e)
+                   f"{st.root} (its optimizer state); the upload may still be in progress",
+                   file=join(listing.tag_uri, name), rank=e)
     expected = check_expert_files(st, listing, experts, "deepspeed.moe saves one file per MoE layer and global expert")
     st.stop_if_any()
     expp = open_files(st, listing.tag_uri, [expp_file_name(e) for e in range(ep)], lambda n: n.split("_mp_")[0])
@@ -243,10 +249,12 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
         name = expp_file_name(e)
         opt = expp.get(name, {}).get("optimizer")
         got = opt.get("param_groups") if isinstance(opt, Mapping) else None
-        if name in expp and (not isinstance(got, list) or [g.get("name") for g in got] != [g.get("name") for g in groups]):
+        if name in expp and (
+                not isinstance(got, list) or [g.get("name") for g in got] != [g.get("name") for g in groups]):
             st.add("ranks-disagree", f"expert-parallel rank {e}: {join(listing.tag_uri, name)} holds optimizer param "
                    f"groups {[g.get('name') for g in got] if isinstance(got, list) else got!r}, rank 0's model states "
-                   f"{[g.get('name') for g in groups]}; the folder mixes saves", file=join(listing.tag_uri, name), rank=e)
+                   f"{[g.get('name') for g in groups]}; the folder mixes saves",
+                   file=join(listing.tag_uri, name), rank=e)
     files = open_files(st, listing.tag_uri, expected, _expert_label)
     by_expert = _file_tensors(st, files, listing.tag_uri, layers, experts)
     st.stop_if_any()

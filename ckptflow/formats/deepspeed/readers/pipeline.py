@@ -53,7 +53,7 @@ from ckptflow.formats.deepspeed.readers.model_parallel import (
     row_major,
     stop_on_new,
 )
-from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, masters_note
+from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, Zero0Checkpoint, masters_note
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -76,7 +76,9 @@ NO_UC_INFO = ("nothing in it says how each parameter is split over the {tp} tens
               "your framework's own tools")
 
 
-def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology) -> ModelParallelCheckpoint:
+def read_pipeline(
+    st: Inspection, listing: Listing, model0: dict[str, Any], topology: Topology
+) -> ModelParallelCheckpoint:
     """The index of a PipelineModule checkpoint (`pipeline`, or `megatron` with tensor parallelism)."""
     megatron = topology.kind == "megatron"
     pp, tp = topology.pp, topology.tp if megatron else 1
@@ -120,6 +122,7 @@ def read_pipeline(st: Inspection, listing: Listing, model0: dict[str, Any], topo
     first = ranks[0]
     notes: tuple[str, ...] = (NAMES_NOTE,)
     if zero0:
+        assert isinstance(first, Zero0Checkpoint)  # read_ranks reads stage 0 with read_zero0
         notes = (f"{UNNAMED_OPTIMIZER}; at ZeRO-0 a PipelineModule records no parameter names either: tensors are "
                  "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
                  "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",
@@ -172,7 +175,9 @@ def _layer_files(st: Inspection, listing: Listing, tp: int | None) -> dict[tuple
     return out
 
 
-def _open_layers(st: Inspection, listing: Listing, names: Mapping[tuple[int, int], str]) -> dict[tuple[int, int], dict[str, TensorRef]]:
+def _open_layers(
+    st: Inspection, listing: Listing, names: Mapping[tuple[int, int], str]
+) -> dict[tuple[int, int], dict[str, TensorRef]]:
     out = {}
     for key, name in sorted(names.items()):
         uri = join_uri(listing.tag_uri, name)
@@ -182,9 +187,11 @@ def _open_layers(st: Inspection, listing: Listing, names: Mapping[tuple[int, int
             st.add(exc.code, f"layer file {name}: {exc}", file=uri)
             continue
         except OSError as exc:
-            st.add("unreadable-file", f"cannot read {uri} ({describe(exc)}); check access to the store and retry", file=uri)
+            st.add("unreadable-file", f"cannot read {uri} ({describe(exc)}); check access to the store and retry",
+                   file=uri)
             continue
-        if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
+        if not isinstance(obj, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
             st.add("corrupt-file", f"{uri} is not a PipelineModule layer state dict (names to tensors); the file is "
                    "damaged or was written by another tool", file=uri)
             continue
@@ -211,7 +218,8 @@ class _StageModules:
     tied modules' under `tied_modules.{key}.{name}`) and the layer-file tensors no stage trains."""
 
     def __init__(self, st: Inspection, listing: Listing, heads: Sequence[Mapping[str, Any]],
-                 layers: Mapping[tuple[int, int], Mapping[str, TensorRef]], tp: int, label: Callable[[int], str]) -> None:
+                 layers: Mapping[tuple[int, int], Mapping[str, TensorRef]], tp: int,
+                 label: Callable[[int], str]) -> None:
         self.modules: list[dict[str, TensorRef]] = []
         self.frozen: dict[int, dict[str, ModelTensor]] = {}
         owned = {layer for head in heads for n in _names(head) if (layer := _layer_of(n)) is not None}
@@ -229,7 +237,8 @@ class _StageModules:
                     local = name.split(".", 1)[1] if "." in name else ""
                 if layer is None:
                     if not name.startswith(TIED):
-                        st.add("corrupt-file", f"{label(mp)} lists {name}, which names no layer", file=listing.model_uri(mp))
+                        st.add("corrupt-file", f"{label(mp)} lists {name}, which names no layer",
+                               file=listing.model_uri(mp))
                     continue
                 content = layers.get((layer, t))
                 if content is None or local not in content:
@@ -247,7 +256,8 @@ class _StageModules:
             if rest:
                 mp = self._stage_of(layer, heads, tp) * tp + t
                 self.frozen.setdefault(mp, {}).update(
-                    {n: ModelTensor(n, ref.shape, ref.dtype, "frozen", (whole_run(ref, n),)) for n, ref in rest.items()})
+                    {n: ModelTensor(n, ref.shape, ref.dtype, "frozen", (whole_run(ref, n),))
+                     for n, ref in rest.items()})
 
     @staticmethod
     def _ordered(module: dict[str, TensorRef]) -> dict[str, TensorRef]:
@@ -300,8 +310,8 @@ class _StageModules:
                 for name, shape in (group.items() if isinstance(group, Mapping) else ()):
                     ref = module.get(name)
                     if ref is not None and tuple(ref.shape) != tuple(shape):
-                        st.add("ranks-disagree", f"{label(mp)} trains {name} of shape {excerpt(list(shape))} but its layer file "
-                               f"holds {list(ref.shape)}; the folder mixes saves: re-copy it from one save",
+                        st.add("ranks-disagree", f"{label(mp)} trains {name} of shape {excerpt(list(shape))} but its "
+                               f"layer file holds {list(ref.shape)}; the folder mixes saves: re-copy it from one save",
                                file=listing.model_uri(mp))
 
 
@@ -370,7 +380,9 @@ def _split(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any]
     whole = [[Piece(s, 0, row_major(s), 0, row_major(s))] for s in shapes]
     if tp == 1 or kind == "buffer":
         if any(s != shapes[0] for s in shapes):
-            raise UnsupportedCheckpointError(f"its tensor-parallel copies have different shapes {[list(s) for s in shapes]}")
+            raise UnsupportedCheckpointError(
+                f"its tensor-parallel copies have different shapes {[list(s) for s in shapes]}"
+            )
         return tuple(shapes[0]), whole, None
     rules = _Rules(info)
     if rules.matches("tp_replicated_parameter_patterns", name):
@@ -379,16 +391,16 @@ def _split(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any]
                                              f"{[list(s) for s in shapes]}")
         full, pieces = tuple(shapes[0]), whole
     elif rules.matches("parameter_to_average_patterns", name):
-        raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks; ckptflow "
-                                         "copies bytes and does not average: convert it with "
+        raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks; "
+                                         "ckptflow copies bytes and does not average: convert it with "
                                          "deepspeed.checkpoint.ds_to_universal")
     elif rules.matches("parameter_with_2_sub_params_cat_dim_0", name):
         full, pieces = _halves(shapes)
     elif (sub := rules.sub_params(name)) is not None:
         full, pieces = _sub_params(name, shapes, sub, info)
     elif rules.matches("parameter_with_row_parallelism_patterns", name):
-        full, pieces = concat_pieces(shapes, 1)
-        pieces = [[p] for p in pieces]
+        full, concat = concat_pieces(shapes, 1)
+        pieces = [[p] for p in concat]
     else:
         full, concat = concat_pieces(shapes, 0)
         pieces = [[p] for p in concat]
@@ -469,7 +481,8 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     widths = (info.get("sub_param_shard_widths") or {}).get(pattern)
     tp = len(shapes)
     if not isinstance(dim, int) or not isinstance(widths, list) or any(
-            not isinstance(w, list) or len(w) != tp or not all(isinstance(x, int) and x >= 0 for x in w) for w in widths):
+            not isinstance(w, list) or len(w) != tp or not all(isinstance(x, int) and x >= 0 for x in w)
+            for w in widths):
         raise UnsupportedCheckpointError("it is recorded as fused sub-parameters without their shard widths "
                                          "(sub_param_shard_widths, universal checkpoint 0.4); ckptflow does not guess")
     if any(not 0 <= dim < len(s) or s[dim] != sum(w[t] for w in widths) for t, s in enumerate(shapes)):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 from ckptflow.errors import CkptflowError
 from ckptflow.formats.deepspeed.config import precision_of
@@ -75,7 +75,8 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
     stage = _check_agreement(st, listing, head, models, optims, model_uris, optim_uris, mp_world_size)
     st.stop_if_any()
     _check_zero0_bf16_optimizer(st, model0, first_model, where)
-    parts = _Partitioning(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris, module)
+    parts = _Partitioning(st, stage, head["world_size"], head["precision"], models, optims, model_uris, optim_uris,
+                          module)
     params, groups, partitions = parts.build()
     st.stop_if_any()
     _check_steps(st, partitions, optim_uris)
@@ -116,7 +117,8 @@ def _check_steps(st: Inspection, partitions: tuple[tuple[Partition, ...], ...], 
                 if isinstance(step, TensorRef):
                     step = read_scalar(step)
             except (CkptflowError, OSError, ValueError) as exc:
-                st.add("unreadable-file", f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({describe(exc)})",
+                st.add("unreadable-file",
+                       f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({describe(exc)})",
                        file=optim_uris[rank], rank=rank)
                 break
             if isinstance(step, int | float) and not isinstance(step, bool):
@@ -146,19 +148,23 @@ def _open_ranks(st: Inspection, model0: dict[str, Any], model_uris: list[str],
     return [model0] + parsed[:len(model_uris) - 1], parsed[len(model_uris) - 1:]
 
 
-def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], models: list[dict[str, Any]],
+def _check_agreement(st: Inspection, listing: Listing, head: ModelHead, models: list[dict[str, Any]],
                      optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str],
                      mp_world_size: int = 1) -> int:
     """The ranks agree on step, world size, version and ZeRO stage; returns the stage."""
     heads = [head] + [model_head(st, m, u, mp_world_size) for m, u in zip(models[1:], model_uris[1:])]
     st.stop_if_any()
-    for key, label in (("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version")):
+    agreed: tuple[tuple[Literal["step", "world_size", "ds_version"], str], ...] = (
+        ("step", "global step"), ("world_size", "data-parallel world size"), ("ds_version", "DeepSpeed version"),
+    )
+    for key, label in agreed:
         for rank, h in enumerate(heads[1:], start=1):
             if h[key] != head[key]:
                 st.add(
                     "ranks-disagree",
                     f"rank {rank} records {label} {shown(h[key])} in {model_uris[rank]} but rank 0 records "
-                    f"{shown(head[key])}; the folder mixes files from different saves: re-copy the tag folder from one save",
+                    f"{shown(head[key])}; the folder mixes files from different saves: re-copy the tag folder from "
+                    "one save",
                     file=model_uris[rank], rank=rank,
                 )
     optim_heads = [_optim_head(st, o, u, r) for r, (o, u) in enumerate(zip(optims, optim_uris))]
@@ -178,9 +184,9 @@ def _check_agreement(st: Inspection, listing: Listing, head: dict[str, Any], mod
         if oh["world_size"] != head["world_size"]:
             st.add(
                 "world-size-mismatch",
-                f"{optim_uris[rank]} was saved with {excerpt(oh['world_size'])} partitions but {model_uris[0]} records a "
-                f"data-parallel world size of {head['world_size']}; the folder mixes saves of different sizes: "
-                "re-copy it from one save",
+                f"{optim_uris[rank]} was saved with {excerpt(oh['world_size'])} partitions but {model_uris[0]} "
+                f"records a data-parallel world size of {head['world_size']}; the folder mixes saves of different "
+                "sizes: re-copy it from one save",
                 file=optim_uris[rank], rank=rank,
             )
     return stage
@@ -203,7 +209,24 @@ def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: 
     st.stop_if_any()
 
 
-def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> dict[str, Any]:
+class ModelHead(TypedDict, total=False):
+    """What a rank's model states record about the save; empty where the file failed its checks (the
+    problem is in the `Inspection`, which the caller stops on before reading any of it)."""
+
+    world_size: int
+    precision: str
+    step: int
+    ds_version: str
+
+
+class _OptimHead(TypedDict, total=False):
+    """What a rank's optimizer states record; empty where the file failed its checks (as `ModelHead`)."""
+
+    stage: int
+    world_size: int
+
+
+def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: int = 1) -> ModelHead:
     missing = [k for k in ("module", "param_shapes", "dp_world_size", "global_steps") if k not in obj]
     if missing:
         st.add("corrupt-file", f"{uri} is a torch file but not DeepSpeed model states (no {', '.join(missing)}); "
@@ -212,8 +235,8 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
     precision = precision_of(obj.get("ds_config"))
     world_size, step, version = obj["dp_world_size"], obj["global_steps"], obj.get("ds_version", "unknown")
     if not is_count(world_size) or world_size < 1:
-        st.add("corrupt-file", f"{uri} records a data-parallel world size of {excerpt(world_size)}; the file is damaged",
-               file=uri)
+        st.add("corrupt-file",
+               f"{uri} records a data-parallel world size of {excerpt(world_size)}; the file is damaged", file=uri)
         return {}
     if not is_count(step):
         st.add("corrupt-file", f"{uri} records a global step of {excerpt(step)}, not a step count; the file is damaged",
@@ -235,23 +258,23 @@ def model_head(st: Inspection, obj: Mapping[str, Any], uri: str, mp_world_size: 
     return {"world_size": world_size, "precision": precision, "step": step, "ds_version": version}
 
 
-def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> dict[str, Any]:
+def _optim_head(st: Inspection, obj: Mapping[str, Any], uri: str, rank: int) -> _OptimHead:
     osd = obj.get("optimizer_state_dict")
     if not isinstance(osd, Mapping) or "partition_count" not in osd:
         st.add("corrupt-file", f"rank {rank}: {uri} is a torch file but not a ZeRO optimizer state (no "
                "optimizer_state_dict.partition_count); it was replaced or written by another tool", file=uri, rank=rank)
-        return {"stage": None, "world_size": None}
+        return {}
     count = osd["partition_count"]
     counts = count if isinstance(count, list) and count else [count]
     if not all(is_count(c) and c >= 1 for c in counts):
         st.add("corrupt-file", f"rank {rank}: {uri} records a partition count of {excerpt(count)}; the file is damaged",
                file=uri, rank=rank)
-        return {"stage": None, "world_size": None}
+        return {}
     stage = osd.get("zero_stage", 1)  # BF16_Optimizer (ZeRO-1 with bf16 weights, fp32 gradients) records no stage
     if stage not in (0, 1, 2, 3) or type(stage) is bool:
         st.add("corrupt-file", f"rank {rank}: {uri} records ZeRO stage {excerpt(stage)}; the file is damaged",
                file=uri, rank=rank)
-        return {"stage": None, "world_size": None}
+        return {}
     return {"stage": int(stage), "world_size": max(counts)}
 
 
@@ -312,7 +335,8 @@ class _Partitioning:
                     self._fragments_zero12(g, group_shapes, partitions, ranks)
                 for name, shape in group_shapes.items():
                     trainable.setdefault(name, []).append(
-                        Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()), shard=shard))
+                        Param(name, tuple(shape), self._dtype(dtypes.get(name)), g, fragments.get(name, ()),
+                              shard=shard))
         self.st.stop_if_any()
         frozen = self._frozen()
         self._find_tied(module, {**{n: p[0] for n, p in trainable.items()}, **frozen})
@@ -380,19 +404,23 @@ class _Partitioning:
                                 file=uri, rank=rank)
                 continue
             if not isinstance(recorded, list) or len(recorded) != len(groups):
-                self.st.add("unsupported-layout", f"rank {rank}: {uri} records {len(recorded) if isinstance(recorded, list) else recorded!r} "
+                count_shown = len(recorded) if isinstance(recorded, list) else repr(recorded)
+                self.st.add("unsupported-layout", f"rank {rank}: {uri} records {count_shown} "
                             f"ZeRO-3 partition sub-groups for {len(groups)} param groups; ckptflow reads one sub-group "
                             "per param group (sub_group_size larger than any group)", file=uri, rank=rank)
                 continue
             for group, entry in zip(groups, recorded):
                 ranks = list(group.ranks(self.ws, rank % group.ep))
-                want = {"partition_count": len(ranks), "partition_rank": ranks.index(rank), "partition_ranks": ranks}
-                have = {k: entry.get(k) for k in want} if isinstance(entry, Mapping) else entry
-                if have != want:
+                want_sub = {
+                    "partition_count": len(ranks), "partition_rank": ranks.index(rank), "partition_ranks": ranks,
+                }
+                have_sub = {k: entry.get(k) for k in want_sub} if isinstance(entry, Mapping) else entry
+                if have_sub != want_sub:
                     self.st.add("partition-mismatch", f"rank {rank}: {uri} records sub-group {group.index} "
-                                f"({excerpt(group.hyper.get('name'))}) as {have}, but at {self.ws} ranks {self._over(group)} "
-                                f"DeepSpeed's default topology gives {want}; the checkpoint was saved with another "
-                                "expert-parallel topology, which ckptflow cannot place", file=uri, rank=rank)
+                                f"({excerpt(group.hyper.get('name'))}) as {have_sub}, but at {self.ws} ranks "
+                                f"{self._over(group)} DeepSpeed's default topology gives {want_sub}; the checkpoint "
+                                "was saved with another expert-parallel topology, which ckptflow cannot place",
+                                file=uri, rank=rank)
 
     @staticmethod
     def _over(group: ParamGroup) -> str:
@@ -408,9 +436,9 @@ class _Partitioning:
             return empty
         ref = flat[group]
         if not is_flat(ref):
-            self.st.add("corrupt-file", f"rank {rank}: the fp32 partition of param group {group} in {uri} is a strided "
-                        f"view (shape {excerpt(list(ref.shape))}, stride {excerpt(list(ref.stride))}), not the contiguous "
-                        "flat tensor DeepSpeed saves; the file is damaged", file=uri, rank=rank)
+            self.st.add("corrupt-file", f"rank {rank}: the fp32 partition of param group {group} in {uri} is a "
+                        f"strided view (shape {excerpt(list(ref.shape))}, stride {excerpt(list(ref.stride))}), not the "
+                        "contiguous flat tensor DeepSpeed saves; the file is damaged", file=uri, rank=rank)
             return empty
         padding = 0
         if self.stage != 3:
@@ -435,8 +463,8 @@ class _Partitioning:
                 continue
             if value.numel != numel:
                 self.st.add("partition-mismatch", f"rank {rank}: optimizer state {excerpt(key)} of param group {group} "
-                            f"in {uri} has {value.numel} elements but the fp32 partition has {numel}; the file is damaged",
-                            file=uri, rank=rank)
+                            f"in {uri} has {value.numel} elements but the fp32 partition has {numel}; the file is "
+                            "damaged", file=uri, rank=rank)
             elif not is_flat(value):
                 self.st.add("corrupt-file", f"rank {rank}: optimizer state {excerpt(key)} of param group {group} in "
                             f"{uri} is a strided view (stride {excerpt(list(value.stride))}), not the contiguous flat "
@@ -452,8 +480,8 @@ class _Partitioning:
                     uri = self.optim_uris[rank]
                     self.st.add("ranks-disagree", f"rank {rank}: {uri} holds the optimizer state "
                                 f"{excerpt(', '.join(have) or 'none', 80)} for param group {g} but rank 0 holds "
-                                f"{excerpt(', '.join(names[0]) or 'none', 80)}; the files are damaged or from different "
-                                "saves", file=uri, rank=rank)
+                                f"{excerpt(', '.join(names[0]) or 'none', 80)}; the files are damaged or from "
+                                "different saves", file=uri, rank=rank)
 
     def _fragments_zero12(self, g: int, group_shapes: Mapping[str, Any], partitions: tuple[tuple[Partition, ...], ...],
                           ranks: tuple[int, ...]) -> dict[str, tuple[Fragment, ...]]:
@@ -501,8 +529,8 @@ class _Partitioning:
             misfit = offset > saved or zero12_padded(offset, len(ranks)) != zero12_padded(saved, len(ranks))
         if misfit:
             self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the "
-                        f"{which} saved {saved}; the partition sizes do not add up, so the files do not belong together",
-                        file=self.optim_uris[ranks[0]])
+                        f"{which} saved {saved}; the partition sizes do not add up, so the files do not belong "
+                        "together", file=self.optim_uris[ranks[0]])
         for rank in ranks:
             mapping = (self.osds[rank].get("param_slice_mappings") or [{}] * (g + 1))[g]
             for name, addr in (mapping or {}).items():
@@ -558,9 +586,11 @@ class _Partitioning:
                                 "the file is damaged or from another save", file=self.model_uris[rank], rank=rank)
                     continue
                 if not ref.is_contiguous:
-                    self.st.add("corrupt-file", f"rank {rank}: frozen parameter {excerpt(name)} in {self.model_uris[rank]} "
-                                f"is saved as a strided view (stride {excerpt(list(ref.stride))}), not the contiguous "
-                                "tensor DeepSpeed saves; the file is damaged", file=self.model_uris[rank], rank=rank)
+                    self.st.add("corrupt-file", f"rank {rank}: frozen parameter {excerpt(name)} in "
+                                f"{self.model_uris[rank]} is saved as a strided view (stride "
+                                f"{excerpt(list(ref.stride))}), not the contiguous tensor DeepSpeed saves; the file is "
+                                "damaged",
+                                file=self.model_uris[rank], rank=rank)
                     continue
                 pieces.append(ref)
             dtype = pieces[0].dtype if pieces else "float32"

@@ -135,7 +135,8 @@ def read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_r
     st.stop_if_any()
     of = f" ({where})" if where else ""
     for name, match in [*listing.optim_names.items(), *listing.model_names.items()]:
-        if int(match.group(3 if name in listing.optim_names else 2)) == mp_rank and name != model_file_name(0, 0, mp_rank):
+        rank_of = int(match.group(3 if name in listing.optim_names else 2))
+        if rank_of == mp_rank and name != model_file_name(0, 0, mp_rank):
             st.add("rank-extra", f"unexpected file {st.tag}/{name}: a ZeRO-0 checkpoint{of} has only "
                    f"{model_file_name(0, 0, mp_rank)}; it is left over from another save into the same tag folder: "
                    "remove it, or re-save the checkpoint into a fresh folder", file=join(listing.tag_uri, name))
@@ -181,7 +182,7 @@ def _check_masters(st: Inspection, masters: Any, groups: list[Any], tensors: tup
                f"no flat fp32 master per param group (`fp32_groups_flat`, {len(groups)} expected); the file is "
                "damaged or was written by another tool", file=uri)
         return None
-    held = sum(m.shape[0] for m in masters)
+    held: int = sum(m.shape[0] for m in masters)  # 1-D TensorRefs, checked above
     weights = sum(t.numel for t in tensors if t.kind != "buffer")
     if held > weights:
         st.add("corrupt-file", f"{uri}{of} holds {held} fp32 master elements for {weights} weight elements; the "
