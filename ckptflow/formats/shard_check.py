@@ -27,7 +27,7 @@ import numpy as np
 from ckptflow.errors import VerificationError
 from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, cast_rows_into, scalar
-from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.plumbing.direct import BLOCK, O_DIRECT, aligned_buffer
 from ckptflow.plumbing.progress import Progress
 from ckptflow.plumbing.ranges import ShortRead, read_into
@@ -35,24 +35,20 @@ from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.storage import is_local, local_path, open_fs
 
 
-class _Run(Protocol):
-    ref: TensorRef
-    start: int
-    numel: int
-    offset: int
-    rows: int
-    stride: int
-
-    def within(self, lo: int, hi: int) -> Sequence[_Run]: ...
-
-
 class SourceTensor(Protocol):
     """What the checks need of an output tensor (`ckptflow.consolidate.OutputTensor` is one)."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    runs: tuple[_Run, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def runs(self) -> tuple[Run, ...]: ...
 
 
 # ---- reading the source, independently of the writer ----------------------------------------------
