@@ -139,7 +139,8 @@ def consolidate_command(
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB or 500MB."),
     exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="Leave frozen parameters out."),
     workers: int = typer.Option(4, "--workers", min=1, help="Shards written at once."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Reopen every shard and check it against the source."),
+    verify: bool = typer.Option(True, "--verify/--no-verify",
+                                help="Reopen every shard and check it against the source."),
     cluster: Optional[str] = typer.Option(None, "--cluster", envvar="CKPTFLOW_CLUSTER", metavar="ADDRESS",
                                           help=CLUSTER_HELP),
 ) -> None:
@@ -190,7 +191,8 @@ def run_command(
     consolidate: bool = typer.Option(True, "--consolidate/--no-consolidate", help="Build the Hugging Face model."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest model shard, e.g. 5GB."),
     reshard: Optional[str] = typer.Option(None, "--reshard", help="World sizes to reshard to, e.g. 1,4."),
-    to: list[str] = typer.Option([], "--to", help="Publish to DEST: hf://org/repo or a bucket/folder URL (repeatable)."),
+    to: list[str] = typer.Option([], "--to",
+                                 help="Publish to DEST: hf://org/repo or a bucket/folder URL (repeatable)."),
     publish: str = typer.Option("both", "--publish", help="What goes to each --to: model, reshards or both."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Load the model with transformers and check it."),
     settle: float = typer.Option(60.0, "--settle", min=0, help="Seconds to wait for rank files still arriving."),
@@ -234,7 +236,8 @@ def run_command(
 
 @app.command("watch")
 def watch_command(
-    roots: list[str] = typer.Argument(..., metavar="ROOT", help="Folders or bucket URLs to search for `latest` pointers."),
+    roots: list[str] = typer.Argument(..., metavar="ROOT",
+                                      help="Folders or bucket URLs to search for `latest` pointers."),
     once: bool = typer.Option(False, "--once", help="Look once and exit, instead of every --interval seconds."),
     interval: float = typer.Option(300.0, "--interval", min=1, help="Seconds between looks."),
     state: str = typer.Option("ckptflow-watch", "--state", help="Name of the block that remembers what was seen."),
@@ -320,13 +323,17 @@ def reshard_command(
 
 @app.command("push")
 def push_command(
-    src: str = typer.Argument(..., metavar="SRC", help="Folder to publish, local or URL: a model, a checkpoint, any folder."),
-    dest: str = typer.Argument(..., metavar="DEST", help="hf://ORG/REPO (or hf://datasets/ORG/REPO), or a bucket or folder URL."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch to commit to (default main); hf:// only."),
+    src: str = typer.Argument(..., metavar="SRC",
+                              help="Folder to publish, local or URL: a model, a checkpoint, any folder."),
+    dest: str = typer.Argument(..., metavar="DEST",
+                               help="hf://ORG/REPO (or hf://datasets/ORG/REPO), or a bucket or folder URL."),
+    revision: Optional[str] = typer.Option(None, "--revision",
+                                           help="Hub branch to commit to (default main); hf:// only."),
     private: bool = typer.Option(False, "--private", help="Create a missing Hub repo as private; hf:// only."),
     workers: int = typer.Option(8, "--workers", min=1, help="Files uploaded at once."),
     break_lease: bool = typer.Option(False, "--break-lease",
-                                     help="Remove the lease a push that died left at DEST, then push; bucket or folder only."),
+                                     help="Remove the lease a push that died left at DEST, then push; "
+                                          "bucket or folder only."),
 ) -> None:
     """Publish a folder to the Hugging Face Hub or to a bucket, verified and resumable.
 

@@ -2,8 +2,8 @@
 
 Every problem is collected into one report, cheapest checks first: the `latest` pointer, the file
 set the world size implies, each file's archive and pickle, the metadata across ranks, the partition
-arithmetic, the optimizer steps across ranks (all of them the reader's: `formats.deepspeed`), and with `deep=True` a bounded-memory scan of the fp32 weights and optimizer moments for
-NaN and Inf.
+arithmetic, the optimizer steps across ranks (all of them the reader's: `formats.deepspeed`), and with
+`deep=True` a bounded-memory scan of the fp32 weights and optimizer moments for NaN and Inf.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class ValidationReport:
         }
 
 
-def validate(source: str, *, tag: str | None = None, deep: bool = False, progress: Progress | None = None) -> ValidationReport:
+def validate(source: str, *, tag: str | None = None, deep: bool = False,
+             progress: Progress | None = None) -> ValidationReport:
     """Check the checkpoint at `source` (a folder holding `latest`, or a tag folder; any fsspec URI).
 
     Returns a report listing every problem found; raises only for errors of the caller's own making
@@ -141,9 +142,9 @@ def _compare_replicas(replicas: tuple[Replica, ...], index: ModelParallelCheckpo
                 if rep.name in differ:
                     break
     return [Problem("replicas-differ",
-                    f"tensor {name}: {index.rank_label(a)} and {index.rank_label(b)} hold different values for the same "
-                    f"block (from element {offset} of the full tensor), which they must hold identically; the ranks "
-                    "drifted apart or a file is damaged: use an earlier checkpoint", index.tag_uri)
+                    f"tensor {name}: {index.rank_label(a)} and {index.rank_label(b)} hold different values for the "
+                    f"same block (from element {offset} of the full tensor), which they must hold identically; the "
+                    "ranks drifted apart or a file is damaged: use an earlier checkpoint", index.tag_uri)
             for name, (a, b, offset) in differ.items()]
 
 

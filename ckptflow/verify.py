@@ -56,7 +56,8 @@ class ModelCheck:
     compared_to_source: bool
 
 
-def verify_model(out: str, *, source: str | None = None, tag: str | None = None, device: str | None = None) -> ModelCheck:
+def verify_model(out: str, *, source: str | None = None, tag: str | None = None,
+                 device: str | None = None) -> ModelCheck:
     """Load the model folder `out` with transformers (the class its `config.json` names: a causal LM
     when it is one, else `AutoModel`), run a forward pass on a fixed input on `device` (CUDA when
     present, else CPU) and require finite logits. With `source` (a ZeRO checkpoint), compare every
@@ -83,7 +84,8 @@ def _verify_local(path: str, out: str, source: str | None, tag: str | None, devi
     cls = AutoModelForCausalLM if causal else AutoModel
     try:
         # with output_loading_info, (model, info): transformers' annotations give the model alone
-        model, info = cast(tuple[Any, dict[str, Any]], cls.from_pretrained(path, output_loading_info=True, dtype="auto"))
+        loaded = cls.from_pretrained(path, output_loading_info=True, dtype="auto")
+        model, info = cast(tuple[Any, dict[str, Any]], loaded)
     except Exception as exc:
         raise VerificationError(f"transformers cannot load {out} ({describe(exc)})", file=out) from None
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
@@ -108,7 +110,8 @@ def _verify_local(path: str, out: str, source: str | None, tag: str | None, devi
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     compared = _compare_to_source(model, source, tag, out) if source is not None else 0
     return ModelCheck(out=out, model_class=type(model).__name__, device=str(device), dtype=dtype,
-                      logits_shape=tuple(logits.shape), tensors_compared=compared, compared_to_source=source is not None)
+                      logits_shape=tuple(logits.shape), tensors_compared=compared,
+                      compared_to_source=source is not None)
 
 
 def _compare_to_source(model: Any, source: str, tag: str | None, out: str) -> int:

@@ -209,7 +209,8 @@ def _find_pointers(fs: Any, base: str, max_depth: int | None) -> dict[str, Mappi
     if not fs.exists(base):
         raise FileNotFoundError(base)
     listing = fs.find(base, maxdepth=max_depth, detail=True)
-    return {p: info for p, info in listing.items() if posixpath.basename(p) == LATEST and info.get("type") != "directory"}
+    return {p: info for p, info in listing.items()
+            if posixpath.basename(p) == LATEST and info.get("type") != "directory"}
 
 
 def _beneath(root: str, base: str, path: str) -> str:

@@ -184,7 +184,8 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
     )
     return ConsolidationPlan(
         root=index.root, tag=index.tag, step=index.step, stage=index.stage, world_size=index.world_size,
-        precision=index.precision, ds_version=index.ds_version, source_layout=index.layout, options=options, units=units,
+        precision=index.precision, ds_version=index.ds_version, source_layout=index.layout, options=options,
+        units=units,
         tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
         notes=tuple(index.summary().get("notes") or ()),
     )

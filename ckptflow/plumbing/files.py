@@ -90,8 +90,8 @@ def check_regular(uri: str, *, inside: str | None = None, hint: str | None = Non
         except OSError as exc:
             what = "a link loop" if exc.errno == errno.ELOOP else "nothing" if exc.errno == errno.ENOENT else \
                 f"something unreadable ({exc.strerror})"
-            raise UnsafeInputError(f"{uri} is a symbolic link to {what} ({excerpt(target, 120)})", code="not-a-regular-file",
-                                   file=uri, hint=hint) from None
+            raise UnsafeInputError(f"{uri} is a symbolic link to {what} ({excerpt(target, 120)})",
+                                   code="not-a-regular-file", file=uri, hint=hint) from None
     else:
         st = link
     if inside is not None and not _within(os.path.realpath(path), os.path.realpath(local_path(inside))):
@@ -235,7 +235,8 @@ def _read(fh: IO[bytes], uri: str, size_or_view: int | memoryview) -> Any:
             return fh.read(size_or_view)
         return cast(io.BufferedIOBase, fh).readinto(size_or_view) or 0
     except OSError as exc:
-        raise SourceReadError(f"cannot read {uri} ({_reason(exc)})", file=uri, hint="check the file and run again") from exc
+        raise SourceReadError(f"cannot read {uri} ({_reason(exc)})", file=uri,
+                              hint="check the file and run again") from exc
 
 
 def write_bytes(dst: str, data: bytes) -> None:

@@ -47,6 +47,9 @@ from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.reshard.plan import DataParallelPlan, RankUnit, ReshardPlan
 
+# Where `_Tree.remap` sends a source tensor: (rebuilt storage, element offset, shape or None for the source's).
+Remapped = tuple[OutStorage, int, tuple[int, ...] | None]
+
 
 class _Tree:
     """Turns the reader's plain data back into picklable objects for one output file.
@@ -57,8 +60,7 @@ class _Tree:
     pickle of shared references ("billion laughs") is never expanded here.
     """
 
-    def __init__(self, remap: Mapping[tuple[str, str, int], tuple[OutStorage, int, tuple[int, ...] | None]] | None = None
-                 ) -> None:
+    def __init__(self, remap: Mapping[tuple[str, str, int], Remapped] | None = None) -> None:
         self.storages: dict[tuple[str, str], OutStorage] = {}
         self.remap = dict(remap or {})
         self.remapped_keys = {(uri, key) for uri, key, _ in self.remap}
@@ -75,7 +77,8 @@ class _Tree:
         saved = self.storages.get((ref.uri, ref.key))
         if saved is None:
             nbytes = ref.storage_numel * ref.itemsize
-            saved = OutStorage(ref.dtype, ref.storage_numel, [Span(ref.uri, ref.data_offset, nbytes, 0)] if nbytes else [])
+            spans = [Span(ref.uri, ref.data_offset, nbytes, 0)] if nbytes else []
+            saved = OutStorage(ref.dtype, ref.storage_numel, spans)
             self.storages[(ref.uri, ref.key)] = saved
         return OutTensor(saved, ref.storage_offset, ref.shape, ref.stride)
 
@@ -176,7 +179,8 @@ def _frozen_piece(param: Param) -> Callable[[int, int], TensorRef]:
     return lambda rank, _flat: param.frozen_pieces[rank]
 
 
-def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
+def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree
+                 ) -> tuple[list[OutTensor], dict[int, dict[str, Any]]]:
     """The unit's fp32 flat partitions and the base optimizer's state for each, both resharded."""
     ix = plan.index
     meta_state = _base_state(plan, unit.meta_rank).get("state") or {}
@@ -231,7 +235,8 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
             out[key] = _zero_stage(value)
         else:
             out[key] = tree.convert(value)
-    if plan.optimizer == ZERO and "param_alignment_paddings" not in out and any(map(any, plan.param_alignment_paddings)):
+    if (plan.optimizer == ZERO and "param_alignment_paddings" not in out
+            and any(map(any, plan.param_alignment_paddings))):
         out["param_alignment_paddings"] = [list(p) for p in plan.param_alignment_paddings]
     top: dict[str, Any] = {}
     for key, value in source.items():
@@ -263,7 +268,8 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
             out[key] = _frozen_fragments(plan, unit, value)
         elif key == "shared_params" and plan.stage == 3:  # DeepSpeed fills it on global rank 0 only
             shared = ix.model_states[0].get(key)
-            out[key] = tree.convert(shared) if unit.rank == 0 else type(shared)() if isinstance(shared, dict) else shared
+            empty = type(shared)() if isinstance(shared, dict) else shared
+            out[key] = tree.convert(shared) if unit.rank == 0 else empty
         elif key == "dp_world_size":
             out[key] = plan.world_size
         elif key == "ds_autoep_layers" and isinstance(value, list):
@@ -333,8 +339,9 @@ def _module_remap(plan: DataParallelPlan, module: Mapping[str, Any]
             if ref.dtype != dtype or any(r.ref.dtype != dtype for r in runs or ()):
                 raise UnsupportedCheckpointError(f"param group holding {name} mixes dtypes {dtype} and {ref.dtype}",
                                                  tensor=name)
-            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * ref.itemsize, r.rows, r.stride * ref.itemsize)
-                       for r in runs] if runs is not None else [(ref.uri, *ref.byte_range, offset * ref.itemsize, 1, 0)])
+            size = ref.itemsize
+            pieces = ([(r.ref.uri, *r.byte_range, (offset + r.offset) * size, r.rows, r.stride * size) for r in runs]
+                      if runs is not None else [(ref.uri, *ref.byte_range, offset * size, 1, 0)])
             for uri, start, end, dst, rows, stride in pieces:
                 last = spans[-1] if spans else None
                 if rows == 1 and last is not None and last.rows == 1 and last.uri == uri and \

@@ -227,8 +227,8 @@ def plan_reshard(index: Any, world_size: int) -> ReshardPlan:
     if getattr(index, "stage", None) == 0:
         raise UnsupportedCheckpointError(
             f"{index.root}/{index.tag} is a checkpoint in the {index.layout} layout: its files hold whole tensors and "
-            "do not depend on the data-parallel size, and DeepSpeed loads it natively at any data-parallel size, so there is "
-            "nothing to reshard", code="reshard-not-needed", uri=index.root,
+            "do not depend on the data-parallel size, and DeepSpeed loads it natively at any data-parallel size, "
+            "so there is nothing to reshard", code="reshard-not-needed", uri=index.root,
             hint=f"point the run at {index.root} as it is, with {world_size} data-parallel "
                  f"rank{'s' if world_size != 1 else ''}")
     if isinstance(index, ModelParallelCheckpoint):
@@ -349,7 +349,8 @@ def _plan_zero12(index: ZeroCheckpoint, world_size: int, optimizer: str, *, modu
             rank=r, meta_rank=_meta_rank(index, r), optim_file=optim_file_name(index.precision, r, index.mp_rank),
             model_file=model_file_name(index.stage, 0, index.mp_rank) if r == 0 else None, flats=flats,
             mp_rank=index.mp_rank,
-            group_paddings=tuple(g.group_paddings[r] for g in groups), slice_mappings=tuple(g.slices[r] for g in groups),
+            group_paddings=tuple(g.group_paddings[r] for g in groups),
+            slice_mappings=tuple(g.slices[r] for g in groups),
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats) + (module_bytes if r == 0 else 0),
         ))
@@ -440,7 +441,8 @@ def _check_zero12_source(index: ZeroCheckpoint, g: int, shard: int, names: Seque
         problems.append(f"parameter alignment paddings {list(recorded[g])} instead of {list(src.param_paddings)}")
     for part, r in enumerate(ranks):
         have = index.partitions[r][g]
-        if have.fp32.numel != src.saved[part] or have.numel != src.partition or have.padding != src.group_paddings[part]:
+        if (have.fp32.numel != src.saved[part] or have.numel != src.partition
+                or have.padding != src.group_paddings[part]):
             problems.append(f"rank {r} saved {have.fp32.numel} of {have.numel} fp32 elements with padding "
                             f"{have.padding} instead of {src.saved[part]} of {src.partition} with "
                             f"{src.group_paddings[part]}")
@@ -455,7 +457,8 @@ def _check_zero12_source(index: ZeroCheckpoint, g: int, shard: int, names: Seque
         if got != expected[n]:
             problems.append(f"{n} at {got} instead of {expected[n]}")
     if problems:
-        over = f" (expert-parallel rank {shard}'s copy, over ranks {list(ranks)})" if len(ranks) < index.world_size else ""
+        over = (f" (expert-parallel rank {shard}'s copy, over ranks {list(ranks)})"
+                if len(ranks) < index.world_size else "")
         raise UnsupportedCheckpointError(
             f"param group {g}{over} of {index.tag_uri} is not laid out the way DeepSpeed lays out {len(ranks)} ranks "
             f"({'; '.join(problems[:3])}); it was saved with settings ckptflow does not know", uri=index.tag_uri,
@@ -488,8 +491,9 @@ def _plan_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
             for shard in range(group.ep):
                 src_ranks = group.ranks(src_ws, shard)
                 for part, r in enumerate(group.ranks(world_size, shard)):
-                    copies = zero3_moves(sub_numels, src_count, dst_count, part, src_offsets=[src_offsets[i] for i in sub],
-                                         dst_offsets=dst_offsets, src_flat=g)
+                    copies = zero3_moves(sub_numels, src_count, dst_count, part,
+                                         src_offsets=[src_offsets[i] for i in sub], dst_offsets=dst_offsets,
+                                         src_flat=g)
                     copies = tuple(replace(c, src_rank=src_ranks[c.src_rank]) for c in copies)
                     per_rank_flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=copies))
             flat_shapes.append(tuple((names[i], by_name[names[i]].shape) for i in sub))

@@ -81,7 +81,9 @@ def describe(copies: Iterable[RngCopy]) -> str:
         return "no Trainer RNG files in the source"
     if len(copies) == 1 and copies[0].target == SINGLE:
         c = copies[0]
-        return f"{SINGLE} carried over" if c.source == SINGLE else f"{SINGLE} from source rank {c.source_rank} ({c.source})"
+        if c.source == SINGLE:
+            return f"{SINGLE} carried over"
+        return f"{SINGLE} from source rank {c.source_rank} ({c.source})"
     last = copies[-1].rank
     names = f"rng_state_0..{last}.pth" if last > 1 else "rng_state_0.pth, rng_state_1.pth"
     if all(c.source_rank is None for c in copies):

@@ -150,16 +150,18 @@ class _Runs:
             for part in run.within(first, last):
                 rank, g = self.sources[(part.ref.uri, part.ref.key, part.ref.storage_offset)]
                 if g != group:
-                    raise UnsupportedCheckpointError(f"{name}: its tensor-parallel shards sit in different param groups")
-                _append(out, Copy(src_rank=rank, src_flat=g, src_offset=part.start, dst_offset=dst + part.offset - first,
-                                  numel=part.numel, rows=part.rows, stride=part.stride))
+                    raise UnsupportedCheckpointError(
+                        f"{name}: its tensor-parallel shards sit in different param groups")
+                _append(out, Copy(src_rank=rank, src_flat=g, src_offset=part.start,
+                                  dst_offset=dst + part.offset - first, numel=part.numel, rows=part.rows,
+                                  stride=part.stride))
         return out
 
 
 def _append(copies: list[Copy], c: Copy) -> None:
     last = copies[-1] if copies else None
-    if last is not None and last.rows == c.rows == 1 and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat) and \
-            last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset:
+    if (last is not None and last.rows == c.rows == 1 and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat)
+            and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
         copies[-1] = Copy(src_rank=c.src_rank, src_flat=c.src_flat, src_offset=last.src_offset,
                           dst_offset=last.dst_offset, numel=last.numel + c.numel)
     else:
@@ -174,7 +176,8 @@ def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
 # ---- ZeRO-1/2 --------------------------------------------------------------------------------------
 
 
-def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str) -> DataParallelPlan:
+def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str
+                 ) -> DataParallelPlan:
     runs = _Runs(index)
     by_name = source.param_by_name
     zero = source.zero_config
