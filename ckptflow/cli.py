@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -23,6 +24,7 @@ from rich.text import Text
 
 from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CkptflowError
+from ckptflow.plumbing.progress import Progress as ProgressFn
 from ckptflow.plumbing.text import one_line
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console(highlight=False, markup=False, emoji=False)
+T = TypeVar("T")
 err = Console(stderr=True, highlight=False, markup=False, emoji=False)
 
 
@@ -85,6 +88,23 @@ def units_on(address: str | None) -> Any:
     from ckptflow.plumbing.executors import cluster
 
     return cluster(address)
+
+
+def with_bar(label: str, work: Callable[[ProgressFn, Any], T], *, cluster: str | None = None,
+             remaining: bool = True) -> T:
+    """`work(progress, executor)` under a transient byte-progress bar on stderr, its units on the Dask
+    cluster at `cluster` or on threads; a `CkptflowError` becomes the one line `fail` prints."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
+               TransferSpeedColumn(), *([TimeRemainingColumn()] if remaining else [])]
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        try:
+            with units_on(cluster) as executor:
+                return work(lambda done, total: bar.update(task, completed=done, total=total), executor)
+        except CkptflowError as exc:
+            raise fail(exc) from None
 
 
 def render_report(report: "ValidationReport") -> None:
@@ -150,7 +170,6 @@ def consolidate_command(
     # The converter's own threads keep the cores busy and numpy does no linear algebra here; an
     # OpenBLAS worker would only spin after numpy's import (~0.1 s of CPU, measured). Before numpy loads.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from ckptflow.consolidate import ConsolidateOptions, consolidate
     from ckptflow.formats.deepspeed.tag import check_tag
@@ -163,17 +182,10 @@ def consolidate_command(
                                      workers=workers, verify=verify)
     except ValueError as exc:  # --dtype and --workers are checked by their option types
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
-               TransferSpeedColumn(), TimeRemainingColumn())
     started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.formats.casts`)
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("writing + verifying" if verify else "writing", total=None)
-        try:
-            with units_on(cluster) as executor:
-                result = consolidate(src, dest, tag=tag, options=options, executor=executor,
-                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except CkptflowError as exc:
-            raise fail(exc) from None
+    result = with_bar("writing + verifying" if verify else "writing",
+                      lambda progress, executor: consolidate(src, dest, tag=tag, options=options, executor=executor,
+                                                             progress=progress), cluster=cluster)
     shards = len(result.shards)
     say("consolidated", "green",
         f"{result.plan.root}/{result.plan.tag} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
@@ -294,7 +306,6 @@ def reshard_command(
     DeepSpeed loads OUT natively at --world-size ranks; config, tokenizer and trainer files are
     carried over so a Hugging Face Trainer run can resume from it.
     """
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
@@ -303,16 +314,9 @@ def reshard_command(
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
     options = ReshardOptions(world_size=world_size, tensor_parallel=tensor_parallel, workers=workers, durable=fsync)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
-               TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("resharding", total=None)
-        try:
-            with units_on(cluster) as executor:
-                result = reshard(src, dest, tag=tag, options=options, executor=executor,
-                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except CkptflowError as exc:
-            raise fail(exc) from None
+    result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
+                                                                      executor=executor, progress=progress),
+                      cluster=cluster)
     say("resharded", "green",
         f"{src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
         f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
@@ -341,7 +345,6 @@ def push_command(
     push at a time per bucket folder: a second one fails at once, naming the first (its lease).
     The Hub gets one commit. After a failure, run the same command again: nothing verified is sent twice.
     """
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.publish import PushOptions, push
@@ -350,17 +353,12 @@ def push_command(
         raise typer.BadParameter("--revision and --private are for hf:// destinations", param_hint="DEST")
     if dest.startswith("hf://") and break_lease:
         raise typer.BadParameter("--break-lease is for bucket and folder destinations", param_hint="DEST")
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("uploading", total=None)
-        try:
-            options = PushOptions(revision=revision, private=private, workers=workers, break_lease=break_lease)
-            result = push(src, dest, options=options,
-                          progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except CkptflowError as exc:
-            raise fail(exc) from None
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="DEST") from None
+    try:
+        options = PushOptions(revision=revision, private=private, workers=workers, break_lease=break_lease)
+        result = with_bar("uploading", lambda progress, _executor: push(src, dest, options=options, progress=progress),
+                          remaining=False)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="DEST") from None
     where = result.commit_url or result.manifest_uri
     say("pushed", "green",
         f"{src} to {result.dest}: {len(result.uploaded)} file(s) uploaded ({format_size(result.bytes_uploaded)}), "
