@@ -40,7 +40,7 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, ZERO_STAGE_ENUM
+from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
@@ -274,7 +274,7 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
             out[key] = plan.world_size
         elif key == "ds_autoep_layers" and isinstance(value, list):
             out[key] = _autoep_layers(plan, unit, value)
-        elif key == "universal_checkpoint_info" and isinstance(value, Mapping) and isinstance(
+        elif key == UC_INFO and isinstance(value, Mapping) and isinstance(
                 value.get("ds_autoep_layers"), list):
             out[key] = {k: _autoep_layers(plan, unit, v) if k == "ds_autoep_layers" else tree.convert(v)
                         for k, v in value.items()}

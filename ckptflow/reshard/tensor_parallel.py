@@ -29,7 +29,7 @@ from typing import Any
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import (
     BF16,
     ZERO3,
@@ -87,7 +87,7 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
 
 
 def _without_tensor_parallel(state: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in state.items() if k != "universal_checkpoint_info"}
+    out = {k: v for k, v in state.items() if k != UC_INFO}
     if "mp_world_size" in out:
         out["mp_world_size"] = 1
     dims = out.get("checkpoint_parallel_dimensions")

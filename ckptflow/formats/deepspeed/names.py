@@ -24,6 +24,10 @@ ENUMS = (ZERO_STAGE_ENUM,)
 # What a DeepSpeed checkpoint pickle may name beyond torch's tensors: the unpickler's allow-list.
 ALLOWED = Allowed(records=frozenset(RECORDS), enums=frozenset(ENUMS))
 
+# The model-states key under which a client (AutoTP, Megatron-DeepSpeed, AutoEP) records how each parameter
+# is split, for DeepSpeed's universal converter.
+UC_INFO = "universal_checkpoint_info"
+
 # Files of one tag folder.
 LATEST = "latest"
 MODEL_FILE_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

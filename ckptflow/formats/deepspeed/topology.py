@@ -20,7 +20,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE, MODEL_FILE_RE, OPTIM_FILE_RE
+from ckptflow.formats.deepspeed.names import (
+    EXPERT_FILE_RE,
+    EXPP_FILE_RE,
+    LAYER_FILE_RE,
+    MODEL_FILE_RE,
+    OPTIM_FILE_RE,
+    UC_INFO,
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ def detect(names: Iterable[str], model0: Mapping[str, Any]) -> Topology:
     recorded = "tp_degree" in dims or "mp_world_size" in model0  # the files' own word beats a glob
     if (len(mp_ranks) > 1 and not recorded) or tp > 1 or mp_world_size > 1:
         tp = max(tp, mp_world_size) if recorded else max(tp, len(mp_ranks), mp_world_size)
-        info = model0.get("universal_checkpoint_info")
+        info = model0.get(UC_INFO)
         if isinstance(info, Mapping) and isinstance(info.get("affine_map"), Mapping):
             return Topology("autotp", stage, dp, tp=tp)
         return Topology("tensor-parallel", stage, dp, tp=tp)

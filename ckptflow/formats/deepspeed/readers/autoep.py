@@ -30,7 +30,7 @@ from typing import Any
 from ckptflow.formats.deepspeed.config import section
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
+from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, UC_INFO, expert_file_name
 from ckptflow.formats.deepspeed.readers.experts import (
     ExpertCheckpoint,
     check_expert_file,
@@ -256,7 +256,7 @@ def _check_ranks(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer
         uri = zero.model_file(rank)
         entries = zero.model_states[rank].get("ds_autoep_layers")
         mine = parse_layers(st, entries, uri, rank=rank) if rank else layers
-        uc = zero.model_states[rank].get("universal_checkpoint_info")
+        uc = zero.model_states[rank].get(UC_INFO)
         if isinstance(uc, Mapping) and "ds_autoep_layers" in uc and uc["ds_autoep_layers"] != entries:
             st.add("ranks-disagree", f"rank {rank}: {uri} records other AutoEP layers in universal_checkpoint_info "
                    "than in ds_autoep_layers; the file is damaged", file=uri, rank=rank)

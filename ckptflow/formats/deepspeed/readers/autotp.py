@@ -23,7 +23,9 @@ from typing import Any
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.names import UC_INFO
 from ckptflow.formats.deepspeed.readers.model_parallel import (
+    MAX_PATTERN,
     Holding,
     ModelParallelCheckpoint,
     Piece,
@@ -43,9 +45,7 @@ from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.text import excerpt
 
-UC_INFO = "universal_checkpoint_info"
 AFFINE_MAP_VERSION = 1  # deepspeed.checkpoint.affine.AFFINE_MAP_FORMAT_VERSION
-MAX_PATTERN = 4096  # characters of a recorded name pattern ckptflow matches (longer ones are refused)
 
 
 def where(tp: int) -> Any:

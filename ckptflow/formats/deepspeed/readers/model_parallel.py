@@ -35,6 +35,7 @@ from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join as join_uri
 from ckptflow.plumbing.text import excerpt
 
+MAX_PATTERN = 4096  # characters of a recorded name pattern ckptflow matches (longer ones are refused)
 MAX_STRETCHES = 1 << 24  # per piece: beyond this a layout is strided element by element; refuse it
 
 

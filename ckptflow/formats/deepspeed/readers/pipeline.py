@@ -37,8 +37,9 @@ from typing import Any
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor
-from ckptflow.formats.deepspeed.names import ALLOWED, LAYER_FILE_RE, layer_file_name
+from ckptflow.formats.deepspeed.names import ALLOWED, LAYER_FILE_RE, UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import (
+    MAX_PATTERN,
     Holding,
     ModelParallelCheckpoint,
     Piece,
@@ -62,9 +63,7 @@ from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.storage import join as join_uri
 from ckptflow.plumbing.text import excerpt
 
-UC_INFO = "universal_checkpoint_info"
 TIED = "tied_modules."
-MAX_PATTERN = 4096
 
 NAMES_NOTE = ("a PipelineModule has no Hugging Face config: the tensors keep its own names ({layer}.{name}, "
               "tied_modules.{key}.{name}), those of its state_dict; load them with safetensors.torch.load_file and "
