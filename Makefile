@@ -11,7 +11,7 @@ export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export HF_HUB_DISABLE_XET := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo clean
+.PHONY: install lint test demo clean
 
 install: $(STAMP)
 
@@ -29,7 +29,12 @@ $(STAMP): pyproject.toml setup.py constraints.txt ckptflow/formats/_casts.c
 # launch, run in one of them only). TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 
-test: install
+# The house rules before the tests: ruff on the whole tree, mypy --strict on ckptflow/ (pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check ckptflow tasks flows tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"  {REPO / '.venv/bin/prefect'} server start")
     say(f"  open http://127.0.0.1:4200/runs/flow-run/{outcome.flow_run_id}   (flow run '{outcome.flow_run_name}')")
     say("Load the model:")
-    say(f"  python -c \"from transformers import AutoModelForCausalLM as M; print(M.from_pretrained('{bucket}/{tag}/model'))\"")
+    say("  python -c \"from transformers import AutoModelForCausalLM as M; "
+        f"print(M.from_pretrained('{bucket}/{tag}/model'))\"")
     say("Next: infra/README.md takes this to a self-hosted Prefect server with workers.")
     return 0
 

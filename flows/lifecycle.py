@@ -77,7 +77,8 @@ def source_label(source: str, tag: str | None = None) -> str:
     """'llama-7b@global_step1200': the run folder's name (with its parent's for Trainer `checkpoint-N`
     folders) and the tag, for run names."""
     parts = [p for p in re.split(r"[/:]+", source.rstrip("/")) if p and p not in (".", "..")]
-    name = "/".join(parts[-2:]) if len(parts) > 1 and parts[-1].startswith("checkpoint-") else (parts[-1] if parts else "checkpoint")
+    trainer = len(parts) > 1 and parts[-1].startswith("checkpoint-")  # output_dir/checkpoint-N
+    name = "/".join(parts[-2:]) if trainer else (parts[-1] if parts else "checkpoint")
     return f"{name}@{tag or 'latest'}"
 
 
@@ -124,11 +125,16 @@ def checkpoint_lifecycle(
         consolidation: The Hugging Face model to build: on or off, dtype, shard size, and where it runs.
         reshard: Data-parallel world sizes to rewrite the ZeRO checkpoint for.
         verification: Load the built model with transformers and check it against the checkpoint.
-        destinations: Where to publish: Hub repos ('hf://org/name') and bucket URLs, each for the model, the resharded checkpoints or both.
+        destinations: Where to publish: Hub repos ('hf://org/name') and bucket URLs, each for the model, the
+            resharded checkpoints or both.
         publishing: Upload settings (parallel uploads, Hub endpoint and token).
-        workspace: Where outputs are built before publishing (a folder or bucket URL); empty uses $CKPTFLOW_WORKSPACE or ~/.cache/ckptflow/work on the worker. Must be a bucket when consolidation runs on a GPU deployment elsewhere.
+        workspace: Where outputs are built before publishing (a folder or bucket URL); empty uses
+            $CKPTFLOW_WORKSPACE or ~/.cache/ckptflow/work on the worker. Must be a bucket when consolidation runs
+            on a GPU deployment elsewhere.
         refresh: Ignore cached results and do every step again.
-        cluster: Run the conversion's units (one per output shard and per target rank) on the Dask scheduler at this address, e.g. 'tcp://ckptflow-scheduler.ckptflow.svc.cluster.local:8786' (infra/dask); empty uses $CKPTFLOW_CLUSTER on the worker, or threads when that is unset too.
+        cluster: Run the conversion's units (one per output shard and per target rank) on the Dask scheduler at
+            this address, e.g. 'tcp://ckptflow-scheduler.ckptflow.svc.cluster.local:8786' (infra/dask); empty uses
+            $CKPTFLOW_CLUSTER on the worker, or threads when that is unset too.
     """
     log = get_run_logger()
     destinations = [d if isinstance(d, Destination) else Destination.model_validate(d) for d in destinations]
@@ -342,7 +348,8 @@ def consolidate_on_deployment(
         result = state.result()
         if isinstance(result, dict):
             details["verification"] = result.get("verification")
-            return Output.model_validate(result["model"]).model_copy(update={"details": {**result["model"].get("details", {}), **details}})
+            details = {**result["model"].get("details", {}), **details}
+            return Output.model_validate(result["model"]).model_copy(update={"details": details})
     except Exception:  # the child's result storage may not be readable from here; its output is
         log.info("the child run's result is not readable here; taking its output folder %s as written", out)
     if verification.enabled:  # the child verifies before it completes
@@ -407,11 +414,13 @@ def _summary(
     built = []
     if model is not None:
         check = "verified" if verified and verified.get("ok", True) else "not verified"
-        built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): {code(model.uri)}")
+        built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): "
+                     f"{code(model.uri)}")
     for n, out in sorted(reshards.items()):
         if out is not None:
             merged = ", tensor parallelism merged" if out.details.get("tensor_parallel") else ""
-            built.append(f"- **ZeRO checkpoint for {n} rank(s)**{merged} ({format_size(out.bytes or 0)}): {code(out.uri)}")
+            built.append(f"- **ZeRO checkpoint for {n} rank(s)**{merged} ({format_size(out.bytes or 0)}): "
+                         f"{code(out.uri)}")
     if built:
         lines += ["## Built", ""] + built + [""]
     if verified:
@@ -470,7 +479,8 @@ def post_training(
         destinations: Where to publish each run's outputs (see `checkpoint-lifecycle`).
         publishing: Upload settings.
         workspace: Where outputs are built before publishing.
-        cluster: Run the conversion's units on the Dask scheduler at this address (see `checkpoint-lifecycle`); empty uses $CKPTFLOW_CLUSTER on the worker, or threads.
+        cluster: Run the conversion's units on the Dask scheduler at this address (see `checkpoint-lifecycle`);
+            empty uses $CKPTFLOW_CLUSTER on the worker, or threads.
     """
     results, failures = [], []
     for run in runs:

@@ -56,7 +56,8 @@ class ValidationOptions(_Options):
     deep: bool = Field(
         default=False,
         title="Deep scan",
-        description="Also read every fp32 weight and optimizer moment and fail on NaN or Inf (reads the whole checkpoint).",
+        description="Also read every fp32 weight and optimizer moment and fail on NaN or Inf "
+                    "(reads the whole checkpoint).",
     )
     settle_seconds: float = Field(
         default=300.0,

@@ -139,7 +139,13 @@ def _published_files(
 
 
 def _file_table(
-    checkpoint: Checkpoint, output: Output, what: str, destination: str, revision: str | None, url: str | None, result: Any,
+    checkpoint: Checkpoint,
+    output: Output,
+    what: str,
+    destination: str,
+    revision: str | None,
+    url: str | None,
+    result: Any,
     files: list[dict[str, Any]],
 ) -> None:
     where = destination + (f" @ {revision}" if revision and not destination.endswith(f"@{revision}") else "")
@@ -149,7 +155,8 @@ def _file_table(
         "",
         f"To {link(where, url)}: "
         + (f"{len(files)} file(s), {format_size(total or 0)} in all; " if files else "")
-        + f"{len(result.uploaded)} uploaded ({format_size(result.bytes_uploaded or 0)}), {len(result.skipped)} already there.",
+        + f"{len(result.uploaded)} uploaded ({format_size(result.bytes_uploaded or 0)}), "
+        + f"{len(result.skipped)} already there.",
         "",
     ]
     if result.manifest_uri:

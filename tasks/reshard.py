@@ -121,8 +121,14 @@ def _build(checkpoint: Checkpoint, plan: ReshardPlan, out: str, workers: int, ad
                         in_process=not address, progress=sink)
 
 
-def reshard_summary(checkpoint: Checkpoint, plan: ReshardPlan, results: list[RankResult], rng_files: tuple[RngCopy, ...],
-                    out: str, listing: list[str]) -> str:
+def reshard_summary(
+    checkpoint: Checkpoint,
+    plan: ReshardPlan,
+    results: list[RankResult],
+    rng_files: tuple[RngCopy, ...],
+    out: str,
+    listing: list[str],
+) -> str:
     """One table, a row per target rank (its files and their size), and a line each on the files carried
     over and the Trainer RNG files."""
     rows = [f"| {r.rank} | " + ", ".join(code(f) for f in r.files) + f" | {cell_size(r.bytes_written)} |"

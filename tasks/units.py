@@ -80,8 +80,12 @@ def unit_executor(cluster: str | None, tasks: Mapping[Callable[..., Any], Any]) 
     try:
         from prefect_dask import DaskTaskRunner
     except ImportError:
-        raise ClusterError(f"running units on the Dask cluster at {cluster} needs prefect-dask, which is not installed",
-                           code="cluster-missing", uri=cluster, hint="install ckptflow[cluster] on the flow's worker") from None
+        raise ClusterError(
+            f"running units on the Dask cluster at {cluster} needs prefect-dask, which is not installed",
+            code="cluster-missing",
+            uri=cluster,
+            hint="install ckptflow[cluster] on the flow's worker",
+        ) from None
     runner = DaskTaskRunner(address=cluster, client_kwargs={"timeout": "20s", "set_as_default": False})
     try:
         runner.__enter__()

@@ -94,7 +94,8 @@ def validate_checkpoint(
     )
     if not report.ok:
         where = f"{report.root}/{report.tag}" if report.tag else source
-        waited = f" after waiting {settle_seconds:.0f} s for files to arrive" if still_arriving(report) and attempt > 1 else ""
+        arriving = still_arriving(report) and attempt > 1
+        waited = f" after waiting {settle_seconds:.0f} s for files to arrive" if arriving else ""
         lines = "; ".join(f"{p.code}: {p.message}" for p in report.problems[:5])
         more = and_more(len(report.problems) - 5, "problem")
         raise CheckpointError(f"{where} is not a valid checkpoint{waited}: {lines}{more}", uri=source)
