@@ -99,7 +99,8 @@ def _write(spec: BenchSpec, out: Path) -> None:
         "steps_per_print": 1000,
     }
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        model=model, model_parameters=[{"params": decay, "weight_decay": 0.01},
+                                       {"params": no_decay, "weight_decay": 0.0}],
         config=config,
     )
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32

@@ -131,7 +131,8 @@ def bench(ckpt: Path, repeat: int, only: set[str] | None = None) -> tuple[list[M
                     print(f"{label} failed: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
                 shutil.rmtree(out, ignore_errors=True)
         measures = [Measure(label, statistics.median(x[0] for x in r), int(statistics.median(x[1] for x in r)),
-                            statistics.median(x[2] for x in r), failures.get(label, 0)) for label, r in runs.items() if r]
+                            statistics.median(x[2] for x in r), failures.get(label, 0)) for label, r in runs.items()
+                    if r]
         measures += [Measure(label, float("nan"), 0, float("nan"), n) for label, n in failures.items()
                      if not runs.get(label)]
         return measures, plan
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     for stage, layers in ((3, args.layers), (2, args.layers), (3, args.layers // 2)):
         spec = BenchSpec(stage=stage, layers=layers)
         ckpt = build(spec)
-        only = None if layers == args.layers else {"ckptflow (verify)", "ckptflow --no-verify", "deepspeed zero_to_torch.py",
+        only = None if layers == args.layers else {"ckptflow (verify)", "ckptflow --no-verify",
+                                                   "deepspeed zero_to_torch.py",
                                                    "work only: ckptflow (verify)", "work only: deepspeed"}
         measures, plan = bench(ckpt, args.repeat, only)
         size = sum(p.stat().st_size for p in ckpt.rglob("*.pt"))
@@ -236,16 +238,21 @@ def targets(full_size: dict[int, dict[str, Measure]], flat: dict[str, dict[int, 
 
     rows = []
     for what, a, b, attr, goal, better in (
-        ("speed-up over DeepSpeed, CLI with --verify", "deepspeed zero_to_torch.py", "ckptflow (verify)", "seconds", 2.0, "≥"),
-        ("speed-up over DeepSpeed, CLI --no-verify", "deepspeed zero_to_torch.py", "ckptflow --no-verify", "seconds", 2.0, "≥"),
-        ("speed-up over DeepSpeed, work only, --verify", "work only: deepspeed", "work only: ckptflow (verify)", "seconds",
+        ("speed-up over DeepSpeed, CLI with --verify", "deepspeed zero_to_torch.py", "ckptflow (verify)", "seconds",
+         2.0, "≥"),
+        ("speed-up over DeepSpeed, CLI --no-verify", "deepspeed zero_to_torch.py", "ckptflow --no-verify", "seconds",
+         2.0, "≥"),
+        ("speed-up over DeepSpeed, work only, --verify", "work only: deepspeed", "work only: ckptflow (verify)",
+         "seconds",
          2.0, "≥"),
         ("speed-up over DeepSpeed, work only, --no-verify", "work only: deepspeed", "work only: ckptflow --no-verify",
          "seconds", 2.0, "≥"),
-        ("peak RSS / DeepSpeed's, CLI with --verify", "ckptflow (verify)", "deepspeed zero_to_torch.py", "peak_rss", 0.25, "≤"),
+        ("peak RSS / DeepSpeed's, CLI with --verify", "ckptflow (verify)", "deepspeed zero_to_torch.py", "peak_rss",
+         0.25, "≤"),
         ("time / I/O floor, CLI with --verify", "ckptflow (verify)", "I/O floor", "seconds", 1.5, "≤"),
         ("time / I/O floor, CLI --no-verify", "ckptflow --no-verify", "I/O floor", "seconds", 1.5, "≤"),
-        ("time / I/O floor, work only, --no-verify", "work only: ckptflow --no-verify", "I/O floor", "seconds", 1.5, "≤"),
+        ("time / I/O floor, work only, --no-verify", "work only: ckptflow --no-verify", "I/O floor", "seconds", 1.5,
+         "≤"),
         ("time / I/O floor, work only, --verify", "work only: ckptflow (verify)", "I/O floor", "seconds", 1.5, "≤"),
     ):
         got = [ratio(stage, a, b, attr) for stage in (3, 2)]

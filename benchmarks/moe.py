@@ -333,7 +333,8 @@ def targets(results: dict[MoESpec, dict[str, Measure]], specs: list[MoESpec]) ->
              "|---|---|---:|---:|---|"]
 
     def row(label: str, goal: str, values: list[float], ok: bool) -> None:
-        lines.append(f"| {label} | {goal} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {'met' if ok else 'not met'} |")
+        lines.append(f"| {label} | {goal} | " + " | ".join(f"{v:.2f}" for v in values)
+                     + f" | {'met' if ok else 'not met'} |")
 
     for run in ("ckptflow consolidate", "ckptflow reshard 2->4", "ckptflow reshard 2->4 --no-fsync"):
         speed = [results[s][ds_of(run)].seconds / results[s][run].seconds for s in (big3, big2)]

@@ -179,15 +179,16 @@ def main() -> None:
                         seconds, error = run(key, lambda: push(str(folder), f"gs://{prefix}", workers=args.workers))
                     identical = check_and_delete(fs, prefix, expected) if error is None else False
                     status = "identical bytes" if identical else (error or "BYTES DIFFER")
-                    print(f"{key:18s} run {i + 1}: {seconds:6.2f} s  {total / seconds / 1e6:7.1f} MB/s  {status}", flush=True)
+                    print(f"{key:18s} run {i + 1}: {seconds:6.2f} s  {total / seconds / 1e6:7.1f} MB/s  {status}",
+                          flush=True)
                     if identical:
                         results.setdefault(key, []).append(seconds)
                     else:
                         failures.setdefault(key, []).append(status)
 
         print()
-        print(f"{total / 1e9:.2f} GB in {len(expected)} files, {args.workers} workers, fault rate {args.fault_rate:.0%}, "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(f"{total / 1e9:.2f} GB in {len(expected)} files, {args.workers} workers, fault rate "
+              f"{args.fault_rate:.0%}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         for key in ("put", "ckptflow", "put + faults", "ckptflow + faults"):
             times = results.get(key, [])
             line = f"  {key:18s} best {min(times):6.2f} s, median {statistics.median(times):6.2f} s" if times else f"  {key:18s} no complete run"

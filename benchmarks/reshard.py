@@ -120,7 +120,8 @@ def bench(ckpt: Path, repeat: int, scratch: Path) -> tuple[list[Measure], dict[s
 def table(title: str, measures: list[Measure]) -> list[str]:
     by = {m.label: m for m in measures}
     ds = by[DS]
-    lines = [f"**{title}**", "", "| run | wall | peak RSS | vs ds_to_universal | vs I/O floor |", "|---|---:|---:|---:|---:|"]
+    lines = [f"**{title}**", "", "| run | wall | peak RSS | vs ds_to_universal | vs I/O floor |",
+             "|---|---:|---:|---:|---:|"]
     for m in measures:
         floor = None
         if m.label.startswith("ckptflow"):

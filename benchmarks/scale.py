@@ -132,9 +132,10 @@ def _measure(what: str, root: str, to: int, chunk_bytes: int) -> dict[str, Any]:
             t2 = time.perf_counter()
             per_unit = []
             for unit in plan.units:
-                layout = unit.layout()
+                layout = unit.file()
                 by_name = {t.name: t for t in unit.tensors}
-                batches = api.plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], chunk_bytes)
+                batches = api.plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots],
+                                           chunk_bytes)
                 per_unit.append({"tensors": len(unit.tensors), "source_bytes": unit.source_bytes,
                                  "out_bytes": unit.nbytes, "batches": len(batches),
                                  "requests": sum(len(b.copies) for b in batches),
@@ -329,7 +330,8 @@ def measure(model: Llama, what: str, *, to: int = 0, chunk_bytes: int = 32 << 20
             via: str = "local") -> dict[str, Any]:
     """Run one measurement in a fresh `nice` subprocess; its JSON result (or the error it died of)."""
     command = ["nice", "-n", "10", sys.executable, "-m", "benchmarks.scale", "_child", "--what", what,
-               "--root", str(model.folder), "--to", str(to), "--chunk-bytes", str(chunk_bytes), "--limit-gb", str(limit_gb),
+               "--root", str(model.folder), "--to", str(to), "--chunk-bytes", str(chunk_bytes), "--limit-gb",
+               str(limit_gb),
                "--via", via]
     started = time.monotonic()
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
@@ -398,10 +400,12 @@ def profile(model: Llama, what: str, to: int, top: int) -> None:
     index, plan = work()
     current, peak = tracemalloc.get_traced_memory()
     snapshot = tracemalloc.take_snapshot()
-    print(f"## tracemalloc ({time.perf_counter() - t:.1f} s): {current / 2**20:.0f} MiB held, {peak / 2**20:.0f} MiB peak")
+    print(f"## tracemalloc ({time.perf_counter() - t:.1f} s): {current / 2**20:.0f} MiB held, {peak / 2**20:.0f} MiB "
+          "peak")
     for stat in snapshot.statistics("lineno")[:top]:
         frame = stat.traceback[0]
-        print(f"{stat.size / 2**20:9.1f} MiB {stat.count:>10} blocks  {frame.filename.replace(str(REPO_ROOT) + '/', '')}:{frame.lineno}")
+        print(f"{stat.size / 2**20:9.1f} MiB {stat.count:>10} blocks  "
+              f"{frame.filename.replace(str(REPO_ROOT) + '/', '')}:{frame.lineno}")
     print("## the index, part by part (sys.getsizeof of the objects reachable from each, each counted once)")
     for name, part in (("model_states", index.model_states), ("optim_states", index.optim_states),
                        ("params", index.params), ("partitions", index.partitions)):
@@ -466,55 +470,61 @@ def report(model: Llama, results: dict[str, dict[str, Any]], disk: dict[str, int
         return lines + [f"index failed: `{ix['error'][-500:]}`", ""]
     lines += ["| step | wall | CPU | peak RSS (process) | RSS after imports |", "|---|---:|---:|---:|---:|"]
     cpu = lambda r, *keys: f"{sum(r[k] for k in keys):.1f} s" if all(k in r for k in keys) else "n/a"  # noqa: E731
-    lines.append(f"| load_index | {ix['index_seconds']:.1f} s | {cpu(ix, 'index_cpu_seconds')} | {_mib(ix['rss_peak'])} | "
-                 f"{_mib(ix['rss_after_imports'])} |")
-    for key, label in (("consolidate", "load_index + plan_consolidation"), ("reshard", f"load_index + plan_reshard -> {reshard_to}")):
+    lines.append(f"| load_index | {ix['index_seconds']:.1f} s | {cpu(ix, 'index_cpu_seconds')} | "
+                 f"{_mib(ix['rss_peak'])} | {_mib(ix['rss_after_imports'])} |")
+    for key, label in (("consolidate", "load_index + plan_consolidation"),
+                       ("reshard", f"load_index + plan_reshard -> {reshard_to}")):
         r = results.get(key, {})
         if "error" in r:
             lines.append(f"| {label} | failed | | `{r['error'].strip().splitlines()[-1][:160]}` | |")
         elif r:
-            lines.append(f"| {label} | {r['index_seconds'] + r['plan_seconds']:.1f} s ({r['plan_seconds']:.1f} s plan) | "
-                         f"{cpu(r, 'index_cpu_seconds', 'plan_cpu_seconds')} | {_mib(r['rss_after_plan'])} | "
+            lines.append(f"| {label} | {r['index_seconds'] + r['plan_seconds']:.1f} s ({r['plan_seconds']:.1f} s plan) "
+                         f"| {cpu(r, 'index_cpu_seconds', 'plan_cpu_seconds')} | {_mib(r['rss_after_plan'])} | "
                          f"{_mib(r['rss_after_imports'])} |")
-    lines += ["", f"Index from a local disk: read {_mib(ix['index_read_bytes'])} in {ix['index_read_calls']:,} read calls "
+    lines += ["", f"Index from a local disk: read {_mib(ix['index_read_bytes'])} in {ix['index_read_calls']:,} read "
+                  "calls "
               f"({ix['index_read_bytes'] / (2 * model.world_size) / 1024:.0f} KiB per file)."]
     b = results.get("index-bucket", {})
     if b and "error" not in b:
         n = b["bucket"]
         lines[-1] += (f" From a bucket (`simbucket`: the same files through fsspec's buffered remote file, counting "
-                      f"requests): {n['range_requests']:,} range requests ({n['range_requests'] / (2 * model.world_size):,.0f} "
-                      f"per file) for {_mib(n['range_bytes'])}, and {n['metadata_requests']:,} metadata requests.")
+                      f"requests): {n['range_requests']:,} range requests "
+                      f"({n['range_requests'] / (2 * model.world_size):,.0f} per file) for {_mib(n['range_bytes'])}, "
+                      f"and {n['metadata_requests']:,} metadata requests.")
     lines.append("")
     c = results.get("consolidate", {})
     if c and "error" not in c:
         pu = c["per_unit"]
-        lines += [f"Consolidation (bf16, 5 GB shards, {32} MiB batches): {c['units']} units; per unit (min / median / max): "
-                  f"{_spread([u['source_bytes'] for u in pu], _gb)} read, {_spread([u['requests'] for u in pu], lambda v: f'{v:,.0f}')} "
-                  f"range requests ({_spread([u['source_bytes'] / u['requests'] for u in pu], _mib)} each), "
-                  f"{_spread([u['tensors'] for u in pu])} tensors. "
-                  f"Read amplification {c['source_bytes'] / c['fp32_bytes']:.4f} (tensor bytes / fp32 master bytes)"
-                  + (f"; {(c['source_bytes'] + b['bucket']['range_bytes']) / c['fp32_bytes']:.4f} with the index's reads "
-                     "from a bucket." if b and "error" not in b else "."), ""]
+        lines += [f"Consolidation (bf16, 5 GB shards, {32} MiB batches): {c['units']} units; per unit (min / median / "
+                  f"max): {_spread([u['source_bytes'] for u in pu], _gb)} read, "
+                  f"{_spread([u['requests'] for u in pu], lambda v: f'{v:,.0f}')} range requests "
+                  f"({_spread([u['source_bytes'] / u['requests'] for u in pu], _mib)} each), "
+                  f"{_spread([u['tensors'] for u in pu])} tensors. Read amplification "
+                  f"{c['source_bytes'] / c['fp32_bytes']:.4f} (tensor bytes / fp32 master bytes)"
+                  + (f"; {(c['source_bytes'] + b['bucket']['range_bytes']) / c['fp32_bytes']:.4f} with the index's "
+                     "reads from a bucket." if b and "error" not in b else "."), ""]
     r = results.get("reshard", {})
     if r and "error" not in r:
         pu = r["per_unit"]
         lines += [f"Reshard {model.world_size} -> {reshard_to}: {r['units']} units; per unit (min / median / max): "
-                  f"{_spread([u['read_bytes'] for u in pu], _gb)} read, {_spread([u['copies'] for u in pu], lambda v: f'{v:,.0f}')} copies "
-                  f"({_spread([u['requests'] for u in pu], lambda v: f'{v:,.0f}')} reads of at most 8 MiB). "
-                  f"Read amplification {r['read_bytes'] / (3 * r['fp32_bytes']):.4f} (bytes read / fp32 weights and two moments).", ""]
+                  f"{_spread([u['read_bytes'] for u in pu], _gb)} read, "
+                  f"{_spread([u['copies'] for u in pu], lambda v: f'{v:,.0f}')} copies "
+                  f"({_spread([u['requests'] for u in pu], lambda v: f'{v:,.0f}')} reads of at most 8 MiB). Read "
+                  f"amplification {r['read_bytes'] / (3 * r['fp32_bytes']):.4f} (bytes read / fp32 weights and two "
+                  "moments).", ""]
     s = results.get("ship", {})
     if s and "error" not in s and "job_pickle_bytes" in s:
         sizes = s["job_pickle_bytes"]
-        lines += [f"A consolidation unit shipped to a worker (`ShardJob`: the shard's tensors with their runs, where it "
-                  f"goes, the options; no plan, no index): {_spread(sizes, lambda v: f'{v / 1024:,.0f} KiB')} pickled "
-                  f"(min / median / max), {_mib(sum(sizes))} for all {len(sizes)} units, all made and pickled in "
-                  f"{s['jobs_seconds']:.1f} s, one unpickled in {s['job_unpickle_seconds'] * 1000:.0f} ms.", ""]
+        lines += ["A consolidation unit shipped to a worker (`ShardJob`: the shard's tensors with their runs, where "
+                  f"it goes, the options; no plan, no index): {_spread(sizes, lambda v: f'{v / 1024:,.0f} KiB')} "
+                  f"pickled (min / median / max), {_mib(sum(sizes))} for all {len(sizes)} units, all made and pickled "
+                  f"in {s['jobs_seconds']:.1f} s, one unpickled in {s['job_unpickle_seconds'] * 1000:.0f} ms.", ""]
     s = results.get("ship-dask", {})
     if s and "error" not in s and "jobs" in s:
         j = s["jobs"]
-        lines += [f"All {j['count']} consolidation jobs submitted to a local Dask cluster (scheduler + 2 worker processes) "
-                  f"through `plumbing.executors.cluster` (pure=False): {j['submit_seconds']:.1f} s to submit, "
-                  f"{j['all_done_seconds']:.1f} s until every worker had its jobs; the scheduler spent "
+        lines += [f"All {j['count']} consolidation jobs submitted to a local Dask cluster (scheduler + 2 worker "
+                  f"processes) through `plumbing.executors.cluster` (pure=False): {j['submit_seconds']:.1f} s to "
+                  f"submit, {j['all_done_seconds']:.1f} s until every worker had its jobs; the scheduler spent "
                   f"{j['scheduler_cpu_seconds']:.1f} s CPU and grew by {_mib(j['scheduler_rss_growth'])}; worker RSS "
                   f"afterwards up to {_mib(j['worker_rss'])}.", ""]
     s = results.get("ship-reshard", {})
@@ -593,8 +603,9 @@ def _write_results() -> None:
                 loads.append(f"{model.name} {saved['load_at_start']:.1f}")
     lines = [SECTION, "", _machine(loads), "",
              "Command: `.venv/bin/python -m benchmarks.scale plan --model {70b,405b} --write-results`. Synthetic "
-             "ZeRO-3 checkpoints (real headers and pickles, tensor bytes as holes; see `benchmarks/scale_checkpoints.py`). "
-             "Targets (issue 12): 405B indexed and planned in under 60 s and 2 GB; read amplification <= 1.01.", "",
+             "ZeRO-3 checkpoints (real headers and pickles, tensor bytes as holes; see "
+             "`benchmarks/scale_checkpoints.py`). Targets (issue 12): 405B indexed and planned in under 60 s and 2 GB; "
+             "read amplification <= 1.01.", "",
              *body, *_before_after(MODELS["405b"])]
     write_section(SECTION, lines)
 

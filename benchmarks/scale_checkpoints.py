@@ -77,7 +77,8 @@ class Llama:
             p = f"model.layers.{i}"
             out += [(f"{p}.self_attn.q_proj.weight", (h, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
                     (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, h)),
-                    (f"{p}.mlp.gate_proj.weight", (self.intermediate, h)), (f"{p}.mlp.up_proj.weight", (self.intermediate, h)),
+                    (f"{p}.mlp.gate_proj.weight", (self.intermediate, h)),
+                    (f"{p}.mlp.up_proj.weight", (self.intermediate, h)),
                     (f"{p}.mlp.down_proj.weight", (h, self.intermediate)),
                     (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
         return out + [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
@@ -134,7 +135,8 @@ def model_states_tree(model: Llama, ts: Any) -> dict[str, Any]:
     size = ts.Global("torch", "Size")
     step = _step()
     return {
-        "module": OrderedDict((name, ts.OutTensor(ts.OutStorage("bfloat16", 0), 0, (0,))) for name, _ in model.params()),
+        "module": OrderedDict((name, ts.OutTensor(ts.OutStorage("bfloat16", 0), 0, (0,)))
+                              for name, _ in model.params()),
         "buffer_names": [],
         "optimizer": None,
         "param_shapes": [OrderedDict((n, ts.Call(size, (s,))) for n, s in group) for group in model.groups()],
@@ -243,7 +245,8 @@ class SparseArchive:
             extra = b""
         pad = (-(offset + 30 + len(raw) + len(extra) + 4)) % 64
         extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw), len(extra)) + raw + extra
+        return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw),
+                           len(extra)) + raw + extra
 
     def _descriptor(self, offset: int, crc: int, size: int) -> bytes:
         if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
@@ -385,7 +388,8 @@ def schema(obj: Any) -> Any:
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:
     if a == b:
         return []
-    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == 2 and a[0] == b[0] and a[0] in ("dict", "OrderedDict"):
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == 2 and a[0] == b[0] and a[0] in ("dict",
+                                                                                                   "OrderedDict"):
         da, db = dict(a[1]), dict(b[1])
         out = [f"{path}/{k}: only in the real file" for k in da if k not in db]
         out += [f"{path}/{k}: only in the synthetic file" for k in db if k not in da]

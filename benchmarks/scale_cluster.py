@@ -385,22 +385,23 @@ def model_report() -> list[str]:
     low, high = a["store_gbps"][0], a["store_gbps"][-1]
     mbs = lambda rates: ", ".join(f"{w} {rates[w] / 1e6:,.0f} MB/s" for w in whats)  # noqa: E731
     lines = [SECTION_MODEL, "",
-             "`.venv/bin/python -m benchmarks.scale model --write-results`: predicted wall time of `ckptflow consolidate "
-             "--dtype bf16 --cluster` and `ckptflow reshard --cluster` (to 3/4 of the ranks) for the checkpoints of "
-             "the planning benchmark, read from and written to a bucket, on W worker processes of one unit at a "
-             "time each. Measured here: a worker's rate from the 1-worker runs of the throughput table (bytes "
-             f"converted over the worker's own CPU seconds, for a worker with a core of its own: {mbs(core)}; over "
-             f"the run's wall time on this machine, start-up included and 2 cores shared with the S3 server: "
+             "`.venv/bin/python -m benchmarks.scale model --write-results`: predicted wall time of `ckptflow "
+             "consolidate --dtype bf16 --cluster` and `ckptflow reshard --cluster` (to 3/4 of the ranks) for the "
+             "checkpoints of the planning benchmark, read from and written to a bucket, on W worker processes of one "
+             "unit at a time each. Measured here: a worker's rate from the 1-worker runs of the throughput table "
+             f"(bytes converted over the worker's own CPU seconds, for a worker with a core of its own: {mbs(core)}; "
+             f"over the run's wall time on this machine, start-up included and 2 cores shared with the S3 server: "
              f"{mbs(wall)}), each plan's units and bytes, and its index + plan time and range reads (planning "
-             f"table). Assumed: {a['latency_ms']:.0f} ms per range GET (here {measured['stores'][-1]['small_get_ms']:.1f} "
-             f"ms on loopback), one such wait per {a['batch_bytes'] >> 20} MiB read batch and none overlapped, the "
-             f"index's reads {a['index_threads']} at a time, a store of {low:g} or {high:g} GB/s aggregate for every "
-             "byte read, written or copied (consolidate with its default verify: twice the source and four times the "
-             "output; reshard: the source and three times the output), the commit's server-side copies at "
-             f"{a['copy_mbps']:.0f} MB/s each, {COMMIT_COPIES} at once (S3's CopyObject; on GCS a copy within one "
-             "location and storage class moves no data, so these rows are pessimistic for GCS), workers whose "
-             f"network is not the limit, {a['fixed_seconds']:.0f} s of fixed costs. A unit is not split: with more "
-             "workers than units the extra workers idle.", "",
+             f"table). Assumed: {a['latency_ms']:.0f} ms per range GET (here "
+             f"{measured['stores'][-1]['small_get_ms']:.1f} ms on loopback), one such wait per "
+             f"{a['batch_bytes'] >> 20} MiB read batch and none overlapped, the index's reads {a['index_threads']} at "
+             f"a time, a store of {low:g} or {high:g} GB/s aggregate for every byte read, written or copied "
+             "(consolidate with its default verify: twice the source and four times the output; reshard: the source "
+             f"and three times the output), the commit's server-side copies at {a['copy_mbps']:.0f} MB/s each, "
+             f"{COMMIT_COPIES} at once (S3's CopyObject; on GCS a copy within one location and storage class moves no "
+             "data, so these rows are pessimistic for GCS), workers whose network is not the limit, "
+             f"{a['fixed_seconds']:.0f} s of fixed costs. A unit is not split: with more workers than units the extra "
+             "workers idle.", "",
              f"| model | step | units | read | written | workers | {low:g} GB/s store | {high:g} GB/s store | "
              f"{high:g} GB/s, this machine's rate | DeepSpeed zero_to_fp32, one machine |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -126,7 +126,8 @@ def fill(folder: Path, tp: int, rows: int = HIDDEN // 2, cols: int = INTERMEDIAT
                 _fill(batch, out[:batch.out_nbytes])
             took = time.monotonic() - started
         print(f"fill of a {rows} x {cols} row-parallel tensor to {dtype}: {len(runs)} runs, "
-              f"{sum(len(b.copies) for b in batches):,} copies, {took:.2f} s, {rows * cols * 4 / took / 1e9:.2f} GB/s of source")
+              f"{sum(len(b.copies) for b in batches):,} copies, {took:.2f} s, {rows * cols * 4 / took / 1e9:.2f} GB/s "
+              "of source")
     # The merge's write of the same tensor into a torch file (the target flat of `reshard
     # --tensor-parallel 1`), its runs as strided spans and as one span per row, the archive in the
     # page cache (no fsync); and streamed front to back, as to a bucket (here `memory://`).
@@ -141,7 +142,8 @@ def fill(folder: Path, tp: int, rows: int = HIDDEN // 2, cols: int = INTERMEDIAT
             write_archive(target, {"w": OutTensor(storage)}, SourceReader(), durable=False, threads=2)
             took = time.monotonic() - started
         assert np.array_equal(np.frombuffer(torch_data(target), dtype=np.float32).reshape(rows, cols)[:, :width],
-                              np.fromfile(folder / f"tp{tp}-rank0-{rows}x{width}.bin", dtype=np.float32).reshape(rows, width))
+                              np.fromfile(folder / f"tp{tp}-rank0-{rows}x{width}.bin", dtype=np.float32).reshape(rows,
+                                                                                                                 width))
         fs, path = url_to_fs(target)
         fs.rm(path)
         print(f"merge write of that tensor from {len(spans):,} {label}: {took:.2f} s, "
@@ -188,8 +190,8 @@ def bucket(folder: Path, tp: int, delays: list[float], rows: int = HIDDEN // 2, 
                 started = time.monotonic()
                 write_archive("s3://tp-runs/merged.pt", {"w": OutTensor(storage)}, SourceReader(), durable=False)
                 took.append(time.monotonic() - started)
-            print(f"merge write of that tensor from {len(runs)} strided spans, s3:// to s3://, {delay * 1000:.0f} ms per "
-                  f"request: {min(took):.2f}-{max(took):.2f} s (3 runs)")
+            print(f"merge write of that tensor from {len(runs)} strided spans, s3:// to s3://, {delay * 1000:.0f} ms "
+                  f"per request: {min(took):.2f}-{max(took):.2f} s (3 runs)")
     finally:
         proxy.stop()
         server.stop()

@@ -156,7 +156,7 @@ def test_safetensors_layout_is_byte_identical_to_safetensors() -> None:
         "w": torch.randn(2, 3), "m": torch.tensor([True, False]), "h": torch.ones(5, dtype=torch.float16),
         "i": torch.arange(3, dtype=torch.int32), "é": torch.ones(1, dtype=torch.float64),
     }
-    layout = hf.safetensors_layout([(k, str(v.dtype)[6:], tuple(v.shape)) for k, v in tensors.items()], {"format": "pt"})
+    layout = hf.safetensors_file([(k, str(v.dtype)[6:], tuple(v.shape)) for k, v in tensors.items()], {"format": "pt"})
     data = b"".join(tensors[s.name].contiguous().view(torch.uint8).numpy().tobytes() for s in layout.slots)
     assert layout.header + data == save(tensors, metadata={"format": "pt"})
 
@@ -247,7 +247,8 @@ def test_tied_frozen_and_provenance(ds_fixtures: Mapping[str, Fixture], tmp_path
                                                        "size": shard.stat().st_size}}
     assert record["source"] == {
         "uri": f"{fixture.dir}/{fixture.tag}", "root": str(fixture.dir), "tag": fixture.tag, "step": 3,
-        "zero_stage": 3, "world_size": 2, "precision": "bf16", "deepspeed_version": "0.19.8", "layout": "ZeRO-3, data-parallel 2",
+        "zero_stage": 3, "world_size": 2, "precision": "bf16", "deepspeed_version": "0.19.8",
+        "layout": "ZeRO-3, data-parallel 2",
     }
     assert record["output"]["dtype"] == "float32" and record["ckptflow_version"]
     assert result.files[-1] == hf.SAFE_WEIGHTS_NAME
@@ -261,7 +262,8 @@ def test_trainer_checkpoint_loads_in_transformers(llama_trainer_ckpt: Fixture, t
 
     out = tmp_path / "model"
     result = consolidate(str(llama_trainer_ckpt.dir), str(out), options=ConsolidateOptions(dtype="fp32"))
-    assert set(result.side_files) >= {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert set(result.side_files) >= {"config.json", "generation_config.json", "tokenizer.json",
+                                      "tokenizer_config.json"}
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -318,7 +320,8 @@ def make_fp16_checkpoint(fixture: Fixture, dest: Path) -> Path:
                 k: v if k in buffers or not v.is_floating_point() else torch.full_like(v, 1e4, dtype=torch.float16)
                 for k, v in state["module"].items()
             }
-            state["frozen_param_fragments"] = {k: v.half() for k, v in (state.get("frozen_param_fragments") or {}).items()}
+            state["frozen_param_fragments"] = {k: v.half() for k, v in (state.get("frozen_param_fragments")
+                                                                        or {}).items()}
             state["ds_config"] = {**state["ds_config"], "fp16": {"enabled": True, "loss_scale": 0,
                                                                  "initial_scale_power": 16}}
         else:
@@ -556,7 +559,8 @@ def test_source_breaking_midway_leaves_no_output(mode: str, ds_fixtures: Mapping
     try:
         expected = SourceReadError if mode == "error" else CorruptFileError
         with pytest.raises(expected) as caught:
-            consolidate(f"failing://{fixture.dir}", str(out), options=ConsolidateOptions(max_shard_size="1KB", workers=1))
+            consolidate(f"failing://{fixture.dir}", str(out),
+                        options=ConsolidateOptions(max_shard_size="1KB", workers=1))
     finally:
         FailingFileSystem.target = None
     if mode == "error":
@@ -667,7 +671,8 @@ def test_units_run_one_by_one_then_finalize(ds_fixtures: Mapping[str, Fixture], 
     assert len(plan.units) > 2
     staging = prepare_output(plan, str(tmp_path / "out"))
     seen: list[tuple[int, int]] = []
-    results = [run_unit(plan, unit, staging, progress=lambda d, t: seen.append((d, t))) for unit in reversed(plan.units)]
+    results = [run_unit(plan, unit, staging, progress=lambda d, t: seen.append((d, t)))
+               for unit in reversed(plan.units)]
     with pytest.raises(OutputError, match="shard model-00001-of-"):
         finalize(plan, results[:-1], staging)
     assert not (tmp_path / "out").exists()
@@ -735,7 +740,7 @@ def test_verify_catches_a_bad_write_and_publishes_index_last(ds_fixtures: Mappin
     fixture = ds_fixtures["z2-fp32-ws2"]
     options = ConsolidateOptions(max_shard_size="1KB", workers=2)
     plan = plan_consolidation(load_index(str(fixture.dir)), options)
-    CorruptingFileSystem.size_hint = {u.filename: u.layout().file_size for u in plan.units}
+    CorruptingFileSystem.size_hint = {u.filename: u.file().file_size for u in plan.units}
     CorruptingFileSystem.flip = True
     with pytest.raises(VerificationError, match=r"^tensor \S+ in corrupting://.*model-000\d\d-of-000\d\d.safetensors "
                                                 r"differs from the source at element \d+"):

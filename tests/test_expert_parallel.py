@@ -206,13 +206,15 @@ def test_a_missing_rank_is_named_and_only_then(expert_fixtures, tmp_path: Path) 
     (ckpt / "global_step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
     problems = _problems(ckpt)
     assert [code for code, _ in problems] == ["rank-missing"]
-    assert problems[0][1].startswith("rank 2 of 4 is missing: expected global_step3/zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    assert problems[0][1].startswith("rank 2 of 4 is missing: expected "
+                                     "global_step3/zero_pp_rank_2_mp_rank_00_optim_states.pt")
 
 
 def test_an_extra_expert_file_is_named(expert_fixtures, tmp_path: Path) -> None:
     ckpt = _copy(expert_fixtures["dsmoe-ep2-z2-fp32"], tmp_path)
     tag = ckpt / "global_step3"
-    shutil.copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_0_expert_4_mp_rank_00_model_states.pt")
+    shutil.copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt",
+                tag / "layer_0_expert_4_mp_rank_00_model_states.pt")
     assert _problems(ckpt) == [(
         "expert-extra",
         "unexpected file global_step3/layer_0_expert_4_mp_rank_00_model_states.pt: MoE layer 0 has 4 experts "

@@ -131,7 +131,8 @@ def test_hugging_face_files_sit_next_to_latest(request: pytest.FixtureRequest, n
     names = {path.name for path in fixture.dir.iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
     if fixture.spec["launcher"] == TRAINER:
-        assert {"trainer_state.json", "training_args.bin", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+        assert {"trainer_state.json", "training_args.bin", "scheduler.pt", "rng_state_0.pth",
+                "rng_state_1.pth"} <= names
         assert json.loads((fixture.dir / "trainer_state.json").read_text())["global_step"] == fixture.spec["steps"]
     config = AutoConfig.from_pretrained(fixture.dir)
     tokenizer = AutoTokenizer.from_pretrained(fixture.dir)
@@ -168,7 +169,8 @@ def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_
     assert set(keyed_modules(HOLDOUT_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "specs.expert_holdout"}
     plain, explained = tmp_path / "plain.py", tmp_path / "explained.py"
     plain.write_text("def f(x):\n    return x + 1\n")
-    explained.write_text('"""A module."""\n\n\ndef f(x):  # one more\n    """Add one."""\n\n    return (x\n            + 1)\n')
+    explained.write_text('"""A module."""\n\n\ndef f(x):  # one more\n    """Add one."""\n\n    return (x\n            '
+                         '+ 1)\n')
     other = tmp_path / "other.py"
     other.write_text("def f(x):\n    return x + 2\n")
     assert _code(plain) == _code(explained)

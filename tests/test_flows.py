@@ -117,7 +117,8 @@ def test_cache_key_is_source_tag_identity_and_options() -> None:
     assert key(checkpoint=ckpt("bbb")) != base  # files rewritten
     assert key(checkpoint=ckpt("aaa"), dtype="fp32") != base  # other options
     other_task = SimpleNamespace(task=SimpleNamespace(name="reshard"))
-    assert checkpoint_cache_key(other_task, {"out": "gs://b/work/model", "dtype": "bf16", "checkpoint": ckpt("aaa")}) != base
+    assert checkpoint_cache_key(other_task, {"out": "gs://b/work/model", "dtype": "bf16",
+                                             "checkpoint": ckpt("aaa")}) != base
     # An option added later keeps the keys of results cached before it while at its default.
     assert key(checkpoint=ckpt("aaa"), tensor_parallel=None) == base
     assert key(checkpoint=ckpt("aaa"), tensor_parallel=1) != base
@@ -178,7 +179,8 @@ def first_run(prefect_server: str, bucket_run: dict[str, str]) -> dict[str, Any]
     params = lifecycle_parameters(bucket_run, [{"uri": published, "what": "both"}])
     started = time.monotonic()
     ran = run_lifecycle(params)
-    return {"params": params, "state": ran.state, "value": ran.value, "seconds": time.monotonic() - started, "published": published}
+    return {"params": params, "state": ran.state, "value": ran.value, "seconds": time.monotonic() - started,
+            "published": published}
 
 
 def test_lifecycle_end_to_end_from_and_to_the_bucket(
@@ -397,7 +399,8 @@ def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, 
     ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
     cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
     assert ours.keys() == cli.keys() and ours == cli
-    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 2 ranks, tp 1"]
+    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 2 ranks, "
+                                                                                   "tp 1"]
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:
@@ -451,7 +454,8 @@ def test_steps_whose_cached_results_are_gone_take_the_folders_they_built(first_r
     assert pushed == [(where, 0, before[where]) for where, _, _ in pushed] and len(pushed) == 3  # all there already
 
 
-def test_transient_publish_failures_are_retried(first_run: dict[str, Any], bucket_run: dict[str, str], gcs_server) -> None:
+def test_transient_publish_failures_are_retried(first_run: dict[str, Any], bucket_run: dict[str, str],
+                                                gcs_server) -> None:
     proxy, _ = gcs_server
     token = f"pub{uuid.uuid4().hex[:8]}"
     dest = f"{bucket_run['base']}/{token}"
@@ -491,7 +495,8 @@ def test_permanent_publish_failure_fails_the_flow_and_publishes_nothing(
 
 
 
-def test_post_training_processes_the_newest_tag_of_each_run(first_run: dict[str, Any], bucket_run: dict[str, str]) -> None:
+def test_post_training_processes_the_newest_tag_of_each_run(first_run: dict[str, Any],
+                                                            bucket_run: dict[str, str]) -> None:
     from flows.lifecycle import post_training
 
     params = {k: v for k, v in first_run["params"].items() if k not in ("source", "validation")}
@@ -500,8 +505,8 @@ def test_post_training_processes_the_newest_tag_of_each_run(first_run: dict[str,
 
     assert state.is_failed()
     assert state.message.endswith(
-        f"1 of 2 run(s) failed: {missing}: {missing} is not a valid checkpoint: source-missing: {missing} does not exist; "
-        "check the path or URL"
+        f"1 of 2 run(s) failed: {missing}: {missing} is not a valid checkpoint: source-missing: {missing} does not "
+        "exist; check the path or URL"
     )
 
 
@@ -611,7 +616,8 @@ def test_cli_run_prints_what_was_produced_where(first_run: dict[str, Any], bucke
     ])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].startswith(f"done {bucket_run['source']}/{bucket_run['tag']}: model + 2 reshard(s) built, 3 push(es)")
+    assert lines[0].startswith(f"done {bucket_run['source']}/{bucket_run['tag']}: model + 2 reshard(s) built, 3 "
+                               "push(es)")
     assert any(line.startswith("  model:") and "/model-bf16-" in line for line in lines)
     assert sum(line.startswith("  published:") for line in lines) == 3
     assert any(line.startswith("  flow run:") and "http://127.0.0.1" in line for line in lines)

@@ -46,14 +46,16 @@ def test_the_harness_is_the_cli(hostile_runner: Runner, tmp_path: Path) -> None:
     output, for a valid checkpoint and for a few hostile ones (the corpus trusts the fork)."""
     kinds = all_kinds()
     for name, command in (("checkpoint/missing-rank-file", VALIDATE), ("checkpoint/garbage-file", CONSOLIDATE),
-                          ("markup/latest-closing-tag", CONSOLIDATE), ("checkpoint/tag-folder-without-latest", RESHARD)):
+                          ("markup/latest-closing-tag", CONSOLIDATE),
+                          ("checkpoint/tag-folder-without-latest", RESHARD)):
         ws = prepare(kinds[name], tmp_path / name.replace("/", "-"), hostile_runner.fixtures)
         argv = ws.argv(command)
         forked = hostile_runner.harness.run(argv, cwd=ws.root)
         shutil.rmtree(ws.out, ignore_errors=True)
         spawned = hostile_runner.harness.run(argv, cwd=ws.root, spawn=True)
         shutil.rmtree(ws.out, ignore_errors=True)
-        assert (forked.returncode, forked.stdout.split("\n")[0][:60]) == (spawned.returncode, spawned.stdout.split("\n")[0][:60]), name
+        assert (forked.returncode, forked.stdout.split("\n")[0][:60]) == (spawned.returncode,
+                                                                          spawned.stdout.split("\n")[0][:60]), name
         assert _comparable(forked.stderr) == _comparable(spawned.stderr), name
 
 
@@ -91,4 +93,5 @@ def test_the_oracle_catches_what_it_must(hostile_runner: Runner, tmp_path: Path)
     if result.returncode == 1 and "Traceback" in result.stderr:  # today; once fixed there is nothing to catch
         assert any(v.startswith("traceback: RecursionError") and "ckptflow/" in v for v in violations), violations
     (ws.out_parent / ".out.staging-left-behind").mkdir()
-    assert any("left in OUT's folder" in v for v in judge(ws, CONSOLIDATE, None, result, before, limits=hostile_runner.limits))
+    assert any("left in OUT's folder" in v for v in judge(ws, CONSOLIDATE, None, result, before,
+                                                          limits=hostile_runner.limits))

@@ -93,7 +93,8 @@ def test_commit_is_retried_and_blobs_are_not_sent_twice(hub: HubServer, tiny_mod
     assert sum(hub.fault_counts.values()) == 2
     assert len(hub.requests("POST", "/commit/")) == 1
     assert len(lfs_uploads(hub)) == 1  # model.safetensors, once across the three tries
-    assert files_of(download(hub, "org/retried", tmp_path))["model.safetensors"] == (tiny_model / "model.safetensors").read_bytes()
+    assert files_of(download(hub, "org/retried",
+                             tmp_path))["model.safetensors"] == (tiny_model / "model.safetensors").read_bytes()
 
 
 def test_push_completes_through_random_faults(hub: HubServer, tiny_model: Path, tmp_path: Path) -> None:
@@ -113,7 +114,8 @@ def test_rerun_after_a_failed_push_uploads_only_what_is_missing(hub: HubServer, 
         push(str(tiny_model), "hf://org/resumed", token=WRITE_TOKEN, endpoint=hub.url,
              retry=RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.01))
     assert str(caught.value).startswith("could not commit to hf://org/resumed@main: still failing after 2 tries (")
-    assert str(caught.value).endswith("; the Hub may be overloaded; run the same push again: what is uploaded already is not sent twice")
+    assert str(caught.value).endswith("; the Hub may be overloaded; run the same push again: what is uploaded already "
+                                      "is not sent twice")
     assert len(lfs_uploads(hub)) == 1
     hub.configure_faults()
     hub.log.clear()
@@ -125,7 +127,8 @@ def test_rerun_after_a_failed_push_uploads_only_what_is_missing(hub: HubServer, 
     assert "model.safetensors" in result.uploaded  # committed now
 
 
-def test_read_only_token_fails_fast_and_never_shows(hub: HubServer, tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_read_only_token_fails_fast_and_never_shows(hub: HubServer, tiny_model: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     push(str(tiny_model), "hf://org/locked", token=WRITE_TOKEN, endpoint=hub.url)
     hub.log.clear()
 
@@ -139,10 +142,12 @@ def test_read_only_token_fails_fast_and_never_shows(hub: HubServer, tiny_model: 
     assert READ_TOKEN not in message and READ_TOKEN not in caplog.text and WRITE_TOKEN not in caplog.text
 
 
-def test_missing_token_is_a_clear_error(hub: HubServer, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_missing_token_is_a_clear_error(hub: HubServer, tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    with pytest.raises(PublishError, match=r"^could not create the repo hf://org/anon: .*401.*; the Hub did not accept the token: set HF_TOKEN"):
+    with pytest.raises(PublishError, match=r"^could not create the repo hf://org/anon: .*401.*; the Hub did not accept "
+                                           r"the token: set HF_TOKEN"):
         push(str(tiny_model), "hf://org/anon", endpoint=hub.url)
 
 
@@ -152,17 +157,20 @@ def test_private_dataset_on_a_branch(hub: HubServer, tmp_path: Path) -> None:
     (folder / "train" / "part-0.bin").write_bytes(bytes(range(256)) * 400)
     (folder / "README.md").write_text("---\nlicense: mit\n---\n# my data\n")
 
-    result = push(str(folder), "hf://datasets/org/data", revision="v1", private=True, token=WRITE_TOKEN, endpoint=hub.url)
+    result = push(str(folder), "hf://datasets/org/data", revision="v1", private=True, token=WRITE_TOKEN,
+                  endpoint=hub.url)
 
     repo = hub.repos[("dataset", "org/data")]
     assert repo.private and result.commit_url and "/datasets/org/data/commit/" in result.commit_url
-    assert hub.file_bytes("org/data", "README.md", revision="v1", repo_type="dataset") == (folder / "README.md").read_bytes()
+    assert hub.file_bytes("org/data", "README.md", revision="v1",
+                          repo_type="dataset") == (folder / "README.md").read_bytes()
     assert "train/part-0.bin" not in repo.commits[repo.branches["main"]]
     local = download(hub, "org/data", tmp_path, repo_type="dataset", revision="v1")
     assert (local / "train" / "part-0.bin").read_bytes() == (folder / "train" / "part-0.bin").read_bytes()
 
 
-def test_token_and_endpoint_from_the_environment(hub: HubServer, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_token_and_endpoint_from_the_environment(hub: HubServer, tiny_model: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", WRITE_TOKEN)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
 
@@ -171,7 +179,8 @@ def test_token_and_endpoint_from_the_environment(hub: HubServer, tiny_model: Pat
     assert result.commit_url and result.commit_url.startswith(hub.url)
 
 
-def test_card_without_provenance_reads_the_safetensors_headers(hub: HubServer, tiny_model: Path, tmp_path: Path) -> None:
+def test_card_without_provenance_reads_the_safetensors_headers(hub: HubServer, tiny_model: Path,
+                                                               tmp_path: Path) -> None:
     folder = tmp_path / "plain"
     folder.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -185,7 +194,8 @@ def test_card_without_provenance_reads_the_safetensors_headers(hub: HubServer, t
 
 @pytest.mark.parametrize("url", ["hf://only-one-part", "hf://org/repo/sub/path", "hf://buckets/org/x"])
 def test_bad_hub_urls(url: str, tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match=r"^not a Hub repo URL: .*; expected hf://ORG/REPO, hf://datasets/ORG/REPO or hf://ORG/REPO@REVISION$"):
+    with pytest.raises(ValueError, match=r"^not a Hub repo URL: .*; expected hf://ORG/REPO, hf://datasets/ORG/REPO or "
+                                         r"hf://ORG/REPO@REVISION$"):
         push(str(tiny_model), url, token=WRITE_TOKEN)
 
 
@@ -198,7 +208,8 @@ def _st(header: object | bytes, data: bytes = b"", length: int | None = None) ->
 
 
 SAFETENSORS_CASES = {
-    "valid": _st({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"format": "pt"}}, b"\0" * 8),
+    "valid": _st({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"format": "pt"}},
+                 b"\0" * 8),
     "valid-two": _st({"b": {"dtype": "BF16", "shape": [1, 2], "data_offsets": [4, 8]},
                       "a": {"dtype": "I32", "shape": [], "data_offsets": [0, 4]}}, b"\0" * 8),
     "valid-empty": _st({}),

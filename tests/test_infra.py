@@ -223,7 +223,8 @@ def test_bootstrap_creates_result_storage_and_the_failure_automation(deployed, c
     assert "result storage: local-file-system/ckptflow-results created at" in deployed.stdout
     assert "failure notifications: automation ckptflow-run-failed sends to custom-webhook/ckptflow-test-alerts" in deployed.stdout
     (automation,) = client.read_automations_by_name("ckptflow-run-failed")
-    assert automation.trigger.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
+    assert automation.trigger.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed",
+                                         "prefect.flow-run.TimedOut"}
     related = automation.trigger.match_related
     related = related[0] if isinstance(related, list) else related
     assert set(related["prefect.resource.name"]) == {"checkpoint-lifecycle", "post-training", "watch-latest",

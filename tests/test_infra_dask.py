@@ -85,7 +85,8 @@ def test_manifest_command_lines_start_a_cluster(tmp_path: Path) -> None:
     procs = [subprocess.Popen(scheduler_args + ["--host", "127.0.0.1"], env=env, cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]
     try:
-        worker_env = dict(env, DASK_SCHEDULER_ADDRESS=f"tcp://127.0.0.1:{port}", DASK_WORKER_NAME="ckptflow-default-worker-0")
+        worker_env = dict(env, DASK_SCHEDULER_ADDRESS=f"tcp://127.0.0.1:{port}",
+                          DASK_WORKER_NAME="ckptflow-default-worker-0")
         worker_env.update({e["name"]: e["value"] for e in containers["worker"].get("env", [])})
         args = _expand(containers["worker"]["args"], worker_env)
         args = _with_option(_with_option(args, "--local-directory", str(tmp_path / "scratch")),

@@ -51,7 +51,8 @@ def test_validate_names_the_layout_never_damage(parallel_fixtures, name: str) ->
         return
     assert [p.code for p in problems] == ["unsupported-layout"]
     message = problems[0].message
-    assert "is a checkpoint in the " in message and ("ds_to_universal" in message or "universal_checkpoint_info" in message)
+    assert "is a checkpoint in the " in message and ("ds_to_universal" in message
+                                                     or "universal_checkpoint_info" in message)
     for wrong in ("damaged", "missing", "another model", "corrupt"):
         assert wrong not in message
 

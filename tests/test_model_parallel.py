@@ -43,7 +43,8 @@ MATRIX_NAMES = [s.name for s in PARALLEL_MATRIX if s.layout not in (AUTOEP, DSMO
 EXTRA_NAMES = [s.name for s in EXTRA_MATRIX if s.name not in UNLOADABLE]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # ZeRO-0 in bf16 names only its bf16 weights (its masters are unnamed): consolidated in bf16, exactly.
-SIXTEEN_BIT_ZERO0 = {name for s in EXTRA_MATRIX if s.stage == 0 and s.dtype != "fp32" and (name := s.name) in EXTRA_NAMES}
+SIXTEEN_BIT_ZERO0 = {name for s in EXTRA_MATRIX if s.stage == 0 and s.dtype != "fp32"
+                     and (name := s.name) in EXTRA_NAMES}
 
 
 def output_dtype(fixture: ParallelFixture) -> str:
@@ -80,7 +81,8 @@ def consolidated(fixture: ParallelFixture, out: Path, dtype: str = "fp32") -> di
 
 
 def check_oracle(fixture: ParallelFixture, got: Mapping[str, torch.Tensor], dtype: str) -> None:
-    expected = {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items() if k.startswith("fp32/")}
+    expected = {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items()
+                if k.startswith("fp32/")}
     buffers = load_file(fixture.buffers_path)
     names = {output_name(fixture, n) for n in expected} | set(buffers)
     assert set(got) == names
@@ -164,7 +166,8 @@ def test_consolidate_casts_as_torch(name: str, dtype: str, tmp_path: Path,
 @pytest.mark.parametrize("name", [n for n in MATRIX_NAMES + EXTRA_NAMES if n.startswith(("autotp", "zero"))])
 def test_from_pretrained_loads_it_and_gives_the_oracle_logits(name: str, tmp_path: Path,
                                                                parallel_fixtures: Mapping[str, ParallelFixture],
-                                                               parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> None:
+                                                               parallel_extra_fixtures: Mapping[str,
+                                                                                                ParallelFixture]) -> None:
     from transformers import AutoModelForCausalLM
 
     fixture = {**parallel_fixtures, **parallel_extra_fixtures}[name]
@@ -199,9 +202,11 @@ def test_pipeline_output_runs_the_reference_model(name: str, tmp_path: Path,
     if dtype == "fp32":
         assert torch.equal(forward(weights, logits["input_ids"]).float(), logits["logits"])
     else:  # the reference forward on the oracle's masters rounded as the training dtype rounds them
-        masters = {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items() if k.startswith("fp32/")}
+        masters = {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items()
+                   if k.startswith("fp32/")}
         want = forward({**load_file(fixture.buffers_path), **rounded(masters, dtype)}, logits["input_ids"])
-        got = forward({name: t.float() if t.is_floating_point() else t for name, t in weights.items()}, logits["input_ids"])
+        got = forward({name: t.float() if t.is_floating_point() else t for name, t in weights.items()},
+                      logits["input_ids"])
         assert torch.equal(got.float(), want.float())
 
 
@@ -230,12 +235,14 @@ def messages(path: Path, deep: bool = False) -> list[tuple[str, str]]:
     return [(p.code, " ".join(p.message.split())) for p in report.problems]
 
 
-def test_a_missing_tensor_parallel_rank_is_named(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+def test_a_missing_tensor_parallel_rank_is_named(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                 tmp_path: Path) -> None:
     ckpt = copy_checkpoint(parallel_fixtures["autotp-tp2dp2-z1-fp32"], tmp_path)
     (ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
     (ckpt / "global_step3" / "mp_rank_01_model_states.pt").rename(ckpt / "global_step3" / "elsewhere.pt")
     assert messages(ckpt) == [(
-        "rank-missing", f"tensor-parallel rank 1 of 2 is missing: expected global_step3/mp_rank_01_model_states.pt under "
+        "rank-missing", "tensor-parallel rank 1 of 2 is missing: expected global_step3/mp_rank_01_model_states.pt "
+                        "under "
         f"{ckpt}; the upload may still be in progress, or the checkpoint was saved with fewer model-parallel ranks")]
     (ckpt / "global_step3" / "elsewhere.pt").rename(ckpt / "global_step3" / "mp_rank_01_model_states.pt")
     assert messages(ckpt) == [(
@@ -250,10 +257,12 @@ def test_files_of_another_save_are_named(parallel_fixtures: Mapping[str, Paralle
     shutil.copy(tag / "mp_rank_01_model_states.pt", tag / "mp_rank_02_model_states.pt")
     shutil.copy(tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt", tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt")
     got = messages(ckpt)
-    assert ("rank-extra", "unexpected file global_step3/mp_rank_02_model_states.pt: model-parallel rank 2 is beyond the 2 "
-            "ranks of this AutoTP (tensor-parallel; tp 2 x dp 1) checkpoint; it is left over from another save into the "
-            "same tag folder: remove it, or re-save the checkpoint into a fresh folder") in got
-    assert ("rank-extra", "unexpected file global_step3/zero_pp_rank_1_mp_rank_01_optim_states.pt: data-parallel rank 1 "
+    assert ("rank-extra", "unexpected file global_step3/mp_rank_02_model_states.pt: model-parallel rank 2 is beyond "
+                          "the 2 "
+            "ranks of this AutoTP (tensor-parallel; tp 2 x dp 1) checkpoint; it is left over from another save into "
+            "the same tag folder: remove it, or re-save the checkpoint into a fresh folder") in got
+    assert ("rank-extra", "unexpected file global_step3/zero_pp_rank_1_mp_rank_01_optim_states.pt: data-parallel rank "
+                          "1 "
             "of tensor-parallel rank 1 of 2 is beyond the data-parallel world size 1 recorded in "
             "mp_rank_01_model_states.pt; it is left over from another save into the same tag folder: remove it, or "
             "re-save the checkpoint into a fresh folder") in got
@@ -289,19 +298,21 @@ def test_a_parameter_without_split_metadata_is_refused_not_guessed(parallel_fixt
         rewrite(ckpt / "global_step3" / f"mp_rank_{tp:02d}_model_states.pt", lambda s: s["universal_checkpoint_info"]
                 ["affine_map"]["params"].pop(r"^model\.layers\.0\.self_attn\.o_proj\.weight$"))
     assert messages(ckpt) == [(
-        "unsupported-layout", "model.layers.0.self_attn.o_proj.weight: the checkpoint does not say how it is split over "
-        "the 2 tensor-parallel ranks (no entry in universal_checkpoint_info.affine_map of mp_rank_00_model_states.pt); ckptflow "
-        "does not guess")]
+        "unsupported-layout", "model.layers.0.self_attn.o_proj.weight: the checkpoint does not say how it is split "
+                              "over "
+        "the 2 tensor-parallel ranks (no entry in universal_checkpoint_info.affine_map of mp_rank_00_model_states.pt); "
+        "ckptflow does not guess")]
 
 
-def test_split_metadata_must_agree_across_ranks(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+def test_split_metadata_must_agree_across_ranks(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                tmp_path: Path) -> None:
     ckpt = copy_checkpoint(parallel_fixtures["autotp-tp2-z2-fp32"], tmp_path)
     rewrite(ckpt / "global_step3" / "mp_rank_01_model_states.pt",
             lambda s: s["universal_checkpoint_info"].update(original_vocab_size=38))
     assert messages(ckpt) == [(
         "ranks-disagree", f"tensor-parallel rank 1 of 2 records another universal_checkpoint_info than tensor-parallel "
-        f"rank 0 of 2 in {ckpt}/global_step3/mp_rank_01_model_states.pt; every tensor-parallel rank saves the same one: "
-        "the folder mixes saves, re-copy it from one save")]
+        f"rank 0 of 2 in {ckpt}/global_step3/mp_rank_01_model_states.pt; every tensor-parallel rank saves the same "
+        "one: the folder mixes saves, re-copy it from one save")]
 
 
 def test_a_shard_of_the_wrong_shape_is_named(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
@@ -315,7 +326,8 @@ def test_a_shard_of_the_wrong_shape_is_named(parallel_fixtures: Mapping[str, Par
     for tp in range(2):
         rewrite(ckpt / "global_step3" / f"mp_rank_{tp:02d}_model_states.pt", swap)
     assert messages(ckpt) == [(
-        "unsupported-layout", "model.layers.1.mlp.down_proj.weight: its affine map gives tensor-parallel rank 1 a shard "
+        "unsupported-layout", "model.layers.1.mlp.down_proj.weight: its affine map gives tensor-parallel rank 1 a "
+                              "shard "
         "of shape [48, 64] but the rank saved [64, 48]; the folder mixes saves: re-copy it from one save")]
 
 
@@ -347,23 +359,27 @@ def test_a_missing_layer_file_is_named(parallel_fixtures: Mapping[str, ParallelF
     ckpt = copy_checkpoint(parallel_fixtures["pipe-pp2dp2-z1-fp32"], tmp_path)
     (ckpt / "global_step3" / "layer_04-model_states.pt").unlink()
     got = messages(ckpt)
-    assert got[0] == ("rank-missing", f"pipeline stage 1 of 2 trains 4.weight but global_step3/layer_04-model_states.pt "
+    assert got[0] == ("rank-missing", "pipeline stage 1 of 2 trains 4.weight but "
+                                      "global_step3/layer_04-model_states.pt "
                       f"under {ckpt} is missing; the upload may still be in progress, or the folder mixes saves")
     assert {code for code, _ in got} == {"rank-missing"} and len(got) == 2  # 4.weight and 4.bias
 
 
-def test_megatron_without_universal_checkpoint_info_is_refused(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+def test_megatron_without_universal_checkpoint_info_is_refused(parallel_fixtures: Mapping[str,
+                                                                                          ParallelFixture]) -> None:
     fixture = parallel_fixtures["megatron-pp2tp2-z1-fp32-no-ucinfo"]
     assert messages(fixture.dir) == [(
         "unsupported-layout", f"{fixture.tag_dir} is a checkpoint in the PipelineModule (pipeline-parallel with "
-        "Megatron-style tensor parallelism; pp 2 x tp 2 x dp 1) layout without `universal_checkpoint_info`: nothing in it "
-        "says how each parameter is split over the 2 tensor-parallel ranks, and ckptflow does not guess (DeepSpeed's "
-        "universal converter does when told to inject the state it lacks, and writes wrong tensors for row-parallel, "
-        "replicated and vocabulary-padded parameters); save the checkpoint with `client_state={'universal_checkpoint_info': ...}` as "
-        "Megatron-DeepSpeed does, or convert it with your framework's own tools")]
+        "Megatron-style tensor parallelism; pp 2 x tp 2 x dp 1) layout without `universal_checkpoint_info`: nothing in "
+        "it says how each parameter is split over the 2 tensor-parallel ranks, and ckptflow does not guess "
+        "(DeepSpeed's universal converter does when told to inject the state it lacks, and writes wrong tensors for "
+        "row-parallel, replicated and vocabulary-padded parameters); save the checkpoint with "
+        "`client_state={'universal_checkpoint_info': ...}` as Megatron-DeepSpeed does, or convert it with your "
+        "framework's own tools")]
 
 
-def test_megatron_rules_that_average_are_refused(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+def test_megatron_rules_that_average_are_refused(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                 tmp_path: Path) -> None:
     ckpt = copy_checkpoint(parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"], tmp_path)
 
     def average(state: dict) -> None:
@@ -373,10 +389,12 @@ def test_megatron_rules_that_average_are_refused(parallel_fixtures: Mapping[str,
     for mp in range(4):
         rewrite(ckpt / "global_step3" / f"mp_rank_{mp:02d}_model_states.pt", average)
     got = messages(ckpt)
-    assert got[0] == ("unsupported-layout", "1.fc1.bias: the checkpoint records it as averaged over the tensor-parallel "
+    assert got[0] == ("unsupported-layout", "1.fc1.bias: the checkpoint records it as averaged over the "
+                                            "tensor-parallel "
                       "ranks; ckptflow copies bytes and does not average: convert it with "
                       "deepspeed.checkpoint.ds_to_universal")
-    assert [name for _, message in got for name in [message.split(":")[0]]] == ["1.fc1.bias", "2.fc1.bias", "3.fc1.bias"]
+    assert [name for _, message in got for name in [message.split(":")[0]]] == ["1.fc1.bias", "2.fc1.bias",
+                                                                                "3.fc1.bias"]
 
 
 @pytest.mark.parametrize("name", sorted(SIXTEEN_BIT_ZERO0))
@@ -423,11 +441,11 @@ def test_a_zero0_pipeline_in_bf16_is_named_and_refused(parallel_extra_fixtures: 
     assert fixture.spec["optimizer"] == "BF16_Optimizer"
     assert fixture.spec["checks"]["reload"]["deepspeed_load_error"] == "KeyError: 0"
     def message(stage: int) -> str:
-        return (f"{fixture.dir}/global_step3/mp_rank_0{stage}_model_states.pt (pipeline stage {stage} of 2) is a ZeRO-0 "
-                "checkpoint whose optimizer is DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at "
-                "ZeRO-0); ckptflow does not read that layout, and DeepSpeed 0.19.8 cannot load it back either (its "
-                "loader fails with KeyError 0): train with ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save "
-                "the 16-bit weights with `engine.save_16bit_model()`")
+        return (f"{fixture.dir}/global_step3/mp_rank_0{stage}_model_states.pt (pipeline stage {stage} of 2) is a "
+                "ZeRO-0 checkpoint whose optimizer is DeepSpeed's BF16_Optimizer (what a PipelineModule trained in "
+                "bf16 gets at ZeRO-0); ckptflow does not read that layout, and DeepSpeed 0.19.8 cannot load it back "
+                "either (its loader fails with KeyError 0): train with ZeRO-1, whose BF16_Optimizer files ckptflow "
+                "reads, or save the 16-bit weights with `engine.save_16bit_model()`")
 
     assert messages(fixture.dir) == [("unsupported-layout", message(0)), ("unsupported-layout", message(1))]
     out = tmp_path / "out"

@@ -41,7 +41,8 @@ from tests.test_reshard import _differences, _plain
 
 # (fixture, new data-parallel size)
 ALL_CASES = (
-    ("autotp-tp2-z2-fp32", 2), ("autotp-tp2-z3-fp32", 2), ("autotp-llama-tied-tp2-z1-fp32", 2), ("autotp-glm-tp2-z1-fp32", 2), ("autotp-glm-tp2-z3-fp32", 2),
+    ("autotp-tp2-z2-fp32", 2), ("autotp-tp2-z3-fp32", 2), ("autotp-llama-tied-tp2-z1-fp32", 2),
+    ("autotp-glm-tp2-z1-fp32", 2), ("autotp-glm-tp2-z3-fp32", 2),
     ("autotp-tp2dp2-z1-fp32", 1), ("autotp-tp2dp2-z3-bf16", 1),
     ("pipe-pp2-z1-fp32", 2), ("pipe-pp2-z1-bf16", 2), ("pipe-pp2dp2-z1-fp32", 1),
     ("megatron-pp2tp2-z1-fp32-ucinfo", 2),

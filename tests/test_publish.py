@@ -91,7 +91,8 @@ def assert_published(folder: Path, url: str) -> None:
 def uploads(store: Store) -> list[str]:
     """Paths of upload requests the store's proxy forwarded (GCS: POST /upload/..., S3: PUT), the push's
     lease left out (`publish.lease`: on S3 its key, on GCS the only create with `ifGenerationMatch=0`)."""
-    return [p for m, p, fault in store.proxy.counters.log if fault is None and (m == "PUT" or "/upload/" in p) and m != "GET"
+    return [p for m, p, fault in store.proxy.counters.log if fault is None and (m == "PUT" or "/upload/" in p)
+            and m != "GET"
             and "ckptflow-push.lease" not in p and "ifGenerationMatch=0" not in p]
 
 
@@ -190,7 +191,8 @@ def test_push_completes_through_faults(
 ) -> None:
     store: Store = request.getfixturevalue(store_name)
     monkeypatch.setattr(publish, "UPLOAD_BLOCK", 5 * 2**20 if store_name == "s3" else 256 * 1024)
-    sizes = {f"shard-{i}.bin": 200_000 for i in range(4)} | {"big.bin": 5 * 2**20 + 700_000 if store_name == "s3" else 900_000}
+    sizes = {f"shard-{i}.bin": 200_000 for i in range(4)} | {"big.bin": 5 * 2**20 + 700_000 if store_name == "s3"
+                                                             else 900_000}
     folder = make_folder(tmp_path / "model", sizes)
     store.proxy.configure(rate=0.2, seed=1)
 
@@ -225,12 +227,14 @@ def test_forbidden_fails_fast_without_retries(gcs: Store, tmp_path: Path) -> Non
     assert gcs.proxy.requests == 1  # fast because nothing is retried: one request, no backoff
     message = str(caught.value)
     assert message.startswith(f"could not take the lease {gcs.url}/ckptflow-push.lease: OSError: Forbidden")
-    assert message.endswith("; check the credentials fsspec uses for this URL and that they allow reading and writing there")
+    assert message.endswith("; check the credentials fsspec uses for this URL and that they allow reading and writing "
+                            "there")
     assert "\n" not in message
 
 
 @pytest.mark.parametrize("store_name", ["gcs", "s3"])
-def test_missing_bucket_fails_fast_without_retries(store_name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_missing_bucket_fails_fast_without_retries(store_name: str, request: pytest.FixtureRequest,
+                                                   tmp_path: Path) -> None:
     store: Store = request.getfixturevalue(store_name)
     folder = make_folder(tmp_path / "model", {"a.bin": 100, "b.bin": 100})
     scheme = {"gcs": "gs", "s3": "s3"}[store_name]
@@ -246,7 +250,8 @@ def test_missing_bucket_fails_fast_without_retries(store_name: str, request: pyt
     assert len(log) == len(set(log)), "no request may be repeated"
 
 
-def test_s3_forbidden_fails_fast_and_hides_the_secret(s3: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_s3_forbidden_fails_fast_and_hides_the_secret(s3: Store, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     folder = make_folder(tmp_path / "model", MODEL)
     s3.proxy.configure(status=403)
 
@@ -319,7 +324,8 @@ def _gcs_http_error(code: int) -> Exception:
 def _boto_error(status: int, code: str) -> Exception:
     from botocore.exceptions import ClientError
 
-    return ClientError({"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError({"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "PutObject")
 
 
 def _hub_error(status: int) -> Exception:

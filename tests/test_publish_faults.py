@@ -90,11 +90,13 @@ FAULT_SEEDS = DROP_SEEDS + ([s for s in range(100, 120)] if LONG else [])
 
 
 @pytest.mark.parametrize("seed", FAULT_SEEDS)
-def test_push_through_dropped_connections_and_503s(gcs: Store, big_folder: Path, hostile_runner: Runner, seed: int) -> None:
+def test_push_through_dropped_connections_and_503s(gcs: Store, big_folder: Path, hostile_runner: Runner,
+                                                   seed: int) -> None:
     """20% of the requests for big.bin answered 503, reset before forwarding, or dropped after the store
     applied them: the push completes byte-exact, every time (2 seeds by default, 22 in the long mode:
     `CKPTFLOW_HOSTILE_LONG=1`)."""
-    gcs.proxy.configure(rate=0.2, kinds=("503", "reset", "drop"), seed=seed, only_paths=("big.bin",), answers=CANCEL_AS_GCS)
+    gcs.proxy.configure(rate=0.2, kinds=("503", "reset", "drop"), seed=seed, only_paths=("big.bin",),
+                        answers=CANCEL_AS_GCS)
     result = _cli_push(hostile_runner, big_folder, gcs.url, gcs)
     faults = dict(gcs.proxy.faults)
     gcs.proxy.reset()
@@ -246,7 +248,8 @@ def test_a_stale_lease_is_broken_on_purpose_and_released_either_way(store: str, 
 # ---- item 11: redaction in watch ------------------------------------------------------------------------
 
 
-def test_watch_redacts_store_errors(gcs: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_watch_redacts_store_errors(gcs: Store, monkeypatch: pytest.MonkeyPatch,
+                                    caplog: pytest.LogCaptureFixture) -> None:
     from ckptflow.watch import find_latest
 
     secret = "ya29.watch-secret-token-0123456789"

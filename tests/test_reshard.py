@@ -578,8 +578,8 @@ def test_output_failures_are_one_line_errors_and_leave_nothing(ds_fixtures, tmp_
     src = str(ds_fixtures["z3-bf16-ws2"].dir)
     # OUT under a file: the staging folder cannot be made
     (tmp_path / "a-file").write_text("x")
-    with pytest.raises(OutputError, match=r"^cannot create .*a-file/\.out\.ckptflow-\w+\.partial beside .*a-file/out \(.*\); "
-                                          r"check the destination folder is writable$"):
+    with pytest.raises(OutputError, match=r"^cannot create .*a-file/\.out\.ckptflow-\w+\.partial beside .*a-file/out "
+                                          r"\(.*\); check the destination folder is writable$"):
         reshard(src, str(tmp_path / "a-file" / "out"), world_size=1)
     # a disk too small for the output: refused before anything is written
     real = shutil_module.disk_usage
@@ -637,7 +637,8 @@ def test_trainer_rng_files_are_planned_for_the_target_world_size() -> None:
                             ("rng_state_2.pth", "rng_state_0.pth")]  # rank r takes source rank r mod N
     four = [f"rng_state_{i}.pth" for i in range(4)]
     assert plan(four, 2) == [("rng_state_0.pth", "rng_state_0.pth"), ("rng_state_1.pth", "rng_state_1.pth")]
-    assert plan(["rng_state_0.pth", "rng_state_10.pth", "rng_state_2.pth"], 3)[2] == ("rng_state_2.pth", "rng_state_10.pth")
+    assert plan(["rng_state_0.pth", "rng_state_10.pth", "rng_state_2.pth"], 3)[2] == ("rng_state_2.pth",
+                                                                                      "rng_state_10.pth")
     assert plan(["rng_state.pth"], 1) == [("rng_state.pth", "rng_state.pth")]
     assert plan(["rng_state.pth"], 3) == [(f"rng_state_{r}.pth", "rng_state.pth") for r in range(3)]
     assert plan(["rng_state.pth", "rng_state_0.pth", "rng_state_1.pth"], 1) == [("rng_state.pth", "rng_state_0.pth")]
@@ -647,9 +648,11 @@ def test_trainer_rng_files_are_planned_for_the_target_world_size() -> None:
 
     assert describe(plan_rng_files(two, 1)) == "rng_state.pth from source rank 0 (rng_state_0.pth)"
     assert describe(plan_rng_files(two, 3)) == "rng_state_0..2.pth from source ranks 0, 1, 0 (rank r takes r mod 2)"
-    assert describe(plan_rng_files(two, 2)) == "rng_state_0.pth, rng_state_1.pth from source ranks 0, 1 (rank r takes r mod 2)"
+    assert describe(plan_rng_files(two,
+                                   2)) == "rng_state_0.pth, rng_state_1.pth from source ranks 0, 1 (rank r takes r mod 2)"
     assert describe(plan_rng_files(["rng_state.pth"], 1)) == "rng_state.pth carried over"
-    assert describe(plan_rng_files(["rng_state.pth"], 4)) == "rng_state_0..3.pth, each a copy of the source's rng_state.pth"
+    assert describe(plan_rng_files(["rng_state.pth"],
+                                   4)) == "rng_state_0..3.pth, each a copy of the source's rng_state.pth"
     assert describe(plan_rng_files([], 4)) == "no Trainer RNG files in the source"
 
 

@@ -153,7 +153,8 @@ def test_cast_rows_into_equals_a_cast_per_row(src: str, out: str) -> None:
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("piece", [24, 4 << 20])
 def test_batches_and_the_checker_read_a_row_parallel_tensor_right(chunk_bytes: int, out_dtype: str, piece: int,
-                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of every size cut the strided runs mid-row, and the writer reads them a few rows at a
     time (`piece` bytes); the writer's fill and the checker's independent read both give the full
     tensor numpy makes."""

@@ -185,7 +185,8 @@ def test_pickle_bombs_cost_their_size(tmp_path):
     cases = {
         "laughs": (asm.laughs("list", 40), "expand to more than"),
         "memo": (asm.memo_bomb(2**31), None),
-        "build-function": (asm.build(asm.glob("torch", "Size"), asm.tup(asm.none(), asm.dct((asm.string("__defaults__"), asm.tup())))),
+        "build-function": (asm.build(asm.glob("torch", "Size"),
+                                     asm.tup(asm.none(), asm.dct((asm.string("__defaults__"), asm.tup())))),
                            "BUILD gives the function _size a state it cannot take"),
         "deep-tuple-key": (asm.dct((asm.nested("tuple", 100_000), asm.none())), "nested more than 100 deep"),
         "cycle": (asm.op("EMPTY_LIST") + asm.put(900) + asm.get(900) + asm.op("APPEND"), "reference cycle"),

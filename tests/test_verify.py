@@ -40,7 +40,7 @@ def test_verify_shard_passes_on_a_good_shard(written: tuple[Path, tuple, str]) -
 
 def test_verify_shard_names_a_changed_tensor(written: tuple[Path, tuple, str]) -> None:
     path, tensors, _ = written
-    layout = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    layout = hf.safetensors_file([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     slot = next(s for s in layout.slots if s.name == "proj.weight")
     raw = bytearray(path.read_bytes())
     raw[layout.data_start + slot.begin + 2 * 5] ^= 0x01  # element 5 of proj.weight, low bit
@@ -100,12 +100,13 @@ class SlowWriter:
 def test_verify_shard_while_the_file_is_written(written: tuple[Path, tuple, str]) -> None:
     path, tensors, sha256 = written
     good = path.read_bytes()
-    layout = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    layout = hf.safetensors_file([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     slot = next(s for s in layout.slots if s.name == "proj.weight")
     for data, error in (
         (good, None),
         (good[:layout.data_start + slot.begin + 10] + bytes([good[layout.data_start + slot.begin + 10] ^ 1])
-         + good[layout.data_start + slot.begin + 11:], r"^tensor proj.weight in .* differs from the source at element 5"),
+         + good[layout.data_start + slot.begin + 11:],
+         r"^tensor proj.weight in .* differs from the source at element 5"),
         (good[:9] + b"x" + good[10:], r"has no readable safetensors header"),  # the header is checked last
     ):
         path.unlink()

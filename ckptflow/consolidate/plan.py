@@ -100,8 +100,8 @@ class ShardUnit:
     def source_bytes(self) -> int:
         return sum(r.numel * r.ref.itemsize for t in self.tensors for r in t.runs)
 
-    def layout(self) -> hf.SafetensorsLayout:
-        return hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in self.tensors], {"format": "pt"})
+    def file(self) -> hf.SafetensorsFile:
+        return hf.safetensors_file([(t.name, t.dtype, t.shape) for t in self.tensors], {"format": "pt"})
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class ConsolidationPlan:
     @property
     def file_bytes(self) -> int:
         """Bytes of all shard files, headers included."""
-        return sum(u.layout().file_size for u in self.units)
+        return sum(u.file().file_size for u in self.units)
 
 
 def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = None) -> ConsolidationPlan:

@@ -118,7 +118,7 @@ def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: S
     the store's checksums, no data read); the staging folder is then left for `abort`.
     """
     got = {r.filename: r for r in results}
-    sizes = {u.filename: u.layout().file_size for u in plan.units}
+    sizes = {u.filename: u.file().file_size for u in plan.units}
     for unit in plan.units:
         result = got.get(unit.filename)
         if result is None or result.size != sizes[unit.filename]:
@@ -185,7 +185,7 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
                                              f"{excerpt(want[part][key])}")
     if plan.options.verify and output.get("verified") is not True:
         raise stage.not_this_output(out, "its shards were written without --verify, this run verifies them")
-    sizes = {u.filename: u.layout().file_size for u in plan.units}
+    sizes = {u.filename: u.file().file_size for u in plan.units}
     if sorted(listed) != sorted(sizes):
         raise stage.not_this_output(out, f"its {hf.PROVENANCE_NAME} lists other shards than this plan writes")
     for name, size in sizes.items():

@@ -111,32 +111,32 @@ def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threadin
     `progress(done, total)` counts this unit's bytes written plus, with `verify`, bytes checked.
     """
     unit, verify = job.unit, job.verify
-    layout = unit.layout()
+    shard = unit.file()
     by_name = {t.name: t for t in unit.tensors}
-    batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in layout.slots], job.chunk_bytes)
+    batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in shard.slots], job.chunk_bytes)
     uri = job.uri
     fs, _ = open_fs(uri)
-    store = digests_for(protocol(fs), layout.file_size)
+    store = digests_for(protocol(fs), shard.file_size)
     tally = Tally(unit.nbytes * (2 if verify else 1), progress)
     wrote, checked = tally.part("write"), tally.part("check")
     stopped: Callable[[], bool] = cancel.is_set if cancel is not None else (lambda: False)
     started = time.monotonic()
     if verify and is_local(uri):
-        sha256 = _write_and_check(uri, layout, batches, wrote, stopped,
+        sha256 = _write_and_check(uri, shard, batches, wrote, stopped,
                                   lambda done: verify_shard(uri, unit.tensors, chunk_bytes=job.chunk_bytes,
                                                             progress=checked, written=done))
-        logger.info("wrote and checked %s (%s) in %.2fs", uri, format_size(layout.file_size),
+        logger.info("wrote and checked %s (%s) in %.2fs", uri, format_size(shard.file_size),
                     time.monotonic() - started)
-        return ShardResult(unit.index, unit.filename, layout.file_size, sha256, True,
-                          written(job.staging, unit.filename, layout.file_size))
-    sha256 = _write_shard(uri, layout, batches, wrote, stopped, store=store)
-    logger.info("wrote %s (%s) in %.2fs", uri, format_size(layout.file_size), time.monotonic() - started)
+        return ShardResult(unit.index, unit.filename, shard.file_size, sha256, True,
+                          written(job.staging, unit.filename, shard.file_size))
+    sha256 = _write_shard(uri, shard, batches, wrote, stopped, store=store)
+    logger.info("wrote %s (%s) in %.2fs", uri, format_size(shard.file_size), time.monotonic() - started)
     if verify:
         if stopped():
             raise Cancelled(unit.filename)
         verify_shard(uri, unit.tensors, chunk_bytes=job.chunk_bytes, progress=checked)
-    return ShardResult(unit.index, unit.filename, layout.file_size, sha256, verify,
-                      written(job.staging, unit.filename, layout.file_size, store))
+    return ShardResult(unit.index, unit.filename, shard.file_size, sha256, verify,
+                      written(job.staging, unit.filename, shard.file_size, store))
 
 
 class _Watermark:
@@ -167,7 +167,7 @@ class _Watermark:
             return self._bytes
 
 
-def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
+def _write_and_check(uri: str, shard: hf.SafetensorsFile, batches: Sequence[Batch],
                      progress: Progress, stopped: Callable[[], bool],
                      check: Callable[[Callable[[int], int]], Any]) -> str:
     """Write the shard on this thread while `check(written)` runs on another, `written(n)` blocking it
@@ -178,7 +178,7 @@ def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[B
     with ThreadPoolExecutor(1, thread_name_prefix="ckptflow-check") as pool:
         checking = pool.submit(check, mark.wait_for)
         try:
-            sha256 = _write_shard(uri, layout, batches, progress, stopped, written=mark.advance)
+            sha256 = _write_shard(uri, shard, batches, progress, stopped, written=mark.advance)
         except BaseException:
             mark.abandon()
             raise
@@ -186,7 +186,7 @@ def _write_and_check(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[B
     return sha256
 
 
-def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch], progress: Progress,
+def _write_shard(uri: str, shard: hf.SafetensorsFile, batches: Sequence[Batch], progress: Progress,
                  stopped: Callable[[], bool], *, written: Callable[[int], None] | None = None,
                  store: Digests | None = None) -> str:
     """Stream the shard: the header, then each batch (see `_ShardWriter`); `progress` counts data bytes
@@ -194,7 +194,7 @@ def _write_shard(uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch
     (in the page cache on a local disk); `store` hashes every byte too. Returns the file's sha256."""
     try:
         with _open_output(uri) as fh:
-            return _ShardWriter(fh, uri, layout, batches, store).write(progress, stopped, written)
+            return _ShardWriter(fh, uri, shard, batches, store).write(progress, stopped, written)
     except EOFError as exc:  # a `ShortRead` (a CorruptFileError too): said here as a source gone short
         raise _source_error(exc, [c.uri for b in batches for c in b.copies]) from exc
     except (CkptflowError, Cancelled):
@@ -214,9 +214,9 @@ class _ShardWriter:
     a flusher thread keeps an fdatasync of what is written so far going, so the disk writes while the
     CPU casts and the final fsync has little left to do."""
 
-    def __init__(self, fh: Any, uri: str, layout: hf.SafetensorsLayout, batches: Sequence[Batch],
+    def __init__(self, fh: Any, uri: str, shard: hf.SafetensorsFile, batches: Sequence[Batch],
                  store: Digests | None = None) -> None:
-        self.fh, self.uri, self.local, self.layout, self.batches = fh, uri, is_local(uri), layout, batches
+        self.fh, self.uri, self.local, self.shard, self.batches = fh, uri, is_local(uri), shard, batches
         self.direct = open_direct(local_path(uri)) if self.local else -1
         self.blocks: BlockWriter | None = None
         out_cap = max((b.out_nbytes for b in batches), default=0)
@@ -227,15 +227,15 @@ class _ShardWriter:
             except BaseException:
                 os.close(self.direct)  # `write` closes it otherwise
                 raise
-            self.places = [BlockWriter.place(layout.data_start + b.file_start) for b in batches]
+            self.places = [BlockWriter.place(shard.data_start + b.file_start) for b in batches]
         else:
             self.buffers = [np.empty(out_cap, dtype=np.uint8) for _ in range(count)]
             self.places = [0] * len(batches)
         self.hashed: list[Any] = [None] * len(self.buffers)  # the pending hash of what each buffer holds
-        self.sha256 = hashlib.sha256(layout.header)
+        self.sha256 = hashlib.sha256(shard.header)
         self.store = store
         if store is not None:
-            store.update(layout.header)
+            store.update(shard.header)
         self.flushing: Any = None  # a pending fdatasync of what has been written so far (local disk)
 
     def write(self, progress: Progress, stopped: Callable[[], bool], written: Callable[[int], None] | None) -> str:
@@ -262,7 +262,7 @@ class _ShardWriter:
                     progress(done, total)
                 self._finish()
                 if written is not None:
-                    written(self.layout.file_size)
+                    written(self.shard.file_size)
         finally:
             if self.direct >= 0:
                 os.close(self.direct)
@@ -270,11 +270,11 @@ class _ShardWriter:
 
     def _write_header(self, written: Callable[[int], None] | None) -> None:
         if self.direct >= 0:
-            self.blocks = BlockWriter(self.fh.fileno(), self.direct, self.layout.header)
+            self.blocks = BlockWriter(self.fh.fileno(), self.direct, self.shard.header)
             out = self.blocks.done
         else:
-            self.fh.write(self.layout.header)
-            out = len(self.layout.header)
+            self.fh.write(self.shard.header)
+            out = len(self.shard.header)
         if written is not None:
             if self.blocks is None:
                 self.fh.flush()
@@ -297,14 +297,14 @@ class _ShardWriter:
         view = buffer[place:place + batch.out_nbytes]
         self.hashed[i % len(self.buffers)] = self.hashing.submit(self._hash, view)
         if self.blocks is not None:
-            return self.blocks.write(buffer, self.layout.data_start + batch.file_start, batch.out_nbytes)
+            return self.blocks.write(buffer, self.shard.data_start + batch.file_start, batch.out_nbytes)
         self.fh.write(view)
         if self.local and (self.flushing is None or self.flushing.done()):
             if self.flushing is not None:
                 self.flushing.result()
             self.fh.flush()
             self.flushing = self.flusher.submit(_datasync, self.fh.fileno())  # the disk writes while we cast
-        return self.layout.data_start + batch.file_start + batch.out_nbytes
+        return self.shard.data_start + batch.file_start + batch.out_nbytes
 
     def _finish(self) -> None:
         for future in self.hashed:
@@ -314,7 +314,7 @@ class _ShardWriter:
             self.flushing.result()
         if self.blocks is not None:
             self.blocks.close()
-            os.ftruncate(self.fh.fileno(), self.layout.file_size)  # the direct-I/O probe wrote a whole block
+            os.ftruncate(self.fh.fileno(), self.shard.file_size)  # the direct-I/O probe wrote a whole block
         if self.local:
             self.fh.flush()
             os.fsync(self.fh.fileno())

@@ -5,7 +5,7 @@ Everything here that decides a layout is a pure function of names, dtypes, shape
 - `pack_shards` splits tensors into shards exactly as `huggingface_hub.split_torch_state_dict_into_shards`
   (and so `save_pretrained`) does: in state-dict order, a new shard whenever the next tensor would
   overflow `max_shard_size`, and a tensor larger than the limit alone in a shard of its own;
-- `safetensors_layout` lays a shard out byte for byte as `safetensors.torch.save` would (tensors sorted
+- `safetensors_file` lays a shard out byte for byte as `safetensors.torch.save` would (tensors sorted
   by dtype alignment, then name; a compact JSON header padded with spaces to 8 bytes), so a shard can
   be streamed to any store with its header written first;
 - `index_json` is the `model.safetensors.index.json` that `save_pretrained` writes.
@@ -130,7 +130,7 @@ class TensorSlot:
 
 
 @dataclass(frozen=True)
-class SafetensorsLayout:
+class SafetensorsFile:
     """A safetensors file before any tensor byte is written: its header and each tensor's slot."""
 
     header: bytes
@@ -155,9 +155,9 @@ def itemsize(dtype: str) -> int:
         ) from None
 
 
-def safetensors_layout(
+def safetensors_file(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
-) -> SafetensorsLayout:
+) -> SafetensorsFile:
     """The layout `safetensors.torch.save` gives `tensors` ((name, torch dtype name, shape) each)."""
     for _name, dtype, _shape in tensors:
         itemsize(dtype)
@@ -179,7 +179,7 @@ def safetensors_layout(
         }
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    return SafetensorsLayout(struct.pack("<Q", len(text)) + text, tuple(slots))
+    return SafetensorsFile(struct.pack("<Q", len(text)) + text, tuple(slots))
 
 
 def read_header(raw_prefix: bytes) -> tuple[int, dict[str, object]]:
@@ -369,7 +369,7 @@ __all__ = [
     "MAX_SAFETENSORS_HEADER",
     "SIDE_FILES",
     "SafetensorsHeader",
-    "SafetensorsLayout",
+    "SafetensorsFile",
     "TensorSlot",
     "check_side_files",
     "copy_side_files",
@@ -380,6 +380,6 @@ __all__ = [
     "read_header",
     "read_safetensors_header",
     "rewrite_config",
-    "safetensors_layout",
+    "safetensors_file",
     "shard_filename",
 ]

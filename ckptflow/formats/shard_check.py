@@ -199,7 +199,7 @@ def verify_shard(
     header, what the safetensors library sees) come last instead of first. `progress(done, total)`
     counts the tensor bytes checked.
     """
-    expected = hf.safetensors_layout([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    expected = hf.safetensors_file([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     size = _check_file(uri, expected) if written is None else 0
     hasher = hashlib.sha256(expected.header) if sha256 else None  # the file's own header is checked to be this
     _compare_data(uri, expected, {t.name: t for t in tensors}, chunk_bytes, hasher, progress, written)
@@ -213,16 +213,16 @@ def verify_shard(
     return ShardCheck(uri, len(expected.slots), size, sha256)
 
 
-def _chunks(layout: hf.SafetensorsLayout, step: int) -> list[tuple[hf.TensorSlot, int, int]]:
+def _chunks(shard: hf.SafetensorsFile, step: int) -> list[tuple[hf.TensorSlot, int, int]]:
     """(slot, first element, end element) of every chunk of at most `step` elements, in file order."""
     out = []
-    for slot in layout.slots:
+    for slot in shard.slots:
         count = (slot.end - slot.begin) // hf.itemsize(slot.dtype)
         out += [(slot, lo, min(count, lo + step)) for lo in range(0, count, step)]
     return out
 
 
-def _compare_data(uri: str, expected: hf.SafetensorsLayout, by_name: dict[str, SourceTensor], chunk_bytes: int,
+def _compare_data(uri: str, expected: hf.SafetensorsFile, by_name: dict[str, SourceTensor], chunk_bytes: int,
                   hasher: Any, progress: Progress | None, written: Callable[[int], int | None] | None) -> None:
     """Compare every chunk of the file's data with the source's. The source side of the next
     `_AHEAD` chunks is read and cast on a helper thread while chunk i is compared here (and, while the
@@ -276,7 +276,7 @@ def _compare_chunk(uri: str, shard: _Bytes, start: int, want: np.ndarray, slot: 
                                 tensor=slot.name, hint="the shard is damaged; run again") from exc
 
 
-def _check_file(uri: str, expected: hf.SafetensorsLayout) -> int:
+def _check_file(uri: str, expected: hf.SafetensorsFile) -> int:
     """The file's size and header are the planned ones and the safetensors library reads it (on a
     local disk). Returns the size."""
     fs, path = open_fs(uri)
@@ -298,7 +298,7 @@ def _check_file(uri: str, expected: hf.SafetensorsLayout) -> int:
     return size
 
 
-def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsLayout) -> None:
+def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsFile) -> None:
     try:
         _, header = hf.read_header(prefix)
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """The reshard plan: which source partition elements make each target rank's files. Pure.
 
 `plan_reshard(index, M)` gives one `RankUnit` per target rank, each a list of element copies from the
-source ranks' flat partitions (DeepSpeed's partition arithmetic is `formats.deepspeed.layout`), after
+source ranks' flat partitions (DeepSpeed's partition arithmetic is `formats.deepspeed.partition`), after
 checking that the source is laid out exactly as that arithmetic predicts for its own world size, and
 refusing layouts ckptflow cannot convert. Nothing here reads a byte.
 

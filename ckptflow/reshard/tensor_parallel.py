@@ -5,7 +5,7 @@ the full fp32 master weights and Adam moments are byte runs into the tensor-para
 partitions. The output is what DeepSpeed writes for the same Hugging Face model trained without
 tensor parallelism at M data-parallel ranks, same ZeRO stage and precision: `mp_rank_00` files only,
 each param group flattened from the full parameters in the same order, partitioned over M ranks by
-DeepSpeed's arithmetic (`formats.deepspeed.layout`), the ZeRO-1/2 16-bit module copy joined from the
+DeepSpeed's arithmetic (`formats.deepspeed.partition`), the ZeRO-1/2 16-bit module copy joined from the
 ranks' shards, no `universal_checkpoint_info`, `mp_world_size` 1, `checkpoint_parallel_dimensions`
 tp 1, and the `tensor_parallel` section left out of the recorded config. Load it with the same model
 and a config without `tensor_parallel` at M ranks.

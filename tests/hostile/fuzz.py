@@ -217,9 +217,11 @@ def case(family: str, seed: int) -> Kind:
     pick = random.Random(f"{family}:{seed}")  # independent of the builder's own Random(seed)
     if fam.build is not None:
         source = pick.choice(fam.sources)
-        return Kind(f"fuzz/{family}", fam.build, source, dict.fromkeys(CHECKPOINT_READERS, GENERIC), None,  # type: ignore[arg-type]
+        return Kind(f"fuzz/{family}", fam.build, source, dict.fromkeys(CHECKPOINT_READERS, GENERIC),
+                    None,  # type: ignore[arg-type]
                     fam.doc)
-    kinds = [k for n, k in all_kinds().items() if any(n == p or (p.endswith("/") and n.startswith(p)) for p in fam.kinds)]
+    kinds = [k for n, k in all_kinds().items() if any(n == p or (p.endswith("/") and n.startswith(p))
+                                                      for p in fam.kinds)]
     chosen = pick.choice(kinds)
     source = pick.choice(fam.sources) if fam.any_source else chosen.source
     return dataclasses.replace(chosen, source=source, outcomes=dict.fromkeys(chosen.outcomes, GENERIC), hangs=False)
@@ -229,7 +231,8 @@ def label(family: str, seed: int) -> str:
     return f"fuzz--{family}--{seed}"
 
 
-def run_family(runner: Runner, family: str, seeds: Sequence[int], commands: Sequence[str] | None = None) -> list[CaseRun]:
+def run_family(runner: Runner, family: str, seeds: Sequence[int],
+               commands: Sequence[str] | None = None) -> list[CaseRun]:
     jobs = [(case(family, s), commands, s, label(family, s)) for s in seeds]
     return runner.run_many(jobs)
 
@@ -300,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             bad = [r for r in runs if not r.ok]
             failed += len(bad)
             total += len(runs)
-            print(f"{family:14s} {count:5d} cases {len(runs):5d} runs {len(bad):4d} failing  {time.monotonic() - t0:6.1f}s",
+            print(f"{family:14s} {count:5d} cases {len(runs):5d} runs {len(bad):4d} failing  "
+                  f"{time.monotonic() - t0:6.1f}s",
                   flush=True)
             for r in bad:
                 first = r.violations[0].splitlines()[0][:160] if r.violations else ""

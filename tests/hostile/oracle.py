@@ -56,7 +56,8 @@ def listing(root: Path) -> tuple[tuple[str, int, bool], ...]:
         for name in [*dirnames, *filenames]:
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
-            out.append((os.path.relpath(path, root), st.st_size if not os.path.isdir(path) or os.path.islink(path) else 0,
+            out.append((os.path.relpath(path, root), st.st_size if not os.path.isdir(path) or os.path.islink(path)
+                        else 0,
                         os.path.islink(path)))
     return tuple(sorted(out))
 
@@ -177,7 +178,8 @@ def leftovers(ws: Workspace, command: str, code: int | None, before: Snapshot, h
     if command in (CONSOLIDATE, RESHARD):
         want = before.out_parent | {ws.out.name} if ok else before.out_parent
         if after != want:
-            v.append(f"left in OUT's folder: {sorted(after - before.out_parent)} (expected {sorted(want - before.out_parent)})")
+            v.append(f"left in OUT's folder: {sorted(after - before.out_parent)} (expected "
+                     f"{sorted(want - before.out_parent)})")
     elif command == PUSH:
         manifest = read_manifest(ws)
         if ok and (manifest is None or manifest == before.manifest):

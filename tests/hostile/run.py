@@ -102,7 +102,8 @@ class Runner:
                  outcomes: Mapping[str, Outcome | None] | None = None) -> list[CaseRun]:
         """Run (kind, commands, seed, label) jobs on the harness's workers; results in job order."""
         with ThreadPoolExecutor(max_workers=self.harness.workers) as pool:
-            futures = [pool.submit(self.run_kind, k, c, seed=sd, label=lbl, outcomes=outcomes) for k, c, sd, lbl in jobs]
+            futures = [pool.submit(self.run_kind, k, c, seed=sd, label=lbl, outcomes=outcomes)
+                       for k, c, sd, lbl in jobs]
             return [run for f in futures for run in f.result()]
 
 

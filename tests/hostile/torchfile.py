@@ -183,7 +183,8 @@ def inspect_pickle(data: bytes) -> PickleMap:
         def find_class(self, module: str, name: str) -> Any:
             qual = f"{module}.{name}"
             if qual in ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor"):
-                return lambda storage, offset, size, stride, *rest: TensorInfo(storage, offset, tuple(size), tuple(stride))
+                return lambda storage, offset, size, stride, *rest: TensorInfo(storage, offset, tuple(size),
+                                                                               tuple(stride))
             if qual in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
                 return lambda data, *rest: data
             if qual == "torch._tensor._rebuild_from_type_v2":

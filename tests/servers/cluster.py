@@ -136,9 +136,11 @@ class DaskCluster:
         while not set(self.workers) <= self.names():
             for worker in self.workers.values():
                 if worker.proc is not None and worker.proc.poll() is not None:
-                    raise RuntimeError(f"dask worker {worker.name} exited ({worker.proc.returncode}):\n{_tail(worker.log)}")
+                    raise RuntimeError(f"dask worker {worker.name} exited "
+                                       f"({worker.proc.returncode}):\n{_tail(worker.log)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers {sorted(set(self.workers) - self.names())} did not register in {timeout:.0f} s")
+                raise TimeoutError(f"workers {sorted(set(self.workers) - self.names())} did not register in "
+                                   f"{timeout:.0f} s")
             time.sleep(0.05)
 
     def close(self) -> None:

@@ -257,7 +257,8 @@ def _respond(client: socket.socket, method: str, status: int, message: str, *, x
     else:
         body = json.dumps({"error": {"code": status, "message": message}}).encode()
         content_type = "application/json"
-    reason = {403: "Forbidden", 404: "Not Found", 499: "Client Closed Request", 503: "Service Unavailable"}.get(status, "Error")
+    reason = {403: "Forbidden", 404: "Not Found", 499: "Client Closed Request", 503: "Service Unavailable"}.get(status,
+                                                                                                                "Error")
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"

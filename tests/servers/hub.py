@@ -247,7 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
         with hub.lock:
             if (repo_type, repo_id) in hub.repos:
                 return self._json(409, {"error": "You already created this repo", "url": url})
-            repo = Repo(repo_type, repo_id, private=payload.get("visibility") == "private" or bool(payload.get("private")))
+            repo = Repo(repo_type, repo_id, private=payload.get("visibility") == "private"
+                        or bool(payload.get("private")))
             hub.blobs[hashlib.sha256(GITATTRIBUTES).hexdigest()] = GITATTRIBUTES
             initial = {".gitattributes": _stored(GITATTRIBUTES, lfs=False)}
             repo.branches["main"] = _new_commit(repo, initial, "initial commit")
@@ -280,7 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
             lfs = item["size"] > _LFS_THRESHOLD or b"\0" in sample
             existing = tree.get(item["path"])
             oid = None if existing is None else (existing.sha256 if existing.lfs else existing.git_oid)
-            files.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+            files.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
+                          "oid": oid})
         return self._json(200, {"files": files, "commitOid": repo.branches.get(rev)})
 
     def _lfs_batch(self, repo_type: str, repo_id: str) -> int:
@@ -346,7 +348,8 @@ class _Handler(BaseHTTPRequestHandler):
             sha = _new_commit(repo, tree, header.get("summary", ""))
             repo.branches[rev] = sha
         prefix = _PREFIX[repo_type]
-        return self._json(200, {"success": True, "commitOid": sha, "commitUrl": f"{self._base()}/{prefix}{repo_id}/commit/{sha}"})
+        return self._json(200, {"success": True, "commitOid": sha,
+                                "commitUrl": f"{self._base()}/{prefix}{repo_id}/commit/{sha}"})
 
     def _revision(self, repo_type: str, repo_id: str, rev: str, _: str) -> int:
         repo = self._repo_for_read(repo_type, repo_id)
@@ -428,7 +431,8 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _json(self, status: int, payload: object, *, content_type: str = "application/json", error_code: str | None = None) -> int:
+    def _json(self, status: int, payload: object, *, content_type: str = "application/json",
+              error_code: str | None = None) -> int:
         body = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)

@@ -144,7 +144,8 @@ def _drain_workers() -> None:
 
 def prefect_cli(api_url: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
     """Run the `prefect` command line against `api_url` from the repository root."""
-    env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_CLI_PROMPT="false")
+    env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_CLI_PROMPT="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "prefect", "--no-prompt", *args],

@@ -402,7 +402,7 @@ def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any
     return func(*args)
 
 
-def _torch_size(dims: Any = ()) -> tuple[int, ...]:
+def _size(dims: Any = ()) -> tuple[int, ...]:  # named in messages: "the function _size"
     return _ints(dims, "shape")
 
 
@@ -426,7 +426,7 @@ _SAFE_GLOBALS: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
     "torch.Tensor": _Marker("torch.Tensor"),
     "torch.nn.parameter.Parameter": _Marker("torch.nn.parameter.Parameter"),
-    "torch.Size": _torch_size,
+    "torch.Size": _size,
     "torch.device": _device,
     "collections.OrderedDict": OrderedDict,
     "builtins.set": set,

@@ -150,7 +150,7 @@ class _ReadAhead:
 
 
 class _Sink(Protocol):
-    """Where `_ZipWriter` writes: a binary file, `_Hashed` over one, or `_Layout`. `skip` seeks."""
+    """Where `_ZipWriter` writes: a binary file, `_Hashed` over one, or `_Placement`. `skip` seeks."""
 
     def write(self, data: bytes | memoryview, /) -> object: ...
 
@@ -299,7 +299,7 @@ def _write_trailing_records(zw: _ZipWriter) -> None:
     zw.record(".data/serialization_id", [serial], len(serial))
 
 
-class _Layout:
+class _Placement:
     """Stands in for the file while `_ZipWriter` lays the archive out: keeps the small writes (headers,
     pickle, descriptors, central directory) with their offsets, to be written once the storages are."""
 
@@ -328,8 +328,8 @@ def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage
     directory) is written through the page cache only after every direct write has finished, so the
     two never meet in one page. A record's CRC-32 is its pieces' CRCs combined.
     """
-    layout = _Layout()
-    zw = _ZipWriter(layout, name)
+    placement = _Placement()
+    zw = _ZipWriter(placement, name)
     _write_small_records(zw, data)
     places = []  # (entry, storage, data offset in the file, descriptor offset)
     for key, storage in enumerate(storages):
@@ -357,10 +357,10 @@ def _write_in_place(path: str, name: str, data: bytes, storages: list[OutStorage
                 piece_crc, piece_edges = next(crcs)
                 crc = crc32_combine(crc, piece_crc, y - x)
                 edges += piece_edges
-            layout.writes.append((descriptor_at, zw.descriptor(entry, crc)))
+            placement.writes.append((descriptor_at, zw.descriptor(entry, crc)))
         _write_trailing_records(zw)
         zw.close()
-        for offset, chunk in layout.writes + edges:
+        for offset, chunk in placement.writes + edges:
             pwrite_all(fd, chunk, offset)
         os.ftruncate(fd, zw.pos)  # the direct-I/O probe may have written past the end of a small file
     finally:
@@ -553,7 +553,7 @@ def _fill_piece(fd: int, storage: OutStorage, at: int, x: int, y: int, reader: S
 def archive_size(name: str, data: bytes, storages: Sequence[OutStorage]) -> int:
     """The size of the file `write_pickled` writes for pickle `data` and `storages` under the file
     name `name`, worked out without writing it."""
-    zw = _ZipWriter(_Layout(), os.path.splitext(name.rstrip("/").rsplit("/", 1)[-1])[0] or "archive")
+    zw = _ZipWriter(_Placement(), os.path.splitext(name.rstrip("/").rsplit("/", 1)[-1])[0] or "archive")
     _write_small_records(zw, data)
     for key, storage in enumerate(storages):
         entry = zw.begin(f"data/{key}", storage.nbytes)

@@ -32,7 +32,8 @@ def binary(ws: Workspace) -> None:
 @kind(expect=LATEST)
 def control_characters(ws: Workspace) -> None:
     """`latest` holds terminal escape sequences and other control characters."""
-    ws.write("latest", ws.param("global_step3\x1b[2J\x1b]0;owned\x07\r", lambda r: "".join(chr(r.randrange(32)) for _ in range(r.randrange(1, 40)))))
+    ws.write("latest", ws.param("global_step3\x1b[2J\x1b]0;owned\x07\r",
+                                lambda r: "".join(chr(r.randrange(32)) for _ in range(r.randrange(1, 40)))))
 
 
 @kind(expect=LATEST)

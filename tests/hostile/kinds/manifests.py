@@ -35,7 +35,8 @@ def _special(ws: Workspace, name: str, what: str) -> None:
         raise ValueError(what)
 
 
-def manifest_kind(name: str, code: int | tuple[int, ...] = ANY, issue: str | None = None, hangs: bool = False):  # noqa: ANN202
+def manifest_kind(name: str, code: int | tuple[int, ...] = ANY, issue: str | None = None,
+                  hangs: bool = False):  # noqa: ANN202
     return kind(name=name, source=MODEL_FOLDER, commands=(PUSH,), code=code, expect=REFUSED, issue=issue, hangs=hangs)
 
 
@@ -48,14 +49,18 @@ def _garbage(ws: Workspace) -> None:
 @manifest_kind("manifest-not-an-object")
 def _list(ws: Workspace) -> None:
     """The manifest at DEST is a JSON list, or an object with `files` of the wrong type."""
-    ws.write_dest(MANIFEST, ws.param("[]", lambda r: r.choice(["[]", "null", '{"format": "ckptflow-manifest", "version": 1, "files": {}}',
-                                                               '{"format": "ckptflow-manifest", "version": 1, "files": [1]}'])))
+    ws.write_dest(MANIFEST, ws.param("[]", lambda r: r.choice(["[]", "null",
+                                                               '{"format": "ckptflow-manifest", "version": 1, "files": '
+                                                               '{}}',
+                                                               '{"format": "ckptflow-manifest", "version": 1, "files": '
+                                                               '[1]}'])))
 
 
 @manifest_kind("manifest-nested-deep", issue="14.4")
 def _deep(ws: Workspace) -> None:
     """The manifest at DEST nests 100,000 arrays."""
-    ws.write_dest(MANIFEST, '{"format": "ckptflow-manifest", "version": 1, "files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    ws.write_dest(MANIFEST, '{"format": "ckptflow-manifest", "version": 1, "files": ' + "[" * 100_000 + "]" * 100_000
+                  + "}")
 
 
 @manifest_kind("manifest-hundred-megabytes", issue="14.4")
@@ -85,7 +90,8 @@ def _stamp(ws: Workspace) -> None:
         rel = path.relative_to(ws.src).as_posix()
         ws.write_dest(rel, path.read_bytes())
         stamp = ws.param([1, 2], lambda r: r.choice([[1, 2], "x", 5, {"size": []}]))
-        files.append({"path": rel, "size": path.stat().st_size, "sha256": hashlib.sha256(b"other").hexdigest(), "stamp": stamp})
+        files.append({"path": rel, "size": path.stat().st_size, "sha256": hashlib.sha256(b"other").hexdigest(),
+                      "stamp": stamp})
     ws.write_dest(MANIFEST, json.dumps({"format": "ckptflow-manifest", "version": 1, "files": files}))
 
 
@@ -95,7 +101,8 @@ def partial_record_nested_deep(ws: Workspace) -> None:
     ws.write_dest(PARTIAL, '{"files": ' + "[" * 100_000 + "]" * 100_000 + "}")
 
 
-@kind(source=MODEL_FOLDER, commands=(PUSH,), code=ANY, expect=r"ckptflow-manifest\.json\.partial", issue="14.7", hangs=True)
+@kind(source=MODEL_FOLDER, commands=(PUSH,), code=ANY, expect=r"ckptflow-manifest\.json\.partial", issue="14.7",
+      hangs=True)
 def partial_record_special_file(ws: Workspace) -> None:
     """The partial record at DEST is a FIFO (or /dev/zero, or a directory)."""
     _special(ws, PARTIAL, ws.pick("fifo", ["fifo", "dev-zero", "directory"]))

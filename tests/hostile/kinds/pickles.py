@@ -97,7 +97,8 @@ def newobj_allowed_class(ws: Workspace) -> None:
     payload = {
         "ordereddict": asm.newobj(asm.glob("collections", "OrderedDict"), asm.integer(5)),
         "set": asm.newobj(asm.glob("builtins", "set"), asm.lst(asm.integer(1))),
-        "ex": asm.newobj_ex(asm.glob("builtins", "frozenset"), asm.tup(asm.lst()), asm.dct((asm.string("x"), asm.none()))),
+        "ex": asm.newobj_ex(asm.glob("builtins", "frozenset"), asm.tup(asm.lst()),
+                            asm.dct((asm.string("x"), asm.none()))),
         "record": asm.newobj(asm.glob("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), asm.integer(1)),
     }[ops]
     _payload(ws, payload)
@@ -166,7 +167,8 @@ def persistent_id_malformed(ws: Workspace) -> None:
 @kind(expect=r"missing from the archive|" + BAD_PICKLE)
 def persistent_id_path_key(ws: Workspace) -> None:
     """A storage key that is a path out of the archive (`../../../etc/passwd`)."""
-    key = ws.param("../../../etc/passwd", lambda r: r.choice(["../../../etc/passwd", "/etc/passwd", "", "0/../1", "x" * 300]))
+    key = ws.param("../../../etc/passwd", lambda r: r.choice(["../../../etc/passwd", "/etc/passwd", "", "0/../1",
+                                                              "x" * 300]))
     _payload(ws, _tensor_of(_storage_pid(asm.glob("torch", "FloatStorage"), key, 1)))
 
 
@@ -240,7 +242,8 @@ def shared_tuples_as_keys(ws: Workspace) -> None:
     levels = ws.param(60, lambda r: r.randrange(20, 90))
     keys = asm.laughs("tuple", levels, base=asm.string("x"))
     again = asm.get(1000 + levels)
-    _payload(ws, keys + asm.op("POP") + asm.dct(*((again, asm.integer(i)) for i in range(ws.param(50, lambda r: r.randrange(1, 200))))))
+    _payload(ws, keys + asm.op("POP") + asm.dct(*((again, asm.integer(i))
+                                                  for i in range(ws.param(50, lambda r: r.randrange(1, 200))))))
 
 
 @kind(expect=BAD_PICKLE)
@@ -265,5 +268,6 @@ def huge_integer(ws: Workspace) -> None:
 def global_with_control_characters(ws: Workspace) -> None:
     """A GLOBAL whose module name carries terminal escape sequences: the refusal quotes it raw (found by
     the fuzzer, zip-pickle 1025)."""
-    module = ws.param("posix\x1b[2J\x1b]0;owned\x07", lambda r: "posix" + "".join(chr(r.randrange(1, 32)) for _ in range(5)))
+    module = ws.param("posix\x1b[2J\x1b]0;owned\x07", lambda r: "posix"
+                      + "".join(chr(r.randrange(1, 32)) for _ in range(5)))
     _payload(ws, asm.call(asm.glob(module, "system"), _touch(ws)))

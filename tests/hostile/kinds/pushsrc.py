@@ -46,7 +46,8 @@ def _lfs(ws: Workspace) -> None:
 def _huge_length(ws: Workspace) -> None:
     """The header length field says 2**60 bytes."""
     length = ws.param(2**60, lambda r: r.choice([2**60, 2**64 - 1, 2**32, 10**9, 100 * 2**20 + 1]))
-    ws.write("model.safetensors", _header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, length, b"\0" * 4))
+    ws.write("model.safetensors", _header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, length,
+                                          b"\0" * 4))
 
 
 @safetensors_kind("safetensors-header-past-end")
@@ -81,7 +82,8 @@ def _no_shape(ws: Workspace) -> None:
 def _str_shape(ws: Workspace) -> None:
     """A tensor entry whose `shape` is a string."""
     shape = ws.param("12", lambda r: r.choice(["12", "[1]", None, {"a": 1}, [1.5], [-1], [2**70]]))
-    ws.write("model.safetensors", _header({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4]}}, tail=b"\0" * 4))
+    ws.write("model.safetensors", _header({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4]}},
+                                          tail=b"\0" * 4))
 
 
 @safetensors_kind("safetensors-entry-not-an-object")
@@ -172,7 +174,8 @@ def _card_kind(name: str, file: str, issue: str | None = "14.1", hangs: bool = F
 @_card_kind("provenance-source-not-an-object", "ckptflow_provenance.json")
 def _prov_list(ws: Workspace) -> None:
     """ckptflow_provenance.json holds `"source": []` and `"output": "x"`."""
-    doc = ws.param({"source": [], "output": "x"}, lambda r: r.choice([{"source": []}, {"output": "x"}, {"source": {"zero_stage": 1}},
+    doc = ws.param({"source": [], "output": "x"}, lambda r: r.choice([{"source": []}, {"output": "x"},
+                                                                      {"source": {"zero_stage": 1}},
                                                                       {"output": {"total_parameters": "many"}}, [1]]))
     ws.write("ckptflow_provenance.json", json.dumps(doc))
 

@@ -147,14 +147,17 @@ def _build_after_storage(ws: Workspace, slot: str, value: bytes) -> None:
 @kind(expect=r"storage|" + r"cannot read its pickle", issue="14.5")
 def build_changes_storage_key(ws: Workspace) -> None:
     """BUILD after the fp32 partition's storage reference changes its key to one not in the archive."""
-    _build_after_storage(ws, "key", asm.string(ws.param("no-such-storage", lambda r: r.choice(["no-such-storage", "1", "../x", ""]))))
+    _build_after_storage(ws, "key", asm.string(ws.param("no-such-storage",
+                                                        lambda r: r.choice(["no-such-storage", "1", "../x", ""]))))
 
 
 @kind(expect=r"(?i)storage|dtype|cannot read its pickle", issue="14.5")
 def build_changes_storage_dtype(ws: Workspace) -> None:
     """BUILD changes the partition's storage dtype after its size was checked: to float64 (twice the
     bytes: it would read past its entry) or to a dtype that does not exist."""
-    _build_after_storage(ws, "dtype", asm.string(ws.param("float64", lambda r: r.choice(["float64", "evil", "int8", "complex128", ""]))))
+    _build_after_storage(ws, "dtype", asm.string(ws.param("float64",
+                                                          lambda r: r.choice(["float64", "evil", "int8", "complex128",
+                                                                              ""]))))
 
 
 @kind(expect=r"(?i)storage|cannot read its pickle|reaches past", issue="14.5")

@@ -75,7 +75,8 @@ def config_not_an_object(ws: Workspace) -> None:
 @kind(source=LLAMA, commands=BOTH, code=EITHER, expect=r"config\.json")
 def config_not_json(ws: Workspace) -> None:
     """config.json is not JSON: not UTF-8, truncated, an integer of 5,000 digits."""
-    ws.write("config.json", ws.param(b"\xff\xfe{", lambda r: r.choice([b"\xff\xfe{", b'{"a": 1', b'{"a": ' + b"1" * 5000 + b"}", b""])))
+    ws.write("config.json", ws.param(b"\xff\xfe{", lambda r: r.choice([b"\xff\xfe{", b'{"a": 1', b'{"a": ' + b"1" * 5000
+                                                                       + b"}", b""])))
 
 
 @kind(source=LLAMA, commands=BOTH, code=EITHER, expect=r"tokenizer\.json", issue="14.3", hangs=True)

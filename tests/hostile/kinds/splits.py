@@ -48,7 +48,8 @@ def _draw(rng: random.Random) -> Any:
 
 
 @kind(source=AUTOTP, expect=r"model\.layers\.0\.self_attn\.o_proj\.weight: a piece that rank 1 holds does not fit: "
-                            r"it reaches element \d+ of a tensor of 4096; the checkpoint's split metadata is inconsistent",
+                            r"it reaches element \d+ of a tensor of 4096; the checkpoint's split metadata is "
+                            r"inconsistent",
       forbid=r"weight: model\.layers")  # the tensor named once, not once per layer of the reader
 def piece_past_the_tensor(ws: Workspace) -> None:
     """A piece of rank 1's shard reaches 10**12 elements into a 4096-element tensor."""
@@ -65,8 +66,8 @@ def piece_past_the_tensor(ws: Workspace) -> None:
 
 
 @kind(source=AUTOTP, expect=r"model\.layers\.0\.self_attn\.o_proj\.weight: the pieces held by rank 0 and rank 1 do not "
-                            r"tile its 4096 elements \(they overlap or leave a gap\); the checkpoint's split metadata is "
-                            r"inconsistent: the folder mixes saves or a file is damaged; re-copy it from one save")
+                            r"tile its 4096 elements \(they overlap or leave a gap\); the checkpoint's split metadata "
+                            r"is inconsistent: the folder mixes saves or a file is damaged; re-copy it from one save")
 def pieces_overlap(ws: Workspace) -> None:
     """Rank 1's shard of a row-parallel tensor claims rank 0's columns: two pieces on the same block,
     half the tensor covered by none."""
@@ -110,15 +111,17 @@ def malformed_entry(ws: Workspace) -> None:
     _edit_info(ws, change)
 
 
-@kind(source=AUTOTP, expect=r"lm_head\.weight: the checkpoint records a vocabulary of -1 rows \(`original_vocab_size`\) but "
-                            r"the tensor has 37; the checkpoint's metadata is inconsistent: the folder mixes saves")
+@kind(source=AUTOTP, expect=r"lm_head\.weight: the checkpoint records a vocabulary of -1 rows "
+                            r"\(`original_vocab_size`\) but the tensor has 37; the checkpoint's metadata is "
+                            r"inconsistent: the folder mixes saves")
 def vocabulary_size(ws: Workspace) -> None:
     """The recorded vocabulary size (which cuts the padding rows off `lm_head`) is negative."""
     value = ws.param(-1, _draw)
     _edit_info(ws, lambda info: info.__setitem__("original_vocab_size", value))
 
 
-@kind(source=AUTOTP, expect=r"lm_head\.weight: the checkpoint records a vocabulary of an integer of about 5001 digits rows")
+@kind(source=AUTOTP, expect=r"lm_head\.weight: the checkpoint records a vocabulary of an integer of about 5001 digits "
+                            r"rows")
 def vocabulary_size_too_long_to_print(ws: Workspace) -> None:
     """A vocabulary size of 10**5000, which Python refuses to turn into digits (its message leaked
     through once, found by the fuzzer)."""

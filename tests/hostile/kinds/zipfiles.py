@@ -93,7 +93,8 @@ def truncated_in_region(ws: Workspace) -> None:
     path = ws.any_rank_file(ws.optim_file(1))
     reg = regions(path)
     spans = [(a, b) for a, b in (reg.directory, *reg.headers, reg.pickle, *reg.data) if b > a]
-    at = ws.param(reg.directory[0] + 10, lambda r: r.randrange(*r.choice(spans)) if r.random() < 0.8 else r.randrange(1, path.stat().st_size))
+    at = ws.param(reg.directory[0] + 10, lambda r: r.randrange(*r.choice(spans)) if r.random() < 0.8
+                  else r.randrange(1, path.stat().st_size))
     ws.write(path.relative_to(ws.src), path.read_bytes()[:at])
     ws.pin(str(path))
 
