@@ -17,10 +17,11 @@ from typing import Any
 import fsspec
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.plumbing.failures import causes, status_code
 from ckptflow.plumbing.files import check_regular, open_regular
 from ckptflow.plumbing.redaction import describe, redact
-from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.plumbing.storage import is_local, open_fs, unstrip
+from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
+from ckptflow.plumbing.storage import open_fs, unstrip
 from ckptflow.publish.manifest import LEASE_NAME, MANIFEST_NAME, PARTIAL_RECORD_NAME
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
             continue
         size = int(info["size"])
         if info.get("type", "file") != "file" or info.get("islink"):  # local FIFOs, devices, links: look closer
-            size = check_regular(unstrip(fs, path), inside=src if is_local(src) else None, hint=_SPECIAL_HINT)
+            size = check_regular(unstrip(fs, path), inside=src, hint=_SPECIAL_HINT)
         files.append(SourceFile(path=rel, size=size))
     if not files:
         raise CheckpointNotFoundError(f"SRC {shown} holds no files", uri=shown, hint="nothing to push")

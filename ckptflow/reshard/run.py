@@ -42,12 +42,12 @@ from ckptflow.formats.deepspeed.tag import LATEST_HINT, read_latest
 from ckptflow.formats.torch.pickler import OutStorage, dumps
 from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.checksums import digests_for
 from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.steps import Cancelled, run_step
 from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
+from ckptflow.plumbing.stores import digests_for
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardOptions, ReshardPlan, plan_reshard
