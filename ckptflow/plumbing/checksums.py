@@ -91,4 +91,5 @@ def stamps_match(recorded: dict[str, str], current: dict[str, str]) -> bool:
     """Whether `current` is the same object version as `recorded`: equal size and equal values for
     every identity key both have (a listing and a HEAD may report different sets), at least one."""
     common = (recorded.keys() & current.keys()) - {"size"}
-    return recorded.get("size") == current.get("size") and bool(common) and all(recorded[k] == current[k] for k in common)
+    return (recorded.get("size") == current.get("size") and bool(common)
+            and all(recorded[k] == current[k] for k in common))

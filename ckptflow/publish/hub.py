@@ -167,12 +167,14 @@ class _Hub:
     def ensure_repo(self, private: bool) -> None:
         """The repo and the branch, created when missing."""
         t = self.target
-        if not self.attempt(lambda: self.api.repo_exists(t.repo_id, repo_type=t.repo_type), f"look up the repo {self.shown}"):
+        if not self.attempt(lambda: self.api.repo_exists(t.repo_id, repo_type=t.repo_type),
+                            f"look up the repo {self.shown}"):
             self.attempt(lambda: self.api.create_repo(t.repo_id, repo_type=t.repo_type, private=private, exist_ok=True),
                          f"create the repo {self.shown}")
         if self.revision != "main":
             self.attempt(lambda: self.api.create_branch(t.repo_id, branch=self.revision, repo_type=t.repo_type,
-                                                        exist_ok=True), f"create the branch {self.revision} of {self.shown}")
+                                                        exist_ok=True),
+                         f"create the branch {self.revision} of {self.shown}")
 
     def unchanged(self, contents: _Contents) -> set[str]:
         """The files the revision already holds with the same bytes."""
@@ -226,7 +228,8 @@ def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str
     ]
     front = ["---", *(["library_name: transformers"] if config else []), "tags:", "- ckptflow", "---"]
     lines = [*front, "", f"# {repo_id.split('/')[-1]}", ""]
-    lines.append("Consolidated from a DeepSpeed checkpoint and published with ckptflow." if record else "Published with ckptflow.")
+    lines.append("Consolidated from a DeepSpeed checkpoint and published with ckptflow." if record
+                 else "Published with ckptflow.")
     lines += ["", "| | |", "|---|---|"]
     lines += [f"| {name} | {_cell(value) if value is not None else 'not recorded'} |" for name, value in rows]
     lines += ["", "## Files", "", "| File | Bytes |", "|---|---:|"]

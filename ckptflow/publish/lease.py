@@ -118,7 +118,8 @@ def hold_lease(fs: fsspec.AbstractFileSystem, root: str, dest: str, *, break_lea
         held = _read(fs, path)
         if held.get("id") != mine["id"]:  # not our own create, retried after its answer was lost
             raise PublishError(
-                f"another push to {dest} is in progress: {shown} is held by {describe_holder(held)}", code="push-in-progress",
+                f"another push to {dest} is in progress: {shown} is held by {describe_holder(held)}",
+                code="push-in-progress",
                 uri=dest, file=LEASE_NAME,
                 hint="wait for it to finish; if that push died, run again with --break-lease",
             ) from None

@@ -50,7 +50,8 @@ class SourceFile:
     size: int
 
 
-def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
+def list_source(src: str, *, retry: RetryPolicy | None = None
+                ) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
     """The filesystem of `src`, its root, and every file under it, sorted by path.
 
     A manifest or partial record at the top of `src` is left out: a push writes its own."""
@@ -62,7 +63,8 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
         if not fs.exists(root):
             return None
         if not fs.isdir(root):
-            raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
+            raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown,
+                                  hint="push the folder that holds it")
         found: dict[str, dict[str, Any]] = fs.find(root, withdirs=False, detail=True)
         return found
 
@@ -72,7 +74,8 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
         raise
     except Exception as exc:
         raise PublishError(
-            f"could not list SRC {shown}: {failure_reason(exc, policy)}", uri=shown, hint=failure_advice(exc, of_source=True)
+            f"could not list SRC {shown}: {failure_reason(exc, policy)}", uri=shown,
+            hint=failure_advice(exc, of_source=True),
         ) from None
     if found is None:
         raise CheckpointNotFoundError(f"SRC {shown} does not exist", uri=shown, hint="check the path or URL")

@@ -195,7 +195,8 @@ class _PartialRecord:
             except Exception as exc:
                 with self._lock:
                     self._dirty = True
-                logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
+                logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path,
+                               describe(exc))
 
 
 def _valid_entry(entry: Any) -> bool:
@@ -261,10 +262,12 @@ class _StorePush:
                 logger.info("%s holds another version: removing its manifest before replacing files", self.dest)
                 self.partial.adopt(previous.files)
                 self.partial.flush()
-                self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at", path=MANIFEST_NAME)
+                self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at",
+                            path=MANIFEST_NAME)
         with self.partial.flushing():
             outcomes = self._map(self._publish_file, files)
-        manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp) for o in outcomes)
+        manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp)
+                               for o in outcomes)
         if manifest != previous or any(o.uploaded for o in outcomes):
             self._write_manifest(manifest_path, manifest)
         self._clean_up(previous, manifest)
@@ -290,10 +293,12 @@ class _StorePush:
             return _Outcome(f.path, f.size, sha256, self.store.stamp(info), uploaded=False)
 
         def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
-            logger.warning("upload of %s failed (%s); try %d of %d in %.1fs", f.path, describe(exc), attempt + 1, self.policy.attempts, delay)
+            logger.warning("upload of %s failed (%s); try %d of %d in %.1fs", f.path, describe(exc), attempt + 1,
+                           self.policy.attempts, delay)
             self.tally.part(f.path)(0, f.size)  # the file starts over
 
-        sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path, on_retry=on_retry)
+        sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path,
+                                   on_retry=on_retry)
         self.partial.record(f.path, f.size, sha256, self.store.stamp(info), uploaded=True)
         self.tally.part(f.path)(f.size, f.size)
         return _Outcome(f.path, f.size, sha256, self.store.stamp(info), uploaded=True)
@@ -389,7 +394,8 @@ class _StorePush:
                 self.dest_fs.pipe_file(path, data)
             self.dest_fs.invalidate_cache(path)
             if self.dest_fs.cat_file(path) != data:
-                raise UploadMismatchError(f"the manifest at {self.dest} reads back different", uri=self.dest, file=MANIFEST_NAME)
+                raise UploadMismatchError(f"the manifest at {self.dest} reads back different", uri=self.dest,
+                                          file=MANIFEST_NAME)
 
         self._retry(write_and_check, what=f"write {MANIFEST_NAME} to", path=MANIFEST_NAME)
 
@@ -534,7 +540,8 @@ class _StorePush:
     def _publish_error(self, exc: Exception, *, what: str, path: str, of_source: bool) -> PublishError:
         where = "SRC" if of_source else self.dest
         return PublishError(
-            f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path, hint=failure_advice(exc, of_source)
+            f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path,
+            hint=failure_advice(exc, of_source),
         )
 
 
