@@ -13,7 +13,8 @@ On the same cached checkpoints (written by DeepSpeed on CPU, see `benchmarks/ckp
   numpy and never imports it), to separate the work from start-up.
 
 Each runs in its own subprocess under `/usr/bin/time` (wall time and peak RSS), `--repeat` times, each
-time right after the bytes it reads were read once (warm page cache); the median is reported. The main model is 16 layers of 4096 (about 268M parameters,
+time right after the bytes it reads were read once (warm page cache); the median is reported. The main model is \
+16 layers of 4096 (about 268M parameters,
 ZeRO-3 and ZeRO-2, bf16, 2 ranks); a half-size ZeRO-3 model (8 layers) shows whether peak memory
 stays flat as the model grows.
 

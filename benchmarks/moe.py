@@ -78,7 +78,8 @@ class MoESpec:
 
     @property
     def name(self) -> str:
-        return f"autoep-qwen3moe-z{self.stage}-{self.dtype}-ws{self.world_size}-ep{self.ep}-{self.layers}L-{self.hidden}"
+        return (f"autoep-qwen3moe-z{self.stage}-{self.dtype}-ws{self.world_size}-ep{self.ep}-"
+                f"{self.layers}L-{self.hidden}")
 
     @property
     def params(self) -> int:

@@ -191,7 +191,8 @@ def main() -> None:
               f"{args.fault_rate:.0%}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         for key in ("put", "ckptflow", "put + faults", "ckptflow + faults"):
             times = results.get(key, [])
-            line = f"  {key:18s} best {min(times):6.2f} s, median {statistics.median(times):6.2f} s" if times else f"  {key:18s} no complete run"
+            line = (f"  {key:18s} best {min(times):6.2f} s, median {statistics.median(times):6.2f} s" if times
+                    else f"  {key:18s} no complete run")
             if failures.get(key):
                 line += f"  ({len(failures[key])} failed: {failures[key][0]})"
             print(line)

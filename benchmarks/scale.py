@@ -578,7 +578,8 @@ def _targets(results: dict[str, dict[str, Any]]) -> list[str]:
         return []
     wall = max(r["index_seconds"] + r["plan_seconds"] for r in plans)
     rss = max(r["rss_peak"] for r in plans)
-    amp = [results["consolidate"]["source_bytes"] / results["consolidate"]["fp32_bytes"]] if "consolidate" in results else []
+    amp = ([results["consolidate"]["source_bytes"] / results["consolidate"]["fp32_bytes"]]
+           if "consolidate" in results else [])
     amp += [results["reshard"]["read_bytes"] / (3 * results["reshard"]["fp32_bytes"])] if "reshard" in results else []
     met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     return [f"**Targets:** indexed and planned in {wall:.1f} s at most ({met(wall < 60)}: < 60 s), peak RSS "

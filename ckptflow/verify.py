@@ -22,7 +22,8 @@ from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.shard_check import SourceTensor, read_source_into
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores.local import os_path
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +64,9 @@ def verify_model(out: str, *, source: str | None = None, tag: str | None = None,
     present, else CPU) and require finite logits. With `source` (a ZeRO checkpoint), compare every
     loaded tensor with the source weights cast to its dtype; buffers must match exactly."""
 
-    if is_local(out):
-        return _verify_local(local_path(out), out, source, tag, device)
+    path = os_path(out)
+    if path is not None:
+        return _verify_local(path, out, source, tag, device)
     fs, path = open_fs(out)
     with tempfile.TemporaryDirectory(prefix="ckptflow-verify-") as tmp:
         fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)

@@ -393,7 +393,8 @@ def _tree(obj: Any, *, values: bool = True) -> Any:
     """A checkpoint file's object tree as plain data: tensors as (dtype, shape, bytes), DeepSpeed records
     as (class, state); without `values`, tensors as (dtype, shape) only."""
     if isinstance(obj, TensorRef):
-        data = read_tensor(obj).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel and values else b""
+        data = (read_tensor(obj).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel and values
+                else b"")
         return ("tensor", obj.dtype, obj.shape, data)
     if isinstance(obj, PickledObject):
         return ("object", obj.qualname, _tree(obj.args, values=values), _tree(obj.state, values=values))

@@ -221,7 +221,8 @@ def test_lifecycle_end_to_end_from_and_to_the_bucket(
 
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
     by_type: dict[str, list[Any]] = {}
     for a in artifacts:
         by_type.setdefault(a.type, []).append(a)
@@ -580,7 +581,8 @@ def test_consolidation_runs_as_a_deployment_and_its_failure_fails_the_parent(
     assert failed.is_failed()
     assert f"consolidation deployment '{gpu_deployment}' run" in failed.message
     assert "ended Failed" in failed.message
-    assert f"{target} already exists and does not hold this output: it has no ckptflow_provenance.json" in failed.message
+    assert (f"{target} already exists and does not hold this output: it has no ckptflow_provenance.json"
+            in failed.message)
     assert child.name == f"llama@{bucket_run['tag']} bf16"
 
 
@@ -740,7 +742,8 @@ def test_manual_deployment_with_only_source_completes_on_a_process_worker(
     finally:
         worker.terminate()
         worker.wait(30)
-    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{(tmp_path / 'worker.log').read_text()[-3000:]}"
+    assert run.state.is_completed(), (f"{run.state.name}: {run.state.message}\n"
+                                      f"{(tmp_path / 'worker.log').read_text()[-3000:]}")
     assert run.name == f"llama@{llama_bf16_ckpt.tag}"
     # the form's dtype left at its default: fp32, the one default of the core, the CLI and the form
     models = list((tmp_path / "work").glob("*/*/model-fp32-*/model*.safetensors"))

@@ -93,8 +93,8 @@ def test_commit_is_retried_and_blobs_are_not_sent_twice(hub: HubServer, tiny_mod
     assert sum(hub.fault_counts.values()) == 2
     assert len(hub.requests("POST", "/commit/")) == 1
     assert len(lfs_uploads(hub)) == 1  # model.safetensors, once across the three tries
-    assert files_of(download(hub, "org/retried",
-                             tmp_path))["model.safetensors"] == (tiny_model / "model.safetensors").read_bytes()
+    assert (files_of(download(hub, "org/retried", tmp_path))["model.safetensors"]
+            == (tiny_model / "model.safetensors").read_bytes())
 
 
 def test_push_completes_through_random_faults(hub: HubServer, tiny_model: Path, tmp_path: Path) -> None:

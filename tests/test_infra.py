@@ -221,7 +221,8 @@ def test_bootstrap_creates_result_storage_and_the_failure_automation(deployed, c
     block = LocalFileSystem.load("ckptflow-results")
     assert "ckptflow-results" in block.basepath
     assert "result storage: local-file-system/ckptflow-results created at" in deployed.stdout
-    assert "failure notifications: automation ckptflow-run-failed sends to custom-webhook/ckptflow-test-alerts" in deployed.stdout
+    assert ("failure notifications: automation ckptflow-run-failed sends to custom-webhook/ckptflow-test-alerts"
+            in deployed.stdout)
     (automation,) = client.read_automations_by_name("ckptflow-run-failed")
     assert automation.trigger.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed",
                                          "prefect.flow-run.TimedOut"}

@@ -164,10 +164,10 @@ def test_consolidate_casts_as_torch(name: str, dtype: str, tmp_path: Path,
 
 
 @pytest.mark.parametrize("name", [n for n in MATRIX_NAMES + EXTRA_NAMES if n.startswith(("autotp", "zero"))])
-def test_from_pretrained_loads_it_and_gives_the_oracle_logits(name: str, tmp_path: Path,
-                                                               parallel_fixtures: Mapping[str, ParallelFixture],
-                                                               parallel_extra_fixtures: Mapping[str,
-                                                                                                ParallelFixture]) -> None:
+def test_from_pretrained_loads_it_and_gives_the_oracle_logits(
+    name: str, tmp_path: Path, parallel_fixtures: Mapping[str, ParallelFixture],
+    parallel_extra_fixtures: Mapping[str, ParallelFixture],
+) -> None:
     from transformers import AutoModelForCausalLM
 
     fixture = {**parallel_fixtures, **parallel_extra_fixtures}[name]

@@ -648,8 +648,8 @@ def test_trainer_rng_files_are_planned_for_the_target_world_size() -> None:
 
     assert describe(plan_rng_files(two, 1)) == "rng_state.pth from source rank 0 (rng_state_0.pth)"
     assert describe(plan_rng_files(two, 3)) == "rng_state_0..2.pth from source ranks 0, 1, 0 (rank r takes r mod 2)"
-    assert describe(plan_rng_files(two,
-                                   2)) == "rng_state_0.pth, rng_state_1.pth from source ranks 0, 1 (rank r takes r mod 2)"
+    assert describe(plan_rng_files(two, 2)) == ("rng_state_0.pth, rng_state_1.pth from source ranks 0, 1 "
+                                                "(rank r takes r mod 2)")
     assert describe(plan_rng_files(["rng_state.pth"], 1)) == "rng_state.pth carried over"
     assert describe(plan_rng_files(["rng_state.pth"],
                                    4)) == "rng_state_0..3.pth, each a copy of the source's rng_state.pth"
@@ -765,9 +765,10 @@ def test_cli(ds_fixtures, tmp_path: Path) -> None:
 # - the WRITTEN sources, trained and saved by the oracle's 2-rank launch: fp16 through DeepSpeed's fp16
 #   path (dynamic loss scaler) on CPU with its "fp16 is not supported on your device" gate lifted, and
 #   ZeRO settings that change the layout (parameter alignment, and a ZeRO-3 sub_group_size that splits a
-#   group into sub-groups at 1 rank but not at 2), and checkpoints saved before the first step. Round-robin gradients are covered by the integer
-#   tests only: DeepSpeed 0.19.8 records their param_slice_mappings in the optimizer's original order
-#   while it flattens in round-robin order, and `validate` rightly refuses the inconsistent files.
+#   group into sub-groups at 1 rank but not at 2), and checkpoints saved before the first step.
+#   Round-robin gradients are covered by the integer tests only: DeepSpeed 0.19.8 records their
+#   param_slice_mappings in the optimizer's original order while it flattens in round-robin order, and
+#   `validate` rightly refuses the inconsistent files.
 ALL_CASES = (
     # 2 -> 1
     ("z1-bf16-ws2", 1), ("z2-bf16-ws2", 1), ("z3-bf16-ws2", 1), ("z1-fp32-ws2", 1), ("z2-fp32-ws2", 1),

@@ -261,7 +261,8 @@ def test_watch_runs_are_named_by_their_roots_and_keep_their_own_artifacts(prefec
         names = _wait_for(lambda: [t.name for t in client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))] == ["scan runs, more for latest"])
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
     assert flow_run.name == f"watch runs, more ({state})"
     assert names, [t.name for t in tasks]
     assert [a.key for a in artifacts] == [f"watch-{state}-new-checkpoints"]

@@ -34,7 +34,8 @@ from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, check_written
 from ckptflow.plumbing.steps import run_step
-from ckptflow.plumbing.storage import is_local, join, local_path, open_fs
+from ckptflow.plumbing.storage import join, open_fs
+from ckptflow.plumbing.stores.local import os_path
 from ckptflow.plumbing.text import excerpt
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def prepare_output(plan: ConsolidationPlan, out: str) -> Staging:
     parsed: `hf.check_side_files`), that OUT is free (absent or an empty folder) and, on a local disk,
     that there is room; make the staging folder beside it."""
     side = hf.check_side_files(plan.root, hf.find_side_files(plan.root))
-    need = plan.file_bytes + side + (1 << 20) if is_local(out) else 0
+    need = plan.file_bytes + side + (1 << 20)  # checked on a local disk only (`stage.prepare`)
     return stage.prepare(out, need=need)
 
 
@@ -80,7 +81,8 @@ def ckptflow_version() -> str:
 
 def provenance(plan: ConsolidationPlan, shards: Sequence[ShardResult]) -> dict[str, Any]:
     """The record written beside the model: where it came from and what each shard hashes to."""
-    root = os.path.abspath(local_path(plan.root)) if is_local(plan.root) else plan.root
+    local = os_path(plan.root)
+    root = os.path.abspath(local) if local is not None else plan.root
     return {
         "ckptflow_version": ckptflow_version(),
         "source": {

@@ -38,7 +38,7 @@ from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, cast_rows_into
 from ckptflow.formats.shard_check import verify_shard
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.plumbing.checksums import Digests, digests_for
+from ckptflow.plumbing.checksums import Digests
 from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import ShortRead, read_into, read_ranges
@@ -46,7 +46,9 @@ from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.staging import Staging, Written, written
 from ckptflow.plumbing.steps import Cancelled
-from ckptflow.plumbing.storage import is_local, local_path, open_fs, protocol
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores import store_for
+from ckptflow.plumbing.stores.local import os_path
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +118,12 @@ def run_job(job: ShardJob, *, progress: Progress | None = None, cancel: threadin
     batches = plan_batches([(s.dtype, s.begin, by_name[s.name].runs) for s in shard.slots], job.chunk_bytes)
     uri = job.uri
     fs, _ = open_fs(uri)
-    store = digests_for(protocol(fs), shard.file_size)
+    store = store_for(fs).digests(shard.file_size)
     tally = Tally(unit.nbytes * (2 if verify else 1), progress)
     wrote, checked = tally.part("write"), tally.part("check")
     stopped: Callable[[], bool] = cancel.is_set if cancel is not None else (lambda: False)
     started = time.monotonic()
-    if verify and is_local(uri):
+    if verify and os_path(uri) is not None:
         sha256 = _write_and_check(uri, shard, batches, wrote, stopped,
                                   lambda done: verify_shard(uri, unit.tensors, chunk_bytes=job.chunk_bytes,
                                                             progress=checked, written=done))
@@ -216,8 +218,9 @@ class _ShardWriter:
 
     def __init__(self, fh: Any, uri: str, shard: hf.SafetensorsFile, batches: Sequence[Batch],
                  store: Digests | None = None) -> None:
-        self.fh, self.uri, self.local, self.shard, self.batches = fh, uri, is_local(uri), shard, batches
-        self.direct = open_direct(local_path(uri)) if self.local else -1
+        path = os_path(uri)
+        self.fh, self.uri, self.local, self.shard, self.batches = fh, uri, path is not None, shard, batches
+        self.direct = open_direct(path) if path is not None else -1
         self.blocks: BlockWriter | None = None
         out_cap = max((b.out_nbytes for b in batches), default=0)
         count = max(1, min(3, len(batches)))
@@ -324,8 +327,9 @@ _datasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 def _open_output(uri: str) -> Any:
-    if is_local(uri):
-        return open(local_path(uri), "wb")
+    path = os_path(uri)
+    if path is not None:
+        return open(path, "wb")
     fs, path = open_fs(uri)
     return fs.open(path, "wb")
 
@@ -340,7 +344,7 @@ def _fill(batch: Batch, out: np.ndarray) -> None:
     """Copy (and cast) one batch's source bytes into `out` (uint8): local files by `preadv` (into `out`
     itself when the dtype stays, else piece by piece through a scratch buffer), other stores through
     one `fs.cat_ranges` round for the whole batch."""
-    remote = [i for i, c in enumerate(batch.copies) if not is_local(c.uri)]
+    remote = [i for i, c in enumerate(batch.copies) if os_path(c.uri) is None]
     try:
         fetched = read_ranges([(batch.copies[i].uri, batch.copies[i].start, batch.copies[i].end) for i in remote])
         blobs = dict(zip(remote, fetched))

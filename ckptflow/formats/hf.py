@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ckptflow.errors import CheckpointError, CorruptFileError
 from ckptflow.plumbing.files import check_regular, copy_regular, load_json, open_regular, read_regular, write_bytes
 from ckptflow.plumbing.sizes import element_count
-from ckptflow.plumbing.storage import is_local, join, open_fs
+from ckptflow.plumbing.storage import join, open_fs
 from ckptflow.plumbing.text import excerpt, one_line
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -309,7 +309,7 @@ def check_side_files(root: str, names: Sequence[str]) -> int:
     total = 0
     for name in names:
         uri = join(root, name)
-        total += check_regular(uri, inside=_inside(root), hint=_SIDE_HINT)
+        total += check_regular(uri, inside=root, hint=_SIDE_HINT)
         if name == CONFIG_NAME:
             rewrite_config(read_config(root), "float32", uri=uri)
     return total
@@ -317,7 +317,7 @@ def check_side_files(root: str, names: Sequence[str]) -> int:
 
 def read_config(root: str) -> bytes:
     """The bytes of `root`'s config.json: a regular file of at most `MAX_CONFIG_BYTES`."""
-    return read_regular(join(root, CONFIG_NAME), limit=MAX_CONFIG_BYTES, what="config.json", inside=_inside(root),
+    return read_regular(join(root, CONFIG_NAME), limit=MAX_CONFIG_BYTES, what="config.json", inside=root,
                         hint=_SIDE_HINT)
 
 
@@ -351,13 +351,8 @@ def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> d
             write_bytes(join(dest, name), raw)
             written[name] = len(raw)
         else:
-            written[name] = copy_regular(join(root, name), join(dest, name), inside=_inside(root), hint=_SIDE_HINT)
+            written[name] = copy_regular(join(root, name), join(dest, name), inside=root, hint=_SIDE_HINT)
     return written
-
-
-def _inside(root: str) -> str | None:
-    """Links in a local checkpoint folder must stay inside it."""
-    return root if is_local(root) else None
 
 
 __all__ = [

@@ -32,7 +32,8 @@ from ckptflow.plumbing.direct import BLOCK, O_DIRECT, aligned_buffer
 from ckptflow.plumbing.progress import Progress
 from ckptflow.plumbing.ranges import ShortRead, read_into
 from ckptflow.plumbing.redaction import describe
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores.local import os_path
 
 
 class SourceTensor(Protocol):
@@ -80,8 +81,8 @@ class _ShardBytes(_Bytes):
     writer has written: a window never keeps bytes past it."""
 
     def __init__(self, uri: str, window: int) -> None:
-        self.uri, self.window = uri, window
-        self.fd: int | None = None if O_DIRECT and is_local(uri) else -1  # opened at the first read
+        self.uri, self.window, self.path = uri, window, os_path(uri)
+        self.fd: int | None = None if O_DIRECT and self.path is not None else -1  # opened at the first read
         self.scratch = np.frombuffer(aligned_buffer(window + 2 * BLOCK), dtype=np.uint8)
         self.lo = self.hi = 0  # the scratch holds file bytes [lo, hi)
         self.written: int | None = None
@@ -94,7 +95,7 @@ class _ShardBytes(_Bytes):
     def _open(self) -> int:
         if self.fd is None:
             try:
-                self.fd = os.open(local_path(self.uri), os.O_RDONLY | O_DIRECT)
+                self.fd = os.open(self.path, os.O_RDONLY | O_DIRECT) if self.path is not None else -1
             except OSError:
                 self.fd = -1
         return self.fd
@@ -293,8 +294,9 @@ def _check_file(uri: str, expected: hf.SafetensorsFile) -> int:
     if size != expected.file_size:
         raise VerificationError(f"{uri} holds {size} bytes, expected {expected.file_size}", file=uri,
                                 expected=expected.file_size, actual=size, hint="the write was cut short; run again")
-    if is_local(uri):
-        _check_with_safetensors(local_path(uri), [s.name for s in expected.slots])
+    local = os_path(uri)
+    if local is not None:
+        _check_with_safetensors(local, [s.name for s in expected.slots])
     return size
 
 

@@ -2,17 +2,17 @@
 
 `Digests` hashes a stream once: sha256 (by default: it goes into manifests), crc32c when
 `google_crc32c` is present (GCS reports it for every object), md5 on request (S3 reports it as the
-ETag of a single-part object). `store_checksum(info)` picks the checksum an fsspec `info()` dict
-carries, if any, in the same encoding `Digests.matches` compares against; `stamp(info)` is what
-identifies one version of an object. The publish step checks uploads with them, and the conversion
-steps check each unit's output before the commit marker is written (`plumbing.staging`).
+ETag of a single-part object). Which checksum a store reports and where its `info()` carries it, which
+is worth hashing while writing, and what stamps one version of an object are the store's own traits
+(`plumbing.stores`: `Store.checksum(info)`, `Store.digests(size)`, `Store.stamp(info)`); a stamp is
+compared here (`stamps_match`). The publish step checks uploads with them, and the conversion steps
+check each unit's output before the commit marker is written (`plumbing.staging`).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +20,6 @@ try:
     import google_crc32c
 except ImportError:  # pragma: no cover - gcsfs depends on it
     google_crc32c = None
-
-_S3_SINGLE_PART_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')
-
-# Keys of an fsspec info() dict that change whenever the object is rewritten.
-_STAMP_KEYS = ("generation", "crc32c", "md5Hash", "ETag", "etag", "VersionId", "mtime", "LastModified", "created")
 
 
 @dataclass(frozen=True)
@@ -86,51 +81,8 @@ class Digests:
         return False
 
 
-# s3fs sends an object smaller than its block size (50 MiB by default) as one PUT, whose ETag is the md5
-# of the content; a larger one goes in parts, whose ETag is not.
-_S3_ONE_PUT_BYTES = 50 * 2**20
-
-
-def digests_for(protocol: str, size: int) -> Digests | None:
-    """Digests worth computing while writing `size` bytes to a store of `protocol`: those the store
-    will report back (GCS: crc32c; S3: the md5 of an object sent in one PUT). None for stores that
-    report no content checksum (local files, memory), where a written file is known by its stamp."""
-    if protocol in ("gs", "gcs"):
-        return Digests(sha256=False, crc32c=True)
-    if protocol in ("s3", "s3a") and size < _S3_ONE_PUT_BYTES:
-        return Digests(sha256=False, crc32c=False, md5=True)
-    return None
-
-
-def store_checksum(info: dict[str, Any], *, prefer_md5: bool = False) -> StoreChecksum | None:
-    """The content checksum in an fsspec `info()` dict: GCS crc32c or md5Hash, or the md5 ETag of a
-    single-part S3 object. None when the store reports none (local files, memory, S3 multipart)."""
-    candidates: list[StoreChecksum] = []
-    if isinstance(info.get("crc32c"), str):
-        candidates.append(StoreChecksum("crc32c", info["crc32c"]))
-    if isinstance(info.get("md5Hash"), str):
-        candidates.append(StoreChecksum("md5-base64", info["md5Hash"]))
-    match = _S3_SINGLE_PART_ETAG.match(str(info.get("ETag", "")))
-    if match:
-        candidates.append(StoreChecksum("md5-hex", match.group(1)))
-    if prefer_md5:
-        candidates.sort(key=lambda c: not c.kind.startswith("md5"))
-    return candidates[0] if candidates else None
-
-
-def stamp(info: dict[str, Any]) -> dict[str, str]:
-    """What identifies this version of the object at the store (size, generation, ETag, mtime ...).
-
-    Equal stamps mean the object was not rewritten since the stamp was taken."""
-    out = {"size": str(info.get("size"))}
-    for key in _STAMP_KEYS:
-        if info.get(key) is not None:
-            out[key] = str(info[key])
-    return out
-
-
 def valid_stamp(value: Any) -> bool:
-    """Whether `value` is a stamp as `stamp` makes them: an object of strings with a size."""
+    """Whether `value` is a stamp as `Store.stamp` makes them (`plumbing.stores`): an object of strings with a size."""
     return isinstance(value, dict) and "size" in value and all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
@@ -139,4 +91,5 @@ def stamps_match(recorded: dict[str, str], current: dict[str, str]) -> bool:
     """Whether `current` is the same object version as `recorded`: equal size and equal values for
     every identity key both have (a listing and a HEAD may report different sets), at least one."""
     common = (recorded.keys() & current.keys()) - {"size"}
-    return recorded.get("size") == current.get("size") and bool(common) and all(recorded[k] == current[k] for k in common)
+    return (recorded.get("size") == current.get("size") and bool(common)
+            and all(recorded[k] == current[k] for k in common))

@@ -35,7 +35,8 @@ from ckptflow.errors import CheckpointNotFoundError, CkptflowError, OutputError,
 from ckptflow.plumbing.direct import BLOCK, BlockWriter, aligned_buffer, open_direct
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores.local import os_path
 from ckptflow.plumbing.text import excerpt
 
 # JSON we parse (configs, provenance, manifests, safetensors headers) nests a handful of levels.
@@ -67,18 +68,19 @@ def _within(path: str, root: str) -> bool:
 
 def check_regular(uri: str, *, inside: str | None = None, hint: str | None = None) -> int:
     """The size of the regular file at `uri`; `UnsafeInputError` (or `CheckpointNotFoundError` when
-    nothing is there) for anything else. With `inside`, a local link must resolve inside that folder."""
+    nothing is there) for anything else. With `inside`, a local link must resolve inside that folder (an
+    `inside` in a store, where there are no links, is no constraint)."""
     hint = hint or "replace it with a regular file or remove it"
-    if not is_local(uri):
-        fs, path = open_fs(uri)
+    path = os_path(uri)
+    if path is None:
+        fs, key = open_fs(uri)
         try:
-            info = fs.info(path)
+            info = fs.info(key)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{uri} does not exist", file=uri, hint=hint) from None
         if info.get("type", "file") != "file":
             raise UnsafeInputError(f"{uri} is a folder, not a file", code="not-a-regular-file", file=uri, hint=hint)
         return int(info.get("size") or 0)
-    path = local_path(uri)
     try:
         link = os.lstat(path)
     except FileNotFoundError:
@@ -94,7 +96,8 @@ def check_regular(uri: str, *, inside: str | None = None, hint: str | None = Non
                                    code="not-a-regular-file", file=uri, hint=hint) from None
     else:
         st = link
-    if inside is not None and not _within(os.path.realpath(path), os.path.realpath(local_path(inside))):
+    root = None if inside is None else os_path(inside)
+    if root is not None and not _within(os.path.realpath(path), os.path.realpath(root)):
         raise UnsafeInputError(
             f"{uri} leads to {excerpt(os.path.realpath(path), 120)} through a symbolic link, outside {inside}",
             code="link-outside", file=uri, hint="copy the file into the folder or remove the link",
@@ -109,12 +112,13 @@ def check_regular(uri: str, *, inside: str | None = None, hint: str | None = Non
 def open_regular(uri: str, *, inside: str | None = None, hint: str | None = None) -> Iterator[IO[bytes]]:
     """The regular file at `uri` open for reading (see `check_regular`)."""
     check_regular(uri, inside=inside, hint=hint)
-    if not is_local(uri):
-        fs, path = open_fs(uri)
-        with fs.open(path, "rb") as fh:
+    path = os_path(uri)
+    if path is None:
+        fs, key = open_fs(uri)
+        with fs.open(key, "rb") as fh:
             yield fh
         return
-    fd = os.open(local_path(uri), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # swapped after the check
@@ -134,7 +138,7 @@ def read_regular(uri: str, *, limit: int, what: str = "file", inside: str | None
     """The bytes of the regular file at `uri`, at most `limit` of them: a larger file is refused
     (`UnsafeInputError`, code `too-large`) without being read."""
     with open_regular(uri, inside=inside, hint=hint) as fh:
-        size = os.fstat(fh.fileno()).st_size if is_local(uri) else None
+        size = os.fstat(fh.fileno()).st_size if os_path(uri) is not None else None
         data = fh.read(limit + 1) if size is None or size <= limit else b""
         if size is not None and size > limit or len(data) > limit:
             raise UnsafeInputError(
@@ -157,19 +161,20 @@ def copy_regular(src: str, dst: str, *, inside: str | None = None, hint: str | N
     or more copied to a local `dst` is written with direct I/O where the file system takes it
     (`_copy_direct`)."""
     dst_fs, dst_path = open_fs(dst)
+    local_dst = os_path(dst)
     copied = 0
     with open_regular(src, inside=inside, hint=hint) as fin:
         try:
             dst_fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
-            if is_local(src) and is_local(dst) and os.fstat(fin.fileno()).st_size >= DIRECT_MIN:
-                direct = _copy_direct(fin, src, local_path(dst), chunk, durable)
+            if os_path(src) is not None and local_dst is not None and os.fstat(fin.fileno()).st_size >= DIRECT_MIN:
+                direct = _copy_direct(fin, src, local_dst, chunk, durable)
                 if direct is not None:
                     return direct
             with dst_fs.open(dst_path, "wb") as fout:
                 while data := _read(fin, src, chunk):
                     fout.write(data)
                     copied += len(data)
-                if durable and is_local(dst):
+                if durable and local_dst is not None:
                     fout.flush()
                     os.fsync(fout.fileno())
         except CkptflowError:
@@ -244,11 +249,11 @@ def write_bytes(dst: str, data: bytes) -> None:
     over `dst` (so a reader never sees half of it, and a link or FIFO already at `dst` is replaced,
     never written through), elsewhere as one object. An `OutputError` when that fails."""
     fs, path = open_fs(dst)
+    target = os_path(dst)
     try:
-        if not is_local(dst):
+        if target is None:
             fs.pipe_file(path, data)
             return
-        target = local_path(dst)
         folder = os.path.dirname(os.path.abspath(target))
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)

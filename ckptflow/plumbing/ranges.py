@@ -22,7 +22,8 @@ import fsspec
 
 from ckptflow.errors import CorruptFileError, SourceReadError
 from ckptflow.plumbing.redaction import describe
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores.local import os_path
 
 # A local source is opened without blocking, so that a FIFO swapped in for a checked file cannot hang
 # the open (a read from it then fails); for a regular file the flag changes nothing.
@@ -64,11 +65,11 @@ class RangeReader:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def _fd(self, uri: str) -> int:
+    def _fd(self, path: str) -> int:
         fds: dict[str, int] = self._local.__dict__.setdefault("fds", {})
-        fd = fds.get(uri)
+        fd = fds.get(path)
         if fd is None:
-            fd = fds[uri] = os.open(local_path(uri), READ_FLAGS)
+            fd = fds[path] = os.open(path, READ_FLAGS)
             with self._lock:
                 self._opened.append(fd)
         return fd
@@ -82,10 +83,11 @@ class RangeReader:
         for uri, start, view in reads:
             if not len(view):
                 continue
-            if not is_local(uri):
+            path = os_path(uri)
+            if path is None:
                 remote.append((uri, start, view))
                 continue
-            fd, pos = self._fd(uri), 0
+            fd, pos = self._fd(path), 0
             while pos < len(view):
                 n = os.preadv(fd, [view[pos:]], start + pos)
                 if n <= 0:
@@ -103,10 +105,11 @@ class RangeReader:
         out: list[bytes] = [b""] * len(ranges)
         remote = []
         for i, (uri, start, end) in enumerate(ranges):
-            if not is_local(uri):
+            path = os_path(uri)
+            if path is None:
                 remote.append(i)
             elif end > start:
-                out[i] = os.pread(self._fd(uri), end - start, start)
+                out[i] = os.pread(self._fd(path), end - start, start)
                 if len(out[i]) != end - start:
                     raise ShortRead(uri, start, end, len(out[i]))
         for i, blob in zip(remote, _cat_ranges([ranges[i] for i in remote])):

@@ -2,11 +2,12 @@
 
 `is_transient(exc)` is a plain function of the exception, so Prefect can take it as a
 `retry_condition_fn` as it is. It looks for an HTTP status code on the exception or anything it was
-raised from (gcsfs `HttpError.code`, aiohttp `ClientResponseError.status`, botocore
-`ClientError.response`, requests / httpx / `HfHubHTTPError` `.response.status_code`) and decides by
-the code alone: 408, 429 and 5xx are transient, every other code is not. Without a code, resets,
-dropped connections, truncated bodies and timeouts are transient; anything else is not. Base classes
-say nothing here: `HfHubHTTPError` and gcsfs's 403 are both `OSError`s.
+raised from (`plumbing.failures.status_code`: gcsfs `HttpError.code`, aiohttp
+`ClientResponseError.status`, botocore `ClientError.response`, requests / httpx / `HfHubHTTPError`
+`.response.status_code`) and decides by the code alone: 408, 429 and 5xx are transient, every other
+code is not. Without a code, resets, dropped connections, truncated bodies and timeouts (of the HTTP
+libraries here, and of each store's own client: `Store.connection_failures`) are transient; anything
+else is not. Base classes say nothing here: `HfHubHTTPError` and gcsfs's 403 are both `OSError`s.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ckptflow.errors import CkptflowError, UploadMismatchError, UploadSessionError
+from ckptflow.plumbing.failures import causes, status_code
+from ckptflow.plumbing.stores import backends
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +31,9 @@ T = TypeVar("T")
 # 501 (Not Implemented) and 505 (HTTP Version Not Supported) do not get better with time.
 _PERMANENT_5XX = frozenset({501, 505})
 
-# Exception classes that mean "the connection failed or timed out", by module. They are looked up
-# only in modules already imported: an exception from a library exists only once it is imported.
+# Exception classes of the HTTP libraries that mean "the connection failed or timed out", by module;
+# each store adds its own client's (`Store.connection_failures`). They are looked up only in modules
+# already imported: an exception from a library exists only once it is imported.
 _CONNECTION_FAILURES: dict[str, tuple[str, ...]] = {
     "http.client": ("IncompleteRead", "RemoteDisconnected"),
     "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
@@ -37,7 +41,6 @@ _CONNECTION_FAILURES: dict[str, tuple[str, ...]] = {
     "urllib3.exceptions": ("ProtocolError", "TimeoutError", "NewConnectionError"),
     "httpx": ("TimeoutException", "NetworkError", "RemoteProtocolError"),
     "httpx2": ("TimeoutException", "NetworkError", "RemoteProtocolError"),
-    "botocore.exceptions": ("HTTPClientError", "ConnectionError"),
 }
 
 
@@ -58,21 +61,6 @@ class RetryPolicy:
             raise ValueError(f"attempts must be at least 1, got {self.attempts}")
         if self.base_delay < 0 or self.max_delay < 0:
             raise ValueError(f"delays must be >= 0, got base {self.base_delay}, max {self.max_delay}")
-
-
-def status_code(exc: BaseException) -> int | None:
-    """The HTTP status code carried by `exc` itself, or None."""
-    for value in (getattr(exc, "code", None), getattr(exc, "status", None)):
-        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
-            return value
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):  # botocore ClientError
-        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return value if isinstance(value, int) else None
-    if response is not None:  # requests, httpx, HfHubHTTPError
-        value = getattr(response, "status_code", None)
-        return value if isinstance(value, int) else None
-    return None
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -122,23 +110,10 @@ def retry_call(
             attempt += 1
 
 
-def causes(exc: BaseException) -> Iterator[BaseException]:
-    """`exc`, then what it was raised from or during, outermost first (cycles cut)."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        yield link
-        if link.__cause__ is not None:
-            link = link.__cause__
-        else:
-            link = None if link.__suppress_context__ else link.__context__
-
-
 def _is_connection_failure(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
-    for module_name, class_names in _CONNECTION_FAILURES.items():
+    for module_name, class_names in _connection_failures():
         module = sys.modules.get(module_name)
         if module is None:
             continue
@@ -147,3 +122,8 @@ def _is_connection_failure(exc: BaseException) -> bool:
             if isinstance(cls, type) and isinstance(exc, cls):
                 return True
     return False
+
+
+def _connection_failures() -> list[tuple[str, tuple[str, ...]]]:
+    tables: list[Mapping[str, tuple[str, ...]]] = [_CONNECTION_FAILURES, *(s.connection_failures for s in backends())]
+    return [item for table in tables for item in table.items()]

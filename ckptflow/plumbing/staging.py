@@ -34,9 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptflow.errors import OutputError, VerificationError
-from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamp, stamps_match, store_checksum
+from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamps_match
 from ckptflow.plumbing.redaction import describe
-from ckptflow.plumbing.storage import check_space, is_local, local_path, open_fs
+from ckptflow.plumbing.storage import check_space, open_fs
+from ckptflow.plumbing.stores import store_for
+from ckptflow.plumbing.stores.local import os_path
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ def prepare(out: str, *, need: int = 0) -> Staging:
     fs, path = open_fs(out)
     parent, name = posixpath.split(path.rstrip("/"))
     hidden = f".{name}{MARKER}{uuid.uuid4().hex[:12]}{SUFFIX}"
-    if is_local(out) and need:
+    if os_path(out) is not None and need:
         check_space(parent or ".", need, out)
     head, sep, _ = out.rstrip("/").rpartition("/")
     uri = f"{head}/{hidden}" if sep else hidden  # beside OUT, spelled as OUT is (scheme, relative path)
@@ -135,8 +137,9 @@ def commit(staging: Staging, *, first: Sequence[str] = (), last: Sequence[str] =
     copied `first` first, in that order, then the rest, then `last` in that order. Raises `OutputError`
     when OUT appeared meanwhile or a move fails; the staging folder is then left for `abort`."""
     check_out_free(staging.out)
-    if is_local(staging.uri) and is_local(staging.out):
-        _commit_local(local_path(staging.uri), local_path(staging.out), durable)
+    here, there = os_path(staging.uri), os_path(staging.out)
+    if here is not None and there is not None:
+        _commit_local(here, there, durable)
         return
     fs, src = open_fs(staging.uri)
     _, dst = open_fs(staging.out)
@@ -221,7 +224,8 @@ def written(staging: Staging | str, name: str, size: int, digests: Digests | Non
     fs, path = open_fs(uri)
     fs.invalidate_cache(path)
     info = fs.info(path)
-    return Written(name, size, digests.checksums() if digests is not None else (), tuple(sorted(stamp(info).items())))
+    return Written(name, size, digests.checksums() if digests is not None else (),
+                   tuple(sorted(store_for(fs).stamp(info).items())))
 
 
 def check_written(staging: Staging, files: Sequence[Written], sizes: Mapping[str, int]) -> None:
@@ -230,6 +234,7 @@ def check_written(staging: Staging, files: Sequence[Written], sizes: Mapping[str
     Reads only metadata. Raises `VerificationError` naming the first file that is not."""
     fs, root = open_fs(staging.uri)
     fs.invalidate_cache(root)
+    store = store_for(fs)
     by_name = {w.name: w for w in files}
     for name, size in sizes.items():
         got = by_name.get(name)
@@ -246,7 +251,7 @@ def check_written(staging: Staging, files: Sequence[Written], sizes: Mapping[str
             raise VerificationError(
                 f"{staging.join(name)} holds {found} bytes; its unit wrote {got.size} and the plan says {size}",
                 file=staging.join(name), expected=size, actual=found, hint="the write was cut short; run again")
-        reported = store_checksum(info)
+        reported = store.checksum(info)
         mine = {c.kind: c.value for c in got.checksums}
         if reported is not None and reported.kind in mine:
             if mine[reported.kind] != reported.value:
@@ -255,10 +260,10 @@ def check_written(staging: Staging, files: Sequence[Written], sizes: Mapping[str
                     f"bytes whose {reported.kind} is {mine[reported.kind]}", file=staging.join(name),
                     expected=mine[reported.kind], actual=reported.value, hint="the object changed or was damaged "
                     "on the way; run again")
-        elif got.stamp and not stamps_match(dict(got.stamp), stamp(info)):
+        elif got.stamp and not stamps_match(dict(got.stamp), store.stamp(info)):
             raise VerificationError(
                 f"{staging.join(name)} is not the object its unit wrote (written as {dict(got.stamp)}, now "
-                f"{stamp(info)})", file=staging.join(name), hint="another process rewrote it; run again")
+                f"{store.stamp(info)})", file=staging.join(name), hint="another process rewrote it; run again")
 
 
 def abort(staging: Staging | None) -> None:

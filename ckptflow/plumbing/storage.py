@@ -3,6 +3,8 @@
 URIs stay strings everywhere in ckptflow; this module is the one place that turns them into an fsspec
 filesystem, through `fsspec.core.url_to_fs`, so the user's fsspec configuration (FSSPEC_GCS_TOKEN,
 FSSPEC_S3_ENDPOINT_URL, config files) applies to `gs://`, `s3://`, `memory://` and local paths alike.
+What each kind of store is (checksums, stamps, limits, local or not) is `plumbing.stores`; a local fast
+path asks `plumbing.stores.local.os_path`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from fsspec.core import url_to_fs
 
 from ckptflow.errors import OutputError
 from ckptflow.plumbing.sizes import format_size
+from ckptflow.plumbing.stores import protocol as protocol
+from ckptflow.plumbing.stores.local import is_local as is_local  # kept importable from here for callers
+from ckptflow.plumbing.stores.local import local_path as local_path  # not yet moved to `stores.local`
+from ckptflow.plumbing.stores.local import os_path
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -41,22 +47,6 @@ def join(uri: str, *parts: str) -> str:
     return out
 
 
-def is_local(uri: str) -> bool:
-    """True when `uri` is a plain path or a `file://` URL."""
-    return "://" not in uri or uri.startswith("file://")
-
-
-def local_path(uri: str) -> str:
-    """The local path of a plain path or `file://` URL."""
-    return uri[len("file://"):] if uri.startswith("file://") else uri
-
-
-def protocol(fs: fsspec.AbstractFileSystem) -> str:
-    """The filesystem's main protocol name ('file', 'gs', 's3', 'memory', ...)."""
-    proto = fs.protocol
-    return str(proto[0] if isinstance(proto, (tuple, list)) else proto)
-
-
 def unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """A URI for `path` inside `fs`, usable with `open_fs` again."""
     proto = protocol(fs)
@@ -76,7 +66,7 @@ def map_files(fn: Callable[[T], R], items: Sequence[T], uris: Sequence[str]) -> 
     threads too."""
     if len(items) < 2:
         return [fn(item) for item in items]
-    if not all(is_local(uri) for uri in uris):
+    if any(os_path(uri) is None for uri in uris):
         return _on_threads(fn, items)
     out: list[R] = []
     waited = computed = 0.0

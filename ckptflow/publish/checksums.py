@@ -1,6 +1,7 @@
 """The hashes and store checksums the publish step compares: `ckptflow.plumbing.checksums`, which the
-conversion steps share (a unit's output is checked against the store's checksum before commit)."""
+conversion steps share (a unit's output is checked against the store's checksum before commit); what
+each store reports and stamps is its own (`ckptflow.plumbing.stores`)."""
 
-from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamp, stamps_match, store_checksum, valid_stamp
+from ckptflow.plumbing.checksums import Digests, StoreChecksum, stamps_match, valid_stamp
 
-__all__ = ["Digests", "StoreChecksum", "stamp", "stamps_match", "store_checksum", "valid_stamp"]
+__all__ = ["Digests", "StoreChecksum", "stamps_match", "valid_stamp"]

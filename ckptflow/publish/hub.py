@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,11 +29,14 @@ from typing import Any
 from ckptflow.errors import CkptflowError, PublishError
 from ckptflow.formats.hf import PROVENANCE_NAME, read_safetensors_header
 from ckptflow.plumbing.checksums import Digests
+from ckptflow.plumbing.failures import causes, status_code
 from ckptflow.plumbing.files import load_json, open_regular, read_regular
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
-from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores import hub as hub_store
+from ckptflow.plumbing.stores.local import os_path
 from ckptflow.plumbing.text import excerpt, one_line
 from ckptflow.publish.source import PushResult, SourceFile, list_source
 
@@ -164,21 +167,24 @@ class _Hub:
     def ensure_repo(self, private: bool) -> None:
         """The repo and the branch, created when missing."""
         t = self.target
-        if not self.attempt(lambda: self.api.repo_exists(t.repo_id, repo_type=t.repo_type), f"look up the repo {self.shown}"):
+        if not self.attempt(lambda: self.api.repo_exists(t.repo_id, repo_type=t.repo_type),
+                            f"look up the repo {self.shown}"):
             self.attempt(lambda: self.api.create_repo(t.repo_id, repo_type=t.repo_type, private=private, exist_ok=True),
                          f"create the repo {self.shown}")
         if self.revision != "main":
             self.attempt(lambda: self.api.create_branch(t.repo_id, branch=self.revision, repo_type=t.repo_type,
-                                                        exist_ok=True), f"create the branch {self.revision} of {self.shown}")
+                                                        exist_ok=True),
+                         f"create the branch {self.revision} of {self.shown}")
 
     def unchanged(self, contents: _Contents) -> set[str]:
         """The files the revision already holds with the same bytes."""
         remote = self.attempt(lambda: _remote_files(self.api, self.target, self.revision),
                               f"list the files of {self.shown}@{self.revision}")
-        same = {f.path for f in contents.files if _same_on_hub(remote.get(f.path), (contents.folder / f.path).read_bytes,
-                                                               f.size, contents.hashes[f.path])}
+        same = {f.path for f in contents.files
+                if hub_store.holds(remote.get(f.path), (contents.folder / f.path).read_bytes, f.size,
+                                   contents.hashes[f.path])}
         card = contents.card
-        if card is not None and _same_on_hub(remote.get("README.md"), lambda: card, len(card),
+        if card is not None and hub_store.holds(remote.get("README.md"), lambda: card, len(card),
                                              hashlib.sha256(card).hexdigest()):
             same.add("README.md")
         return same
@@ -222,7 +228,8 @@ def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str
     ]
     front = ["---", *(["library_name: transformers"] if config else []), "tags:", "- ckptflow", "---"]
     lines = [*front, "", f"# {repo_id.split('/')[-1]}", ""]
-    lines.append("Consolidated from a DeepSpeed checkpoint and published with ckptflow." if record else "Published with ckptflow.")
+    lines.append("Consolidated from a DeepSpeed checkpoint and published with ckptflow." if record
+                 else "Published with ckptflow.")
     lines += ["", "| | |", "|---|---|"]
     lines += [f"| {name} | {_cell(value) if value is not None else 'not recorded'} |" for name, value in rows]
     lines += ["", "## Files", "", "| File | Bytes |", "|---|---:|"]
@@ -246,8 +253,9 @@ def _cell(value: Any) -> str:
 @contextmanager
 def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
     """`src` as a local folder: itself when local, else a temporary download removed afterwards."""
-    if is_local(src):
-        yield Path(local_path(src))
+    path = os_path(src)
+    if path is not None:
+        yield Path(path)
         return
     fs, root = open_fs(src)
     tmp = Path(tempfile.mkdtemp(prefix="ckptflow-hub-"))
@@ -277,18 +285,6 @@ def _remote_files(api: Any, target: HubTarget, revision: str) -> dict[str, Any]:
 
     entries = api.list_repo_tree(target.repo_id, recursive=True, revision=revision, repo_type=target.repo_type)
     return {e.path: e for e in entries if isinstance(e, RepoFile)}
-
-
-def _same_on_hub(remote: Any, read: Callable[[], bytes], size: int, sha256: str) -> bool:
-    """Whether the Hub's `remote` file (a RepoFile or None) holds these bytes: by LFS sha256, or by
-    git blob id for regular files (small, so `read()` is cheap)."""
-    if remote is None or remote.size != size:
-        return False
-    if remote.lfs is not None:
-        return remote.lfs.sha256 == sha256
-    from huggingface_hub.utils.sha import git_hash
-
-    return remote.blob_id == git_hash(read())
 
 
 @contextmanager

@@ -36,7 +36,9 @@ from ckptflow.errors import PublishError
 from ckptflow.plumbing.files import load_json, read_regular
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.retry import RetryPolicy, retry_call
-from ckptflow.plumbing.storage import is_local, join, local_path, protocol, unstrip
+from ckptflow.plumbing.storage import join, unstrip
+from ckptflow.plumbing.stores import store_for
+from ckptflow.plumbing.stores.local import local_path
 from ckptflow.plumbing.text import excerpt
 from ckptflow.publish.manifest import LEASE_NAME
 from ckptflow.publish.source import failure_advice, failure_reason
@@ -57,7 +59,7 @@ def _holder() -> dict[str, Any]:
 
 def _create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Create `path` holding `data` only if nothing is there: `FileExistsError` otherwise."""
-    if protocol(fs) in ("file", "local"):
+    if store_for(fs).local:
         fd = os.open(local_path(unstrip(fs, path)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -68,7 +70,7 @@ def _create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 def _read(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
     """The lease at `path` as written ({} when it is gone or cannot be read)."""
     try:
-        if is_local(unstrip(fs, path)):
+        if store_for(fs).local:
             raw = read_regular(unstrip(fs, path), limit=MAX_LEASE_BYTES, what="lease")
         else:
             raw = fs.cat_file(path, start=0, end=MAX_LEASE_BYTES)
@@ -109,14 +111,15 @@ def hold_lease(fs: fsspec.AbstractFileSystem, root: str, dest: str, *, break_lea
             except FileNotFoundError:
                 pass
     try:
-        if protocol(fs) in ("file", "local"):
+        if store_for(fs).local:
             fs.makedirs(root, exist_ok=True)
         retry_call(lambda: _create(fs, path, data), policy)
     except FileExistsError:
         held = _read(fs, path)
         if held.get("id") != mine["id"]:  # not our own create, retried after its answer was lost
             raise PublishError(
-                f"another push to {dest} is in progress: {shown} is held by {describe_holder(held)}", code="push-in-progress",
+                f"another push to {dest} is in progress: {shown} is held by {describe_holder(held)}",
+                code="push-in-progress",
                 uri=dest, file=LEASE_NAME,
                 hint="wait for it to finish; if that push died, run again with --break-lease",
             ) from None

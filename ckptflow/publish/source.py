@@ -17,10 +17,11 @@ from typing import Any
 import fsspec
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError, PublishError, UploadMismatchError
+from ckptflow.plumbing.failures import causes, status_code
 from ckptflow.plumbing.files import check_regular, open_regular
 from ckptflow.plumbing.redaction import describe, redact
-from ckptflow.plumbing.retry import RetryPolicy, causes, is_transient, retry_call, status_code
-from ckptflow.plumbing.storage import is_local, open_fs, unstrip
+from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
+from ckptflow.plumbing.storage import open_fs, unstrip
 from ckptflow.publish.manifest import LEASE_NAME, MANIFEST_NAME, PARTIAL_RECORD_NAME
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class SourceFile:
     size: int
 
 
-def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
+def list_source(src: str, *, retry: RetryPolicy | None = None
+                ) -> tuple[fsspec.AbstractFileSystem, str, tuple[SourceFile, ...]]:
     """The filesystem of `src`, its root, and every file under it, sorted by path.
 
     A manifest or partial record at the top of `src` is left out: a push writes its own."""
@@ -61,7 +63,8 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
         if not fs.exists(root):
             return None
         if not fs.isdir(root):
-            raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown, hint="push the folder that holds it")
+            raise CheckpointError(f"SRC {shown} is a file, not a folder", uri=shown,
+                                  hint="push the folder that holds it")
         found: dict[str, dict[str, Any]] = fs.find(root, withdirs=False, detail=True)
         return found
 
@@ -71,7 +74,8 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
         raise
     except Exception as exc:
         raise PublishError(
-            f"could not list SRC {shown}: {failure_reason(exc, policy)}", uri=shown, hint=failure_advice(exc, of_source=True)
+            f"could not list SRC {shown}: {failure_reason(exc, policy)}", uri=shown,
+            hint=failure_advice(exc, of_source=True),
         ) from None
     if found is None:
         raise CheckpointNotFoundError(f"SRC {shown} does not exist", uri=shown, hint="check the path or URL")
@@ -84,7 +88,7 @@ def list_source(src: str, *, retry: RetryPolicy | None = None) -> tuple[fsspec.A
             continue
         size = int(info["size"])
         if info.get("type", "file") != "file" or info.get("islink"):  # local FIFOs, devices, links: look closer
-            size = check_regular(unstrip(fs, path), inside=src if is_local(src) else None, hint=_SPECIAL_HINT)
+            size = check_regular(unstrip(fs, path), inside=src, hint=_SPECIAL_HINT)
         files.append(SourceFile(path=rel, size=size))
     if not files:
         raise CheckpointNotFoundError(f"SRC {shown} holds no files", uri=shown, hint="nothing to push")

@@ -47,13 +47,14 @@ from ckptflow.errors import (
     UploadSessionError,
     VerificationError,
 )
-from ckptflow.plumbing.checksums import Digests, stamp, stamps_match, store_checksum, valid_stamp
+from ckptflow.plumbing.checksums import Digests, stamps_match, valid_stamp
 from ckptflow.plumbing.files import load_json, read_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.redaction import describe, redact
-from ckptflow.plumbing.retry import RetryPolicy, causes, retry_call, status_code
+from ckptflow.plumbing.retry import RetryPolicy, retry_call
 from ckptflow.plumbing.steps import Cancelled, run_units
-from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
+from ckptflow.plumbing.storage import join, open_fs, unstrip
+from ckptflow.plumbing.stores import store_for
 from ckptflow.plumbing.text import one_line
 from ckptflow.publish.lease import hold_lease
 from ckptflow.publish.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PARTIAL_RECORD_NAME, Manifest, ManifestEntry
@@ -75,7 +76,6 @@ T = TypeVar("T")
 # at least 5 MiB (S3 parts).
 UPLOAD_BLOCK = 50 * 2**20
 PARTIAL_FLUSH_SECONDS = 1.0
-_LOCAL_PROTOCOLS = ("file", "local")
 
 
 def push_to_store(
@@ -195,7 +195,8 @@ class _PartialRecord:
             except Exception as exc:
                 with self._lock:
                     self._dirty = True
-                logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path, describe(exc))
+                logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path,
+                               describe(exc))
 
 
 def _valid_entry(entry: Any) -> bool:
@@ -228,9 +229,10 @@ class _StorePush:
         self.progress = progress
         self.tally = Tally(0)
         self.policy = policy
-        self.local_dest = protocol(dest_fs) in _LOCAL_PROTOCOLS
-        self.local_src = protocol(src_fs) in _LOCAL_PROTOCOLS
-        self.want_md5 = protocol(dest_fs) in ("s3", "s3a")  # S3 reports md5 (ETag); GCS crc32c
+        self.store = store_for(dest_fs)
+        self.local_dest = self.store.local
+        self.local_src = store_for(src_fs).local
+        self.want_md5 = self.store.reports_md5  # S3 reports md5 (ETag); GCS crc32c
         self.cancelled = threading.Event()
         self.source_digests: dict[str, Digests] = {}
         self.published: dict[str, ManifestEntry] = {}
@@ -260,10 +262,12 @@ class _StorePush:
                 logger.info("%s holds another version: removing its manifest before replacing files", self.dest)
                 self.partial.adopt(previous.files)
                 self.partial.flush()
-                self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at", path=MANIFEST_NAME)
+                self._retry(lambda: self.dest_fs.rm_file(manifest_path), what=f"remove the old {MANIFEST_NAME} at",
+                            path=MANIFEST_NAME)
         with self.partial.flushing():
             outcomes = self._map(self._publish_file, files)
-        manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp) for o in outcomes)
+        manifest = Manifest.of(ManifestEntry(path=o.path, size=o.size, sha256=o.sha256, stamp=o.stamp)
+                               for o in outcomes)
         if manifest != previous or any(o.uploaded for o in outcomes):
             self._write_manifest(manifest_path, manifest)
         self._clean_up(previous, manifest)
@@ -284,18 +288,20 @@ class _StorePush:
         sha256 = self._already_there(f, info) if info is not None else None
         if sha256 is not None:
             logger.debug("%s already at DEST, verified", f.path)
-            self.partial.record(f.path, f.size, sha256, stamp(info), uploaded=False)
+            self.partial.record(f.path, f.size, sha256, self.store.stamp(info), uploaded=False)
             self.tally.part(f.path)(f.size, f.size)
-            return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=False)
+            return _Outcome(f.path, f.size, sha256, self.store.stamp(info), uploaded=False)
 
         def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
-            logger.warning("upload of %s failed (%s); try %d of %d in %.1fs", f.path, describe(exc), attempt + 1, self.policy.attempts, delay)
+            logger.warning("upload of %s failed (%s); try %d of %d in %.1fs", f.path, describe(exc), attempt + 1,
+                           self.policy.attempts, delay)
             self.tally.part(f.path)(0, f.size)  # the file starts over
 
-        sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path, on_retry=on_retry)
-        self.partial.record(f.path, f.size, sha256, stamp(info), uploaded=True)
+        sha256, info = self._retry(lambda: self._upload(f, dest_path), what=f"upload {f.path} to", path=f.path,
+                                   on_retry=on_retry)
+        self.partial.record(f.path, f.size, sha256, self.store.stamp(info), uploaded=True)
         self.tally.part(f.path)(f.size, f.size)
-        return _Outcome(f.path, f.size, sha256, stamp(info), uploaded=True)
+        return _Outcome(f.path, f.size, sha256, self.store.stamp(info), uploaded=True)
 
     def _already_there(self, f: SourceFile, info: dict[str, Any]) -> str | None:
         """The sha256 of `f` when the object at DEST provably holds its bytes, else None.
@@ -304,13 +310,13 @@ class _StorePush:
         record (partial record or manifest) of the object as verified, with the same stamp now."""
         if int(info.get("size", -1)) != f.size:
             return None
-        checksum = store_checksum(info, prefer_md5=self.want_md5)
+        checksum = self.store.checksum(info)
         if checksum is not None and (checksum.kind != "crc32c" or Digests().can_check(checksum)):
             digests = self.source_digests.get(f.path)
             if digests is None or not digests.can_check(checksum):
                 digests = self._hash_source(f, md5=checksum.kind != "crc32c")
             return digests.sha256 if digests.matches(checksum) else None
-        current = stamp(info)
+        current = self.store.stamp(info)
         staged, published = self.partial.get(f.path), self.published.get(f.path)
         if staged is not None and stamps_match(staged["stamp"], current):
             recorded = staged["sha256"]
@@ -344,7 +350,7 @@ class _StorePush:
                     )
                 target.close()
             except BaseException as exc:
-                if _session_broke(target, exc):
+                if self.store.session_broke(target, exc):
                     target.closed = True  # forgotten, never finalized: an unfinished session makes no object
                     raise UploadSessionError(
                         f"the upload session of {f.path} at {self.dest} broke ({describe(exc)}); the file starts "
@@ -363,7 +369,7 @@ class _StorePush:
                 f"{f.path} at {self.dest} has {actual_size} bytes after upload, expected {f.size}",
                 uri=self.dest, file=f.path, expected=f.size, actual=actual_size,
             )
-        checksum = store_checksum(info, prefer_md5=self.want_md5)
+        checksum = self.store.checksum(info)
         if checksum is not None and digests.can_check(checksum):
             if not digests.matches(checksum):
                 raise UploadMismatchError(
@@ -388,7 +394,8 @@ class _StorePush:
                 self.dest_fs.pipe_file(path, data)
             self.dest_fs.invalidate_cache(path)
             if self.dest_fs.cat_file(path) != data:
-                raise UploadMismatchError(f"the manifest at {self.dest} reads back different", uri=self.dest, file=MANIFEST_NAME)
+                raise UploadMismatchError(f"the manifest at {self.dest} reads back different", uri=self.dest,
+                                          file=MANIFEST_NAME)
 
         self._retry(write_and_check, what=f"write {MANIFEST_NAME} to", path=MANIFEST_NAME)
 
@@ -533,28 +540,9 @@ class _StorePush:
     def _publish_error(self, exc: Exception, *, what: str, path: str, of_source: bool) -> PublishError:
         where = "SRC" if of_source else self.dest
         return PublishError(
-            f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path, hint=failure_advice(exc, of_source)
+            f"could not {what} {where}: {failure_reason(exc, self.policy)}", uri=self.dest, file=path,
+            hint=failure_advice(exc, of_source),
         )
-
-
-# Statuses with which a store answers a request on an upload session that is out of sync or gone: GCS
-# answers a chunk resent after its response was lost with 400 "Invalid Content-Range start: expected N"
-# (gcsfs resends a chunk as it was, without asking the store where the session stands) and an expired
-# or unknown session with 404 or 410; S3 answers a part or a completion for a finished or aborted
-# multipart upload with 404 NoSuchUpload.
-_BROKEN_SESSION = frozenset({400, 404, 410})
-
-
-def _session_broke(target: Any, exc: BaseException) -> bool:
-    """Whether `exc`, raised while writing `target`, says its resumable session (GCS `location`, S3
-    `mpu`) broke, rather than the store refusing the write: only once a session exists (a 404 when
-    starting one is a missing bucket, which stays permanent), never for 401 or 403."""
-    if getattr(target, "location", None) is None and getattr(target, "mpu", None) is None:
-        return False
-    codes = {status_code(link) for link in causes(exc)} - {None}
-    if codes & {401, 403}:
-        return False
-    return bool(codes & _BROKEN_SESSION) or any(isinstance(link, FileNotFoundError) for link in causes(exc))
 
 
 def _clear_local_target(path: str) -> None:

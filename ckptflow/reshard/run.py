@@ -42,12 +42,12 @@ from ckptflow.formats.deepspeed.tag import LATEST_HINT, read_latest
 from ckptflow.formats.torch.pickler import OutStorage, dumps
 from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.checksums import digests_for
 from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.steps import Cancelled, run_step
-from ckptflow.plumbing.storage import is_local, join, open_fs, protocol, unstrip
+from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
+from ckptflow.plumbing.stores import digests_for
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardOptions, ReshardPlan, plan_reshard
@@ -237,7 +237,7 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     staging folder as its unit left it (`plumbing.staging.check_written`: sizes and the store's
     checksums, no data read). The staged files' headers must then read back as a checkpoint at the new
     world size. Raises `VerificationError` otherwise; the staging folder is then left for `abort`."""
-    inside = plan.root if is_local(plan.root) else None
+    inside = plan.root  # links in a local checkpoint folder must stay inside it
     if results:
         reported = [w for r in results for w in r.written]
         check_written(staging, reported, {w.name: w.size for w in reported})
@@ -342,7 +342,7 @@ def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], l
     Other DeepSpeed tag folders, OUT and staging folders are left out."""
     src_fs, root = open_fs(plan.root)
     _, out_path = open_fs(out)
-    inside = plan.root if is_local(plan.root) else None
+    inside = plan.root  # links in a local checkpoint folder must stay inside it
     files: list[tuple[str, str]] = []
     rng_names: list[str] = []
     for entry in src_fs.ls(root, detail=True):
@@ -375,7 +375,7 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
     """Copy the source folder's other files (`carried_files`) into the staging folder; the Trainer's RNG
     files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
     files, rng_names = carried_files(plan, staging.out)
-    inside = plan.root if is_local(plan.root) else None
+    inside = plan.root  # links in a local checkpoint folder must stay inside it
     for rel, uri in files:
         copy_regular(uri, staging.join(rel), inside=inside, hint=_CARRY_HINT, durable=durable)
     rng_files = plan_rng_files(rng_names, plan.world_size)

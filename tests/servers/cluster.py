@@ -299,7 +299,8 @@ def start_cluster(folder: Path, gcs_port: int | None, s3_port: int | None, names
         deadline = time.monotonic() + START_TIMEOUT
         while not scheduler_file.exists() or not scheduler_file.read_text().strip():
             if scheduler.poll() is not None:
-                raise RuntimeError(f"dask scheduler exited ({scheduler.returncode}):\n{_tail(folder / 'scheduler.log')}")
+                raise RuntimeError(f"dask scheduler exited ({scheduler.returncode}):\n"
+                                   f"{_tail(folder / 'scheduler.log')}")
             if time.monotonic() > deadline:
                 raise TimeoutError("the dask scheduler did not start")
             time.sleep(0.05)

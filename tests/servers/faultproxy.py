@@ -252,7 +252,8 @@ def _respond(client: socket.socket, method: str, status: int, message: str, *, x
     """An error response in the upstream's dialect (GCS JSON or S3 XML); no body for HEAD."""
     if xml:
         code = _S3_CODES.get(status, "InternalError")
-        body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                f"<Message>{message}</Message></Error>").encode()
         content_type = "application/xml"
     else:
         body = json.dumps({"error": {"code": status, "message": message}}).encode()

@@ -182,7 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
             hub.log.append((method, path, "truncate" if self._truncate else status))
 
     def _route(self, method: str, path: str) -> int:
-        m = re.fullmatch(r"/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preupload|commit|revision|tree|branch)/([^/]+)(/.*)?", path)
+        m = re.fullmatch(r"/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preupload|commit|revision|tree|branch)/"
+                         r"([^/]+)(/.*)?", path)
         if m:
             repo_type, repo_id, action, rev, rest = _TYPES[m[1]], m[2], m[3], unquote(m[4]), (m[5] or "").lstrip("/")
             handler = {

@@ -10,7 +10,8 @@ from typing import Any
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, UnsafeInputError
 from ckptflow.formats.deepspeed.names import LATEST, MODEL_FILE_RE, SAFE_TAG
 from ckptflow.plumbing.files import open_regular
-from ckptflow.plumbing.storage import is_local, join, local_path, open_fs, unstrip
+from ckptflow.plumbing.storage import join, open_fs, unstrip
+from ckptflow.plumbing.stores.local import os_path
 from ckptflow.plumbing.text import excerpt
 
 MAX_LATEST_BYTES = 4096  # a tag is a folder name: DeepSpeed writes a few dozen bytes
@@ -37,7 +38,7 @@ def read_latest(fs: Any, path: str, where: str) -> str:
     hint = LATEST_HINT
     uri = unstrip(fs, path)
     try:
-        if is_local(uri):
+        if os_path(uri) is not None:
             with open_regular(uri, hint=hint) as fh:
                 raw = fh.read(MAX_LATEST_BYTES + 1)
         else:
@@ -67,7 +68,8 @@ def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
             raise CheckpointError(bad, code="tag-unsafe", uri=uri, hint="pass the name of a folder beside `latest`")
         return uri.rstrip("/"), tag
     latest = posixpath.join(path, LATEST)
-    if fs.isfile(latest) or (is_local(uri) and os.path.lexists(local_path(join(uri, LATEST)))):
+    local_latest = os_path(join(uri, LATEST))
+    if fs.isfile(latest) or (local_latest is not None and os.path.lexists(local_latest)):
         return uri.rstrip("/"), read_latest(fs, latest, join(uri, LATEST))  # a FIFO or folder is refused there
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{uri} does not exist", code="source-missing", uri=uri,

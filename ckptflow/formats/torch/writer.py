@@ -39,7 +39,8 @@ from ckptflow.plumbing.direct import BLOCK, aligned_buffer, open_direct, pwrite_
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import RangeReader, read_error
 from ckptflow.plumbing.redaction import describe
-from ckptflow.plumbing.storage import is_local, local_path, open_fs
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores.local import local_path, os_path
 
 ALIGNMENT = 64
 CHUNK_BYTES = 8 << 20
@@ -618,24 +619,25 @@ def _write_archive(uri: str, data: bytes, storages: list[OutStorage], reader: So
     else:
         advance = None
     name = os.path.splitext(uri.rstrip("/").rsplit("/", 1)[-1])[0] or "archive"
-    if is_local(uri) and hasattr(os, "pwrite") and digests is None:
-        size = _write_in_place(local_path(uri), name, data, storages, reader, advance, threads)
+    local = os_path(uri)
+    if local is not None and hasattr(os, "pwrite") and digests is None:
+        size = _write_in_place(local, name, data, storages, reader, advance, threads)
         if durable:
-            fd = os.open(local_path(uri), os.O_RDONLY)
+            fd = os.open(local, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
         return size
-    if is_local(uri):
-        fh: BinaryIO = open(local_path(uri), "wb")
+    if local is not None:
+        fh: BinaryIO = open(local, "wb")
     else:
         fs, path = open_fs(uri)
         fh = fs.open(path, "wb")
     try:
         sink: _Sink = fh if digests is None else _Hashed(fh, digests)
         size = _write_streamed(sink, name, data, storages, reader, advance)
-        if durable and is_local(uri):
+        if durable and local is not None:
             fh.flush()
             os.fsync(fh.fileno())
     finally:

@@ -40,7 +40,9 @@ from ckptflow.formats.torch.unpickler import (
 )
 from ckptflow.plumbing.files import check_regular
 from ckptflow.plumbing.ranges import ShortRead, read_error, read_ranges
-from ckptflow.plumbing.storage import is_local, open_fs
+from ckptflow.plumbing.storage import open_fs
+from ckptflow.plumbing.stores import store_for
+from ckptflow.plumbing.stores.local import os_path
 from ckptflow.plumbing.text import excerpt, one_line
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -77,7 +79,7 @@ class Archive:
     def _open(self) -> "Archive":
         try:
             # A local FIFO, device or folder in a rank file's place is named as what it is, never opened.
-            self.size = check_regular(self.uri, hint=_NOT_REGULAR_HINT) if is_local(self.uri) else \
+            self.size = check_regular(self.uri, hint=_NOT_REGULAR_HINT) if os_path(self.uri) is not None else \
                 self.fs.size(self.path)
         except (FileNotFoundError, CheckpointNotFoundError):
             raise CheckpointNotFoundError(
@@ -162,7 +164,7 @@ class Archive:
     def _read_zip(self) -> tuple[str, dict[str, zipfile.ZipInfo], bytes]:
         """The archive through zipfile over the file itself, for layouts `_read_exact` does not know;
         on a store each of zipfile's reads is one exact request (no read-ahead into tensor data)."""
-        options = {} if is_local(self.uri) else {"cache_type": "none"}
+        options = {} if store_for(self.fs).local else {"cache_type": "none"}
         try:
             with self.fs.open(self.path, "rb", block_size=1 << 16, **options) as fh:
                 with zipfile.ZipFile(fh) as zf:
