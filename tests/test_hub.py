@@ -194,8 +194,7 @@ def test_card_without_provenance_reads_the_safetensors_headers(hub: HubServer, t
 
 @pytest.mark.parametrize("url", ["hf://only-one-part", "hf://org/repo/sub/path", "hf://buckets/org/x"])
 def test_bad_hub_urls(url: str, tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match=r"^not a Hub repo URL: .*; expected hf://ORG/REPO, hf://datasets/ORG/REPO or "
-                                         r"hf://ORG/REPO@REVISION$"):
+    with pytest.raises(ValueError, match=r"^not a Hub repo URL: .*; expected hf://ORG/REPO, hf://datasets/ORG/REPO or hf://ORG/REPO@REVISION$"):
         push(str(tiny_model), url, token=WRITE_TOKEN)
 
 

@@ -242,8 +242,8 @@ def test_a_missing_tensor_parallel_rank_is_named(parallel_fixtures: Mapping[str,
     (ckpt / "global_step3" / "mp_rank_01_model_states.pt").rename(ckpt / "global_step3" / "elsewhere.pt")
     assert messages(ckpt) == [(
         "rank-missing", "tensor-parallel rank 1 of 2 is missing: expected global_step3/mp_rank_01_model_states.pt "
-                        "under "
-        f"{ckpt}; the upload may still be in progress, or the checkpoint was saved with fewer model-parallel ranks")]
+        f"under {ckpt}; the upload may still be in progress, or the checkpoint was saved with fewer model-parallel "
+        "ranks")]
     (ckpt / "global_step3" / "elsewhere.pt").rename(ckpt / "global_step3" / "mp_rank_01_model_states.pt")
     assert messages(ckpt) == [(
         "rank-missing", f"data-parallel rank 1 of 2 of tensor-parallel rank 1 of 2 is missing: expected "
@@ -258,12 +258,10 @@ def test_files_of_another_save_are_named(parallel_fixtures: Mapping[str, Paralle
     shutil.copy(tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt", tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt")
     got = messages(ckpt)
     assert ("rank-extra", "unexpected file global_step3/mp_rank_02_model_states.pt: model-parallel rank 2 is beyond "
-                          "the 2 "
-            "ranks of this AutoTP (tensor-parallel; tp 2 x dp 1) checkpoint; it is left over from another save into "
-            "the same tag folder: remove it, or re-save the checkpoint into a fresh folder") in got
+            "the 2 ranks of this AutoTP (tensor-parallel; tp 2 x dp 1) checkpoint; it is left over from another save "
+            "into the same tag folder: remove it, or re-save the checkpoint into a fresh folder") in got
     assert ("rank-extra", "unexpected file global_step3/zero_pp_rank_1_mp_rank_01_optim_states.pt: data-parallel rank "
-                          "1 "
-            "of tensor-parallel rank 1 of 2 is beyond the data-parallel world size 1 recorded in "
+            "1 of tensor-parallel rank 1 of 2 is beyond the data-parallel world size 1 recorded in "
             "mp_rank_01_model_states.pt; it is left over from another save into the same tag folder: remove it, or "
             "re-save the checkpoint into a fresh folder") in got
     assert len(got) == 2
@@ -299,9 +297,8 @@ def test_a_parameter_without_split_metadata_is_refused_not_guessed(parallel_fixt
                 ["affine_map"]["params"].pop(r"^model\.layers\.0\.self_attn\.o_proj\.weight$"))
     assert messages(ckpt) == [(
         "unsupported-layout", "model.layers.0.self_attn.o_proj.weight: the checkpoint does not say how it is split "
-                              "over "
-        "the 2 tensor-parallel ranks (no entry in universal_checkpoint_info.affine_map of mp_rank_00_model_states.pt); "
-        "ckptflow does not guess")]
+        "over the 2 tensor-parallel ranks (no entry in universal_checkpoint_info.affine_map of "
+        "mp_rank_00_model_states.pt); ckptflow does not guess")]
 
 
 def test_split_metadata_must_agree_across_ranks(parallel_fixtures: Mapping[str, ParallelFixture],
@@ -327,8 +324,7 @@ def test_a_shard_of_the_wrong_shape_is_named(parallel_fixtures: Mapping[str, Par
         rewrite(ckpt / "global_step3" / f"mp_rank_{tp:02d}_model_states.pt", swap)
     assert messages(ckpt) == [(
         "unsupported-layout", "model.layers.1.mlp.down_proj.weight: its affine map gives tensor-parallel rank 1 a "
-                              "shard "
-        "of shape [48, 64] but the rank saved [64, 48]; the folder mixes saves: re-copy it from one save")]
+        "shard of shape [48, 64] but the rank saved [64, 48]; the folder mixes saves: re-copy it from one save")]
 
 
 @pytest.mark.parametrize("name,tensor,holders", [

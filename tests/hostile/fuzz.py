@@ -217,8 +217,7 @@ def case(family: str, seed: int) -> Kind:
     pick = random.Random(f"{family}:{seed}")  # independent of the builder's own Random(seed)
     if fam.build is not None:
         source = pick.choice(fam.sources)
-        return Kind(f"fuzz/{family}", fam.build, source, dict.fromkeys(CHECKPOINT_READERS, GENERIC),
-                    None,  # type: ignore[arg-type]
+        return Kind(f"fuzz/{family}", fam.build, source, dict.fromkeys(CHECKPOINT_READERS, GENERIC), None,  # type: ignore[arg-type]
                     fam.doc)
     kinds = [k for n, k in all_kinds().items() if any(n == p or (p.endswith("/") and n.startswith(p))
                                                       for p in fam.kinds)]

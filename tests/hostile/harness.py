@@ -231,8 +231,7 @@ def _child(req: Mapping[str, object], protocol_fds: Sequence[int]) -> None:
             os.dup2(target, fd)
             os.close(target)
         os.chdir(str(req["cwd"]))
-        os.environ.update({str(k): str(v) for k, v in dict(req.get("env")
-                                                           or {}).items()})  # type: ignore[call-overload]
+        os.environ.update({str(k): str(v) for k, v in dict(req.get("env") or {}).items()})  # type: ignore[call-overload]
         for key in req.get("unset") or ():  # type: ignore[attr-defined]
             os.environ.pop(str(key), None)
         import fsspec.config
@@ -243,8 +242,7 @@ def _child(req: Mapping[str, object], protocol_fds: Sequence[int]) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         cpu = int(float(req["seconds"]) * 3) + 5  # type: ignore[arg-type]
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (int(req["file_size"]),
-                                                   int(req["file_size"])))  # type: ignore[call-overload]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(req["file_size"]), int(req["file_size"])))  # type: ignore[call-overload]
         for name, arg in req.get("hooks") or ():  # type: ignore[attr-defined]
             HOOKS[name](arg)
         sys.argv = ["ckptflow", *req["argv"]]  # type: ignore[misc]
@@ -482,8 +480,7 @@ def spawn_run(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], unset: 
             argv=tuple(argv), returncode=proc.returncode if os.WIFEXITED(status) else None,
             signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             stdout=out.read(4 << 20).decode("utf-8", "replace"), stderr=err.read(4 << 20).decode("utf-8", "replace"),
-            seconds=elapsed, timed_out=timed_out, rss_growth=rusage.ru_maxrss * 1024,
-            spawned=True,  # type: ignore[attr-defined]
+            seconds=elapsed, timed_out=timed_out, rss_growth=rusage.ru_maxrss * 1024, spawned=True,  # type: ignore[attr-defined]
         )
 
 

@@ -35,8 +35,7 @@ def _special(ws: Workspace, name: str, what: str) -> None:
         raise ValueError(what)
 
 
-def manifest_kind(name: str, code: int | tuple[int, ...] = ANY, issue: str | None = None,
-                  hangs: bool = False):  # noqa: ANN202
+def manifest_kind(name: str, code: int | tuple[int, ...] = ANY, issue: str | None = None, hangs: bool = False):  # noqa: ANN202
     return kind(name=name, source=MODEL_FOLDER, commands=(PUSH,), code=code, expect=REFUSED, issue=issue, hangs=hangs)
 
 
