@@ -16,8 +16,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+google_crc32c: Any  # its C extension, unannotated
 try:
-    import google_crc32c
+    import google_crc32c as _google_crc32c
+
+    google_crc32c = _google_crc32c
 except ImportError:  # pragma: no cover - gcsfs depends on it
     google_crc32c = None
 

@@ -290,7 +290,7 @@ def _remote_files(api: Any, target: HubTarget, revision: str) -> dict[str, Any]:
 @contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
     """huggingface_hub's tqdm bars off for the push (progress goes through our callback), then as before."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
     disable_progress_bars()

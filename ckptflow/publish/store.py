@@ -286,7 +286,7 @@ class _StorePush:
         dest_path = self._dest_path(f.path)
         info = self.existing.get(f.path)
         sha256 = self._already_there(f, info) if info is not None else None
-        if sha256 is not None:
+        if info is not None and sha256 is not None:
             logger.debug("%s already at DEST, verified", f.path)
             self.partial.record(f.path, f.size, sha256, self.store.stamp(info), uploaded=False)
             self.tally.part(f.path)(f.size, f.size)
@@ -357,14 +357,14 @@ class _StorePush:
                         "over with a new session", uri=self.dest, file=f.path) from exc
                 _abandon(target, self.dest_fs, dest_path)
                 raise
-        info = self._dest_info(dest_path)
-        self._verify(f, dest_path, info, digests)
+        info = self._verify(f, dest_path, self._dest_info(dest_path), digests)
         return digests.sha256, info
 
-    def _verify(self, f: SourceFile, dest_path: str, info: dict[str, Any] | None, digests: Digests) -> None:
-        """Raise UploadMismatchError unless the object at DEST holds exactly the bytes sent."""
+    def _verify(self, f: SourceFile, dest_path: str, info: dict[str, Any] | None, digests: Digests
+                ) -> dict[str, Any]:
+        """The object's info at DEST; UploadMismatchError unless it holds exactly the bytes sent."""
         actual_size = None if info is None else int(info.get("size", -1))
-        if actual_size != f.size:
+        if info is None or actual_size != f.size:
             raise UploadMismatchError(
                 f"{f.path} at {self.dest} has {actual_size} bytes after upload, expected {f.size}",
                 uri=self.dest, file=f.path, expected=f.size, actual=actual_size,
@@ -376,13 +376,14 @@ class _StorePush:
                     f"{f.path} at {self.dest}: the store's {checksum.kind} differs from the source's after upload",
                     uri=self.dest, file=f.path,
                 )
-            return
+            return info
         read_back = self._hash_dest(dest_path)
         if read_back != digests.sha256:
             raise UploadMismatchError(
                 f"{f.path} at {self.dest} reads back with sha256 {read_back}, expected {digests.sha256}",
                 uri=self.dest, file=f.path, expected=digests.sha256, actual=read_back,
             )
+        return info
 
     def _write_manifest(self, path: str, manifest: Manifest) -> None:
         data = manifest.to_json()
@@ -445,9 +446,10 @@ class _StorePush:
 
         def read() -> bytes | None:
             try:
-                return self.dest_fs.cat_file(path)
+                data: bytes = self.dest_fs.cat_file(path)
             except FileNotFoundError:
                 return None
+            return data
 
         return self._retry(read, what=f"read {name} at", path=name)
 
