@@ -20,9 +20,7 @@ from fsspec.core import url_to_fs
 
 from ckptflow.errors import OutputError
 from ckptflow.plumbing.sizes import format_size
-from ckptflow.plumbing.stores import protocol as protocol
-from ckptflow.plumbing.stores.local import is_local as is_local  # kept importable from here for callers
-from ckptflow.plumbing.stores.local import local_path as local_path  # not yet moved to `stores.local`
+from ckptflow.plumbing.stores import protocol
 from ckptflow.plumbing.stores.local import os_path
 
 T = TypeVar("T")

@@ -46,8 +46,8 @@ from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, write
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.steps import Cancelled, run_step
-from ckptflow.plumbing.storage import join, open_fs, protocol, unstrip
-from ckptflow.plumbing.stores import digests_for
+from ckptflow.plumbing.storage import join, open_fs, unstrip
+from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import RankUnit, ReshardOptions, ReshardPlan, plan_reshard
