@@ -23,7 +23,7 @@ def _extra(req: Requirement) -> str | None:
     """The extra a requirement belongs to, or None for the base set."""
     if req.marker is None:
         return None
-    for extra in ("gcs", "s3", "verify", "prefect", "all", "demo", "test"):
+    for extra in ("gcs", "s3", "verify", "prefect", "all", "demo", "test", "cluster"):
         if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
             return extra
     return None
@@ -57,12 +57,24 @@ def test_extras_carry_ranges_not_pins() -> None:
     assert "deepspeed" in groups["demo"]
 
 
-def test_prefect_extra_keeps_sqlalchemy_below_2_1() -> None:
-    """prefect 3.8's scheduler creates no run under SQLAlchemy 2.1 (`Can't evaluate bulk DML statement`)."""
+def test_prefect_extra_installs_beside_prefect_3_9() -> None:
+    """The prefect extra admits the current Prefect 3.9 and whatever SQLAlchemy and fastapi it resolves:
+    3.9's scheduler runs on SQLAlchemy 2.1 and 3.9 caps fastapi itself. prefect 3.8 is left out (its
+    scheduler creates no run under SQLAlchemy 2.1, and capping SQLAlchemy would move a 3.9 install)."""
     prefect = _by_extra()["prefect"]
-    sqlalchemy = prefect["sqlalchemy"]
-    assert not sqlalchemy.specifier.contains("2.1.0") and sqlalchemy.specifier.contains("2.0.40")
-    assert prefect["prefect"].specifier.contains("3.8.8")
+    assert prefect["prefect"].specifier.contains("3.9.1") and prefect["prefect"].specifier.contains("3.9.0")
+    assert not prefect["prefect"].specifier.contains("3.8.8")
+    assert "sqlalchemy" not in prefect and "fastapi" not in prefect, sorted(prefect)
+
+
+def test_no_upper_bound_without_a_reason() -> None:
+    """Every upper bound in the extras is one of the two that are explained in pyproject.toml: Prefect's
+    next major release and DeepSpeed 0.20 for the demo and test writers."""
+    capped = sorted(
+        f"[{extra}] {req.name}{req.specifier}" for extra, reqs in _by_extra().items() for req in reqs.values()
+        if any(s.operator in ("<", "<=", "~=") for s in req.specifier)
+    )
+    assert capped == ["[demo] deepspeed<0.20,>=0.19.8", "[prefect] prefect<4,>=3.9"], capped
 
 
 def test_this_machine_pins_live_in_constraints_txt() -> None:
@@ -71,6 +83,8 @@ def test_this_machine_pins_live_in_constraints_txt() -> None:
         line = line.split("#", 1)[0].strip()
         if line:
             req = Requirement(line)
-            pins[req.name.lower()] = str(req.specifier)
+            pins[req.name.lower().replace("_", "-")] = str(req.specifier)
     assert pins["torch"] == "==2.13.0" and pins["deepspeed"] == "==0.19.8"
-    assert pins["sqlalchemy"] == "<2.1"
+    assert all(spec.startswith("==") for spec in pins.values()), pins
+    assert {"prefect", "huggingface-hub", "hf-xet", "transformers", "safetensors", "fsspec", "gcsfs", "s3fs",
+            "dask", "distributed", "prefect-dask"} <= set(pins)
