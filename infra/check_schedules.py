@@ -5,9 +5,10 @@
 Run by `infra/bootstrap.sh` after `prefect deploy`, against `$PREFECT_API_URL`. The server's
 scheduler looks at new and changed deployments every few seconds; when a scheduled deployment still
 has no run after `--wait` seconds (default 60), its scheduler is failing, and nothing else would
-say so: the deployments show active schedules and no upcoming runs. The known cause with prefect
-3.8 is SQLAlchemy 2.1 in the server's environment (its log shows `InvalidRequestError: Can't
-evaluate bulk DML statement` from `_insert_scheduled_flow_runs` every loop).
+say so: the deployments show active schedules and no upcoming runs. The known cause is a server
+still on prefect 3.8 with SQLAlchemy 2.1 in its environment (its log shows `InvalidRequestError:
+Can't evaluate bulk DML statement` from `_insert_scheduled_flow_runs` every loop); prefect 3.9's
+scheduler runs on SQLAlchemy 2.1.
 
 Exit status: 0 when every scheduled deployment has runs, 1 otherwise (with the reason), 2 when the
 API cannot be reached.
@@ -21,11 +22,11 @@ import time
 from typing import Any
 
 FIX = (
-    "The server's scheduler is not creating runs. With prefect 3.8 the known cause is SQLAlchemy 2.1 in "
-    "the server's Python environment: its log shows \"InvalidRequestError: Can't evaluate bulk DML "
-    "statement\" every minute. Install 'sqlalchemy<2.1' where `prefect server start` runs (ckptflow's "
-    "constraints.txt and its [prefect] extra do) and restart the server; scheduled runs appear within "
-    "seconds."
+    "The server's scheduler is not creating runs. The known cause is a server on prefect 3.8 with "
+    "SQLAlchemy 2.1 in its Python environment: its log shows \"InvalidRequestError: Can't evaluate bulk "
+    "DML statement\" every minute. Upgrade prefect to 3.9 where `prefect server start` runs (ckptflow's "
+    "[prefect] extra asks for it), or install 'sqlalchemy<2.1' there, and restart the server; scheduled "
+    "runs appear within seconds."
 )
 
 

@@ -153,7 +153,7 @@ def _scheduled_in_prefect_yaml() -> set[str]:
 
 def test_the_scheduler_creates_runs_for_every_scheduled_deployment(deployed, client: Any, prefect_server_log) -> None:
     """After bootstrap, the server's own scheduler has put runs on every schedule of prefect.yaml
-    (with SQLAlchemy 2.1 it fails every loop and none ever appear)."""
+    (prefect 3.8's failed every loop under SQLAlchemy 2.1 and none ever appeared; 3.9's runs on it)."""
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
     from prefect.client.schemas.objects import StateType
 
@@ -212,7 +212,7 @@ def test_schedule_check_names_the_cause_when_no_run_appears(prefect_server: str,
             c.delete_deployment(deployment_id)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "scheduled deployment(s) on" in result.stderr and "watch-latest/never-due" in result.stderr
-    assert "Install 'sqlalchemy<2.1' where `prefect server start` runs" in result.stderr
+    assert "Upgrade prefect to 3.9 where `prefect server start` runs" in result.stderr
 
 
 def test_bootstrap_creates_result_storage_and_the_failure_automation(deployed, client: Any) -> None:

@@ -1,6 +1,6 @@
 """Prefect flows whose tasks run on the fixture's Dask cluster through prefect-dask's `DaskTaskRunner`.
 
-What these pin down (prefect 3.8.8, prefect-dask 0.3.7, distributed 2026.8.0):
+What these pin down (prefect 3.9.1, prefect-dask 0.3.7, distributed 2026.8.0):
 - `DaskTaskRunner(address=...)` connects to a running scheduler; each task runs in a worker process
   (`run_task_sync` there), with the flow's settings (API URL included) shipped in the task's pickled
   context, so workers report task states to the Prefect API themselves.
