@@ -192,6 +192,78 @@ def test_card_without_provenance_reads_the_safetensors_headers(hub: HubServer, t
     assert "Published with ckptflow." in card and "| Parameters | 26,784 |" in card and "| Tag | not recorded |" in card
 
 
+def test_a_file_over_the_hubs_size_limit_is_refused_before_anything_is_sent(hub: HubServer, tmp_path: Path) -> None:
+    """The Hub takes files of at most 500 GB (hub-docs, storage-limits.md); a larger one is refused before
+    it is read (a sparse file here: nothing is hashed), and no request reaches the Hub."""
+    from ckptflow.publish.hub import HUB_MAX_FILE_BYTES
+
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with open(folder / "model.safetensors", "wb") as sparse:
+        sparse.truncate(HUB_MAX_FILE_BYTES + 1)
+
+    with pytest.raises(PublishError) as caught:
+        push(str(folder), "hf://org/huge", token=WRITE_TOKEN, endpoint=hub.url)
+
+    assert str(caught.value) == (
+        "model.safetensors is 500,000,000,001 bytes; the Hub takes files of at most 500,000,000,000 bytes (500 GB); "
+        "split it into smaller files (consolidate with a smaller shard size) and push again"
+    )
+    assert caught.value.file == "model.safetensors" and caught.value.actual == HUB_MAX_FILE_BYTES + 1
+    assert hub.log == []
+
+
+def test_a_folder_over_the_hubs_entry_limit_is_refused_before_anything_is_sent(hub: HubServer, tmp_path: Path) -> None:
+    """At most 10,000 entries per folder on the Hub: SRC's own folders are checked before the repo is
+    even looked up."""
+    folder = tmp_path / "many"
+    (folder / "shards").mkdir(parents=True)
+    for i in range(10_001):
+        (folder / "shards" / f"{i:05d}.bin").write_bytes(b"x")
+
+    with pytest.raises(PublishError) as caught:
+        push(str(folder), "hf://org/many", token=WRITE_TOKEN, endpoint=hub.url)
+
+    assert str(caught.value) == (
+        "folder shards/ would hold 10,001 entries (10,001 from this push); the Hub allows at most 10,000 per "
+        "folder; spread the files over subfolders and push again"
+    )
+    assert hub.log == []
+
+
+def test_the_files_a_revision_holds_count_toward_the_entry_limit(hub: HubServer, tmp_path: Path) -> None:
+    """A push that fits alone but would take a folder of the revision past 10,000 entries is refused once
+    the revision is listed, before any upload or commit."""
+    hub.seed("org/crowded", {f"data/{i:05d}.json": b"{}" for i in range(9_999)})
+    folder = tmp_path / "more"
+    (folder / "data").mkdir(parents=True)
+    for name in ("a.json", "b.json"):
+        (folder / "data" / name).write_text("{}")
+    (folder / "README.md").write_text("# crowded\n")
+
+    with pytest.raises(PublishError) as caught:
+        push(str(folder), "hf://org/crowded", token=WRITE_TOKEN, endpoint=hub.url)
+
+    assert str(caught.value) == (
+        "folder data/ would hold 10,001 entries (2 from this push); the Hub allows at most 10,000 per folder; "
+        "spread the files over subfolders and push again"
+    )
+    assert hub.requests("POST", "/preupload/") == [] and lfs_uploads(hub) == []
+    assert hub.requests("POST", "/commit/") == []
+
+
+def test_entry_limit_counts_files_and_subfolders_up_to_exactly_10000() -> None:
+    from ckptflow.publish.hub import check_folder_entries
+
+    check_folder_entries({f"d/{i}" for i in range(10_000)}, added=set())  # exactly the limit: allowed
+    check_folder_entries({f"d/{i}/x" for i in range(10_000)}, added=set())
+    with pytest.raises(PublishError, match=r"^folder d/ would hold 10,001 entries \(1 from this push\)"):
+        check_folder_entries({*(f"d/{i}" for i in range(10_000)), "d/sub/x"}, added={"d/sub/x"})
+    with pytest.raises(PublishError, match=r"^the repo's top folder would hold 10,001 entries \(0 from this push\)"):
+        check_folder_entries({f"{i}" for i in range(10_001)}, added=set())
+
+
 @pytest.mark.parametrize("url", ["hf://only-one-part", "hf://org/repo/sub/path", "hf://buckets/org/x"])
 def test_bad_hub_urls(url: str, tiny_model: Path) -> None:
     with pytest.raises(ValueError, match=r"^not a Hub repo URL: .*; expected hf://ORG/REPO, hf://datasets/ORG/REPO or hf://ORG/REPO@REVISION$"):

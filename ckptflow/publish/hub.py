@@ -9,6 +9,12 @@ huggingface_hub retries single requests but not its commit call, so the whole co
 transient failures (408, 429, 5xx, resets, timeouts). A retry or a re-run sends only what the Hub
 lacks: the preupload step drops files that did not change, and the LFS batch step skips blobs the
 Hub already stores, including those uploaded by a try that failed before its commit.
+
+What the Hub would refuse (a file over its size limit, a folder over its entry limit, counting what
+the revision holds already) is refused before anything is sent. The push stays one `create_commit`:
+huggingface_hub 2.x's `upload_folder` streams through Xet in several commits for large folders, so a
+reader could see half a model; `create_commit` sends the same files through Xet (when the Hub offers
+it and hf_xet is installed) and commits them at once.
 """
 
 from __future__ import annotations
@@ -44,6 +50,15 @@ logger = logging.getLogger(__name__)
 
 _REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _HUB_URL = re.compile(r"^hf://(?:(models|datasets|spaces)/)?([\w.-]+/[\w.-]+)(?:@([^/]+))?/?$")
+
+# What the Hub refuses, from its "Repository limitations and recommendations" (hub-docs,
+# docs/hub/storage-limits.md): "no single file will exceed 500GB" and "the maximum number of files per
+# folder cannot exceed 10k" (its table: entries per folder < 10k). Its < 100k files per repo is a
+# recommendation only: logged, not refused. These belong with the Hub store's traits
+# (ckptflow/plumbing/stores/hub.py).
+HUB_MAX_FILE_BYTES = 500 * 1000**3
+HUB_MAX_FOLDER_ENTRIES = 10_000
+HUB_RECOMMENDED_REPO_FILES = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +148,8 @@ class _Contents:
     @classmethod
     def read(cls, folder: Path, repo_id: str, workers: int) -> _Contents:
         _, _, files = list_source(str(folder))
+        check_file_sizes(files)
+        check_folder_entries({f.path for f in files}, added={f.path for f in files})
         for f in files:  # the Hub reads them as models: one that safetensors cannot load is refused
             if f.path.endswith(".safetensors"):
                 read_safetensors_header(str(folder / f.path), inside=str(folder))
@@ -180,6 +197,7 @@ class _Hub:
         """The files the revision already holds with the same bytes."""
         remote = self.attempt(lambda: _remote_files(self.api, self.target, self.revision),
                               f"list the files of {self.shown}@{self.revision}")
+        check_folder_entries({*remote, *(f.path for f in contents.pushed)}, added={f.path for f in contents.pushed})
         same = {f.path for f in contents.files
                 if hub_store.holds(remote.get(f.path), (contents.folder / f.path).read_bytes, f.size,
                                    contents.hashes[f.path])}
@@ -203,6 +221,52 @@ class _Hub:
             self.target.repo_id, operations, commit_message=f"Publish {len(contents.files)} files with ckptflow",
             repo_type=self.target.repo_type, revision=self.revision, num_threads=workers,
         )
+
+
+def check_file_sizes(files: tuple[SourceFile, ...]) -> None:
+    """Refuse, before anything is hashed or sent, a folder holding a file the Hub would refuse: larger
+    than HUB_MAX_FILE_BYTES."""
+    too_large = [f for f in files if f.size > HUB_MAX_FILE_BYTES]
+    if too_large:
+        largest = max(too_large, key=lambda f: f.size)
+        more = f" (and {len(too_large) - 1} more)" if len(too_large) > 1 else ""
+        raise PublishError(
+            f"{largest.path} is {largest.size:,} bytes{more}; the Hub takes files of at most "
+            f"{HUB_MAX_FILE_BYTES:,} bytes (500 GB)",
+            file=largest.path, expected=HUB_MAX_FILE_BYTES, actual=largest.size,
+            hint="split it into smaller files (consolidate with a smaller shard size) and push again",
+        )
+
+
+def check_folder_entries(paths: set[str], *, added: set[str]) -> None:
+    """Refuse a commit after which a folder of the repo would hold more than HUB_MAX_FOLDER_ENTRIES
+    entries (files and subfolders; `paths`: every file of the revision once committed, `added`: those
+    the commit brings). Above HUB_RECOMMENDED_REPO_FILES files in all, only a warning."""
+    entries = _folder_entries(paths)
+    crowded = {folder: names for folder, names in entries.items() if len(names) > HUB_MAX_FOLDER_ENTRIES}
+    if crowded:
+        folder, names = max(crowded.items(), key=lambda item: len(item[1]))
+        new = len(names - _folder_entries(paths - added).get(folder, set()))
+        where = f"folder {folder}/" if folder else "the repo's top folder"
+        raise PublishError(
+            f"{where} would hold {len(names):,} entries ({new:,} from this push); the Hub allows at most "
+            f"{HUB_MAX_FOLDER_ENTRIES:,} per folder",
+            file=folder or None, expected=HUB_MAX_FOLDER_ENTRIES, actual=len(names),
+            hint="spread the files over subfolders and push again",
+        )
+    if len(paths) > HUB_RECOMMENDED_REPO_FILES:
+        logger.warning("the repo will hold %d files; the Hub recommends fewer than %d per repo", len(paths),
+                       HUB_RECOMMENDED_REPO_FILES)
+
+
+def _folder_entries(paths: set[str]) -> dict[str, set[str]]:
+    """Folder ('' for the top) -> the names of the files and subfolders directly in it."""
+    entries: dict[str, set[str]] = {}
+    for path in paths:
+        parts = path.split("/")
+        for depth in range(len(parts)):
+            entries.setdefault("/".join(parts[:depth]), set()).add(parts[depth])
+    return entries
 
 
 def model_card(folder: Path, files: tuple[SourceFile, ...], repo_id: str) -> str:

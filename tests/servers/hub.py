@@ -114,6 +114,19 @@ class HubServer:
         """Paths of logged requests with `method` whose path contains `contains`, faults left out."""
         return [path for m, path, status in self.log if m == method and contains in path and isinstance(status, int)]
 
+    def seed(self, repo_id: str, files: dict[str, bytes], *, repo_type: str = "model", revision: str = "main") -> None:
+        """Commit `files` straight into the repo's `revision` (repo and branch created when missing), as
+        a push before the test's would have: regular files, no request logged."""
+        with self.lock:
+            repo = self.repos.setdefault((repo_type, repo_id), Repo(repo_type, repo_id, private=False))
+            self.blobs[hashlib.sha256(GITATTRIBUTES).hexdigest()] = GITATTRIBUTES
+            head = repo.branches.get(revision) or repo.branches.get("main")
+            tree = dict(repo.commits[head]) if head else {".gitattributes": _stored(GITATTRIBUTES, lfs=False)}
+            for path, data in files.items():
+                self.blobs[hashlib.sha256(data).hexdigest()] = data
+                tree[path] = _stored(data, lfs=False)
+            repo.branches[revision] = _new_commit(repo, tree, "seeded")
+
     def file_bytes(self, repo_id: str, path: str, *, revision: str = "main", repo_type: str = "model") -> bytes:
         repo = self.repos[(repo_type, repo_id)]
         return self._content(repo.commits[repo.branches[revision]][path])
