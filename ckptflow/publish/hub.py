@@ -197,7 +197,11 @@ class _Hub:
         """The files the revision already holds with the same bytes."""
         remote = self.attempt(lambda: _remote_files(self.api, self.target, self.revision),
                               f"list the files of {self.shown}@{self.revision}")
-        check_folder_entries({*remote, *(f.path for f in contents.pushed)}, added={f.path for f in contents.pushed})
+        after = {*remote, *(f.path for f in contents.pushed)}
+        check_folder_entries(after, added={f.path for f in contents.pushed})
+        if len(after) > HUB_RECOMMENDED_REPO_FILES:
+            logger.warning("%s@%s will hold %d files; the Hub recommends fewer than %d per repo", self.shown,
+                           self.revision, len(after), HUB_RECOMMENDED_REPO_FILES)
         same = {f.path for f in contents.files
                 if hub_store.holds(remote.get(f.path), (contents.folder / f.path).read_bytes, f.size,
                                    contents.hashes[f.path])}
@@ -241,7 +245,7 @@ def check_file_sizes(files: tuple[SourceFile, ...]) -> None:
 def check_folder_entries(paths: set[str], *, added: set[str]) -> None:
     """Refuse a commit after which a folder of the repo would hold more than HUB_MAX_FOLDER_ENTRIES
     entries (files and subfolders; `paths`: every file of the revision once committed, `added`: those
-    the commit brings). Above HUB_RECOMMENDED_REPO_FILES files in all, only a warning."""
+    the commit brings)."""
     entries = _folder_entries(paths)
     crowded = {folder: names for folder, names in entries.items() if len(names) > HUB_MAX_FOLDER_ENTRIES}
     if crowded:
@@ -254,9 +258,6 @@ def check_folder_entries(paths: set[str], *, added: set[str]) -> None:
             file=folder or None, expected=HUB_MAX_FOLDER_ENTRIES, actual=len(names),
             hint="spread the files over subfolders and push again",
         )
-    if len(paths) > HUB_RECOMMENDED_REPO_FILES:
-        logger.warning("the repo will hold %d files; the Hub recommends fewer than %d per repo", len(paths),
-                       HUB_RECOMMENDED_REPO_FILES)
 
 
 def _folder_entries(paths: set[str]) -> dict[str, set[str]]:
