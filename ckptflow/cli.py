@@ -287,8 +287,19 @@ def watch_command(
 @app.command("reshard")
 def reshard_command(
     src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
-    dest: str = typer.Argument(..., metavar="OUT", help="Checkpoint folder to create, local or URL; absent or empty."),
-    world_size: int = typer.Option(..., "--world-size", min=1, help="Data-parallel ranks the output is for."),
+    dest: Optional[str] = typer.Argument(None, metavar="OUT",
+                                         help="Checkpoint folder to create, local or URL; absent or empty."),
+    world_size: int = typer.Option(..., "--world-size", min=1,
+                                   help="Ranks DeepSpeed runs the output at (what the launcher starts): "
+                                        "tp x pp x dp. Before 0.9 this was the data-parallel size."),
+    stage: Optional[int] = typer.Option(None, "--zero-stage", min=1, max=3,
+                                        help="ZeRO stage of the output (1, 2 or 3); default: the source's."),
+    tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel", min=1,
+                                     help="Tensor-parallel degree; default: the source's."),
+    pp: Optional[int] = typer.Option(None, "--pp", min=1, help="Pipeline stages; default: the source's."),
+    ep: Optional[int] = typer.Option(None, "--ep", min=1, help="Expert-parallel degree; default: the source's."),
+    plan: bool = typer.Option(False, "--plan",
+                              help="List the shapes at --world-size ranks with their per-GPU memory; write nothing."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
     workers: int = typer.Option(4, "--workers", min=1,
                                 help="Threads writing at once: one per target rank, the rest share a rank's files."),
@@ -296,15 +307,13 @@ def reshard_command(
                                help="Flush each file to disk before moving OUT into place (local outputs)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", envvar="CKPTFLOW_CLUSTER", metavar="ADDRESS",
                                           help=CLUSTER_HELP),
-    tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", min=1,
-                                                  help="AutoTP only: merge to this tensor-parallel degree (1)."),
 ) -> None:
-    """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) to another world size.
+    """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) for another number of GPUs.
 
-    Tensor- and pipeline-parallel checkpoints keep their degrees: --world-size is the data-parallel size.
-
-    DeepSpeed loads OUT natively at --world-size ranks; config, tokenizer and trainer files are
-    carried over so a Hugging Face Trainer run can resume from it.
+    --world-size is the number of ranks, as DeepSpeed counts them: every degree not given is the
+    source's, and the data parallelism is what is left (N / (tp x pp)). DeepSpeed loads OUT natively at
+    that shape; config, tokenizer and trainer files are carried over so a Hugging Face Trainer run can
+    resume from it. With --plan, list the shapes at N ranks instead, writing nothing.
     """
 
     from ckptflow.formats.deepspeed.tag import check_tag
@@ -313,16 +322,52 @@ def reshard_command(
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
-    options = ReshardOptions(world_size=world_size, tensor_parallel=tensor_parallel, workers=workers, durable=fsync)
+    if plan:
+        if dest is not None:
+            raise typer.BadParameter("--plan writes nothing: leave OUT out", param_hint="OUT")
+        render_shapes(src, world_size, tag)
+        return
+    if dest is None:
+        raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
+    options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)
     say("resharded", "green",
-        f"{src} ({result.tag}, ZeRO-{result.stage}, {result.precision}) into {dest}: "
-        f"{result.source_world_size} -> {result.world_size} ranks, {len(result.files)} files, "
-        f"{format_size(result.bytes_written)} in {result.seconds:.1f}s")
+        f"{src} ({result.tag}, {result.precision}) into {dest}: {result.source_shape} -> {result.shape}, "
+        f"{len(result.files)} files, {format_size(result.bytes_written)} in {result.seconds:.1f}s")
     if result.rng_files:
         line(f"  Trainer RNG files: {result.rng_summary}")
+
+
+def render_shapes(src: str, world_size: int, tag: str | None) -> None:
+    """`reshard --plan`: the source's shape and the shapes at `world_size` ranks, per-GPU bytes each."""
+    from rich.table import Table
+
+    from ckptflow.plumbing.sizes import format_size
+    from ckptflow.reshard.run import plan_shapes
+
+    shapes = plan_shapes(src, world_size, tag=tag)
+    table = Table(box=None, pad_edge=False)
+    table.add_column("shape")
+    for name in ("weights", "gradients", "optimizer", "per GPU"):
+        table.add_column(name, justify="right")
+    table.add_column("ckptflow")
+
+    def row(shape: Text, memory: Any, note: Text) -> None:
+        sizes = (memory.weights, memory.gradients, memory.optimizer, memory.total)
+        table.add_row(shape, *(Text(format_size(n)) for n in sizes), note)
+
+    row(Text(f"{shapes.source} (now)"), shapes.source_memory, Text(""))
+    for option in shapes.options:
+        note = Text("writes it", "green") if option.reason is None else Text(f"not yet: {one_line(option.reason)}",
+                                                                            "yellow")
+        row(Text(str(option.shape)), option.memory, note)
+    out.print(Text(f"{shapes.where}: {shapes.layout}, {shapes.parameters:,} parameters"), soft_wrap=True)
+    out.print(table)
+    writable = sum(o.reason is None for o in shapes.options)
+    line(f"{writable} of {len(shapes.options)} shape(s) at {world_size} rank(s) can be written. Per GPU: the "
+         "training state (weights, gradients, optimizer state) by the ZeRO formulas; activations not counted.")
 
 
 @app.command("push")

@@ -29,6 +29,7 @@ from ckptflow.plumbing.steps import run_step
 from ckptflow.plumbing.storage import open_fs
 from ckptflow.reshard import RankJob, RankResult, ReshardPlan, ReshardStep, RngCopy, plan_output, run_job, write_threads
 from ckptflow.reshard.rng import describe
+from ckptflow.reshard.shape import Target
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
@@ -79,7 +80,8 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
     checkpoint's tensor parallelism merged to `tensor_parallel` = 1 too, when given); the ranks on
     the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
-    plan = plan_output(checkpoint.root, out, world_size=world_size, tag=checkpoint.tag, tensor_parallel=tensor_parallel)
+    target = Target(world_size=world_size, tp=tensor_parallel)
+    plan = plan_output(checkpoint.root, out, target=target, tag=checkpoint.tag)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))
     # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)

@@ -467,8 +467,9 @@ def test_reshard_refusals(expert_fixtures, tmp_path: Path) -> None:
         plan_reshard(zero0, 4)
     assert refused.value.code == "reshard-not-needed"
     assert "DeepSpeed loads a deepspeed.moe ZeRO-0 checkpoint natively at any data-parallel size" in str(refused.value)
-    with pytest.raises(UnsupportedCheckpointError, match="keeps its expert-parallel degree 2, and 3 ranks are not a "
-                                                         "multiple of it"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks: an expert-parallel degree of 2 does not divide "
+                                                         r"the 3 data-parallel ranks left at tp1 x pp1; ckptflow can "
+                                                         r"write no shape of it at 3 ranks \(it can at 2 or 4\)$"):
         plan_reshard(load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir)), 3)
     index, problems, _ = inspect(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
     plan = plan_reshard(index, 4)

@@ -91,7 +91,7 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
         load = fixture.dir
         if case in reshards:
             outs[case] = root / "out" / case_id(case)
-            reshard(str(fixture.dir), str(outs[case]), world_size=dp, workers=2, tensor_parallel=tp)
+            reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, workers=2, tp=tp)
             load = outs[case]
             resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
@@ -169,18 +169,34 @@ def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: 
 def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures: Mapping[str, ParallelFixture],
                                                               tmp_path: Path) -> None:
     source = parallel_fixtures["autotp-tp2-z1-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=r"has tensor-parallel degree 2; ckptflow can merge it to 1, "
-                                                         r"not split it to 4"):
-        reshard(str(source.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=4)
+    with pytest.raises(UnsupportedCheckpointError, match=r"\(ZeRO-1 tp2 x dp1 \(2 ranks\)\) to 4 ranks, tp4: ckptflow merges "
+                                                         r"AutoTP tensor parallelism to tp1; it does not split to other "
+                                                         r"degrees yet; shapes it can write at 4 ranks: ZeRO-1 dp4 "
+                                                         r"\(4 ranks\), ZeRO-1 tp2 x dp2 \(4 ranks\)$"):
+        reshard(str(source.dir), str(tmp_path / "out"), world_size=4, tp=4)
     pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=r"ckptflow changes the tensor-parallel degree of AutoTP "
-                                                         r"checkpoints only"):
-        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=1)
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, tp2: a PipelineModule checkpoint has no tensor "
+                                                         r"parallelism to give a degree of 2; shapes it can write at 4 "
+                                                         r"ranks: ZeRO-1 pp2 x dp2 \(4 ranks\)$"):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, tp=2)
     zero0 = parallel_fixtures["autotp-tp2-z0-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=r"saved by index and names no parameter, so the "
-                                                         r"tensor-parallel ranks' Adam moments cannot be joined"):
-        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=1, tensor_parallel=1)
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 1 rank, tp1: a ZeRO-0 checkpoint's optimizer state is "
+                                                         r"saved by position and names no parameter, so it cannot be "
+                                                         r"moved to another shape"):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=1, tp=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_world_size_counts_every_rank(parallel_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """--world-size is the ranks DeepSpeed runs at: a tp2 source at 4 ranks is tp2 x dp2, at 3 it is refused."""
+    source = parallel_fixtures["pipe-pp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks: 3 ranks do not split into tp1 x pp2 \(2 ranks per "
+                                                         r"model replica\); ckptflow can write no shape of it at 3 "
+                                                         r"ranks \(it can at 2 or 4\)$"):
+        reshard(str(source.dir), str(tmp_path / "out"), world_size=3)
+    result = reshard(str(parallel_fixtures["autotp-tp2-z1-fp32"].dir), str(tmp_path / "out"), world_size=4)
+    assert (str(result.source_shape), str(result.shape)) == ("ZeRO-1 tp2 x dp1 (2 ranks)", "ZeRO-1 tp2 x dp2 (4 ranks)")
+    assert result.world_size == 2  # the data-parallel ranks
 
 
 @pytest.mark.parametrize("name,dp", [("autotp-tp2dp2-z0-fp32", 2), ("autotp-tp2-z0-bf16", 1)])
@@ -193,6 +209,6 @@ def test_zero0_is_not_resharded_and_says_why(name: str, dp: int, both_fixtures: 
     assert str(info.value) == (
         f"{fixture.dir}/global_step3 is a checkpoint in the AutoTP (tensor-parallel; tp 2 x dp {dp}, ZeRO-0) layout: "
         "its files hold whole tensors and do not depend on the data-parallel size, and DeepSpeed loads it natively at "
-        f"any data-parallel size, so there is nothing to reshard; point the run at {fixture.dir} as it is, with 1 "
-        "data-parallel rank")
+        f"any data-parallel size, so there is nothing to reshard; point the run at {fixture.dir} as it is, with any "
+        "multiple of its 2 model-parallel ranks")
     assert not (tmp_path / "out").exists()

@@ -463,7 +463,7 @@ def test_plan_reads_each_source_element_once_and_units_are_independent(ds_fixtur
 def test_world_size_must_be_a_positive_number(ds_fixtures) -> None:
     index = load_index(str(ds_fixtures["z2-bf16-ws2"].dir))
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="--world-size must be a whole number of ranks"):
+        with pytest.raises(ValueError, match="world size must be a whole number of ranks"):
             plan_reshard(index, bad)
 
 
@@ -499,7 +499,7 @@ def test_a_committed_reshard_is_taken_only_when_it_is_this_plans(ds_fixtures, tm
     another tag is refused saying what differs."""
     src = str(ds_fixtures["z2-bf16-ws2"].dir)
     out = tmp_path / "out"
-    plan = plan_output(src, str(out), world_size=3)
+    plan = plan_output(src, str(out), target=3)
     assert committed_output(plan, str(out)) is None
     made = reshard(src, str(out), world_size=3)
     stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*")}
@@ -517,7 +517,7 @@ def test_a_committed_reshard_is_taken_only_when_it_is_this_plans(ds_fixtures, tm
             committed_output(other, str(out))
 
     for world_size in (4, 1):
-        refused(plan_output(src, str(out), world_size=world_size),
+        refused(plan_output(src, str(out), target=world_size),
                 r"its global_step3/bf16_zero_pp_rank_\d_mp_rank_00_optim_states\.pt is missing or not the \d+ bytes "
                 r"this run writes")
     (out / "junk.bin").write_bytes(b"x")
@@ -749,7 +749,7 @@ def test_cli(ds_fixtures, tmp_path: Path) -> None:
     src = str(ds_fixtures["z2-bf16-ws2"].dir)
     ok = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "3"])
     assert ok.exit_code == 0, ok.output
-    assert "2 -> 3 ranks" in ok.output
+    assert "ZeRO-2 dp2 (2 ranks) -> ZeRO-2 dp3 (3 ranks)" in ok.output
     again = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "3"])
     assert again.exit_code == 1
     assert "exists and is not empty" in again.output

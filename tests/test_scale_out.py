@@ -180,7 +180,7 @@ def test_reshard_on_the_cluster(store_name: str, request: pytest.FixtureRequest,
     fixture = ds_fixtures[FIXTURE]
     src = _upload(fixture, f"{store.url}/src")
     reshard(src, f"{store.url}/threads", world_size=WORLD_SIZE)
-    plan = plan_output(src, f"{store.url}/ws", world_size=WORLD_SIZE)
+    plan = plan_output(src, f"{store.url}/ws", target=WORLD_SIZE)
     reference = _files(f"{store.url}/threads")
     coordinator_traffic.reset()
     cluster.reset_counters()

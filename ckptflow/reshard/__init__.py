@@ -8,7 +8,12 @@ in the source folder (config.json, tokenizer, trainer_state.json, scheduler) is 
 Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 rank, one
 `rng_state_{r}.pth` per rank otherwise).
 
-- `plan.py`: `plan_reshard(index, M)`, pure, one `RankUnit` per target rank;
+- `shape.py`: `Shape` (ranks = tp x pp x dp, ep, ZeRO stage), `Target` (what a user asks for),
+  `resolve` (a target for a checkpoint, or a refusal naming the shapes that work), `shapes_at`
+  (what `--plan` lists) and `memory` (per-GPU bytes by the ZeRO formulas); pure;
+- `plan.py`: `ReshardOptions`, `plan_reshard(index, target)`: the planner of the axis that changes;
+- `units.py`: what plans are made of (`RankUnit` per target rank, `DataParallelPlan`, `ModelParallelPlan`);
+- `data_parallel.py`: the data-parallel size and the ZeRO stage; `tensor_parallel.py`: AutoTP's degree;
 - `files.py`: the object trees of the files one target rank gets (which fields change with M);
 - `rng.py`: `plan_rng_files(names, M)`, pure: which Trainer RNG file each target rank gets;
 - `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `rank_job` (what a
@@ -17,7 +22,7 @@ Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 ran
   threads or any `concurrent.futures.Executor`), and `reshard(src, out, world_size=M)`, which runs it.
 """
 
-from ckptflow.reshard.plan import FrozenPiece, RankUnit, ReshardOptions, ReshardPlan, TargetFlat, plan_reshard
+from ckptflow.reshard.plan import ReshardOptions, plan_reshard
 from ckptflow.reshard.rng import RngCopy, plan_rng_files
 from ckptflow.reshard.run import (
     FileJob,
@@ -36,9 +41,12 @@ from ckptflow.reshard.run import (
     run_unit,
     write_threads,
 )
+from ckptflow.reshard.shape import Memory, Shape, Target, memory, resolve, shapes_at, source_shape
+from ckptflow.reshard.units import FrozenPiece, RankUnit, ReshardPlan, TargetFlat
 
 __all__ = [
-    "FileJob", "FrozenPiece", "RankJob", "RankResult", "RankUnit", "ReshardOptions", "ReshardPlan", "ReshardResult",
-    "ReshardStep", "RngCopy", "TargetFlat", "abort", "committed_output", "finalize", "plan_output", "plan_reshard",
-    "plan_rng_files", "prepare_output", "rank_job", "reshard", "run_job", "run_unit", "write_threads",
+    "FileJob", "FrozenPiece", "Memory", "RankJob", "RankResult", "RankUnit", "ReshardOptions", "ReshardPlan",
+    "ReshardResult", "ReshardStep", "RngCopy", "Shape", "Target", "TargetFlat", "abort", "committed_output", "finalize",
+    "memory", "plan_output", "plan_reshard", "plan_rng_files", "prepare_output", "rank_job", "reshard", "resolve",
+    "run_job", "run_unit", "shapes_at", "source_shape", "write_threads",
 ]

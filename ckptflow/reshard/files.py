@@ -45,7 +45,7 @@ from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ra
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.reshard.plan import DataParallelPlan, RankUnit, ReshardPlan
+from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan
 
 # Where `_Tree.remap` sends a source tensor: (rebuilt storage, element offset, shape or None for the source's).
 Remapped = tuple[OutStorage, int, tuple[int, ...] | None]

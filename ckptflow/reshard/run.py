@@ -1,6 +1,6 @@
 """Running a reshard: the checks before, the output folder around the units, and everything together.
 
-1. `plan_output(src, out, world_size=M)`: validates the source (refusing it, before anything is
+1. `plan_output(src, out, target=M)`: validates the source (refusing it, before anything is
    written, when it has any problem), plans, and refuses an OUT inside the source.
 2. `prepare_output(plan, out)`: OUT free, room on a local disk, a staging folder beside it
    (`plumbing.staging`).
@@ -16,8 +16,8 @@
    place with `latest` last. `abort(staging)` cleans up.
 
 `ReshardStep` is 2-4 as a `plumbing.steps.Step`, which `run_step` runs on threads or on any
-`concurrent.futures.Executor` (a Dask cluster, Prefect tasks); `reshard(src, out, world_size=M)` runs
-all four, as the CLI does, and the Prefect task runs the same step.
+`concurrent.futures.Executor` (a Dask cluster, Prefect tasks); `reshard(src, out, world_size=M, ...)`
+runs all four, as the CLI does, and the Prefect task runs the same step.
 Archives carry torch's content-derived serialization id, so a rank's files are the same bytes whoever
 writes them, and however often.
 """
@@ -28,7 +28,7 @@ import logging
 import posixpath
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +39,11 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.tag import LATEST_HINT, read_latest
+from ckptflow.formats.hf import CONFIG_NAME, find_side_files, read_config
 from ckptflow.formats.torch.pickler import OutStorage, dumps
 from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
 from ckptflow.plumbing import staging as stage
-from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, write_bytes
+from ckptflow.plumbing.files import check_regular, copy_all, copy_regular, load_json, write_bytes
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.staging import Staging, Written, check_written, written
 from ckptflow.plumbing.steps import Cancelled, run_step
@@ -50,9 +51,19 @@ from ckptflow.plumbing.storage import join, open_fs, unstrip
 from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
-from ckptflow.reshard.plan import RankUnit, ReshardOptions, ReshardPlan, plan_reshard
+from ckptflow.reshard.plan import ReshardOptions, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
-from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
+from ckptflow.reshard.shape import (
+    Memory,
+    Shape,
+    Target,
+    check_world_size,
+    memory,
+    parameter_counts,
+    shapes_at,
+    source_shape,
+)
+from ckptflow.reshard.units import RankUnit, ReshardPlan
 from ckptflow.validate import validate
 
 logger = logging.getLogger(__name__)
@@ -61,10 +72,9 @@ logger = logging.getLogger(__name__)
 # ---- before anything is written ---------------------------------------------------------------------
 
 
-def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
-                tensor_parallel: int | None = None) -> ReshardPlan:
-    """The plan that reshards the checkpoint at `src` to `world_size` data-parallel ranks into `out`,
-    with `tensor_parallel` also changing an AutoTP checkpoint's tensor-parallel degree (to 1).
+def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = None) -> ReshardPlan:
+    """The plan that reshards the checkpoint at `src` into `out` at `target` (a `Target`: ranks and the
+    degrees that change; or a number of ranks, every degree kept).
 
     The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
     An `out` inside the source's tag folder is refused (`OutputError`)."""
@@ -74,14 +84,64 @@ def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
         more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
         raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
-    plan: ReshardPlan
-    if tensor_parallel is not None:
-        plan = plan_tensor_parallel_merge(report.index, world_size, tensor_parallel)
-    else:
-        plan = plan_reshard(report.index, world_size)
+    plan = plan_reshard(report.index, target, model_config(report.index.root))
     _check_not_inside(plan, out)
     carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
     return plan
+
+
+def model_config(root: str) -> Mapping[str, Any] | None:
+    """The model's config.json in the checkpoint folder `root` (its `text_config` for a multimodal
+    model), or None when there is none or it does not parse: it only narrows the shapes offered."""
+    if CONFIG_NAME not in find_side_files(root):
+        return None
+    try:
+        config = load_json(read_config(root))
+    except ValueError:
+        return None
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    return config if isinstance(config, dict) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeOption:
+    """A shape the checkpoint's model runs at, what it costs per GPU, and why ckptflow cannot write it
+    (None: it can)."""
+
+    shape: Shape
+    memory: Memory
+    reason: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapePlan:
+    """What `--plan` shows: the checkpoint, its shape and per-GPU cost, and the shapes at a world size."""
+
+    where: str
+    layout: str
+    source: Shape
+    source_memory: Memory
+    parameters: int
+    options: tuple[ShapeOption, ...]
+
+
+def plan_shapes(src: str, world_size: int, *, tag: str | None = None) -> ShapePlan:
+    """Every shape the checkpoint at `src` runs at on `world_size` ranks, with the per-GPU bytes each
+    implies and whether ckptflow writes it; reads the checkpoint's index, writes nothing."""
+    check_world_size(world_size)
+    report = validate(src, tag=tag)
+    if not report.ok or report.index is None:
+        first = report.problems[0]
+        more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
+        raise CheckpointError(f"refusing to plan a reshard of {src}: {first.message}{more}", code=first.code, uri=src,
+                              file=first.file, rank=first.rank)
+    index = report.index
+    source = source_shape(index)
+    options = tuple(ShapeOption(shape=shape, memory=memory(index, shape), reason=reason)
+                    for shape, reason in shapes_at(index, world_size, model_config(index.root)))
+    return ShapePlan(where=f"{index.root}/{index.tag}", layout=index.layout, source=source,
+                     source_memory=memory(index, source), parameters=sum(parameter_counts(index)), options=options)
 
 
 def _check_not_inside(plan: ReshardPlan, out: str) -> None:
@@ -405,6 +465,8 @@ class ReshardResult:
     bytes_written: int
     seconds: float
     rng_files: tuple[RngCopy, ...] = ()  # the Trainer RNG files written for the new world size, from which source files
+    source_shape: Shape | None = None  # the shapes, in ranks and degrees (`world_size` above: data-parallel ranks)
+    shape: Shape | None = None
 
     @property
     def rng_summary(self) -> str:
@@ -451,12 +513,12 @@ class ReshardStep:
 
 def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | None = None,
             options: ReshardOptions | None = None, workers: int | None = None, durable: bool = True,
-            tensor_parallel: int | None = None, progress: Progress | None = None,
-            executor: Executor | None = None) -> ReshardResult:
-    """Reshard the checkpoint at `src` into the new folder `out` as `options` say: to
-    `options.world_size` data-parallel ranks (with `tensor_parallel=1`, an AutoTP checkpoint's tensor
-    parallelism is merged away too). The options may come as keywords instead (`world_size`,
-    `workers`, `durable`, `tensor_parallel`: `ReshardOptions`' fields), not both.
+            stage: int | None = None, tp: int | None = None, pp: int | None = None, ep: int | None = None,
+            progress: Progress | None = None, executor: Executor | None = None) -> ReshardResult:
+    """Reshard the checkpoint at `src` into the new folder `out` as `options` say: for
+    `options.world_size` ranks, at the ZeRO stage and tensor-, pipeline- and expert-parallel degrees
+    given (every one not given is the source's; the data parallelism is what is left). The options may
+    come as keywords instead (`ReshardOptions`' fields), not both.
 
     The source is validated first and refused, before anything is written, when it has problems.
     `out` must not exist or be empty. `workers` threads (default 4) write at once: one per target
@@ -465,31 +527,29 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     bytes. On any error nothing is left at `out` and the staging folder is removed.
     """
     started = time.monotonic()
-    options = _options(options, world_size=world_size, workers=workers, durable=durable,
-                       tensor_parallel=tensor_parallel)
-    plan = plan_output(src, out, world_size=options.world_size, tag=tag, tensor_parallel=options.tensor_parallel)
+    asked = {"world_size": world_size, "stage": stage, "tp": tp, "pp": pp, "ep": ep, "workers": workers}
+    options = _options(options, asked, durable=durable)
+    plan = plan_output(src, out, target=options.target, tag=tag)
     threads = write_threads(options.workers, len(plan.units)) if executor is None else 1
     step = ReshardStep(plan, out, durable=options.durable, threads=threads)
     results, rng_files = run_step(step, executor=executor, workers=options.workers, progress=progress, name="reshard")
     seconds = time.monotonic() - started
-    logger.info("resharded %s (%d ranks) to %s (%d ranks) in %.1f s", src, plan.source_world_size, out,
-                plan.world_size, seconds)
+    logger.info("resharded %s (%s) to %s (%s) in %.1f s", src, plan.source_shape, out, plan.shape, seconds)
     return ReshardResult(
         out=out, tag=plan.tag, stage=plan.stage, precision=plan.precision, source_world_size=plan.source_world_size,
         world_size=plan.world_size, files=plan.files, bytes_read=sum(r.bytes_read for r in results),
         bytes_written=sum(r.bytes_written for r in results), seconds=seconds, rng_files=rng_files,
+        source_shape=plan.source_shape, shape=plan.shape,
     )
 
 
-def _options(options: ReshardOptions | None, *, world_size: int | None, workers: int | None, durable: bool,
-             tensor_parallel: int | None) -> ReshardOptions:
+def _options(options: ReshardOptions | None, asked: dict[str, int | None], *, durable: bool) -> ReshardOptions:
     """`options`, or the options the keywords give; a `TypeError` when both or neither are given."""
-    keywords = world_size is not None or workers is not None or tensor_parallel is not None or not durable
-    if options is not None and keywords:
+    given = {k: v for k, v in asked.items() if v is not None}
+    if options is not None and (given or not durable):
         raise TypeError("give reshard() its options as `options` or as keywords, not both")
     if options is not None:
         return options
-    if world_size is None:
+    if "world_size" not in given:
         raise TypeError("reshard() needs `world_size` (or `options`)")
-    return ReshardOptions(world_size=world_size, tensor_parallel=tensor_parallel, workers=workers or 4,
-                          durable=durable)
+    return ReshardOptions(**given, durable=durable)

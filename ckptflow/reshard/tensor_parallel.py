@@ -43,7 +43,8 @@ from ckptflow.formats.deepspeed.partition import (
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.plan import DataParallelPlan, RankUnit, TargetFlat, check_world_size
+from ckptflow.reshard.shape import check_world_size
+from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
 
 
 def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> DataParallelPlan:

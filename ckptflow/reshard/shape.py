@@ -1,0 +1,364 @@
+"""Shapes: how many ranks a training run uses and how they split. Pure.
+
+A `Shape` is what DeepSpeed runs a checkpoint at: `world_size` ranks (what the launcher starts),
+split into tensor-parallel (`tp`) and pipeline (`pp`) degrees, the data parallelism what is left
+(`dp = world_size / (tp * pp)`), an expert-parallel degree `ep` dividing the data-parallel ranks, and
+the ZeRO `stage`. A `Target` is a shape as a user asks for it: the ranks, and only the degrees that
+change (the rest are the source's).
+
+- `source_shape(index)`: the shape a checkpoint was saved at.
+- `resolve(index, target)`: the shape a target means for that checkpoint, or a one-line refusal that
+  names the shapes that would work at that many ranks.
+- `shapes_at(index, world_size)`: every shape DeepSpeed can run the checkpoint's model at on that many
+  ranks, each with `reason` None when ckptflow can write it, else why not (yet).
+- `memory(index, shape)`: per-GPU bytes of weights, gradients and optimizer state at a shape, after
+  the ZeRO paper's formulas (stage 1 partitions the optimizer state over the data-parallel ranks,
+  stage 2 the gradients too, stage 3 the weights too).
+
+Which shapes a layout allows follows DeepSpeed 0.19.8: PipelineModule trains at ZeRO-0 or 1 only
+(`PipelineEngine` asserts it); `deepspeed.moe` layers do not run under ZeRO-3; an expert-parallel
+degree divides the number of experts and the data-parallel ranks; a tensor-parallel degree divides
+the attention heads (when the model's `config.json` says how many).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckptflow.errors import UnsupportedCheckpointError
+
+STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def check_world_size(world_size: Any) -> None:
+    """`ValueError` unless `world_size` is a whole number of ranks, at least 1."""
+    if not _is_count(world_size):
+        raise ValueError(f"the world size must be a whole number of ranks, at least 1; got {world_size!r}")
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Shape:
+    """A parallel shape: `world_size` ranks = tp x pp x dp, experts over `ep` of the dp ranks, ZeRO `stage`."""
+
+    world_size: int
+    stage: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Ranks each expert is replicated on (its expert data-parallel group)."""
+        return self.dp // self.ep
+
+    def __str__(self) -> str:
+        """E.g. "ZeRO-2 tp2 x dp2 (4 ranks)", "ZeRO-3 ep2 x edp2 (4 ranks)"."""
+        axes = [f"{label}{n}" for label, n in (("pp", self.pp), ("tp", self.tp)) if n > 1]
+        axes += [f"ep{self.ep}", f"edp{self.edp}"] if self.ep > 1 else [f"dp{self.dp}"]
+        return f"ZeRO-{self.stage} {' x '.join(axes)} ({self.world_size} rank{'s' if self.world_size != 1 else ''})"
+
+    @property
+    def slug(self) -> str:
+        """A name for folders and branches: "ws4", "ws4-z3", "ws4-tp2-z3" (degrees only where they are not 1)."""
+        parts = [f"ws{self.world_size}"] + [f"{label}{n}" for label, n in (("pp", self.pp), ("tp", self.tp),
+                                                                            ("ep", self.ep)) if n > 1]
+        return "-".join(parts + [f"z{self.stage}"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """A reshard target as asked for: `world_size` ranks, and any degree that changes (None keeps the
+    source's; the data-parallel degree is always what is left)."""
+
+    world_size: int
+    stage: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+
+    def __post_init__(self) -> None:
+        check_world_size(self.world_size)
+        if self.stage is not None and self.stage not in STAGES:
+            raise ValueError(f"the ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if value is not None and not _is_count(value):
+                raise ValueError(f"the {_AXES[name]} degree must be a positive whole number; got {value!r}")
+
+    @property
+    def changes(self) -> str:
+        """What was asked, in words: "4 ranks, ZeRO-3, tp1"."""
+        asked = [f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"]
+        if self.stage is not None:
+            asked.append(f"ZeRO-{self.stage}")
+        asked += [f"{name}{getattr(self, name)}" for name in ("tp", "pp", "ep") if getattr(self, name) is not None]
+        return ", ".join(asked)
+
+
+_AXES = {"tp": "tensor-parallel", "pp": "pipeline-parallel", "ep": "expert-parallel"}
+
+
+# ---- what a checkpoint is and allows ----------------------------------------------------------------
+
+
+def kind_of(index: Any) -> str:
+    """The layout kind of an index: "zero", "zero0", "autotp", "pipeline", "megatron", "tensor-parallel",
+    "autoep" or "moe"."""
+    kind = getattr(index, "kind", None)
+    if isinstance(kind, str):
+        return kind
+    return "zero0" if index.stage == 0 else "zero"
+
+
+def source_shape(index: Any) -> Shape:
+    """The shape `index` was saved at."""
+    d = index.degrees
+    return Shape(world_size=d.ranks, stage=index.stage, tp=d.tp, pp=d.pp, ep=d.ep)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What limits the shapes of a checkpoint's model: its experts, layers and attention heads (0: unknown)."""
+
+    experts: int = 0  # per MoE layer
+    layers: int = 0  # pipeline layers (PipelineModule) or decoder layers
+    heads: int = 0
+    kv_heads: int = 0
+
+
+def _model(index: Any, config: Mapping[str, Any] | None) -> Model:
+    config = config or {}
+
+    def count(*keys: str) -> int:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and _is_count(value):
+                return value
+        return 0
+
+    experts = count("num_local_experts", "num_experts", "n_routed_experts")
+    heads = count("num_attention_heads", "n_head")
+    return Model(experts=experts, layers=count("num_hidden_layers", "n_layer"), heads=heads,
+                 kv_heads=count("num_key_value_heads") or heads)
+
+
+def stages_allowed(kind: str) -> tuple[int, ...]:
+    """The ZeRO stages DeepSpeed 0.19.8 trains a layout at (of those a reshard writes)."""
+    if kind in ("pipeline", "megatron"):
+        return (1,)
+    if kind == "moe":
+        return (1, 2)
+    if kind == "autoep":
+        return (2, 3)
+    return STAGES
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shapes_at(index: Any, world_size: int, config: Mapping[str, Any] | None = None) -> list[tuple[Shape, str | None]]:
+    """Every shape the checkpoint's model runs at on `world_size` ranks, with None where ckptflow can
+    write it from `index` and the reason where it cannot; the source's stage first, then by degrees."""
+    kind = kind_of(index)
+    source = source_shape(index)
+    model = _model(index, config)
+    out = []
+    for shape in _candidates(kind, source, world_size, model):
+        out.append((shape, why_not(index, source, shape)))
+    out.sort(key=lambda item: (item[0].stage != source.stage, item[0].stage, item[0].tp, item[0].pp, item[0].ep))
+    return out
+
+
+def _candidates(kind: str, source: Shape, world_size: int, model: Model) -> Iterator[Shape]:
+    tps = _divisors(world_size) if kind in ("autotp", "megatron", "tensor-parallel") else [1]
+    pps = _divisors(world_size) if kind in ("pipeline", "megatron") else [1]
+    for stage in ((0,) if source.stage == 0 else ()) + stages_allowed(kind):
+        for tp in tps:
+            if model.heads and (model.heads % tp or model.kv_heads % tp):
+                continue
+            for pp in pps:
+                if world_size % (tp * pp) or (model.layers and pp > model.layers):
+                    continue
+                dp = world_size // (tp * pp)
+                eps = [e for e in _divisors(dp) if not model.experts or model.experts % e == 0] \
+                    if kind in ("autoep", "moe") else [1]
+                for ep in eps:
+                    yield Shape(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep)
+
+
+NAMES = {"zero": "data-parallel ZeRO", "zero0": "ZeRO-0", "autotp": "AutoTP", "pipeline": "PipelineModule",
+         "megatron": "Megatron-style PipelineModule", "tensor-parallel": "model-parallel", "autoep": "AutoEP",
+         "moe": "deepspeed.moe"}
+
+
+def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
+    """Why ckptflow cannot write `index` at `shape` (yet), or None when it can."""
+    kind = kind_of(index)
+    name = NAMES.get(kind, kind)
+    if source.stage == 0:
+        if replace(shape, world_size=source.world_size * shape.dp // max(source.dp, 1)) == source:
+            return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
+        return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot be "
+                "moved to another shape (its weights can still be consolidated)")
+    if shape.tp != source.tp:
+        if kind != "autotp":
+            return f"ckptflow changes the tensor-parallel degree of AutoTP checkpoints only, not of {name} ones"
+        if shape.tp != 1:
+            return "ckptflow merges AutoTP tensor parallelism to tp1; it does not split to other degrees yet"
+    if shape.pp != source.pp:
+        return "ckptflow does not change the number of pipeline stages yet"
+    if shape.ep != source.ep:
+        return "ckptflow does not change the expert-parallel degree yet"
+    if shape.stage != source.stage:
+        if kind != "zero":
+            return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO only)"
+        if shape.tp != source.tp:
+            return "ckptflow does not change the ZeRO stage and the tensor-parallel degree together yet"
+    return None
+
+
+def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:
+    """The shape `target` means for `index`: every degree not given is the source's, the data-parallel
+    degree what is left. `UnsupportedCheckpointError`, naming the shapes ckptflow can write at that many
+    ranks, when the shape does not divide, the layout forbids it, or ckptflow cannot write it yet."""
+    source = source_shape(index)
+    shape = Shape(world_size=target.world_size,
+                  stage=target.stage if target.stage is not None else source.stage,
+                  tp=target.tp if target.tp is not None else source.tp,
+                  pp=target.pp if target.pp is not None else source.pp,
+                  ep=target.ep if target.ep is not None else source.ep)
+    where = f"{index.root}/{index.tag}"
+    allowed = shapes_at(index, target.world_size, config)
+    writable = [s for s, reason in allowed if reason is None]
+    nearby = [] if writable else _nearby(index, target.world_size, config)
+    problem = _divides(shape, source)
+    if problem is None and shape not in [s for s, _ in allowed]:
+        problem = _forbidden(index, shape)
+    if problem is None:
+        problem = dict(allowed).get(shape)
+    if problem is not None:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard {where} ({source}) to {target.changes}: {problem}; "
+            f"{_listing(writable, target.world_size, nearby)}",
+            code="unsupported-shape", uri=index.root, expected=[str(s) for s in writable], actual=str(shape))
+    return shape
+
+
+def _divides(shape: Shape, source: Shape) -> str | None:
+    mp = shape.tp * shape.pp
+    if shape.world_size % mp:
+        return f"{shape.world_size} ranks do not split into tp{shape.tp} x pp{shape.pp} ({mp} ranks per model replica)"
+    if shape.dp % shape.ep:
+        return (f"an expert-parallel degree of {shape.ep} does not divide the {shape.dp} data-parallel ranks "
+                f"left at tp{shape.tp} x pp{shape.pp}")
+    return None
+
+
+def _forbidden(index: Any, shape: Shape) -> str:
+    kind = kind_of(index)
+    name = NAMES.get(kind, kind)
+    if shape.stage not in stages_allowed(kind):
+        stages = ", ".join(map(str, stages_allowed(kind)))
+        return f"DeepSpeed trains {name} models at ZeRO stage {stages} only"
+    if shape.tp > 1 and kind not in ("autotp", "megatron", "tensor-parallel"):
+        return f"a {name} checkpoint has no tensor parallelism to give a degree of {shape.tp}"
+    if shape.pp > 1 and kind not in ("pipeline", "megatron"):
+        return f"a {name} checkpoint is not a PipelineModule; it has no pipeline stages to split into {shape.pp}"
+    if shape.ep > 1 and kind not in ("autoep", "moe"):
+        return f"a {name} checkpoint has no experts to spread over {shape.ep} ranks"
+    return f"the model does not split into {shape} (its attention heads, layers or experts do not divide)"
+
+
+def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None) -> list[int]:
+    """The world sizes closest to `world_size` (at most twice it) at which ckptflow writes some shape of `index`."""
+    sizes = sorted(range(1, 2 * world_size + 1), key=lambda n: (abs(n - world_size), n))
+    found = [n for n in sizes[1:] if any(reason is None for _, reason in shapes_at(index, n, config))]
+    return sorted(found[:2])
+
+
+def _listing(shapes: list[Shape], world_size: int, nearby: list[int]) -> str:
+    if not shapes:
+        sizes = f" (it can at {' or '.join(map(str, nearby))})" if nearby else ""
+        return f"ckptflow can write no shape of it at {world_size} rank{'s' if world_size != 1 else ''}{sizes}"
+    names = [str(s) for s in shapes]
+    more = f" (and {len(names) - 6} more)" if len(names) > 6 else ""
+    return f"shapes it can write at {world_size} rank{'s' if world_size != 1 else ''}: {', '.join(names[:6])}{more}"
+
+
+# ---- memory per GPU -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Bytes one GPU holds at a shape for the model's training state (activations and buffers left out)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def parameter_counts(index: Any) -> tuple[int, int]:
+    """(dense, expert) trainable elements of the whole model: expert parameters are those of
+    expert-parallel param groups, counted over every expert."""
+    zero = getattr(index, "zero", None)
+    expert = 0
+    if zero is not None:
+        expert_groups = {g.index for g in zero.groups if g.ep > 1}
+        expert = sum(p.numel for p in zero.params if p.group in expert_groups)
+    total = sum(t.numel for t in index.model_tensors() if t.kind == "param")
+    return max(total - expert, 0), expert
+
+
+def memory(index: Any, shape: Shape, moments: int | None = None) -> Memory:
+    """Per-GPU bytes at `shape` for `index`'s model (the ZeRO formulas): Psi parameters per model-parallel
+    rank in `precision` (2 bytes for bf16/fp16, 4 for fp32), as many gradients, and the optimizer's fp32
+    master copy (mixed precision only) and `moments` fp32 moments per parameter (Adam: 2); stage 1
+    divides the optimizer state by the data-parallel ranks, stage 2 the gradients too, stage 3 the
+    weights too. Expert parameters divide by the expert-parallel degree and replicate over edp ranks."""
+    dense, expert = parameter_counts(index)
+    mp = shape.tp * shape.pp
+    per_rank_dense, per_rank_expert = dense / mp, expert / (mp * shape.ep)
+    if moments is None:
+        moments = _moments(index)
+    width = 4 if index.precision == "fp32" else 2
+    optimizer_width = 4 * moments + (0 if index.precision == "fp32" else 4)
+
+    def held(numel: float, dp: int, partitioned: bool) -> float:
+        return numel / dp if partitioned else numel
+
+    def part(per_element: int, dense_dp: int, expert_dp: int, partitioned: bool) -> int:
+        return round(per_element * (held(per_rank_dense, dense_dp, partitioned)
+                                    + held(per_rank_expert, expert_dp, partitioned)))
+
+    return Memory(
+        weights=part(width, shape.dp, shape.edp, shape.stage >= 3),
+        gradients=part(width, shape.dp, shape.edp, shape.stage >= 2),
+        optimizer=part(optimizer_width, shape.dp, shape.edp, shape.stage >= 1),
+    )
+
+
+def _moments(index: Any) -> int:
+    for zero in (index, getattr(index, "zero", None), *(getattr(index, "ranks", ()) or ())[:1]):
+        count = getattr(zero, "tensors_per_partition", None) if zero is not None else None
+        if isinstance(count, int):
+            return count
+    return 2
+
+
+__all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "kind_of", "memory", "parameter_counts",
+           "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not"]
