@@ -169,11 +169,12 @@ def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: 
 def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures: Mapping[str, ParallelFixture],
                                                               tmp_path: Path) -> None:
     source = parallel_fixtures["autotp-tp2-z1-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=r"\(ZeRO-1 tp2 x dp1 \(2 ranks\)\) to 4 ranks, tp4: ckptflow merges "
-                                                         r"AutoTP tensor parallelism to tp1; it does not split to other "
-                                                         r"degrees yet; shapes it can write at 4 ranks: ZeRO-1 dp4 "
-                                                         r"\(4 ranks\), ZeRO-1 tp2 x dp2 \(4 ranks\)$"):
-        reshard(str(source.dir), str(tmp_path / "out"), world_size=4, tp=4)
+    with pytest.raises(UnsupportedCheckpointError, match=r"\(ZeRO-1 tp2 x dp1 \(2 ranks\)\) to 4 ranks, tp4: the model does "
+                                                         r"not split into ZeRO-1 tp4 x dp1 \(4 ranks\) \(its attention "
+                                                         r"heads, layers or experts do not divide\); shapes it can write "
+                                                         r"at 4 ranks: ZeRO-1 dp4 \(4 ranks\), ZeRO-1 tp2 x dp2 "
+                                                         r"\(4 ranks\)$"):
+        reshard(str(source.dir), str(tmp_path / "out"), world_size=4, tp=4)  # its config.json: 2 KV heads
     pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, tp2: a PipelineModule checkpoint has no tensor "
                                                          r"parallelism to give a degree of 2; shapes it can write at 4 "

@@ -782,6 +782,9 @@ ALL_CASES = (
     # 1 -> 4, 3 -> 4, 2 -> 4
     ("z1-fp32-ws1", 4), ("z3-bf16-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-fp32-ws3", 4), ("z3-bf16-ws2-offload", 4),
     ("z1-aligned-ws2*", 4),
+    # another ZeRO stage (the third item), with and without another world size
+    ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z2-bf16-ws2", 2, 1), ("z3-fp32-ws2", 3, 2), ("z3-fp32-ws3", 1, 1),
+    ("z1-fp32-ws2", 4, 3), ("z2-bf16-ws2-offload", 3, 3), ("z3-fp32-ws2", 2, 1),
 )
 # Sampled by default (`tests.sampling`; every launch size stays): ZeRO-1/2/3 in fp32, bf16 and fp16,
 # offload, alignment, sub-groups, no step yet, a chained reshard, in every direction. All with
@@ -792,6 +795,7 @@ CASES = sample(ALL_CASES, [
     ("z1-aligned-ws2*", 3), ("z3-nostep-ws2*", 3),
     ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
     ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-bf16-ws2-offload", 4),
+    ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z3-fp32-ws2", 3, 2),
 ])
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
 WRITTEN = {
@@ -807,8 +811,13 @@ CURVES = (("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-fp32-
 CURVE_STEPS, GLOBAL_BATCH = 3, 12
 
 
-def _case_id(case: tuple[str, int]) -> str:
-    return f"{case[0].rstrip('*')}-to{case[1]}"
+def _case_id(case: tuple) -> str:
+    return f"{case[0].rstrip('*')}-to{case[1]}" + (f"-z{case[2]}" if len(case) > 2 else "")
+
+
+def _stage(case: tuple) -> int | None:
+    """The ZeRO stage a case reshards to, None for its source's."""
+    return case[2] if len(case) > 2 else None
 
 
 def _job(spec: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
@@ -837,8 +846,9 @@ def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
     for world_size in LAUNCH_ORDER:
         jobs = [_job(specs[alias], write=str(sources[alias])) for alias in WRITTEN if world_size == 2 and alias in used]
         for case in (c for c in CASES if c[1] == world_size):
-            reshard(str(sources[case[0]]), str(outs[case]), world_size=world_size)
-            jobs.append(_job(specs[case[0]], load=str(outs[case]), save=str(resaved[case])))
+            reshard(str(sources[case[0]]), str(outs[case]), world_size=world_size, stage=_stage(case))
+            spec = {**specs[case[0]], **({"stage": case[2]} if _stage(case) else {})}  # DeepSpeed at the target stage
+            jobs.append(_job(spec, load=str(outs[case]), save=str(resaved[case])))
         for name, target in CURVES:
             spec = specs[name]
             if target == world_size:
@@ -965,6 +975,14 @@ def _shapes(model_states: Mapping[str, Any]) -> dict[str, Any]:
     return {name: shape for flat in model_states["param_shapes"] for name, shape in flat.items()}
 
 
+def _param_groups(state: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The base optimizer's param groups in a universal checkpoint's optimizer state, whatever the stage."""
+    for key in ("optimizer_state_dict", "base_optimizer_state"):
+        if isinstance(state.get(key), Mapping):
+            return list(state[key]["param_groups"])
+    return list(state["param_groups"])
+
+
 def _common_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in state.items() if k not in _PER_WORLD_SIZE}
     if isinstance(out.get("optimizer_state_dict"), Mapping):
@@ -994,7 +1012,9 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
             assert any(f.endswith("/exp_avg_sq.pt") for f in files)
     for name in files:
         left, right = _load_plain(a / name), _load_plain(b / name)
-        if name == "optimizer_state.pt":  # the common state: rank 0's partition is left out (ZeRO-3 keeps it)
+        if name == "optimizer_state.pt" and _stage(case):  # another optimizer: its hyper-parameters only
+            left, right = _hyper(_param_groups(left)), _hyper(_param_groups(right))
+        elif name == "optimizer_state.pt":  # the common state: rank 0's partition is left out (ZeRO-3 keeps it)
             left, right = _common_optimizer_state(left), _common_optimizer_state(right)
         assert left == right, name
     # 2. DeepSpeed's fp32 state dict (trained, frozen and tied parameters; buffers cast to fp32).
@@ -1014,6 +1034,11 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
         theirs = _plain(src_ix.model_states[min(rank, src_ix.world_size - 1) if src_ix.stage == 3 else 0],
                         storage=False)
         skip = _PER_WORLD_SIZE | ({"shared_params"} if rank else set())  # ZeRO-3: filled on rank 0 only
+        if _stage(case):  # the module holds other parameter copies at another stage: its buffers are the same
+            buffers = set(src_ix.model_states[0]["buffer_names"])
+            assert ({k: v for k, v in mine["module"].items() if k in buffers}
+                    == {k: v for k, v in theirs["module"].items() if k in buffers})
+            skip |= {"module"}
         mine = {k: v for k, v in mine.items() if k not in skip}
         theirs = {k: v for k, v in theirs.items() if k not in skip}
         assert not _differences(theirs, mine)
@@ -1021,12 +1046,16 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
         osd_mine = _plain(out_ix.optim_states[rank]["optimizer_state_dict"], storage=False)
         osd_theirs = _plain(src_ix.optim_states[min(rank, src_ix.world_size - 1)]["optimizer_state_dict"],
                             storage=False)
-        for key in set(osd_theirs) - _PER_WORLD_SIZE:
+        for key in set(osd_theirs) - _PER_WORLD_SIZE - ({"zero_stage", "clip_grad", "ds_version", "base_optimizer_state",
+                                                          "optimizer_state_dict"} if _stage(case) else set()):
             if key in ("base_optimizer_state", "optimizer_state_dict"):
                 assert _hyper(osd_mine[key]["param_groups"]) == _hyper(osd_theirs[key]["param_groups"])
                 assert _scalars(osd_mine[key]["state"]) == _scalars(osd_theirs[key]["state"])
             else:
                 assert osd_mine[key] == osd_theirs[key], key
+        if _stage(case):  # the base optimizer's hyper-parameters and step under the other optimizer's key
+            assert _hyper(_param_groups(osd_mine)) == _hyper(_param_groups(osd_theirs))
+            assert out_ix.stage == case[2]
     assert src_ix.model_states[0]["global_steps"] == out_ix.model_states[0]["global_steps"]
 
 

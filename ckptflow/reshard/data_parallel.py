@@ -72,9 +72,8 @@ def plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> DataParal
     return replace(plan, carried=source.expert_files, group_ep=tuple(g.ep for g in index.groups))
 
 
-def plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, stage: int | None = None,
-                       expert_parallel: bool = False) -> DataParallelPlan:
-    """`index` at `world_size` data-parallel ranks and ZeRO `stage` (None: the source's)."""
+def plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> DataParallelPlan:
+    """`index` at `world_size` data-parallel ranks, same ZeRO stage."""
     optimizer = index.optimizer_kind
     _check_supported(index, optimizer, expert_parallel=expert_parallel)
     if optimizer == ZERO3:

@@ -149,11 +149,15 @@ def _gathered(numel: int, copies: Sequence[Copy], refs: Callable[[int, int], Ten
     return OutStorage(dtype, numel, spans)
 
 
-def _target_config(config: Any, src_ws: int, dst_ws: int) -> Any:
-    """The ds_config as the run at the new world size records it: same per-rank batch."""
+def _target_config(config: Any, src_ws: int, dst_ws: int, stage: int | None = None) -> Any:
+    """The ds_config as the run at the new world size records it: same per-rank batch; the new ZeRO
+    `stage` when it changes."""
     if not isinstance(config, dict):
         return config
     out = copy.deepcopy(config)
+    zero = out.get("zero_optimization")
+    if stage is not None and isinstance(zero, dict) and zero.get("stage") != stage:
+        zero["stage"] = stage
     tbs = out.get("train_batch_size")
     if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs % src_ws == 0:
         out["train_batch_size"] = tbs // src_ws * dst_ws
@@ -162,7 +166,8 @@ def _target_config(config: Any, src_ws: int, dst_ws: int) -> Any:
 
 def _base_state(plan: DataParallelPlan, rank: int) -> Mapping[str, Any]:
     osd = plan.index.optim_states[rank]["optimizer_state_dict"]
-    base: Mapping[str, Any] = osd["optimizer_state_dict"] if plan.optimizer == ZERO3 else osd["base_optimizer_state"]
+    key = "optimizer_state_dict" if plan.src_optimizer == ZERO3 else "base_optimizer_state"
+    base: Mapping[str, Any] = osd[key]
     return base
 
 
@@ -211,6 +216,8 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     fp32, states = _flat_states(plan, unit, tree)
     n_groups = len(ix.groups)
     out: dict[str, Any] = {}
+    if plan.src_optimizer != plan.optimizer:  # a stage change: the target optimizer's own fields, in its order
+        osd = _other_optimizer(plan, osd, source)
     for key, value in osd.items():
         if key in ("base_optimizer_state", "optimizer_state_dict") and isinstance(value, Mapping):
             groups = []
@@ -232,7 +239,7 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
         elif key == "param_slice_mappings":
             out[key] = [OrderedDict((n, _fragment_address(s, k)) for n, s, k in group) for group in unit.slice_mappings]
         elif key == "zero_stage":
-            out[key] = _zero_stage(value)
+            out[key] = _zero_stage(plan.stage)
         else:
             out[key] = tree.convert(value)
     if (plan.optimizer == ZERO and "param_alignment_paddings" not in out
@@ -243,10 +250,38 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
         if key == "optimizer_state_dict":
             top[key] = out
         elif key == "ds_config":
-            top[key] = _target_config(value, plan.source_world_size, plan.world_size)
+            top[key] = _target_config(value, plan.source_world_size, plan.world_size, plan.stage)
         else:
             top[key] = tree.convert(value)
     return top
+
+
+# What `state_dict()` of each ZeRO optimizer holds, in its order (DeepSpeed 0.19.8), for a stage change.
+_ZERO12_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
+                "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_alignment_paddings",
+                "partition_count", "ds_version", "param_slice_mappings")
+_ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count", "optimizer_state_dict",
+               "fp32_flat_groups")
+
+
+def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
+    """The source optimizer's state dict re-keyed as the target stage's optimizer saves it: the loss
+    scaler's fields carried, the base state under its new key, placeholders for what `optim_states`
+    rewrites anyway; `clip_grad` (which ZeRO-3 does not save) from the recorded `gradient_clipping`."""
+    base = osd.get("optimizer_state_dict" if plan.src_optimizer == ZERO3 else "base_optimizer_state")
+    keys = _ZERO3_KEYS if plan.optimizer == ZERO3 else _ZERO12_KEYS
+    config = source.get("ds_config")
+    clip = config.get("gradient_clipping", 0.0) if isinstance(config, Mapping) else 0.0
+    carried = {"clip_grad": osd.get("clip_grad", clip), "ds_version": osd.get("ds_version", source.get("ds_version"))}
+    out: dict[str, Any] = {}
+    for key in keys:
+        if key in ("base_optimizer_state", "optimizer_state_dict"):
+            out[key] = base
+        elif key in osd:
+            out[key] = osd[key]
+        else:
+            out[key] = carried.get(key)
+    return out
 
 
 def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
@@ -255,17 +290,25 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     A PipelineModule saves no `module` there (its weights are in the layer files): nothing to remap."""
     plan = whole.part(unit)  # of a model-parallel plan, the data-parallel plan of the unit's mp rank
     ix = plan.index
-    source = ix.model_states[unit.meta_rank if plan.stage == 3 else 0]
+    source = ix.model_states[unit.meta_rank if ix.stage == 3 else 0]
     module = source.get("module")
     tree = _Tree(_module_remap(plan, module) if plan.stage != 3 and module is not None else None)
+    frozen = _whole_frozen(plan, unit) if plan.stage != 3 and ix.stage == 3 else {}
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "param_shapes":
             out[key] = [OrderedDict((n, _torch_size(s)) for n, s in flat) for flat in plan.flat_shapes]
         elif key == "frozen_param_shapes" and isinstance(value, Mapping):
             out[key] = OrderedDict((n, _torch_size(s)) for n, s in value.items())
-        elif key == "frozen_param_fragments" and isinstance(value, Mapping) and plan.stage == 3:
-            out[key] = _frozen_fragments(plan, unit, value)
+        elif key == "frozen_param_shapes" and plan.stage == 3:  # a ZeRO-1 source records none
+            out[key] = OrderedDict((p.name, _torch_size(p.shape)) for p in ix.params if p.frozen)
+        elif key == "frozen_param_fragments" and plan.stage == 3:
+            out[key] = _frozen_fragments(plan, unit, value if isinstance(value, Mapping) else
+                                         {p.name: None for p in unit.frozen})
+        elif key == "frozen_param_fragments" and frozen:  # ZeRO-3 -> 1/2: the whole tensors, as in the module
+            out[key] = OrderedDict((n, frozen[n]) for n in (value if isinstance(value, Mapping) else frozen))
+        elif key == "module" and isinstance(value, Mapping) and plan.stage != ix.stage:
+            out[key] = _module_at_stage(plan, value, tree, frozen)
         elif key == "shared_params" and plan.stage == 3:  # DeepSpeed fills it on global rank 0 only
             shared = ix.model_states[0].get(key)
             empty = type(shared)() if isinstance(shared, dict) else shared
@@ -279,9 +322,42 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
             out[key] = {k: _autoep_layers(plan, unit, v) if k == "ds_autoep_layers" else tree.convert(v)
                         for k, v in value.items()}
         elif key == "ds_config":
-            out[key] = _target_config(value, plan.source_world_size, plan.world_size)
+            out[key] = _target_config(value, plan.source_world_size, plan.world_size, plan.stage)
         else:
             out[key] = tree.convert(value)
+    return out
+
+
+def _whole_frozen(plan: DataParallelPlan, unit: RankUnit) -> dict[str, OutTensor]:
+    """ZeRO-3 -> 1/2: each frozen parameter whole, joined from the source ranks' pieces (rank 0's unit)."""
+    by_name = plan.index.param_by_name
+    out = {}
+    for piece in unit.frozen:
+        param = by_name[piece.name]
+        dtype = param.frozen_pieces[0].dtype
+        out[piece.name] = OutTensor(_gathered(piece.numel, piece.copies, _frozen_piece(param), dtype), 0, param.shape)
+    return out
+
+
+def _module_at_stage(plan: DataParallelPlan, module: Mapping[str, Any], tree: _Tree,
+                     frozen: Mapping[str, OutTensor]) -> OrderedDict[str, Any]:
+    """The module state dict at another ZeRO stage. To ZeRO-3: buffers as they are, every parameter
+    (frozen and tied aliases too) an empty tensor of its dtype, as ZeRO-3 saves them. To ZeRO-1/2: the
+    trainable parameters as views of the rebuilt 16-bit flat groups (`_module_remap`, through `tree`),
+    tied aliases the same views as their owners, frozen parameters whole."""
+    ix = plan.index
+    buffers = {b.name for b in ix.buffers}
+    out: OrderedDict[str, Any] = OrderedDict()
+    for name, ref in module.items():
+        if name in buffers or not isinstance(ref, TensorRef):
+            out[name] = tree.convert(ref)
+        elif plan.stage == 3:
+            out[name] = OutTensor(OutStorage(ref.dtype, 0, []), 0, (0,))
+        elif name in frozen:
+            out[name] = frozen[name]
+        else:
+            owner = ix.tied.get(name, name)
+            out[name] = tree.convert(module.get(owner, ref))
     return out
 
 

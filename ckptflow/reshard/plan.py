@@ -20,6 +20,7 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel, plan_expert_parallel, plan_model_parallel
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
+from ckptflow.reshard.stage import plan_stage_change
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
 from ckptflow.reshard.units import ReshardPlan
 
@@ -86,6 +87,8 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
     source = source_shape(index)
     if shape.tp != source.tp:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp)
+    if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):
+        return plan_stage_change(index, shape.dp, shape.stage)
     if isinstance(index, ExpertCheckpoint):
         return plan_expert_parallel(index, shape.dp)
     if isinstance(index, ModelParallelCheckpoint):
@@ -95,7 +98,7 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
             f"{index.root}/{index.tag} is a {index.layout} checkpoint; ckptflow reshards data-parallel ZeRO "
             "checkpoints only so far", uri=index.root,
             hint="convert it with DeepSpeed's universal converter (deepspeed.checkpoint.ds_to_universal) instead")
-    return plan_data_parallel(index, shape.dp, stage=shape.stage)
+    return plan_data_parallel(index, shape.dp)
 
 
 def _nothing_to_do(index: Any, target: Target) -> None:
