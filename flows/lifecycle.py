@@ -177,9 +177,10 @@ def checkpoint_lifecycle(
                 )
     reshard_futures = {}
     for n in reshard.world_sizes:
-        out = paths.reshard_folder(base, n, reshard.tensor_parallel)
+        out = paths.reshard_folder(base, n, reshard.tensor_parallel, reshard.stage)
         reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
-            checkpoint, out, n, cluster=cluster or None, tensor_parallel=reshard.tensor_parallel)
+            checkpoint, out, n, cluster=cluster or None, tensor_parallel=reshard.tensor_parallel,
+            stage=reshard.stage)
 
     failures: list[str] = []
     model = _outcome(model_future, "consolidation", failures)
@@ -198,7 +199,8 @@ def checkpoint_lifecycle(
         if dest.includes("model") and model is not None:
             targets.append((model, *paths.model_destination(dest, checkpoint.tag)))
         if dest.includes("reshards"):
-            targets += [(o, *paths.reshard_destination(dest, checkpoint.tag, n, reshard.tensor_parallel))
+            targets += [(o, *paths.reshard_destination(dest, checkpoint.tag, n, reshard.tensor_parallel,
+                                                       reshard.stage))
                         for n, o in reshards.items() if o]
         for output, uri, revision in targets:
             # A bucket destination whose manifest is gone (deleted since) is published again.
@@ -419,6 +421,7 @@ def _summary(
     for n, out in sorted(reshards.items()):
         if out is not None:
             merged = ", tensor parallelism merged" if out.details.get("tensor_parallel") else ""
+            merged += f", {out.details['shape']}" if out.details.get("shape") else ""
             built.append(f"- **ZeRO checkpoint for {n} rank(s)**{merged} ({format_size(out.bytes or 0)}): "
                          f"{code(out.uri)}")
     if built:

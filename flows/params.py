@@ -124,14 +124,27 @@ class ConsolidationOptions(_Options):
 
 
 class ReshardOptions(_Options):
-    """ZeRO checkpoints rewritten for other data-parallel world sizes."""
+    """ZeRO checkpoints rewritten for other numbers of GPUs: each target a shape (ranks, and the ZeRO
+    stage and tensor-parallel degree when they change)."""
 
     world_sizes: list[WorldSize] = Field(
         default_factory=list,
         title="Target world sizes",
-        description="Write the checkpoint again for each of these data-parallel world sizes (e.g. [1, 4]), "
-        "so training can resume on a different number of GPUs. Empty writes none.",
+        description="Write the checkpoint again for each of these numbers of ranks (e.g. [1, 4]; tp x pp x dp, "
+        "as the launcher counts them), so training can resume on a different number of GPUs. Empty writes none.",
     )
+
+    zero_stage: Literal["source", "1", "2", "3"] = Field(
+        default="source",
+        title="ZeRO stage",
+        description="Write each target at this ZeRO stage (e.g. 3, to fit fewer GPUs), or at the source's. "
+        "Another stage is written to zero-wsN-zS.",
+    )
+
+    @property
+    def stage(self) -> int | None:
+        """The ZeRO stage to write, or None to keep the source's."""
+        return None if self.zero_stage == "source" else int(self.zero_stage)
 
     merge_tensor_parallel: bool = Field(
         default=False,

@@ -57,13 +57,15 @@ def model_folder(base: str, options: ConsolidationOptions) -> str:
     return join(base, f"model-{options.dtype}-{digest}")
 
 
-def reshard_name(world_size: int, tensor_parallel: int | None = None) -> str:
-    """'zero-ws4', or 'zero-ws4-tp1' for a reshard that also merged the tensor parallelism."""
-    return f"zero-ws{world_size}" + (f"-tp{tensor_parallel}" if tensor_parallel else "")
+def reshard_name(world_size: int, tensor_parallel: int | None = None, stage: int | None = None) -> str:
+    """'zero-ws4', 'zero-ws4-tp1' for a reshard that also merged the tensor parallelism, 'zero-ws4-z3' for
+    one to another ZeRO stage: the shape, by what changes."""
+    return (f"zero-ws{world_size}" + (f"-tp{tensor_parallel}" if tensor_parallel else "")
+            + (f"-z{stage}" if stage else ""))
 
 
-def reshard_folder(base: str, world_size: int, tensor_parallel: int | None = None) -> str:
-    return join(base, reshard_name(world_size, tensor_parallel))
+def reshard_folder(base: str, world_size: int, tensor_parallel: int | None = None, stage: int | None = None) -> str:
+    return join(base, reshard_name(world_size, tensor_parallel, stage))
 
 
 def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
@@ -73,10 +75,10 @@ def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
     return join(dest.uri, tag, "model"), None
 
 
-def reshard_destination(dest: Destination, tag: str, world_size: int,
-                        tensor_parallel: int | None = None) -> tuple[str, str | None]:
+def reshard_destination(dest: Destination, tag: str, world_size: int, tensor_parallel: int | None = None,
+                        stage: int | None = None) -> tuple[str, str | None]:
     """(URI, revision) resharded checkpoint `world_size` goes to."""
-    branch = reshard_name(world_size, tensor_parallel)
+    branch = reshard_name(world_size, tensor_parallel, stage)
     if dest.is_hub:
         return dest.uri, f"{dest.revision}-{branch}" if dest.revision else branch
     return join(dest.uri, tag, branch), None

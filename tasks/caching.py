@@ -30,7 +30,7 @@ WHERE_IT_RUNS = frozenset({"cluster"})
 # Options added to a task after results were cached, and their defaults: left out of the key while at
 # the default, so that a result cached before the option existed still matches (else the step runs
 # again into an output folder that already exists, and fails).
-ADDED_LATER = {"tensor_parallel": None}
+ADDED_LATER = {"tensor_parallel": None, "stage": None}
 
 
 def checkpoint_cache_key(context: Any, parameters: dict[str, Any]) -> str:

@@ -54,8 +54,9 @@ def _reshard_run_name() -> str:
     parameters = task_run.parameters
     checkpoint, n = parameters.get("checkpoint"), parameters.get("world_size")
     tag = checkpoint.get("tag") if isinstance(checkpoint, dict) else getattr(checkpoint, "tag", None)
-    tp = parameters.get("tensor_parallel")
-    return f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}" + (f", tp {tp}" if tp else "")
+    tp, stage = parameters.get("tensor_parallel"), parameters.get("stage")
+    return (f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}" + (f", tp {tp}" if tp else "")
+            + (f", ZeRO-{stage}" if stage else ""))
 
 
 # Results stay in memory (persist_result=False): on a Dask worker a persisted result would land in that
@@ -75,12 +76,13 @@ def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> RankRe
     **io_retries(retries=2),
 )
 def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, workers: int = 4,
-                       cluster: str | None = None, tensor_parallel: int | None = None) -> Output:
+                       cluster: str | None = None, tensor_parallel: int | None = None,
+                       stage: int | None = None) -> Output:
     """Rewrite `checkpoint` for `world_size` data-parallel ranks into the new folder `out` (an AutoTP
     checkpoint's tensor parallelism merged to `tensor_parallel` = 1 too, when given); the ranks on
     the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
-    target = Target(world_size=world_size, tp=tensor_parallel)
+    target = Target(world_size=world_size, tp=tensor_parallel, stage=stage)
     plan = plan_output(checkpoint.root, out, target=target, tag=checkpoint.tag)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))
@@ -105,7 +107,7 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         files=len(plan.files),
         bytes=sum(r.bytes_written for r in results),
         details={"stage": plan.stage, "precision": plan.precision, "source_world_size": plan.source_world_size,
-                 "tensor_parallel": tensor_parallel,
+                 "tensor_parallel": tensor_parallel, "target_stage": stage, "shape": str(plan.shape),
                  "rng_files": describe(rng_files) if rng_files else None},
     )
 

@@ -396,12 +396,45 @@ def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, 
 
     output, run_id = build(str(src.dir))
     assert output.details["tensor_parallel"] == 1 and output.world_size == 2
-    reshard(str(src.dir), str(tmp_path / "cli"), world_size=2, tensor_parallel=1)
+    reshard(str(src.dir), str(tmp_path / "cli"), world_size=2, tp=1)
     ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
     cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
     assert ours.keys() == cli.keys() and ours == cli
     assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 2 ranks, "
                                                                                    "tp 1"]
+
+
+def test_the_reshard_task_writes_another_zero_stage(prefect_server: str, ds_fixtures, tmp_path: Path) -> None:
+    """The form's "ZeRO stage" reaches the core: the task writes, into `zero-ws3-z3`, the same bytes as
+    `ckptflow reshard --world-size 3 --zero-stage 3` (whose output DeepSpeed loads, in test_reshard), and
+    its run and summary name the shape."""
+    from prefect import flow
+
+    from ckptflow.reshard import reshard
+    from flows import paths
+    from flows.params import ReshardOptions
+    from tasks.reshard import reshard_checkpoint
+
+    options = ReshardOptions(world_sizes=[3], zero_stage="3")
+    out = paths.reshard_folder(str(tmp_path), 3, options.tensor_parallel, options.stage)
+    assert out.endswith("/zero-ws3-z3") and ReshardOptions(world_sizes=[3]).stage is None
+    src = ds_fixtures["z2-fp32-ws2"]
+
+    @flow
+    def build(source: str) -> Any:
+        from prefect.runtime import flow_run
+
+        checkpoint = validate_checkpoint(source, settle_seconds=0)
+        return reshard_checkpoint(checkpoint, out, 3, stage=options.stage), flow_run.id
+
+    output, run_id = build(str(src.dir))
+    assert output.details["shape"] == "ZeRO-3 dp3 (3 ranks)" and output.details["target_stage"] == 3
+    reshard(str(src.dir), str(tmp_path / "cli"), world_size=3, stage=3)
+    ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
+    cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
+    assert ours.keys() == cli.keys() and ours == cli
+    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 3 ranks, "
+                                                                                   "ZeRO-3"]
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:

@@ -63,17 +63,27 @@ CASES = sample(ALL_CASES, [
     ("autotp-tp2-z2-fp32", 2), ("autotp-tp2-z3-fp32", 2), ("autotp-llama-tied-tp2-z1-fp32", 2),
     ("autotp-glm-tp2-z3-fp32", 2), ("autotp-tp2dp2-z3-bf16", 1), ("pipe-pp2-z1-fp32", 2)])
 MERGES = sample(ALL_MERGES, [("autotp-tp2-z3-fp32", 2, 1), ("autotp-tp2-z1-bf16", 2, 1)])
-RESHARDS = CASES + MERGES
+# AutoTP at another ZeRO stage, per tensor-parallel rank: (fixture, dp, None, stage).
+ALL_STAGES = (
+    ("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2), ("autotp-tp2dp2-z1-fp32", 1, None, 2),
+    ("autotp-tp2-z1-bf16", 2, None, 3), ("autotp-llama-tied-tp2-z1-fp32", 2, None, 3),
+    ("autotp-glm-tp2-z3-fp32", 2, None, 1),
+)
+STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2)])
+RESHARDS = CASES + MERGES + STAGES
 
 
 def case_id(case: tuple) -> str:
-    return f"{case[0]}-to-dp{case[1]}" + (f"-tp{case[2]}" if len(case) > 2 else "")
+    return (f"{case[0]}-to-dp{case[1]}" + (f"-tp{case[2]}" if len(case) > 2 and case[2] else "")
+            + (f"-z{case[3]}" if len(case) > 3 else ""))
 
 
-def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None) -> ParallelSpec:
+def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None, stage: int | None = None) -> ParallelSpec:
     spec = fixture.parallel_spec
     if tp is not None:
         spec = dataclasses.replace(spec, tp=tp)
+    if stage is not None:
+        spec = dataclasses.replace(spec, stage=stage)
     return dataclasses.replace(spec, world_size=dp * spec.tp * spec.pp)
 
 
@@ -85,13 +95,13 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
     outs, resaved, results = {}, {}, {}
     launches: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
     for case in reshards + native:
-        name, dp, tp = (*case, None)[:3]
+        name, dp, tp, stage = (*case, None, None)[:4]
         fixture = fixtures[name]
-        spec = target_spec(fixture, dp, tp)
+        spec = target_spec(fixture, dp, tp, stage)
         load = fixture.dir
         if case in reshards:
             outs[case] = root / "out" / case_id(case)
-            reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, workers=2, tp=tp)
+            reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, workers=2, tp=tp, stage=stage)
             load = outs[case]
             resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
@@ -133,9 +143,10 @@ def check_validates(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFix
     source = validate(str(fixture.dir)).summary()
     summary = report.summary()
     assert summary["world_size"] == case[1]
-    assert summary.get("tp", 1) == (case[2] if len(case) > 2 else source["tp"])
-    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "tied")} == \
-        {k: source[k] for k in ("stage", "step", "params", "numel", "tied")}
+    assert summary.get("tp", 1) == (case[2] if len(case) > 2 and case[2] else source["tp"])
+    assert summary["stage"] == (case[3] if len(case) > 3 else source["stage"])
+    assert {k: summary[k] for k in ("step", "params", "numel", "tied")} == \
+        {k: source[k] for k in ("step", "params", "numel", "tied")}
 
 
 @pytest.fixture(scope="session")

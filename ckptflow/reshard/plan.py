@@ -20,7 +20,7 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel, plan_expert_parallel, plan_model_parallel
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
-from ckptflow.reshard.stage import plan_stage_change
+from ckptflow.reshard.stage import plan_model_parallel_stage, plan_stage_change
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
 from ckptflow.reshard.units import ReshardPlan
 
@@ -89,6 +89,8 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp)
     if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):
         return plan_stage_change(index, shape.dp, shape.stage)
+    if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":
+        return plan_model_parallel_stage(index, shape.dp, shape.stage)
     if isinstance(index, ExpertCheckpoint):
         return plan_expert_parallel(index, shape.dp)
     if isinstance(index, ModelParallelCheckpoint):

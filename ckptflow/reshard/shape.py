@@ -221,8 +221,8 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     if shape.ep != source.ep:
         return "ckptflow does not change the expert-parallel degree yet"
     if shape.stage != source.stage:
-        if kind != "zero":
-            return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO only)"
+        if kind not in ("zero", "autotp"):
+            return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
         if shape.tp != source.tp:
             return "ckptflow does not change the ZeRO stage and the tensor-parallel degree together yet"
         if getattr(index, "optimizer_kind", None) == "bf16":

@@ -18,8 +18,9 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
 Every target element is copied from the source fragments that hold it (`fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources
 saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation), with round-robin gradients or
-with ZeRO-3 sub-groups are refused, as are expert-parallel and model-parallel checkpoints (their stage
-change is the data-parallel one per model-parallel rank, not written yet).
+with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
+AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
+files are a data-parallel checkpoint of its shards.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ from ckptflow.formats.deepspeed.partition import (
     zero3_sub_groups,
     zero12_layout,
 )
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import plan_data_parallel
-from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat
+from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
 
 def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParallelPlan:
@@ -75,6 +77,16 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
             "copy of every weight, which ckptflow would have to cast from the fp32 masters; it copies bytes only, "
             "so this is not written yet", uri=where, hint="reshard it at ZeRO-3, or consolidate its weights")
     return _to_zero12(index, world_size, stage)
+
+
+def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, stage: int) -> ModelParallelPlan:
+    """An AutoTP checkpoint at ZeRO `stage`: each tensor-parallel rank's data-parallel checkpoint changed
+    alone (`plan_stage_change`), its `mp_rank_XX` files side by side; the split metadata carried."""
+    parts = tuple(plan_stage_change(rank, world_size, stage) for rank in index.ranks)
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
+        world_size=world_size, parts=parts, carried=index.carried, index=index,
+    )
 
 
 def fragment_copies(fragments: Sequence[Fragment], starts: Sequence[int], lo: int, hi: int, dst: int) -> list[Copy]:
@@ -247,4 +259,4 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
     )
 
 
-__all__ = ["fragment_copies", "plan_stage_change"]
+__all__ = ["fragment_copies", "plan_model_parallel_stage", "plan_stage_change"]
