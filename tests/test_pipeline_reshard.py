@@ -132,3 +132,22 @@ def test_other_stage_counts_are_refused(parallel_fixtures: Mapping[str, Parallel
             r"so it cannot be moved to another shape")):
         reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, pp=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_tied_modules_come_first_in_the_order_the_stages_first_use_them() -> None:
+    """Pure: stage 1 uses tied module b before a, but a was first used on stage 0; a layer's parameters
+    keep their order, whatever the group."""
+    from types import SimpleNamespace
+
+    from ckptflow.reshard.pipeline import _stage_order
+
+    def stage(*groups: list[str]) -> Any:
+        return SimpleNamespace(groups=[SimpleNamespace(params=tuple(g)) for g in groups])
+
+    ranks = [stage(["tied_modules.a.weight", "1.fc.weight"], ["1.fc.bias"]),
+             stage(["tied_modules.b.weight", "tied_modules.a.weight", "3.fc.weight", "10.fc.weight"],
+                   ["tied_modules.b.bias", "3.fc.bias", "3.norm.weight", "4.weight"])]
+    assert _stage_order(ranks) == [
+        ["tied_modules.a.weight", "tied_modules.b.weight", "1.fc.weight", "3.fc.weight", "10.fc.weight"],
+        ["tied_modules.b.bias", "1.fc.bias", "3.fc.bias", "3.norm.weight", "4.weight"],
+    ]

@@ -115,25 +115,27 @@ def _layer_of(name: str) -> int:
 
 def _stage_order(ranks: Sequence[ZeroCheckpoint]) -> list[list[str]]:
     """Per param group, the merged stage's parameters in `PipelineModule.parameters()` order: tied
-    modules first (each key where it is first used: the first stage holding it, its place there), then
-    the layers in layer order, a layer's parameters in the order its stage had them."""
-    tied_rank: dict[str, tuple[int, int]] = {}
-    for s, rank in enumerate(ranks):
-        for pos, p in enumerate(rank.params):
-            if p.name.startswith(TIED):
-                key = p.name[len(TIED):].partition(".")[0]
-                tied_rank.setdefault(key, (s, pos))
-
-    def place(name: str) -> tuple[int, int, int]:
-        if name.startswith(TIED):
-            return (0, *tied_rank[name[len(TIED):].partition(".")[0]])
-        return (1, _layer_of(name), 0)
-
+    modules first (in the order the stages first use them: the first stage holding a key, its place in
+    that stage's group, which holds every tied module of the group that stage uses), then the layers in
+    layer order, a layer's parameters in the order its stage had them."""
     out = []
     for g in range(len(ranks[0].groups)):
+        first_use: dict[str, tuple[int, int]] = {}
+        for s, rank in enumerate(ranks):
+            for pos, name in enumerate(rank.groups[g].params):
+                if name.startswith(TIED):
+                    first_use.setdefault(_tied_key(name), (s, pos))
+
+        def place(name: str, first_use: dict[str, tuple[int, int]] = first_use) -> tuple[int, int, int]:
+            return (0, *first_use[_tied_key(name)]) if name.startswith(TIED) else (1, _layer_of(name), 0)
+
         merged = list(dict.fromkeys(n for rank in ranks for n in rank.groups[g].params))
-        out.append(sorted(merged, key=place))  # stable: a layer's parameters keep their stage's order
+        out.append(sorted(merged, key=place))  # stable: a module's parameters keep their stage's order
     return out
+
+
+def _tied_key(name: str) -> str:
+    return name[len(TIED):].partition(".")[0]
 
 
 def _buffer_names(ranks: Sequence[ZeroCheckpoint]) -> list[str]:
