@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import load_index
@@ -31,6 +35,7 @@ from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
+from tests.test_parallel_fixtures import STATES, universal_tensor
 
 # (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16.
 CASES = (("pipe-pp2-z1-fp32", 2), ("pipe-pp2dp2-z1-fp32", 3), ("pipe-pp2-z1-bf16", 2))
@@ -151,3 +156,25 @@ def test_tied_modules_come_first_in_the_order_the_stages_first_use_them() -> Non
         ["tied_modules.a.weight", "tied_modules.b.weight", "1.fc.weight", "3.fc.weight", "10.fc.weight"],
         ["tied_modules.b.bias", "1.fc.bias", "3.fc.bias", "3.norm.weight", "4.weight"],
     ]
+
+
+def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
+        holdout_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """A checkpoint no one looked at while this was written (bf16, pp2 x dp2, seed 1) merged to pp1 x dp3:
+    DeepSpeed's own offline converter (ds_to_universal, one process) reads every parameter's fp32 master
+    and Adam moments out of ckptflow's files equal to the live engine's at the source shape."""
+    fixture = holdout_fixtures["holdout-pipe-pp2dp2-z1-bf16-s1"]
+    out = tmp_path / "out"
+    reshard(str(fixture.dir), str(out), world_size=3, pp=1, workers=2)
+    tag = (out / "latest").read_text()
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(out / tag),
+                    "--output_folder", str(tmp_path / "universal"), "--inject_missing_state"],
+                   check=True, capture_output=True, timeout=600)
+    expected = load_file(fixture.expected_path)
+    compared = 0
+    for name in fixture.spec["params"]:
+        for state in STATES:
+            got = universal_tensor(tmp_path / "universal" / "zero", name, state, fixture.spec["layout"])
+            assert torch.equal(got.float().reshape(-1), expected[f"{state}/{name}"].reshape(-1)), (name, state)
+            compared += 1
+    assert compared == len(expected) == 3 * len(fixture.spec["params"])
