@@ -14,6 +14,7 @@ Trainer's RNG files are renamed for the new world size (`rng_state.pth` at 1 ran
 - `plan.py`: `ReshardOptions`, `plan_reshard(index, target)`: the planner of the axis that changes;
 - `units.py`: what plans are made of (`RankUnit` per target rank, `DataParallelPlan`, `ModelParallelPlan`);
 - `data_parallel.py`: the data-parallel size and the ZeRO stage; `tensor_parallel.py`: AutoTP's degree;
+  `pipeline.py`: a PipelineModule's stages merged into one (pp1);
 - `files.py`: the object trees of the files one target rank gets (which fields change with M);
 - `rng.py`: `plan_rng_files(names, M)`, pure: which Trainer RNG file each target rank gets;
 - `run.py`: `plan_output` (validate, plan, refuse OUT inside SRC), `prepare_output`, `rank_job` (what a

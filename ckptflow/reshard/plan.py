@@ -4,7 +4,8 @@
 `Shape` it means for this checkpoint (`reshard.shape.resolve`: refused in one line, naming the shapes
 that would work, when it does not divide, the layout forbids it or ckptflow cannot write it yet), then
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
-parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`). Every planner returns a
+parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`), the pipeline one
+(`pipeline`: PipelineModule stages merged into one). Every planner returns a
 `ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
 """
 
@@ -19,6 +20,7 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel, plan_expert_parallel, plan_model_parallel
+from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_model_parallel_stage, plan_stage_change
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
@@ -85,6 +87,8 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
 def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted."""
     source = source_shape(index)
+    if shape.pp != source.pp:
+        return plan_pipeline(index, shape)
     if shape.tp != source.tp:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp)
     if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):

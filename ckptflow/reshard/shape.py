@@ -197,6 +197,11 @@ def _candidates(kind: str, source: Shape, world_size: int, model: Model) -> Iter
                     yield Shape(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep)
 
 
+# Why a PipelineModule checkpoint is written at pp1 only (`reshard.pipeline`).
+PIPELINE_STAGES = ("ckptflow merges the pipeline stages into one (pp1) only: which layers each of several stages "
+                   "holds depends on the model's layer list, which a PipelineModule checkpoint does not record (layers "
+                   "that are functions, and a tied module's later uses, save no file)")
+
 NAMES = {"zero": "data-parallel ZeRO", "zero0": "ZeRO-0", "autotp": "AutoTP", "pipeline": "PipelineModule",
          "megatron": "Megatron-style PipelineModule", "tensor-parallel": "model-parallel", "autoep": "AutoEP",
          "moe": "deepspeed.moe"}
@@ -217,7 +222,11 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if shape.tp != 1:
             return "ckptflow merges AutoTP tensor parallelism to tp1; it does not split to other degrees yet"
     if shape.pp != source.pp:
-        return "ckptflow does not change the number of pipeline stages yet"
+        if kind != "pipeline":
+            return (f"ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints only, "
+                    f"not of {name} ones")
+        if shape.pp != 1:
+            return PIPELINE_STAGES
     if shape.ep != source.ep:
         return "ckptflow does not change the expert-parallel degree yet"
     if shape.stage != source.stage:

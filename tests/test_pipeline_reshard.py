@@ -1,0 +1,180 @@
+"""Changing a PipelineModule checkpoint's number of pipeline stages (issue 24), checked against DeepSpeed.
+
+For each case ckptflow merges the fixture's pipeline stages into one (``--pp 1``) at a new data-parallel
+size; then DeepSpeed builds the same ``PipelineModule`` (``pipe-toy``: a tied embedding on the first and
+last layers) with one stage at that size (``tests.oracles.parallel_reshard``, the fixture writer's own
+job), loads the output natively (``engine.load_checkpoint``, no universal checkpoint), and
+
+- the fp32 weights, Adam moments and buffers it then holds equal the live engine's state at the source
+  shape (``expected.safetensors``) bit for bit;
+- saved again at that shape, it writes exactly ckptflow's files (layer files included).
+
+Other stage counts are refused, as are Megatron-style pipelines and ZeRO-0, each in one line that says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed import load_index
+from ckptflow.reshard import reshard
+from ckptflow.reshard.plan import plan_reshard
+from ckptflow.reshard.shape import Target
+from ckptflow.validate import validate
+from tests.fixtures.launch import launch
+from tests.fixtures.sets import ParallelFixture
+from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
+from tests.test_parallel_fixtures import STATES, universal_tensor
+
+# (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16.
+CASES = (("pipe-pp2-z1-fp32", 2), ("pipe-pp2dp2-z1-fp32", 3), ("pipe-pp2-z1-bf16", 2))
+
+
+def case_id(case: tuple[str, int]) -> str:
+    return f"{case[0]}-to-pp1-dp{case[1]}"
+
+
+@pytest.fixture(scope="session")
+def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Reshard every case to pp1; one DeepSpeed launch per world size loads and re-saves them."""
+    root = tmp_path_factory.mktemp("pipe-reshard-oracle")
+    outs, resaved, results = {}, {}, {}
+    launches: dict[int, list[dict[str, Any]]] = {}
+    for case in CASES:
+        name, dp = case
+        fixture = parallel_fixtures[name]
+        spec = dataclasses.replace(fixture.parallel_spec, pp=1, world_size=dp)
+        outs[case] = root / "out" / case_id(case)
+        reshard(str(fixture.dir), str(outs[case]), world_size=dp, pp=1, workers=2)
+        resaved[case] = root / "resaved" / case_id(case)
+        results[case] = root / "results" / f"{case_id(case)}.json"
+        results[case].parent.mkdir(parents=True, exist_ok=True)
+        launches.setdefault(dp, []).append({
+            "spec": spec.to_json(), "load": str(outs[case]), "save": str(resaved[case]),
+            "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
+        })
+    for world_size, jobs in sorted(launches.items()):
+        jobs_file = root / f"jobs-{world_size}-pipe-pp1.json"
+        jobs_file.write_text(json.dumps(jobs, indent=1))
+        launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
+               log_dir=root / f"logs-{world_size}-pipe-pp1")
+    return {"outs": outs, "resaved": resaved, "results": results}
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_deepspeed_loads_the_merged_stages_holding_the_source_state(
+        pipe_oracle: dict[str, Any], case: tuple[str, int], parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_loaded_state(pipe_oracle, case, parallel_fixtures[case[0]])
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_deepspeed_writes_the_same_files_at_one_stage(pipe_oracle: dict[str, Any], case: tuple[str, int]) -> None:
+    check_same_files(pipe_oracle, case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_the_merged_stages_validate(pipe_oracle: dict[str, Any], case: tuple[str, int],
+                                    parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    report = validate(str(pipe_oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    summary, source = report.summary(), validate(str(parallel_fixtures[case[0]].dir)).summary()
+    assert (summary["pp"], summary["world_size"]) == (1, case[1])
+    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "buffers", "param_groups")} == \
+        {k: source[k] for k in ("stage", "step", "params", "numel", "buffers", "param_groups")}
+
+
+def test_the_merged_stage_flattens_in_parameters_order(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """The one stage's groups hold every stage's parameters once, the tied module first, then by layer,
+    each parameter's fp32 elements copied from the stage that trained it (pure: no byte read)."""
+    index = load_index(str(parallel_fixtures["pipe-pp2dp2-z1-fp32"].dir))
+    plan = plan_reshard(index, Target(world_size=3, pp=1))
+    assert (str(plan.source_shape), str(plan.shape)) == ("ZeRO-1 pp2 x dp2 (4 ranks)", "ZeRO-1 dp3 (3 ranks)")
+    (part,) = plan.parts
+    decay = [name for name, _ in part.flat_shapes[0]]
+    assert decay == ["tied_modules.embed.weight", "1.fc1.weight", "1.fc2.weight", "2.fc1.weight", "2.fc2.weight",
+                     "3.fc1.weight", "3.fc2.weight"]
+    assert [name for name, _ in part.flat_shapes[1]][-2:] == ["4.weight", "4.bias"]
+    for g, shapes in enumerate(part.flat_shapes):
+        numel = sum(part.index.param_by_name[n].numel for n, _ in shapes)
+        assert sum(c.numel for u in part.units for c in u.flats[g].copies) == numel
+    sources = {c.src_rank for u in part.units for f in u.flats for c in f.copies}
+    assert sources == {0, 1, 2, 3}  # virtual rank stage * 2 + dp: both stages' partitions
+    assert [u.optim_file for u in part.units] == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
+    assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
+
+
+def test_other_stage_counts_are_refused(parallel_fixtures: Mapping[str, ParallelFixture],
+                                        parallel_extra_fixtures: Mapping[str, ParallelFixture],
+                                        tmp_path: Path) -> None:
+    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"\(ZeRO-1 pp2 x dp1 \(2 ranks\)\) to 4 ranks, pp4: ckptflow merges the pipeline stages into one \(pp1\) "
+            r"only: which layers each of several stages holds depends on the model's layer list, which a "
+            r"PipelineModule checkpoint does not record \(layers that are functions, and a tied module's later "
+            r"uses, save no file\); shapes it can write at 4 ranks: ZeRO-1 dp4 \(4 ranks\), ZeRO-1 pp2 x dp2 "
+            r"\(4 ranks\)$")):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4)
+    megatron = parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"]
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"to 2 ranks, pp1: ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints "
+            r"only, not of Megatron-style PipelineModule ones; ckptflow can write no shape of it at 2 ranks")):
+        reshard(str(megatron.dir), str(tmp_path / "out"), world_size=2, pp=1)
+    zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, "
+            r"so it cannot be moved to another shape")):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, pp=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_tied_modules_come_first_in_the_order_the_stages_first_use_them() -> None:
+    """Pure: stage 1 uses tied module b before a, but a was first used on stage 0; a layer's parameters
+    keep their order, whatever the group."""
+    from types import SimpleNamespace
+
+    from ckptflow.reshard.pipeline import _stage_order
+
+    def stage(*groups: list[str]) -> Any:
+        return SimpleNamespace(groups=[SimpleNamespace(params=tuple(g)) for g in groups])
+
+    ranks = [stage(["tied_modules.a.weight", "1.fc.weight"], ["1.fc.bias"]),
+             stage(["tied_modules.b.weight", "tied_modules.a.weight", "3.fc.weight", "10.fc.weight"],
+                   ["tied_modules.b.bias", "3.fc.bias", "3.norm.weight", "4.weight"])]
+    assert _stage_order(ranks) == [
+        ["tied_modules.a.weight", "tied_modules.b.weight", "1.fc.weight", "3.fc.weight", "10.fc.weight"],
+        ["tied_modules.b.bias", "1.fc.bias", "3.fc.bias", "3.norm.weight", "4.weight"],
+    ]
+
+
+def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
+        holdout_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """A checkpoint no one looked at while this was written (bf16, pp2 x dp2, seed 1) merged to pp1 x dp3:
+    DeepSpeed's own offline converter (ds_to_universal, one process) reads every parameter's fp32 master
+    and Adam moments out of ckptflow's files equal to the live engine's at the source shape."""
+    fixture = holdout_fixtures["holdout-pipe-pp2dp2-z1-bf16-s1"]
+    out = tmp_path / "out"
+    reshard(str(fixture.dir), str(out), world_size=3, pp=1, workers=2)
+    tag = (out / "latest").read_text()
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(out / tag),
+                    "--output_folder", str(tmp_path / "universal"), "--inject_missing_state"],
+                   check=True, capture_output=True, timeout=600)
+    expected = load_file(fixture.expected_path)
+    compared = 0
+    for name in fixture.spec["params"]:
+        for state in STATES:
+            got = universal_tensor(tmp_path / "universal" / "zero", name, state, fixture.spec["layout"])
+            assert torch.equal(got.float().reshape(-1), expected[f"{state}/{name}"].reshape(-1)), (name, state)
+            compared += 1
+    assert compared == len(expected) == 3 * len(fixture.spec["params"])
