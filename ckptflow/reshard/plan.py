@@ -4,8 +4,9 @@
 `Shape` it means for this checkpoint (`reshard.shape.resolve`: refused in one line, naming the shapes
 that would work, when it does not divide, the layout forbids it or ckptflow cannot write it yet), then
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
-parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`). Every planner returns a
-`ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
+parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`), the expert-parallel one
+(`experts`: another expert-parallel degree). Every planner returns a `ReshardPlan` (`units`) that
+`reshard.files` and `reshard.run` write. Nothing here reads a byte.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel, plan_expert_parallel, plan_model_parallel
+from ckptflow.reshard.experts import plan_expert_degree
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
 from ckptflow.reshard.units import ReshardPlan
@@ -86,6 +88,8 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
     source = source_shape(index)
     if shape.tp != source.tp:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp)
+    if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:
+        return plan_expert_degree(index, shape)
     if isinstance(index, ExpertCheckpoint):
         return plan_expert_parallel(index, shape.dp)
     if isinstance(index, ModelParallelCheckpoint):
