@@ -39,6 +39,7 @@ from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
+from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
@@ -468,10 +469,143 @@ def test_reshard_refusals(expert_fixtures, tmp_path: Path) -> None:
     assert refused.value.code == "reshard-not-needed"
     assert "DeepSpeed loads a deepspeed.moe ZeRO-0 checkpoint natively at any data-parallel size" in str(refused.value)
     with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks: an expert-parallel degree of 2 does not divide "
-                                                         r"the 3 data-parallel ranks left at tp1 x pp1; ckptflow can "
-                                                         r"write no shape of it at 3 ranks \(it can at 2 or 4\)$"):
+                                                         r"the 3 data-parallel ranks left at tp1 x pp1; shapes it can "
+                                                         r"write at 3 ranks: ZeRO-2 dp3 \(3 ranks\)$"):
         plan_reshard(load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir)), 3)
     index, problems, _ = inspect(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
     plan = plan_reshard(index, 4)
     assert plan.carried == index.expert_files  # copied as they are
     assert [unit.meta_rank for unit in plan.units] == [0, 1, 0, 1]  # a new rank copies its expert-parallel rank's
+
+
+# ---- reshard: another expert-parallel degree (issue 24) ---------------------------------------------------
+
+# (source fixture, world size, new expert-parallel degree). DeepSpeed launched at that shape loads the
+# output natively and holds the source's per-expert weights and Adam moments (the fixture's oracle),
+# saves exactly our files again, and trained from scratch at that shape writes the same metadata.
+ALL_EP_RESHARDS = (
+    ("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 4), ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 1),
+    ("dsmoe-ep2dp2-z2-fp32", 4, 1), ("dsmoe-ep2-z2-bf16", 4, 4), ("autoep-mixtral-ep2-z2-fp32", 4, 4),
+)
+# One launch per (layout, world size, degree): by default AutoEP ZeRO-2 and deepspeed.moe ZeRO-2 growing
+# from ep2 x edp1 to ep4 x edp1; `CKPTFLOW_LONG=1` adds ep2 x edp2 -> ep4, -> ep1 (dense), bf16, Mixtral.
+EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4)])
+
+
+def _ep_case_id(case: tuple[str, int, int]) -> str:
+    return f"{case[0]}-to{case[1]}-ep{case[2]}"
+
+
+class EpOracle:
+    """Reshards every `EP_RESHARDS` case to its degree, then per (layout, world size, degree) launches
+    DeepSpeed at that shape once: it loads each output, gathers its state and saves it again, and trains
+    the same model from scratch and saves it (`written`)."""
+
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
+        self.fixtures, self.root = fixtures, root
+        self.ran = False
+
+    def paths(self, case: tuple[str, int, int]) -> dict[str, Path]:
+        name = _ep_case_id(case)
+        return {"out": self.root / "out" / name, "resaved": self.root / "resaved" / name,
+                "state": self.root / "state" / f"{name}.safetensors", "written": self.root / "written" / name}
+
+    def __call__(self, case: tuple[str, int, int]) -> dict[str, Path]:
+        if not self.ran:
+            self.ran = True
+            self._run()
+        return self.paths(case)
+
+    def _run(self) -> None:
+        jobs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        (self.root / "state").mkdir(parents=True, exist_ok=True)
+        for case in EP_RESHARDS:
+            fixture = self.fixtures[case[0]]
+            paths = self.paths(case)
+            reshard(str(fixture.dir), str(paths["out"]), world_size=case[1], ep=case[2])
+            spec = str(fixture.root / "spec.json")
+            items = jobs.setdefault((fixture.layout, case[1], case[2]), [])
+            items.append({"spec": spec, "ep": case[2], "load": str(paths["out"]), "save": str(paths["resaved"]),
+                          "state": str(paths["state"]), "hang_after": 300})
+            items.append({"spec": spec, "ep": case[2], "write": str(paths["written"])})
+        for (layout, world_size, ep), items in sorted(jobs.items()):
+            jobs_file = self.root / f"jobs-{layout}-{world_size}-ep{ep}.json"
+            jobs_file.write_text(json.dumps(items, indent=1))
+            launch("tests.oracles.expert_reshard", world_size, ["--jobs", str(jobs_file)],
+                   log_dir=self.root / f"logs-{layout}-{world_size}-ep{ep}", timeout=900)
+
+
+@pytest.fixture(scope="session")
+def ep_oracle(expert_fixtures, tmp_path_factory) -> EpOracle:
+    return EpOracle(expert_fixtures, tmp_path_factory.mktemp("expert-degree-oracle"))
+
+
+@pytest.mark.parametrize("case", EP_RESHARDS, ids=_ep_case_id)
+def test_deepspeed_at_the_new_degree_holds_exactly_the_source_state(expert_fixtures, ep_oracle, case) -> None:
+    """Loaded natively at the new expert-parallel degree, DeepSpeed holds the oracle's fp32 weights and
+    Adam moments of every parameter, experts placed by global id, bit for bit."""
+    fixture = expert_fixtures[case[0]]
+    state = load_file(ep_oracle(case)["state"])
+    expected = load_file(fixture.expected_path)
+    buffers = load_file(fixture.buffers_path)
+    assert set(state) == set(expected) | {f"buffer/{k}" for k in buffers}
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    for key, tensor in buffers.items():
+        assert torch.equal(state[f"buffer/{key}"], tensor), key
+
+
+@pytest.mark.parametrize("case", EP_RESHARDS, ids=_ep_case_id)
+def test_deepspeed_at_the_new_degree_saves_again_exactly_our_files(ep_oracle, case) -> None:
+    paths = ep_oracle(case)
+    tag = (paths["out"] / "latest").read_text()
+    assert (paths["resaved"] / "latest").read_text() == tag
+    _compare_folders(paths["out"] / tag, paths["resaved"] / tag)
+
+
+@pytest.mark.parametrize("case", EP_RESHARDS, ids=_ep_case_id)
+def test_deepspeed_training_at_the_new_degree_writes_the_same_metadata(ep_oracle, case) -> None:
+    """Every file, key, shape and metadata field (ep_size_N groups, partition counts, ds_autoep_layers with
+    its placement and affine maps, autoep_size) is what DeepSpeed writes training at that shape."""
+    paths = ep_oracle(case)
+    tag = (paths["out"] / "latest").read_text()
+    _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
+
+
+def test_the_expert_degree_plan_moves_each_expert_to_its_new_rank(expert_fixtures) -> None:
+    """ep2 x edp1 -> ep4 x edp1: target rank r holds global experts r of each layer, one row of each
+    stacked weight, copied from the source rank that held it (rank r // 2, row r % 2)."""
+    index = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
+    plan = plan_reshard(index, Target(world_size=4, ep=4))
+    assert plan.group_ep == (1, 1, 4) and plan.carried == index.expert_files
+    assert dict(plan.flat_shapes[2])["model.layers.0.mlp.experts.w1"] == (1, 24, 64)
+    block = 24 * 64
+    for unit in plan.units:
+        first = unit.flats[2].copies[0]  # layer 0's w1: global expert `unit.rank`
+        assert (first.src_rank, first.src_offset, first.dst_offset, first.numel) == (
+            unit.rank // 2, (unit.rank % 2) * block, 0, block)
+        assert {c.src_rank for c in unit.flats[2].copies} == {unit.rank // 2}
+    groups = plan.index.optim_states[0]["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [g["name"] for g in groups] == ["decay", "no_decay", "ep_size_4"]
+    layer = plan.index.model_states[0]["ds_autoep_layers"][0]
+    assert (layer["ep_size"], layer["num_local_experts"], layer["ep_group_name"], layer["global_expert_end"]) == (
+        4, 1, "ep_size_4", 1)
+    assert layer["expert_placement"]["ranks"] == [{"rank": r, "experts": [r]} for r in range(4)]
+
+
+def test_expert_degree_refusals(expert_fixtures) -> None:
+    autoep = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks, ep3: 3 expert-parallel ranks do not split the "
+                                                         r"4/4 experts of its MoE layers; shapes it can write at 3 "
+                                                         r"ranks: ZeRO-2 dp3 \(3 ranks\)$"):
+        plan_reshard(autoep, Target(world_size=3, ep=3))
+    zero3 = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep4: ckptflow changes the expert-parallel "
+                                                         r"degree of AutoEP ZeRO-2 and deepspeed.moe ZeRO-1/2 "
+                                                         r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
+                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
+        plan_reshard(zero3, Target(world_size=4, ep=4))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow does not change the "
+                                                         r"expert-parallel degree and the ZeRO stage together yet"):
+        plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))

@@ -14,7 +14,8 @@ all of them side by side; everything model-parallel (split metadata, layer files
 Expert-parallel checkpoints (AutoEP, deepspeed.moe at ZeRO-1/2/3) keep their expert-parallel degree N:
 dense groups are re-partitioned over the M ranks, each expert group's shards over the new expert
 data-parallel groups (M / N ranks each; target rank r holds expert-parallel rank r % N's experts), so
-every expert's optimizer state moves with it; the per-expert files are carried as they are.
+every expert's optimizer state moves with it; the per-expert files are carried as they are. Another
+expert-parallel degree is `reshard.experts`'s plan.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 that would work, when it does not divide, the layout forbids it or ckptflow cannot write it yet), then
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
 parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`), the pipeline one
-(`pipeline`: PipelineModule stages merged into one). Every planner returns a
-`ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
+(`pipeline`: PipelineModule stages merged into one), the expert-parallel one (`experts`: another
+expert-parallel degree). Every planner returns a `ReshardPlan` (`units`) that `reshard.files` and
+`reshard.run` write. Nothing here reads a byte.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel, plan_expert_parallel, plan_model_parallel
+from ckptflow.reshard.experts import plan_expert_degree
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_model_parallel_stage, plan_stage_change
@@ -95,6 +97,8 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
         return plan_stage_change(index, shape.dp, shape.stage)
     if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":
         return plan_model_parallel_stage(index, shape.dp, shape.stage)
+    if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:
+        return plan_expert_degree(index, shape)
     if isinstance(index, ExpertCheckpoint):
         return plan_expert_parallel(index, shape.dp)
     if isinstance(index, ModelParallelCheckpoint):

@@ -120,6 +120,15 @@ def kind_of(index: Any) -> str:
     return "zero0" if index.stage == 0 else "zero"
 
 
+def expert_counts(index: Any) -> tuple[int, ...]:
+    """The experts of each MoE layer of an expert-parallel checkpoint (`num_experts` in its model states)."""
+    zero = getattr(index, "zero", None)
+    counts = zero.model_states[0].get("num_experts") if zero is not None else None
+    if isinstance(counts, list) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        return tuple(counts)
+    return ()
+
+
 def source_shape(index: Any) -> Shape:
     """The shape `index` was saved at."""
     d = index.degrees
@@ -228,7 +237,7 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if shape.pp != 1:
             return PIPELINE_STAGES
     if shape.ep != source.ep:
-        return "ckptflow does not change the expert-parallel degree yet"
+        return _why_not_ep(index, kind, source, shape)
     if shape.stage != source.stage:
         if kind not in ("zero", "autotp"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
@@ -240,6 +249,22 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if source.stage == 3 and index.precision != "fp32":
             return (f"at ZeRO-{shape.stage} the module holds a {index.precision} copy of every weight, cast from the "
                     "fp32 masters; ckptflow copies bytes and does not write that cast yet")
+    return None
+
+
+def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | None:
+    """Why ckptflow cannot move `index`'s experts to `shape.ep` expert-parallel ranks, or None."""
+    if (kind, source.stage) not in (("autoep", 2), ("moe", 1), ("moe", 2)):
+        return ("ckptflow changes the expert-parallel degree of AutoEP ZeRO-2 and deepspeed.moe ZeRO-1/2 checkpoints "
+                "only, not of ZeRO-3 ones yet")
+    if shape.stage != source.stage:
+        return "ckptflow does not change the expert-parallel degree and the ZeRO stage together yet"
+    counts = expert_counts(index)
+    if not counts:
+        return "the checkpoint does not record how many experts each MoE layer has (num_experts)"
+    if any(n % shape.ep for n in counts):
+        experts = "/".join(map(str, counts))
+        return f"{shape.ep} expert-parallel ranks do not split the {experts} experts of its MoE layers"
     return None
 
 
@@ -375,5 +400,5 @@ def _moments(index: Any) -> int:
     return 2
 
 
-__all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "kind_of", "memory", "parameter_counts",
-           "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not"]
+__all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "expert_counts", "kind_of", "memory",
+           "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not"]

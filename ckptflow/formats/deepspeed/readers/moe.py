@@ -155,7 +155,7 @@ def _zero_tensors(st: Inspection, zero: ZeroCheckpoint, layers: Sequence[str], e
     for param in zero.params:
         group = zero.groups[param.group] if param.group is not None else None
         m = EXPERT_RE.match(param.name)
-        if group is None or group.ep == 1:
+        if group is None or (group.ep == 1 and not group.hyper.get("moe")):  # ep_size_1: every expert local
             if m:
                 st.add("partition-mismatch", f"{param.name} is an expert parameter outside any ep_size_N param "
                        "group; ckptflow cannot tell which expert-parallel rank's expert it is",

@@ -1,0 +1,402 @@
+"""Changing the expert-parallel degree of an AutoEP (ZeRO-2) or deepspeed.moe (ZeRO-1/2) checkpoint. Pure.
+
+At expert-parallel degree N over M data-parallel ranks, DeepSpeed 0.19.8 (default topology,
+`groups._create_expert_and_data_parallel`) makes rank r expert-parallel rank `r % N` and partition
+`r // N` of its expert data-parallel group; expert-parallel rank e holds the layer's experts
+`e * E/N ... (e + 1) * E/N - 1` in that order (AutoEP's `legacy_uniform_autoep_placement_descriptor`,
+deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means in the files:
+
+- AutoEP: each expert weight is one stacked parameter `{layer}.experts.w{1,2,3}` of shape
+  `[E/N, ...]` in the `ep_size_N` param group; at N' its rows are the experts of the new
+  expert-parallel rank, taken from whichever source rank held each.
+- deepspeed.moe: each local expert is its own parameters `...deepspeed_experts.{local}.{name}`; at N'
+  the group holds locals 0 .. E/N' - 1 of each layer, in the same order (layer, local, name).
+- Both: the expert groups are named `ep_size_{N'}` and partitioned over M / N' ranks
+  (`partition_count`); the per-expert files `layer_{L}_expert_{E}` name global experts and are
+  carried as they are; AutoEP's `ds_autoep_layers` (and its copy in `universal_checkpoint_info`)
+  record N', `num_local_experts`, the placement and its affine maps, the group name and rank 0's
+  expert-parallel coordinates; `expert_parallel.autoep_size` in the recorded config is N'.
+
+The plan is an ordinary `DataParallelPlan` over a virtual source: the source's ZeRO index with that
+metadata rewritten for N', so `reshard.files` writes it unchanged. Every target partition is built
+from the source ranks' fp32 fragments (`Param.fragments`: which elements of which parameter each rank's
+flat partition holds), after the source is checked to be laid out as DeepSpeed's arithmetic predicts
+(`data_parallel.plan_expert_parallel` at its own size). Refused in one line: ZeRO-3 (AutoEP keeps its
+experts in the ZeRO-3 partitions under `ds_zero_partition_groups`, not written here yet),
+`round_robin_gradients`, a placement other than DeepSpeed's uniform one, and degrees that do not
+divide every layer's experts.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.config import is_set
+from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
+from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.reshard.data_parallel import plan_expert_parallel
+from ckptflow.reshard.shape import Shape, expert_counts
+from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
+
+_DSMOE_EXPERT = re.compile(r"^(?P<layer>.+\.deepspeed_moe\.experts\.deepspeed_experts)\.(?P<id>\d+)\.(?P<rest>.+)$")
+_AUTOEP_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<w>w[123])$")
+
+
+# ---- what the target holds -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Elements [src_offset, src_offset + numel) of source parameter `src` land at `dst_offset` of a
+    target parameter."""
+
+    dst_offset: int
+    src: Param
+    src_offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TargetGroup:
+    """One param group at the target degree `ep`: its parameters in flattening order, their shapes (the
+    same on every expert-parallel rank), and where each (expert-parallel rank, name) comes from."""
+
+    ep: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    segments: Mapping[tuple[int, str], tuple[_Segment, ...]]
+
+
+def _refuse(source: ExpertCheckpoint, shape: Shape, why: str, hint: str) -> UnsupportedCheckpointError:
+    return UnsupportedCheckpointError(
+        f"cannot change the expert-parallel degree of {source.tag_uri} ({source.layout}) to {shape.ep}: {why}",
+        code="unsupported-shape", uri=source.root, hint=hint)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _autoep_group(zero: ZeroCheckpoint, g: int, ep: int, counts: Sequence[int], source: ExpertCheckpoint,
+                  shape: Shape) -> _TargetGroup:
+    """An AutoEP `ep_size_N` group at degree `ep`: each stacked weight holds that rank's experts."""
+    group = zero.groups[g]
+    by_key = zero.param_by_key
+    layer_of = {}
+    for entry in zero.model_states[0].get("ds_autoep_layers") or []:
+        layer_of[f"{entry['expert_key_prefix']}"] = entry["moe_layer_id"]
+    names, shapes, segments = [], [], {}
+    for name in group.params:
+        m = _AUTOEP_EXPERT.match(name)
+        if m is None or m.group("layer") not in layer_of:
+            raise _refuse(source, shape, f"{name} is in the expert param group {g} but is not an AutoEP routed expert "
+                          "weight (`<layer>.experts.w1/w2/w3`)", "convert it with DeepSpeed's universal converter")
+        experts = counts[layer_of[m.group("layer")]]
+        src_local, dst_local = experts // group.ep, experts // ep
+        first = by_key[(0, name)].shape
+        block = _numel(first[1:])
+        names.append(name)
+        shapes.append((dst_local, *first[1:]))
+        for e in range(ep):
+            segs = []
+            for j in range(dst_local):
+                expert = e * dst_local + j
+                segs.append(_Segment(j * block, by_key[(expert // src_local, name)], (expert % src_local) * block,
+                                     block))
+            segments[(e, name)] = tuple(segs)
+    return _TargetGroup(ep, tuple(names), tuple(shapes), segments)
+
+
+def _dsmoe_group(zero: ZeroCheckpoint, g: int, ep: int, source: ExpertCheckpoint, shape: Shape) -> _TargetGroup:
+    """A deepspeed.moe `ep_size_N` group at degree `ep`: locals 0 .. E/ep - 1 of each layer, in the
+    source's order (layer, local expert, parameter)."""
+    group = zero.groups[g]
+    by_key = zero.param_by_key
+    layers: dict[str, dict[int, list[str]]] = {}  # layer -> local id -> parameter names, in order
+    order: list[tuple[str, int, str]] = []
+    for name in group.params:
+        m = _DSMOE_EXPERT.match(name)
+        if m is None:
+            raise _refuse(source, shape, f"{name} is in the expert param group {g} but is not a deepspeed.moe expert "
+                          "parameter", "convert it with DeepSpeed's universal converter")
+        layers.setdefault(m.group("layer"), {}).setdefault(int(m.group("id")), []).append(m.group("rest"))
+        order.append((m.group("layer"), int(m.group("id")), m.group("rest")))
+    expected = [(layer, i, rest) for layer, local in layers.items() for i in range(len(local)) for rest in local[0]]
+    if order != expected or any(local[i] != local[0] for local in layers.values() for i in local):
+        raise _refuse(source, shape, f"param group {g} ({group.hyper.get('name')!r}) does not list its experts "
+                      "layer by layer, local expert by local expert, each with the same parameters, as deepspeed.moe's "
+                      "split_params_into_different_moe_groups_for_optimizer does",
+                      "convert it with DeepSpeed's universal converter")
+    names, shapes, segments = [], [], {}
+    for layer, local in layers.items():
+        src_local = len(local)
+        dst_local = src_local * group.ep // ep
+        for j in range(dst_local):
+            for rest in local[0]:
+                names.append(f"{layer}.{j}.{rest}")
+                shapes.append(by_key[(0, f"{layer}.0.{rest}")].shape)
+        for e in range(ep):
+            for j in range(dst_local):
+                expert = e * dst_local + j
+                for rest in local[0]:
+                    src = by_key[(expert // src_local, f"{layer}.{expert % src_local}.{rest}")]
+                    segments[(e, f"{layer}.{j}.{rest}")] = (_Segment(0, src, 0, src.numel),)
+    return _TargetGroup(ep, tuple(names), tuple(shapes), segments)
+
+
+def _is_expert(group: ParamGroup) -> bool:
+    """An expert param group (`ep_size_N`, `moe: True`), at any degree, 1 included."""
+    return group.ep > 1 or bool(group.hyper.get("moe"))
+
+
+def _dense_group(zero: ZeroCheckpoint, g: int) -> _TargetGroup:
+    by_name = zero.param_by_name
+    names = tuple(zero.groups[g].params)
+    segments = {(0, n): (_Segment(0, by_name[n], 0, by_name[n].numel),) for n in names}
+    return _TargetGroup(1, names, tuple(by_name[n].shape for n in names), segments)
+
+
+# ---- the copies ---------------------------------------------------------------------------------------
+
+
+def _append(copies: list[Copy], c: Copy) -> None:
+    last = copies[-1] if copies else None
+    if (last is not None and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat)
+            and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
+        copies[-1] = replace(last, numel=last.numel + c.numel)
+    else:
+        copies.append(c)
+
+
+def _copies(segments: Sequence[_Segment], first: int, last: int, dst: int, out: list[Copy]) -> None:
+    """Copies of elements [first, last) of a target parameter, landing at `dst` onwards of a target
+    partition, out of the source ranks' fp32 fragments."""
+    for seg in segments:
+        a, b = max(first, seg.dst_offset), min(last, seg.dst_offset + seg.numel)
+        if a >= b:
+            continue
+        lo, hi = seg.src_offset + a - seg.dst_offset, seg.src_offset + b - seg.dst_offset  # in the source param
+        for frag in seg.src.fragments:
+            x, y = max(lo, frag.param_offset), min(hi, frag.param_offset + frag.numel)
+            if x < y:
+                _append(out, Copy(src_rank=frag.rank, src_flat=frag.group,
+                                  src_offset=frag.offset + x - frag.param_offset,
+                                  dst_offset=dst + (x - lo) + (a - first), numel=y - x))
+
+
+# ---- the plan -----------------------------------------------------------------------------------------
+
+
+def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
+    """The plan that writes the AutoEP ZeRO-2 or deepspeed.moe ZeRO-1/2 checkpoint `source` at `shape`
+    (another expert-parallel degree, any data-parallel size it divides); reads nothing."""
+    zero = source.zero
+    if zero is None or zero.stage not in (1, 2) or (source.kind == "autoep" and zero.stage != 2):
+        raise _refuse(source, shape, "ckptflow changes the expert-parallel degree of AutoEP ZeRO-2 and deepspeed.moe "
+                      "ZeRO-1/2 checkpoints only so far", f"keep its expert-parallel degree ({source.ep})")
+    if shape.stage != zero.stage or shape.tp != 1 or shape.pp != 1:
+        raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with the ZeRO stage "
+                      "or other degrees", "change one at a time")
+    counts = expert_counts(source)
+    bad = [n for n in counts if n % shape.ep]
+    if not counts or bad:
+        raise _refuse(source, shape, f"its MoE layers have {list(counts) or 'an unrecorded number of'} experts, which "
+                      f"{shape.ep} expert-parallel ranks do not split evenly",
+                      "choose a degree that divides every layer's experts")
+    if is_set(zero.zero_config, "round_robin_gradients"):
+        raise _refuse(source, shape, "it was trained with zero_optimization.round_robin_gradients, whose order "
+                      "ckptflow does not rebuild across expert-parallel degrees", "keep its expert-parallel degree")
+    if source.kind == "autoep":
+        _check_uniform_placement(source, shape)
+    plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
+    groups = [(_autoep_group(zero, g, shape.ep, counts, source, shape) if source.kind == "autoep"
+               else _dsmoe_group(zero, g, shape.ep, source, shape)) if _is_expert(group) else _dense_group(zero, g)
+              for g, group in enumerate(zero.groups)]
+    return _plan(source, zero, groups, shape)
+
+
+def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
+    for entry in source.zero.model_states[0].get("ds_autoep_layers") or [] if source.zero else []:
+        placement = entry.get("expert_placement")
+        if placement is None:
+            continue
+        uniform = _placement(entry["num_experts"], entry["ep_size"])
+        if [list(r.get("experts", [])) for r in placement.get("ranks", [])] != [r["experts"] for r in uniform["ranks"]]:
+            raise _refuse(source, shape, f"MoE layer {entry['moe_layer_id']} ({entry['module_path']}) places its "
+                          "experts otherwise than DeepSpeed's uniform placement, the only one DeepSpeed builds "
+                          "at another degree", "convert it with DeepSpeed's universal converter")
+
+
+def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_TargetGroup],
+          shape: Shape) -> DataParallelPlan:
+    world_size = shape.world_size
+    optimizer = zero.optimizer_kind
+    assert optimizer != ZERO3, "refused above"
+    bf16 = optimizer == BF16
+    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    paddings: list[list[int]] = [[] for _ in range(world_size)]
+    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
+    flat_shapes, param_paddings = [], []
+    for g, group in enumerate(groups):
+        numels = [_numel(s) for s in group.shapes]
+        dtype = zero.param_by_name[zero.groups[g].params[0]].dtype if zero.groups[g].params else "float32"
+        align = 1 if bf16 or not numels else param_alignment(DTYPE_SIZES[dtype],
+                                                             is_set(zero.zero_config, "parameter_alignment"))
+        parts = world_size // group.ep
+        dst = zero12_layout(numels, parts, alignment=align, bf16_optimizer=bf16)
+        cumulative = not any(dst.param_paddings)
+        for r in range(world_size):
+            e, part = r % group.ep, r // group.ep
+            lo, hi = part * dst.partition, (part + 1) * dst.partition
+            copies: list[Copy] = []
+            mine, pos = [], 0
+            for name, off, numel in zip(group.names, dst.offsets, numels):
+                a, b = max(off, lo), min(off + numel, hi)
+                if a < b:
+                    _copies(group.segments[(e, name)], a - off, b - off, a - lo, copies)
+                mapped = pos if cumulative else off
+                ma, mb = max(mapped, lo), min(mapped + numel, hi)
+                if ma < mb:
+                    mine.append((name, ma - lo, mb - ma))
+                pos += numel
+            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=tuple(copies)))
+            paddings[r].append(dst.group_paddings[part])
+            slices[r].append(tuple(mine))
+        flat_shapes.append(tuple(zip(group.names, group.shapes)))
+        param_paddings.append(dst.param_paddings)
+    n_tensors = zero.tensors_per_partition
+    module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in zero.params if p.group is None or
+                       not _is_expert(zero.groups[p.group])) + zero.buffer_bytes
+    units = []
+    for r in range(world_size):
+        moved = sum(c.numel for f in flats[r] for c in f.copies)
+        units.append(RankUnit(
+            rank=r, meta_rank=min(r, zero.world_size - 1), optim_file=optim_file_name(zero.precision, r),
+            model_file=model_file_name(zero.stage, 0) if r == 0 else None, flats=tuple(flats[r]),
+            group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]),
+            read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
+            write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
+        ))
+    return DataParallelPlan(
+        root=zero.root, tag=zero.tag, stage=zero.stage, precision=zero.precision, optimizer=optimizer,
+        source_world_size=zero.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
+        param_alignment_paddings=tuple(param_paddings), module=(), units=tuple(units),
+        index=_virtual_source(zero, groups, shape.ep), carried=source.expert_files,
+        group_ep=tuple(group.ep for group in groups),
+    )
+
+
+# ---- the metadata at the new degree -------------------------------------------------------------------
+
+
+def _placement(num_experts: int, ep: int) -> dict[str, Any]:
+    """`legacy_uniform_autoep_placement_descriptor(num_experts, num_experts // ep, ep)`."""
+    local = num_experts // ep
+    return {"version": 1, "num_experts": num_experts, "ep_size": ep,
+            "ranks": [{"rank": r, "experts": list(range(r * local, (r + 1) * local))} for r in range(ep)]}
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out = [1] * len(shape)
+    for axis in range(len(shape) - 2, -1, -1):
+        out[axis] = out[axis + 1] * shape[axis + 1]
+    return out
+
+
+def _affine_map(logical: Sequence[int], ep: int) -> dict[str, Any]:
+    """`autoep_placement_to_affine_map(uniform placement, logical).to_dict()`: one piece per rank."""
+    local = logical[0] // ep
+    shard = [local, *logical[1:]]
+    block = _numel(logical[1:])
+    def piece(r: int) -> dict[str, Any]:
+        return {"shape": list(shard), "source": [r * local * block, _strides(logical)], "dest": [0, _strides(shard)],
+                "locations": [r]}
+
+    return {"logical_shape": list(logical),
+            "ranks": {r: {"shard_shape": list(shard), "pieces": [piece(r)]} for r in range(ep)}}
+
+
+def _autoep_entry(entry: Any, ep: int) -> Any:
+    """One `ds_autoep_layers` entry as DeepSpeed records it on rank 0 at degree `ep`."""
+    if not isinstance(entry, Mapping):
+        return entry
+    out = dict(entry)
+    num = entry["num_experts"]
+    local = num // ep
+    out.update(num_local_experts=local, ep_size=ep)
+    if "expert_placement" in out:
+        out["expert_placement"] = _placement(num, ep)
+    maps = entry.get("affine_maps")
+    if isinstance(maps, Mapping) and isinstance(maps.get("params"), Mapping):
+        out["affine_maps"] = {**maps, "params": {name: _affine_map(m["logical_shape"], ep)
+                                                 for name, m in maps["params"].items()}}
+    out.update(ep_group_name=f"ep_size_{ep}", ep_rank=0, expert_data_parallel_rank=0, global_expert_start=0,
+               global_expert_end=local)
+    return out
+
+
+def _config(config: Any, ep: int) -> Any:
+    if not isinstance(config, Mapping) or not isinstance(config.get("expert_parallel"), Mapping):
+        return config
+    out = copy.deepcopy(dict(config))
+    out["expert_parallel"]["autoep_size"] = ep
+    return out
+
+
+def _model_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
+    out = dict(state)
+    if isinstance(out.get("ds_autoep_layers"), list):
+        out["ds_autoep_layers"] = [_autoep_entry(e, ep) for e in out["ds_autoep_layers"]]
+    uc = out.get(UC_INFO)
+    if isinstance(uc, Mapping) and isinstance(uc.get("ds_autoep_layers"), list):
+        out[UC_INFO] = {**uc, "ds_autoep_layers": [_autoep_entry(e, ep) for e in uc["ds_autoep_layers"]]}
+    if "ds_config" in out:
+        out["ds_config"] = _config(out["ds_config"], ep)
+    return out
+
+
+def _optim_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
+    out = dict(state)
+    osd = out.get("optimizer_state_dict")
+    base = osd.get("base_optimizer_state") if isinstance(osd, Mapping) else None
+    if isinstance(osd, Mapping) and isinstance(base, Mapping):
+        groups = [{**g, "name": f"ep_size_{ep}"} if isinstance(g, Mapping) and g.get("moe") else g
+                  for g in base.get("param_groups") or []]
+        out["optimizer_state_dict"] = {**osd, "base_optimizer_state": {**base, "param_groups": groups}}
+    if "ds_config" in out:
+        out["ds_config"] = _config(out["ds_config"], ep)
+    return out
+
+
+def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[_TargetGroup], ep: int) -> ZeroCheckpoint:
+    """The source's ZeRO index as DeepSpeed records the checkpoint at degree `ep`: the target's
+    parameters and param groups, and the metadata `reshard.files` copies into the new files; its
+    partitions stay the source's (the copies' sources)."""
+    params: list[Param] = [p for p in zero.params if p.group is None or not _is_expert(zero.groups[p.group])]
+    new_groups = []
+    for old, group in zip(zero.groups, groups):
+        if not _is_expert(old):
+            new_groups.append(old)
+            continue
+        hyper = {**old.hyper, "name": f"ep_size_{ep}"} if "name" in old.hyper else old.hyper
+        new_groups.append(ParamGroup(old.index, hyper, group.names, ep=group.ep))
+        dtype = zero.param_by_name[old.params[0]].dtype
+        params += [Param(name, shape, dtype, old.index, shard=e) for e in range(group.ep)
+                   for name, shape in zip(group.names, group.shapes)]
+    return replace(zero, params=tuple(params), groups=tuple(new_groups),
+                   model_states=tuple(_model_states(m, ep) for m in zero.model_states),
+                   optim_states=tuple(_optim_states(o, ep) for o in zero.optim_states))
+
+
+__all__ = ["plan_expert_degree"]
