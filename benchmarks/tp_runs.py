@@ -11,7 +11,7 @@ batches' copies, and the process's peak RSS. Nothing is read or written.
 
 With `--merge M` it also plans the copies of a tensor-parallel merge (`ckptflow reshard
 --tensor-parallel 1`) of those tensors into ZeRO-1 partitions over M data-parallel ranks
-(`reshard.tensor_parallel._Runs`, as its ZeRO-1/2 planner cuts each target partition), and reports
+(`reshard.flats.ModelRuns`, as its ZeRO-1/2 planner cuts each target partition), and reports
 their number, the time and the peak RSS.
 
 With `--fill DIR --bucket [SECONDS ...]` it then times the merge write of that tensor from and to an S3
@@ -76,7 +76,7 @@ def row_parallel_runs(layers: int, tp: int, partitions: int) -> list[tuple[Run, 
 def merge(runs: list[tuple[Run, ...]], world_size: int) -> tuple[int, float]:
     """The merge's copies for the tensors of `runs` laid out one after another in one param group and
     partitioned over `world_size` ranks: (copies, seconds)."""
-    from ckptflow.reshard.tensor_parallel import _Runs
+    from ckptflow.reshard.flats import ModelRuns
 
     refs = sorted({r.ref for tensor in runs for r in tensor}, key=lambda ref: (ref.uri, ref.key))
     by_rank: dict[str, list[SimpleNamespace]] = {}
@@ -89,7 +89,7 @@ def merge(runs: list[tuple[Run, ...]], world_size: int) -> tuple[int, float]:
         for mp in range(len(files) // partitions)]
     tensors = [ModelTensor(f"t{i}", (), "float32", "param", tensor) for i, tensor in enumerate(runs)]
     started = time.monotonic()
-    index = _Runs(SimpleNamespace(ranks=ranks, tensors=tensors))
+    index = ModelRuns(SimpleNamespace(ranks=ranks, tensors=tensors))
     numels = [sum(r.numel for r in tensor) for tensor in runs]
     total = sum(numels)
     partition = -(-total // world_size)

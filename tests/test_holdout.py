@@ -7,7 +7,8 @@ other combinations of degrees, stage and dtype) validate, consolidate and reshar
 - consolidated weights (fp32, and bf16 as torch casts) equal the live engine's, buffers as saved;
   ``from_pretrained`` loads Hugging Face outputs with no missing or unexpected keys and gives the
   oracle logits exactly; pipelines give them through the reference forward;
-- reshards to another data-parallel size (and AutoTP merged to tensor-parallel degree 1) are loaded
+- reshards to another data-parallel size (and AutoTP merged to tensor-parallel degree 1, and at another
+  ZeRO stage) are loaded
   natively by DeepSpeed holding the source's state bit for bit, and DeepSpeed re-saves exactly
   ckptflow's files; ZeRO-0 is loaded natively by DeepSpeed at another size, and ckptflow says a reshard
   is not needed.
@@ -43,12 +44,16 @@ ALL_RESHARDS = (
     ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 1), ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 3, 1),
     ("holdout-pipe-pp2dp2-z1-bf16-s1", 1),
     ("holdout-megatron-pp2tp2-z1-fp32-ucinfo-s1", 2),
+    # another ZeRO stage (fixture, dp, tp or None, stage), with the tensor parallelism merged too
+    ("holdout-autotp-tp2dp2-z2-bf16-s1", 1, None, 3), ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 2, None, 1),
+    ("holdout-autotp-tp2dp2-z2-bf16-s1", 3, 1, 3),
 )
 ALL_NATIVE = (("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 1), ("holdout-zero-dp3-z0-fp32-s1", 2))
 # Sampled by default (`tests.sampling`): every held-out layout still validates and consolidates above;
 # the DeepSpeed launches cover AutoTP ZeRO-2 and the ZeRO-0 load (the pipeline, the merges and the
 # 3-rank launch in the long mode).
-RESHARDS = sample(ALL_RESHARDS, [("holdout-autotp-tp2dp2-z2-bf16-s1", 1)])
+RESHARDS = sample(ALL_RESHARDS, [("holdout-autotp-tp2dp2-z2-bf16-s1", 1),
+                                 ("holdout-autotp-tp2dp2-z2-bf16-s1", 1, None, 3)])
 NATIVE = sample(ALL_NATIVE, [("holdout-zero-dp3-z0-fp32-s1", 2)])
 
 

@@ -63,13 +63,17 @@ CASES = sample(ALL_CASES, [
     ("autotp-tp2-z2-fp32", 2), ("autotp-tp2-z3-fp32", 2), ("autotp-llama-tied-tp2-z1-fp32", 2),
     ("autotp-glm-tp2-z3-fp32", 2), ("autotp-tp2dp2-z3-bf16", 1), ("pipe-pp2-z1-fp32", 2)])
 MERGES = sample(ALL_MERGES, [("autotp-tp2-z3-fp32", 2, 1), ("autotp-tp2-z1-bf16", 2, 1)])
-# AutoTP at another ZeRO stage, per tensor-parallel rank: (fixture, dp, None, stage).
+# AutoTP at another ZeRO stage, per tensor-parallel rank (fixture, dp, None, stage), or merged to tp1 too
+# (fixture, dp, 1, stage).
 ALL_STAGES = (
     ("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2), ("autotp-tp2dp2-z1-fp32", 1, None, 2),
     ("autotp-tp2-z1-bf16", 2, None, 3), ("autotp-llama-tied-tp2-z1-fp32", 2, None, 3),
     ("autotp-glm-tp2-z3-fp32", 2, None, 1),
+    # three axes at once: the stage, the tensor parallelism merged, the data-parallel size
+    ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z1-fp32", 3, 1, 3), ("autotp-tp2-z1-bf16", 1, 1, 2),
 )
-STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2)])
+STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
+                             ("autotp-tp2-z2-fp32", 3, 1, 3)])
 RESHARDS = CASES + MERGES + STAGES
 
 
@@ -184,7 +188,7 @@ def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures:
                                                          r"not split into ZeRO-1 tp4 x dp1 \(4 ranks\) \(its attention "
                                                          r"heads, layers or experts do not divide\); shapes it can write "
                                                          r"at 4 ranks: ZeRO-1 dp4 \(4 ranks\), ZeRO-1 tp2 x dp2 "
-                                                         r"\(4 ranks\)$"):
+                                                         r"\(4 ranks\), ZeRO-2 dp4 \(4 ranks\)"):
         reshard(str(source.dir), str(tmp_path / "out"), world_size=4, tp=4)  # its config.json: 2 KV heads
     pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, tp2: a PipelineModule checkpoint has no tensor "

@@ -43,6 +43,7 @@ from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy, param_alignm
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import plan_expert_parallel
+from ckptflow.reshard.flats import append_copy
 from ckptflow.reshard.shape import Shape, expert_counts
 from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
 
@@ -170,15 +171,6 @@ def _dense_group(zero: ZeroCheckpoint, g: int) -> _TargetGroup:
 # ---- the copies ---------------------------------------------------------------------------------------
 
 
-def _append(copies: list[Copy], c: Copy) -> None:
-    last = copies[-1] if copies else None
-    if (last is not None and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat)
-            and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
-        copies[-1] = replace(last, numel=last.numel + c.numel)
-    else:
-        copies.append(c)
-
-
 def _copies(segments: Sequence[_Segment], first: int, last: int, dst: int, out: list[Copy]) -> None:
     """Copies of elements [first, last) of a target parameter, landing at `dst` onwards of a target
     partition, out of the source ranks' fp32 fragments."""
@@ -190,7 +182,7 @@ def _copies(segments: Sequence[_Segment], first: int, last: int, dst: int, out: 
         for frag in seg.src.fragments:
             x, y = max(lo, frag.param_offset), min(hi, frag.param_offset + frag.numel)
             if x < y:
-                _append(out, Copy(src_rank=frag.rank, src_flat=frag.group,
+                append_copy(out, Copy(src_rank=frag.rank, src_flat=frag.group,
                                   src_offset=frag.offset + x - frag.param_offset,
                                   dst_offset=dst + (x - lo) + (a - first), numel=y - x))
 

@@ -36,13 +36,12 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.partition import BF16, ZERO3
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import plan_data_parallel
+from ckptflow.reshard.flats import ModelRuns, zero12_flats
 from ckptflow.reshard.shape import PIPELINE_STAGES, Shape
-from ckptflow.reshard.tensor_parallel import _append, _Runs
-from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit, TargetFlat
+from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
 TIED = "tied_modules."
 
@@ -184,41 +183,14 @@ def _plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
                 ) -> DataParallelPlan:
     """The target stage's ZeRO-1 files at `world_size` data-parallel ranks: each group flattened from its
     parameters in order, partitioned by DeepSpeed's arithmetic, filled by copies from the source stages."""
-    runs = _Runs(index)
     by_name = source.param_by_name
     optimizer = source.optimizer_kind
-    bf16 = optimizer == BF16
     n_tensors = source.tensors_per_partition
-    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
-    paddings: list[list[int]] = [[] for _ in range(world_size)]
-    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
-    flat_shapes, param_paddings = [], []
-    for g, group in enumerate(source.groups):
-        names = list(group.params)
-        numels = [by_name[n].numel for n in names]
-        align = 1 if bf16 or not names else param_alignment(DTYPE_SIZES[by_name[names[0]].dtype],
-                                                            is_set(source.zero_config, "parameter_alignment"))
-        dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
-        cumulative = not any(dst.param_paddings)
-        for r in range(world_size):
-            lo, hi = r * dst.partition, (r + 1) * dst.partition
-            copies: list[Copy] = []
-            mine, pos = [], 0
-            for name, off, numel in zip(names, dst.offsets, numels):
-                a, b = max(off, lo), min(off + numel, hi)
-                if a < b:
-                    for c in runs.copies(name, g, a - off, b - off, a - lo):
-                        _append(copies, c)
-                mapped = pos if cumulative else off
-                ma, mb = max(mapped, lo), min(mapped + numel, hi)
-                if ma < mb:
-                    mine.append((name, ma - lo, mb - ma))
-                pos += numel
-            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=tuple(copies)))
-            paddings[r].append(dst.group_paddings[r])
-            slices[r].append(tuple(mine))
-        flat_shapes.append(tuple((n, by_name[n].shape) for n in names))
-        param_paddings.append(dst.param_paddings)
+    laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
+                        ModelRuns(index).copies, aligned=is_set(source.zero_config, "parameter_alignment"),
+                        bf16=optimizer == BF16)
+    flats, paddings, slices = laid.flats, laid.paddings, laid.slices
+    flat_shapes, param_paddings = laid.shapes, laid.param_paddings
     units = []
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)

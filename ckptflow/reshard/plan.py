@@ -92,7 +92,7 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
     if shape.pp != source.pp:
         return plan_pipeline(index, shape)
     if shape.tp != source.tp:
-        return plan_tensor_parallel_merge(index, shape.dp, shape.tp)
+        return plan_tensor_parallel_merge(index, shape.dp, shape.tp, stage=shape.stage)
     if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):
         return plan_stage_change(index, shape.dp, shape.stage)
     if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":

@@ -15,7 +15,7 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   fp16 run's 16-bit copy would have to be cast from the masters, which this byte-copying writer does
   not do: refused for now.
 
-Every target element is copied from the source fragments that hold it (`fragment_copies`): the
+Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources
 saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation), with round-robin gradients or
 with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
@@ -25,30 +25,27 @@ files are a data-parallel checkpoint of its shards.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
 from dataclasses import replace
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
-from ckptflow.formats.deepspeed.model import Fragment, Param, ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import (
     BF16,
     ZERO,
     ZERO3,
     Copy,
-    param_alignment,
     piece_offsets,
     zero3_piece,
     zero3_real,
     zero3_sub_groups,
-    zero12_layout,
 )
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import plan_data_parallel
+from ckptflow.reshard.flats import Copies, append_copy, fragment_copies, zero12_flats
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
 
@@ -89,47 +86,10 @@ def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, s
     )
 
 
-def fragment_copies(fragments: Sequence[Fragment], starts: Sequence[int], lo: int, hi: int, dst: int) -> list[Copy]:
-    """Copies of parameter elements [lo, hi) (to `dst` onwards) from the source `fragments` that hold
-    them, sorted by `param_offset` (`starts`: their param offsets, for bisection)."""
-    out: list[Copy] = []
-    i = max(0, bisect.bisect_right(starts, lo) - 1)
-    while i < len(fragments) and fragments[i].param_offset < hi:
-        f = fragments[i]
-        a, b = max(lo, f.param_offset), min(hi, f.param_offset + f.numel)
-        if a < b:
-            out.append(Copy(src_rank=f.rank, src_flat=f.group, src_offset=f.offset + a - f.param_offset,
-                            dst_offset=dst + a - lo, numel=b - a))
-        i += 1
-    return out
-
-
-class _Sources:
-    """Each trainable parameter's source fragments in parameter order, bisectable."""
-
-    def __init__(self, index: ZeroCheckpoint) -> None:
-        self.by_name = index.param_by_name
-        self._fragments: dict[str, tuple[list[Fragment], list[int]]] = {}
-
-    def copies(self, name: str, lo: int, hi: int, dst: int) -> list[Copy]:
-        hit = self._fragments.get(name)
-        if hit is None:
-            frags = sorted(self.by_name[name].fragments, key=lambda f: f.param_offset)
-            hit = self._fragments[name] = (frags, [f.param_offset for f in frags])
-        return fragment_copies(hit[0], hit[1], lo, hi, dst)
-
-
-def _merged(copies: list[Copy]) -> tuple[Copy, ...]:
-    """`copies` with neighbours contiguous on both sides joined."""
-    out: list[Copy] = []
-    for c in copies:
-        prev = out[-1] if out else None
-        if (prev is not None and prev.src_rank == c.src_rank and prev.src_flat == c.src_flat
-                and prev.src_offset + prev.numel == c.src_offset and prev.dst_offset + prev.numel == c.dst_offset):
-            out[-1] = replace(prev, numel=prev.numel + c.numel)
-        else:
-            out.append(c)
-    return tuple(out)
+def _copies(index: ZeroCheckpoint) -> Copies:
+    """`flats.Copies` out of `index`'s fragments: every trainable parameter's, in parameter order."""
+    fragments = {p.name: sorted(p.fragments, key=lambda f: f.param_offset) for p in index.params if not p.frozen}
+    return lambda name, _group, first, last, dst: fragment_copies(fragments[name], first, last, dst)
 
 
 def _frozen_piece_copies(param: Param, source_stage: int, source_ws: int, lo: int, hi: int, dst: int) -> list[Copy]:
@@ -147,7 +107,7 @@ def _frozen_piece_copies(param: Param, source_stage: int, source_ws: int, lo: in
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     group_size = sub_group_size(index.zero_config)
-    sources = _Sources(index)
+    copies_of = _copies(index)
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
     per_rank: list[list[TargetFlat]] = [[] for _ in range(world_size)]
@@ -163,8 +123,9 @@ def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
                 for i, off in zip(sub, offsets):
                     piece = zero3_piece(numels[i], world_size)
                     lo, hi = r * piece, r * piece + zero3_real(numels[i], world_size, r)
-                    copies += sources.copies(names[i], lo, hi, off)
-                per_rank[r].append(TargetFlat(group=g, numel=size, saved=size, copies=_merged(copies)))
+                    for c in copies_of(names[i], g, lo, hi, off):
+                        append_copy(copies, c)
+                per_rank[r].append(TargetFlat(group=g, numel=size, saved=size, copies=tuple(copies)))
             flat_shapes.append(tuple((names[i], by_name[names[i]].shape) for i in sub))
     frozen = [p for p in index.params if p.frozen]
     units = []
@@ -194,46 +155,18 @@ def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
 
 def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParallelPlan:
     """ZeRO-3 (fp32) to `DeepSpeedZeroOptimizer`'s flat groups at `world_size`; rank 0 writes the module."""
-    sources = _Sources(index)
+    copies_of = _copies(index)
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
-    align_on = is_set(index.zero_config, "parameter_alignment")
-    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
-    paddings: list[list[int]] = [[] for _ in range(world_size)]
-    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
-    shapes, param_paddings, module = [], [], []
-    module_runs: dict[str, tuple[Run, ...]] = {}
-    for g, group in enumerate(index.groups):
-        names = list(group.params)
-        params = [by_name[n] for n in names]
-        align = param_alignment(DTYPE_SIZES[params[0].dtype], align_on) if params else 1
-        dst = zero12_layout([p.numel for p in params], world_size, alignment=align)
-        pos = dict(zip(names, dst.offsets))
-        # param_slice_mappings: like DeepSpeed, real offsets only when some parameter is padded.
-        mapping = list(dst.offsets) if any(dst.param_paddings) else [sum(p.numel for p in params[:i])
-                                                                     for i in range(len(params))]
-        for r in range(world_size):
-            lo, hi = r * dst.partition, (r + 1) * dst.partition
-            copies: list[Copy] = []
-            mine = []
-            for p, off, moff in zip(params, dst.offsets, mapping):
-                a, b = max(off, lo), min(off + p.numel, hi)
-                if a < b:
-                    copies += sources.copies(p.name, a - off, b - off, a - lo)
-                ma, mb = max(moff, lo), min(moff + p.numel, hi)
-                if ma < mb:
-                    mine.append((p.name, ma - lo, mb - ma))
-            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=_merged(copies)))
-            paddings[r].append(dst.group_paddings[r])
-            slices[r].append(tuple(mine))
-        shapes.append(tuple((p.name, p.shape) for p in params))
-        param_paddings.append(dst.param_paddings)
-        module.append((dst.flat_numel, tuple((n, pos[n]) for n in names)))
-        for p in params:  # the module's copy: the fp32 masters, from the ranks' partitions
-            module_runs[p.name] = tuple(
-                Run(ref=index.partitions[c.src_rank][c.src_flat].fp32, start=c.src_offset, numel=c.numel,
-                    offset=c.dst_offset)
-                for c in sources.copies(p.name, 0, p.numel, 0))
+    laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
+                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False)
+    flats, paddings, slices = laid.flats, laid.paddings, laid.slices
+    # The module's copy of every trainable parameter: the fp32 masters, from the ranks' partitions.
+    module_runs = {
+        p.name: tuple(Run(ref=index.partitions[c.src_rank][c.src_flat].fp32, start=c.src_offset, numel=c.numel,
+                          offset=c.dst_offset) for c in copies_of(p.name, g, 0, p.numel, 0))
+        for g, group in enumerate(index.groups) for p in (by_name[n] for n in group.params)
+    }
     frozen = [p for p in index.params if p.frozen]
     whole = tuple(FrozenPiece(name=p.name, numel=p.numel,
                               copies=tuple(_frozen_piece_copies(p, 3, index.world_size, 0, p.numel, 0)))
@@ -253,10 +186,10 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
         ))
     return DataParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, optimizer=ZERO,
-        source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(shapes),
-        param_alignment_paddings=tuple(param_paddings), module=tuple(module), units=tuple(units), index=index,
+        source_world_size=index.world_size, world_size=world_size, flat_shapes=laid.shapes,
+        param_alignment_paddings=laid.param_paddings, module=laid.module, units=tuple(units), index=index,
         module_runs=module_runs, source_optimizer=ZERO3,
     )
 
 
-__all__ = ["fragment_copies", "plan_model_parallel_stage", "plan_stage_change"]
+__all__ = ["plan_model_parallel_stage", "plan_stage_change"]

@@ -19,9 +19,7 @@ and every layout but AutoTP.
 
 from __future__ import annotations
 
-import bisect
 import copy
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -30,26 +28,20 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import (
-    BF16,
-    ZERO3,
-    Copy,
-    param_alignment,
-    piece_offsets,
-    zero3_piece,
-    zero3_sub_groups,
-    zero12_layout,
-)
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, piece_offsets, zero3_piece, zero3_sub_groups
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.reshard.flats import ModelRuns, append_copy, zero12_flats
 from ckptflow.reshard.shape import check_world_size
 from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
 
 
-def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int) -> DataParallelPlan:
+def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int, *, stage: int | None = None
+                               ) -> DataParallelPlan:
     """The plan that turns the AutoTP checkpoint `index` into a `tensor_parallel` = 1 checkpoint at
-    `world_size` data-parallel ranks; reads nothing. `UnsupportedCheckpointError` for anything else."""
+    `world_size` data-parallel ranks, at ZeRO `stage` (None: the source's; a ZeRO-1/2 source may go to
+    any of 1, 2, 3); reads nothing. `UnsupportedCheckpointError` for anything else."""
     where = f"{index.root}/{index.tag}"
     check_world_size(world_size)
     current = getattr(index, "tp", 1)
@@ -79,9 +71,15 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
         raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
                                          "a tensor-parallel merge does not handle", uri=index.root)
     source = _merged_source(index)
-    if source.optimizer_kind == ZERO3:
-        return _plan_zero3(index, source, world_size)
-    return _plan_zero12(index, source, world_size, source.optimizer_kind)
+    kind = source.optimizer_kind
+    stage = index.stage if stage is None else stage
+    if stage != index.stage and kind != ZERO:
+        raise UnsupportedCheckpointError(
+            f"{where}: ckptflow merges a ZeRO-{index.stage} AutoTP checkpoint's tensor parallelism at ZeRO-1, 2 or 3 "
+            f"from ZeRO-1/2 only, not from this one to ZeRO-{stage}", uri=index.root,
+            hint="merge it at its own stage, then change the stage")
+    plan = _plan_zero3(index, source, world_size) if stage == 3 else _plan_zero12(index, source, world_size, kind)
+    return replace(plan, stage=stage, source_optimizer=kind)
 
 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
@@ -118,57 +116,6 @@ def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
     )
 
 
-def _sources(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple[int, int]]:
-    """Each fp32 partition tensor -> (virtual rank, param group)."""
-    out = {}
-    for mp, rank in enumerate(index.ranks):
-        for d, parts in enumerate(rank.partitions):
-            for part in parts:
-                out[(part.fp32.uri, part.fp32.key, part.fp32.storage_offset)] = (mp * rank.world_size + d, part.group)
-    return out
-
-
-class _Runs:
-    """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions. A
-    row-parallel shard's rows stay one strided run, and become strided copies: the writer reads them
-    as one range and places them a full row apart (`formats.torch.pickler.Span`)."""
-
-    def __init__(self, index: ModelParallelCheckpoint) -> None:
-        self.sources = _sources(index)
-        self.runs = {t.name: t.runs for t in index.tensors}
-        # The furthest element each run up to this one reaches: strided runs interleave, so a window
-        # [first, last) starts its search at the first run reaching past `first`.
-        self.reach = {name: list(itertools.accumulate((r.end for r in runs), max)) for name, runs in self.runs.items()}
-
-    def copies(self, name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:
-        """Copies of elements [first, last) of parameter `name` to `dst` onwards of a target flat, in
-        the order of the parameter's runs."""
-        runs = self.runs[name]
-        out: list[Copy] = []
-        for run in runs[bisect.bisect_right(self.reach[name], first):]:
-            if run.offset >= last:
-                break
-            for part in run.within(first, last):
-                rank, g = self.sources[(part.ref.uri, part.ref.key, part.ref.storage_offset)]
-                if g != group:
-                    raise UnsupportedCheckpointError(
-                        f"{name}: its tensor-parallel shards sit in different param groups")
-                _append(out, Copy(src_rank=rank, src_flat=g, src_offset=part.start,
-                                  dst_offset=dst + part.offset - first, numel=part.numel, rows=part.rows,
-                                  stride=part.stride))
-        return out
-
-
-def _append(copies: list[Copy], c: Copy) -> None:
-    last = copies[-1] if copies else None
-    if (last is not None and last.rows == c.rows == 1 and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat)
-            and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
-        copies[-1] = Copy(src_rank=c.src_rank, src_flat=c.src_flat, src_offset=last.src_offset,
-                          dst_offset=last.dst_offset, numel=last.numel + c.numel)
-    else:
-        copies.append(c)
-
-
 def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
     """The virtual rank whose per-rank scalars target rank `rank` copies: tensor-parallel rank 0's."""
     return min(rank, index.world_size - 1)
@@ -179,42 +126,13 @@ def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
 
 def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str
                  ) -> DataParallelPlan:
-    runs = _Runs(index)
     by_name = source.param_by_name
-    zero = source.zero_config
-    bf16 = optimizer == BF16
     n_tensors = source.tensors_per_partition
-    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
-    paddings: list[list[int]] = [[] for _ in range(world_size)]
-    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
-    flat_shapes, param_paddings, module = [], [], []
-    for g, group in enumerate(source.groups):
-        names = list(group.params)
-        numels = [by_name[n].numel for n in names]
-        align = 1 if bf16 or not names else param_alignment(DTYPE_SIZES[by_name[names[0]].dtype],
-                                                            is_set(zero, "parameter_alignment"))
-        dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
-        cumulative = not any(dst.param_paddings)
-        for r in range(world_size):
-            lo, hi = r * dst.partition, (r + 1) * dst.partition
-            copies: list[Copy] = []
-            mine, pos = [], 0
-            for name, off, numel in zip(names, dst.offsets, numels):
-                a, b = max(off, lo), min(off + numel, hi)
-                if a < b:
-                    for c in runs.copies(name, g, a - off, b - off, a - lo):
-                        _append(copies, c)
-                mapped = pos if cumulative else off
-                ma, mb = max(mapped, lo), min(mapped + numel, hi)
-                if ma < mb:
-                    mine.append((name, ma - lo, mb - ma))
-                pos += numel
-            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=tuple(copies)))
-            paddings[r].append(dst.group_paddings[r])
-            slices[r].append(tuple(mine))
-        flat_shapes.append(tuple((n, by_name[n].shape) for n in names))
-        param_paddings.append(dst.param_paddings)
-        module.append((dst.flat_numel, tuple(zip(names, dst.offsets))))
+    laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
+                        ModelRuns(index).copies, aligned=is_set(source.zero_config, "parameter_alignment"),
+                        bf16=optimizer == BF16)
+    flats, paddings, slices = laid.flats, laid.paddings, laid.slices
+    flat_shapes, param_paddings, module = laid.shapes, laid.param_paddings, laid.module
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in source.params) + source.buffer_bytes
     units = []
     for r in range(world_size):
@@ -238,7 +156,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
 
 
 def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
-    runs = _Runs(index)
+    runs = ModelRuns(index)
     by_name = source.param_by_name
     group_size = sub_group_size(source.zero_config)
     n_tensors = source.tensors_per_partition
@@ -258,7 +176,7 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
                     first, last = r * piece, min(numel, (r + 1) * piece)
                     if first < last:
                         for c in runs.copies(name, g, first, last, off):
-                            _append(copies, c)
+                            append_copy(copies, c)
                 flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=tuple(copies)))
             flat_shapes.append(tuple((n, by_name[n].shape) for n in sub_names))
     units = []

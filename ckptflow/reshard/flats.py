@@ -1,0 +1,147 @@
+"""Target ZeRO-1/2 flat groups filled from any source: what the planners of every axis share. Pure.
+
+A planner that changes the tensor parallelism, the pipeline stages or the ZeRO stage knows where each
+element of a full parameter sits in the source (tensor-parallel runs, pipeline stages' fragments,
+ZeRO-3 pieces): a `Copies` function. `zero12_flats` lays the target's param groups out as
+`DeepSpeedZeroOptimizer` (or `BF16_Optimizer`) does at the target world size
+(`formats.deepspeed.partition.zero12_layout`) and asks that function for the copies of every target
+partition; `fragment_copies` is such a function over a data-parallel index's fragments, `ModelRuns`
+one over a model-parallel checkpoint's full tensors (every tensor-parallel rank or pipeline stage as
+virtual data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.model import Fragment, Param
+from ckptflow.formats.deepspeed.partition import Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.reshard.units import TargetFlat
+
+# The copies that bring elements [first, last) of parameter `name` (of source param group `group`) to
+# `dst` onwards of a target partition.
+Copies = Callable[[str, int, int, int, int], Iterable[Copy]]
+
+
+def append_copy(copies: list[Copy], c: Copy) -> None:
+    """Append `c`, joined to the last copy when both are plain runs contiguous on both sides."""
+    last = copies[-1] if copies else None
+    if (last is not None and last.rows == c.rows == 1 and (last.src_rank, last.src_flat) == (c.src_rank, c.src_flat)
+            and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
+        copies[-1] = replace(last, numel=last.numel + c.numel)
+    else:
+        copies.append(c)
+
+
+def fragment_copies(fragments: Sequence[Fragment], first: int, last: int, dst: int) -> list[Copy]:
+    """Copies of parameter elements [first, last) to `dst` onwards, out of the source ranks' flat
+    partitions that hold them (`fragments`: the parameter's, in parameter order)."""
+    out: list[Copy] = []
+    for f in fragments:
+        a, b = max(first, f.param_offset), min(last, f.param_offset + f.numel)
+        if a < b:
+            append_copy(out, Copy(src_rank=f.rank, src_flat=f.group, src_offset=f.offset + a - f.param_offset,
+                                  dst_offset=dst + a - first, numel=b - a))
+    return out
+
+
+def _partitions_of(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """Each fp32 partition tensor -> (virtual rank, param group)."""
+    out = {}
+    for mp, rank in enumerate(index.ranks):
+        for d, parts in enumerate(rank.partitions):
+            for part in parts:
+                out[(part.fp32.uri, part.fp32.key, part.fp32.storage_offset)] = (mp * rank.world_size + d, part.group)
+    return out
+
+
+class ModelRuns:
+    """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions. A
+    row-parallel shard's rows stay one strided run, and become strided copies: the writer reads them
+    as one range and places them a full row apart (`formats.torch.pickler.Span`)."""
+
+    def __init__(self, index: ModelParallelCheckpoint) -> None:
+        self.sources = _partitions_of(index)
+        self.runs = {t.name: t.runs for t in index.tensors}
+        # The furthest element each run up to this one reaches: strided runs interleave, so a window
+        # [first, last) starts its search at the first run reaching past `first`.
+        self.reach = {name: list(itertools.accumulate((r.end for r in runs), max)) for name, runs in self.runs.items()}
+
+    def copies(self, name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:
+        """Copies of elements [first, last) of parameter `name` to `dst` onwards of a target flat, in
+        the order of the parameter's runs."""
+        runs = self.runs[name]
+        out: list[Copy] = []
+        for run in runs[bisect.bisect_right(self.reach[name], first):]:
+            if run.offset >= last:
+                break
+            for part in run.within(first, last):
+                rank, g = self.sources[(part.ref.uri, part.ref.key, part.ref.storage_offset)]
+                if g != group:
+                    raise UnsupportedCheckpointError(
+                        f"{name}: its tensor-parallel shards sit in different param groups")
+                append_copy(out, Copy(src_rank=rank, src_flat=g, src_offset=part.start,
+                                  dst_offset=dst + part.offset - first, numel=part.numel, rows=part.rows,
+                                  stride=part.stride))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero12Flats:
+    """A checkpoint's ZeRO-1/2 param groups at a world size: per target rank its flats, group paddings
+    and `param_slice_mappings`; per group its parameter shapes, alignment paddings and the 16-bit flat
+    buffer the module's tensors view (numel, each parameter's offset)."""
+
+    flats: tuple[tuple[TargetFlat, ...], ...]
+    paddings: tuple[tuple[int, ...], ...]
+    slices: tuple[tuple[tuple[tuple[str, int, int], ...], ...], ...]
+    shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+    param_paddings: tuple[tuple[int, ...], ...]
+    module: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]
+
+
+def zero12_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Copies, *, aligned: bool,
+                 bf16: bool) -> Zero12Flats:
+    """`groups` (each its parameters in flattening order) laid out at `world_size` ranks, each target
+    partition filled by `copies`. `aligned`: `zero_optimization.parameter_alignment`; `bf16`: the
+    layout of `BF16_Optimizer` (no per-parameter padding)."""
+    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    paddings: list[list[int]] = [[] for _ in range(world_size)]
+    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
+    shapes, param_paddings, module = [], [], []
+    for g, params in enumerate(groups):
+        align = 1 if bf16 or not params else param_alignment(DTYPE_SIZES[params[0].dtype], aligned)
+        numels = [p.numel for p in params]
+        dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
+        # param_slice_mappings: like DeepSpeed, real offsets only when some parameter is padded, else cumulative.
+        mapped = list(dst.offsets) if any(dst.param_paddings) else [sum(numels[:i]) for i in range(len(numels))]
+        for r in range(world_size):
+            lo, hi = r * dst.partition, (r + 1) * dst.partition
+            out: list[Copy] = []
+            mine = []
+            for p, off, at in zip(params, dst.offsets, mapped):
+                a, b = max(off, lo), min(off + p.numel, hi)
+                if a < b:
+                    for c in copies(p.name, g, a - off, b - off, a - lo):
+                        append_copy(out, c)
+                a, b = max(at, lo), min(at + p.numel, hi)
+                if a < b:
+                    mine.append((p.name, a - lo, b - a))
+            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=tuple(out)))
+            paddings[r].append(dst.group_paddings[r])
+            slices[r].append(tuple(mine))
+        shapes.append(tuple((p.name, p.shape) for p in params))
+        param_paddings.append(dst.param_paddings)
+        module.append((dst.flat_numel, tuple((p.name, off) for p, off in zip(params, dst.offsets))))
+    return Zero12Flats(flats=tuple(map(tuple, flats)), paddings=tuple(map(tuple, paddings)),
+                       slices=tuple(map(tuple, slices)), shapes=tuple(shapes), param_paddings=tuple(param_paddings),
+                       module=tuple(module))
+
+
+__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "zero12_flats"]

@@ -1,0 +1,139 @@
+"""Shapes: what `--world-size N [--zero-stage S] [--tp T] [--pp P] [--ep E]` means for a checkpoint, the
+shapes `reshard --plan` lists with their per-GPU bytes, and the one-line refusals. Pure, plus the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckptflow.cli import app
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed import load_index
+from ckptflow.formats.deepspeed.model import Degrees
+from ckptflow.reshard import Shape, Target, memory, resolve, shapes_at, source_shape
+
+
+def test_a_shape_in_words() -> None:
+    assert str(Shape(world_size=4, stage=2, tp=2)) == "ZeRO-2 tp2 x dp2 (4 ranks)"
+    assert str(Shape(world_size=8, stage=3, ep=4)) == "ZeRO-3 ep4 x edp2 (8 ranks)"
+    assert str(Shape(world_size=1, stage=1)) == "ZeRO-1 dp1 (1 rank)"
+    assert str(Shape(world_size=8, stage=1, tp=2, pp=2)) == "ZeRO-1 pp2 x tp2 x dp2 (8 ranks)"
+    assert Shape(world_size=4, stage=3, tp=2).slug == "ws4-tp2-z3"
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"world_size": 0}, "the world size must be a whole number of ranks, at least 1; got 0"),
+    ({"world_size": True}, "the world size must be a whole number of ranks, at least 1; got True"),
+    ({"world_size": 2, "stage": 4}, "the ZeRO stage must be 1, 2 or 3; got 4"),
+    ({"world_size": 2, "tp": 0}, "the tensor-parallel degree must be a positive whole number; got 0"),
+    ({"world_size": 2, "ep": 1.5}, "the expert-parallel degree must be a positive whole number; got 1.5"),
+])
+def test_a_target_is_checked_when_built(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        Target(**fields)
+    assert str(info.value) == message
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    numel: int
+    kind: str = "param"
+
+
+@dataclass(frozen=True)
+class _Index:
+    """Just what `memory` reads of an index: 1,000 trainable elements, Adam."""
+
+    precision: str
+    stage: int = 2
+    tensors_per_partition: int = 2
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(2)
+
+    def model_tensors(self) -> tuple[_Tensor, ...]:
+        return (_Tensor(600), _Tensor(400), _Tensor(10, "buffer"))
+
+
+def test_per_gpu_bytes_follow_the_zero_formulas() -> None:
+    bf16, fp32 = _Index("bf16"), _Index("fp32")
+    # bf16: 2 bytes of weights and of gradients per parameter; 12 of optimizer (fp32 master + 2 moments).
+    at = {stage: memory(bf16, Shape(world_size=4, stage=stage)) for stage in (1, 2, 3)}
+    assert (at[1].weights, at[1].gradients, at[1].optimizer) == (2000, 2000, 3000)
+    assert (at[2].weights, at[2].gradients, at[2].optimizer) == (2000, 500, 3000)
+    assert (at[3].weights, at[3].gradients, at[3].optimizer) == (500, 500, 3000)
+    assert at[3].total == 4000
+    # fp32: the weights are the masters; 8 bytes of moments per parameter.
+    z1 = memory(fp32, Shape(world_size=2, stage=1))
+    assert (z1.weights, z1.gradients, z1.optimizer) == (4000, 4000, 4000)
+    # tensor parallelism divides everything by tp before ZeRO divides by dp
+    tp = memory(bf16, Shape(world_size=4, stage=3, tp=2))
+    assert (tp.weights, tp.gradients, tp.optimizer) == (500, 500, 3000)
+
+
+def test_the_shapes_of_a_data_parallel_checkpoint(ds_fixtures: Mapping[str, Any]) -> None:
+    index = load_index(str(ds_fixtures["z2-fp32-ws2"].dir))
+    assert str(source_shape(index)) == "ZeRO-2 dp2 (2 ranks)"
+    listed = shapes_at(index, 4)
+    assert [(str(s), reason) for s, reason in listed] == [
+        ("ZeRO-2 dp4 (4 ranks)", None), ("ZeRO-1 dp4 (4 ranks)", None), ("ZeRO-3 dp4 (4 ranks)", None)]
+    assert resolve(index, Target(world_size=3, stage=3)) == Shape(world_size=3, stage=3)
+
+
+def test_a_bf16_zero3_checkpoint_is_not_moved_to_zero2_yet(ds_fixtures: Mapping[str, Any]) -> None:
+    index = load_index(str(ds_fixtures["z3-bf16-ws2"].dir))
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        resolve(index, Target(world_size=2, stage=2))
+    assert str(info.value).endswith(
+        "(ZeRO-3 dp2 (2 ranks)) to 2 ranks, ZeRO-2: at ZeRO-2 the module holds a bf16 copy of every weight, cast "
+        "from the fp32 masters; ckptflow copies bytes and does not write that cast yet; shapes it can write at 2 "
+        "ranks: ZeRO-3 dp2 (2 ranks)")
+    assert info.value.code == "unsupported-shape"
+
+
+def test_tensor_parallel_degrees_must_divide_the_heads(parallel_fixtures: Mapping[str, Any]) -> None:
+    """autotp-tp2-z1-fp32's config.json: 4 attention heads, 2 key-value heads: tp4 is never offered."""
+    fixture = parallel_fixtures["autotp-tp2-z1-fp32"]
+    index = load_index(str(fixture.dir))
+    from ckptflow.reshard.run import model_config
+
+    config = model_config(str(fixture.dir))
+    assert config is not None and config["num_key_value_heads"] == 2
+    assert {s.tp for s, _ in shapes_at(index, 4, config)} == {1, 2}
+    assert 4 in {s.tp for s, _ in shapes_at(index, 4)}  # without the config, only the ranks limit it
+
+
+def test_the_cli_plan_lists_shapes_and_writes_nothing(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    runner = CliRunner()
+    src = str(ds_fixtures["z2-fp32-ws2"].dir)
+    result = runner.invoke(app, ["reshard", src, "--world-size", "4", "--plan"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"{src}/global_step3: ZeRO-2, data-parallel 2, 589 parameters"
+    assert "ZeRO-2 dp2 (2 ranks) (now)" in lines[2]
+    assert [line.split("  ")[0] for line in lines[3:6]] == ["ZeRO-2 dp4 (4 ranks)", "ZeRO-1 dp4 (4 ranks)",
+                                                            "ZeRO-3 dp4 (4 ranks)"]
+    assert all(line.rstrip().endswith("writes it") for line in lines[3:6])
+    assert lines[-1].startswith("3 of 3 shape(s) at 4 rank(s) can be written.")
+    with_out = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--plan"],
+                             env={"COLUMNS": "200"})
+    assert with_out.exit_code == 2 and "--plan writes nothing: leave OUT out" in with_out.output
+    assert not (tmp_path / "out").exists()
+    without = runner.invoke(app, ["reshard", src, "--world-size", "4"], env={"COLUMNS": "200"})
+    assert without.exit_code == 2 and "give the folder to write (or --plan to list the shapes)" in without.output
+
+
+def test_the_cli_refuses_a_shape_in_one_line(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    runner = CliRunner()
+    src = str(ds_fixtures["z3-bf16-ws2"].dir)
+    result = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--zero-stage", "1"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: cannot reshard {src}/global_step3 (ZeRO-3 dp2 (2 ranks)) to 2 ranks, "
+                                    "ZeRO-1: at ZeRO-1 the module holds a bf16 copy")
+    assert not (tmp_path / "out").exists()
