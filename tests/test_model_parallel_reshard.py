@@ -229,3 +229,20 @@ def test_zero0_is_not_resharded_and_says_why(name: str, dp: int, both_fixtures: 
         f"any data-parallel size, so there is nothing to reshard; point the run at {fixture.dir} as it is, with any "
         "multiple of its 2 model-parallel ranks")
     assert not (tmp_path / "out").exists()
+
+
+def test_trainer_rng_files_are_named_for_every_rank(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                    tmp_path: Path) -> None:
+    """A Trainer runs one process per rank (tp x pp x dp) and each reads its own `rng_state_{i}.pth`: a tp2 x dp1
+    source's two files become four at tp2 x dp2, from process i mod 2."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(parallel_fixtures["autotp-tp2-z1-fp32"].dir, src)
+    for i in range(2):
+        (src / f"rng_state_{i}.pth").write_bytes(f"state of process {i}".encode())
+    result = reshard(str(src), str(tmp_path / "out"), world_size=4)
+    assert str(result.shape) == "ZeRO-1 tp2 x dp2 (4 ranks)"
+    assert {c.target: c.source for c in result.rng_files} == {f"rng_state_{i}.pth": f"rng_state_{i % 2}.pth"
+                                                              for i in range(4)}
+    assert (tmp_path / "out" / "rng_state_3.pth").read_bytes() == b"state of process 1"

@@ -360,7 +360,7 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tup
     if latest != plan.tag:
         raise stage.not_this_output(out, f"its `{LATEST}` names {excerpt(latest)}, this run writes {excerpt(plan.tag)}")
     carried, rng_names = carried_files(plan, out)
-    rng_files = plan_rng_files(rng_names, plan.world_size)
+    rng_files = plan_rng_files(rng_names, _processes(plan))
     expected = {LATEST: len(plan.tag.encode()), **{rel: _file_size(uri) for rel, uri in carried},
                 **{c.target: _file_size(join(plan.root, c.source)) for c in rng_files},
                 **{f"{plan.tag}/{name}": _file_size(join(plan.index.tag_uri, name)) for name in plan.carried}}
@@ -431,6 +431,11 @@ def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], l
     return files, rng_names
 
 
+def _processes(plan: ReshardPlan) -> int:
+    """The processes a Trainer runs the output with: every rank (tp x pp x dp), one RNG file each."""
+    return plan.shape.world_size if plan.shape is not None else plan.world_size
+
+
 def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
     """Copy the source folder's other files (`carried_files`) into the staging folder; the Trainer's RNG
     files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
@@ -438,7 +443,7 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
     inside = plan.root  # links in a local checkpoint folder must stay inside it
     for rel, uri in files:
         copy_regular(uri, staging.join(rel), inside=inside, hint=_CARRY_HINT, durable=durable)
-    rng_files = plan_rng_files(rng_names, plan.world_size)
+    rng_files = plan_rng_files(rng_names, _processes(plan))
     for copy in rng_files:
         copy_regular(join(plan.root, copy.source), staging.join(copy.target), inside=inside, hint=_CARRY_HINT,
                      durable=durable)
