@@ -234,3 +234,27 @@ def test_strided_and_read_only_sources_cast_alike() -> None:
         getattr(casts, "fp32_to_bf16" if out == "bfloat16" else "fp32_to_fp16")(bits[::2], strided)
         for got in (from_bytes, strided):
             assert np.array_equal(got[keep], want.view(np.uint16)[keep]), out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_cast_view_reads_float32_bytes_as_torch_casts_them(dtype: str, tmp_path) -> None:
+    """`tensorref.cast_view`: the writer's reader turns a float32 range into `dtype` bytes on the way,
+    bit for bit as torch's `.to(dtype)` (what DeepSpeed does to its masters after every step)."""
+    from ckptflow.formats.torch.tensorref import TensorRef, cast_view, parse_cast
+    from ckptflow.formats.torch.writer import SourceReader
+
+    values = torch.cat([torch.randn(1000) * 1e3, torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, 65504.0,
+                                                               70000.0, 3.0e38])])
+    path = tmp_path / "masters.bin"
+    path.write_bytes(b"\0" * 64 + values.numpy().tobytes())
+    ref = TensorRef(str(path), "0", "float32", (values.numel(),), (1,), 0, values.numel(), 64)
+    view = cast_view(ref, dtype)
+    assert parse_cast(view.uri) == (dtype, str(path)) and parse_cast(str(path)) is None
+    start, end = view.element_range(10, values.numel() - 10)
+    out = bytearray(end - start)
+    with SourceReader() as reader:
+        reader.read_into(view.uri, start, memoryview(out))
+    expected = values[10:].to(getattr(torch, dtype))
+    assert bytes(out) == expected.view(torch.int16).numpy().tobytes()
+    with pytest.raises(ValueError, match="cannot read float32 .* at byte 63 as bfloat16"):
+        cast_view(TensorRef(str(path), "0", "float32", (1,), (1,), 0, 1, 63), "bfloat16")

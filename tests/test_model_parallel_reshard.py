@@ -68,12 +68,12 @@ MERGES = sample(ALL_MERGES, [("autotp-tp2-z3-fp32", 2, 1), ("autotp-tp2-z1-bf16"
 ALL_STAGES = (
     ("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2), ("autotp-tp2dp2-z1-fp32", 1, None, 2),
     ("autotp-tp2-z1-bf16", 2, None, 3), ("autotp-llama-tied-tp2-z1-fp32", 2, None, 3),
-    ("autotp-glm-tp2-z3-fp32", 2, None, 1),
+    ("autotp-glm-tp2-z3-fp32", 2, None, 1), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
     # three axes at once: the stage, the tensor parallelism merged, the data-parallel size
     ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z1-fp32", 3, 1, 3), ("autotp-tp2-z1-bf16", 1, 1, 2),
 )
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
-                             ("autotp-tp2-z2-fp32", 3, 1, 3)])
+                             ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2)])
 RESHARDS = CASES + MERGES + STAGES
 
 

@@ -786,6 +786,7 @@ ALL_CASES = (
     # another ZeRO stage (the third item), with and without another world size
     ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z2-bf16-ws2", 2, 1), ("z3-fp32-ws2", 3, 2), ("z3-fp32-ws3", 1, 1),
     ("z1-fp32-ws2", 4, 3), ("z2-bf16-ws2-offload", 3, 3), ("z3-fp32-ws2", 2, 1),
+    ("z3-bf16-ws2", 3, 2), ("z3-bf16-ws4", 2, 1), ("z3-fp16-ws2*", 1, 2),  # the 16-bit module cast from the masters
 )
 # Sampled by default (`tests.sampling`; every launch size stays): ZeRO-1/2/3 in fp32, bf16 and fp16,
 # offload, alignment, sub-groups, no step yet, a chained reshard, in every direction. All with
@@ -796,7 +797,7 @@ CASES = sample(ALL_CASES, [
     ("z1-aligned-ws2*", 3), ("z3-nostep-ws2*", 3),
     ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
     ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-bf16-ws2-offload", 4),
-    ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z3-fp32-ws2", 3, 2),
+    ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z3-fp32-ws2", 3, 2), ("z3-bf16-ws2", 3, 2), ("z3-fp16-ws2*", 1, 2),
 ])
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
 WRITTEN = {

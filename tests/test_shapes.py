@@ -86,14 +86,13 @@ def test_the_shapes_of_a_data_parallel_checkpoint(ds_fixtures: Mapping[str, Any]
     assert resolve(index, Target(world_size=3, stage=3)) == Shape(world_size=3, stage=3)
 
 
-def test_a_bf16_zero3_checkpoint_is_not_moved_to_zero2_yet(ds_fixtures: Mapping[str, Any]) -> None:
-    index = load_index(str(ds_fixtures["z3-bf16-ws2"].dir))
+def test_a_bf16_optimizer_checkpoint_keeps_its_stage(ds_fixtures: Mapping[str, Any]) -> None:
+    index = load_index(str(ds_fixtures["z1-bf16-ws2-fp32accum"].dir))
     with pytest.raises(UnsupportedCheckpointError) as info:
-        resolve(index, Target(world_size=2, stage=2))
+        resolve(index, Target(world_size=2, stage=3))
     assert str(info.value).endswith(
-        "(ZeRO-3 dp2 (2 ranks)) to 2 ranks, ZeRO-2: at ZeRO-2 the module holds a bf16 copy of every weight, cast "
-        "from the fp32 masters; ckptflow copies bytes and does not write that cast yet; shapes it can write at 2 "
-        "ranks: ZeRO-3 dp2 (2 ranks)")
+        "(ZeRO-1 dp2 (2 ranks)) to 2 ranks, ZeRO-3: ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 "
+        "gradient accumulation) to another stage yet; shapes it can write at 2 ranks: ZeRO-1 dp2 (2 ranks)")
     assert info.value.code == "unsupported-shape"
 
 
@@ -131,9 +130,10 @@ def test_the_cli_plan_lists_shapes_and_writes_nothing(ds_fixtures: Mapping[str, 
 
 def test_the_cli_refuses_a_shape_in_one_line(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
     runner = CliRunner()
-    src = str(ds_fixtures["z3-bf16-ws2"].dir)
-    result = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--zero-stage", "1"])
+    src = str(ds_fixtures["z1-bf16-ws2-fp32accum"].dir)
+    result = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--zero-stage", "3"],
+                           env={"COLUMNS": "300"})
     assert result.exit_code == 1
-    assert result.output.startswith(f"error: cannot reshard {src}/global_step3 (ZeRO-3 dp2 (2 ranks)) to 2 ranks, "
-                                    "ZeRO-1: at ZeRO-1 the module holds a bf16 copy")
+    assert result.output.startswith(f"error: cannot reshard {src}/global_step3 (ZeRO-1 dp2 (2 ranks)) to 2 ranks, "
+                                    "ZeRO-3: ckptflow does not move BF16_Optimizer state")
     assert not (tmp_path / "out").exists()

@@ -247,9 +247,6 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if getattr(index, "optimizer_kind", None) == "bf16":
             return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
                     "stage yet")
-        if source.stage == 3 and index.precision != "fp32":
-            return (f"at ZeRO-{shape.stage} the module holds a {index.precision} copy of every weight, cast from the "
-                    "fp32 masters; ckptflow copies bytes and does not write that cast yet")
     return None
 
 

@@ -10,10 +10,9 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   model-states file per rank holding the buffers, the parameters as empty tensors, its pieces of the
   frozen parameters, and the shapes; rank 0's lists the tied aliases (`shared_params`).
 - ZeRO-3 -> ZeRO-1/2: the flat groups of `DeepSpeedZeroOptimizer` rebuilt at the new world size, and
-  rank 0's model-states file with the whole module: its 16-bit copy of the trainable parameters (for
-  fp32 training, the fp32 masters themselves) and the frozen ones joined from their pieces. A bf16 or
-  fp16 run's 16-bit copy would have to be cast from the masters, which this byte-copying writer does
-  not do: refused for now.
+  rank 0's model-states file with the whole module: its 16-bit copy of the trainable parameters, the
+  fp32 masters cast as DeepSpeed casts them after every step (round to nearest even; for fp32
+  training, the masters themselves), and the frozen ones joined from their pieces.
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources
@@ -43,7 +42,7 @@ from ckptflow.formats.deepspeed.partition import (
 )
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.runs import Run
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import plan_data_parallel
 from ckptflow.reshard.flats import Copies, append_copy, fragment_copies, zero12_flats
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
@@ -68,11 +67,6 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
         return replace(same, stage=stage)
     if stage == 3:
         return _to_zero3(index, world_size)
-    if index.precision != "fp32":
-        raise UnsupportedCheckpointError(
-            f"{where} is a {index.precision} ZeRO-3 checkpoint: at ZeRO-{stage} its module holds a {index.precision} "
-            "copy of every weight, which ckptflow would have to cast from the fp32 masters; it copies bytes only, "
-            "so this is not written yet", uri=where, hint="reshard it at ZeRO-3, or consolidate its weights")
     return _to_zero12(index, world_size, stage)
 
 
@@ -161,10 +155,15 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
     laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
                         aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False)
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
-    # The module's copy of every trainable parameter: the fp32 masters, from the ranks' partitions.
+    # The module's copy of every trainable parameter: the fp32 masters from the ranks' partitions, cast to
+    # the training dtype on the way as DeepSpeed copies them after each step (`tensorref.cast_view`).
+    def master(param: Param, c: Copy) -> TensorRef:
+        ref = index.partitions[c.src_rank][c.src_flat].fp32
+        return ref if param.dtype == "float32" else cast_view(ref, param.dtype)
+
     module_runs = {
-        p.name: tuple(Run(ref=index.partitions[c.src_rank][c.src_flat].fp32, start=c.src_offset, numel=c.numel,
-                          offset=c.dst_offset) for c in copies_of(p.name, g, 0, p.numel, 0))
+        p.name: tuple(Run(ref=master(p, c), start=c.src_offset, numel=c.numel, offset=c.dst_offset)
+                      for c in copies_of(p.name, g, 0, p.numel, 0))
         for g, group in enumerate(index.groups) for p in (by_name[n] for n in group.params)
     }
     frozen = [p for p in index.params if p.frozen]

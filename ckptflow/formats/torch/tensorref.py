@@ -87,6 +87,31 @@ class TensorRef:
         return begin, begin + numel * self.itemsize
 
 
+# A float32 tensor read as a narrower float: a virtual byte stream `cast:<dtype>:<uri>` whose byte v is
+# byte 2v of the file `uri`, every 4-byte float32 turned into the 2 bytes of `dtype` as torch rounds it
+# (`formats.casts`). The torch writer's `SourceReader` reads and casts it; a `TensorRef` of that stream
+# (`cast_view`) lets a plan place cast elements like any other bytes.
+CAST_PREFIX = "cast:"
+CASTS = ("bfloat16", "float16")
+
+
+def cast_view(ref: TensorRef, dtype: str) -> TensorRef:
+    """The float32 tensor `ref` as `dtype` (bfloat16 or float16) elements: same shape, read and cast on
+    the way (`parse_cast`)."""
+    if ref.dtype != "float32" or dtype not in CASTS or ref.data_offset % 2:
+        raise ValueError(f"cannot read {ref.dtype} {ref.uri} at byte {ref.data_offset} as {dtype}")
+    return TensorRef(f"{CAST_PREFIX}{dtype}:{ref.uri}", ref.key, dtype, ref.shape, ref.stride, ref.storage_offset,
+                     ref.storage_numel, ref.data_offset // 2)
+
+
+def parse_cast(uri: str) -> tuple[str, str] | None:
+    """(dtype, the float32 file's URI) of a `cast_view` stream; None for a plain URI."""
+    if not uri.startswith(CAST_PREFIX):
+        return None
+    dtype, _, real = uri[len(CAST_PREFIX):].partition(":")
+    return (dtype, real) if dtype in CASTS and real else None
+
+
 _SCALAR_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
                    "int8": "<b", "uint8": "<B", "bool": "<?"}
 

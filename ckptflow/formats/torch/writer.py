@@ -33,8 +33,10 @@ import numpy as np
 from isal.isal_zlib import crc32, crc32_combine  # ISA-L's CRC-32 runs at several GB/s; zlib's at well under one
 
 from ckptflow.errors import CkptflowError, OutputError
+from ckptflow.formats.casts import as_array, fp32_to_bf16, fp32_to_fp16
 from ckptflow.formats.torch.pickler import OutStorage, Span, dumps
 from ckptflow.formats.torch.serialization_id import serialization_id
+from ckptflow.formats.torch.tensorref import parse_cast
 from ckptflow.plumbing.direct import BLOCK, aligned_buffer, open_direct, pwrite_all
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import RangeReader, read_error
@@ -69,7 +71,24 @@ class SourceReader(RangeReader):
 
     def read_many(self, reads: Sequence[tuple[str, int, memoryview]]) -> None:
         """`read_into` for several (uri, start, view) at once: local files one after the other, those on
-        a bucket in one round of concurrent requests per store (a window's rows from every rank)."""
+        a bucket in one round of concurrent requests per store (a window's rows from every rank). A
+        `tensorref.cast_view` stream is read as its float32 bytes and cast into the view."""
+        casts = []
+        plain = []
+        for uri, start, view in reads:
+            cast = parse_cast(uri)
+            if cast is None:
+                plain.append((uri, start, view))
+            else:
+                raw = memoryview(bytearray(2 * len(view)))
+                plain.append((cast[1], 2 * start, raw))
+                casts.append((cast[0], raw, view))
+        self._fill(plain)
+        for dtype, raw, view in casts:
+            cast_to = fp32_to_bf16 if dtype == "bfloat16" else fp32_to_fp16
+            cast_to(as_array(raw, np.uint32), as_array(view.cast("B"), np.uint16))
+
+    def _fill(self, reads: Sequence[tuple[str, int, memoryview]]) -> None:
         try:
             self.fill(reads)
         except OSError as exc:
