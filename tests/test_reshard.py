@@ -725,6 +725,39 @@ def test_a_hugging_face_trainer_resumes_from_the_output(llama_trainer_ckpt, tmp_
         assert loaded["cpu"] == _rng_states(llama_trainer_ckpt.dir / f"rng_state_{r % 2}.pth")["cpu"]
 
 
+def test_a_trainer_resumed_at_another_stage_follows_the_universal_route(llama_trainer_ckpt, tmp_path: Path) -> None:
+    """The Trainer's ZeRO-3 run at 2 ranks resumed on 3 ranks: at ZeRO-2 from ckptflow's output (loaded
+    natively), and through DeepSpeed's own route (`ds_to_universal`, then `checkpoint.load_universal`) at
+    ZeRO-3, the one stage that route takes a ZeRO-3 source to (at ZeRO-2 it finds no
+    mp_rank_00_model_states.pt in the universal folder and stops): both log the same losses for the
+    steps after the checkpoint, and the same learning rates."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    spec = dict(llama_trainer_ckpt.spec)
+    ours = tmp_path / "ours" / "checkpoint-3"
+    reshard(str(llama_trainer_ckpt.dir), str(ours), world_size=3, stage=2)
+    universal = tmp_path / "universal" / "checkpoint-3"
+    shutil.copytree(llama_trainer_ckpt.dir, universal)
+    args = argparse.Namespace(input_folder=str(universal / "global_step3"),
+                              output_folder=str(universal / "global_step3_universal"), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
+    (universal / "latest_universal").write_text("global_step3_universal")
+    states = {}
+    for route, folder, extra in (("ours", ours, ["--stage", "2"]), ("universal", universal, ["--universal"])):
+        states[route] = tmp_path / f"{route}.json"
+        launch("tests.oracles.reshard_trainer", 3,
+               ["--spec", json.dumps(spec), "--checkpoint", str(folder), "--out", str(states[route]), *extra],
+               log_dir=tmp_path / f"logs-{route}")
+    mine, theirs = (json.loads(states[r].read_text()) for r in ("ours", "universal"))
+    assert mine["global_step"] == theirs["global_step"] == spec["steps"] + 2
+    assert mine["dp_world_size"] == theirs["dp_world_size"] == 3
+    resumed = slice(spec["steps"], None)
+    assert mine["losses"][resumed] == pytest.approx(theirs["losses"][resumed], rel=1e-5, abs=0), (mine, theirs)
+    assert mine["lr"] == theirs["lr"]
+
+
 def test_other_filesystems(ds_fixtures) -> None:
     import fsspec
 

@@ -1,7 +1,8 @@
 """Rank script: a Hugging Face Trainer run resumes from a resharded checkpoint at its new world size.
 
 Run by ``launch("tests.oracles.reshard_trainer", M, ["--spec", SPEC_JSON, "--checkpoint", DIR, "--out", FILE])``
-where DIR is a ``checkpoint-K`` folder resharded to M ranks and SPEC_JSON the fixture's spec. The run
+where DIR is a ``checkpoint-K`` folder resharded to M ranks and SPEC_JSON the fixture's spec (``--stage S``
+resumes at another ZeRO stage; ``--universal`` through DeepSpeed's universal checkpoint in DIR instead). The run
 is set up as ``tests.fixtures.writers.trainer`` set up the original one (same model, DeepSpeed config with
 "auto" values, optimizer built by the Trainer), with ``max_steps`` two past the checkpoint, and calls
 ``trainer.train(resume_from_checkpoint=DIR)``. Rank 0 writes the Trainer's state to FILE as JSON,
@@ -16,6 +17,7 @@ import copy
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -67,11 +69,23 @@ def _watch_rng_loading(trainer_class: type) -> tuple[type, dict]:
     return Watched, seen
 
 
+def ds_config(stage: int, *, universal: bool) -> dict:
+    """The fixture's Trainer config at ZeRO `stage`; with `universal`, loading DeepSpeed's universal
+    checkpoint (`latest_universal`) as DeepSpeed documents it for another world size."""
+    config = copy.deepcopy(trainer_ds_config(stage))
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="the fixture's spec.json content")
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stage", type=int, default=None, help="the ZeRO stage to resume at (the fixture's)")
+    parser.add_argument("--universal", action="store_true",
+                        help="resume through DeepSpeed's universal checkpoint (`checkpoint.load_universal`)")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     options = parser.parse_args(argv)
     spec = json.loads(options.spec)
@@ -92,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         warmup_steps=1,
         seed=spec["seed"],
         data_seed=spec["seed"],
-        deepspeed=copy.deepcopy(trainer_ds_config(spec["stage"])),
+        deepspeed=ds_config(options.stage or spec["stage"], universal=options.universal),
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -120,6 +134,12 @@ def main(argv: list[str] | None = None) -> None:
             "rng": ranks_rng,
         }))
     torch.distributed.barrier()
+    # Leave as `tests.fixtures.launch.run_jobs` does, without C++ static destructors: gloo's threads
+    # sometimes abort a normal exit ("terminate called without an active exception") after the work is done.
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
