@@ -257,6 +257,9 @@ def run_command(
     workspace: Optional[str] = typer.Option(None, "--workspace", help="Where outputs are built before publishing."),
     gpu_deployment: Optional[str] = typer.Option(None, "--gpu-deployment", help="Consolidate as this deployment."),
     refresh: bool = typer.Option(False, "--refresh", help="Ignore cached results and redo every step."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="SOURCE", help=CONFIG_HELP),
+    config_revision: Optional[str] = typer.Option(None, "--config-revision", metavar="REV",
+                                                  help="Branch, tag or commit of the --config Hub repo."),
 ) -> None:
     """Run the whole pipeline (validate, consolidate + verify, reshard, publish) as a Prefect flow.
 
@@ -266,11 +269,13 @@ def run_command(
 
     if publish not in ("model", "reshards", "both"):
         raise typer.BadParameter(f"must be model, reshards or both, got {publish!r}", param_hint="--publish")
+    if config_revision is not None and not (config or "").strip():
+        raise typer.BadParameter("needs --config: the Hub repo it is a revision of", param_hint="--config-revision")
     try:
         params = lifecycle_parameters(
             src, tag=tag, dtype=dtype.value, consolidate=consolidate, max_shard_size=max_shard_size, reshard=reshard,
             destinations=to, publish=publish, verify=verify, settle=settle, workspace=workspace,
-            gpu_deployment=gpu_deployment, refresh=refresh,
+            gpu_deployment=gpu_deployment, refresh=refresh, config=config, config_revision=config_revision,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -290,6 +295,11 @@ def run_command(
         line(f"  published: {p['kind']} -> {p['destination']}")
     where = server.rstrip("/").removesuffix("/api") if server else "embedded Prefect (no server was configured)"
     line(f"  flow run:  {outcome.flow_run_name} on {where}")
+    model = summary.get("model") or {}
+    if model.get("details", {}).get("config_json") is False:
+        say("not loadable:", "yellow",
+            f"{model['uri']} has no config.json, so from_pretrained cannot load it (SRC has none); run again with "
+            "--config FOLDER or --config ORG/NAME (the trained model's config)")
 
 
 @app.command("watch")
