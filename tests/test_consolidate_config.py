@@ -466,3 +466,60 @@ def test_cli_config_and_the_last_line_without_one(tied_llama: tuple[Path, dict],
 
     usage = runner.invoke(app, ["consolidate", str(src), str(tmp_path / "x"), "--config-revision", "v1"])
     assert usage.exit_code == 2 and "needs --config" in usage.output
+
+
+# ---- the Prefect form and task (no server: the schema, the parameters, the task's committed path) ---------
+
+
+def test_the_lifecycle_form_has_the_config_source() -> None:
+    from prefect.utilities.callables import parameter_schema
+    from pydantic import ValidationError
+
+    from flows import paths
+    from flows.commands import lifecycle_parameters
+    from flows.lifecycle import checkpoint_lifecycle
+    from flows.params import ConsolidationOptions
+    from tasks.caching import _identity
+
+    fields = parameter_schema(checkpoint_lifecycle).model_dump()["definitions"]["ConsolidationOptions"]["properties"]
+    assert {k: (fields[k]["type"], fields[k]["default"], fields[k]["title"]) for k in ("config", "config_revision")} \
+        == {"config": ("string", "", "Config source"), "config_revision": ("string", "", "Config revision")}
+    assert "Hugging Face Hub model repo ('org/name')" in fields["config"]["description"]
+    assert ConsolidationOptions(config=None, config_revision=" ").config == ""
+    with pytest.raises(ValidationError, match="config_revision 'v1' needs a config source"):
+        ConsolidationOptions(config_revision="v1")
+    params = lifecycle_parameters("gs://b/run", tag=None, dtype="bf16", consolidate=True, max_shard_size="5GB",
+                                  reshard=None, destinations=[], publish="model", verify=True, settle=0,
+                                  workspace=None, gpu_deployment=None, refresh=False, config="org/base",
+                                  config_revision="v1")
+    assert (params["consolidation"].config, params["consolidation"].config_revision) == ("org/base", "v1")
+    # Without a config source, the folder and the cached results' keys are those of before the field existed.
+    assert "config" not in _identity(ConsolidationOptions()) and "config_revision" not in _identity(
+        ConsolidationOptions())
+    plain = paths.model_folder("/w", ConsolidationOptions())
+    assert plain == "/w/model-fp32-" + paths.hashlib.sha256(
+        json.dumps({"max_shard_size": "5GB", "exclude_frozen": False}, sort_keys=True).encode()).hexdigest()[:6]
+    assert paths.model_folder("/w", ConsolidationOptions(config="org/base")) != plain
+
+
+def test_the_consolidate_task_takes_a_config_source(tied_llama: tuple[Path, dict], parallel_fixtures,
+                                                   tmp_path: Path) -> None:
+    """The task's options reach the core: a folder committed with this config is taken as this model (its
+    details say it holds a config.json, and from where), and one with none is reported as such."""
+    from prefect.logging import disable_run_logger
+
+    from tasks.consolidate import consolidate_model
+    from tasks.validate import validate_checkpoint
+
+    src, _ = tied_llama
+    source = str(parallel_fixtures["autotp-llama-tied-tp2-z1-fp32"].reference_dir)
+    consolidate(str(src), str(tmp_path / "given"), options=ConsolidateOptions(dtype="bf16", config=source))
+    consolidate(str(src), str(tmp_path / "bare"), options=ConsolidateOptions(dtype="bf16"))
+    with disable_run_logger():
+        checkpoint = validate_checkpoint.fn(str(src), settle_seconds=0)
+        given = consolidate_model.fn(checkpoint, str(tmp_path / "given"), dtype="bf16", config=source)
+        bare = consolidate_model.fn(checkpoint, str(tmp_path / "bare"), dtype="bf16")
+        with pytest.raises(Exception, match="came from another config source"):
+            consolidate_model.fn(checkpoint, str(tmp_path / "bare"), dtype="bf16", config=source)
+    assert given.details["config_json"] is True and given.details["config_source"] == source
+    assert bare.details["config_json"] is False and "config_source" not in bare.details
