@@ -407,6 +407,9 @@ def test_the_check_pairs_names_as_from_pretrained_does() -> None:
         check_config(raw, mixtral_tensors(per_expert=False, prefix="net."))
     without_architectures = json.dumps({k: v for k, v in MIXTRAL.items() if k != "architectures"}).encode()
     assert check_config(without_architectures, mixtral_tensors(per_expert=False)) == "MixtralForCausalLM"
+    with pytest.raises(ConfigError, match=r"^config.json does not fit the checkpoint: its num_hidden_layers is "
+                                          r"1,000,000, and the checkpoint holds 12 tensors in all; give the config"):
+        check_config(json.dumps({**MIXTRAL, "num_hidden_layers": 10**6}).encode(), mixtral_tensors(per_expert=False))
     frozen = [t for t in mixtral_tensors(per_expert=False) if t[0] != "model.norm.weight"]
     with pytest.raises(ConfigError, match=r"has model.norm.weight of shape \(16,\), which the checkpoint does not "
                                           r"hold \(it is left out as a frozen parameter\)"):

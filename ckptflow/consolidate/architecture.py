@@ -34,6 +34,7 @@ from ckptflow.plumbing.text import excerpt, one_line
 _HINT = "give the config of the model that was trained (its architecture and sizes)"
 
 Shape = tuple[int, ...]
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # each layer holds at least one tensor
 
 
 def check_config(raw: bytes, tensors: Sequence[tuple[str, Shape]], *, tied: Mapping[str, str] | None = None,
@@ -43,6 +44,12 @@ def check_config(raw: bytes, tensors: Sequence[tuple[str, Shape]], *, tied: Mapp
     names tensors left out on purpose (frozen). Returns the model class checked against; raises
     `ConfigError` naming `where` and the first mismatch."""
     config = _parse(raw, where)
+    for key in _LAYER_KEYS:  # bounded work: a model is not built with more layers than there are tensors
+        value = config.get(key)
+        if type(value) is int and value > len(tensors):
+            raise ConfigError(f"{where} does not fit the checkpoint: its {key} is {value:,}, and the checkpoint holds "
+                              f"{len(tensors):,} tensors in all", code="config-mismatch", file=where,
+                              expected=value, actual=len(tensors), hint=_HINT)
     model = _build(config, where)
     name = type(model).__name__
     _compare(model, list(tensors), dict(tied or {}), set(excluded), f"{where} does not fit the checkpoint: {name} "
