@@ -34,6 +34,7 @@ from ckptflow.plumbing.files import read_regular
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
 from ckptflow.plumbing.storage import join, open_fs
+from ckptflow.plumbing.stores.hub import quiet_progress_bars
 from ckptflow.plumbing.stores.local import os_path
 from ckptflow.plumbing.text import excerpt
 
@@ -262,7 +263,7 @@ def _read_hub(source: ConfigSource, policy: RetryPolicy) -> ConfigFiles:
                               f"({_limit(name):,} bytes at most)", code="config-unreadable", uri=shown, file=name,
                               hint=_HINT)
     files: dict[str, bytes] = {}
-    with tempfile.TemporaryDirectory(prefix="ckptflow-config-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ckptflow-config-") as tmp, quiet_progress_bars():
         for name in names:
             path = attempt(lambda name=name: api.hf_hub_download(repo, name, revision=commit, local_dir=tmp),
                            f"download {name} of {shown}")
