@@ -11,7 +11,9 @@ Everything here that decides a layout is a pure function of names, dtypes, shape
 - `index_json` is the `model.safetensors.index.json` that `save_pretrained` writes.
 
 The I/O helpers at the end find and carry over `config.json`, `generation_config.json` and the
-tokenizer files of a Hugging Face Trainer checkpoint, with the config's dtype set to the output's.
+tokenizer files of a Hugging Face Trainer checkpoint, or write those a config source gave
+(`write_side_files`; where they come from is `ckptflow.consolidate.config`), with the config's dtype
+set to the output's. `side_kind` sorts them into the kinds that travel whole.
 """
 
 from __future__ import annotations
