@@ -23,11 +23,12 @@ from rich.console import Console
 from rich.text import Text
 
 from ckptflow import DEFAULT_DTYPE
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, ConfigError
 from ckptflow.plumbing.progress import Progress as ProgressFn
 from ckptflow.plumbing.text import one_line
 
 if TYPE_CHECKING:
+    from ckptflow.consolidate import ConsolidationResult
     from ckptflow.validate import ValidationReport
 
 
@@ -77,6 +78,12 @@ def fail(exc: BaseException) -> typer.Exit:
 
 CLUSTER_HELP = ("Run the units on the Dask scheduler at this address (tcp://HOST:PORT), read and written by its "
                 "workers; needs the cluster extra.")
+
+
+CONFIG_HELP = ("Where config.json, generation_config.json and tokenizer files come from when SRC has none: a "
+               "folder, or a Hub model repo (ORG/NAME or hf://ORG/NAME). Its config.json is checked against the "
+               "checkpoint's tensors (transformers, meta device) before anything is written. A kind of file SRC has "
+               "(config, generation config, tokenizer) stays SRC's.")
 
 
 def units_on(address: str | None) -> Any:
@@ -163,8 +170,15 @@ def consolidate_command(
                                 help="Reopen every shard and check it against the source."),
     cluster: Optional[str] = typer.Option(None, "--cluster", envvar="CKPTFLOW_CLUSTER", metavar="ADDRESS",
                                           help=CLUSTER_HELP),
+    config: Optional[str] = typer.Option(None, "--config", metavar="SOURCE", help=CONFIG_HELP),
+    config_revision: Optional[str] = typer.Option(None, "--config-revision", metavar="REV",
+                                                  help="Branch, tag or commit of the --config Hub repo."),
 ) -> None:
-    """Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder."""
+    """Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder.
+
+    DeepSpeed's save_checkpoint, Accelerate and Lightning write no config.json: give the model's with
+    --config, or the folder cannot be loaded by from_pretrained (the last line says so).
+    """
     import time
 
     # The converter's own threads keep the cores busy and numpy does no linear algebra here; an
@@ -177,15 +191,23 @@ def consolidate_command(
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
+    if config_revision is not None and not (config or "").strip():
+        raise typer.BadParameter("needs --config: the Hub repo it is a revision of", param_hint="--config-revision")
     try:
         options = ConsolidateOptions(dtype=dtype.value, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
-                                     workers=workers, verify=verify)
+                                     workers=workers, verify=verify, config=config, config_revision=config_revision)
     except ValueError as exc:  # --dtype and --workers are checked by their option types
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
     started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.formats.casts`)
-    result = with_bar("writing + verifying" if verify else "writing",
-                      lambda progress, executor: consolidate(src, dest, tag=tag, options=options, executor=executor,
-                                                             progress=progress), cluster=cluster)
+
+    def work(progress: ProgressFn, executor: Any) -> ConsolidationResult:
+        try:
+            return consolidate(src, dest, tag=tag, options=options, executor=executor, progress=progress)
+        except ConfigError as exc:  # the core names the config source; the line names the flag
+            raise ConfigError(f"--config: {exc}", code=exc.code, uri=exc.uri, file=exc.file, tensor=exc.tensor,
+                              expected=exc.expected, actual=exc.actual) from None
+
+    result = with_bar("writing + verifying" if verify else "writing", work, cluster=cluster)
     shards = len(result.shards)
     say("consolidated", "green",
         f"{result.plan.root}/{result.plan.tag} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
@@ -193,6 +215,30 @@ def consolidate_command(
         f"{len(result.side_files)} config/tokenizer file(s), {time.monotonic() - started:.1f}s")
     for note in result.plan.notes:
         out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
+    render_config(result, dest)
+
+
+def render_config(result: ConsolidationResult, dest: str) -> None:
+    """Where the config came from (with --config), what SRC overrode, and, as the last line, that the folder
+    has no config.json when it has none."""
+    from ckptflow.formats import hf
+
+    side = result.side
+    if side is not None and side.source is not None:
+        given = ", ".join(n for n in side.names if n in side.given)
+        commit = f" (commit {side.source.commit[:12]})" if side.source.commit else ""
+        checked = f", checked against {side.architecture}" if side.architecture else ""
+        if given:
+            line(f"  config: {given} from {side.source.shown}{commit}{checked}")
+        if side.unused:
+            kinds = " and ".join(sorted({hf.side_kind(n) for n in side.unused}))
+            out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(
+                f"SRC has its own {kinds} files, so --config's {', '.join(side.unused)} "
+                f"{'was' if len(side.unused) == 1 else 'were'} not used")), soft_wrap=True)
+    if not result.has_config:
+        say("not loadable:", "yellow",
+            f"{dest} has no config.json, so from_pretrained cannot load it (SRC has none); consolidate again into a "
+            "new OUT with --config FOLDER or --config ORG/NAME (the trained model's config)")
 
 
 @app.command("run")
@@ -211,6 +257,9 @@ def run_command(
     workspace: Optional[str] = typer.Option(None, "--workspace", help="Where outputs are built before publishing."),
     gpu_deployment: Optional[str] = typer.Option(None, "--gpu-deployment", help="Consolidate as this deployment."),
     refresh: bool = typer.Option(False, "--refresh", help="Ignore cached results and redo every step."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="SOURCE", help=CONFIG_HELP),
+    config_revision: Optional[str] = typer.Option(None, "--config-revision", metavar="REV",
+                                                  help="Branch, tag or commit of the --config Hub repo."),
 ) -> None:
     """Run the whole pipeline (validate, consolidate + verify, reshard, publish) as a Prefect flow.
 
@@ -220,11 +269,13 @@ def run_command(
 
     if publish not in ("model", "reshards", "both"):
         raise typer.BadParameter(f"must be model, reshards or both, got {publish!r}", param_hint="--publish")
+    if config_revision is not None and not (config or "").strip():
+        raise typer.BadParameter("needs --config: the Hub repo it is a revision of", param_hint="--config-revision")
     try:
         params = lifecycle_parameters(
             src, tag=tag, dtype=dtype.value, consolidate=consolidate, max_shard_size=max_shard_size, reshard=reshard,
             destinations=to, publish=publish, verify=verify, settle=settle, workspace=workspace,
-            gpu_deployment=gpu_deployment, refresh=refresh,
+            gpu_deployment=gpu_deployment, refresh=refresh, config=config, config_revision=config_revision,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -244,6 +295,11 @@ def run_command(
         line(f"  published: {p['kind']} -> {p['destination']}")
     where = server.rstrip("/").removesuffix("/api") if server else "embedded Prefect (no server was configured)"
     line(f"  flow run:  {outcome.flow_run_name} on {where}")
+    model = summary.get("model") or {}
+    if model.get("details", {}).get("config_json") is False:
+        say("not loadable:", "yellow",
+            f"{model['uri']} has no config.json, so from_pretrained cannot load it (SRC has none); run again with "
+            "--config FOLDER or --config ORG/NAME (the trained model's config)")
 
 
 @app.command("watch")

@@ -84,6 +84,13 @@ class UnsupportedCheckpointError(CheckpointError):
     default_code = "unsupported-layout"
 
 
+class ConfigError(CkptflowError, ValueError):
+    """The model config given to go with a checkpoint cannot be used: not found, unreadable, or it does not
+    describe the checkpoint's tensors (codes `config-not-found`, `config-unreadable`, `config-mismatch`)."""
+
+    default_code = "config-invalid"
+
+
 class OutputError(CkptflowError, OSError):
     """The output cannot be written (exists already, not enough space, destination refused)."""
 

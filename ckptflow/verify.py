@@ -9,6 +9,7 @@ mismatch raises `VerificationError` naming the tensor. The byte-level check of e
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -80,8 +81,11 @@ def _verify_local(path: str, out: str, source: str | None, tag: str | None, devi
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
+        hint = ("consolidate again giving the trained model's config (a config source: a folder or a Hub repo); "
+                "the checkpoint has none" if not os.path.exists(os.path.join(path, hf.CONFIG_NAME))
+                else "fix the config.json of the model folder")
         raise VerificationError(f"transformers cannot read {out}/config.json ({describe(exc)})", file=out,
-                                hint="consolidate from a Hugging Face checkpoint that has a config.json") from None
+                                hint=hint) from None
     causal = any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
     try:

@@ -68,6 +68,8 @@ def lifecycle_parameters(
     workspace: str | None,
     gpu_deployment: str | None,
     refresh: bool,
+    config: str | None = None,
+    config_revision: str | None = None,
 ) -> dict[str, Any]:
     """The flow's parameters from command-line values; ValueError with a readable message."""
     try:
@@ -76,7 +78,8 @@ def lifecycle_parameters(
             "tag": tag,
             "validation": ValidationOptions(settle_seconds=settle, poll_seconds=min(15.0, max(settle / 10, 1.0))),
             "consolidation": ConsolidationOptions(
-                enabled=consolidate, dtype=dtype, max_shard_size=max_shard_size, deployment=gpu_deployment
+                enabled=consolidate, dtype=dtype, max_shard_size=max_shard_size, deployment=gpu_deployment,
+                config=config, config_revision=config_revision,
             ),
             "reshard": ReshardOptions(world_sizes=parse_world_sizes(reshard)),
             "verification": VerificationOptions(enabled=verify and consolidate),

@@ -41,6 +41,7 @@ def consolidate_checkpoint(
     model = consolidate_model(
         checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
         exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers,
+        config=consolidation.config or None, config_revision=consolidation.config_revision or None,
     )
     verified = None
     if verification.enabled:

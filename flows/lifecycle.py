@@ -170,6 +170,7 @@ def checkpoint_lifecycle(
             model_future = consolidate_model.with_options(**built).submit(
                 checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
                 exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers, cluster=cluster or None,
+                config=consolidation.config or None, config_revision=consolidation.config_revision or None,
             )
             if verification.enabled:
                 verify_future = verify_output.with_options(**built).submit(
@@ -416,6 +417,8 @@ def _summary(
     built = []
     if model is not None:
         check = "verified" if verified and verified.get("ok", True) else "not verified"
+        if model.details.get("config_json") is False:
+            check += ", no config.json: from_pretrained cannot load it"
         built.append(f"- **model** ({model.details.get('dtype', '')}, {format_size(model.bytes or 0)}, {check}): "
                      f"{code(model.uri)}")
     for n, out in sorted(reshards.items()):

@@ -19,7 +19,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from prefect.blocks.system import Secret
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from ckptflow import DEFAULT_DTYPE
 
@@ -99,6 +99,21 @@ class ConsolidationOptions(_Options):
     workers: int = Field(
         default=4, ge=1, le=64, title="Workers", description="Output shards written at the same time."
     )
+    config: Text = Field(
+        default="",
+        title="Config source",
+        description="Where config.json, generation_config.json and the tokenizer files come from when the checkpoint "
+        "has none (DeepSpeed's save_checkpoint, Accelerate and Lightning write none): a folder or bucket URL, or a "
+        "Hugging Face Hub model repo ('org/name'). Its config.json is checked against the checkpoint's tensors before "
+        "anything is written. Files of a kind the checkpoint has (config, generation config, tokenizer) stay the "
+        "checkpoint's. Empty: the checkpoint's own files only; a model without config.json cannot be loaded with "
+        "from_pretrained (and fails verification).",
+    )
+    config_revision: Text = Field(
+        default="",
+        title="Config revision",
+        description="Branch, tag or commit of the Hub repo named in Config source; empty uses its default branch.",
+    )
     deployment: Text = Field(
         default="",
         title="GPU deployment",
@@ -121,6 +136,13 @@ class ConsolidationOptions(_Options):
         if isinstance(value, str) and not _SIZE_RE.match(value):
             raise ValueError(f"max_shard_size must look like '5GB' or '500MB', got {value!r}")
         return value.strip() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _revision_of_a_source(self) -> ConsolidationOptions:
+        if self.config_revision and not self.config:
+            raise ValueError(f"config_revision {self.config_revision!r} needs a config source: the Hub repo it is a "
+                             "revision of")
+        return self
 
 
 class ReshardOptions(_Options):

@@ -52,7 +52,9 @@ def checkpoint_workspace(checkpoint: Checkpoint, workspace: str | None) -> str:
 
 
 def model_folder(base: str, options: ConsolidationOptions) -> str:
-    shape = {"max_shard_size": options.max_shard_size, "exclude_frozen": options.exclude_frozen}
+    shape: dict[str, object] = {"max_shard_size": options.max_shard_size, "exclude_frozen": options.exclude_frozen}
+    if options.config:  # a config source changes the folder's files; no key without one keeps older digests
+        shape.update(config=options.config, config_revision=options.config_revision)
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:6]
     return join(base, f"model-{options.dtype}-{digest}")
 

@@ -27,17 +27,22 @@ CACHE_VERSION = "1"
 # bytes as one built on threads, so they are left out of the key.
 WHERE_IT_RUNS = frozenset({"cluster"})
 
-# Options added to a task after results were cached, and their defaults: left out of the key while at
-# the default, so that a result cached before the option existed still matches (else the step runs
-# again into an output folder that already exists, and fails).
-ADDED_LATER = {"tensor_parallel": None, "stage": None}
+# Options added to a task (or to an options model it takes) after results were cached, and the values
+# that mean "not set": left out of the key while not set, so that a result cached before the option
+# existed still matches (else the step runs again into an output folder that already exists, and fails).
+ADDED_LATER: dict[str, tuple[Any, ...]] = {"tensor_parallel": (None,), "stage": (None,), "config": (None, ""),
+                                           "config_revision": (None, "")}
+
+
+def _unset(name: str, value: Any) -> bool:
+    return name in ADDED_LATER and any(value is v or value == v for v in ADDED_LATER[name])
 
 
 def checkpoint_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Prefect `cache_key_fn`: the task's name and its parameters, checkpoints by identity."""
     name = getattr(getattr(context, "task", None), "name", "task")
     payload = {k: _identity(v) for k, v in sorted(parameters.items())
-               if not callable(v) and k not in WHERE_IT_RUNS and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+               if not callable(v) and k not in WHERE_IT_RUNS and not _unset(k, v)}
     text = json.dumps([CACHE_VERSION, name, payload], sort_keys=True, default=str)
     return f"ckptflow-{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
@@ -47,7 +52,7 @@ def _identity(value: Any) -> Any:
     if callable(cache_identity):
         return cache_identity()
     if isinstance(value, BaseModel):
-        return {k: _identity(getattr(value, k)) for k in type(value).model_fields}
+        return {k: _identity(getattr(value, k)) for k in type(value).model_fields if not _unset(k, getattr(value, k))}
     if isinstance(value, dict):
         return {str(k): _identity(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):

@@ -9,6 +9,11 @@ Dask cluster through prefect-dask. The
 outputs are the same bytes either way. It is cached on the checkpoint's identity, the options and
 OUT (not on where it ran): a second flow run for the same checkpoint does not convert again.
 
+With a config source (`config`, `config_revision`: a folder or a Hub repo), the config and tokenizer
+files the checkpoint lacks come from there, its config.json checked against the tensors before any
+shard is written (`ckptflow.consolidate.config`); the output's details say whether the folder holds a
+config.json (`config_json`), without which `from_pretrained` cannot load it.
+
 A conversion of at least `PROGRESS_BYTES` shows a progress bar while it runs; the result is one
 artifact (key `consolidation-<source>-<tag>-<dtype>`): a table of every file in the model folder.
 """
@@ -25,7 +30,6 @@ from ckptflow import DEFAULT_DTYPE
 from ckptflow.consolidate import (
     ConsolidateOptions,
     ConsolidateStep,
-    ConsolidationPlan,
     ConsolidationResult,
     ShardJob,
     ShardResult,
@@ -83,26 +87,40 @@ def consolidate_model(
     workers: int = 4,
     verify: bool = True,
     cluster: str | None = None,
+    config: str | None = None,
+    config_revision: str | None = None,
 ) -> Output:
     """Consolidate `checkpoint` into the Hugging Face model folder `out` (which must not exist yet);
-    the shards on the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
+    the shards on the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given; the config
+    and tokenizer files the checkpoint lacks from the config source `config` (at `config_revision`)."""
     logger = get_run_logger()
     options = ConsolidateOptions(
-        dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, workers=workers, verify=verify
+        dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, workers=workers, verify=verify,
+        config=config, config_revision=config_revision,
     )
     plan = plan_consolidation(load_index(checkpoint.root, checkpoint.tag), options)
     logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), format_size(plan.total_size),
                 plan.dtype)
+    step = ConsolidateStep(plan, out)
+    side = step.side_files()  # a config source is read and checked once, before anything is written
+    if side.source is not None:
+        logger.info("config source %s: %s taken%s%s", side.source.shown,
+                    ", ".join(n for n in side.names if n in side.given) or "nothing",
+                    f", checked against {side.architecture}" if side.architecture else "",
+                    f"; the checkpoint's own {', '.join(side.unused)} kept instead" if side.unused else "")
     # A folder an earlier run committed (its cached result lost: another machine, a cleared result store)
     # is taken as it is when it holds this very model; anything else there fails the step.
-    result = ConsolidateStep(plan, out).committed()
+    result = step.committed()
     if result is not None:
         logger.info("%s already holds this model, committed by an earlier run whose cached result is gone: taken "
                     "as it is, nothing written", out)
     else:
-        result = _build(checkpoint, plan, out, workers, cluster_address(cluster))
+        result = _build(checkpoint, step, workers, cluster_address(cluster))
     logger.info("%s holds %d file(s), %d shard(s)%s", out, len(result.files), len(result.shards),
                 ", each re-read and compared with the source" if result.verified else "")
+    if not result.has_config:
+        logger.warning("%s has no config.json (the checkpoint has none and no config source was given): "
+                       "from_pretrained cannot load it; give the model's config as the config source", out)
     markdown(
         model_summary(checkpoint, result, _sizes(out)),
         key=checkpoint_key("consolidation", checkpoint.root, checkpoint.tag, dtype),
@@ -113,20 +131,21 @@ def consolidate_model(
         uri=out,
         files=len(result.files),
         bytes=result.total_size,
-        details={"dtype": result.dtype, "shards": len(result.shards), "verified_shards": result.verified},
+        details={"dtype": result.dtype, "shards": len(result.shards), "verified_shards": result.verified,
+                 "config_json": result.has_config,
+                 **({"config_source": side.source.shown} if side.source is not None else {})},
     )
 
 
-def _build(checkpoint: Checkpoint, plan: ConsolidationPlan, out: str, workers: int, address: str | None
-           ) -> ConsolidationResult:
+def _build(checkpoint: Checkpoint, step: ConsolidateStep, workers: int, address: str | None) -> ConsolidationResult:
     """Write the plan's shards (a `write_shard` task each, on threads or on the cluster at `address`) and commit."""
+    plan = step.plan
     with ProgressArtifact(nbytes=plan.total_size,
                           description=f"Consolidating {checkpoint.uri} to {plan.options.dtype}") as sink, \
             unit_executor(address, {run_job: write_shard}) as executor:
         if address:
             get_run_logger().info("writing %d shard(s) on the Dask cluster at %s", len(plan.units), address)
-        return run_step(ConsolidateStep(plan, out), executor=executor, workers=workers, in_process=not address,
-                        progress=sink)
+        return run_step(step, executor=executor, workers=workers, in_process=not address, progress=sink)
 
 
 _WHAT = {
@@ -150,10 +169,15 @@ def model_summary(checkpoint: Checkpoint, result: ConsolidationResult, sizes: di
         else:
             what = _WHAT.get(name, "tokenizer" if name.startswith(("tokenizer", "vocab", "merges", "special_tokens",
                                                                    "added_tokens")) or name.endswith(".model") else "")
+            if result.side is not None and result.side.source is not None and name in result.side.given:
+                what += f", from {code(result.side.source.shown)}"
         size = sizes.get(name)
         rows.append(f"| {code(name)} | {what} | {'' if size is None else cell_size(size)} |")
     total = sum(sizes.get(name, 0) for name in result.files) or result.total_size
     checked = ", every shard re-read and compared with the source" if result.verified else ""
+    unloadable = [] if result.has_config else [
+        "", "**No config.json**: the checkpoint has none and no config source was given, so `from_pretrained` "
+        "cannot load this folder. Consolidate again with the model's config as the config source."]
     return "\n".join([
         f"## Hugging Face model of {checkpoint.tag} ({result.dtype})",
         "",
@@ -163,6 +187,7 @@ def model_summary(checkpoint: Checkpoint, result: ConsolidationResult, sizes: di
         "| file | holds | size |",
         "|---|---|---:|",
         *rows,
+        *unloadable,
     ])
 
 

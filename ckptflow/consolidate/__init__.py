@@ -14,12 +14,18 @@ Three parts, each usable on its own (the Prefect layer and a Dask cluster run th
    files, provenance, index last, commit), `abort`, `ConsolidateStep` (the three and the units as one
    `plumbing.steps.Step`, run on threads or any `concurrent.futures.Executor`: a Dask cluster's,
    Prefect tasks), and `consolidate(src, out, ...)`, which runs them all.
+4. `config.py`: where the config and tokenizer files come from (SRC, or the config source
+   `options.config` names: a folder or a Hub repo, for the kinds SRC lacks), and `architecture.py`:
+   `check_config`, a config.json checked against the tensors with transformers on the meta device
+   (imported only when a config source is given).
 
 Memory stays at a few batch buffers per worker whatever the model size; only the fp32 master
 weights are read, never the optimizer moments, and never a 16-bit module copy where an fp32 master
 exists.
 """
 
+from ckptflow.consolidate.architecture import check_config
+from ckptflow.consolidate.config import ConfigFiles, ConfigSource, SideFiles, read_config_source, side_files
 from ckptflow.consolidate.plan import (
     Batch,
     ConsolidateOptions,
@@ -45,6 +51,8 @@ from ckptflow.formats.deepspeed.runs import Run
 
 __all__ = [
     "Batch",
+    "ConfigFiles",
+    "ConfigSource",
     "ConsolidateOptions",
     "ConsolidateStep",
     "ConsolidationPlan",
@@ -55,7 +63,9 @@ __all__ = [
     "ShardJob",
     "ShardUnit",
     "ShardResult",
+    "SideFiles",
     "abort",
+    "check_config",
     "committed_output",
     "consolidate",
     "finalize",
@@ -63,7 +73,9 @@ __all__ = [
     "plan_consolidation",
     "prepare_output",
     "provenance",
+    "read_config_source",
     "run_job",
     "run_unit",
     "shard_job",
+    "side_files",
 ]

@@ -34,6 +34,10 @@ class ConsolidateOptions:
     are accepted too);
     `max_shard_size` is bytes or a string such as "5GB"; `chunk_bytes` bounds each read batch, and so
     the memory per worker (about three batches).
+    `config` names where the config, generation config and tokenizer files come from when SRC lacks
+    them: a folder (local or a store URL) or a Hub model repo (`org/name`, `hf://org/name`) at
+    `config_revision` (a branch, tag or commit; the default branch when None). Its config.json is
+    checked against the checkpoint's tensors before anything is written (`consolidate.config`).
     """
 
     dtype: str = DEFAULT_DTYPE
@@ -42,6 +46,8 @@ class ConsolidateOptions:
     workers: int = 4
     verify: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    config: str | None = None
+    config_revision: str | None = None
 
     def __post_init__(self) -> None:
         names = {**hf.OUTPUT_DTYPES, **{v: v for v in hf.OUTPUT_DTYPES.values()}}
@@ -54,6 +60,14 @@ class ConsolidateOptions:
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
         if self.chunk_bytes < 64:
             raise ValueError(f"chunk_bytes must be at least 64, got {self.chunk_bytes}")
+        for name in ("config", "config_revision"):  # "" and spaces mean not set (a form's empty field)
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {value!r}")
+            object.__setattr__(self, name, (value.strip() or None) if isinstance(value, str) else None)
+        if self.config_revision is not None and self.config is None:
+            raise ValueError(f"config_revision ({self.config_revision}) needs a config: the Hub repo it is a "
+                             "revision of")
 
     @property
     def torch_dtype(self) -> str:

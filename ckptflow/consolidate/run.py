@@ -1,14 +1,15 @@
 """Running a consolidation: the output folder around the units, and everything together.
 
-`prepare_output(plan, out)` checks OUT and the free space and makes the staging folder
-(`plumbing.staging`); the units (`consolidate.write.run_job`, one `ShardJob` per shard) write into
-it; `finalize` checks what each unit reports against the store's metadata, adds the config and
-tokenizer files, a provenance record and the shard index, then commits the folder into place with
-the index (or the only shard) last. `abort` removes the staging folder. `ConsolidateStep` is the
-four as a `plumbing.steps.Step`, which `run_step` runs on threads or on any
-`concurrent.futures.Executor` (a Dask cluster, Prefect tasks); `consolidate(src, out, ...)` does
-all of it. The coordinator (the process that plans and finalizes) reads headers and pickles only,
-never a tensor byte.
+`prepare_output(plan, out)` checks the config and tokenizer files (SRC's, and those of the config
+source `options.config` names, its config.json checked against the tensors: `consolidate.config`),
+OUT and the free space, and makes the staging folder (`plumbing.staging`); the units
+(`consolidate.write.run_job`, one `ShardJob` per shard) write into it; `finalize` checks what each
+unit reports against the store's metadata, adds the config and tokenizer files, a provenance record
+and the shard index, then commits the folder into place with the index (or the only shard) last.
+`abort` removes the staging folder. `ConsolidateStep` is the four as a `plumbing.steps.Step`, which
+`run_step` runs on threads or on any `concurrent.futures.Executor` (a Dask cluster, Prefect tasks);
+`consolidate(src, out, ...)` does all of it. The coordinator (the process that plans and finalizes)
+reads headers and pickles only, never a tensor byte.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptflow.consolidate.config import SideFiles, side_files
 from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, ShardUnit, plan_consolidation
 from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, shard_job
 from ckptflow.errors import OutputError
@@ -53,14 +55,22 @@ class ConsolidationResult:
     dtype: str
     verified: bool
     plan: ConsolidationPlan = field(repr=False, compare=False)
+    side: SideFiles | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def has_config(self) -> bool:
+        """Whether the folder holds a config.json (without one, `from_pretrained` cannot load it)."""
+        return hf.CONFIG_NAME in self.side_files
 
 
-def prepare_output(plan: ConsolidationPlan, out: str) -> Staging:
-    """Check the config and tokenizer files that go with the model (regular files, config.json
-    parsed: `hf.check_side_files`), that OUT is free (absent or an empty folder) and, on a local disk,
-    that there is room; make the staging folder beside it."""
-    side = hf.check_side_files(plan.root, hf.find_side_files(plan.root))
-    need = plan.file_bytes + side + (1 << 20)  # checked on a local disk only (`stage.prepare`)
+def prepare_output(plan: ConsolidationPlan, out: str, side: SideFiles | None = None) -> Staging:
+    """Check the config and tokenizer files that go with the model (`side`, by default found now:
+    `consolidate.config.side_files`; SRC's regular files, config.json parsed: `hf.check_side_files`),
+    that OUT is free (absent or an empty folder) and, on a local disk, that there is room; make the
+    staging folder beside it. Nothing is written when a check fails."""
+    side = side if side is not None else side_files(plan)
+    size = hf.check_side_files(plan.root, side.own) + sum(side.sizes(plan.dtype).values())
+    need = plan.file_bytes + size + (1 << 20)  # checked on a local disk only (`stage.prepare`)
     return stage.prepare(out, need=need)
 
 
@@ -79,10 +89,13 @@ def ckptflow_version() -> str:
             return "unknown"
 
 
-def provenance(plan: ConsolidationPlan, shards: Sequence[ShardResult]) -> dict[str, Any]:
-    """The record written beside the model: where it came from and what each shard hashes to."""
+def provenance(plan: ConsolidationPlan, shards: Sequence[ShardResult], side: SideFiles | None = None
+               ) -> dict[str, Any]:
+    """The record written beside the model: where it came from and what each shard hashes to; with a
+    config source, where the config came from (`SideFiles.record`)."""
     local = os_path(plan.root)
     root = os.path.abspath(local) if local is not None else plan.root
+    config = side.record(plan.dtype) if side is not None else None
     return {
         "ckptflow_version": ckptflow_version(),
         "source": {
@@ -108,12 +121,15 @@ def provenance(plan: ConsolidationPlan, shards: Sequence[ShardResult]) -> dict[s
             "verified": all(s.verified for s in shards),
         },
         "shards": {s.filename: {"sha256": s.sha256, "size": s.size} for s in sorted(shards, key=lambda s: s.index)},
+        **({"config": config} if config is not None else {}),
     }
 
 
-def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: Staging) -> ConsolidationResult:
-    """Add config, tokenizer, provenance and index to `staging`, then commit it into place as OUT, the
-    index last (or, unsharded, the only shard last: it is what makes the folder loadable).
+def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: Staging,
+             side: SideFiles | None = None) -> ConsolidationResult:
+    """Add config and tokenizer files (`side`, by default SRC's: `consolidate.config.side_files`),
+    provenance and index to `staging`, then commit it into place as OUT, the index last (or, unsharded,
+    the only shard last: it is what makes the folder loadable).
 
     Raises `OutputError` when a unit's shard is missing, `VerificationError` when a shard in the
     staging folder is not what its unit reported writing (`plumbing.staging.check_written`: sizes and
@@ -129,11 +145,12 @@ def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: S
     shards = tuple(got[u.filename] for u in plan.units)
     check_written(staging, [s.written for s in shards if s.written is not None],
                   {s.filename: sizes[s.filename] for s in shards if s.written is not None})
-    side = hf.find_side_files(plan.root)
-    hf.copy_side_files(plan.root, side, staging.uri, plan.dtype)
-    record = json.dumps(provenance(plan, shards), indent=2, sort_keys=True) + "\n"
+    side = side if side is not None else side_files(plan)
+    hf.copy_side_files(plan.root, side.own, staging.uri, plan.dtype)
+    hf.write_side_files(side.given, staging.uri, plan.dtype)
+    record = json.dumps(provenance(plan, shards, side), indent=2, sort_keys=True) + "\n"
     write_bytes(staging.join(hf.PROVENANCE_NAME), record.encode())
-    files = [u.filename for u in plan.units] + list(side) + [hf.PROVENANCE_NAME]
+    files = [u.filename for u in plan.units] + list(side.names) + [hf.PROVENANCE_NAME]
     if plan.sharded:
         text = hf.index_json(plan.weight_map, total_size=plan.total_size, total_parameters=plan.total_parameters)
         write_bytes(staging.join(hf.SAFE_WEIGHTS_INDEX_NAME), text.encode())
@@ -143,9 +160,9 @@ def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: S
     verified = all(s.verified for s in shards)
     logger.info("consolidated %s/%s into %s: %d shard(s), %s %s%s", plan.root, plan.tag, staging.out, len(shards),
                 format_size(plan.total_size), plan.dtype, ", verified" if verified else "")
-    return ConsolidationResult(out=staging.out, shards=shards, side_files=tuple(side),
+    return ConsolidationResult(out=staging.out, shards=shards, side_files=side.names,
                                files=tuple([f for f in files if f != marker] + [marker]),
-                               total_size=plan.total_size, dtype=plan.dtype, verified=verified, plan=plan)
+                               total_size=plan.total_size, dtype=plan.dtype, verified=verified, plan=plan, side=side)
 
 
 PROVENANCE_LIMIT = 64 << 20  # the record lists every shard and tied name: a few hundred KiB at 405B
@@ -156,11 +173,12 @@ RECORD_KEYS = (("source", "uri"), ("source", "tag"), ("source", "step"), ("outpu
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult | None:
+def committed_output(plan: ConsolidationPlan, out: str, side: SideFiles | None = None) -> ConsolidationResult | None:
     """The model an earlier run of this same plan committed at OUT; None when OUT is absent or empty.
 
     OUT is taken when its provenance record names the plan's source, tag and output options (and says
-    the shards were verified, when the plan verifies), and it holds exactly the files the plan writes:
+    the shards were verified, when the plan verifies) and the same config source files (`side`, by
+    default found now: `consolidate.config.side_files`), and it holds exactly the files the plan writes:
     each shard at its planned size with the record's sha256 for it, the config and tokenizer files at
     the sizes they come to, the shard index byte for byte. No tensor byte is read: the commit moves the
     index (or the only shard) last, so a folder that holds it is whole. Anything else at OUT is an
@@ -185,6 +203,10 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
         if found != want[part][key]:
             raise stage.not_this_output(out, f"it was made with {part} {key} {excerpt(found)}, this run asks for "
                                              f"{excerpt(want[part][key])}")
+    side = side if side is not None else side_files(plan)
+    if record.get("config") != side.record(plan.dtype):
+        raise stage.not_this_output(out, "its config and tokenizer files came from another config source (or "
+                                         "none): see the config section of its " + hf.PROVENANCE_NAME)
     if plan.options.verify and output.get("verified") is not True:
         raise stage.not_this_output(out, "its shards were written without --verify, this run verifies them")
     sizes = {u.filename: u.file().file_size for u in plan.units}
@@ -195,8 +217,8 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
         if present.get(name) != size or not isinstance(entry, dict) or entry.get("size") != size \
                 or not SHA256.fullmatch(str(entry.get("sha256"))):
             raise stage.not_this_output(out, f"its {name} is missing, is not {size} bytes or has no sha256")
-    side = hf.find_side_files(plan.root)
-    expected = {**_side_sizes(plan, side), **sizes, hf.PROVENANCE_NAME: present[hf.PROVENANCE_NAME]}
+    expected = {**_side_sizes(plan, side.own), **side.sizes(plan.dtype), **sizes,
+                hf.PROVENANCE_NAME: present[hf.PROVENANCE_NAME]}
     if plan.sharded:
         index = hf.index_json(plan.weight_map, total_size=plan.total_size, total_parameters=plan.total_parameters)
         expected[hf.SAFE_WEIGHTS_INDEX_NAME] = len(index.encode())
@@ -206,14 +228,14 @@ def committed_output(plan: ConsolidationPlan, out: str) -> ConsolidationResult |
         raise stage.not_this_output(out, f"its {hf.SAFE_WEIGHTS_INDEX_NAME} is not the index of this model")
     shards = tuple(ShardResult(u.index, u.filename, sizes[u.filename], listed[u.filename]["sha256"],
                               output.get("verified") is True) for u in plan.units)
-    files = [u.filename for u in plan.units] + side + [hf.PROVENANCE_NAME]
+    files = [u.filename for u in plan.units] + list(side.names) + [hf.PROVENANCE_NAME]
     marker = hf.SAFE_WEIGHTS_INDEX_NAME if plan.sharded else files[0]
     files = [f for f in files if f != marker] + [marker]
     logger.info("%s already holds this model (committed by an earlier run): %d shard(s), %s %s", out, len(shards),
                 format_size(plan.total_size), plan.dtype)
-    return ConsolidationResult(out=out, shards=shards, side_files=tuple(side), files=tuple(files),
+    return ConsolidationResult(out=out, shards=shards, side_files=side.names, files=tuple(files),
                                total_size=plan.total_size, dtype=plan.dtype,
-                               verified=all(s.verified for s in shards), plan=plan)
+                               verified=all(s.verified for s in shards), plan=plan, side=side)
 
 
 def _side_sizes(plan: ConsolidationPlan, names: Sequence[str]) -> dict[str, int]:
@@ -235,15 +257,22 @@ class ConsolidateStep:
 
     run = staticmethod(run_job)
 
-    def __init__(self, plan: ConsolidationPlan, out: str) -> None:
+    def __init__(self, plan: ConsolidationPlan, out: str, side: SideFiles | None = None) -> None:
         self.plan, self.out = plan, out
         self.staging: Staging | None = None
+        self.side = side
+
+    def side_files(self) -> SideFiles:
+        """The config and tokenizer files, found (and a config source read and checked) once."""
+        if self.side is None:
+            self.side = side_files(self.plan)
+        return self.side
 
     def committed(self) -> ConsolidationResult | None:
-        return committed_output(self.plan, self.out)
+        return committed_output(self.plan, self.out, self.side_files())
 
     def prepare(self) -> tuple[ShardUnit, ...]:
-        self.staging = prepare_output(self.plan, self.out)
+        self.staging = prepare_output(self.plan, self.out, self.side_files())
         return self.plan.units
 
     def job(self, unit: ShardUnit) -> ShardJob:
@@ -254,7 +283,7 @@ class ConsolidateStep:
         return unit.nbytes * (2 if self.plan.options.verify else 1)
 
     def finalize(self, results: Sequence[ShardResult]) -> ConsolidationResult:
-        return finalize(self.plan, results, self._staging())
+        return finalize(self.plan, results, self._staging(), self.side_files())
 
     def abort(self) -> None:
         abort(self.staging)
@@ -279,7 +308,10 @@ def consolidate(
     empty); both are local paths or fsspec URLs. The shards are written on `options.workers` threads,
     or on `executor` (e.g. a Dask cluster's; the outputs are the same bytes either way).
     `progress(done_bytes, total_bytes)` is called as shards are written and checked. On any error
-    nothing is left at `out` and the staging folder is removed.
+    nothing is left at `out` and the staging folder is removed. With `options.config`, the config and
+    tokenizer files SRC lacks come from that source, its config.json checked against the tensors
+    before anything is written (`consolidate.config`); `ConsolidationResult.has_config` says whether
+    the folder holds a config.json at all.
     """
     options = options or ConsolidateOptions()
     index = load_index(src, tag)

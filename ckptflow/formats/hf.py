@@ -11,7 +11,9 @@ Everything here that decides a layout is a pure function of names, dtypes, shape
 - `index_json` is the `model.safetensors.index.json` that `save_pretrained` writes.
 
 The I/O helpers at the end find and carry over `config.json`, `generation_config.json` and the
-tokenizer files of a Hugging Face Trainer checkpoint, with the config's dtype set to the output's.
+tokenizer files of a Hugging Face Trainer checkpoint, or write those a config source gave
+(`write_side_files`; where they come from is `ckptflow.consolidate.config`), with the config's dtype
+set to the output's. `side_kind` sorts them into the kinds that travel whole.
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ SIDE_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def side_kind(name: str) -> str:
+    """What a side file is: "config", "generation config" or "tokenizer". A kind travels whole: a model
+    folder never mixes one kind's files from two places (a tokenizer.json beside another's vocab.json)."""
+    if name == CONFIG_NAME:
+        return "config"
+    return "generation config" if name == GENERATION_CONFIG_NAME else "tokenizer"
+
 
 # ---- shards ---------------------------------------------------------------------------------------
 
@@ -289,6 +301,9 @@ def read_safetensors_header(uri: str, *, inside: str | None = None) -> Safetenso
 
 # config.json is parsed (its dtype is rewritten): a config is kilobytes, a few MB with a large label map.
 MAX_CONFIG_BYTES = 16 << 20
+# Any other side file read whole into memory (from a config source): a tokenizer.json with a 256k
+# vocabulary is about 35 MB.
+MAX_SIDE_FILE_BYTES = 128 << 20
 _SIDE_HINT = ("config, generation config and tokenizer files are carried into the model folder: replace it with a "
               "regular file in the checkpoint folder, or remove it")
 
@@ -355,8 +370,28 @@ def copy_side_files(root: str, names: Sequence[str], dest: str, dtype: str) -> d
     return written
 
 
+def side_file_bytes(name: str, data: bytes, dtype: str) -> bytes:
+    """What the model folder holds for the side file `name` read as `data`: config.json with its dtype set
+    to `dtype` (`rewrite_config`), any other file as it is."""
+    return rewrite_config(data, dtype, uri=name) if name == CONFIG_NAME else data
+
+
+def write_side_files(files: Mapping[str, bytes], dest: str, dtype: str) -> dict[str, int]:
+    """Write side files held in memory (`name -> bytes` as read) into `dest`, config.json's dtype set to
+    `dtype`; {name: bytes written}. A write that fails is an `OutputError`."""
+    written = {}
+    for name, data in files.items():
+        raw = side_file_bytes(name, data, dtype)
+        write_bytes(join(dest, name), raw)
+        written[name] = len(raw)
+    return written
+
+
 __all__ = [
     "CONFIG_NAME",
+    "GENERATION_CONFIG_NAME",
+    "MAX_CONFIG_BYTES",
+    "MAX_SIDE_FILE_BYTES",
     "OUTPUT_DTYPES",
     "PROVENANCE_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -377,4 +412,7 @@ __all__ = [
     "rewrite_config",
     "safetensors_file",
     "shard_filename",
+    "side_file_bytes",
+    "side_kind",
+    "write_side_files",
 ]

@@ -114,7 +114,7 @@ def push_to_hub(
         target=target, revision=revision or target.revision or "main", shown=redact(dest, [token]), token=token,
         policy=retry or RetryPolicy(),
     )
-    with _local_copy(src, hub.policy) as folder, _quiet_progress_bars():
+    with _local_copy(src, hub.policy) as folder, hub_store.quiet_progress_bars():
         contents = _Contents.read(folder, target.repo_id, workers)
         hub.ensure_repo(private)
         unchanged = hub.unchanged(contents)
@@ -350,20 +350,6 @@ def _remote_files(api: Any, target: HubTarget, revision: str) -> dict[str, Any]:
 
     entries = api.list_repo_tree(target.repo_id, recursive=True, revision=revision, repo_type=target.repo_type)
     return {e.path: e for e in entries if isinstance(e, RepoFile)}
-
-
-@contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """huggingface_hub's tqdm bars off for the push (progress goes through our callback), then as before."""
-    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    was_disabled = are_progress_bars_disabled()
-    disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            enable_progress_bars()
 
 
 # The card reads the provenance record and config.json: a few KB each.

@@ -7,7 +7,8 @@ ckptflow stamps: a file is known by its size there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ckptflow.plumbing.stores import Store
@@ -25,3 +26,18 @@ def holds(remote: Any, read: Callable[[], bytes], size: int, sha256: str) -> boo
     from huggingface_hub.utils.sha import git_hash
 
     return bool(remote.blob_id == git_hash(read()))
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """huggingface_hub's tqdm bars off (progress, where there is any, goes through ckptflow's callbacks),
+    then as before."""
+    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
