@@ -33,7 +33,8 @@ class ConsolidateOptions:
     `dtype` is "fp32" (`ckptflow.DEFAULT_DTYPE`), "bf16" or "fp16" (torch names such as "bfloat16"
     are accepted too);
     `max_shard_size` is bytes or a string such as "5GB"; `chunk_bytes` bounds each read batch, and so
-    the memory per worker (about three batches).
+    the memory per worker (about three batches); `strict_pickle` refuses a checkpoint whose pickles name
+    any class outside DeepSpeed's allow-list, client state included (`formats.deepspeed.names`).
     """
 
     dtype: str = DEFAULT_DTYPE
@@ -42,6 +43,7 @@ class ConsolidateOptions:
     workers: int = 4
     verify: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    strict_pickle: bool = False
 
     def __post_init__(self) -> None:
         names = {**hf.OUTPUT_DTYPES, **{v: v for v in hf.OUTPUT_DTYPES.values()}}

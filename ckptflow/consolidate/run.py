@@ -282,7 +282,7 @@ def consolidate(
     nothing is left at `out` and the staging folder is removed.
     """
     options = options or ConsolidateOptions()
-    index = load_index(src, tag)
+    index = load_index(src, tag, strict_pickle=options.strict_pickle)
     plan = plan_consolidation(index, options)
     logger.info("plan: %d tensors in %d shard(s), %s %s from %s of source", sum(len(u.tensors) for u in plan.units),
                 len(plan.units), format_size(plan.total_size), plan.dtype, format_size(plan.source_bytes))

@@ -56,13 +56,16 @@ class ReshardOptions:
     `world_size` is the data-parallel size the output is for; `tensor_parallel`, when given, the
     tensor-parallel degree an AutoTP checkpoint is merged to (1). `workers` threads write at once (one
     per target rank while there are more ranks than workers, the rest sharing a rank's files:
-    `reshard.run.write_threads`); `durable` flushes every file to disk before the commit.
+    `reshard.run.write_threads`); `durable` flushes every file to disk before the commit;
+    `strict_pickle` refuses a source whose pickles name any class outside DeepSpeed's allow-list
+    (without it, a trainer's client state is carried as inert records).
     """
 
     world_size: int
     tensor_parallel: int | None = None
     workers: int = 4
     durable: bool = True
+    strict_pickle: bool = False
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)

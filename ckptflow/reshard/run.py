@@ -62,13 +62,13 @@ logger = logging.getLogger(__name__)
 
 
 def plan_output(src: str, out: str, *, world_size: int, tag: str | None = None,
-                tensor_parallel: int | None = None) -> ReshardPlan:
+                tensor_parallel: int | None = None, strict_pickle: bool = False) -> ReshardPlan:
     """The plan that reshards the checkpoint at `src` to `world_size` data-parallel ranks into `out`,
     with `tensor_parallel` also changing an AutoTP checkpoint's tensor-parallel degree (to 1).
 
     The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
     An `out` inside the source's tag folder is refused (`OutputError`)."""
-    report = validate(src, tag=tag)
+    report = validate(src, tag=tag, strict_pickle=strict_pickle)
     if not report.ok or report.index is None:
         first = report.problems[0]
         more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
@@ -467,7 +467,8 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     started = time.monotonic()
     options = _options(options, world_size=world_size, workers=workers, durable=durable,
                        tensor_parallel=tensor_parallel)
-    plan = plan_output(src, out, world_size=options.world_size, tag=tag, tensor_parallel=options.tensor_parallel)
+    plan = plan_output(src, out, world_size=options.world_size, tag=tag, tensor_parallel=options.tensor_parallel,
+                       strict_pickle=options.strict_pickle)
     threads = write_threads(options.workers, len(plan.units)) if executor is None else 1
     step = ReshardStep(plan, out, durable=options.durable, threads=threads)
     results, rng_files = run_step(step, executor=executor, workers=options.workers, progress=progress, name="reshard")
