@@ -230,6 +230,25 @@ def test_records_are_written_back_as_the_source_pickled_them(tmp_path: Path) -> 
     assert plain(open_archive(ours, ALLOWED).obj) == plain(open_archive(source, ALLOWED).obj)
 
 
+def test_strict_pickle_reaches_every_model_parallel_rank(parallel_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    """A client state in a file only a model-parallel rank's own reader opens (data-parallel rank 1 of
+    tensor-parallel rank 1, ZeRO-3): carried by default, refused in strict pickle mode."""
+    import shutil
+
+    from ckptflow.validate import validate
+    from tests.hostile import pickleasm as asm
+    from tests.hostile.torchfile import inject
+
+    fixture = parallel_fixtures["autotp-tp2dp2-z3-bf16"]
+    src = tmp_path / "ckpt"
+    shutil.copytree(fixture.dir, src)
+    path = src / fixture.tag / "zero_pp_rank_1_mp_rank_01_model_states.pt"
+    inject(path, "args", asm.build(asm.newobj(asm.glob("argparse", "Namespace")), asm.dct()))
+    assert validate(str(src)).ok
+    strict = validate(str(src), strict_pickle=True)
+    assert [(p.code, p.file) for p in strict.problems] == [("unsafe-pickle", str(path))]
+
+
 # ---- the real checkpoints --------------------------------------------------------------------------------
 
 
