@@ -73,7 +73,7 @@ def client_state(model_states: Mapping[str, Any]) -> ClientState:
     entries = []
     for key in keys[:MAX_KEYS]:
         value = model_states[key]
-        own = value.qualname if isinstance(value, InertRecord | PickledObject) else None
+        own = class_name(value.qualname) if isinstance(value, InertRecord | PickledObject) else None
         classes = sorted(_classes(value) - {own})
         entries.append(ClientEntry(key if isinstance(key, str) else excerpt(key), holds(value),
                                    tuple(classes[:MAX_CLASSES]), max(0, len(classes) - MAX_CLASSES)))
@@ -83,9 +83,10 @@ def client_state(model_states: Mapping[str, Any]) -> ClientState:
 def holds(value: Any) -> str:
     """What a value is, in a few words: its class for a record, its type and size for the rest."""
     if isinstance(value, InertRecord):
-        return f"the {kind_of(value)} {value.qualname}" if value.how == "global" else _article(value.qualname)
+        name = class_name(value.qualname)
+        return f"the {kind_of(value)} {name}" if value.how == "global" else _article(name)
     if isinstance(value, PickledObject):
-        return _article(value.qualname)
+        return _article(class_name(value.qualname))
     if isinstance(value, TensorRef):
         return f"a {value.dtype} tensor of shape {list(value.shape) if len(value.shape) <= 8 else '...'}"
     if isinstance(value, TorchDtype):
@@ -103,6 +104,12 @@ def holds(value: Any) -> str:
     if isinstance(value, (dict, list, tuple, set, frozenset)):
         return f"{_article(type(value).__name__)} of {len(value):,} item{'s' if len(value) != 1 else ''}"
     return _article(type(value).__name__)
+
+
+def class_name(qualname: str, limit: int = 120) -> str:
+    """A class's qualified name for a report, cut when long (`inert.refusal` admits only dotted ASCII
+    identifiers, so nothing in it acts on a terminal)."""
+    return qualname if len(qualname) <= limit else f"{qualname[:limit]}... ({len(qualname):,} characters)"
 
 
 def kind_of(record: InertRecord) -> str:
@@ -123,7 +130,7 @@ def _classes(value: Any) -> set[str]:
     found: set[str] = set()
     for obj, _ in _walk(value, ""):
         if isinstance(obj, InertRecord | PickledObject):
-            found.add(obj.qualname)
+            found.add(class_name(obj.qualname))
     return found
 
 
@@ -165,4 +172,4 @@ def misplaced_record(obj: Mapping[str, Any], *, model_states: bool) -> tuple[str
     return None
 
 
-__all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "misplaced_record"]
+__all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "class_name", "misplaced_record"]

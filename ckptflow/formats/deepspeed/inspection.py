@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError
-from ckptflow.formats.deepspeed.client_state import ClientState, client_state, misplaced_record
+from ckptflow.formats.deepspeed.client_state import ClientState, class_name, client_state, misplaced_record
 from ckptflow.formats.deepspeed.names import (
     ALLOWED,
     MODEL_FILE_RE,
@@ -250,7 +250,8 @@ def check_records(st: Inspection, obj: Mapping[str, Any], uri: str, label: str, 
         return True
     where, record = found
     where = where if len(where) <= 160 else f"{where[:160]}..."
-    st.add("corrupt-file", f"{label}: {uri} holds an object of class {record.qualname} (never loaded) in {where}, "
+    name = class_name(record.qualname)
+    st.add("corrupt-file", f"{label}: {uri} holds an object of class {name} (never loaded) in {where}, "
            "where DeepSpeed writes tensors and plain data; the file is damaged or was not written by DeepSpeed",
            file=uri, rank=rank)
     return False
