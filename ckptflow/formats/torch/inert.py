@@ -49,6 +49,7 @@ lists every class a client state names, so a user sees what their loader will im
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_NAME = 200  # characters of a module or a name
 
 
+@functools.lru_cache(maxsize=4096)  # a pickle names the same few globals again and again
 def refusal(module: str, name: str) -> str | None:
     """Why the global `module.name` is refused even as an inert record (the rule of the module
     docstring), or None when it may be one."""
