@@ -249,6 +249,40 @@ def test_strict_pickle_reaches_every_model_parallel_rank(parallel_fixtures: Mapp
     assert [(p.code, p.file) for p in strict.problems] == [("unsafe-pickle", str(path))]
 
 
+class Made:
+    """Records how it was made: `new` the arguments `__new__` got, `init` those `__init__` got (if run)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Made":
+        obj = super().__new__(cls)
+        obj.new = (args, kwargs)
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.init = (args, kwargs)
+
+
+def test_newobj_ex_and_obj_are_written_back_as_such(tmp_path: Path) -> None:
+    """NEWOBJ_EX (`__new__` with keyword arguments, no `__init__`) and OBJ (`cls(*args)`), which torch's
+    protocol 2 never writes but a pickle may hold, come back made the same way."""
+    from tests.hostile import pickleasm as asm
+    from tests.hostile.torchfile import set_pickle
+
+    made = asm.glob(__name__, "Made")
+    data = asm.pickle_of(asm.dct(
+        (asm.string("ex"), asm.newobj_ex(made, asm.tup(asm.integer(1)), asm.dct((asm.string("k"), asm.integer(2))))),
+        (asm.string("obj"), asm.obj(made, asm.integer(3)))))
+    source = Path(save(tmp_path, {}))
+    set_pickle(source, data)
+    records = open_archive(str(source), ALLOWED).obj
+    assert (records["ex"].how, records["ex"].args, records["ex"].kwargs) == ("newobj_ex", (1,), {"k": 2})
+    assert (records["obj"].how, records["obj"].args) == ("obj", (3,))
+    ours = str(tmp_path / "ours.pt")
+    write_archive(ours, _Tree().convert(records), SourceReader())
+    back = torch.load(ours, weights_only=False)
+    assert back["ex"].new == ((1,), {"k": 2}) and not hasattr(back["ex"], "init")
+    assert back["obj"].new == ((3,), {}) and back["obj"].init == ((3,), {})
+
+
 # ---- the real checkpoints --------------------------------------------------------------------------------
 
 
