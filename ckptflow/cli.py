@@ -76,6 +76,8 @@ def fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(1)
 
 
+STRICT_PICKLE_HELP = ("Refuse any object of a class outside DeepSpeed's allow-list, the trainer's client state "
+                     "included (by default it is read as inert records, never imported or run, and carried).")
 CLUSTER_HELP = ("Run the units on the Dask scheduler at this address (tcp://HOST:PORT), read and written by its "
                 "workers; needs the cluster extra.")
 
@@ -125,6 +127,7 @@ def render_report(report: "ValidationReport") -> None:
             f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
         for note in s.get("notes") or ():
             out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
+        render_client_state(report)
         return
     where = f"{report.root}/{report.tag}" if report.tag else report.source
     count = len(report.problems)
@@ -133,21 +136,38 @@ def render_report(report: "ValidationReport") -> None:
         out.print(Text.assemble("  ", (f"{one_line(p.code)}:", "red"), " ", one_line(p.message)), soft_wrap=True)
 
 
+def render_client_state(report: "ValidationReport") -> None:
+    """What the trainer's client state holds: one line per key, the classes it names (never loaded)."""
+    client = report.client_state
+    if not client:
+        return
+    out.print(Text.assemble("  ", ("client state:", "cyan"), " ", "carried as it is; its classes are named here, "
+                            "never imported or run"), soft_wrap=True)
+    for entry in client.entries:
+        line(f"    {entry.describe()}")
+    if client.more_keys:
+        line(f"    and {client.more_keys:,} more key{'s' if client.more_keys != 1 else ''}")
+
+
 @app.command()
 def validate(
     src: str = typer.Argument(..., metavar="SRC", help="Folder holding `latest` (or a tag folder), local or URL."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to check instead of the one `latest` names."),
     deep: bool = typer.Option(False, "--deep", help="Also scan fp32 weights and optimizer moments for NaN/Inf."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    strict_pickle: bool = typer.Option(False, "--strict-pickle", help=STRICT_PICKLE_HELP),
 ) -> None:
-    """Check that a ZeRO checkpoint is complete and consistent. Exit 0 valid, 1 not."""
+    """Check that a ZeRO checkpoint is complete and consistent. Exit 0 valid, 1 not.
+
+    A valid report also lists the trainer's client state (Megatron-DeepSpeed's args, Lightning's loops and
+    callbacks): each key and the classes it names, never imported or run."""
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.validate import validate as run_validate
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
     try:
-        report = run_validate(src, tag=tag, deep=deep)
+        report = run_validate(src, tag=tag, deep=deep, strict_pickle=strict_pickle)
     except CkptflowError as exc:
         raise fail(exc) from None
     if as_json:
@@ -173,6 +193,7 @@ def consolidate_command(
     config: Optional[str] = typer.Option(None, "--config", metavar="SOURCE", help=CONFIG_HELP),
     config_revision: Optional[str] = typer.Option(None, "--config-revision", metavar="REV",
                                                   help="Branch, tag or commit of the --config Hub repo."),
+    strict_pickle: bool = typer.Option(False, "--strict-pickle", help=STRICT_PICKLE_HELP),
 ) -> None:
     """Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder.
 
@@ -195,7 +216,8 @@ def consolidate_command(
         raise typer.BadParameter("needs --config: the Hub repo it is a revision of", param_hint="--config-revision")
     try:
         options = ConsolidateOptions(dtype=dtype.value, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
-                                     workers=workers, verify=verify, config=config, config_revision=config_revision)
+                                     workers=workers, verify=verify, config=config, config_revision=config_revision,
+                                     strict_pickle=strict_pickle)
     except ValueError as exc:  # --dtype and --workers are checked by their option types
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
     started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.formats.casts`)
@@ -363,6 +385,7 @@ def reshard_command(
                                help="Flush each file to disk before moving OUT into place (local outputs)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", envvar="CKPTFLOW_CLUSTER", metavar="ADDRESS",
                                           help=CLUSTER_HELP),
+    strict_pickle: bool = typer.Option(False, "--strict-pickle", help=STRICT_PICKLE_HELP),
 ) -> None:
     """Reshard a ZeRO-1/2/3 training checkpoint (weights and optimizer state) for another number of GPUs.
 
@@ -385,7 +408,8 @@ def reshard_command(
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
-    options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync)
+    options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
+                             strict_pickle=strict_pickle)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)

@@ -3,7 +3,9 @@
 Every problem is collected into one report, cheapest checks first: the `latest` pointer, the file
 set the world size implies, each file's archive and pickle, the metadata across ranks, the partition
 arithmetic, the optimizer steps across ranks (all of them the reader's: `formats.deepspeed`), and with
-`deep=True` a bounded-memory scan of the fp32 weights and optimizer moments for NaN and Inf.
+`deep=True` a bounded-memory scan of the fp32 weights and optimizer moments for NaN and Inf. The report
+also says what the trainer's client state holds (`formats.deepspeed.client_state`): its keys and the
+classes they name, read as inert records, never imported or run (`strict_pickle=True` refuses them).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 from ckptflow.errors import CkptflowError
 from ckptflow.formats.casts import count_non_finite
-from ckptflow.formats.deepspeed import inspect, zero_index
+from ckptflow.formats.deepspeed import read, zero_index
+from ckptflow.formats.deepspeed.client_state import ClientState
 from ckptflow.formats.deepspeed.inspection import Problem
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
 from ckptflow.formats.deepspeed.partition import zero3_real
@@ -35,6 +38,7 @@ class ValidationReport:
     problems: tuple[Problem, ...]
     index: Partitioned | None = field(default=None, repr=False, compare=False)
     deep: bool = False
+    client_state: ClientState = field(default_factory=ClientState)  # rank 0's, read as inert records
 
     @property
     def ok(self) -> bool:
@@ -52,18 +56,21 @@ class ValidationReport:
             "valid": self.ok,
             "deep": self.deep,
             "checkpoint": self.summary(),
+            "client_state": self.client_state.to_dict(),
             "problems": [p.to_dict() for p in self.problems],
         }
 
 
-def validate(source: str, *, tag: str | None = None, deep: bool = False,
-             progress: Progress | None = None) -> ValidationReport:
+def validate(source: str, *, tag: str | None = None, deep: bool = False, progress: Progress | None = None,
+             strict_pickle: bool = False) -> ValidationReport:
     """Check the checkpoint at `source` (a folder holding `latest`, or a tag folder; any fsspec URI).
 
     Returns a report listing every problem found; raises only for errors of the caller's own making
-    (e.g. an unsafe `tag` argument is reported, not raised).
+    (e.g. an unsafe `tag` argument is reported, not raised). With `strict_pickle`, an object of any
+    class outside DeepSpeed's allow-list (client state included) is a problem (`unsafe-pickle`).
     """
-    index, problems, where = inspect(source, tag)
+    reading = read(source, tag, strict_pickle=strict_pickle)
+    index, problems, where = reading.index, reading.problems, reading.where
     root, resolved = where if where else (None, None)
     zero = zero_index(index)  # a data-parallel index, or the one under an expert-parallel checkpoint
     if zero is not None:
@@ -75,7 +82,7 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False,
             problems = problems + _scan_model(index, progress) + _compare_replicas(index.replicas, index, progress)
     elif index is not None and deep and not problems:
         problems = problems + _scan_model(index, progress)
-    return ValidationReport(source, root, resolved, tuple(problems), index, deep)
+    return ValidationReport(source, root, resolved, tuple(problems), index, deep, reading.client_state)
 
 
 def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:

@@ -38,6 +38,8 @@ class ConsolidateOptions:
     them: a folder (local or a store URL) or a Hub model repo (`org/name`, `hf://org/name`) at
     `config_revision` (a branch, tag or commit; the default branch when None). Its config.json is
     checked against the checkpoint's tensors before anything is written (`consolidate.config`).
+    `strict_pickle` refuses a checkpoint whose pickles name any class outside DeepSpeed's allow-list,
+    client state included (`formats.deepspeed.names`).
     """
 
     dtype: str = DEFAULT_DTYPE
@@ -48,6 +50,7 @@ class ConsolidateOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     config: str | None = None
     config_revision: str | None = None
+    strict_pickle: bool = False
 
     def __post_init__(self) -> None:
         names = {**hf.OUTPUT_DTYPES, **{v: v for v in hf.OUTPUT_DTYPES.values()}}

@@ -314,7 +314,7 @@ def consolidate(
     the folder holds a config.json at all.
     """
     options = options or ConsolidateOptions()
-    index = load_index(src, tag)
+    index = load_index(src, tag, strict_pickle=options.strict_pickle)
     plan = plan_consolidation(index, options)
     logger.info("plan: %d tensors in %d shard(s), %s %s from %s of source", sum(len(u.tensors) for u in plan.units),
                 len(plan.units), format_size(plan.total_size), plan.dtype, format_size(plan.source_bytes))

@@ -28,7 +28,10 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   copied whole (`RankUnit.copies`).
 
 Everything else (scheduler, steps, samples, loss scaler, clip_grad, buffers, frozen ZeRO-1/2 tensors,
-client state) is copied from the source rank the unit names as `meta_rank`.
+client state) is copied from the source rank the unit names as `meta_rank`: every key of the source's
+model states DeepSpeed does not own (the trainer's `client_state`: Megatron-DeepSpeed's `args`,
+Lightning's loops and callbacks) goes into every model-states file written, its objects written back
+opcode for opcode as the source pickled them (`formats.torch.inert`), never loaded here.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
-from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Span
+from ckptflow.formats.torch.inert import InertRecord
+from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan
@@ -55,7 +59,8 @@ class _Tree:
     """Turns the reader's plain data back into picklable objects for one output file.
 
     Tensors are copied verbatim (storages shared as in the source), except those `remap` sends into
-    a rebuilt storage; DeepSpeed's records become DeepSpeed objects again. An object the source
+    a rebuilt storage; DeepSpeed's records become DeepSpeed objects again, and a client state's inert
+    records the same opcodes that made them (`pickler.Rebuilt`). An object the source
     shares (the reader keeps shared references shared) is converted once and stays shared, so a
     pickle of shared references ("billion laughs") is never expanded here.
     """
@@ -83,8 +88,8 @@ class _Tree:
         return OutTensor(saved, ref.storage_offset, ref.shape, ref.stride)
 
     def convert(self, obj: Any) -> Any:
-        if not isinstance(obj, (TensorRef, PickledObject, dict, list, tuple)):
-            return obj
+        if not isinstance(obj, (TensorRef, PickledObject, InertRecord, dict, list, tuple)):
+            return obj  # plain data, and the torch dtypes and devices the pickler names again
         seen = self._converted.get(id(obj))
         if seen is not None and seen[0] is obj:
             return seen[1]
@@ -92,6 +97,9 @@ class _Tree:
             out: Any = self.tensor(obj)
         elif isinstance(obj, PickledObject):
             out = _deepspeed_object(obj, self)
+        elif isinstance(obj, InertRecord):  # a client state's object, written back as its pickle made it
+            out = Rebuilt(Global(obj.module, obj.name), obj.how, self.convert(obj.args), self.convert(obj.kwargs),
+                          tuple((kind, self.convert(items)) for kind, items in obj.ops))
         elif isinstance(obj, OrderedDict):
             out = OrderedDict((k, self.convert(v)) for k, v in obj.items())
         elif isinstance(obj, dict):

@@ -39,7 +39,9 @@ class ReshardOptions:
     `stage`, `tp`, `pp` and `ep` the ZeRO stage and parallel degrees that change (None: the source's),
     the data parallelism being what is left. `workers` threads write at once (one per target rank
     while there are more ranks than workers, the rest sharing a rank's files:
-    `reshard.run.write_threads`); `durable` flushes every file to disk before the commit.
+    `reshard.run.write_threads`); `durable` flushes every file to disk before the commit;
+    `strict_pickle` refuses a source whose pickles name any class outside DeepSpeed's allow-list
+    (without it, a trainer's client state is carried as inert records).
     """
 
     world_size: int
@@ -49,6 +51,7 @@ class ReshardOptions:
     ep: int | None = None
     workers: int = 4
     durable: bool = True
+    strict_pickle: bool = False
 
     def __post_init__(self) -> None:
         self.target  # noqa: B018 - checks the shape's fields

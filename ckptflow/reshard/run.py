@@ -72,13 +72,14 @@ logger = logging.getLogger(__name__)
 # ---- before anything is written ---------------------------------------------------------------------
 
 
-def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = None) -> ReshardPlan:
+def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = None,
+                strict_pickle: bool = False) -> ReshardPlan:
     """The plan that reshards the checkpoint at `src` into `out` at `target` (a `Target`: ranks and the
-    degrees that change; or a number of ranks, every degree kept).
+    degrees that change; or a number of ranks, every degree kept); `strict_pickle` refuses client state.
 
     The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
     An `out` inside the source's tag folder is refused (`OutputError`)."""
-    report = validate(src, tag=tag)
+    report = validate(src, tag=tag, strict_pickle=strict_pickle)
     if not report.ok or report.index is None:
         first = report.problems[0]
         more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
@@ -534,7 +535,7 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     started = time.monotonic()
     asked = {"world_size": world_size, "stage": stage, "tp": tp, "pp": pp, "ep": ep, "workers": workers}
     options = _options(options, asked, durable=durable)
-    plan = plan_output(src, out, target=options.target, tag=tag)
+    plan = plan_output(src, out, target=options.target, tag=tag, strict_pickle=options.strict_pickle)
     threads = write_threads(options.workers, len(plan.units)) if executor is None else 1
     step = ReshardStep(plan, out, durable=options.durable, threads=threads)
     results, rng_files = run_step(step, executor=executor, workers=options.workers, progress=progress, name="reshard")
@@ -557,4 +558,4 @@ def _options(options: ReshardOptions | None, asked: dict[str, int | None], *, du
         return options
     if "world_size" not in given:
         raise TypeError("reshard() needs `world_size` (or `options`)")
-    return ReshardOptions(**given, durable=durable)
+    return ReshardOptions(**given, durable=durable, strict_pickle=False)

@@ -21,7 +21,12 @@ Families:
   model-parallel fixture (AutoTP, AutoEP, deepspeed.moe, PipelineModule, Megatron-style): expert,
   layer and per-model-parallel-rank files included;
 - pickles, records, counts, latest, markup, sidefiles, pushsrc, manifests, checkpoint, splits: the corpus
-  kinds of that module with their parameters drawn from the seed.
+  kinds of that module with their parameters drawn from the seed;
+- client-records: the corpus kinds of `kinds/client.py` (inert records: deep, wide, self-referencing,
+  exploding, misplaced, code inside) with drawn parameters;
+- record-ops: op-level mutations whose globals and insertions are classes outside the allow-list
+  (inert records where DeepSpeed's data belongs, built, called, appended to, set into), on any fixture
+  and any rank file.
 
 Replay one case (it prints the workspace and every run's output):
 
@@ -76,6 +81,11 @@ HOSTILE_GLOBALS = [("posix", "system"), ("builtins", "eval"), ("torch", "load"),
                    ("torch._utils", "_rebuild_tensor_v2"), ("torch", "FloatStorage"), ("torch", "Size"),
                    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("builtins", "set"), ("_codecs", "encode"),
                    ("torch", "Tensor"), ("deepspeed.runtime.zero.config", "ZeroStageEnum")]
+# Globals outside the allow-list that the unpickler keeps as inert records (client state), and code it refuses.
+RECORD_GLOBALS = [("argparse", "Namespace"), ("collections", "defaultdict"), ("collections", "UserList"),
+                  ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"), ("builtins", "list"),
+                  ("functools", "partial"), ("datetime", "datetime"), ("enum", "Enum"), ("torch", "float8_e4m3fn"),
+                  ("__main__", "TrainerState"), ("posix", "system"), ("logging", "os.system")]
 NO_ARG_OPS = ["POP", "DUP", "MARK", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
               "LIST", "DICT", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "REDUCE", "BUILD", "NEWOBJ", "STOP", "NONE",
               "BINPERSID", "POP_MARK", "STACK_GLOBAL", "MEMOIZE", "NEWTRUE", "EMPTY_SET", "ADDITEMS", "FROZENSET"]
@@ -118,8 +128,28 @@ def _replacement(r: random.Random, opcode: pickletools.OpcodeInfo, arg: object, 
     return None
 
 
-def mutate_pickle(data: bytes, r: random.Random, marker: Path) -> bytes:
-    """`data` with 1 to 5 op-level mutations (see the module docstring)."""
+def _record_insertion(r: random.Random, marker: Path) -> bytes:
+    """A record built, called, extended, set into or referenced: what a client state's pickle does."""
+    cls = asm.glob(*r.choice(RECORD_GLOBALS))
+    choice = r.randrange(7)
+    if choice == 0:
+        return asm.newobj(cls)
+    if choice == 1:
+        return asm.build(asm.newobj(cls), asm.dct((asm.string("x"), asm.integer(1))))
+    if choice == 2:
+        return asm.call(cls, asm.string(f"touch {marker}"))
+    if choice == 3:
+        return asm.newobj(cls) + asm.op("MARK") + asm.integer(1) + asm.op("APPENDS")
+    if choice == 4:
+        return asm.newobj(cls) + asm.op("MARK") + asm.string("k") + asm.integer(1) + asm.op("SETITEMS")
+    if choice == 5:
+        return asm.obj(cls, asm.integer(r.randrange(3)))
+    return cls
+
+
+def mutate_pickle(data: bytes, r: random.Random, marker: Path, *, records: bool = False) -> bytes:
+    """`data` with 1 to 5 op-level mutations (see the module docstring); with `records`, globals and
+    insertions drawn from `RECORD_GLOBALS` and `_record_insertion`."""
     ops = list(pickletools.genops(data))
     segments = [data[pos:(ops[i + 1][2] if i + 1 < len(ops) else len(data))] for i, (_, _, pos) in enumerate(ops)]
     for _ in range(r.choice([1, 1, 1, 2, 3, 5])):
@@ -127,7 +157,8 @@ def mutate_pickle(data: bytes, r: random.Random, marker: Path) -> bytes:
         opcode, arg, _ = ops[i] if i < len(ops) else (None, None, 0)
         how = r.choice(["arg", "arg", "arg", "delete", "duplicate", "swap", "opcode", "insert"])
         if how == "arg" and opcode is not None:
-            new = _replacement(r, opcode, arg, marker)
+            new = (asm.op(opcode.name) + "\n".join(r.choice(RECORD_GLOBALS)).encode() + b"\n"
+                   if records and opcode.name in ("GLOBAL", "INST") else _replacement(r, opcode, arg, marker))
             if new is not None:
                 segments[i] = new
                 continue
@@ -143,7 +174,7 @@ def mutate_pickle(data: bytes, r: random.Random, marker: Path) -> bytes:
         elif how == "opcode":
             segments[i] = asm.op(r.choice(NO_ARG_OPS))
         else:
-            segments.insert(i, _insertion(r, marker))
+            segments.insert(i, _record_insertion(r, marker) if records else _insertion(r, marker))
             ops.insert(i, (None, None, 0))  # type: ignore[arg-type]
     return b"".join(segments)
 
@@ -153,6 +184,13 @@ def _pickle_ops(ws: Workspace) -> None:
     assert ws.rng is not None
     path = ws.rng.choice(ws.rank_files())
     set_pickle(path, mutate_pickle(get_pickle(path), ws.rng, ws.marker))
+
+
+def _record_ops(ws: Workspace) -> None:
+    """The pickle of a random rank file, mutated opcode by opcode with records of classes outside the allow-list."""
+    assert ws.rng is not None
+    path = ws.rng.choice(ws.rank_files())
+    set_pickle(path, mutate_pickle(get_pickle(path), ws.rng, ws.marker, records=True))
 
 
 # ---- families -----------------------------------------------------------------------------------------
@@ -195,6 +233,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            sources=PARALLEL_SOURCES, doc="byte flips and cuts in any file of a model-parallel checkpoint"),
     Family("parallel-pickle-ops", (), build=_pickle_ops, sources=PARALLEL_SOURCES,
            doc="op-level mutations of the pickle of any file of a model-parallel checkpoint"),
+    Family("client-records", ("client/",), doc="client state as inert records: deep, wide, cyclic, misplaced, code"),
+    Family("record-ops", (), build=_record_ops, sources=ALL_SOURCES,
+           doc="op-level mutations with records of classes outside the allow-list, in any rank file"),
 )}
 
 # Seeds per family: the default run (`make test`) and the long mode (`--long`, CKPTFLOW_FUZZ_LONG=1).
@@ -202,12 +243,13 @@ DEFAULT_SEEDS = {
     "zip-directory": 2, "zip-headers": 2, "zip-pickle": 3, "zip-data": 2, "truncation": 3, "pickle-ops": 5,
     "pickles": 3, "records": 2, "counts": 2, "latest": 2, "markup": 2, "sidefiles": 2, "pushsrc": 2,
     "manifests": 2, "checkpoint": 2, "splits": 2, "parallel-zip": 2, "parallel-pickle-ops": 2,
+    "client-records": 3, "record-ops": 4,
 }
-LONG_SEEDS = {  # 4,000 cases: the 3,200 of before the default was cut, splits and the parallel families
+LONG_SEEDS = {  # 4,500 cases: the 3,200 of before the default was cut, splits, the parallel and client families
     "zip-directory": 200, "zip-headers": 200, "zip-pickle": 250, "zip-data": 150, "truncation": 250,
     "pickle-ops": 500, "pickles": 250, "records": 200, "counts": 150, "latest": 200, "markup": 150,
     "sidefiles": 150, "pushsrc": 250, "manifests": 150, "checkpoint": 150, "splits": 200, "parallel-zip": 300,
-    "parallel-pickle-ops": 300,
+    "parallel-pickle-ops": 300, "client-records": 200, "record-ops": 300,
 }
 
 

@@ -1,19 +1,24 @@
 """Opening a DeepSpeed checkpoint of any layout: resolve the tag, detect its topology, run its reader.
 
 `inspect(uri)` gives the index (a `Partitioned`; for data-parallel ZeRO the `ZeroCheckpoint`), every
-problem found, and where it looked; `load_index(uri)` is the same for callers that only want a good
-index. A layout that no reader handles yet is a problem that names the layout and what to do instead,
-never "damaged".
+problem found, and where it looked; `read(uri)` the same and what the trainer's client state holds
+(`client_state`); `load_index(uri)` is the same for callers that only want a good index. A layout that
+no reader handles yet is a problem that names the layout and what to do instead, never "damaged".
+With `strict_pickle`, any global outside DeepSpeed's allow-list is refused, client state included
+(`names.ALLOWED_STRICT`); without it, client state is read as inert records (`formats.torch.inert`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.client_state import ClientState
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, Problem, StopReading, read_head
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.names import allowed
 from ckptflow.formats.deepspeed.readers.autoep import read_autoep
 from ckptflow.formats.deepspeed.readers.autotp import read_autotp
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
@@ -49,14 +54,25 @@ _DEFAULT_WHAT_TO_DO = ("ckptflow cannot convert this layout yet: convert it with
                        "<out>) and load that with `\"checkpoint\": {\"load_universal\": true}`")
 
 
-def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[Problem], tuple[str, str] | None]:
-    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+@dataclass(frozen=True)
+class Reading:
+    """What reading a checkpoint found: its index (None when unusable), every problem, (root, tag)
+    (None when the tag could not be resolved), and what rank 0's client state holds."""
+
+    index: Partitioned | None
+    problems: list[Problem]
+    where: tuple[str, str] | None
+    client_state: ClientState = field(default_factory=ClientState)
+
+
+def read(uri: str, tag: str | None = None, *, strict_pickle: bool = False) -> Reading:
+    """Read the checkpoint at `uri` (see the module docstring)."""
     explicit = tag is not None
     try:
         root, tag = resolve_tag(uri, tag)
     except CkptflowError as exc:
-        return None, [Problem(exc.code, str(exc), exc.file)], None
-    st = Inspection(root, tag, explicit_tag=explicit)
+        return Reading(None, [Problem(exc.code, str(exc), exc.file)], None)
+    st = Inspection(root, tag, explicit_tag=explicit, allowed=allowed(strict_pickle))
     try:
         listing, model0 = read_head(st)
         topology = detect(listing.names, model0)
@@ -67,8 +83,15 @@ def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[
             raise StopReading  # the problem just added is the report
         index = reader(st, listing, model0, topology)
     except StopReading:
-        return None, st.problems, (root, tag)
-    return index, st.problems, (root, tag)
+        return Reading(None, st.problems, (root, tag), st.client_state)
+    return Reading(index, st.problems, (root, tag), st.client_state)
+
+
+def inspect(uri: str, tag: str | None = None, *, strict_pickle: bool = False
+            ) -> tuple[Partitioned | None, list[Problem], tuple[str, str] | None]:
+    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+    found = read(uri, tag, strict_pickle=strict_pickle)
+    return found.index, found.problems, found.where
 
 
 def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:
@@ -81,9 +104,9 @@ def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:
     return None
 
 
-def load_index(uri: str, tag: str | None = None) -> Partitioned:
+def load_index(uri: str, tag: str | None = None, *, strict_pickle: bool = False) -> Partitioned:
     """The index of a valid checkpoint; `CheckpointError` naming the first problem otherwise."""
-    index, problems, _ = inspect(uri, tag)
+    index, problems, _ = inspect(uri, tag, strict_pickle=strict_pickle)
     if problems or index is None:
         first = problems[0]
         more = and_more(len(problems) - 1, "problem", then=f"run `ckptflow validate {uri}`")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError
+from ckptflow.formats.deepspeed.client_state import ClientState, class_name, client_state, misplaced_record
 from ckptflow.formats.deepspeed.names import (
     ALLOWED,
     MODEL_FILE_RE,
@@ -23,6 +24,7 @@ from ckptflow.formats.deepspeed.names import (
     optim_file_name,
 )
 from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.unpickler import Allowed
 from ckptflow.formats.torch.zipdir import ArchiveCache, open_archive
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import element_count
@@ -56,6 +58,8 @@ class Inspection:
     explicit_tag: bool = False
     problems: list[Problem] = field(default_factory=list)
     cache: ArchiveCache = field(default_factory=ArchiveCache, repr=False)  # pickles the ranks repeat, unpickled once
+    allowed: Allowed = ALLOWED  # what the pickles may name (`names.allowed`: strict pickle mode or not)
+    client_state: ClientState = field(default_factory=ClientState)  # rank 0's model states, once read
 
     def add(self, code: str, message: str, *, file: str | None = None, rank: int | None = None) -> None:
         self.problems.append(Problem(code, message, file, rank))
@@ -70,6 +74,7 @@ def read_head(st: Inspection) -> tuple[Listing, dict[str, Any]]:
     listing = list_tag(st)
     model0 = open_rank_file(st, listing.model0_uri, rank=0)
     st.stop_if_any()
+    st.client_state = client_state(model0)
     return listing, model0
 
 
@@ -212,8 +217,11 @@ def shown(value: Any) -> str:
 
 
 def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
+    """The object tree of a rank's model- or optimizer-states file ({} when it is unusable, with the
+    problem added)."""
     try:
-        obj = open_archive(uri, ALLOWED, cache=st.cache).obj
+        archive = open_archive(uri, st.allowed, cache=st.cache)
+        obj = archive.obj
     except CkptflowError as exc:
         code = "rank-missing" if isinstance(exc, CheckpointNotFoundError) else exc.code
         st.add(code, f"rank {rank}: {exc}", file=uri, rank=rank)
@@ -227,7 +235,26 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
         st.add("corrupt-file", f"rank {rank}: {uri} holds a {type(obj).__name__}, not a DeepSpeed state dict; the "
                "file is not a DeepSpeed checkpoint file", file=uri, rank=rank)
         return {}
+    if archive.has_records and not check_records(st, obj, uri, f"rank {rank}", rank=rank):
+        return {}
     return obj
+
+
+def check_records(st: Inspection, obj: Mapping[str, Any], uri: str, label: str, *, rank: int | None = None) -> bool:
+    """No inert record (an object of a class outside the allow-list) where ckptflow reads DeepSpeed's
+    data: a model-states file's DeepSpeed keys, every other file whole (`client_state.misplaced_record`).
+    One problem naming the file and the field otherwise; returns whether there was none."""
+    is_model = MODEL_FILE_RE.match(posixpath.basename(uri)) is not None
+    found = misplaced_record(obj, model_states=is_model)
+    if found is None:
+        return True
+    where, record = found
+    where = where if len(where) <= 160 else f"{where[:160]}..."
+    name = class_name(record.qualname)
+    st.add("corrupt-file", f"{label}: {uri} holds an object of class {name} (never loaded) in {where}, "
+           "where DeepSpeed writes tensors and plain data; the file is damaged or was not written by DeepSpeed",
+           file=uri, rank=rank)
+    return False
 
 
 def is_count(value: Any) -> bool:

@@ -21,8 +21,30 @@ RECORDS = (LOSS_SCALER, DYNAMIC_LOSS_SCALER, FRAGMENT_ADDRESS)
 # Enums pickled by value (ZeroStageEnum(2)): read back as the int.
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 ENUMS = (ZERO_STAGE_ENUM,)
-# What a DeepSpeed checkpoint pickle may name beyond torch's tensors: the unpickler's allow-list.
-ALLOWED = Allowed(records=frozenset(RECORDS), enums=frozenset(ENUMS))
+# What a DeepSpeed checkpoint pickle may name beyond torch's tensors: the unpickler's allow-list. Any
+# other global is a trainer's client state (Megatron-DeepSpeed's `args`, Lightning's callbacks): kept as
+# an inert record, never imported or run (`formats.torch.inert`), unless it is code. `ALLOWED_STRICT`
+# (strict pickle mode) refuses every global outside the list, as ckptflow did before client state.
+ALLOWED = Allowed(records=frozenset(RECORDS), enums=frozenset(ENUMS), inert=True)
+ALLOWED_STRICT = Allowed(records=frozenset(RECORDS), enums=frozenset(ENUMS))
+
+
+def allowed(strict_pickle: bool = False) -> Allowed:
+    """The allow-list a DeepSpeed checkpoint is read with: `ALLOWED`, or `ALLOWED_STRICT` in strict mode."""
+    return ALLOWED_STRICT if strict_pickle else ALLOWED
+
+
+# The keys DeepSpeed 0.19.8 writes into a model-states file (`DeepSpeedEngine._common_checkpoint_state`,
+# `_save_checkpoint`, `_save_moe_checkpoint`); every other key is the trainer's `client_state`.
+DEEPSPEED_MODEL_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "universal_checkpoint_info", "num_experts", "ds_autoep_layers", "autoep_layers", "folding",
+})
+# Of those, the ones DeepSpeed fills from objects of the user's (a scheduler's or sampler's own
+# state_dict): carried as they are, like client state, never read by ckptflow.
+USER_STATE_KEYS = frozenset({"lr_scheduler", "data_sampler", "random_ltd"})
 
 # The model-states key under which a client (AutoTP, Megatron-DeepSpeed, AutoEP) records how each parameter
 # is split, for DeepSpeed's universal converter.

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckptflow.formats.torch.inert import TorchDevice, TorchDtype
 from ckptflow.formats.torch.pure_pickle import PyPickler
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES
 
@@ -135,6 +136,22 @@ class Instance:
         self.cls, self.state, self.args = cls, state, tuple(args)
 
 
+class Rebuilt:
+    """An object written back exactly as a source pickle made it (an `inert.InertRecord`, its contents
+    converted): `cls` used `how` ("global": named only; "reduce": REDUCE `cls(*args)`; "newobj" and
+    "newobj_ex": NEWOBJ / NEWOBJ_EX `cls.__new__(cls, *args, **kwargs)`; "obj": OBJ `cls(*args)`), then
+    `ops` in order: ("appends", items) as APPENDS, ("setitems", ((key, value), ...)) as SETITEMS,
+    ("build", state) as BUILD. Whoever loads the file runs what the source's loader would have."""
+
+    __slots__ = ("cls", "how", "args", "kwargs", "ops")
+
+    def __init__(self, cls: Global, how: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                 ops: tuple[tuple[str, Any], ...] = ()) -> None:
+        if how not in ("global", "reduce", "newobj", "newobj_ex", "obj"):
+            raise ValueError(f"cannot write an object made by {how!r}")
+        self.cls, self.how, self.args, self.kwargs, self.ops = cls, how, tuple(args), dict(kwargs or {}), tuple(ops)
+
+
 REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
 
 
@@ -176,12 +193,52 @@ class _Pickler(PyPickler):  # the Python implementation: its dispatch table can 
         self.save(obj.state)
         self.write(pickle.BUILD)
 
+    def save_rebuilt(self, obj: Rebuilt) -> None:
+        module = "__builtin__" if obj.cls.module == "builtins" else obj.cls.module  # as protocol 2 spells it
+        cls = f"{module}\n{obj.cls.name}\n".encode("utf-8")
+        if obj.how == "global":
+            self.write(pickle.GLOBAL + cls)
+        elif obj.how == "obj":
+            self.write(pickle.MARK + pickle.GLOBAL + cls)
+            for arg in obj.args:
+                self.save(arg)
+            self.write(pickle.OBJ)
+        else:
+            self.write(pickle.GLOBAL + cls)
+            self.save(obj.args)
+            if obj.how == "newobj_ex":
+                self.save(obj.kwargs)
+            self.write({"reduce": pickle.REDUCE, "newobj": pickle.NEWOBJ, "newobj_ex": pickle.NEWOBJ_EX}[obj.how])
+        self.memoize(obj)
+        for kind, items in obj.ops:
+            if kind == "build":
+                self.save(items)
+                self.write(pickle.BUILD)
+                continue
+            self.write(pickle.MARK)
+            for item in items:
+                if kind == "setitems":
+                    self.save(item[0])
+                    self.save(item[1])
+                else:
+                    self.save(item)
+            self.write(pickle.SETITEMS if kind == "setitems" else pickle.APPENDS)
+
+    def save_dtype(self, obj: TorchDtype) -> None:
+        self.save_global_name(Global("torch", str(obj)))
+
+    def save_device(self, obj: TorchDevice) -> None:
+        self.save_call(Call(Global("torch", "device"), obj.args))
+
     def save_tensor(self, obj: OutTensor) -> None:
         self.save_call(Call(REBUILD_TENSOR, (obj.storage, obj.offset, obj.shape, obj.stride, False, OrderedDict())))
 
     dispatch[Global] = save_global_name
     dispatch[Call] = save_call
     dispatch[Instance] = save_instance
+    dispatch[Rebuilt] = save_rebuilt
+    dispatch[TorchDtype] = save_dtype
+    dispatch[TorchDevice] = save_device
     dispatch[OutTensor] = save_tensor
 
 
@@ -189,7 +246,8 @@ def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
     """The pickle of `obj` (protocol 2, as torch writes it) and its storages in key order.
 
     `obj` is plain data (dicts, lists, tuples, numbers, strings, OrderedDicts) with `OutTensor`,
-    `Global`, `Call` and `Instance` stand-ins for everything torch or DeepSpeed would pickle.
+    `Global`, `Call` and `Instance` stand-ins for everything torch or DeepSpeed would pickle, `Rebuilt`
+    for the objects of a client state, and the torch dtypes and devices the reader gives back.
     """
     buf = io.BytesIO()
     pickler = _Pickler(buf)

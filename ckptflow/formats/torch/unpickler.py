@@ -3,12 +3,17 @@
 Globals resolve through an allow-list: torch's tensor rebuilders and a few plain builtins always, plus
 what the caller passes in `Allowed` (for DeepSpeed checkpoints, `formats.deepspeed.names.ALLOWED`):
 records, kept as `PickledObject`s, and enums, read as their values. Any other global is refused with
-`UnsafePickleError` before anything runs. Unpickling is bounded: the pickle's size and opcode count,
-tuples nested at most `MAX_DEPTH` deep while they are built (hashing a deeper one overflows the C
-stack), BUILD only on the objects that take state, and the object tree it yields at most `MAX_DEPTH`
-deep and `MAX_OBJECTS` nodes with shared references counted every time they are reached (so a
-"billion laughs" of shared lists is refused, never expanded); shared references stay shared in the
-tree. Tensors come back as `TensorRef`s, made by the archive the pickle belongs to (`PickleSource`).
+`UnsafePickleError` before anything runs, unless `Allowed.inert` says to keep it as an inert record
+(`formats.torch.inert`: a trainer's client state): then it becomes an `InertRecord` (module, name,
+how it was made, what was applied to it), nothing imported or called, except the globals
+`inert.refusal` names (code-execution primitives, names no module can have), which are refused all
+the same. Unpickling is bounded: the pickle's size and opcode count, tuples nested at most
+`MAX_DEPTH` deep while they are built (hashing a deeper one overflows the C stack), BUILD only on the
+objects that take state, and the object tree it yields at most `MAX_DEPTH` deep and `MAX_OBJECTS`
+nodes with shared references counted every time they are reached (so a "billion laughs" of shared
+lists is refused, never expanded); shared references stay shared in the tree; inert records count
+like any container. Tensors come back as `TensorRef`s, made by the archive the pickle belongs to
+(`PickleSource`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckptflow.errors import CorruptFileError, UnsafePickleError
+from ckptflow.formats.torch.inert import InertBuild, InertGlobal, InertRecord, TorchDevice, TorchDtype, refusal
 from ckptflow.formats.torch.pure_pickle import PyUnpickler, Stop, Unframer
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES, TensorRef
 from ckptflow.plumbing.text import excerpt, one_line, plain
@@ -30,10 +36,12 @@ from ckptflow.plumbing.text import excerpt, one_line, plain
 class Allowed:
     """The globals a pickle may name beyond torch's tensors and plain containers: `records` are classes
     kept as `PickledObject`s (qualified name, arguments, state; nothing of theirs is imported or run),
-    `enums` are enum classes read as their integer values."""
+    `enums` are enum classes read as their integer values. With `inert`, any other global becomes an
+    `InertRecord` instead of a refusal, unless `inert.refusal` refuses it (code, not state)."""
 
     records: frozenset[str] = field(default_factory=frozenset)
     enums: frozenset[str] = field(default_factory=frozenset)
+    inert: bool = False
 
     def record_classes(self) -> dict[str, type]:
         """A stand-in class per record, made anew for each archive so its records are told apart."""
@@ -252,6 +260,8 @@ class Unpickler(PyUnpickler):  # the Python implementation: its loop and dispatc
         func, args = self.stack[-2:] if len(self.stack) >= 2 else (None, None)
         if not isinstance(args, tuple):
             raise pickle.UnpicklingError("REDUCE without a callable and an argument tuple")
+        if self._inert(func, "reduce", args):
+            return
         if func in (set, frozenset, OrderedDict):
             for arg in args:
                 self._charge(arg)
@@ -260,16 +270,40 @@ class Unpickler(PyUnpickler):  # the Python implementation: its loop and dispatc
             self._measure(self.stack[-1])
 
     def load_newobj(self) -> None:
-        self._record_only(self.stack[-2] if len(self.stack) >= 2 else None)
+        cls, args = self.stack[-2:] if len(self.stack) >= 2 else (None, None)
+        if isinstance(args, tuple) and self._inert(cls, "newobj", args):
+            return
+        self._record_only(cls)
         PyUnpickler.load_newobj(self)
 
     def load_newobj_ex(self) -> None:
-        self._record_only(self.stack[-3] if len(self.stack) >= 3 else None)
+        cls, args, kwargs = self.stack[-3:] if len(self.stack) >= 3 else (None, None, None)
+        if (isinstance(args, tuple) and isinstance(kwargs, dict) and all(type(k) is str for k in kwargs)
+                and self._inert(cls, "newobj_ex", args, kwargs)):
+            return
+        self._record_only(cls)
         PyUnpickler.load_newobj_ex(self)
 
     def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
+        if isinstance(klass, InertGlobal):
+            self.append(InertBuild(klass, "obj", tuple(args)))
+            return
         self._record_only(klass)
         PyUnpickler._instantiate(self, klass, args)
+
+    def _inert(self, cls: Any, how: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
+        """REDUCE, NEWOBJ and NEWOBJ_EX of a global outside the allow-list: the callable, its arguments
+        (and keyword arguments) on the stack replaced by the record of the call; nothing is called.
+        True when it was one; an object the pickle built is never called (`UnpicklingError`)."""
+        if isinstance(cls, InertBuild):
+            raise pickle.UnpicklingError(f"{how.upper()} calls an object the pickle built ({cls.cls.module}."
+                                         f"{cls.cls.name}), where a class or function belongs")
+        if not isinstance(cls, InertGlobal):
+            return False
+        made = InertBuild(cls, how, args, kwargs)
+        del self.stack[-(3 if how == "newobj_ex" else 2):]
+        self.append(made)
+        return True
 
     def _record_only(self, cls: Any) -> None:
         """NEWOBJ, NEWOBJ_EX, INST and OBJ make instances of DeepSpeed's records only (the allowed
@@ -283,6 +317,9 @@ class Unpickler(PyUnpickler):  # the Python implementation: its loop and dispatc
         if len(self.stack) < 2:
             raise pickle.UnpicklingError("BUILD with nothing to build")
         state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) is InertBuild:
+            inst.build(self.stack.pop())
+            return
         if type(inst) in self.archive.records.values() or (
             isinstance(inst, OrderedDict) and isinstance(state, dict) and all(type(k) is str for k in state)
         ):
@@ -346,6 +383,10 @@ def _what(obj: Any) -> str:
         return "a storage type"
     if isinstance(obj, _Marker):
         return obj.name
+    if isinstance(obj, InertGlobal):
+        return f"{_qualname(obj.module + '.' + obj.name)} (named, never loaded)"
+    if isinstance(obj, InertBuild):
+        return f"an object of class {_qualname(obj.cls.module + '.' + obj.cls.name)} (never loaded)"
     if callable(obj) and not isinstance(obj, type):
         return f"the function {getattr(obj, '__name__', '?')}"
     return excerpt(obj) if isinstance(obj, str | bytes | int | float | bool | type(None)) else f"a {type(obj).__name__}"
@@ -406,10 +447,10 @@ def _size(dims: Any = ()) -> tuple[int, ...]:  # named in messages: "the functio
     return _ints(dims, "shape")
 
 
-def _device(kind: Any, index: Any = None) -> str:
-    if not isinstance(kind, str) or not (index is None or type(index) is int):
+def _device(kind: Any, index: Any = None) -> TorchDevice:
+    if not isinstance(kind, str) or not kind.isidentifier() or not (index is None or type(index) is int):
         raise pickle.UnpicklingError("a device that is not a name and an index")
-    return f"{kind}:{index}" if index is not None else kind
+    return TorchDevice(f"{kind}:{index}" if index is not None else kind)
 
 
 def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
@@ -437,9 +478,10 @@ _SAFE_GLOBALS: dict[str, Any] = {
 }
 
 
-def plain_tree(root: Any, archive: PickleSource) -> Any:
+def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] | None = None) -> Any:
     """The unpickled tree as plain data: tensor records become `TensorRef`s, DeepSpeed records
-    `PickledObject`s, containers are rebuilt around them.
+    `PickledObject`s, inert builds and globals `InertRecord`s (each one made is added to `records`,
+    when given), containers are rebuilt around them.
 
     Without recursion, each object once: an object reached twice (a shared reference) becomes one
     plain object reached twice, so a "billion laughs" costs its size in the pickle, not its expansion.
@@ -472,6 +514,8 @@ def plain_tree(root: Any, archive: PickleSource) -> Any:
                 raise _tree_error(archive, "it holds a reference cycle")
             if id(kid) not in done:
                 stack.append((kid, False))
+    if records is not None:
+        records.extend(made for made, _ in done.values() if type(made) is InertRecord)
     return done[id(root)][0]
 
 
@@ -494,6 +538,8 @@ def _children(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
         return list(obj.values())
     if _is_record(obj, archive):
         return (obj.args, obj.state)
+    if type(obj) is InertBuild:
+        return obj.children()
     return None
 
 
@@ -519,6 +565,12 @@ def _leaf(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
         return archive.tensor(obj)
     if isinstance(obj, _ATOMS):
         return obj
+    if type(obj) is InertGlobal:
+        return InertRecord(obj.module, obj.name, "global")
+    if archive.allowed.inert:  # an allowed global named as a value (`defaultdict(set)`): a record, never called
+        named = _named_global(obj, archive)
+        if named is not None:
+            return named
     if isinstance(obj, slice) and all(isinstance(x, _ATOMS) for x in (obj.start, obj.stop, obj.step)):
         return obj
     if isinstance(obj, set | frozenset):
@@ -538,6 +590,9 @@ def _rebuilt(obj: Any, done: dict[int, tuple[Any, int]], archive: PickleSource) 
     elif _is_record(obj, archive):
         kids = [done[id(obj.args)], done[id(obj.state)]]
         plain = PickledObject(type(obj).__name__, kids[0][0], kids[1][0])
+    elif type(obj) is InertBuild:
+        kids = [done[id(v)] for v in obj.children()]
+        plain = _inert_record(obj, [kid[0] for kid in kids])
     else:
         kids = [done[id(v)] for v in obj]
         plain = [kid[0] for kid in kids] if isinstance(obj, list) else tuple(kid[0] for kid in kids)
@@ -547,9 +602,47 @@ def _rebuilt(obj: Any, done: dict[int, tuple[Any, int]], archive: PickleSource) 
     return plain, nodes
 
 
+def _inert_record(obj: InertBuild, kids: list[Any]) -> InertRecord:
+    """The frozen record of `obj`, from its children made plain (`InertBuild.children` order)."""
+    args, kwargs, *items = kids
+    ops: list[tuple[str, Any]] = []
+    for (kind, _), got in zip(obj.ops, items):
+        if kind == "appends":
+            ops.append((kind, tuple(got)))
+        elif kind == "setitems":
+            ops.append((kind, tuple(zip(got[::2], got[1::2]))))
+        else:
+            ops.append((kind, got[0]))
+    return InertRecord(obj.cls.module, obj.cls.name, obj.how, args, kwargs, tuple(ops))
+
+
+_GLOBAL_NAMES = {id(value): qual for qual, value in _SAFE_GLOBALS.items() if not isinstance(value, _Marker)}
+
+
+def _named_global(obj: Any, archive: PickleSource) -> InertRecord | None:
+    """The record of an allowed global the pickle names as a value (a class, a function, a type marker),
+    or None when `obj` is not one."""
+    if isinstance(obj, _Marker):
+        qual = obj.name
+    elif isinstance(obj, type) and _is_record_class(obj, archive):
+        qual = obj.__name__
+    else:
+        found = _GLOBAL_NAMES.get(id(obj))
+        if found is None or _SAFE_GLOBALS[found] is not obj:
+            return None
+        qual = found
+    module, _, name = qual.rpartition(".")
+    return InertRecord(module, name, "global")
+
+
+def _is_record_class(cls: type, archive: PickleSource) -> bool:
+    return archive.records.get(cls.__name__) is cls
+
+
 def find_class(module: str, name: str, archive: PickleSource) -> Any:
     """What a global named by the pickle stands for: an allowed torch name or builtin, a record, an
-    enum's value reader; `UnsafePickleError` for anything else, before anything is imported or run."""
+    enum's value reader, or with `allowed.inert` an `InertGlobal`; `UnsafePickleError` for anything
+    else (and for what `inert.refusal` refuses), before anything is imported or run."""
     if module == "__builtin__":  # protocol-2 pickles use Python 2's module name
         module = "builtins"
     qual = f"{module}.{name}"
@@ -562,9 +655,21 @@ def find_class(module: str, name: str, archive: PickleSource) -> Any:
     if qual in archive.allowed.enums:
         return _enum_value
     if module == "torch" and name in DTYPE_SIZES:
-        return name
+        return TorchDtype(name)
+    why = refusal(module, name) if archive.allowed.inert else None
+    if archive.allowed.inert and why is None:
+        return InertGlobal(module, name)
+    if why is not None:
+        hint = (f"refused without running anything ({why}): ckptflow neither loads it nor writes it back; if "
+                "this file is yours, re-save it without that object")
+    elif archive.allowed.records:
+        hint = ("refused without running anything: in strict pickle mode only torch tensors and DeepSpeed's "
+                "checkpoint classes are allowed; without it, an object of this class is kept as an inert record "
+                "(never imported or run) and carried as it is")
+    else:
+        hint = ("refused without running anything; only torch tensors and DeepSpeed's checkpoint classes are "
+                "allowed; if this file is yours, re-save it without custom objects")
     raise UnsafePickleError(
         f"{archive.uri} refers to {_qualname(qual)}, which ckptflow does not load", file=archive.uri, actual=qual,
-        hint="refused without running anything; only torch tensors and DeepSpeed's checkpoint "
-        "classes are allowed; if this file is yours, re-save it without custom objects",
+        hint=hint,
     )

@@ -22,9 +22,11 @@ import struct
 import threading
 import zipfile
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, CorruptFileError, UnsafePickleError
+from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import (
     MAX_PICKLE_BYTES,
@@ -63,6 +65,7 @@ class Archive:
         self.records = allowed.record_classes()
         self.size = 0
         self.obj: Any = None
+        self.has_records = False  # whether its tree holds an `InertRecord` (a global outside the allow-list)
 
     # ---- opening ---------------------------------------------------------------------------------
 
@@ -215,9 +218,12 @@ class Archive:
         except Exception as exc:  # any malformed pickle: never let it escape as a traceback
             raise self._pickle_error(exc) from None
         self._resolve_offsets(sorted(unpickler.storages))
-        tree = plain_tree(obj, self)
+        records: list[InertRecord] = []
+        tree = plain_tree(obj, self, records=records)
+        self.has_records = bool(records)
         if self.cache is not None:
-            self.cache.put(data, tree, {k: (s.dtype, s.numel) for k, s in unpickler.storages.items()})
+            self.cache.put(data, tree, {k: (s.dtype, s.numel) for k, s in unpickler.storages.items()},
+                           self.has_records)
         return tree
 
     def _pickle_error(self, exc: BaseException) -> CorruptFileError:
@@ -226,9 +232,10 @@ class Archive:
             hint="the file is corrupt or truncated; copy it again from the training run",
         )
 
-    def _from_template(self, template: Any, storages: dict[str, tuple[str, int]]) -> Any:
+    def _from_template(self, template: Any, storages: dict[str, tuple[str, int]], has_records: bool) -> Any:
         """The tree of a pickle already unpickled from another file: its storages checked against
         this archive's records, and its non-empty tensors pointed at this file."""
+        self.has_records = has_records
         try:
             for key, (dtype, numel) in storages.items():
                 check_storage(self, key, dtype, numel)
@@ -321,17 +328,18 @@ class ArchiveCache:
     """Trees of the pickles unpickled so far, by the pickle's bytes; safe to share between threads."""
 
     def __init__(self) -> None:
-        self._trees: dict[bytes, tuple[Any, dict[str, tuple[str, int]]]] = {}
+        self._trees: dict[bytes, tuple[Any, dict[str, tuple[str, int]], bool]] = {}
         self._lock = threading.Lock()
 
-    def get(self, data: bytes) -> tuple[Any, dict[str, tuple[str, int]]] | None:
+    def get(self, data: bytes) -> tuple[Any, dict[str, tuple[str, int]], bool] | None:
         with self._lock:
             return self._trees.get(data)
 
-    def put(self, data: bytes, tree: Any, storages: dict[str, tuple[str, int]]) -> None:
-        """Keep `tree` for `data`, with its storages as (dtype, element count) by key."""
+    def put(self, data: bytes, tree: Any, storages: dict[str, tuple[str, int]], has_records: bool = False) -> None:
+        """Keep `tree` for `data`, with its storages as (dtype, element count) by key and whether it
+        holds inert records."""
         with self._lock:
-            self._trees.setdefault(data, (tree, storages))
+            self._trees.setdefault(data, (tree, storages, has_records))
 
 
 def _rebase(obj: Any, archive: Archive, memo: dict[int, Any]) -> Any:
@@ -360,6 +368,11 @@ def _rebase(obj: Any, archive: Archive, memo: dict[int, Any]) -> Any:
         args, state = _rebase(obj.args, archive, memo), _rebase(obj.state, archive, memo)
         if args is not obj.args or state is not obj.state:
             out = PickledObject(obj.qualname, args, state)
+    elif isinstance(obj, InertRecord):
+        args, kwargs = _rebase(obj.args, archive, memo), _rebase(obj.kwargs, archive, memo)
+        ops = tuple((kind, _rebase(items, archive, memo)) for kind, items in obj.ops)
+        if args is not obj.args or kwargs is not obj.kwargs or any(a[1] is not b[1] for a, b in zip(ops, obj.ops)):
+            out = replace(obj, args=args, kwargs=kwargs, ops=ops)
     memo[key] = out
     return out
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError
-from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing, check_records
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import ALLOWED, EXPERT_FILE_RE, expert_file_name
+from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.zipdir import open_archive
@@ -124,7 +124,8 @@ def open_files(
     def one(name: str) -> dict[str, Any]:
         uri = join(tag_uri, name)
         try:
-            obj = open_archive(uri, ALLOWED).obj
+            archive = open_archive(uri, st.allowed)
+            obj = archive.obj
         except CkptflowError as exc:
             code = "expert-missing" if isinstance(exc, CheckpointNotFoundError) else exc.code
             st.add(code, f"{label(name)}: {exc}", file=uri)
@@ -136,6 +137,8 @@ def open_files(
         if not isinstance(obj, dict):
             st.add("corrupt-file", f"{label(name)}: {uri} holds a {type(obj).__name__}, not a DeepSpeed state dict",
                    file=uri)
+            return {}
+        if archive.has_records and not check_records(st, obj, uri, label(name)):
             return {}
         return obj
 

@@ -37,7 +37,7 @@ from typing import Any
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor
-from ckptflow.formats.deepspeed.names import ALLOWED, LAYER_FILE_RE, UC_INFO, layer_file_name
+from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import (
     MAX_PATTERN,
     Holding,
@@ -181,7 +181,7 @@ def _open_layers(
     for key, name in sorted(names.items()):
         uri = join_uri(listing.tag_uri, name)
         try:
-            obj = open_archive(uri, ALLOWED).obj
+            obj = open_archive(uri, st.allowed).obj
         except CkptflowError as exc:
             st.add(exc.code, f"layer file {name}: {exc}", file=uri)
             continue

@@ -1,0 +1,407 @@
+"""A trainer's client state (issue 25, item 1): read as inert records, never imported or run, listed by
+`validate`, carried by `reshard` into every model-states file it writes, and loaded by DeepSpeed at the
+new world size as the source held it.
+
+- The unpickler (no DeepSpeed): what a record keeps, the rule of what is refused even as a record,
+  strict pickle mode, nothing imported or run, records written back as the source pickled them.
+- Real checkpoints written by DeepSpeed on CPU (`tests.fixtures.specs.client_state`): a Megatron-DeepSpeed
+  client state (`args`, an `argparse.Namespace`; numpy RNG state) at ZeRO-1, a Lightning-like one at
+  ZeRO-3 with user classes that leave a marker file whenever they are rebuilt. No ckptflow command leaves
+  a marker; DeepSpeed's own `load_checkpoint` after `ckptflow reshard`, at another world size and in a
+  process that defines the user classes, returns a client state equal to the source's, with the weights
+  and Adam moments the source's live engine held.
+
+The hostile side (deep, wide, self-referencing, exploding client state; records where DeepSpeed's data
+belongs; code inside a record) is in the corpus (`tests/hostile/kinds/client.py`) and the fuzzer's
+`client-records` and `record-ops` families.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import functools
+import json
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptflow.errors import UnsafePickleError
+from ckptflow.formats.deepspeed.names import ALLOWED, ALLOWED_STRICT, DEEPSPEED_MODEL_KEYS
+from ckptflow.formats.torch.inert import InertRecord, TorchDevice, TorchDtype, refusal
+from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.writer import SourceReader, write_archive
+from ckptflow.formats.torch.zipdir import open_archive
+from ckptflow.reshard.files import _Tree
+from tests.fixtures.launch import launch
+from tests.fixtures.models.client_state import MARKER_ENV, MARKERS, AttributeDict, History, Phase, differences
+from tests.oracles.tensors import read_tensor
+
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON, LIGHTNING = "client-megatron-z1-fp32-ws2", "client-lightning-z3-bf16-ws2"
+TARGET_WORLD_SIZE = 3
+
+
+def save(tmp_path: Path, obj: Any, name: str = "x.pt") -> str:
+    path = tmp_path / name
+    torch.save(obj, path)
+    return str(path)
+
+
+def plain(obj: Any) -> Any:
+    """A tree read by ckptflow with records as (module, name, how, args, kwargs, ops) and tensors as bytes:
+    what two reads must agree on for the objects to be rebuilt alike."""
+    if isinstance(obj, InertRecord):
+        return ("record", obj.module, obj.name, obj.how, plain(obj.args), plain(obj.kwargs),
+                [(kind, plain(items)) for kind, items in obj.ops])
+    if isinstance(obj, TensorRef):
+        return ("tensor", obj.dtype, obj.shape, read_tensor(obj).reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(obj, TorchDtype | TorchDevice):
+        return (type(obj).__name__, str(obj))
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptflow.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env={**os.environ, "COLUMNS": "400", **(env or {})})
+
+
+# ---- the unpickler -------------------------------------------------------------------------------------
+
+
+def test_records_keep_how_each_object_was_made(tmp_path: Path) -> None:
+    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+    counts["a"].append(1)
+    state = {"args": argparse.Namespace(lr=0.1, params_dtype=torch.float16, dev=torch.device("cuda", 1)),
+             "counts": counts, "history": History([1.0, 0.5], name="loss"), "phase": Phase.TRAIN,
+             "hp": AttributeDict(lr=0.1), "partial": functools.partial(torch.optim.AdamW, lr=1e-3),
+             "factory": collections.defaultdict(set), "t": torch.arange(3)}
+    obj = open_archive(save(tmp_path, state), ALLOWED).obj
+    args = obj["args"]
+    assert (args.module, args.name, args.how, args.args) == ("argparse", "Namespace", "newobj", ())
+    assert args.ops == (("build", {"lr": 0.1, "params_dtype": "float16", "dev": "cuda:1"}),)
+    assert type(args.state["params_dtype"]) is TorchDtype and type(args.state["dev"]) is TorchDevice
+    assert obj["counts"].how == "reduce" and obj["counts"].args[0].qualname == "builtins.list"
+    assert obj["counts"].ops == (("setitems", (("a", [1]),)),)
+    assert [kind for kind, _ in obj["history"].ops] == ["appends", "build"]
+    assert obj["history"].ops[0][1] == (1.0, 0.5) and obj["history"].state == {"name": "loss"}
+    assert (obj["phase"].qualname, obj["phase"].args) == ("tests.fixtures.models.client_state.Phase", ("train",))
+    assert obj["hp"].ops == (("setitems", (("lr", 0.1),)),)
+    assert obj["partial"].qualname == "functools.partial" and obj["partial"].args[0].how == "global"
+    assert obj["factory"].args[0].qualname == "builtins.set"  # an allowed global named as a value: a record
+    assert isinstance(obj["t"], TensorRef)
+
+
+def test_nothing_is_imported_or_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Objects of a module that marks its import, its `__init__`, `__setstate__` and `__reduce__`
+    function: reading them leaves no mark and does not import the module; `torch.load` does both."""
+    name = f"ckptflow_probe_{uuid.uuid4().hex[:8]}"
+    marks = tmp_path / "marks"
+    (tmp_path / f"{name}.py").write_text(
+        "import pathlib\n"
+        f"MARKS = pathlib.Path({str(marks)!r})\n"
+        "MARKS.mkdir(exist_ok=True)\n"
+        "(MARKS / 'imported').touch()\n"
+        "class Built:\n"
+        "    def __init__(self, x): self.x = x\n"
+        "    def __setstate__(self, s): (MARKS / 'setstate').touch(); self.__dict__.update(s)\n"
+        "class Called:\n"
+        "    def __init__(self, x): (MARKS / 'init').touch(); self.x = x\n"
+        "    def __reduce__(self): return (Called, (self.x,))\n"
+        "def rebuild(x): (MARKS / 'reduce').touch(); return x\n"
+        "class Reduced:\n"
+        "    def __reduce__(self): return (rebuild, (1,))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__(name)
+    path = save(tmp_path, {"objects": [module.Built(1), module.Called(2), module.Reduced()]})
+    for mark in marks.iterdir():
+        mark.unlink()
+    del sys.modules[name]
+    records = open_archive(path, ALLOWED).obj["objects"]
+    assert [r.qualname for r in records] == [f"{name}.Built", f"{name}.Called", f"{name}.rebuild"]
+    assert name not in sys.modules and list(marks.iterdir()) == []
+    torch.load(path, weights_only=False)  # the control: these objects do run when loaded
+    assert sorted(p.name for p in marks.iterdir()) == ["imported", "init", "reduce", "setstate"]
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    ("argparse", "Namespace"), ("collections", "defaultdict"), ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"), ("builtins", "list"), ("functools", "partial"),
+    ("pathlib", "PurePosixPath"), ("torch.optim.adamw", "AdamW"), ("__main__", "TrainerState"),
+    ("copyreg", "_reconstructor"), ("datetime", "datetime"), ("omegaconf.dictconfig", "DictConfig"),
+])
+def test_state_classes_become_records(module: str, name: str) -> None:
+    assert refusal(module, name) is None
+
+
+@pytest.mark.parametrize(("module", "name", "why"), [
+    ("posix", "system", "code"), ("os", "system", "code"), ("nt", "system", "code"),
+    ("subprocess", "Popen", "code"), ("sys", "exit", "code"), ("shutil", "rmtree", "code"),
+    ("socket", "socket", "code"), ("importlib", "import_module", "code"), ("runpy", "run_path", "code"),
+    ("pty", "spawn", "code"), ("code", "interact", "code"), ("ctypes", "CDLL", "code"), ("pickle", "loads", "code"),
+    ("_pickle", "loads", "code"), ("marshal", "loads", "code"), ("multiprocessing.util", "spawnv_passfds", "code"),
+    ("builtins", "eval", "code"), ("builtins", "exec", "code"), ("builtins", "compile", "code"),
+    ("builtins", "getattr", "code"), ("builtins", "setattr", "code"), ("builtins", "delattr", "code"),
+    ("builtins", "open", "code"), ("builtins", "input", "code"), ("builtins", "breakpoint", "code"),
+    ("builtins", "globals", "code"), ("builtins", "locals", "code"), ("builtins", "vars", "code"),
+    ("builtins", "map", "code"), ("builtins", "type", "code"), ("torch", "load", "code"),
+    ("torch.serialization", "load", "code"), ("torch.jit", "load", "code"), ("torch.hub", "load", "code"),
+    ("numpy", "load", "code"), ("functools", "reduce", "code"), ("operator", "attrgetter", "code"),
+    ("timeit", "timeit", "code"), ("torch.fx.graph_module", "reduce_graph_module", "code"),
+    ("builtins", "__import__", "internals"), ("argparse", "__builtins__", "internals"),
+    ("logging", "os.system", "dotted"), ("argparse", "_os.system", "dotted"),
+    ("posix\x1b[2J", "system", "name"), ("", "x", "name"), ("x", "", "name"), ("a b", "c", "name"),
+    ("argparse", "Name space", "name"), ("ａrgparse", "Namespace", "name"), ("m" * 300, "x", "name"),
+])
+def test_code_is_refused_even_as_a_record(module: str, name: str, why: str) -> None:
+    words = {"code": "code that runs", "internals": "internals", "dotted": "dotted name", "name": "no module"}
+    found = refusal(module, name)
+    assert found is not None and words[why] in found, found
+
+
+class _Hook:
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args)
+
+
+@pytest.mark.parametrize("hidden", ["call", "partial", "value"])
+def test_code_inside_client_state_refuses_the_file(tmp_path: Path, hidden: str) -> None:
+    marker = tmp_path / "ran"
+    value = {"call": _Hook(os.system, f"touch {marker}"), "partial": functools.partial(os.system, f"touch {marker}"),
+             "value": os.system}[hidden]
+    path = save(tmp_path, {"args": argparse.Namespace(hook=value)})
+    with pytest.raises(UnsafePickleError) as info:
+        open_archive(path, ALLOWED)
+    assert str(info.value).startswith(f"{path} refers to posix.system, which ckptflow does not load; refused without "
+                                      "running anything (code that runs when the file is loaded): ckptflow neither "
+                                      "loads it nor writes it back")
+    assert not marker.exists()
+
+
+def test_strict_pickle_refuses_every_global_outside_the_allow_list(tmp_path: Path) -> None:
+    path = save(tmp_path, {"args": argparse.Namespace(lr=0.1)})
+    with pytest.raises(UnsafePickleError) as info:
+        open_archive(path, ALLOWED_STRICT)
+    assert str(info.value) == (
+        f"{path} refers to argparse.Namespace, which ckptflow does not load; refused without running anything: in "
+        "strict pickle mode only torch tensors and DeepSpeed's checkpoint classes are allowed; without it, an object "
+        "of this class is kept as an inert record (never imported or run) and carried as it is")
+    assert info.value.code == "unsafe-pickle"
+
+
+def test_records_are_written_back_as_the_source_pickled_them(tmp_path: Path) -> None:
+    """Read, converted by the reshard writer and written: `torch.load` rebuilds equal objects of the same
+    classes, and ckptflow reads the same records back (same global, same construction, same arguments,
+    the same APPENDS / SETITEMS / BUILD in the same order)."""
+    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+    counts["skipped"].append(0)
+    state = {"args": argparse.Namespace(lr=0.1, params_dtype=torch.bfloat16, dev=torch.device("cpu"), paths=["/a"]),
+             "np": np.random.RandomState(3).get_state(), "counts": counts, "factory": collections.defaultdict(set),
+             "history": History([0.9, 0.7], name="loss"), "hp": AttributeDict(lr=0.1, root=pathlib.PurePosixPath("/r")),
+             "phase": Phase.WARMUP, "when": datetime.datetime(2026, 1, 2, 3, 4),
+             "deque": collections.deque([1, 2], maxlen=4), "counter": collections.Counter("aab"),
+             "rng": torch.Generator().manual_seed(3).get_state(), "shared": [b"\x00\xff"] * 2}
+    state["again"] = state["args"]  # a shared reference stays one object
+    source = save(tmp_path, state)
+    ours = str(tmp_path / "ours.pt")
+    write_archive(ours, _Tree().convert(open_archive(source, ALLOWED).obj), SourceReader())
+    back = torch.load(ours, weights_only=False)
+    assert differences({k: v for k, v in back.items() if k != "np"}, {k: v for k, v in state.items() if k != "np"}) == []
+    assert back["np"][0] == "MT19937" and np.array_equal(back["np"][1], state["np"][1]) and back["np"][2:] == state["np"][2:]
+    assert back["again"] is back["args"]
+    assert plain(open_archive(ours, ALLOWED).obj) == plain(open_archive(source, ALLOWED).obj)
+
+
+def test_strict_pickle_reaches_every_model_parallel_rank(parallel_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    """A client state in a file only a model-parallel rank's own reader opens (data-parallel rank 1 of
+    tensor-parallel rank 1, ZeRO-3): carried by default, refused in strict pickle mode."""
+    import shutil
+
+    from ckptflow.validate import validate
+    from tests.hostile import pickleasm as asm
+    from tests.hostile.torchfile import inject
+
+    fixture = parallel_fixtures["autotp-tp2dp2-z3-bf16"]
+    src = tmp_path / "ckpt"
+    shutil.copytree(fixture.dir, src)
+    path = src / fixture.tag / "zero_pp_rank_1_mp_rank_01_model_states.pt"
+    inject(path, "args", asm.build(asm.newobj(asm.glob("argparse", "Namespace")), asm.dct()))
+    assert validate(str(src)).ok
+    strict = validate(str(src), strict_pickle=True)
+    assert [(p.code, p.file) for p in strict.problems] == [("unsafe-pickle", str(path))]
+
+
+class Made:
+    """Records how it was made: `new` the arguments `__new__` got, `init` those `__init__` got (if run)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Made":
+        obj = super().__new__(cls)
+        obj.new = (args, kwargs)
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.init = (args, kwargs)
+
+
+def test_newobj_ex_and_obj_are_written_back_as_such(tmp_path: Path) -> None:
+    """NEWOBJ_EX (`__new__` with keyword arguments, no `__init__`) and OBJ (`cls(*args)`), which torch's
+    protocol 2 never writes but a pickle may hold, come back made the same way."""
+    from tests.hostile import pickleasm as asm
+    from tests.hostile.torchfile import set_pickle
+
+    made = asm.glob(__name__, "Made")
+    data = asm.pickle_of(asm.dct(
+        (asm.string("ex"), asm.newobj_ex(made, asm.tup(asm.integer(1)), asm.dct((asm.string("k"), asm.integer(2))))),
+        (asm.string("obj"), asm.obj(made, asm.integer(3)))))
+    source = Path(save(tmp_path, {}))
+    set_pickle(source, data)
+    records = open_archive(str(source), ALLOWED).obj
+    assert (records["ex"].how, records["ex"].args, records["ex"].kwargs) == ("newobj_ex", (1,), {"k": 2})
+    assert (records["obj"].how, records["obj"].args) == ("obj", (3,))
+    ours = str(tmp_path / "ours.pt")
+    write_archive(ours, _Tree().convert(records), SourceReader())
+    back = torch.load(ours, weights_only=False)
+    assert back["ex"].new == ((1,), {"k": 2}) and not hasattr(back["ex"], "init")
+    assert back["obj"].new == ((3,), {}) and back["obj"].init == ((3,), {})
+
+
+# ---- the real checkpoints --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(client_state_fixtures: Mapping[str, Any]) -> Mapping[str, Any]:
+    return client_state_fixtures
+
+
+def expected_client_state(fixture: Any) -> dict[str, Any]:
+    return pickle.loads((fixture.root / "client_state.pkl").read_bytes())  # written by our own fixture writer
+
+
+def test_validate_lists_the_client_state(client: Mapping[str, Any]) -> None:
+    result = run_cli("validate", str(client[MEGATRON].dir))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == "  client state: carried as it is; its classes are named here, never imported or run"
+    assert lines[2:] == [
+        "    args: an argparse.Namespace",
+        "    checkpoint_version: a float",
+        "    iteration: an int",
+        "    rng_state: a list of 1 item, naming numpy._core.multiarray._reconstruct, numpy.dtype, numpy.ndarray",
+    ]
+    result = run_cli("validate", str(client[LIGHTNING].dir), "--json")
+    report = json.loads(result.stdout)
+    keys = {entry["key"]: entry for entry in report["client_state"]["keys"]}
+    assert list(keys) == list(expected_client_state(client[LIGHTNING]))
+    assert keys["hyper_parameters"]["holds"] == "a tests.fixtures.models.client_state.AttributeDict"
+    assert keys["hyper_parameters"]["classes"] == [
+        "pathlib.PurePosixPath", "tests.fixtures.models.client_state.Schedule",
+        "tests.fixtures.models.client_state.rebuild_tokens"]
+    assert keys["callbacks"]["classes"] == ["tests.fixtures.models.client_state.TrainerState"]
+
+
+@pytest.mark.parametrize("command", ["validate", "consolidate", "reshard"])
+def test_strict_pickle_refuses_client_state(client: Mapping[str, Any], tmp_path: Path, command: str) -> None:
+    fixture = client[MEGATRON]
+    args = {"validate": [], "consolidate": [str(tmp_path / "out")],
+            "reshard": [str(tmp_path / "out"), "--world-size", str(TARGET_WORLD_SIZE)]}[command]
+    result = run_cli(command, str(fixture.dir), *args, "--strict-pickle")
+    assert result.returncode == 1
+    model = fixture.tag_dir / "mp_rank_00_model_states.pt"
+    assert f"{model} refers to argparse.Namespace, which ckptflow does not load" in " ".join(result.stdout.split()
+                                                                                            + result.stderr.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_command_runs_the_client_state(client: Mapping[str, Any], tmp_path: Path) -> None:
+    """validate, validate --deep, consolidate and reshard with the user classes importable from the
+    working directory and `$CKPTFLOW_CLIENT_MARKER` set: no marker; `torch.load` of the same file, in
+    the same environment, leaves all three (the marker classes work)."""
+    markers = tmp_path / "markers"
+    env = {MARKER_ENV: str(markers)}
+    for name in (MEGATRON, LIGHTNING):
+        src = str(client[name].dir)
+        for args in (["validate", src], ["validate", src, "--deep"],
+                     ["consolidate", src, str(tmp_path / f"{name}-model")],
+                     ["reshard", src, str(tmp_path / f"{name}-out"), "--world-size", str(TARGET_WORLD_SIZE)],
+                     ["validate", str(tmp_path / f"{name}-out")]):
+            result = run_cli(*args, env=env)
+            assert result.returncode == 0, (args, result.stdout, result.stderr)
+            assert not markers.exists(), (args, sorted(p.name for p in markers.iterdir()))
+    model = client[LIGHTNING].tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    control = subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(model)!r}, weights_only=False)"],
+                             cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert control.returncode == 0, control.stderr
+    assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)
+
+
+@pytest.fixture(scope="module")
+def resharded(client: Mapping[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from ckptflow.reshard import reshard
+
+    root = tmp_path_factory.mktemp("client-reshard")
+    outs = {}
+    for name in (MEGATRON, LIGHTNING):
+        outs[name] = root / name
+        reshard(str(client[name].dir), str(outs[name]), world_size=TARGET_WORLD_SIZE)
+    return outs
+
+
+def test_reshard_carries_the_client_state_into_every_model_states_file(client: Mapping[str, Any],
+                                                                       resharded: dict[str, Path]) -> None:
+    for name, out in resharded.items():
+        fixture = client[name]
+        source = open_archive(str(next(fixture.tag_dir.glob("*model_states.pt"))), ALLOWED).obj
+        keys = [k for k in source if k not in DEEPSPEED_MODEL_KEYS]
+        assert keys == list(expected_client_state(fixture))
+        models = sorted((out / fixture.tag).glob("*model_states.pt"))
+        assert len(models) == (TARGET_WORLD_SIZE if fixture.stage == 3 else 1), models
+        for path in models:
+            written = open_archive(str(path), ALLOWED).obj
+            assert [k for k in written if k not in DEEPSPEED_MODEL_KEYS] == keys, path
+            assert plain({k: written[k] for k in keys}) == plain({k: source[k] for k in keys}), path
+
+
+def test_deepspeed_loads_the_client_state_after_reshard(client: Mapping[str, Any], resharded: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """DeepSpeed's own `load_checkpoint` at the new world size, in processes that define the user
+    classes: every rank's client state equals the source's, the engine's fp32 weights and Adam moments
+    equal the source's live engine's (the fixture's expected.safetensors)."""
+    from safetensors.torch import load_file
+
+    jobs = []
+    for name, out in resharded.items():
+        fixture = client[name]
+        jobs.append({"spec": str(fixture.root / "spec.json"), "ckpt": str(out),
+                     "expected": str(fixture.root / "client_state.pkl"), "out": str(tmp_path / name)})
+    jobs_file = tmp_path / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs, indent=1))
+    markers = tmp_path / "markers"
+    launch("tests.oracles.client_state", TARGET_WORLD_SIZE, ["--jobs", str(jobs_file)], timeout=600,
+           log_dir=tmp_path / "logs", env={MARKER_ENV: str(markers)})
+    for name in resharded:
+        for rank in range(TARGET_WORLD_SIZE):
+            report = json.loads((tmp_path / name / f"rank{rank}.json").read_text())
+            assert report == {"rank": rank, "missing": [], "extra": [], "differences": []}, (name, report)
+        expected = load_file(client[name].expected_path)
+        loaded = load_file(tmp_path / name / "state.safetensors")
+        assert loaded.keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == [], name
+    assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)  # the user's process rebuilt them
