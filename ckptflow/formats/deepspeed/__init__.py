@@ -8,12 +8,14 @@ never "damaged".
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, Problem, StopReading, read_head
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.output_dir import choose, folders_in
 from ckptflow.formats.deepspeed.readers.autoep import read_autoep
 from ckptflow.formats.deepspeed.readers.autotp import read_autotp
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
@@ -24,6 +26,8 @@ from ckptflow.formats.deepspeed.readers.zero0 import read_zero0
 from ckptflow.formats.deepspeed.tag import resolve_tag
 from ckptflow.formats.deepspeed.topology import Topology, detect
 from ckptflow.plumbing.text import and_more
+
+logger = logging.getLogger(__name__)
 
 Reader = Callable[[Inspection, Listing, dict[str, Any], Topology], Partitioned]
 
@@ -49,12 +53,25 @@ _DEFAULT_WHAT_TO_DO = ("ckptflow cannot convert this layout yet: convert it with
                        "<out>) and load that with `\"checkpoint\": {\"load_universal\": true}`")
 
 
-def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[Problem], tuple[str, str] | None]:
-    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
+Inspected = tuple[Partitioned | None, list[Problem], tuple[str, str] | None]
+
+
+def inspect(uri: str, tag: str | None = None) -> Inspected:
+    """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag).
+
+    A folder without `latest` that holds `checkpoint-{step}` folders (a Hugging Face Trainer's
+    output_dir) is read as its newest complete checkpoint (`output_dir.choose`); which one was taken,
+    and which newer ones were skipped and why, is logged as a warning (the command line prints it)."""
+    return _inspect(uri, tag, search=True)
+
+
+def _inspect(uri: str, tag: str | None, *, search: bool) -> Inspected:
     explicit = tag is not None
     try:
         root, tag = resolve_tag(uri, tag)
     except CkptflowError as exc:
+        if search and not explicit and exc.code == "latest-missing" and (folders := folders_in(uri)):
+            return _newest_complete(uri, folders)
         return None, [Problem(exc.code, str(exc), exc.file)], None
     st = Inspection(root, tag, explicit_tag=explicit)
     try:
@@ -69,6 +86,25 @@ def inspect(uri: str, tag: str | None = None) -> tuple[Partitioned | None, list[
     except StopReading:
         return None, st.problems, (root, tag)
     return index, st.problems, (root, tag)
+
+
+def _newest_complete(output_dir: str, folders: list[str]) -> Inspected:
+    """The newest complete checkpoint among an output_dir's `checkpoint-{step}` folders (newest first)."""
+    seen: dict[str, Inspected] = {}
+
+    def problem(uri: str) -> str | None:
+        seen[uri] = found = _inspect(uri, None, search=False)
+        index, problems, _ = found
+        if not problems:
+            return None if index is not None else "unreadable"
+        first = "no `latest` file" if problems[0].code == "latest-missing" else problems[0].message
+        return first + and_more(len(problems) - 1, "problem")
+
+    choice = choose(output_dir, folders, problem)
+    if choice.uri is None:
+        return None, [Problem("no-complete-checkpoint", choice.failure, output_dir)], None
+    logger.warning("%s", choice.note)
+    return seen[choice.uri]
 
 
 def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:
