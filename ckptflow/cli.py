@@ -398,6 +398,7 @@ def reshard_command(
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import ReshardOptions, reshard
+    from ckptflow.reshard.rng import describe_families
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
@@ -416,8 +417,8 @@ def reshard_command(
     say("resharded", "green",
         f"{src} ({result.tag}, {result.precision}) into {dest}: {result.source_shape} -> {result.shape}, "
         f"{len(result.files)} files, {format_size(result.bytes_written)} in {result.seconds:.1f}s")
-    if result.rng_files:
-        line(f"  Trainer RNG files: {result.rng_summary}")
+    for label, text in describe_families(result.rng_files):
+        line(f"  {label} RNG files: {text}")
 
 
 def render_shapes(src: str, world_size: int, tag: str | None) -> None:

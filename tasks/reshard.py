@@ -28,7 +28,7 @@ from ckptflow.plumbing.sizes import format_size
 from ckptflow.plumbing.steps import run_step
 from ckptflow.plumbing.storage import open_fs
 from ckptflow.reshard import RankJob, RankResult, ReshardPlan, ReshardStep, RngCopy, plan_output, run_job, write_threads
-from ckptflow.reshard.rng import describe
+from ckptflow.reshard.rng import describe, describe_families
 from ckptflow.reshard.shape import Target
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
@@ -93,8 +93,8 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         logger.info("%s already holds this checkpoint, committed by an earlier run whose cached result is gone: "
                     "taken as it is, nothing written", out)
     results, rng_files = found or _build(checkpoint, plan, out, workers, cluster_address(cluster))
-    if rng_files:
-        logger.info("Trainer RNG files: %s", describe(rng_files))
+    for label, text in describe_families(rng_files):
+        logger.info("%s RNG files: %s", label, text)
     markdown(
         reshard_summary(checkpoint, plan, results, rng_files, out, _listing(out)),
         key=checkpoint_key("reshard", checkpoint.root, checkpoint.tag, f"ws{world_size}"),
@@ -134,7 +134,7 @@ def reshard_summary(
     listing: list[str],
 ) -> str:
     """One table, a row per target rank (its files and their size), and a line each on the files carried
-    over and the Trainer RNG files."""
+    over and the per-process RNG files (Trainer's, Accelerate's)."""
     rows = [f"| {r.rank} | " + ", ".join(code(f) for f in r.files) + f" | {cell_size(r.bytes_written)} |"
             for r in sorted(results, key=lambda r: r.rank)]
     rng = {c.target for c in rng_files}
@@ -153,8 +153,8 @@ def reshard_summary(
     ]
     if carried:
         lines += ["Carried over from the source: " + ", ".join(code(n) for n in carried) + ".", ""]
-    if rng_files:
-        lines += [f"Trainer RNG files: {md(describe(rng_files))}.", ""]
+    for label, text in describe_families(rng_files):
+        lines += [f"{label} RNG files: {md(text)}.", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -52,7 +52,7 @@ from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states
 from ckptflow.reshard.plan import ReshardOptions, plan_reshard
-from ckptflow.reshard.rng import RngCopy, describe, is_rng_file, plan_rng_files
+from ckptflow.reshard.rng import RngCopy, describe, describe_families, is_rng_file, plan_rng_files
 from ckptflow.reshard.shape import (
     Memory,
     Shape,
@@ -290,7 +290,7 @@ def write_threads(workers: int, units: int) -> int:
 def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
              results: Sequence[RankResult] = ()) -> tuple[RngCopy, ...]:
     """Check the staged checkpoint, carry the source's other files over, write `latest` and commit the
-    whole into place (`latest` last). Returns the Trainer RNG files written (`rng.plan_rng_files`).
+    whole into place (`latest` last). Returns the per-process RNG files written (`rng.plan_rng_files`).
 
     Files the plan carries as they are (PipelineModule layer files, per-expert files) are copied into the staged tag
     folder first, several at once (`plumbing.files.copy_all`), and made durable by the commit's fsync of
@@ -339,7 +339,7 @@ def _read_back(plan: ReshardPlan, uri: str) -> str | None:
 
 def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tuple[RngCopy, ...]] | None:
     """What an earlier run of this same plan committed at OUT, as `ReshardStep.finalize` reports it
-    (each rank's files and their sizes; the Trainer RNG files); None when OUT is absent or empty.
+    (each rank's files and their sizes; the RNG files); None when OUT is absent or empty.
 
     OUT is taken when it holds exactly the files the plan writes (`latest` naming the plan's tag, each
     rank's files at their planned sizes, the files carried over from the source at theirs, the Trainer
@@ -397,7 +397,7 @@ _CARRY_HINT = ("reshard carries the checkpoint folder's other files (Trainer sta
 
 def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], list[str]]:
     """The files of the source folder that go into OUT besides this checkpoint's DeepSpeed files, as
-    (path relative to the folder, URI), and the names of the Trainer's RNG files (renamed for the new
+    (path relative to the folder, URI), and the names of the per-process RNG files (`rng.FAMILIES`) (renamed for the new
     world size by `rng.plan_rng_files`). Each is checked to be a regular file that stays inside the
     folder (`plumbing.files`), so that copying it can neither hang nor leak a file from elsewhere.
     Other DeepSpeed tag folders, OUT and staging folders are left out."""
@@ -433,13 +433,14 @@ def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], l
 
 
 def _processes(plan: ReshardPlan) -> int:
-    """The processes a Trainer runs the output with: every rank (tp x pp x dp), one RNG file each."""
+    """The processes a Trainer (or Accelerate) runs the output with: every rank (tp x pp x dp), one RNG file each."""
     return plan.shape.world_size if plan.shape is not None else plan.world_size
 
 
 def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) -> tuple[RngCopy, ...]:
-    """Copy the source folder's other files (`carried_files`) into the staging folder; the Trainer's RNG
-    files go under the names the target world size reads (`rng.plan_rng_files`), which are returned."""
+    """Copy the source folder's other files (`carried_files`) into the staging folder; the per-process RNG
+    files (the Trainer's, Accelerate's) go under the names the target world size reads
+    (`rng.plan_rng_files`), which are returned."""
     files, rng_names = carried_files(plan, staging.out)
     inside = plan.root  # links in a local checkpoint folder must stay inside it
     for rel, uri in files:
@@ -448,8 +449,8 @@ def _carry_over(plan: ReshardPlan, staging: Staging, *, durable: bool = True) ->
     for copy in rng_files:
         copy_regular(join(plan.root, copy.source), staging.join(copy.target), inside=inside, hint=_CARRY_HINT,
                      durable=durable)
-    if rng_files:
-        logger.info("Trainer RNG files: %s", describe(rng_files))
+    for label, text in describe_families(rng_files):
+        logger.info("%s RNG files: %s", label, text)
     return rng_files
 
 
@@ -470,13 +471,13 @@ class ReshardResult:
     bytes_read: int
     bytes_written: int
     seconds: float
-    rng_files: tuple[RngCopy, ...] = ()  # the Trainer RNG files written for the new world size, from which source files
+    rng_files: tuple[RngCopy, ...] = ()  # the per-process RNG files written for the new world size, from which files
     source_shape: Shape | None = None  # the shapes, in ranks and degrees (`world_size` above: data-parallel ranks)
     shape: Shape | None = None
 
     @property
     def rng_summary(self) -> str:
-        """One line on the Trainer RNG files (`rng.describe`)."""
+        """One line on the RNG files (`rng.describe`)."""
         return describe(self.rng_files)
 
 
@@ -484,7 +485,7 @@ class ReshardStep:
     """Resharding `plan` into OUT, as the step driver runs it (`plumbing.steps`): units are the plan's
     target ranks, a job is a `RankJob` (its optimizer file written by `threads` threads), `run` is
     `run_job`, and `finalize` carries the source's other files over and commits `latest` last. Its
-    output is the units' results and the Trainer RNG files written, as `committed_output` gives them."""
+    output is the units' results and the RNG files written, as `committed_output` gives them."""
 
     run = staticmethod(run_job)
 

@@ -10,6 +10,7 @@ With `strict_pickle`, any global outside DeepSpeed's allow-list is refused, clie
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from ckptflow.formats.deepspeed.client_state import ClientState
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, Problem, StopReading, read_head
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import allowed
+from ckptflow.formats.deepspeed.output_dir import choose, folders_in
 from ckptflow.formats.deepspeed.readers.autoep import read_autoep
 from ckptflow.formats.deepspeed.readers.autotp import read_autotp
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
@@ -29,6 +31,8 @@ from ckptflow.formats.deepspeed.readers.zero0 import read_zero0
 from ckptflow.formats.deepspeed.tag import resolve_tag
 from ckptflow.formats.deepspeed.topology import Topology, detect
 from ckptflow.plumbing.text import and_more
+
+logger = logging.getLogger(__name__)
 
 Reader = Callable[[Inspection, Listing, dict[str, Any], Topology], Partitioned]
 
@@ -66,11 +70,21 @@ class Reading:
 
 
 def read(uri: str, tag: str | None = None, *, strict_pickle: bool = False) -> Reading:
-    """Read the checkpoint at `uri` (see the module docstring)."""
+    """Read the checkpoint at `uri` (see the module docstring).
+
+    A folder without `latest` that holds `checkpoint-{step}` folders (a Hugging Face Trainer's
+    output_dir) is read as its newest complete checkpoint (`output_dir.choose`); which one was taken,
+    and which newer ones were skipped and why, is logged as a warning (the command line prints it)."""
+    return _read(uri, tag, strict_pickle=strict_pickle, search=True)
+
+
+def _read(uri: str, tag: str | None, *, strict_pickle: bool, search: bool) -> Reading:
     explicit = tag is not None
     try:
         root, tag = resolve_tag(uri, tag)
     except CkptflowError as exc:
+        if search and not explicit and exc.code == "latest-missing" and (folders := folders_in(uri)):
+            return _newest_complete(uri, folders, strict_pickle=strict_pickle)
         return Reading(None, [Problem(exc.code, str(exc), exc.file)], None)
     st = Inspection(root, tag, explicit_tag=explicit, allowed=allowed(strict_pickle))
     try:
@@ -92,6 +106,24 @@ def inspect(uri: str, tag: str | None = None, *, strict_pickle: bool = False
     """Read the checkpoint at `uri`: its index (None when unusable), every problem, and (root, tag)."""
     found = read(uri, tag, strict_pickle=strict_pickle)
     return found.index, found.problems, found.where
+
+
+def _newest_complete(output_dir: str, folders: list[str], *, strict_pickle: bool) -> Reading:
+    """The newest complete checkpoint among an output_dir's `checkpoint-{step}` folders (newest first)."""
+    seen: dict[str, Reading] = {}
+
+    def problem(uri: str) -> str | None:
+        seen[uri] = found = _read(uri, None, strict_pickle=strict_pickle, search=False)
+        if not found.problems:
+            return None if found.index is not None else "unreadable"
+        first = "no `latest` file" if found.problems[0].code == "latest-missing" else found.problems[0].message
+        return first + and_more(len(found.problems) - 1, "problem")
+
+    choice = choose(output_dir, folders, problem)
+    if choice.uri is None:
+        return Reading(None, [Problem("no-complete-checkpoint", choice.failure, output_dir)], None)
+    logger.warning("%s", choice.note)
+    return seen[choice.uri]
 
 
 def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:
