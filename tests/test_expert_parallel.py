@@ -487,10 +487,12 @@ ALL_EP_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4),
     ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 4), ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 1),
     ("dsmoe-ep2dp2-z2-fp32", 4, 1), ("dsmoe-ep2-z2-bf16", 4, 4), ("autoep-mixtral-ep2-z2-fp32", 4, 4),
+    ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4),
 )
 # One launch per (layout, world size, degree): by default AutoEP ZeRO-2 and deepspeed.moe ZeRO-2 growing
 # from ep2 x edp1 to ep4 x edp1; `CKPTFLOW_LONG=1` adds ep2 x edp2 -> ep4, -> ep1 (dense), bf16, Mixtral.
-EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4)])
+EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4),
+                                       ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
 
 def _ep_case_id(case: tuple[str, int, int]) -> str:
@@ -609,3 +611,20 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow does not change the "
                                                          r"expert-parallel degree and the ZeRO stage together yet"):
         plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))
+
+
+def test_expert_groups_that_deepspeed_cuts_by_size_are_refused(expert_fixtures, monkeypatch, tmp_path: Path) -> None:
+    """DeepSpeed cuts an expert param group into several past 178,956,971 rank-local elements
+    (`split_params_into_different_moe_groups_for_optimizer`), so the groups depend on the degree; until
+    ckptflow re-cuts them, a change that would move the cut is refused, nothing written. (Measured on the
+    0.49B AutoEP benchmark model, whose ep_size_2 group is cut in two; here the limit is lowered.)"""
+    from ckptflow.reshard import experts
+
+    source = expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"]
+    monkeypatch.setattr(experts, "MAX_MOE_GROUP_SIZE", 10)
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 1: at ep1 a rank's expert param group would hold [\d,]+ "
+                                                         r"elements, which DeepSpeed cuts into groups of at most 10, "
+                                                         r"and the groups differ with the degree; ckptflow does not "
+                                                         r"re-cut them yet"):
+        reshard(str(source.dir), str(tmp_path / "out"), world_size=4, ep=1)
+    assert not (tmp_path / "out").exists()

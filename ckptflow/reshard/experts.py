@@ -211,11 +211,35 @@ def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPl
                       "ckptflow does not rebuild across expert-parallel degrees", "keep its expert-parallel degree")
     if source.kind == "autoep":
         _check_uniform_placement(source, shape)
+    _check_group_split(source, zero, shape)
     plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
     groups = [(_autoep_group(zero, g, shape.ep, counts, source, shape) if source.kind == "autoep"
                else _dsmoe_group(zero, g, shape.ep, source, shape)) if _is_expert(group) else _dense_group(zero, g)
               for g, group in enumerate(zero.groups)]
     return _plan(source, zero, groups, shape)
+
+
+# `deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`'s default: an expert param
+# group is cut into several once its rank-local parameters pass this many elements.
+MAX_MOE_GROUP_SIZE = 178_956_971
+
+
+def _check_group_split(source: ExpertCheckpoint, zero: ZeroCheckpoint, shape: Shape) -> None:
+    """DeepSpeed cuts an expert param group into several of at most `MAX_MOE_GROUP_SIZE` rank-local
+    elements, so the groups themselves depend on the degree: refuse where the source was cut or the
+    target would be (ckptflow keeps the source's groups and does not re-cut them yet)."""
+    by_name = zero.param_by_name
+    names = [str(g.hyper.get("name")) for g in zero.groups if _is_expert(g)]
+    cut = sorted({n for n in names if names.count(n) > 1})
+    largest = max((sum(by_name[p].numel for p in g.params) for g in zero.groups if _is_expert(g)), default=0)
+    target = largest * source.ep // shape.ep
+    if cut or target > MAX_MOE_GROUP_SIZE:
+        why = (f"DeepSpeed cut its expert param group {cut[0]} into several of at most {MAX_MOE_GROUP_SIZE:,} "
+               "rank-local elements" if cut else
+               f"at ep{shape.ep} a rank's expert param group would hold {target:,} elements, which DeepSpeed cuts "
+               f"into groups of at most {MAX_MOE_GROUP_SIZE:,}")
+        raise _refuse(source, shape, f"{why}, and the groups differ with the degree; ckptflow does not re-cut them "
+                      "yet", "convert it with DeepSpeed's universal converter (ds_to_universal)")
 
 
 def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
