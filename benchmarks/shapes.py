@@ -25,13 +25,14 @@ Contenders, each a fresh process (imports included) under `/usr/bin/time` (wall,
   peak RSS are reported. For comparison the same launch loads ckptflow's output natively (no
   `load_universal`): the step both routes share.
 
-`--repeat` rounds of the single-process runs, each round in a new (seeded) shuffled order, with a
-`sync` before each run and the page cache warm; the engine launches run `--load-repeat` times
-(default once: each costs minutes on this machine); medians. A second, half-size checkpoint of each
+`--repeat` rounds of the single-process runs (ds_to_universal in the first `--ds-repeat` of them,
+default one: it takes minutes here), each round in a new (seeded) shuffled order, with a `sync` before
+each run and the page cache warm; the output of ds_to_universal's last run is what the engine then
+loads; the engine launches run `--load-repeat` times (default once); medians. A second, half-size checkpoint of each
 model is resharded too (ckptflow and floor only) to show whether peak memory stays flat as the model
 grows.
 
-    .venv/bin/python -m benchmarks.shapes [--repeat 3] [--load-repeat 1] [--cases zero,tp,ep] [--write-results]
+    .venv/bin/python -m benchmarks.shapes [--repeat 3] [--ds-repeat 1] [--load-repeat 1] [--cases zero,tp,ep] [--write-results]
 
 `--write-results` replaces the "Reshard across shapes (issue 24)" section of `benchmarks/RESULTS.md`.
 """
@@ -233,9 +234,10 @@ def build(spec: Any) -> Path:
 
 
 def timed_rounds(commands: dict[str, list[str]], repeat: int, out: Path, env: dict[str, str],
-                 sizes: dict[str, int]) -> dict[str, list[tuple[float, int]]]:
-    """Run each command `repeat` times, in a new shuffled order each round, `sync` before each; a
-    ds_to_universal run is followed by a timed `sync` (its "+ sync" row)."""
+                 sizes: dict[str, int], *, ds_repeat: int, keep: Path) -> dict[str, list[tuple[float, int]]]:
+    """Run each command `repeat` times (ds_to_universal `ds_repeat` times), in a new shuffled order each
+    round, `sync` before each; a ds_to_universal run is followed by a timed `sync` (its "+ sync" row),
+    and the output of its last run is moved to `keep` for the engine to load."""
     from benchmarks.reshard import folder_bytes
     from benchmarks.results import run_measured
 
@@ -243,7 +245,7 @@ def timed_rounds(commands: dict[str, list[str]], repeat: int, out: Path, env: di
     if DS in commands:
         runs[DS_SYNCED] = []
     for round_ in range(repeat):
-        order = list(commands.items())
+        order = [(label, command) for label, command in commands.items() if label != DS or round_ < ds_repeat]
         random.Random(round_).shuffle(order)
         for label, command in order:
             shutil.rmtree(out, ignore_errors=True)
@@ -257,6 +259,8 @@ def timed_rounds(commands: dict[str, list[str]], repeat: int, out: Path, env: di
                 seconds, rss = runs[DS][-1]
                 runs[DS_SYNCED].append((seconds + time.monotonic() - started, rss))
                 sizes.setdefault(DS, folder_bytes(out))
+                if round_ == ds_repeat - 1:
+                    out.rename(keep)
             shutil.rmtree(out, ignore_errors=True)
             print(f"  {label}: {runs[label][-1][0]:.2f} s, {runs[label][-1][1] / 2**20:.0f} MiB", flush=True)
     return runs
@@ -294,7 +298,7 @@ def engine_start(case: Case, ckpt: Path, universal: bool, scratch: Path, repeat:
                    statistics.median(loads))
 
 
-def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, load_repeat: int, with_ds: bool,
+def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, ds_repeat: int, load_repeat: int, with_ds: bool,
           ) -> tuple[list[Measure], dict[str, int], dict[str, str]]:
     from benchmarks.floor import ranges_of
     from benchmarks.reshard import folder_bytes, warm
@@ -317,26 +321,20 @@ def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, load_repeat: in
     shutil.rmtree(out, ignore_errors=True)
     spec = scratch / "floor.json"
     spec.write_text(json.dumps({"ranges": ranges_of(sources), "out_bytes": sizes[CKPTFLOW], "fsync": True}))
-    universal = scratch / "universal" / tag  # ds_to_universal writes `latest_universal` beside it
+    universal = scratch / "universal"  # <tag>/ and `latest_universal`, as ds_to_universal writes them
     commands = {CKPTFLOW: reshard, FLOOR: [py, str(Path(__file__).with_name("floor.py")), str(spec), str(out / "f")]}
-
-    def ds_to_universal(output: Path) -> list[str]:
-        return [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
-                "--output_folder", str(output)] + (["--inject_missing_state"] if case.inject else [])
-
     if with_ds:
-        commands[DS] = ds_to_universal(out / tag)
+        commands[DS] = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
+                        "--output_folder", str(out / tag)] + (["--inject_missing_state"] if case.inject else [])
     compile_sources()
     warm(ckpt)
-    runs = timed_rounds(commands, repeat, out, env, sizes)
+    runs = timed_rounds(commands, max(repeat, ds_repeat), out, env, sizes, ds_repeat=ds_repeat, keep=universal)
     measures = [Measure(label, statistics.median(s for s, _ in r), int(statistics.median(m for _, m in r)))
                 for label, r in runs.items()] + measures
     if with_ds:
-        universal.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(ds_to_universal(universal), check=True, env={**os.environ, **env}, capture_output=True)
-        loaded = engine_start(case, universal.parent, True, scratch, load_repeat)
+        loaded = engine_start(case, universal, True, scratch, load_repeat)
         measures.append(loaded) if isinstance(loaded, Measure) else failures.setdefault(LOAD_UNIVERSAL, loaded)
-        shutil.rmtree(universal.parent, ignore_errors=True)
+        shutil.rmtree(universal, ignore_errors=True)
     return measures, sizes, failures
 
 
@@ -368,6 +366,7 @@ def describe(spec: Any) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Benchmark ckptflow reshard across shapes (issue 24).")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--ds-repeat", type=int, default=1, help="ds_to_universal runs (minutes each here)")
     parser.add_argument("--load-repeat", type=int, default=1)
     parser.add_argument("--cases", default="zero,tp,ep", help="any of zero, tp, ep, comma-separated")
     parser.add_argument("--no-small", action="store_true", help="skip the half-size checkpoints")
@@ -398,9 +397,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.build_only:
         return
     lines = [SECTION, "", f"Machine: {machine()}. Command: `.venv/bin/python -m benchmarks.shapes --repeat "
-             f"{args.repeat} --load-repeat {args.load_repeat} --cases {args.cases}"
+             f"{args.repeat} --ds-repeat {args.ds_repeat} --load-repeat {args.load_repeat} --cases {args.cases}"
              f"{' --no-small' if args.no_small else ''} --write-results`. Single-process runs: median of "
-             f"{args.repeat} rounds, each in a new shuffled order, page cache warm, `sync` before each; engine "
+             f"{args.repeat} rounds (ds_to_universal: {args.ds_repeat}, minutes each here), each in a new shuffled order, "
+             "page cache warm, `sync` before each; engine "
              f"starts: median of {args.load_repeat} launch(es) of fresh CPU ranks. Checkpoints written by DeepSpeed "
              "0.19.8 on CPU (bf16, one AdamW step); shapes in the module docstring. ckptflow fsyncs its output; "
              "ds_to_universal does not, so \"+ sync\" adds a timed `sync` after it. The floor reads every source "
@@ -409,16 +409,20 @@ def main(argv: list[str] | None = None) -> None:
     for case in chosen:
         for spec in [case.spec] + ([] if args.no_small else [case.small]):
             scratch = Path(tempfile.mkdtemp(prefix="ckptflow-bench-shapes-", dir=DATA))
+            load = os.getloadavg()
             try:
                 print(f"{case.key}, {spec.name}", flush=True)
                 measures, sizes, failures = bench(case, ckpts[spec], scratch, repeat=args.repeat,
+                                                  ds_repeat=args.ds_repeat if spec is case.spec else 0,
                                                   load_repeat=args.load_repeat, with_ds=spec is case.spec)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             results[spec] = {m.label: m for m in measures}
             title = (f"{case.title} (`{' '.join(case.flags())}`), {describe(spec)}: source "
                      f"{sizes['source'] / 1e9:.2f} GB, ckptflow output {sizes[CKPTFLOW] / 1e9:.2f} GB"
-                     + (f", ds_to_universal output {sizes[DS] / 1e9:.2f} GB" if DS in sizes else ""))
+                     + (f", ds_to_universal output {sizes[DS] / 1e9:.2f} GB" if DS in sizes else "")
+                     + f"; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at its start, "
+                     + "{:.1f} / {:.1f} / {:.1f} at its end".format(*os.getloadavg()))
             block = table(title, measures, case.world_size)
             for label, why in failures.items():
                 block += [f"{label} failed on CPU: `{why.splitlines()[0]}`", "", "```", why, "```", ""]
