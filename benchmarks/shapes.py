@@ -59,6 +59,7 @@ DATA = REPO_ROOT / "benchmarks" / ".data"
 SECTION = "## Reshard across shapes (issue 24)"
 CKPTFLOW, FLOOR, DS, DS_SYNCED = "ckptflow reshard", "I/O floor", "ds_to_universal", "ds_to_universal + sync"
 LOAD_UNIVERSAL, LOAD_NATIVE = "target engine start, load_universal", "target engine start, ckptflow output"
+LOAD_RENAMED = "target engine start, load_universal, model states file renamed by hand"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,7 +267,7 @@ def timed_rounds(commands: dict[str, list[str]], repeat: int, out: Path, env: di
     return runs
 
 
-def engine_start(case: Case, ckpt: Path, universal: bool, scratch: Path, repeat: int) -> Measure | str:
+def engine_start(case: Case, ckpt: Path, universal: bool, scratch: Path, repeat: int, label: str) -> Measure | str:
     """The target engine's start from `ckpt` on `case.world_size` CPU ranks, or why it failed."""
     sys.path.insert(0, str(REPO_ROOT))
     from tests.fixtures.launch import LaunchError, launch
@@ -275,7 +276,7 @@ def engine_start(case: Case, ckpt: Path, universal: bool, scratch: Path, repeat:
            "universal": universal}
     walls, loads, rss = [], [], []
     for attempt in range(repeat):
-        logs = scratch / f"logs-{universal}-{attempt}"
+        logs = scratch / f"logs-{len(label)}-{attempt}"
         os.sync()
         try:
             result = launch("benchmarks.shapes", case.world_size, ["--load", json.dumps(job)], timeout=1500.0,
@@ -291,10 +292,9 @@ def engine_start(case: Case, ckpt: Path, universal: bool, scratch: Path, repeat:
         walls.append(result.seconds)
         loads.append(max(values["LOAD_SECONDS"]))
         rss.append(sum(values["PEAK_RSS"]))
-        label = LOAD_UNIVERSAL if universal else LOAD_NATIVE
         print(f"  {label}: {result.seconds:.2f} s (load_checkpoint {loads[-1]:.2f} s), "
               f"{rss[-1] / 2**20:.0f} MiB over {case.world_size} ranks", flush=True)
-    return Measure(LOAD_UNIVERSAL if universal else LOAD_NATIVE, statistics.median(walls), int(statistics.median(rss)),
+    return Measure(label, statistics.median(walls), int(statistics.median(rss)),
                    statistics.median(loads))
 
 
@@ -316,7 +316,7 @@ def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, ds_repeat: int,
     failures: dict[str, str] = {}
     measures: list[Measure] = []
     if with_ds:  # the target engine loads ckptflow's output natively: the step both routes share
-        native = engine_start(case, out, False, scratch, load_repeat)
+        native = engine_start(case, out, False, scratch, load_repeat, LOAD_NATIVE)
         measures.append(native) if isinstance(native, Measure) else failures.setdefault(LOAD_NATIVE, native)
     shutil.rmtree(out, ignore_errors=True)
     spec = scratch / "floor.json"
@@ -332,10 +332,31 @@ def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, ds_repeat: int,
     measures = [Measure(label, statistics.median(s for s, _ in r), int(statistics.median(m for _, m in r)))
                 for label, r in runs.items()] + measures
     if with_ds:
-        loaded = engine_start(case, universal, True, scratch, load_repeat)
+        loaded = engine_start(case, universal, True, scratch, load_repeat, LOAD_UNIVERSAL)
         measures.append(loaded) if isinstance(loaded, Measure) else failures.setdefault(LOAD_UNIVERSAL, loaded)
+        if not isinstance(loaded, Measure) and case.target.get("zero_stage") == 3 and zero3_model_states(universal / tag):
+            loaded = engine_start(case, universal, True, scratch, load_repeat, LOAD_RENAMED)
+            measures.append(loaded) if isinstance(loaded, Measure) else failures.setdefault(LOAD_RENAMED, loaded)
         shutil.rmtree(universal, ignore_errors=True)
     return measures, sizes, failures
+
+
+def zero3_model_states(tag_dir: Path) -> bool:
+    """A ZeRO-3 engine with `load_universal` looks for `zero_pp_rank_0_mp_rank_XX_model_states.pt`
+    (deepspeed/runtime/engine.py, `_get_all_ckpt_names`); the universal folder of a ZeRO-1/2 source holds
+    `mp_rank_XX_model_states.pt`. Link each under the ZeRO-3 name, as a user would have to: whether
+    anything was linked."""
+    linked = False
+    for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+        alias = tag_dir / f"zero_pp_rank_0_{path.name}"
+        if not alias.exists():
+            alias.symlink_to(path.name)
+            linked = True
+    return linked
+
+
+def universal_start(by: dict[str, Measure]) -> Measure | None:
+    return by.get(LOAD_UNIVERSAL) or by.get(LOAD_RENAMED)
 
 
 def table(title: str, measures: list[Measure], world_size: int) -> list[str]:
@@ -349,8 +370,9 @@ def table(title: str, measures: list[Measure], world_size: int) -> list[str]:
         vs_ours = f"{m.seconds / ours.seconds:.2f}" if m.label != CKPTFLOW and m.load_seconds is None else ""
         vs_floor = f"{m.seconds / floor.seconds:.2f}" if m.label in (CKPTFLOW, DS_SYNCED) else ""
         lines.append(f"| {m.label} | {m.seconds:.2f} s | {load} | {rss} | {vs_ours} | {vs_floor} |")
-    if DS_SYNCED in by and LOAD_UNIVERSAL in by and LOAD_NATIVE in by:
-        ds_route = by[DS_SYNCED].seconds + by[LOAD_UNIVERSAL].seconds
+    start = universal_start(by)
+    if DS_SYNCED in by and start and LOAD_NATIVE in by:
+        ds_route = by[DS_SYNCED].seconds + start.seconds
         our_route = ours.seconds + by[LOAD_NATIVE].seconds
         lines.append(f"| DeepSpeed route: ds_to_universal + sync, then start from it | {ds_route:.2f} s | | | "
                      f"{ds_route / ours.seconds:.2f} | |")
@@ -442,8 +464,9 @@ def targets(chosen: list[Case], results: dict[Any, dict[str, Measure]], no_small
         ratio = big[CKPTFLOW].seconds / big[FLOOR].seconds
         ds = f"{big[DS_SYNCED].seconds / big[CKPTFLOW].seconds:.1f}x" if DS_SYNCED in big else ""
         route = ""
-        if all(k in big for k in (DS_SYNCED, LOAD_UNIVERSAL, LOAD_NATIVE)):
-            theirs = big[DS_SYNCED].seconds + big[LOAD_UNIVERSAL].seconds
+        start = universal_start(big)
+        if DS_SYNCED in big and start and LOAD_NATIVE in big:
+            theirs = big[DS_SYNCED].seconds + start.seconds
             route = f"{theirs / (big[CKPTFLOW].seconds + big[LOAD_NATIVE].seconds):.1f}x"
         flat = ""
         if not no_small:
