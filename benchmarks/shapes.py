@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-repeat", type=int, default=1)
     parser.add_argument("--cases", default="zero,tp,ep", help="any of zero, tp, ep, comma-separated")
     parser.add_argument("--no-small", action="store_true", help="skip the half-size checkpoints")
+    parser.add_argument("--no-deepspeed", action="store_true", help="ckptflow and the floor only")
     parser.add_argument("--build-only", action="store_true", help="build the checkpoints and stop")
     parser.add_argument("--write-results", action="store_true", help="replace this benchmark's RESULTS.md section")
     parser.add_argument("--write", help=argparse.SUPPRESS)  # rank side: a TPSpec as JSON
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     lines = [SECTION, "", f"Machine: {machine()}. Command: `.venv/bin/python -m benchmarks.shapes --repeat "
              f"{args.repeat} --ds-repeat {args.ds_repeat} --load-repeat {args.load_repeat} --cases {args.cases}"
-             f"{' --no-small' if args.no_small else ''} --write-results`. Single-process runs: median of "
+             f"{' --no-small' if args.no_small else ''}{' --no-deepspeed' if args.no_deepspeed else ''} --write-results`. Single-process runs: median of "
              f"{args.repeat} rounds (ds_to_universal: {args.ds_repeat}, minutes each here), each in a new shuffled order, "
              "page cache warm, `sync` before each; engine "
              f"starts: median of {args.load_repeat} launch(es) of fresh CPU ranks. Checkpoints written by DeepSpeed "
@@ -436,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{case.key}, {spec.name}", flush=True)
                 measures, sizes, failures = bench(case, ckpts[spec], scratch, repeat=args.repeat,
                                                   ds_repeat=args.ds_repeat if spec is case.spec else 0,
-                                                  load_repeat=args.load_repeat, with_ds=spec is case.spec)
+                                                  load_repeat=args.load_repeat,
+                                                  with_ds=spec is case.spec and not args.no_deepspeed)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             results[spec] = {m.label: m for m in measures}
