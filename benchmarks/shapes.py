@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                      + "{:.1f} / {:.1f} / {:.1f} at its end".format(*os.getloadavg()))
             block = table(title, measures, case.world_size)
             for label, why in failures.items():
-                block += [f"{label} failed on CPU: `{why.splitlines()[0]}`", "", "```", why, "```", ""]
+                block += [f"{label} failed (DeepSpeed 0.19.8, CPU ranks): `{why.splitlines()[0]}`", "", "```", why, "```", ""]
             print("\n".join(block), flush=True)
             lines += block
     lines += targets(chosen, results, args.no_small)
