@@ -75,14 +75,14 @@ def remove(spec: BenchSpec, *, data: Path = DATA) -> None:
     shutil.rmtree(data / spec.name, ignore_errors=True)
 
 
-def _write(spec: BenchSpec, out: Path) -> None:
-    """Rank side: build the model, train one step, save (run on every rank by `launch`)."""
+def initialize(spec: BenchSpec, *, stage: int | None = None, overrides: dict[str, Any] | None = None) -> Any:
+    """A DeepSpeed engine for `spec`'s model at ZeRO `stage` (default: the spec's) and this launch's world
+    size; `overrides` adds top-level config keys (e.g. `{"checkpoint": {"load_universal": True}}`)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch
     from torch import nn
 
-    deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(spec.layers):
@@ -94,15 +94,27 @@ def _write(spec: BenchSpec, out: Path) -> None:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_optimization": {"stage": spec.stage},
+        "zero_optimization": {"stage": spec.stage if stage is None else stage},
         "bf16": {"enabled": spec.dtype == "bf16"},
         "steps_per_print": 1000,
+        **(overrides or {}),
     }
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[{"params": decay, "weight_decay": 0.01},
                                        {"params": no_decay, "weight_decay": 0.0}],
         config=config,
     )
+    return engine
+
+
+def _write(spec: BenchSpec, out: Path) -> None:
+    """Rank side: build the model, train one step, save (run on every rank by `launch`)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = initialize(spec)
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
     x = torch.randn(2, spec.width, dtype=dtype)
     loss = engine(x).float().pow(2).mean()

@@ -50,6 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "benchmarks" / ".data"
@@ -96,8 +97,9 @@ def build(spec: MoESpec, *, data: Path = DATA, timeout: float = 3600.0) -> Path:
     return build_with(spec, data=data, timeout=timeout, writer="benchmarks.moe", keep_logs=True)
 
 
-def _write(spec: MoESpec, out: Path) -> None:
-    """Rank side: build the model, train one step with AutoEP, save (run on every rank by `launch`)."""
+def initialize(spec: MoESpec, *, ep: int | None = None, overrides: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """A DeepSpeed engine for `spec`'s model with AutoEP of degree `ep` (default: the spec's) at this
+    launch's world size, and the model's Hugging Face config; `overrides` adds top-level config keys."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch
@@ -107,7 +109,6 @@ def _write(spec: MoESpec, out: Path) -> None:
     from tests.fixtures.models.parallel import param_groups
     from tests.fixtures.writers.parallel import patch_transformers_output_capture_registry
 
-    deepspeed.init_distributed(dist_backend="gloo")
     patch_transformers_output_capture_registry()
     config = transformers.Qwen3MoeConfig(
         vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
@@ -125,19 +126,31 @@ def _write(spec: MoESpec, out: Path) -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": spec.stage},
         "bf16": {"enabled": spec.dtype == "bf16"},
-        "expert_parallel": {"enabled": True, "autoep_size": spec.ep, "preset_model": "qwen3_moe",
-                            "use_grouped_mm": False},
+        "expert_parallel": {"enabled": True, "autoep_size": spec.ep if ep is None else ep,
+                            "preset_model": "qwen3_moe", "use_grouped_mm": False},
         "steps_per_print": 1000,
+        **(overrides or {}),
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
+    config.dtype = dtype
+    config.architectures = [type(model).__name__]
+    return engine, config
+
+
+def _write(spec: MoESpec, out: Path) -> None:
+    """Rank side: build the model, train one step with AutoEP, save (run on every rank by `launch`)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, config = initialize(spec)
     ids = torch.randint(0, spec.vocab, (1, 16), generator=torch.Generator().manual_seed(deepspeed.comm.get_rank()))
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(str(out))
     if deepspeed.comm.get_rank() == 0:
-        config.dtype = dtype
-        config.architectures = [type(model).__name__]
         config.save_pretrained(out)
     deepspeed.comm.barrier()
     from benchmarks.ckpt_builder import _remove_shm_buffer
