@@ -79,16 +79,23 @@ def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = N
 
     The source is validated first: any problem refuses it (`CheckpointError` naming the first one).
     An `out` inside the source's tag folder is refused (`OutputError`)."""
+    index = _valid_index(src, tag, "reshard", strict_pickle=strict_pickle)
+    plan = plan_reshard(index, target, model_config(index.root))
+    _check_not_inside(plan, out)
+    carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
+    return plan
+
+
+def _valid_index(src: str, tag: str | None, doing: str, *, strict_pickle: bool = False) -> Any:
+    """The index of the checkpoint at `src`, validated first: any problem refuses it (`CheckpointError`
+    naming the first one, "refusing to `doing` SRC: ...")."""
     report = validate(src, tag=tag, strict_pickle=strict_pickle)
     if not report.ok or report.index is None:
         first = report.problems[0]
         more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
-        raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
+        raise CheckpointError(f"refusing to {doing} {src}: {first.message}{more}", code=first.code, uri=src,
                               file=first.file, rank=first.rank)
-    plan = plan_reshard(report.index, target, model_config(report.index.root))
-    _check_not_inside(plan, out)
-    carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
-    return plan
+    return report.index
 
 
 def model_config(root: str) -> Mapping[str, Any] | None:
@@ -131,13 +138,7 @@ def plan_shapes(src: str, world_size: int, *, tag: str | None = None) -> ShapePl
     """Every shape the checkpoint at `src` runs at on `world_size` ranks, with the per-GPU bytes each
     implies and whether ckptflow writes it; reads the checkpoint's index, writes nothing."""
     check_world_size(world_size)
-    report = validate(src, tag=tag)
-    if not report.ok or report.index is None:
-        first = report.problems[0]
-        more = and_more(len(report.problems) - 1, "problem", then=f"run `ckptflow validate {src}`")
-        raise CheckpointError(f"refusing to plan a reshard of {src}: {first.message}{more}", code=first.code, uri=src,
-                              file=first.file, rank=first.rank)
-    index = report.index
+    index = _valid_index(src, tag, "plan a reshard of")
     source = source_shape(index)
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape), reason=reason)
                     for shape, reason in shapes_at(index, world_size, model_config(index.root)))
