@@ -369,7 +369,7 @@ def reshard_command(
                                          help="Checkpoint folder to create, local or URL; absent or empty."),
     world_size: int = typer.Option(..., "--world-size", min=1,
                                    help="Ranks DeepSpeed runs the output at (what the launcher starts): "
-                                        "tp x pp x dp. Before 0.9 this was the data-parallel size."),
+                                        "tp x pp x dp (earlier releases took the data-parallel size here)."),
     stage: Optional[int] = typer.Option(None, "--zero-stage", min=1, max=3,
                                         help="ZeRO stage of the output (1, 2 or 3); default: the source's."),
     tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel", min=1,
