@@ -229,8 +229,12 @@ def _check_group_split(source: ExpertCheckpoint, zero: ZeroCheckpoint, shape: Sh
     elements, so the groups themselves depend on the degree: refuse where the source was cut or the
     target would be (ckptflow keeps the source's groups and does not re-cut them yet)."""
     by_name = zero.param_by_name
-    names = [str(g.hyper.get("name")) for g in zero.groups if _is_expert(g)]
-    cut = sorted({n for n in names if names.count(n) > 1})
+    # One expert group per (original param group, ep size); the pieces of a cut one share its name and
+    # every hyper-parameter.
+    keys = [repr(sorted((k, repr(v)) for k, v in g.hyper.items() if k != "params")) for g in zero.groups
+            if _is_expert(g)]
+    cut = sorted({str(g.hyper.get("name")) for g, key in zip((g for g in zero.groups if _is_expert(g)), keys)
+                  if keys.count(key) > 1})
     largest = max((sum(by_name[p].numel for p in g.params) for g in zero.groups if _is_expert(g)), default=0)
     target = largest * source.ep // shape.ep
     if cut or target > MAX_MOE_GROUP_SIZE:
