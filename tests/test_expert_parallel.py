@@ -618,11 +618,11 @@ def test_expert_groups_that_deepspeed_cuts_by_size_are_refused(expert_fixtures, 
     (`split_params_into_different_moe_groups_for_optimizer`), so the groups depend on the degree; until
     ckptflow re-cuts them, a change that would move the cut is refused, nothing written. (Measured on the
     0.49B AutoEP benchmark model, whose ep_size_2 group is cut in two; here the limit is lowered.)"""
-    from ckptflow.reshard import experts
+    from ckptflow.reshard import shape
 
     source = expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"]
-    monkeypatch.setattr(experts, "MAX_MOE_GROUP_SIZE", 10)
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 1: at ep1 a rank's expert param group would hold [\d,]+ "
+    monkeypatch.setattr(shape, "MAX_MOE_GROUP_SIZE", 10)
+    with pytest.raises(UnsupportedCheckpointError, match=r"ep1: at ep1 a rank's expert param group would hold [\d,]+ "
                                                          r"elements, which DeepSpeed cuts into groups of at most 10, "
                                                          r"and the groups differ with the degree; ckptflow does not "
                                                          r"re-cut them yet"):

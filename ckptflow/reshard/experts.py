@@ -44,7 +44,7 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import plan_expert_parallel
 from ckptflow.reshard.flats import append_copy
-from ckptflow.reshard.shape import Shape, expert_counts
+from ckptflow.reshard.shape import Shape, expert_counts, expert_group_cut
 from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
 
 _DSMOE_EXPERT = re.compile(r"^(?P<layer>.+\.deepspeed_moe\.experts\.deepspeed_experts)\.(?P<id>\d+)\.(?P<rest>.+)$")
@@ -219,31 +219,11 @@ def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPl
     return _plan(source, zero, groups, shape)
 
 
-# `deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`'s default: an expert param
-# group is cut into several once its rank-local parameters pass this many elements.
-MAX_MOE_GROUP_SIZE = 178_956_971
-
-
 def _check_group_split(source: ExpertCheckpoint, zero: ZeroCheckpoint, shape: Shape) -> None:
-    """DeepSpeed cuts an expert param group into several of at most `MAX_MOE_GROUP_SIZE` rank-local
-    elements, so the groups themselves depend on the degree: refuse where the source was cut or the
-    target would be (ckptflow keeps the source's groups and does not re-cut them yet)."""
-    by_name = zero.param_by_name
-    # One expert group per (original param group, ep size); the pieces of a cut one share its name and
-    # every hyper-parameter.
-    keys = [repr(sorted((k, repr(v)) for k, v in g.hyper.items() if k != "params")) for g in zero.groups
-            if _is_expert(g)]
-    cut = sorted({str(g.hyper.get("name")) for g, key in zip((g for g in zero.groups if _is_expert(g)), keys)
-                  if keys.count(key) > 1})
-    largest = max((sum(by_name[p].numel for p in g.params) for g in zero.groups if _is_expert(g)), default=0)
-    target = largest * source.ep // shape.ep
-    if cut or target > MAX_MOE_GROUP_SIZE:
-        why = (f"DeepSpeed cut its expert param group {cut[0]} into several of at most {MAX_MOE_GROUP_SIZE:,} "
-               "rank-local elements" if cut else
-               f"at ep{shape.ep} a rank's expert param group would hold {target:,} elements, which DeepSpeed cuts "
-               f"into groups of at most {MAX_MOE_GROUP_SIZE:,}")
-        raise _refuse(source, shape, f"{why}, and the groups differ with the degree; ckptflow does not re-cut them "
-                      "yet", "convert it with DeepSpeed's universal converter (ds_to_universal)")
+    """Refuse where DeepSpeed's size cut of expert groups differs between the degrees (`shape.expert_group_cut`)."""
+    why = expert_group_cut(source, shape.ep)
+    if why is not None:
+        raise _refuse(source, shape, why, "convert it with DeepSpeed's universal converter (ds_to_universal)")
 
 
 def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:

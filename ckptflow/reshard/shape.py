@@ -129,6 +129,37 @@ def expert_counts(index: Any) -> tuple[int, ...]:
     return ()
 
 
+# `deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`'s default: an expert param
+# group is cut into several once its rank-local parameters pass this many elements.
+MAX_MOE_GROUP_SIZE = 178_956_971
+
+
+def expert_group_cut(index: Any, ep: int) -> str | None:
+    """Why DeepSpeed's size cut of expert param groups stops `index` from moving to `ep` (None: it does
+    not): the cut depends on the rank-local size, so the groups differ with the degree where the source
+    was cut or the target would be, and ckptflow keeps the source's groups (it does not re-cut them yet)."""
+    zero = getattr(index, "zero", None)
+    if zero is None:
+        return None
+    experts = [g for g in zero.groups if g.ep > 1 or bool(g.hyper.get("moe"))]
+    # One expert group per (original param group, ep size); a cut one's pieces share its name and every
+    # hyper-parameter.
+    keys = [repr(sorted((k, repr(v)) for k, v in g.hyper.items() if k != "params")) for g in experts]
+    cut = sorted({str(g.hyper.get("name")) for g, key in zip(experts, keys) if keys.count(key) > 1})
+    by_name = zero.param_by_name
+    largest = max((sum(by_name[p].numel for p in g.params) for g in experts), default=0)
+    target = largest * index.ep // ep
+    if cut:
+        why = (f"DeepSpeed cut its expert param group {cut[0]} into several of at most {MAX_MOE_GROUP_SIZE:,} "
+               "rank-local elements")
+    elif target > MAX_MOE_GROUP_SIZE:
+        why = (f"at ep{ep} a rank's expert param group would hold {target:,} elements, which DeepSpeed cuts into "
+               f"groups of at most {MAX_MOE_GROUP_SIZE:,}")
+    else:
+        return None
+    return f"{why}, and the groups differ with the degree; ckptflow does not re-cut them yet"
+
+
 def source_shape(index: Any) -> Shape:
     """The shape `index` was saved at."""
     d = index.degrees
@@ -263,7 +294,7 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
     if any(n % shape.ep for n in counts):
         experts = "/".join(map(str, counts))
         return f"{shape.ep} expert-parallel ranks do not split the {experts} experts of its MoE layers"
-    return None
+    return expert_group_cut(index, shape.ep)
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:
