@@ -39,11 +39,17 @@ def append_copy(copies: list[Copy], c: Copy) -> None:
         copies.append(c)
 
 
-def fragment_copies(fragments: Sequence[Fragment], first: int, last: int, dst: int) -> list[Copy]:
+def fragment_copies(fragments: Sequence[Fragment], first: int, last: int, dst: int,
+                    starts: Sequence[int] | None = None) -> list[Copy]:
     """Copies of parameter elements [first, last) to `dst` onwards, out of the source ranks' flat
-    partitions that hold them (`fragments`: the parameter's, in parameter order)."""
+    partitions that hold them (`fragments`: the parameter's, in parameter order; `starts`, their
+    `param_offset`s, lets it skip to the first one that matters: a 1024-rank parameter has 1024)."""
     out: list[Copy] = []
-    for f in fragments:
+    i = max(0, bisect.bisect_right(starts, first) - 1) if starts is not None else 0
+    for j in range(i, len(fragments)):
+        f = fragments[j]
+        if f.param_offset >= last:
+            break
         a, b = max(first, f.param_offset), min(last, f.param_offset + f.numel)
         if a < b:
             append_copy(out, Copy(src_rank=f.rank, src_flat=f.group, src_offset=f.offset + a - f.param_offset,

@@ -83,7 +83,8 @@ def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, s
 def _copies(index: ZeroCheckpoint) -> Copies:
     """`flats.Copies` out of `index`'s fragments: every trainable parameter's, in parameter order."""
     fragments = {p.name: sorted(p.fragments, key=lambda f: f.param_offset) for p in index.params if not p.frozen}
-    return lambda name, _group, first, last, dst: fragment_copies(fragments[name], first, last, dst)
+    starts = {name: [f.param_offset for f in frags] for name, frags in fragments.items()}
+    return lambda name, _group, first, last, dst: fragment_copies(fragments[name], first, last, dst, starts[name])
 
 
 def _frozen_piece_copies(param: Param, source_stage: int, source_ws: int, lo: int, hi: int, dst: int) -> list[Copy]:
