@@ -19,7 +19,15 @@ from dataclasses import dataclass, replace
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Fragment, Param
-from ckptflow.formats.deepspeed.partition import Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.partition import (
+    Copy,
+    param_alignment,
+    piece_offsets,
+    zero3_piece,
+    zero3_real,
+    zero3_sub_groups,
+    zero12_layout,
+)
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.units import TargetFlat
@@ -150,4 +158,29 @@ def zero12_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Cop
                        module=tuple(module))
 
 
-__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "zero12_flats"]
+def zero3_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Copies, *, sub_group_size: int
+                ) -> tuple[tuple[tuple[TargetFlat, ...], ...], tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]]:
+    """`groups` laid out as `DeepSpeedZeroOptimizer_Stage3` does at `world_size` ranks: every parameter
+    cut into equal pieces, a rank's flat its pieces in order, split into sub-groups of `sub_group_size`;
+    each piece filled by `copies`. Per target rank its flats, and per flat its parameters' shapes."""
+    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    shapes = []
+    for g, params in enumerate(groups):
+        for sub in zero3_sub_groups([zero3_piece(p.numel, world_size) for p in params], sub_group_size):
+            members = [params[i] for i in sub]
+            offsets = piece_offsets([p.numel for p in members], world_size)
+            size = sum(zero3_piece(p.numel, world_size) for p in members)
+            for r in range(world_size):
+                out: list[Copy] = []
+                for p, off in zip(members, offsets):
+                    first = r * zero3_piece(p.numel, world_size)
+                    last = first + zero3_real(p.numel, world_size, r)
+                    if first < last:
+                        for c in copies(p.name, g, first, last, off):
+                            append_copy(out, c)
+                flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=tuple(out)))
+            shapes.append(tuple((p.name, p.shape) for p in members))
+    return tuple(map(tuple, flats)), tuple(shapes)
+
+
+__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "zero3_flats", "zero12_flats"]

@@ -30,22 +30,13 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import (
-    BF16,
-    ZERO,
-    ZERO3,
-    Copy,
-    piece_offsets,
-    zero3_piece,
-    zero3_real,
-    zero3_sub_groups,
-)
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import plan_data_parallel
-from ckptflow.reshard.flats import Copies, append_copy, fragment_copies, zero12_flats
-from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
+from ckptflow.reshard.flats import Copies, fragment_copies, zero3_flats, zero12_flats
+from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit
 
 
 def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParallelPlan:
@@ -101,27 +92,10 @@ def _frozen_piece_copies(param: Param, source_stage: int, source_ws: int, lo: in
 
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
-    group_size = sub_group_size(index.zero_config)
-    copies_of = _copies(index)
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
-    per_rank: list[list[TargetFlat]] = [[] for _ in range(world_size)]
-    flat_shapes = []
-    for g, group in enumerate(index.groups):
-        names = list(group.params)
-        numels = [by_name[n].numel for n in names]
-        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], group_size):
-            offsets = piece_offsets([numels[i] for i in sub], world_size)
-            size = sum(zero3_piece(numels[i], world_size) for i in sub)
-            for r in range(world_size):
-                copies: list[Copy] = []
-                for i, off in zip(sub, offsets):
-                    piece = zero3_piece(numels[i], world_size)
-                    lo, hi = r * piece, r * piece + zero3_real(numels[i], world_size, r)
-                    for c in copies_of(names[i], g, lo, hi, off):
-                        append_copy(copies, c)
-                per_rank[r].append(TargetFlat(group=g, numel=size, saved=size, copies=tuple(copies)))
-            flat_shapes.append(tuple((names[i], by_name[names[i]].shape) for i in sub))
+    per_rank, flat_shapes = zero3_flats([[by_name[n] for n in group.params] for group in index.groups], world_size,
+                                        _copies(index), sub_group_size=sub_group_size(index.zero_config))
     frozen = [p for p in index.params if p.frozen]
     units = []
     for r in range(world_size):

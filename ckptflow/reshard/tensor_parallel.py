@@ -28,13 +28,13 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, piece_offsets, zero3_piece, zero3_sub_groups
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.flats import ModelRuns, append_copy, zero12_flats
+from ckptflow.reshard.flats import ModelRuns, zero3_flats, zero12_flats
 from ckptflow.reshard.shape import check_world_size
-from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
+from ckptflow.reshard.units import DataParallelPlan, RankUnit
 
 
 def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int, *, stage: int | None = None
@@ -156,29 +156,10 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
 
 
 def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
-    runs = ModelRuns(index)
     by_name = source.param_by_name
-    group_size = sub_group_size(source.zero_config)
     n_tensors = source.tensors_per_partition
-    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
-    flat_shapes = []
-    for g, group in enumerate(source.groups):
-        names = list(group.params)
-        numels = [by_name[n].numel for n in names]
-        for sub in zero3_sub_groups([zero3_piece(n, world_size) for n in numels], group_size):
-            sub_names, sub_numels = [names[i] for i in sub], [numels[i] for i in sub]
-            offsets = piece_offsets(sub_numels, world_size)
-            size = sum(zero3_piece(n, world_size) for n in sub_numels)
-            for r in range(world_size):
-                copies: list[Copy] = []
-                for name, numel, off in zip(sub_names, sub_numels, offsets):
-                    piece = zero3_piece(numel, world_size)
-                    first, last = r * piece, min(numel, (r + 1) * piece)
-                    if first < last:
-                        for c in runs.copies(name, g, first, last, off):
-                            append_copy(copies, c)
-                flats[r].append(TargetFlat(group=g, numel=size, saved=size, copies=tuple(copies)))
-            flat_shapes.append(tuple((n, by_name[n].shape) for n in sub_names))
+    flats, flat_shapes = zero3_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
+                                     ModelRuns(index).copies, sub_group_size=sub_group_size(source.zero_config))
     units = []
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
