@@ -428,7 +428,10 @@ def render_shapes(src: str, world_size: int, tag: str | None) -> None:
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard.run import plan_shapes
 
-    shapes = plan_shapes(src, world_size, tag=tag)
+    try:
+        shapes = plan_shapes(src, world_size, tag=tag)
+    except CkptflowError as exc:
+        raise fail(exc) from None
     table = Table(box=None, pad_edge=False)
     table.add_column("shape")
     for name in ("weights", "gradients", "optimizer", "per GPU"):

@@ -137,3 +137,11 @@ def test_the_cli_refuses_a_shape_in_one_line(ds_fixtures: Mapping[str, Any], tmp
     assert result.output.startswith(f"error: cannot reshard {src}/global_step3 (ZeRO-1 dp2 (2 ranks)) to 2 ranks, "
                                     "ZeRO-3: ckptflow does not move BF16_Optimizer state")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_plan_of_a_folder_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["reshard", str(tmp_path), "--world-size", "2", "--plan"],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 1
+    assert result.output == (f"error: refusing to plan a reshard of {tmp_path}: no `latest` file in {tmp_path}; point "
+                             "at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass --tag\n")
