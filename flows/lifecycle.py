@@ -177,11 +177,12 @@ def checkpoint_lifecycle(
                     checkpoint, model_future, device=verification.device or None
                 )
     reshard_futures = {}
-    for n in reshard.world_sizes:
-        out = paths.reshard_folder(base, n, reshard.tensor_parallel, reshard.stage)
+    shapes = {target.world_size: target for target in reshard.targets()}
+    for n, target in shapes.items():
+        out = paths.reshard_folder(base, target)
         reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
-            checkpoint, out, n, cluster=cluster or None, tensor_parallel=reshard.tensor_parallel,
-            stage=reshard.stage)
+            checkpoint, out, n, cluster=cluster or None, tensor_parallel=target.tp, stage=target.stage,
+            pipeline_parallel=target.pp, expert_parallel=target.ep)
 
     failures: list[str] = []
     model = _outcome(model_future, "consolidation", failures)
@@ -200,8 +201,7 @@ def checkpoint_lifecycle(
         if dest.includes("model") and model is not None:
             targets.append((model, *paths.model_destination(dest, checkpoint.tag)))
         if dest.includes("reshards"):
-            targets += [(o, *paths.reshard_destination(dest, checkpoint.tag, n, reshard.tensor_parallel,
-                                                       reshard.stage))
+            targets += [(o, *paths.reshard_destination(dest, checkpoint.tag, shapes[n]))
                         for n, o in reshards.items() if o]
         for output, uri, revision in targets:
             # A bucket destination whose manifest is gone (deleted since) is published again.
@@ -423,9 +423,8 @@ def _summary(
                      f"{code(model.uri)}")
     for n, out in sorted(reshards.items()):
         if out is not None:
-            merged = ", tensor parallelism merged" if out.details.get("tensor_parallel") else ""
-            merged += f", {out.details['shape']}" if out.details.get("shape") else ""
-            built.append(f"- **ZeRO checkpoint for {n} rank(s)**{merged} ({format_size(out.bytes or 0)}): "
+            shape = f", {out.details['shape']}" if out.details.get("shape") else ""
+            built.append(f"- **ZeRO checkpoint for {n} rank(s)**{shape} ({format_size(out.bytes or 0)}): "
                          f"{code(out.uri)}")
     if built:
         lines += ["## Built", ""] + built + [""]

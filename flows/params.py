@@ -22,6 +22,7 @@ from prefect.blocks.system import Secret
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from ckptflow import DEFAULT_DTYPE
+from ckptflow.reshard.shape import Target
 
 # A size such as '5GB', '500MB', '2GiB' or a byte count, as a JSON-schema pattern (no regex flags there).
 SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([KkMmGgTt][Ii]?[Bb]|[Bb])?\s*$"
@@ -44,6 +45,8 @@ Text = Annotated[str, BeforeValidator(_text)]
 """Optional text for the form: a plain input; empty means not set."""
 
 WorldSize = Annotated[int, Field(ge=1, le=65536)]
+# A parallel degree of a reshard target; 0 keeps the source's (a number field has no "empty" in the form).
+Degree = Annotated[int, Field(ge=0, le=65536)]
 
 
 class _Options(BaseModel):
@@ -147,7 +150,7 @@ class ConsolidationOptions(_Options):
 
 class ReshardOptions(_Options):
     """ZeRO checkpoints rewritten for other numbers of GPUs: each target a shape (ranks, and the ZeRO
-    stage and tensor-parallel degree when they change)."""
+    stage and the tensor-, pipeline- and expert-parallel degrees when they change)."""
 
     world_sizes: list[WorldSize] = Field(
         default_factory=list,
@@ -168,17 +171,48 @@ class ReshardOptions(_Options):
         """The ZeRO stage to write, or None to keep the source's."""
         return None if self.zero_stage == "source" else int(self.zero_stage)
 
+    tensor_parallel_degree: Degree = Field(
+        default=0,
+        title="Tensor-parallel degree",
+        description="The tensor-parallel degree of each target (AutoTP: 1 merges the shards); 0 keeps the "
+        "source's. Written to zero-wsN-tpT. The data-parallel degree is what the ranks leave: N / (tp x pp).",
+    )
+    pipeline_parallel_degree: Degree = Field(
+        default=0,
+        title="Pipeline stages",
+        description="The pipeline-parallel degree of each target (PipelineModule); 0 keeps the source's. "
+        "Written to zero-wsN-ppP.",
+    )
+    expert_parallel_degree: Degree = Field(
+        default=0,
+        title="Expert-parallel degree",
+        description="The expert-parallel degree of each target (AutoEP, deepspeed.moe): it must divide every "
+        "layer's experts and the data-parallel ranks; 0 keeps the source's. Written to zero-wsN-epE.",
+    )
     merge_tensor_parallel: bool = Field(
         default=False,
         title="Merge tensor parallelism (AutoTP)",
-        description="AutoTP checkpoints only: also merge the tensor-parallel shards, so that training resumes "
-        "without tensor parallelism (tp 1) at each world size. Written to zero-wsN-tp1.",
+        description="The same as tensor-parallel degree 1, kept for deployments saved with it: AutoTP "
+        "checkpoints only, training resumes without tensor parallelism at each world size.",
     )
 
     @property
     def tensor_parallel(self) -> int | None:
-        """The tensor-parallel degree to merge to (1), or None to keep the source's."""
-        return 1 if self.merge_tensor_parallel else None
+        """The tensor-parallel degree to write, or None to keep the source's."""
+        return self.tensor_parallel_degree or (1 if self.merge_tensor_parallel else None)
+
+    def targets(self) -> list[Target]:
+        """One target shape per world size."""
+        return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
+                       pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None)
+                for n in self.world_sizes]
+
+    @model_validator(mode="after")
+    def _one_tensor_parallel_degree(self) -> ReshardOptions:
+        if self.merge_tensor_parallel and self.tensor_parallel_degree not in (0, 1):
+            raise ValueError(f"merge_tensor_parallel asks for tensor-parallel degree 1, but "
+                             f"tensor_parallel_degree is {self.tensor_parallel_degree}: set one of them")
+        return self
 
     @field_validator("world_sizes")
     @classmethod

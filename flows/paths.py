@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from ckptflow.plumbing.storage import join, open_fs
+from ckptflow.reshard.shape import Target
 from flows.params import ConsolidationOptions, Destination
 from tasks.caching import CACHE_VERSION
 from tasks.models import Checkpoint
@@ -59,15 +60,16 @@ def model_folder(base: str, options: ConsolidationOptions) -> str:
     return join(base, f"model-{options.dtype}-{digest}")
 
 
-def reshard_name(world_size: int, tensor_parallel: int | None = None, stage: int | None = None) -> str:
-    """'zero-ws4', 'zero-ws4-tp1' for a reshard that also merged the tensor parallelism, 'zero-ws4-z3' for
-    one to another ZeRO stage: the shape, by what changes."""
-    return (f"zero-ws{world_size}" + (f"-tp{tensor_parallel}" if tensor_parallel else "")
-            + (f"-z{stage}" if stage else ""))
+def reshard_name(target: Target) -> str:
+    """'zero-ws4', 'zero-ws4-tp1' for a reshard that also changed the tensor parallelism, 'zero-ws4-pp1-ep2'
+    for pipeline and expert parallelism, 'zero-ws4-z3' for another ZeRO stage: the shape, by what changes."""
+    degrees = "".join(f"-{axis}{degree}" for axis, degree in (("tp", target.tp), ("pp", target.pp), ("ep", target.ep))
+                      if degree is not None)
+    return f"zero-ws{target.world_size}{degrees}" + (f"-z{target.stage}" if target.stage is not None else "")
 
 
-def reshard_folder(base: str, world_size: int, tensor_parallel: int | None = None, stage: int | None = None) -> str:
-    return join(base, reshard_name(world_size, tensor_parallel, stage))
+def reshard_folder(base: str, target: Target) -> str:
+    return join(base, reshard_name(target))
 
 
 def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
@@ -77,10 +79,9 @@ def model_destination(dest: Destination, tag: str) -> tuple[str, str | None]:
     return join(dest.uri, tag, "model"), None
 
 
-def reshard_destination(dest: Destination, tag: str, world_size: int, tensor_parallel: int | None = None,
-                        stage: int | None = None) -> tuple[str, str | None]:
-    """(URI, revision) resharded checkpoint `world_size` goes to."""
-    branch = reshard_name(world_size, tensor_parallel, stage)
+def reshard_destination(dest: Destination, tag: str, target: Target) -> tuple[str, str | None]:
+    """(URI, revision) the checkpoint resharded to `target` goes to."""
+    branch = reshard_name(target)
     if dest.is_hub:
         return dest.uri, f"{dest.revision}-{branch}" if dest.revision else branch
     return join(dest.uri, tag, branch), None

@@ -31,7 +31,8 @@ WHERE_IT_RUNS = frozenset({"cluster"})
 # that mean "not set": left out of the key while not set, so that a result cached before the option
 # existed still matches (else the step runs again into an output folder that already exists, and fails).
 ADDED_LATER: dict[str, tuple[Any, ...]] = {"tensor_parallel": (None,), "stage": (None,), "config": (None, ""),
-                                           "config_revision": (None, "")}
+                                           "config_revision": (None, ""), "pipeline_parallel": (None,),
+                                           "expert_parallel": (None,)}
 
 
 def _unset(name: str, value: Any) -> bool:

@@ -54,9 +54,12 @@ def _reshard_run_name() -> str:
     parameters = task_run.parameters
     checkpoint, n = parameters.get("checkpoint"), parameters.get("world_size")
     tag = checkpoint.get("tag") if isinstance(checkpoint, dict) else getattr(checkpoint, "tag", None)
-    tp, stage = parameters.get("tensor_parallel"), parameters.get("stage")
-    return (f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}" + (f", tp {tp}" if tp else "")
-            + (f", ZeRO-{stage}" if stage else ""))
+    degrees = "".join(f", {axis} {parameters[name]}" for axis, name in
+                      (("tp", "tensor_parallel"), ("pp", "pipeline_parallel"), ("ep", "expert_parallel"))
+                      if parameters.get(name))
+    stage = parameters.get("stage")
+    return f"reshard {tag or 'checkpoint'} to {n} rank{'' if n == 1 else 's'}{degrees}" + (
+        f", ZeRO-{stage}" if stage else "")
 
 
 # Results stay in memory (persist_result=False): on a Dask worker a persisted result would land in that
@@ -77,12 +80,13 @@ def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> RankRe
 )
 def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, workers: int = 4,
                        cluster: str | None = None, tensor_parallel: int | None = None,
-                       stage: int | None = None) -> Output:
-    """Rewrite `checkpoint` for `world_size` data-parallel ranks into the new folder `out` (an AutoTP
-    checkpoint's tensor parallelism merged to `tensor_parallel` = 1 too, when given); the ranks on
-    the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
+                       stage: int | None = None, pipeline_parallel: int | None = None,
+                       expert_parallel: int | None = None) -> Output:
+    """Rewrite `checkpoint` for `world_size` ranks into the new folder `out`, at ZeRO `stage` and the
+    tensor-, pipeline- and expert-parallel degrees given (None keeps the source's; data parallelism is
+    what is left); the ranks on the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
-    target = Target(world_size=world_size, tp=tensor_parallel, stage=stage)
+    target = Target(world_size=world_size, tp=tensor_parallel, stage=stage, pp=pipeline_parallel, ep=expert_parallel)
     plan = plan_output(checkpoint.root, out, target=target, tag=checkpoint.tag)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))
@@ -107,7 +111,8 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         files=len(plan.files),
         bytes=sum(r.bytes_written for r in results),
         details={"stage": plan.stage, "precision": plan.precision, "source_world_size": plan.source_world_size,
-                 "tensor_parallel": tensor_parallel, "target_stage": stage, "shape": str(plan.shape),
+                 "tensor_parallel": tensor_parallel, "target_stage": stage, "pipeline_parallel": pipeline_parallel,
+                 "expert_parallel": expert_parallel, "shape": str(plan.shape),
                  "rng_files": describe(rng_files) if rng_files else None},
     )
 

@@ -21,6 +21,7 @@ import fsspec
 import pytest
 
 from ckptflow.errors import CheckpointError, PublishError
+from ckptflow.reshard.shape import Target
 from tasks.validate import validate_checkpoint
 
 # ---- tasks without a server -------------------------------------------------------------------------
@@ -383,8 +384,11 @@ def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, 
 
     options = ReshardOptions(world_sizes=[2], merge_tensor_parallel=True)
     assert options.tensor_parallel == 1 and ReshardOptions(world_sizes=[2]).tensor_parallel is None
-    out = paths.reshard_folder(str(tmp_path), 2, options.tensor_parallel)
-    assert out.endswith("/zero-ws2-tp1") and paths.reshard_folder(str(tmp_path), 2).endswith("/zero-ws2")
+    assert ReshardOptions(world_sizes=[2], tensor_parallel_degree=1).targets() == options.targets()
+    [target] = options.targets()
+    out = paths.reshard_folder(str(tmp_path), target)
+    assert out.endswith("/zero-ws2-tp1")
+    assert paths.reshard_folder(str(tmp_path), Target(world_size=2)).endswith("/zero-ws2")
     src = parallel_fixtures["autotp-tp2-z1-fp32"]
 
     @flow
@@ -416,7 +420,8 @@ def test_the_reshard_task_writes_another_zero_stage(prefect_server: str, ds_fixt
     from tasks.reshard import reshard_checkpoint
 
     options = ReshardOptions(world_sizes=[3], zero_stage="3")
-    out = paths.reshard_folder(str(tmp_path), 3, options.tensor_parallel, options.stage)
+    [target] = options.targets()
+    out = paths.reshard_folder(str(tmp_path), target)
     assert out.endswith("/zero-ws3-z3") and ReshardOptions(world_sizes=[3]).stage is None
     src = ds_fixtures["z2-fp32-ws2"]
 
@@ -435,6 +440,59 @@ def test_the_reshard_task_writes_another_zero_stage(prefect_server: str, ds_fixt
     assert ours.keys() == cli.keys() and ours == cli
     assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 3 ranks, "
                                                                                    "ZeRO-3"]
+
+
+def test_the_form_names_each_target_by_its_shape() -> None:
+    """A target is a shape: folder and Hub branch say every degree that changes, in one order."""
+    from flows import paths
+    from flows.params import Destination, ReshardOptions
+
+    options = ReshardOptions(world_sizes=[8, 4], zero_stage="3", tensor_parallel_degree=2,
+                             pipeline_parallel_degree=1, expert_parallel_degree=4)
+    assert options.targets() == [Target(world_size=4, stage=3, tp=2, pp=1, ep=4),
+                                 Target(world_size=8, stage=3, tp=2, pp=1, ep=4)]
+    assert [paths.reshard_name(t) for t in options.targets()] == ["zero-ws4-tp2-pp1-ep4-z3", "zero-ws8-tp2-pp1-ep4-z3"]
+    assert [paths.reshard_name(t) for t in ReshardOptions(world_sizes=[2]).targets()] == ["zero-ws2"]
+    hub = Destination(uri="hf://org/model", revision="run-7")
+    branch = paths.reshard_destination(hub, "global_step3", Target(world_size=2, ep=1))
+    assert branch == ("hf://org/model", "run-7-zero-ws2-ep1")
+    with pytest.raises(ValueError, match="merge_tensor_parallel asks for tensor-parallel degree 1, but "
+                                         "tensor_parallel_degree is 2"):
+        ReshardOptions(world_sizes=[2], merge_tensor_parallel=True, tensor_parallel_degree=2)
+
+
+def test_the_reshard_task_changes_the_expert_parallel_degree(prefect_server: str, parallel_fixtures,
+                                                              tmp_path: Path) -> None:
+    """The form's "Expert-parallel degree" reaches the core: the task writes, into `zero-ws4-ep4`, the same
+    bytes as `ckptflow reshard --world-size 4 --ep 4` (whose output DeepSpeed loads, in
+    test_expert_parallel), and its run and summary name the shape."""
+    from prefect import flow
+
+    from ckptflow.reshard import reshard
+    from flows import paths
+    from flows.params import ReshardOptions
+    from tasks.reshard import reshard_checkpoint
+
+    [target] = ReshardOptions(world_sizes=[4], expert_parallel_degree=4).targets()
+    out = paths.reshard_folder(str(tmp_path), target)
+    assert out.endswith("/zero-ws4-ep4")
+    src = parallel_fixtures["dsmoe-ep2-z2-fp32"]
+
+    @flow
+    def build(source: str) -> Any:
+        from prefect.runtime import flow_run
+
+        checkpoint = validate_checkpoint(source, settle_seconds=0)
+        return reshard_checkpoint(checkpoint, out, 4, expert_parallel=target.ep), flow_run.id
+
+    output, run_id = build(str(src.dir))
+    assert output.details["expert_parallel"] == 4 and "ep4" in output.details["shape"], output.details
+    reshard(str(src.dir), str(tmp_path / "cli"), world_size=4, ep=4)
+    ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
+    cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
+    assert ours.keys() == cli.keys() and ours == cli
+    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 4 ranks, "
+                                                                                   "ep 4"]
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:

@@ -323,6 +323,9 @@ def test_form_fields_are_plain_titled_and_constrained() -> None:
     assert not any(pattern.match(v) for v in ("5 parsecs", "GB", "-1GB", ""))
     world = definitions["ReshardOptions"]["properties"]["world_sizes"]
     assert world["items"]["minimum"] == 1
+    for degree in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+        field = definitions["ReshardOptions"]["properties"][degree]
+        assert (field["type"], field["minimum"], field["default"]) == ("integer", 0, 0), degree
     workers = definitions["ConsolidationOptions"]["properties"]["workers"]
     assert (workers["minimum"], workers["maximum"]) == (1, 64)
     assert definitions["ConsolidationOptions"]["properties"]["timeout_minutes"]["exclusiveMinimum"] == 0
