@@ -18,6 +18,10 @@ folder's files are grouped by their names with every run of digits taken out (`o
 ZeRO-1/2 optimizer state, and the one number that varies between them is the rank. Two families of
 optimizer states, two numbers that vary, one rank named twice, mixed zero-padding, a rank missing, or
 a count of files other than the recorded `partition_count` are refused, naming the files.
+
+The shards do not record the run's `zero_optimization` settings: they are read as DeepSpeed lays
+parameters out by default. A run with `round_robin_gradients` (and no `parameter_alignment`) records
+its parameter mapping as if it had kept the model's order, so its shards cannot be told apart.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptflow.errors import CheckpointNotFoundError, CkptflowError, ConfigError
+from ckptflow.errors import CkptflowError, ConfigError
 from ckptflow.formats.deepspeed.inspection import Inspection, StopReading, open_rank_file
 from ckptflow.formats.deepspeed.model import RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.zero import check_steps, read_partitions
@@ -347,7 +351,7 @@ def _beside(st: Inspection, osds: Sequence[Mapping[str, Any]]
         if not fs.isfile(posixpath.join(path, name)):
             continue
         try:
-            files = [name] if not name.endswith(".json") else _index_files(join(st.root, name))
+            files = [name] if not name.endswith(".json") else _index_files(join(st.root, name), st.root)
             headers = [read_safetensors_header(join(st.root, f), inside=st.root) for f in files]
         except (CkptflowError, OSError, ValueError) as exc:
             st.add("corrupt-file", f"the model weights beside the shards cannot be read ({exc}); fix or remove "
@@ -361,11 +365,11 @@ def _beside(st: Inspection, osds: Sequence[Mapping[str, Any]]
     return "unknown", None, None
 
 
-def _index_files(uri: str) -> list[str]:
+def _index_files(uri: str, inside: str) -> list[str]:
     """The safetensors files a `model.safetensors.index.json` names (its weight_map's values, once each)."""
     from ckptflow.plumbing.files import load_json, read_regular
 
-    doc = load_json(read_regular(uri, limit=64 << 20))
+    doc = load_json(read_regular(uri, limit=64 << 20, inside=inside))
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
         raise ValueError(f"{uri} has no weight_map of file names")
@@ -394,6 +398,7 @@ def _param_shapes(st: Inspection, osds: Sequence[Mapping[str, Any]], uris: Seque
                        f"param group {g}; the file is damaged", file=uris[rank], rank=rank)
                 return out
             size = flat.numel + (paddings[g] if g < len(paddings) and type(paddings[g]) is int else 0)
+            starts = []
             for name, addr in mapping.items():
                 start = addr.get("start") if isinstance(addr, PickledObject) else None
                 numel = addr.get("numel") if isinstance(addr, PickledObject) else None
@@ -404,6 +409,15 @@ def _param_shapes(st: Inspection, osds: Sequence[Mapping[str, Any]], uris: Seque
                            file=uris[rank], rank=rank)
                     return out
                 found.setdefault(name, []).append((rank * size + start, numel))
+                starts.append(start)
+            if starts != sorted(starts):
+                # The mapping lists the parameters in the model's order; placed in another one, the run
+                # reordered them (round_robin_gradients with parameter_alignment: DeepSpeed records the real
+                # places only then; without alignment it records them as if in order, and nothing tells).
+                st.add("unsupported-layout", f"rank {rank}: {uris[rank]} holds param group {g}'s parameters in "
+                       "another order than the model's (zero_optimization.round_robin_gradients); the shards do not "
+                       "record the setting, and ckptflow reads shards saved without it", file=uris[rank], rank=rank)
+                return out
         group: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         for name, pieces in sorted(found.items(), key=lambda item: min(item[1])):
             numel = sum(n for _, n in pieces)
@@ -437,19 +451,6 @@ def read_shard_folder(st: Inspection) -> OptimizerShards | None:
     if found is None:
         return None
     return read_optimizer_shards(st, found)
-
-
-def shard_index(uri: str) -> OptimizerShards:
-    """The index of the shard folder `uri` (for callers that hold a valid one); `CheckpointNotFoundError`
-    when it holds none."""
-    st = Inspection(uri, "")
-    try:
-        index = read_shard_folder(st)
-    except StopReading:
-        index = None
-    if index is None or st.problems:
-        raise CheckpointNotFoundError(f"{uri} holds no readable optimizer shards", uri=uri)
-    return index
 
 
 __all__ = ["OptimizerShards", "ShardNames", "find_shards", "name_ranks", "read_shard_folder"]
