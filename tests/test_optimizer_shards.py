@@ -129,6 +129,26 @@ def test_without_the_model_the_parameters_are_flat(shards: Mapping[str, Fixture]
                                  "(enough to reshard; consolidate needs --config)")
 
 
+def test_shapes_from_a_pytorch_model_bin(shards: Mapping[str, Fixture], tmp_path: Path) -> None:
+    folder = copy_shards(shards[BF16], tmp_path / "ckpt", side=False)
+    torch.save(load_file(str(shards[BF16].dir / "model.safetensors")), folder / "pytorch_model.bin")
+    result = cli("validate", str(folder))
+    assert result.exit_code == 0, result.output
+    assert "data-parallel 2, bf16, step 3" in text(result)
+    assert text(result).endswith("parameter shapes from pytorch_model.bin")
+
+
+def test_a_count_in_the_names_is_rewritten(shards: Mapping[str, Fixture], tmp_path: Path) -> None:
+    folder = copy_shards(shards[BF16], tmp_path / "ckpt", side=False)
+    for rank in (0, 1):
+        (folder / f"optimizer.0{rank}.pt").rename(folder / f"shard-{rank}-of-2.pt")
+    result = cli("reshard", str(folder), str(tmp_path / "out"), "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"shard-{r}-of-3.pt" for r in range(3)]
+    assert "optimizer shards shard-{rank}-of-{world_size}.pt, ZeRO-2, data-parallel 3" in text(
+        cli("validate", str(tmp_path / "out")))
+
+
 def refusal(folder: Path, command: str = "validate") -> str:
     args = [command, str(folder)] + ([str(folder.parent / "out"), "--world-size", "2"] if command == "reshard" else [])
     result = cli(*args)

@@ -8,9 +8,10 @@ tail padding), `zero_stage`, `group_paddings`, `param_alignment_paddings`, `part
 `ds_version` and `param_slice_mappings`. There is no model-states file beside them: each parameter's
 name and size come from `param_slice_mappings` (per param group, per rank: name -> its fragment's start
 and size in that rank's partition); its shape from the model weights saved beside the shards (a
-safetensors file or index, as `save_pretrained` writes them) when there are some, else it is kept flat
-(enough to reshard; consolidation then needs the model's config, `with_shapes`). The index is a
-`ZeroCheckpoint` (`OptimizerShards`), so validate, reshard and consolidate take their usual paths.
+safetensors file or index, as `save_pretrained` writes them, or a `pytorch_model.bin`) when there are
+some, else it is kept flat (enough to reshard; consolidation then needs the model's config,
+`with_shapes`). The index is a `ZeroCheckpoint` (`OptimizerShards`), so validate, reshard and
+consolidate take their usual paths.
 
 Which files are the shards is found by content and by the numbers in their names (`name_ranks`): the
 folder's files are grouped by their names with every run of digits taken out (`optimizer.00.pt` and
@@ -38,7 +39,8 @@ from ckptflow.formats.deepspeed.inspection import Inspection, StopReading, open_
 from ckptflow.formats.deepspeed.model import RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.zero import check_steps, read_partitions
 from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
-from ckptflow.formats.torch.unpickler import PickledObject
+from ckptflow.formats.torch.unpickler import TORCH_ONLY, PickledObject
+from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join, map_files, open_fs
 from ckptflow.plumbing.text import excerpt
@@ -50,7 +52,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 # Files of a family opened to tell whether it holds optimizer states (the first few, by name).
 _PROBES = 3
 # The model weights beside the shards that give parameter shapes, in the order they are looked for.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _HINT = ("save the model beside the shards (`save_pretrained`) or give the model's config (`--config FOLDER` or "
          "`--config ORG/NAME`)")
 
@@ -343,26 +345,41 @@ def _beside(st: Inspection, osds: Sequence[Mapping[str, Any]]
             ) -> tuple[str, dict[str, tuple[int, ...]] | None, str | None]:
     """The training precision and the parameter shapes the model weights beside the shards say (their
     dtype and shapes), and which file said them; ("unknown", None, None) without weights."""
-    from ckptflow.formats.hf import read_safetensors_header
-
     fs, path = open_fs(st.root)
-    headers = []
     for name in WEIGHT_FILES:
         if not fs.isfile(posixpath.join(path, name)):
             continue
         try:
-            files = [name] if not name.endswith(".json") else _index_files(join(st.root, name), st.root)
-            headers = [read_safetensors_header(join(st.root, f), inside=st.root) for f in files]
+            tensors = _weights(st, name)
         except (CkptflowError, OSError, ValueError) as exc:
             st.add("corrupt-file", f"the model weights beside the shards cannot be read ({exc}); fix or remove "
                    f"{join(st.root, name)}", file=join(st.root, name))
             return "unknown", None, None
-        shapes = {t: tuple(info[1]) for h in headers for t, info in h.tensors.items()}
-        dtypes = {info[0] for h in headers for t, info in h.tensors.items() if _is_param_name(t, osds)}
-        precision = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(dtypes.pop(), "unknown") if len(dtypes) == 1 \
-            else "unknown"
-        return precision, shapes, name
+        names = {n for m in osds[0].get("param_slice_mappings") or () if isinstance(m, Mapping) for n in m}
+        dtypes = {dtype for n, (dtype, _) in tensors.items() if n in names}
+        precision = _PRECISIONS.get(dtypes.pop(), "unknown") if len(dtypes) == 1 else "unknown"
+        return precision, {n: shape for n, (_, shape) in tensors.items()}, name
     return "unknown", None, None
+
+
+# The training precision that model weights of a dtype (safetensors' name, or torch's) were saved in.
+_PRECISIONS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _weights(st: Inspection, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of the model weights file `name` beside the shards: name -> (dtype, shape), read from
+    safetensors headers or a torch archive's pickle, never the tensors."""
+    from ckptflow.formats.hf import read_safetensors_header
+
+    uri = join(st.root, name)
+    if name.endswith(".bin"):
+        obj = open_archive(uri, TORCH_ONLY, cache=st.cache).obj
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"{uri} holds no state dict")
+        return {k: (v.dtype, tuple(v.shape)) for k, v in obj.items() if isinstance(v, TensorRef)}
+    files = _index_files(uri, st.root) if name.endswith(".json") else [name]
+    headers = [read_safetensors_header(join(st.root, f), inside=st.root) for f in files]
+    return {t: (info[0], tuple(info[1])) for h in headers for t, info in h.tensors.items()}
 
 
 def _index_files(uri: str, inside: str) -> list[str]:
@@ -374,10 +391,6 @@ def _index_files(uri: str, inside: str) -> list[str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
         raise ValueError(f"{uri} has no weight_map of file names")
     return sorted(set(weight_map.values()))
-
-
-def _is_param_name(name: str, osds: Sequence[Mapping[str, Any]]) -> bool:
-    return any(isinstance(m, Mapping) and name in m for m in osds[0].get("param_slice_mappings") or ())
 
 
 def _param_shapes(st: Inspection, osds: Sequence[Mapping[str, Any]], uris: Sequence[str],
