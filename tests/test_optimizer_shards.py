@@ -222,8 +222,12 @@ def test_shards_of_two_world_sizes(shards: Mapping[str, Fixture], tmp_path: Path
 def test_another_stage_is_refused(shards: Mapping[str, Fixture], tmp_path: Path) -> None:
     result = cli("reshard", str(shards[BF16].dir), str(tmp_path / "out"), "--world-size", "2", "--zero-stage", "3")
     assert result.exit_code != 0
-    assert "ckptflow writes them for another number of ranks at the same ZeRO stage only" in text(result)
+    assert ("to 2 ranks, ZeRO-3: optimizer shards are written for the same loading code at the same ZeRO stage "
+            "only") in text(result)
     assert not (tmp_path / "out").exists()
+    plan = text(cli("reshard", str(shards[BF16].dir), "--plan", "--world-size", "2"))
+    assert plan.startswith(f"{shards[BF16].dir}: optimizer shards optimizer.{{rank:02d}}.pt, ZeRO-2, data-parallel 2")
+    assert "ZeRO-2 dp2 (2 ranks) (now)" in plan and "not yet: optimizer shards are written" in plan
 
 
 # ---- reshard, and seed 002's loading code at M ranks ------------------------------------------------------

@@ -143,7 +143,7 @@ def plan_shapes(src: str, world_size: int, *, tag: str | None = None) -> ShapePl
     source = source_shape(index)
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape), reason=reason)
                     for shape, reason in shapes_at(index, world_size, model_config(index.root)))
-    return ShapePlan(where=f"{index.root}/{index.tag}", layout=index.layout, source=source,
+    return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,
                      source_memory=memory(index, source), parameters=sum(parameter_counts(index)), options=options)
 
 

@@ -160,6 +160,11 @@ class OptimizerShards(ZeroCheckpoint):
         return self.root
 
     @property
+    def kind(self) -> str:
+        """The layout kind `reshard.shape` plans by."""
+        return "optimizer-shards"
+
+    @property
     def layout(self) -> str:
         pattern = self.names.pattern if self.names else "?"
         return f"optimizer shards {pattern}, ZeRO-{self.stage}, data-parallel {self.world_size}"
