@@ -286,6 +286,18 @@ def test_the_seeds_loading_code_holds_the_sources_state(resharded: tuple[Fixture
     assert summary["steps"] == [3.0, 3.0]
 
 
+def test_an_earlier_commit_is_taken_only_for_the_same_plan(shards: Mapping[str, Fixture], tmp_path: Path) -> None:
+    from ckptflow.errors import OutputError
+    from ckptflow.reshard import committed_output, plan_output
+
+    src, out = str(shards[BF16].dir), str(tmp_path / "out")
+    assert cli("reshard", src, out, "--world-size", "3").exit_code == 0
+    results, _ = committed_output(plan_output(src, out, target=3), out)
+    assert [r.files for r in results] == [(PATTERN.format(rank=r),) for r in range(3)]
+    with pytest.raises(OutputError, match="does not hold this output: its optimizer.00.pt is missing or not the"):
+        committed_output(plan_output(src, out, target=2), out)
+
+
 # ---- consolidate ----------------------------------------------------------------------------------------------
 
 
