@@ -116,6 +116,11 @@ def with_bar(label: str, work: Callable[[ProgressFn, Any], T], *, cluster: str |
             raise fail(exc) from None
 
 
+def where(root: str | None, tag: str | None) -> str:
+    """A checkpoint's tag folder as the lines name it: the folder itself where there is no tag (optimizer shards)."""
+    return f"{root}/{tag}" if tag else str(root)
+
+
 def render_report(report: "ValidationReport") -> None:
     """A validation report: a summary line, then one line per problem."""
     if report.ok:
@@ -123,15 +128,15 @@ def render_report(report: "ValidationReport") -> None:
         sizes = (f", {s['params']} params ({s['numel']:,} elements, {s['frozen']} frozen, {s['tied']} tied), "
                  f"{s['buffers']} buffers" if "params" in s else "")
         groups = f", {s['param_groups']} param groups" if "param_groups" in s else ""
-        say("valid", "green", f"{report.root}/{report.tag}: {s.get('layout', '')}, {s.get('precision')}, "
+        say("valid", "green", f"{where(report.root, report.tag)}: {s.get('layout', '')}, {s.get('precision')}, "
             f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
         for note in s.get("notes") or ():
             out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
         render_client_state(report)
         return
-    where = f"{report.root}/{report.tag}" if report.tag else report.source
+    place = f"{report.root}/{report.tag}" if report.tag else report.source
     count = len(report.problems)
-    say("invalid", "red", f"{where}: {count} problem{'s' if count != 1 else ''}")
+    say("invalid", "red", f"{place}: {count} problem{'s' if count != 1 else ''}")
     for p in report.problems:
         out.print(Text.assemble("  ", (f"{one_line(p.code)}:", "red"), " ", one_line(p.message)), soft_wrap=True)
 
@@ -232,7 +237,7 @@ def consolidate_command(
     result = with_bar("writing + verifying" if verify else "writing", work, cluster=cluster)
     shards = len(result.shards)
     say("consolidated", "green",
-        f"{result.plan.root}/{result.plan.tag} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
+        f"{where(result.plan.root, result.plan.tag)} into {dest}: {shards} shard{'s' if shards > 1 else ''}, "
         f"{format_size(result.total_size)} {result.dtype}{', verified' if result.verified else ''}, "
         f"{len(result.side_files)} config/tokenizer file(s), {time.monotonic() - started:.1f}s")
     for note in result.plan.notes:
@@ -415,7 +420,8 @@ def reshard_command(
                                                                       executor=executor, progress=progress),
                       cluster=cluster)
     say("resharded", "green",
-        f"{src} ({result.tag}, {result.precision}) into {dest}: {result.source_shape} -> {result.shape}, "
+        f"{src} ({f'{result.tag}, ' if result.tag else ''}{result.precision}) into {dest}: "
+        f"{result.source_shape} -> {result.shape}, "
         f"{len(result.files)} files, {format_size(result.bytes_written)} in {result.seconds:.1f}s")
     for label, text in describe_families(result.rng_files):
         line(f"  {label} RNG files: {text}")

@@ -35,6 +35,7 @@ from ckptflow.consolidate import (
     ShardResult,
     plan_consolidation,
     run_job,
+    shaped,
 )
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed import load_index
@@ -98,7 +99,8 @@ def consolidate_model(
         dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, workers=workers, verify=verify,
         config=config, config_revision=config_revision,
     )
-    plan = plan_consolidation(load_index(checkpoint.root, checkpoint.tag), options)
+    index = shaped(load_index(checkpoint.root, checkpoint.tag), config, config_revision)
+    plan = plan_consolidation(index, options)
     logger.info("%s: %d shard(s), %s of %s weights", checkpoint.uri, len(plan.units), format_size(plan.total_size),
                 plan.dtype)
     step = ConsolidateStep(plan, out)

@@ -25,7 +25,7 @@ exists.
 """
 
 from ckptflow.consolidate.architecture import check_config
-from ckptflow.consolidate.config import ConfigFiles, ConfigSource, SideFiles, read_config_source, side_files
+from ckptflow.consolidate.config import ConfigFiles, ConfigSource, SideFiles, read_config_source, shaped, side_files
 from ckptflow.consolidate.plan import (
     Batch,
     ConsolidateOptions,
@@ -76,6 +76,7 @@ __all__ = [
     "read_config_source",
     "run_job",
     "run_unit",
+    "shaped",
     "shard_job",
     "side_files",
 ]

@@ -57,6 +57,21 @@ def check_config(raw: bytes, tensors: Sequence[tuple[str, Shape]], *, tied: Mapp
     return name
 
 
+def model_shapes(raw: bytes, *, most_tensors: int, where: str = "config.json") -> dict[str, Shape]:
+    """Every tensor of the model the config.json `raw` describes, by name, with its shape (transformers on
+    the meta device, as `check_config` builds it); a model of more layers than `most_tensors` is not
+    built. What gives optimizer shards saved without their model their shapes."""
+    config = _parse(raw, where)
+    for key in _LAYER_KEYS:
+        value = config.get(key)
+        if type(value) is int and value > most_tensors:
+            raise ConfigError(f"{where} does not fit the checkpoint: its {key} is {value:,}, and the checkpoint holds "
+                              f"{most_tensors:,} tensors in all", code="config-mismatch", file=where,
+                              expected=value, actual=most_tensors, hint=_HINT)
+    model = _build(config, where)
+    return {k: tuple(int(d) for d in v.shape) for k, v in model.state_dict().items()}
+
+
 def _parse(raw: bytes, where: str) -> dict[str, Any]:
     try:
         config = load_json(raw)
@@ -238,4 +253,4 @@ def _ignored(model: Any) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
     return matcher(missing), matcher(unexpected)
 
 
-__all__ = ["check_config"]
+__all__ = ["check_config", "model_shapes"]

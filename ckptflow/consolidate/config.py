@@ -28,8 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.errors import CkptflowError, ConfigError
+from ckptflow.errors import CkptflowError, ConfigError, UnsupportedCheckpointError
 from ckptflow.formats import hf
+from ckptflow.formats.deepspeed.model import Partitioned
+from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.plumbing.files import read_regular
 from ckptflow.plumbing.redaction import describe, redact
 from ckptflow.plumbing.retry import RetryPolicy, is_transient, retry_call
@@ -186,6 +188,32 @@ def side_files(plan: ConsolidationPlan, *, retry: RetryPolicy | None = None) -> 
         logger.info("the checkpoint has its own %s; %s not taken from %s", ", ".join(sorted(
             {hf.side_kind(n) for n in result.unused})), ", ".join(result.unused), read.shown)
     return result
+
+
+def shaped(index: Partitioned, config: str | None, revision: str | None = None, *,
+           retry: RetryPolicy | None = None) -> Partitioned:
+    """`index` knowing its parameters' shapes. Optimizer shards saved without the model beside them
+    (`readers.optimizer_shards`) hold each parameter's size only: the shapes then come from the
+    architecture the config source's config.json describes (transformers on the meta device), each
+    checked against the size the shards hold. Without a config source, `UnsupportedCheckpointError`
+    says what to give; every other index is returned as it is."""
+    if not isinstance(index, OptimizerShards) or index.has_shapes:
+        return index
+    if config is None:
+        raise UnsupportedCheckpointError(
+            f"{index.root} holds optimizer shards that give each parameter's size but not its shape, and no model "
+            "weights beside them; a model folder needs the shapes", code="shapes-unknown", uri=index.root,
+            hint="give the trained model's config with --config FOLDER or --config ORG/NAME, or save the model "
+                 "beside the shards (save_pretrained)")
+    read = read_config_source(ConfigSource.parse(config, revision), retry=retry)
+    raw = read.files.get(hf.CONFIG_NAME)
+    if raw is None:
+        raise ConfigError(f"{read.shown} has no {hf.CONFIG_NAME}, which the shapes of the optimizer shards in "
+                          f"{index.root} must come from", code="config-not-found", uri=read.shown, hint=_HINT)
+    from ckptflow.consolidate.architecture import model_shapes
+
+    where = f"{hf.CONFIG_NAME} of {read.shown}"
+    return index.with_shapes(model_shapes(raw, most_tensors=len(index.params), where=where), where)
 
 
 def read_config_source(source: ConfigSource, *, retry: RetryPolicy | None = None) -> ConfigFiles:

@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.consolidate.config import SideFiles, side_files
+from ckptflow.consolidate.config import SideFiles, shaped, side_files
 from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, ShardUnit, plan_consolidation
 from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, shard_job
 from ckptflow.errors import OutputError
@@ -314,7 +314,7 @@ def consolidate(
     the folder holds a config.json at all.
     """
     options = options or ConsolidateOptions()
-    index = load_index(src, tag, strict_pickle=options.strict_pickle)
+    index = shaped(load_index(src, tag, strict_pickle=options.strict_pickle), options.config, options.config_revision)
     plan = plan_consolidation(index, options)
     logger.info("plan: %d tensors in %d shard(s), %s %s from %s of source", sum(len(u.tensors) for u in plan.units),
                 len(plan.units), format_size(plan.total_size), plan.dtype, format_size(plan.source_bytes))

@@ -44,6 +44,7 @@ from ckptflow.formats.deepspeed.partition import (
 )
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
@@ -80,6 +81,20 @@ def plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_paralle
     if optimizer == ZERO3:
         return _plan_zero3(index, world_size)
     return _plan_zero12(index, world_size, optimizer, module=not expert_parallel)
+
+
+def plan_shard_folder(index: OptimizerShards, world_size: int) -> DataParallelPlan:
+    """A folder of per-rank optimizer states (`readers.optimizer_shards`) at `world_size` ranks: the
+    ZeRO-1/2 plan, each rank's one file named as the source names its files (no model-states file)."""
+    assert index.names is not None, "the reader names the shard files"
+    plan = plan_data_parallel(index, world_size)
+    n_tensors = index.tensors_per_partition
+    units = tuple(replace(
+        u, optim_file=index.names.name(u.rank, world_size), model_file=None,
+        read_bytes=4 * n_tensors * sum(c.numel for f in u.flats for c in f.copies),
+        write_bytes=4 * n_tensors * sum(f.numel for f in u.flats),
+    ) for u in plan.units)
+    return replace(plan, units=units, module=())
 
 
 def _check_supported(index: ZeroCheckpoint, optimizer: str, *, expert_parallel: bool = False) -> None:
@@ -340,4 +355,4 @@ def _check_zero3_source(index: ZeroCheckpoint, g: int, shard: int, names: Sequen
                 f"at {count} ranks puts it ({want})", uri=index.tag_uri, tensor=n)
 
 
-__all__ = ["plan_data_parallel", "plan_expert_parallel", "plan_model_parallel"]
+__all__ = ["plan_data_parallel", "plan_expert_parallel", "plan_model_parallel", "plan_shard_folder"]

@@ -19,6 +19,8 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   (one flat buffer per group at the new alignment), ZeRO-3 `frozen_param_fragments` pieces and
   `shared_params` (recorded by rank 0 only), and `train_batch_size` in `ds_config` (same per-rank
   batch at the new world size).
+- optimizer shards (`readers.optimizer_shards`: `optimizer.state_dict()` saved with torch.save per rank):
+  the optimizer file's `optimizer_state_dict` alone, under the source's file names, no model states;
 - expert parallelism (AutoEP, deepspeed.moe): `partition_count` per group (the expert groups' is the
   expert data-parallel size M / N), ZeRO-3's `ds_zero_partition_groups` (each sub-group's partition
   count, rank and ranks), and in AutoEP model states `ds_autoep_layers` (and its copy in
@@ -45,6 +47,7 @@ from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
+from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
@@ -253,6 +256,8 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     if (plan.optimizer == ZERO and "param_alignment_paddings" not in out
             and any(map(any, plan.param_alignment_paddings))):
         out["param_alignment_paddings"] = [list(p) for p in plan.param_alignment_paddings]
+    if isinstance(ix, OptimizerShards):  # a torch.save'd `optimizer.state_dict()`: the optimizer's dict alone
+        return out
     top: dict[str, Any] = {}
     for key, value in source.items():
         if key == "optimizer_state_dict":

@@ -20,7 +20,13 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.reshard.data_parallel import plan_data_parallel, plan_expert_parallel, plan_model_parallel
+from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
+from ckptflow.reshard.data_parallel import (
+    plan_data_parallel,
+    plan_expert_parallel,
+    plan_model_parallel,
+    plan_shard_folder,
+)
 from ckptflow.reshard.experts import plan_expert_degree
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
@@ -92,6 +98,13 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
 def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted."""
     source = source_shape(index)
+    if isinstance(index, OptimizerShards):
+        if (shape.stage, shape.tp, shape.pp, shape.ep) != (source.stage, source.tp, source.pp, source.ep):
+            raise UnsupportedCheckpointError(
+                f"{index.root} holds ZeRO-{index.stage} optimizer states saved one file per rank; ckptflow writes them "
+                "for another number of ranks at the same ZeRO stage only, not another stage or parallel degree",
+                uri=index.root, hint="give --world-size alone")
+        return plan_shard_folder(index, shape.dp)
     if shape.pp != source.pp:
         return plan_pipeline(index, shape)
     if shape.tp != source.tp:

@@ -38,6 +38,7 @@ from ckptflow.formats.deepspeed import inspect
 from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.deepspeed.tag import LATEST_HINT, read_latest
 from ckptflow.formats.hf import CONFIG_NAME, find_side_files, read_config
 from ckptflow.formats.torch.pickler import OutStorage, dumps
@@ -142,7 +143,7 @@ def plan_shapes(src: str, world_size: int, *, tag: str | None = None) -> ShapePl
     source = source_shape(index)
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape), reason=reason)
                     for shape, reason in shapes_at(index, world_size, model_config(index.root)))
-    return ShapePlan(where=f"{index.root}/{index.tag}", layout=index.layout, source=source,
+    return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,
                      source_memory=memory(index, source), parameters=sum(parameter_counts(index)), options=options)
 
 
@@ -268,7 +269,7 @@ def run_job(job: RankJob, *, progress: Progress | None = None, cancel: threading
                 raise OutputError(f"{join(tag_uri, file.name)} came to {got} bytes, {file.size} were planned",
                                   file=join(tag_uri, file.name), expected=file.size, actual=got,
                                   hint="this is a ckptflow bug; please report it")
-            reports.append(written(job.staging, f"{job.tag}/{file.name}", got, digests))
+            reports.append(written(job.staging, in_tag(job.tag, file.name), got, digests))
             size += got
     finally:
         reader.close()
@@ -303,7 +304,7 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
     if results:
         reported = [w for r in results for w in r.written]
         check_written(staging, reported, {w.name: w.size for w in reported})
-        missing = sorted({f"{plan.tag}/{name}" for name in set(plan.files) - set(plan.carried)}
+        missing = sorted({in_tag(plan.tag, name) for name in set(plan.files) - set(plan.carried)}
                          - {w.name for w in reported})
         if missing:
             raise VerificationError(f"{missing[0]} was planned but no unit reported writing it", file=missing[0],
@@ -316,15 +317,24 @@ def finalize(plan: ReshardPlan, staging: Staging, *, durable: bool = True,
                                 hint="this is a ckptflow bug; please report it with the source's `ckptflow validate` "
                                      "output")
     rng_files = _carry_over(plan, staging, durable=durable)
+    if not plan.tag:  # optimizer shards: no `latest`; on a bucket the shards go last, rank 0's first of them
+        stage.commit(staging, last=[u.optim_file for u in plan.units], durable=durable)
+        return rng_files
     write_bytes(staging.join(LATEST), plan.tag.encode())
     stage.commit(staging, last=[LATEST], durable=durable)
     return rng_files
 
 
+def in_tag(tag: str, name: str) -> str:
+    """The path of tag-folder file `name` relative to the checkpoint folder (the folder itself for
+    optimizer shards, whose tag is "")."""
+    return f"{tag}/{name}" if tag else name
+
+
 def _read_back(plan: ReshardPlan, uri: str) -> str | None:
     """What is wrong with the checkpoint at `uri` as the output of `plan` (its headers read back: tag,
     layout, world size, stage and tensor count), or None."""
-    index, problems, _ = inspect(uri, plan.tag)
+    index, problems, _ = inspect(uri, plan.tag or None)
     if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
         index = index.zero
     if problems:
@@ -352,6 +362,8 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tup
     present = stage.committed_files(out)
     if not present:
         return None
+    if not plan.tag:
+        return _committed_shards(plan, out, present)
     if LATEST not in present:
         raise stage.not_this_output(out, f"it has no `{LATEST}` file")
     try:
@@ -373,6 +385,25 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tup
     if problem:
         raise stage.not_this_output(out, f"it {problem}")
     logger.info("%s already holds this checkpoint at %d ranks (committed by an earlier run)", out, plan.world_size)
+    results = [RankResult(rank=u.rank, files=u.files, bytes_read=0, seconds=0.0,
+                          bytes_written=sum(f.size for f in files[u.rank])) for u in plan.units]
+    return results, rng_files
+
+
+def _committed_shards(plan: ReshardPlan, out: str, present: Mapping[str, int]
+                      ) -> tuple[list[RankResult], tuple[RngCopy, ...]]:
+    """`committed_output` for optimizer shards: the carried files and each rank's file at their sizes, and
+    the files read back as the plan's output."""
+    carried, rng_names = carried_files(plan, out)
+    rng_files = plan_rng_files(rng_names, _processes(plan))
+    files = {u.rank: _file_jobs(plan, u) for u in plan.units}
+    expected = {**{rel: _file_size(uri) for rel, uri in carried},
+                **{c.target: _file_size(join(plan.root, c.source)) for c in rng_files},
+                **{f.name: f.size for jobs in files.values() for f in jobs}}
+    stage.check_committed(out, present, expected)
+    problem = _read_back(plan, out)
+    if problem:
+        raise stage.not_this_output(out, f"it {problem}")
     results = [RankResult(rank=u.rank, files=u.files, bytes_read=0, seconds=0.0,
                           bytes_written=sum(f.size for f in files[u.rank])) for u in plan.units]
     return results, rng_files
@@ -407,10 +438,12 @@ def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], l
     inside = plan.root  # links in a local checkpoint folder must stay inside it
     files: list[tuple[str, str]] = []
     rng_names: list[str] = []
+    source = plan.index
+    skipped = set(source.shard_names()) if isinstance(source, OptimizerShards) else {LATEST, plan.tag}
     for entry in src_fs.ls(root, detail=True):
         path = entry["name"].rstrip("/")
         name = posixpath.basename(path)
-        if name in (LATEST, plan.tag) or posixpath.normpath(path) == posixpath.normpath(out_path) \
+        if name in skipped or posixpath.normpath(path) == posixpath.normpath(out_path) \
                 or stage.is_staging_name(name):
             continue
         if entry["type"] == "directory":

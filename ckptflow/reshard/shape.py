@@ -244,7 +244,7 @@ PIPELINE_STAGES = ("ckptflow merges the pipeline stages into one (pp1) only: whi
 
 NAMES = {"zero": "data-parallel ZeRO", "zero0": "ZeRO-0", "autotp": "AutoTP", "pipeline": "PipelineModule",
          "megatron": "Megatron-style PipelineModule", "tensor-parallel": "model-parallel", "autoep": "AutoEP",
-         "moe": "deepspeed.moe"}
+         "moe": "deepspeed.moe", "optimizer-shards": "optimizer-shard"}
 
 
 def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
@@ -270,6 +270,9 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     if shape.ep != source.ep:
         return _why_not_ep(index, kind, source, shape)
     if shape.stage != source.stage:
+        if kind == "optimizer-shards":
+            return ("optimizer shards are written for the same loading code at the same ZeRO stage only; another "
+                    "stage loads through engine.load_checkpoint, and these files are not such a checkpoint")
         if kind not in ("zero", "autotp"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
         if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
@@ -307,7 +310,7 @@ def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None)
                   tp=target.tp if target.tp is not None else source.tp,
                   pp=target.pp if target.pp is not None else source.pp,
                   ep=target.ep if target.ep is not None else source.ep)
-    where = f"{index.root}/{index.tag}"
+    where = f"{index.root}/{index.tag}" if index.tag else index.root  # optimizer shards: no tag
     allowed = shapes_at(index, target.world_size, config)
     writable = [s for s, reason in allowed if reason is None]
     nearby = [] if writable else _nearby(index, target.world_size, config)

@@ -2,10 +2,12 @@
 
 `inspect(uri)` gives the index (a `Partitioned`; for data-parallel ZeRO the `ZeroCheckpoint`), every
 problem found, and where it looked; `read(uri)` the same and what the trainer's client state holds
-(`client_state`); `load_index(uri)` is the same for callers that only want a good index. A layout that
-no reader handles yet is a problem that names the layout and what to do instead, never "damaged".
-With `strict_pickle`, any global outside DeepSpeed's allow-list is refused, client state included
-(`names.ALLOWED_STRICT`); without it, client state is read as inert records (`formats.torch.inert`).
+(`client_state`); `load_index(uri)` is the same for callers that only want a good index. A folder
+without `latest` that holds per-rank optimizer states saved with torch.save (seed 002) is read by
+`readers.optimizer_shards` (its tag is ""). A layout that no reader handles yet is a problem that
+names the layout and what to do instead, never "damaged". With `strict_pickle`, any global outside
+DeepSpeed's allow-list is refused, client state included (`names.ALLOWED_STRICT`); without it, client
+state is read as inert records (`formats.torch.inert`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ckptflow.formats.deepspeed.readers.autoep import read_autoep
 from ckptflow.formats.deepspeed.readers.autotp import read_autotp
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.moe import read_moe
+from ckptflow.formats.deepspeed.readers.optimizer_shards import read_shard_folder
 from ckptflow.formats.deepspeed.readers.pipeline import read_pipeline
 from ckptflow.formats.deepspeed.readers.zero import read_zero
 from ckptflow.formats.deepspeed.readers.zero0 import read_zero0
@@ -85,6 +88,8 @@ def _read(uri: str, tag: str | None, *, strict_pickle: bool, search: bool) -> Re
     except CkptflowError as exc:
         if search and not explicit and exc.code == "latest-missing" and (folders := folders_in(uri)):
             return _newest_complete(uri, folders, strict_pickle=strict_pickle)
+        if not explicit and exc.code == "latest-missing" and (shards := _shard_folder(uri, strict_pickle)):
+            return shards
         return Reading(None, [Problem(exc.code, str(exc), exc.file)], None)
     st = Inspection(root, tag, explicit_tag=explicit, allowed=allowed(strict_pickle))
     try:
@@ -99,6 +104,17 @@ def _read(uri: str, tag: str | None, *, strict_pickle: bool, search: bool) -> Re
     except StopReading:
         return Reading(None, st.problems, (root, tag), st.client_state)
     return Reading(index, st.problems, (root, tag), st.client_state)
+
+
+def _shard_folder(uri: str, strict_pickle: bool) -> Reading | None:
+    """A folder of per-rank optimizer states saved with torch.save (`readers.optimizer_shards`), or None
+    when `uri` holds none."""
+    st = Inspection(uri.rstrip("/") or uri, "", allowed=allowed(strict_pickle))
+    try:
+        index = read_shard_folder(st)
+    except StopReading:
+        return Reading(None, st.problems, (st.root, ""))
+    return None if index is None else Reading(index, st.problems, (st.root, ""))
 
 
 def inspect(uri: str, tag: str | None = None, *, strict_pickle: bool = False

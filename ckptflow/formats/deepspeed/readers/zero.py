@@ -79,7 +79,7 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
                           module)
     params, groups, partitions = parts.build()
     st.stop_if_any()
-    _check_steps(st, partitions, optim_uris)
+    check_steps(st, partitions, optim_uris)
     st.stop_if_any()
     module = parts.module
     return ZeroCheckpoint(
@@ -106,7 +106,19 @@ def read_zero(st: Inspection, listing: Listing, model0: dict[str, Any], *, mp_ra
     )
 
 
-def _check_steps(st: Inspection, partitions: tuple[tuple[Partition, ...], ...], optim_uris: list[str]) -> None:
+def read_partitions(st: Inspection, stage: int, world_size: int, precision: str, models: list[dict[str, Any]],
+                    optims: list[dict[str, Any]], model_uris: list[str], optim_uris: list[str]
+                    ) -> tuple[tuple[Param, ...], tuple[ParamGroup, ...], tuple[tuple[Partition, ...], ...],
+                               dict[str, str]]:
+    """Parameters, param groups, partitions and tied aliases from model states and optimizer files
+    already opened (a layout with no tag folder: `optimizer_shards`), checked as `read_zero` checks them;
+    the caller stops on the problems added to `st`."""
+    parts = _Partitioning(st, stage, world_size, precision, models, optims, model_uris, optim_uris)
+    params, groups, partitions = parts.build()
+    return params, groups, partitions, parts.tied
+
+
+def check_steps(st: Inspection, partitions: tuple[tuple[Partition, ...], ...], optim_uris: list[str]) -> None:
     """Every rank's optimizer is at the same step (a few bytes read per rank): files saved at different
     steps would be stitched into a model no run ever had."""
     steps: dict[int, Any] = {}
