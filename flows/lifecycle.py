@@ -123,7 +123,7 @@ def checkpoint_lifecycle(
         tag: The checkpoint tag to process (e.g. 'global_step1200'); empty takes the one `latest` names.
         validation: How the checkpoint is checked first, and how long to wait for rank files still arriving.
         consolidation: The Hugging Face model to build: on or off, dtype, shard size, and where it runs.
-        reshard: Data-parallel world sizes to rewrite the ZeRO checkpoint for.
+        reshard: The shapes to rewrite the ZeRO checkpoint for: world sizes (ranks), ZeRO stage, parallel degrees.
         verification: Load the built model with transformers and check it against the checkpoint.
         destinations: Where to publish: Hub repos ('hf://org/name') and bucket URLs, each for the model, the
             resharded checkpoints or both.
@@ -479,7 +479,7 @@ def post_training(
     Args:
         runs: Run folders (each holds `latest`), local or bucket URLs.
         consolidation: The Hugging Face model to build for each.
-        reshard: Data-parallel world sizes to rewrite each checkpoint for.
+        reshard: The shapes to rewrite each checkpoint for: world sizes (ranks), ZeRO stage, parallel degrees.
         verification: Load each built model with transformers and check it against its checkpoint.
         destinations: Where to publish each run's outputs (see `checkpoint-lifecycle`).
         publishing: Upload settings.
