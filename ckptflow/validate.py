@@ -19,6 +19,7 @@ from ckptflow.formats.deepspeed import read, zero_index
 from ckptflow.formats.deepspeed.client_state import ClientState
 from ckptflow.formats.deepspeed.inspection import Problem
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.output_dir import Choice
 from ckptflow.formats.deepspeed.partition import zero3_real
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Replica
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
@@ -39,6 +40,7 @@ class ValidationReport:
     index: Partitioned | None = field(default=None, repr=False, compare=False)
     deep: bool = False
     client_state: ClientState = field(default_factory=ClientState)  # rank 0's, read as inert records
+    choice: Choice | None = None  # a Trainer output_dir's checkpoint-N folder taken, and those skipped
 
     @property
     def ok(self) -> bool:
@@ -57,6 +59,7 @@ class ValidationReport:
             "deep": self.deep,
             "checkpoint": self.summary(),
             "client_state": self.client_state.to_dict(),
+            "output_dir": self.choice.to_dict() if self.choice is not None else None,
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -82,7 +85,7 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
             problems = problems + _scan_model(index, progress) + _compare_replicas(index.replicas, index, progress)
     elif index is not None and deep and not problems:
         problems = problems + _scan_model(index, progress)
-    return ValidationReport(source, root, resolved, tuple(problems), index, deep, reading.client_state)
+    return ValidationReport(source, root, resolved, tuple(problems), index, deep, reading.client_state, reading.choice)
 
 
 def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:

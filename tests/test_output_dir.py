@@ -4,6 +4,7 @@ skipped and why."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -72,6 +73,15 @@ def test_validate_takes_the_newest_complete_checkpoint(llama_trainer_ckpt, tmp_p
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith(f"valid {root}/checkpoint-3/global_step3: ")
     assert f"warning: {_note(root)}" in " ".join(cli.stderr.split())  # rich may wrap the line
+    as_json = subprocess.run([sys.executable, "-m", "ckptflow.cli", "validate", str(root), "--json"],
+                             capture_output=True, text=True, timeout=300)
+    assert as_json.returncode == 0, as_json.stderr
+    taken = json.loads(as_json.stdout)["output_dir"]
+    assert taken == {"output_dir": str(root), "taken": "checkpoint-3", "found": 3, "skipped": [
+        {"folder": "checkpoint-10", "why": "no `latest` file"},
+        {"folder": "checkpoint-6", "why": f"rank 1 of 2 is missing: expected global_step3/{MISSING} under "
+                                          f"{root}/checkpoint-6; the upload may still be in progress, or the "
+                                          "checkpoint was saved with fewer ranks"}]}
 
     (root / "checkpoint-3" / "latest").unlink()
     report = validate(str(root))
@@ -81,6 +91,7 @@ def test_validate_takes_the_newest_complete_checkpoint(llama_trainer_ckpt, tmp_p
         f"`latest` file; checkpoint-6: rank 1 of 2 is missing: expected global_step3/{MISSING} under "
         f"{root}/checkpoint-6; the upload may still be in progress, or the checkpoint was saved with fewer ranks; "
         "checkpoint-3: no `latest` file")]
+    assert report.to_dict()["output_dir"]["taken"] is None and len(report.to_dict()["output_dir"]["skipped"]) == 3
 
 
 def test_consolidate_and_reshard_take_it_too(llama_trainer_ckpt, tmp_path: Path) -> None:

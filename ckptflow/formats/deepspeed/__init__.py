@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CheckpointNotFoundError, CkptflowError
@@ -22,7 +22,7 @@ from ckptflow.formats.deepspeed.client_state import ClientState
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, Problem, StopReading, read_head
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import allowed
-from ckptflow.formats.deepspeed.output_dir import choose, folders_in
+from ckptflow.formats.deepspeed.output_dir import Choice, choose, folders_in
 from ckptflow.formats.deepspeed.readers.autoep import read_autoep
 from ckptflow.formats.deepspeed.readers.autotp import read_autotp
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
@@ -64,12 +64,14 @@ _DEFAULT_WHAT_TO_DO = ("ckptflow cannot convert this layout yet: convert it with
 @dataclass(frozen=True)
 class Reading:
     """What reading a checkpoint found: its index (None when unusable), every problem, (root, tag)
-    (None when the tag could not be resolved), and what rank 0's client state holds."""
+    (None when the tag could not be resolved), what rank 0's client state holds, and, for a Trainer's
+    output_dir, which `checkpoint-N` folder was taken and which newer ones were skipped and why."""
 
     index: Partitioned | None
     problems: list[Problem]
     where: tuple[str, str] | None
     client_state: ClientState = field(default_factory=ClientState)
+    choice: Choice | None = None
 
 
 def read(uri: str, tag: str | None = None, *, strict_pickle: bool = False) -> Reading:
@@ -137,9 +139,9 @@ def _newest_complete(output_dir: str, folders: list[str], *, strict_pickle: bool
 
     choice = choose(output_dir, folders, problem)
     if choice.uri is None:
-        return Reading(None, [Problem("no-complete-checkpoint", choice.failure, output_dir)], None)
+        return Reading(None, [Problem("no-complete-checkpoint", choice.failure, output_dir)], None, choice=choice)
     logger.warning("%s", choice.note)
-    return seen[choice.uri]
+    return replace(seen[choice.uri], choice=choice)
 
 
 def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:

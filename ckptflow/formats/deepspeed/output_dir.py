@@ -15,6 +15,7 @@ import posixpath
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ckptflow.plumbing.storage import join, open_fs
 
@@ -36,6 +37,10 @@ class Choice:
     @property
     def uri(self) -> str | None:
         return join(self.output_dir, self.taken) if self.taken else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output_dir": self.output_dir, "taken": self.taken, "found": self.found,
+                "skipped": [{"folder": name, "why": why} for name, why in self.skipped]}
 
     @property
     def note(self) -> str:
