@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ckptflow import DEFAULT_DTYPE
-from ckptflow.errors import CkptflowError, ConfigError
+from ckptflow.errors import CkptflowError, ConfigError, naming
 from ckptflow.plumbing.progress import Progress as ProgressFn
 from ckptflow.plumbing.text import one_line
 
@@ -65,9 +65,19 @@ def line(text: str) -> None:
     out.print(Text(indent + one_line(text)), soft_wrap=True)
 
 
+# How the core's messages name the options it asks for (`errors.option`): as this command line's flags.
+FLAGS = {
+    "tag": "--tag", "dtype": "--dtype", "exclude_frozen": "--exclude-frozen", "verify": "--verify",
+    "config": "--config", "config_revision": "--config-revision", "max_shard_size": "--max-shard-size",
+    "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
+    "strict_pickle": "--strict-pickle", "break_lease": "--break-lease", "cluster": "--cluster",
+}
+
+
 @app.callback()
-def _root() -> None:
+def _root(ctx: typer.Context) -> None:
     """Validate, consolidate, reshard and publish DeepSpeed ZeRO checkpoints."""
+    ctx.with_resource(naming(FLAGS))
 
 
 def fail(exc: BaseException) -> typer.Exit:

@@ -6,11 +6,42 @@ program needs (uri, file, rank, tensor, expected, actual), and renders a one-lin
 what is wrong, where, what was expected and what to do.
 
 A class gives its errors a default code; a raise may name a finer one (`code="rank-missing"`).
+
+A message that tells the reader to set an option names it by the core's own word for it, its keyword
+in the Python API: `option("tag")`. How that reads is the entry point's choice (`naming`): the command
+line spells it as its flag (`--tag`), the Prefect tasks as the form field's title, and a Python caller
+sees the keyword in backquotes (`tag`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar
+
+_NAMES: ContextVar[Mapping[str, str]] = ContextVar("ckptflow_option_names", default={})
+
+
+def option(name: str) -> str:
+    """The option the core calls `name` (its Python keyword), as the reader of this message knows it."""
+    return _NAMES.get().get(name) or f"`{name}`"
+
+
+@contextmanager
+def naming(names: Mapping[str, str]) -> Iterator[None]:
+    """Messages made inside (on this thread, and on threads that copy its context) name options as
+    `names` spells them: keyword -> what the reader types or sees."""
+    token = _NAMES.set(names)
+    try:
+        yield
+    finally:
+        _NAMES.reset(token)
+
+
+def use_naming(names: Mapping[str, str]) -> None:
+    """`naming` for the rest of this context (a command-line process, which never goes back)."""
+    _NAMES.set(names)
 
 
 class CkptflowError(Exception):

@@ -46,6 +46,7 @@ from ckptflow.plumbing.storage import open_fs
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
+from tasks.naming import in_form_words
 from tasks.retries import io_retries
 from tasks.units import cluster_address, unit_executor
 
@@ -78,6 +79,7 @@ def write_shard(job: ShardJob, progress: Any = None, cancel: Any = None) -> Shar
     persist_result=True,
     **io_retries(retries=2),
 )
+@in_form_words
 def consolidate_model(
     checkpoint: Checkpoint,
     out: str,

@@ -27,6 +27,7 @@ from ckptflow.publish import HubTarget, Manifest, PushOptions, push
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, link, markdown, web_url
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output, Published
+from tasks.naming import in_form_words
 from tasks.retries import io_retries
 
 
@@ -63,6 +64,7 @@ def _run_name() -> str:
     persist_result=True,
     **io_retries(),
 )
+@in_form_words
 def publish_output(
     checkpoint: Checkpoint,
     output: Output,

@@ -33,6 +33,7 @@ from ckptflow.reshard.shape import Target
 from tasks.artifacts import ProgressArtifact, cell_size, checkpoint_key, code, markdown, md
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
+from tasks.naming import in_form_words
 from tasks.retries import io_retries
 from tasks.units import cluster_address, unit_executor
 
@@ -78,6 +79,7 @@ def write_rank(job: RankJob, progress: Any = None, cancel: Any = None) -> RankRe
     persist_result=True,
     **io_retries(retries=2),
 )
+@in_form_words
 def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, workers: int = 4,
                        cluster: str | None = None, tensor_parallel: int | None = None,
                        stage: int | None = None, pipeline_parallel: int | None = None,

@@ -19,6 +19,7 @@ from ckptflow.validate import ValidationReport, validate
 from ckptflow.watch import content_identity
 from tasks.artifacts import checkpoint_key, field_rows, source_name, table, text
 from tasks.models import Checkpoint
+from tasks.naming import in_form_words
 from tasks.retries import io_retries
 
 # Problems that mean "some files are not there yet": worth waiting for, within the settle time.
@@ -58,6 +59,7 @@ def _run_name() -> str:
 
 
 @task(name="validate-checkpoint", task_run_name=_run_name, **io_retries())
+@in_form_words
 def validate_checkpoint(
     source: str,
     tag: str | None = None,

@@ -16,6 +16,7 @@ from ckptflow.verify import verify_model
 from tasks.artifacts import checkpoint_key, table
 from tasks.caching import checkpoint_cache_key
 from tasks.models import Checkpoint, Output
+from tasks.naming import in_form_words
 from tasks.retries import io_retries
 
 
@@ -26,6 +27,7 @@ from tasks.retries import io_retries
     persist_result=True,
     **io_retries(retries=2),
 )
+@in_form_words
 def verify_output(checkpoint: Checkpoint, model: Output, *, device: str | None = None) -> dict[str, Any]:
     """Load `model` with transformers, run it, and compare it with `checkpoint`'s weights."""
     check = verify_model(model.uri, source=checkpoint.root, tag=checkpoint.tag, device=device)

@@ -10,6 +10,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+# rich fixes a console's width for good when COLUMNS is set as it is made: the CLI's consoles are made
+# here, with COLUMNS unset, so that each test's `CliRunner(env={"COLUMNS": ...})` sets the width it reads
+# whichever test imported the CLI first.
+_columns = os.environ.pop("COLUMNS", None)
+import ckptflow.cli  # noqa: E402, F401
+
+if _columns is not None:
+    os.environ["COLUMNS"] = _columns
+
 # Fixture plugins, one module per area: each registers its own session fixtures.
 pytest_plugins = [
     "tests.fixtures.plugin",

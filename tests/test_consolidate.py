@@ -627,7 +627,7 @@ def test_a_committed_model_is_taken_only_when_it_is_this_plans(ds_fixtures: Mapp
             "it was made with output max_shard_size 1000, this run asks for 5000000000")
     unverified = tmp_path / "unverified"
     consolidate(str(fixture.dir), str(unverified), options=ConsolidateOptions(dtype="bf16", verify=False))
-    with pytest.raises(OutputError, match="its shards were written without --verify, this run verifies them"):
+    with pytest.raises(OutputError, match="its shards were written without `verify`, this run verifies them"):
         committed_output(plan_consolidation(index, ConsolidateOptions(dtype="bf16")), str(unverified))
     assert committed_output(plan_consolidation(index, ConsolidateOptions(dtype="bf16", verify=False)),
                             str(unverified)) is not None

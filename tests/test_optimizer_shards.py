@@ -328,8 +328,8 @@ def test_consolidate_without_shapes_says_what_it_needs(shards: Mapping[str, Fixt
     assert result.exit_code == 1
     assert text(result) == (
         f"error: {bare} holds optimizer shards that give each parameter's size but not its shape, and no model "
-        "weights beside them; a model folder needs the shapes; give the trained model's config with --config FOLDER "
-        "or --config ORG/NAME, or save the model beside the shards (save_pretrained)")
+        "weights beside them; a model folder needs the shapes; give the trained model's config with --config (a "
+        "folder or a Hub repo ORG/NAME), or save the model beside the shards (save_pretrained)")
     assert not (tmp_path / "hf").exists()
     config = tmp_path / "config"
     config.mkdir()

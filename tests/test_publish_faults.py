@@ -232,7 +232,7 @@ def test_a_stale_lease_is_broken_on_purpose_and_released_either_way(store: str, 
     fs.pipe_file(f"{root}/{LEASE_NAME}", json.dumps(stale).encode())
     src = _src(tmp_path)
     with pytest.raises(PublishError, match=r"another push to .* is held by 'trainer@node-7 \(process 4242\)' since "
-                                           r"'2026-01-01T00:00:00\+00:00'.*--break-lease"):
+                                           r"'2026-01-01T00:00:00\+00:00'.*`break_lease`"):
         push(str(src), url)
     result = push(str(src), url, break_lease=True)
     assert len(result.uploaded) == 2

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.errors import CkptflowError, ConfigError, UnsupportedCheckpointError
+from ckptflow.errors import CkptflowError, ConfigError, UnsupportedCheckpointError, option
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.model import Partitioned
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
@@ -203,8 +203,8 @@ def shaped(index: Partitioned, config: str | None, revision: str | None = None, 
         raise UnsupportedCheckpointError(
             f"{index.root} holds optimizer shards that give each parameter's size but not its shape, and no model "
             "weights beside them; a model folder needs the shapes", code="shapes-unknown", uri=index.root,
-            hint="give the trained model's config with --config FOLDER or --config ORG/NAME, or save the model "
-                 "beside the shards (save_pretrained)")
+            hint=f"give the trained model's config with {option('config')} (a folder or a Hub repo ORG/NAME), or "
+                 "save the model beside the shards (save_pretrained)")
     read = read_config_source(ConfigSource.parse(config, revision), retry=retry)
     raw = read.files.get(hf.CONFIG_NAME)
     if raw is None:

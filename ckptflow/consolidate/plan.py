@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptflow import DEFAULT_DTYPE
-from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.errors import CheckpointError, UnsupportedCheckpointError, option
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.model import Partitioned
 from ckptflow.formats.deepspeed.runs import Run
@@ -190,7 +190,8 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
         raise CheckpointError(
             f"{index.root}/{index.tag} has nothing to write: no parameters or buffers"
             + (" once frozen parameters are excluded" if excluded else ""), uri=index.root,
-            hint="drop --exclude-frozen" if excluded else "check the source is the checkpoint you meant",
+            hint=(f"leave {option('exclude_frozen')} off" if excluded
+                  else "check the source is the checkpoint you meant"),
         )
     written = {t.name for t in tensors}
     shards = hf.pack_shards([(t.name, t.nbytes) for t in tensors], parse_size(options.max_shard_size))
@@ -219,8 +220,8 @@ def _check_exact(index: Partitioned, options: ConsolidateOptions) -> None:
         f"in {index.precision} only (its fp32 masters sit in the optimizer state with no parameter names), so a "
         f"{options.dtype} model made from it would not hold the masters", code="unsupported-precision",
         uri=index.root, expected=index.precision, actual=options.dtype,
-        hint=f"consolidate with --dtype {index.precision}: bit for bit the weights DeepSpeed trained with; or "
-             "train with ZeRO-1 or higher for named fp32 masters")
+        hint=f"consolidate with {option('dtype')} {index.precision}: bit for bit the weights DeepSpeed trained "
+             "with; or train with ZeRO-1 or higher for named fp32 masters")
 
 
 # ---- batches: what one unit reads and writes, chunk by chunk (pure) --------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 from ckptflow.consolidate.config import SideFiles, shaped, side_files
 from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, ShardUnit, plan_consolidation
 from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, shard_job
-from ckptflow.errors import OutputError
+from ckptflow.errors import OutputError, option
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed import load_index
 from ckptflow.plumbing import staging as stage
@@ -208,7 +208,7 @@ def committed_output(plan: ConsolidationPlan, out: str, side: SideFiles | None =
         raise stage.not_this_output(out, "its config and tokenizer files came from another config source (or "
                                          "none): see the config section of its " + hf.PROVENANCE_NAME)
     if plan.options.verify and output.get("verified") is not True:
-        raise stage.not_this_output(out, "its shards were written without --verify, this run verifies them")
+        raise stage.not_this_output(out, f"its shards were written without {option('verify')}, this run verifies them")
     sizes = {u.filename: u.file().file_size for u in plan.units}
     if sorted(listed) != sorted(sizes):
         raise stage.not_this_output(out, f"its {hf.PROVENANCE_NAME} lists other shards than this plan writes")

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import Executor
 
-from ckptflow.errors import ClusterError
+from ckptflow.errors import ClusterError, option
 
 __all__ = ["CLUSTER_ENV", "cluster"]
 
@@ -40,7 +40,8 @@ def cluster(address: str, *, timeout: float | None = None) -> Iterator[Executor]
     except ImportError:
         raise ClusterError(
             f"running on the Dask cluster at {address} needs Dask's `distributed` package, which is not installed",
-            code="cluster-missing", uri=address, hint="pip install 'ckptflow[cluster]', or run without --cluster",
+            code="cluster-missing", uri=address,
+            hint=f"pip install 'ckptflow[cluster]', or run without {option('cluster')}",
         ) from None
     try:
         client = Client(address, timeout=f"{timeout:g}s", set_as_default=False)

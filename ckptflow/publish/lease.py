@@ -32,7 +32,7 @@ from typing import Any
 
 import fsspec
 
-from ckptflow.errors import PublishError
+from ckptflow.errors import PublishError, option
 from ckptflow.plumbing.files import load_json, read_regular
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.retry import RetryPolicy, retry_call
@@ -121,7 +121,7 @@ def hold_lease(fs: fsspec.AbstractFileSystem, root: str, dest: str, *, break_lea
                 f"another push to {dest} is in progress: {shown} is held by {describe_holder(held)}",
                 code="push-in-progress",
                 uri=dest, file=LEASE_NAME,
-                hint="wait for it to finish; if that push died, run again with --break-lease",
+                hint=f"wait for it to finish; if that push died, run again with {option('break_lease')}",
             ) from None
     except PublishError:
         raise
@@ -142,7 +142,8 @@ def _release(fs: fsspec.AbstractFileSystem, path: str, shown: str, lease_id: str
     except FileNotFoundError:
         pass
     except Exception as exc:  # the push's own outcome is what counts; a stale lease can be broken
-        logger.warning("could not remove the lease %s (%s); remove it or push with --break-lease", shown, describe(exc))
+        logger.warning("could not remove the lease %s (%s); remove it or push with %s", shown, describe(exc),
+                       option("break_lease"))
 
 
 __all__ = ["LEASE_NAME", "describe_holder", "hold_lease"]

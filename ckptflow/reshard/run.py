@@ -39,7 +39,7 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
-from ckptflow.formats.deepspeed.tag import LATEST_HINT, read_latest
+from ckptflow.formats.deepspeed.tag import latest_hint, read_latest
 from ckptflow.formats.hf import CONFIG_NAME, find_side_files, read_config
 from ckptflow.formats.torch.pickler import OutStorage, dumps
 from ckptflow.formats.torch.writer import CHUNK_BYTES, SourceReader, archive_size, write_pickled
@@ -370,7 +370,7 @@ def committed_output(plan: ReshardPlan, out: str) -> tuple[list[RankResult], tup
         fs, path = open_fs(out)
         latest = read_latest(fs, posixpath.join(path, LATEST), join(out, LATEST))
     except CheckpointError as exc:  # its advice (fix `latest` or pass --tag) is not what to do here
-        raise stage.not_this_output(out, str(exc).replace(f"; {LATEST_HINT}", "")) from None
+        raise stage.not_this_output(out, str(exc).replace(f"; {latest_hint()}", "")) from None
     if latest != plan.tag:
         raise stage.not_this_output(out, f"its `{LATEST}` names {excerpt(latest)}, this run writes {excerpt(plan.tag)}")
     carried, rng_names = carried_files(plan, out)

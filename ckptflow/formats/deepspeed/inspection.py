@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.errors import CheckpointNotFoundError, CkptflowError
+from ckptflow.errors import CheckpointNotFoundError, CkptflowError, option
 from ckptflow.formats.deepspeed.client_state import ClientState, class_name, client_state, misplaced_record
 from ckptflow.formats.deepspeed.names import (
     ALLOWED,
@@ -107,7 +107,7 @@ def list_tag(st: Inspection) -> Listing:
     fs, tag_path = open_fs(tag_uri)
     if not fs.isdir(tag_path):
         why = (
-            "check the --tag value against the folders beside `latest`"
+            f"check the {option('tag')} value against the folders beside `latest`"
             if st.explicit_tag
             else "`latest` names a tag that was never saved or not yet uploaded: wait for the upload, or point "
             "`latest` at an existing tag"

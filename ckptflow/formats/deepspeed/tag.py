@@ -7,7 +7,7 @@ import os
 import posixpath
 from typing import Any
 
-from ckptflow.errors import CheckpointError, CheckpointNotFoundError, UnsafeInputError
+from ckptflow.errors import CheckpointError, CheckpointNotFoundError, UnsafeInputError, option
 from ckptflow.formats.deepspeed.names import LATEST, MODEL_FILE_RE, SAFE_TAG
 from ckptflow.plumbing.files import open_regular
 from ckptflow.plumbing.storage import join, open_fs, unstrip
@@ -17,7 +17,9 @@ from ckptflow.plumbing.text import excerpt
 MAX_LATEST_BYTES = 4096  # a tag is a folder name: DeepSpeed writes a few dozen bytes
 
 
-LATEST_HINT = "refusing to follow it; fix `latest` or pass --tag"
+def latest_hint() -> str:
+    """What to do about a `latest` that cannot be followed."""
+    return f"refusing to follow it; fix `latest` or pass {option('tag')}"
 
 
 def check_tag(tag: str, where: str) -> str | None:
@@ -35,7 +37,7 @@ def read_latest(fs: Any, path: str, where: str) -> str:
     """The tag the `latest` file at `path` names, reading at most `MAX_LATEST_BYTES`; `CheckpointError`
     (code `latest-unsafe`) when it is not a regular file, too long, not text, or not a plain folder
     name. A local FIFO, device or folder is never opened for reading (`plumbing.files`)."""
-    hint = LATEST_HINT
+    hint = latest_hint()
     uri = unstrip(fs, path)
     try:
         if os_path(uri) is not None:
@@ -80,5 +82,5 @@ def resolve_tag(uri: str, tag: str | None = None) -> tuple[str, str]:
         return parent[0] if len(parent) == 2 else ".", parent[-1]
     raise CheckpointNotFoundError(
         f"no `latest` file in {uri}", code="latest-missing", uri=uri, file=join(uri, LATEST),
-        hint="point at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass --tag",
+        hint=f"point at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass {option('tag')}",
     )

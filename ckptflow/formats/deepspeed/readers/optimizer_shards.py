@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptflow.errors import CkptflowError, ConfigError
+from ckptflow.errors import CkptflowError, ConfigError, option
 from ckptflow.formats.deepspeed.inspection import Inspection, StopReading, open_rank_file
 from ckptflow.formats.deepspeed.model import RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.zero import check_steps, read_partitions
@@ -184,7 +184,7 @@ class OptimizerShards(ZeroCheckpoint):
         out["shapes_from"] = self.shapes_from
         where = (f"parameter shapes from {self.shapes_from}" if self.shapes_from else
                  "no model weights beside the shards: parameters are known by size, not shape (enough to reshard; "
-                 "consolidate needs --config)")
+                 f"consolidate needs {option('config')})")
         out["notes"] = [f"ranks 0-{self.world_size - 1}: {', '.join(self.shard_names()[:2])}"
                         f"{' ...' if self.world_size > 2 else ''}; {where}"]
         return out
