@@ -16,6 +16,10 @@ too), and ckptflow says so.
 
 The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
 oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
+And it can be split to another degree above 1 (``--tp 4``, issue 24), on models that AutoTP runs four
+ways (``specs.split``: 4 key/value heads): DeepSpeed builds the model with AutoTP at the new degree, and
+besides the checks above, ``ds_to_universal`` of its re-save equals ``ds_to_universal`` of the source in
+every fp32 weight, Adam moment and step, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import reshard
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
-from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.sets import ParallelFixture, build_split
 from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
-from tests.test_reshard import _differences, _plain
+from tests.test_reshard import _differences, _load_plain, _plain, _universal, _universal_tensor
 
 # (fixture, new data-parallel size)
 ALL_CASES = (
@@ -75,6 +79,15 @@ ALL_STAGES = (
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
                              ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2)])
 RESHARDS = CASES + MERGES + STAGES
+# AutoTP split to another degree above 1 (fixture of `specs.split`, dp, tp[, stage]). The default run makes
+# one 4-rank launch at tp4: tp2 x dp2 -> tp4 x dp1, with ZeRO-1 -> 3, and GLM's sub-parameters at ZeRO-3.
+ALL_SPLITS = (
+    ("autotp-mha-tp2dp2-z1-fp32", 1, 4), ("autotp-mha-tp2-z1-fp32", 1, 4, 3), ("autotp-glm-mha-tp2-z3-fp32", 1, 4),
+    ("autotp-mha-tp2-z1-fp32", 1, 4),
+    # tp4 x dp2 -> tp2: the vocabulary's 10 + 9 + 9 + 9 rows become 19 + 18; at dp2, or at dp1 with ZeRO-2 -> 3
+    ("autotp-mha-tp4dp2-z2-fp32", 2, 2), ("autotp-mha-tp4dp2-z2-fp32", 1, 2, 3),
+)
+SPLITS = sample(ALL_SPLITS, ALL_SPLITS[:3])
 
 
 def case_id(case: tuple) -> str:
@@ -84,11 +97,8 @@ def case_id(case: tuple) -> str:
 
 def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None, stage: int | None = None) -> ParallelSpec:
     spec = fixture.parallel_spec
-    if tp is not None:
-        spec = dataclasses.replace(spec, tp=tp)
-    if stage is not None:
-        spec = dataclasses.replace(spec, stage=stage)
-    return dataclasses.replace(spec, world_size=dp * spec.tp * spec.pp)
+    tp = spec.tp if tp is None else tp
+    return dataclasses.replace(spec, tp=tp, stage=spec.stage if stage is None else stage, world_size=dp * tp * spec.pp)
 
 
 def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple, native: tuple,
@@ -162,6 +172,47 @@ def both_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
 @pytest.fixture(scope="session")
 def mp_oracle(both_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_reshard_oracle(both_fixtures, RESHARDS, NATIVE, tmp_path_factory.mktemp("mp-reshard-oracle"))
+
+
+@pytest.fixture(scope="session")
+def split_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
+    return build_split(sorted({case[0] for case in SPLITS}))
+
+
+@pytest.fixture(scope="session")
+def split_oracle(split_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Any]:
+    return run_reshard_oracle(split_fixtures, SPLITS, (), tmp_path_factory.mktemp("tp-split-oracle"))
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=case_id)
+def test_a_split_loads_in_deepspeed_at_the_new_degree(split_oracle: dict[str, Any], case: tuple,
+                                                      split_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """DeepSpeed with AutoTP at the target degree loads the split natively, holding the source's state,
+    and saves exactly ckptflow's files (`universal_checkpoint_info` and its affine maps included)."""
+    check_loaded_state(split_oracle, case, split_fixtures[case[0]])
+    check_same_files(split_oracle, case)
+    check_validates(split_oracle, case, split_fixtures[case[0]])
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=case_id)
+def test_a_split_converts_to_the_source_universal_checkpoint(split_oracle: dict[str, Any], case: tuple,
+                                                             split_fixtures: Mapping[str, ParallelFixture],
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`ds_to_universal` of DeepSpeed's re-save at the target equals that of the source: every
+    parameter's fp32 weight, Adam moments and step, bit for bit."""
+    scratch = tmp_path_factory.mktemp("universal")
+    cache: dict[Path, Path] = {}
+    ours = _universal(split_fixtures[case[0]].dir, cache, scratch) / "zero"
+    theirs = _universal(split_oracle["resaved"][case], cache, scratch) / "zero"
+    wanted = ("/fp32.pt", "/exp_avg.pt", "/exp_avg_sq.pt", "/step.pt")
+    files = sorted(str(p.relative_to(ours)) for p in ours.rglob("*.pt") if str(p).endswith(wanted))
+    other = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*.pt") if str(p).endswith(wanted))
+    moments = [f for f in files if not f.endswith("/step.pt")]
+    assert len(moments) == 3 * len(split_fixtures[case[0]].spec["params"])
+    assert moments == [f for f in other if not f.endswith("/step.pt")]
+    for name in sorted(set(files) & set(other)):  # step.pt: written at ZeRO-1/2 only
+        assert _universal_tensor(_load_plain(ours / name)) == _universal_tensor(_load_plain(theirs / name)), name
 
 
 @pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
