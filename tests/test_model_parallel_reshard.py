@@ -24,6 +24,7 @@ every fp32 weight, Adam moment and step, bit for bit.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -33,9 +34,20 @@ from typing import Any
 import pytest
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.names import ALLOWED
+from ckptflow.formats.deepspeed import inspect
+from ckptflow.formats.deepspeed.autotp_shards import (
+    Layout,
+    Meta,
+    contiguous_split_map,
+    layout_of,
+    replicated_map,
+    shard_sizes,
+    sub_param_map,
+)
+from ckptflow.formats.deepspeed.names import ALLOWED, UC_INFO
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import reshard
+from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_split
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture, build_split
@@ -297,3 +309,98 @@ def test_trainer_rng_files_are_named_for_every_rank(parallel_fixtures: Mapping[s
     assert {c.target: c.source for c in result.rng_files} == {f"rng_state_{i}.pth": f"rng_state_{i % 2}.pth"
                                                               for i in range(4)}
     assert (tmp_path / "out" / "rng_state_3.pth").read_bytes() == b"state of process 1"
+
+
+# ---- the split's arithmetic and its refusals -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("total,tp,kv,grain,name", [
+    (37, 4, 4, 1, "lm_head"), (37, 4, None, 64, "lm_head"), (64, 4, 4, 1, "model.layers.0.self_attn.q_proj"),
+    (48, 3, 8, 1, "model.layers.0.self_attn.k_proj"), (96, 4, 4, 1, "model.layers.0.mlp.down_proj"),
+    (200, 3, 8, 64, "model.layers.0.mlp.up_proj"), (40, 3, 8, 1, "model.layers.0.self_attn.v_proj"),
+])
+def test_shard_sizes_are_deepspeeds(total: int, tp: int, kv: int | None, grain: int, name: str) -> None:
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    assert shard_sizes(total, tp, Meta(kv, grain), name) == \
+        get_shard_size_list(total, tp, AutoTPMeta(num_kv_heads=kv, tp_grain_size=grain), name)
+
+
+def test_affine_maps_are_deepspeeds() -> None:
+    from deepspeed.checkpoint import affine
+
+    widths = [[18, 18, 12], [18, 18, 12]]
+    assert replicated_map([37, 64], 4) == affine.replicated_map((37, 64), 4).to_dict()
+    assert contiguous_split_map([64, 96], [24, 24, 24, 24], 1) == \
+        affine.contiguous_split_map((64, 96), [24, 24, 24, 24], 1).to_dict()
+    assert sub_param_map([96, 64], widths, 0) == affine.sub_param_map((96, 64), [48, 48], widths, 0).to_dict()
+    assert layout_of(sub_param_map([96, 64], widths, 0), 3, widths, 0) == Layout("sub", 0, (48, 48))
+    assert layout_of(contiguous_split_map([64, 96], [30, 66], 1), 2, None, None) == Layout("split", 1, (96,))
+    assert layout_of(replicated_map([64], 2), 2, None, None) == Layout("replicated")
+
+
+def _llama_tp2(parallel_fixtures: Mapping[str, ParallelFixture]) -> Any:
+    index, problems, _ = inspect(str(parallel_fixtures["autotp-tp2-z1-fp32"].dir))
+    assert index is not None and not problems
+    return index
+
+
+def test_a_split_follows_deepspeeds_arithmetic_or_is_refused(parallel_fixtures: Mapping[str, ParallelFixture]
+                                                              ) -> None:
+    """The planner itself (`resolve` never offers these shapes): a degree above the key/value heads leaves
+    ranks without a shard; a config whose heads do not give the recorded split is not followed."""
+    index = _llama_tp2(parallel_fixtures)
+    where = f"{index.root}/{index.tag}"
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 2})
+    assert str(info.value) == (
+        f"{where}: at tensor-parallel degree 4 AutoTP would give some ranks none of "
+        "model.layers.0.self_attn.q_proj.weight (split [[32, 32, 0, 0]]); choose a degree that divides its key/value "
+        "heads (2)")
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 1})
+    assert str(info.value) == (
+        f"{where}: model.layers.0.self_attn.q_proj.weight is split [[32, 32]] over 2 ranks, but DeepSpeed's "
+        "arithmetic (key/value heads 1, grain 1) gives [[64, 0]]; ckptflow does not know the rule this split "
+        "followed, so it does not split it again")
+
+
+def test_a_parameter_whose_split_is_not_recorded_is_refused(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    index = _llama_tp2(parallel_fixtures)
+    where = f"{index.root}/{index.tag}"
+    head = index.ranks[0].model_states[0]
+    recorded = head[UC_INFO]
+    info = copy.deepcopy(recorded)
+    del info["affine_map"]["params"][r"^model\.norm\.weight$"]
+    head[UC_INFO] = info
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 4})
+    assert str(refused.value) == (
+        f"{where}: model.norm.weight has no affine map of its own in universal_checkpoint_info, so ckptflow does not "
+        "know how AutoTP splits it; ckptflow does not guess")
+    info = copy.deepcopy(recorded)
+    ranks = info["affine_map"]["params"][r"^model\.layers\.0\.self_attn\.q_proj\.weight$"]["ranks"]
+    ranks[0], ranks[1] = ranks[1], ranks[0]  # each rank's piece where the other's is
+    head[UC_INFO] = info
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 4})
+    assert str(refused.value) == (
+        f"{where}: the affine map of model.layers.0.self_attn.q_proj.weight is none of the layouts ckptflow splits "
+        "again (replicated, one block per rank, sub-parameters split one by one); ckptflow does not guess")
+
+
+def test_a_split_without_the_models_config_is_refused(tmp_path: Path) -> None:
+    """Without config.json nothing says how many key/value heads the attention layers split on."""
+    import shutil
+
+    source = build_split(["autotp-mha-tp2-z1-fp32"])["autotp-mha-tp2-z1-fp32"]
+    src = tmp_path / "src"
+    shutil.copytree(source.dir, src)
+    (src / "config.json").unlink()
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        reshard(str(src), str(tmp_path / "out"), world_size=4, tp=4)
+    assert str(info.value) == (
+        f"{src}/global_step3: ckptflow needs the model's config.json (its key/value heads) to split the attention "
+        "layers as AutoTP does at tensor-parallel degree 4, and the checkpoint folder has none; copy the model's "
+        "config.json into the checkpoint folder")
+    assert not (tmp_path / "out").exists()
