@@ -345,48 +345,48 @@ def _llama_tp2(parallel_fixtures: Mapping[str, ParallelFixture]) -> Any:
     return index
 
 
-def test_a_split_follows_deepspeeds_arithmetic_or_is_refused(parallel_fixtures: Mapping[str, ParallelFixture]
+@pytest.mark.parametrize("kv,message", [
+    (2, "at tensor-parallel degree 4 AutoTP would give some ranks none of model.layers.0.self_attn.q_proj.weight "
+        "(split [[32, 32, 0, 0]]); choose a degree that divides its key/value heads (2)"),
+    (1, "model.layers.0.self_attn.q_proj.weight is split [[32, 32]] over 2 ranks, but DeepSpeed's arithmetic "
+        "(key/value heads 1, grain 1) gives [[64, 0]]; ckptflow does not know the rule this split followed, so it "
+        "does not split it again"),
+])
+def test_a_split_follows_deepspeeds_arithmetic_or_is_refused(kv: int, message: str,
+                                                              parallel_fixtures: Mapping[str, ParallelFixture]
                                                               ) -> None:
     """The planner itself (`resolve` never offers these shapes): a degree above the key/value heads leaves
     ranks without a shard; a config whose heads do not give the recorded split is not followed."""
     index = _llama_tp2(parallel_fixtures)
-    where = f"{index.root}/{index.tag}"
     with pytest.raises(UnsupportedCheckpointError) as info:
-        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 2})
-    assert str(info.value) == (
-        f"{where}: at tensor-parallel degree 4 AutoTP would give some ranks none of "
-        "model.layers.0.self_attn.q_proj.weight (split [[32, 32, 0, 0]]); choose a degree that divides its key/value "
-        "heads (2)")
-    with pytest.raises(UnsupportedCheckpointError) as info:
-        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 1})
-    assert str(info.value) == (
-        f"{where}: model.layers.0.self_attn.q_proj.weight is split [[32, 32]] over 2 ranks, but DeepSpeed's "
-        "arithmetic (key/value heads 1, grain 1) gives [[64, 0]]; ckptflow does not know the rule this split "
-        "followed, so it does not split it again")
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": kv})
+    assert str(info.value) == f"{index.root}/{index.tag}: {message}"
 
 
-def test_a_parameter_whose_split_is_not_recorded_is_refused(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    index = _llama_tp2(parallel_fixtures)
-    where = f"{index.root}/{index.tag}"
-    head = index.ranks[0].model_states[0]
-    recorded = head[UC_INFO]
-    info = copy.deepcopy(recorded)
-    del info["affine_map"]["params"][r"^model\.norm\.weight$"]
-    head[UC_INFO] = info
-    with pytest.raises(UnsupportedCheckpointError) as refused:
-        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 4})
-    assert str(refused.value) == (
-        f"{where}: model.norm.weight has no affine map of its own in universal_checkpoint_info, so ckptflow does not "
-        "know how AutoTP splits it; ckptflow does not guess")
-    info = copy.deepcopy(recorded)
-    ranks = info["affine_map"]["params"][r"^model\.layers\.0\.self_attn\.q_proj\.weight$"]["ranks"]
+def _without_norm_map(params: dict[str, Any]) -> None:
+    del params[r"^model\.norm\.weight$"]
+
+
+def _ranks_swapped(params: dict[str, Any]) -> None:
+    ranks = params[r"^model\.layers\.0\.self_attn\.q_proj\.weight$"]["ranks"]
     ranks[0], ranks[1] = ranks[1], ranks[0]  # each rank's piece where the other's is
-    head[UC_INFO] = info
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_without_norm_map, "model.norm.weight has no affine map of its own in universal_checkpoint_info, so ckptflow "
+                        "does not know how AutoTP splits it; ckptflow does not guess"),
+    (_ranks_swapped, "the affine map of model.layers.0.self_attn.q_proj.weight is none of the layouts ckptflow splits "
+                     "again (replicated, one block per rank, sub-parameters split one by one); ckptflow does not guess"),
+])
+def test_a_parameter_whose_split_is_not_recorded_is_refused(damage: Any, message: str,
+                                                             parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    index = _llama_tp2(parallel_fixtures)
+    head = index.ranks[0].model_states[0]
+    head[UC_INFO] = copy.deepcopy(head[UC_INFO])  # this index's own copy, damaged
+    damage(head[UC_INFO]["affine_map"]["params"])
     with pytest.raises(UnsupportedCheckpointError) as refused:
         plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 4})
-    assert str(refused.value) == (
-        f"{where}: the affine map of model.layers.0.self_attn.q_proj.weight is none of the layouts ckptflow splits "
-        "again (replicated, one block per rank, sub-parameters split one by one); ckptflow does not guess")
+    assert str(refused.value) == f"{index.root}/{index.tag}: {message}"
 
 
 def test_a_split_without_the_models_config_is_refused(tmp_path: Path) -> None:

@@ -271,13 +271,18 @@ def _info_at(info: Mapping[str, Any], layouts: Mapping[str, Layout], meta: Meta,
                     uri=index.root, tensor=name)
         maps[_pattern(name)] = layout.affine_map(shapes[name], tp, meta, _layer(index, name))
     source_maps = info["affine_map"]["params"]
-    out = dict(copy.deepcopy({k: v for k, v in info.items() if k != "affine_map"}))
+    other = [pattern for pattern in source_maps if pattern not in maps]
+    if other:
+        raise UnsupportedCheckpointError(
+            f"{where}: {UC_INFO} records a split for {excerpt(other[0])}, which names no trained parameter of the "
+            "checkpoint; ckptflow does not know where it goes at another degree", uri=index.root)
+    out = copy.deepcopy({k: v for k, v in info.items() if k != "affine_map"})
     if "sub_param_shard_widths" in info:
+        names = {_pattern(name): name for name in layouts}
         out["sub_param_shard_widths"] = {
-            pattern: next((layouts[n].widths(tp, meta, _layer(index, n)) for n in layouts if _pattern(n) == pattern),
-                          widths) for pattern, widths in info["sub_param_shard_widths"].items()}
-    ordered = {pattern: maps[pattern] for pattern in source_maps if pattern in maps}
-    out["affine_map"] = {**info["affine_map"], "params": {**ordered, **maps}}
+            pattern: layouts[names[pattern]].widths(tp, meta, _layer(index, names[pattern])) if pattern in names
+            else widths for pattern, widths in info["sub_param_shard_widths"].items()}
+    out["affine_map"] = {**info["affine_map"], "params": {pattern: maps[pattern] for pattern in source_maps}}
     return {k: out[k] for k in [*info, *(k for k in out if k not in info)]}
 
 
