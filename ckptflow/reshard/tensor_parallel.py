@@ -107,7 +107,7 @@ def plan_tensor_parallel_split(index: Any, world_size: int, tensor_parallel: int
         shapes = {name: tuple(maps[_pattern(name)]["ranks"][t]["shard_shape"]) for name in pieces}
         source = replace(
             merged, params=tuple(Param(p.name, shapes[p.name], p.dtype, p.group) for p in first.params),
-            model_states=tuple(_at_degree(m, tensor_parallel, target_info) for rank in index.ranks
+            model_states=tuple(_at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
                                for m in rank.model_states),
             optim_states=tuple(_at_degree(o, tensor_parallel, target_info) for rank in index.ranks
                                for o in rank.optim_states))
@@ -164,13 +164,18 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
 
 
-def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A rank's saved state as DeepSpeed saves it at tensor-parallel degree `tp`: `universal_checkpoint_info`
-    `info` (left out at tp 1), `mp_world_size` and `checkpoint_parallel_dimensions` tp, and the recorded
-    config's `tensor_parallel` section at `autotp_size` tp (left out at tp 1)."""
+def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None, *, tp_rank: int = 0
+               ) -> dict[str, Any]:
+    """A rank's saved state as DeepSpeed saves it at tensor-parallel degree `tp`, as tensor-parallel rank
+    `tp_rank`: `universal_checkpoint_info` `info` (left out at tp 1), `mp_world_size` and
+    `checkpoint_parallel_dimensions` tp, the recorded config's `tensor_parallel` section at `autotp_size`
+    tp (left out at tp 1), and the tied aliases (`shared_params`, which DeepSpeed records on global rank 0
+    only) emptied on the other tensor-parallel ranks."""
     out: dict[str, Any] = {}
     for key, value in state.items():
-        if key == UC_INFO:
+        if key == "shared_params" and tp_rank > 0 and isinstance(value, dict):
+            out[key] = type(value)()
+        elif key == UC_INFO:
             if info is not None:
                 out[key] = info
         elif key == "mp_world_size":
