@@ -16,10 +16,15 @@ too), and ckptflow says so.
 
 The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
 oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
+And it can be split to another degree above 1 (``--tp 4``, issue 24), on models that AutoTP runs four
+ways (``specs.split``: 4 key/value heads): DeepSpeed builds the model with AutoTP at the new degree, and
+besides the checks above, ``ds_to_universal`` of its re-save equals ``ds_to_universal`` of the source in
+every fp32 weight, Adam moment and step, bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -29,15 +34,26 @@ from typing import Any
 import pytest
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.names import ALLOWED
+from ckptflow.formats.deepspeed import inspect
+from ckptflow.formats.deepspeed.autotp_shards import (
+    Layout,
+    Meta,
+    contiguous_split_map,
+    layout_of,
+    replicated_map,
+    shard_sizes,
+    sub_param_map,
+)
+from ckptflow.formats.deepspeed.names import ALLOWED, UC_INFO
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import reshard
+from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_split
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
-from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.sets import ParallelFixture, build_split
 from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
-from tests.test_reshard import _differences, _plain
+from tests.test_reshard import _differences, _load_plain, _plain, _universal, _universal_tensor
 
 # (fixture, new data-parallel size)
 ALL_CASES = (
@@ -75,6 +91,16 @@ ALL_STAGES = (
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
                              ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2)])
 RESHARDS = CASES + MERGES + STAGES
+# AutoTP split to another degree above 1 (fixture of `specs.split`, dp, tp[, stage]). The default run makes
+# one 4-rank launch at tp4: tp2 x dp2 -> tp4 x dp1, with ZeRO-1 -> 3, and GLM's sub-parameters at ZeRO-3.
+ALL_SPLITS = (
+    ("autotp-mha-tp2dp2-z1-fp32", 1, 4), ("autotp-mha-tp2-z1-fp32", 1, 4, 3), ("autotp-glm-mha-tp2-z3-fp32", 1, 4),
+    ("autotp-mha-tp2-z1-fp32", 1, 4), ("autotp-mha-tp2-z1-bf16", 1, 4), ("autotp-llama-tied-mha-tp2-z1-fp32", 1, 4),
+    ("autotp-llama-tied-mha-tp2-z1-fp32", 1, 4, 3),
+    # tp4 x dp2 -> tp2: the vocabulary's 10 + 9 + 9 + 9 rows become 19 + 18; at dp2, or at dp1 with ZeRO-2 -> 3
+    ("autotp-mha-tp4dp2-z2-fp32", 2, 2), ("autotp-mha-tp4dp2-z2-fp32", 1, 2, 3),
+)
+SPLITS = sample(ALL_SPLITS, ALL_SPLITS[:3])
 
 
 def case_id(case: tuple) -> str:
@@ -84,11 +110,8 @@ def case_id(case: tuple) -> str:
 
 def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None, stage: int | None = None) -> ParallelSpec:
     spec = fixture.parallel_spec
-    if tp is not None:
-        spec = dataclasses.replace(spec, tp=tp)
-    if stage is not None:
-        spec = dataclasses.replace(spec, stage=stage)
-    return dataclasses.replace(spec, world_size=dp * spec.tp * spec.pp)
+    tp = spec.tp if tp is None else tp
+    return dataclasses.replace(spec, tp=tp, stage=spec.stage if stage is None else stage, world_size=dp * tp * spec.pp)
 
 
 def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple, native: tuple,
@@ -162,6 +185,48 @@ def both_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
 @pytest.fixture(scope="session")
 def mp_oracle(both_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_reshard_oracle(both_fixtures, RESHARDS, NATIVE, tmp_path_factory.mktemp("mp-reshard-oracle"))
+
+
+@pytest.fixture(scope="session")
+def split_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
+    return build_split(sorted({case[0] for case in SPLITS}))
+
+
+@pytest.fixture(scope="session")
+def split_oracle(split_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Any]:
+    return run_reshard_oracle(split_fixtures, SPLITS, (), tmp_path_factory.mktemp("tp-split-oracle"))
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=case_id)
+def test_a_split_loads_in_deepspeed_at_the_new_degree(split_oracle: dict[str, Any], case: tuple,
+                                                      split_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """DeepSpeed with AutoTP at the target degree loads the split natively, holding the source's state,
+    and saves exactly ckptflow's files (`universal_checkpoint_info` and its affine maps included)."""
+    check_loaded_state(split_oracle, case, split_fixtures[case[0]])
+    check_same_files(split_oracle, case)
+    check_validates(split_oracle, case, split_fixtures[case[0]])
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=case_id)
+def test_a_split_converts_to_the_source_universal_checkpoint(split_oracle: dict[str, Any], case: tuple,
+                                                             split_fixtures: Mapping[str, ParallelFixture],
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`ds_to_universal` of DeepSpeed's re-save at the target equals that of the source: every trained
+    parameter's fp32 weight, Adam moments and step, bit for bit. (A tied alias's files are left out: the
+    converter writes `lm_head.weight` tied to a vocabulary-parallel embedding as one rank's rows.)"""
+    scratch = tmp_path_factory.mktemp("universal")
+    cache: dict[Path, Path] = {}
+    ours = _universal(split_fixtures[case[0]].dir, cache, scratch) / "zero"
+    theirs = _universal(split_oracle["resaved"][case], cache, scratch) / "zero"
+    params = split_fixtures[case[0]].spec["params"]
+    files = {f"{name}/{state}.pt" for name in params for state in ("fp32", "exp_avg", "exp_avg_sq", "step")}
+    held = {str(p.relative_to(ours)) for p in ours.rglob("*.pt")} & files
+    other = {str(p.relative_to(theirs)) for p in theirs.rglob("*.pt")} & files
+    weights = {f for f in files if not f.endswith("/step.pt")}  # step.pt: written at ZeRO-1/2 only
+    assert weights <= held and weights <= other
+    for name in sorted(held & other):
+        assert _universal_tensor(_load_plain(ours / name)) == _universal_tensor(_load_plain(theirs / name)), name
 
 
 @pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=case_id)
@@ -246,3 +311,98 @@ def test_trainer_rng_files_are_named_for_every_rank(parallel_fixtures: Mapping[s
     assert {c.target: c.source for c in result.rng_files} == {f"rng_state_{i}.pth": f"rng_state_{i % 2}.pth"
                                                               for i in range(4)}
     assert (tmp_path / "out" / "rng_state_3.pth").read_bytes() == b"state of process 1"
+
+
+# ---- the split's arithmetic and its refusals -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("total,tp,kv,grain,name", [
+    (37, 4, 4, 1, "lm_head"), (37, 4, None, 64, "lm_head"), (64, 4, 4, 1, "model.layers.0.self_attn.q_proj"),
+    (48, 3, 8, 1, "model.layers.0.self_attn.k_proj"), (96, 4, 4, 1, "model.layers.0.mlp.down_proj"),
+    (200, 3, 8, 64, "model.layers.0.mlp.up_proj"), (40, 3, 8, 1, "model.layers.0.self_attn.v_proj"),
+])
+def test_shard_sizes_are_deepspeeds(total: int, tp: int, kv: int | None, grain: int, name: str) -> None:
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    assert shard_sizes(total, tp, Meta(kv, grain), name) == \
+        get_shard_size_list(total, tp, AutoTPMeta(num_kv_heads=kv, tp_grain_size=grain), name)
+
+
+def test_affine_maps_are_deepspeeds() -> None:
+    from deepspeed.checkpoint import affine
+
+    widths = [[18, 18, 12], [18, 18, 12]]
+    assert replicated_map([37, 64], 4) == affine.replicated_map((37, 64), 4).to_dict()
+    assert contiguous_split_map([64, 96], [24, 24, 24, 24], 1) == \
+        affine.contiguous_split_map((64, 96), [24, 24, 24, 24], 1).to_dict()
+    assert sub_param_map([96, 64], widths, 0) == affine.sub_param_map((96, 64), [48, 48], widths, 0).to_dict()
+    assert layout_of(sub_param_map([96, 64], widths, 0), 3, widths, 0) == Layout("sub", 0, (48, 48))
+    assert layout_of(contiguous_split_map([64, 96], [30, 66], 1), 2, None, None) == Layout("split", 1, (96,))
+    assert layout_of(replicated_map([64], 2), 2, None, None) == Layout("replicated")
+
+
+def _llama_tp2(parallel_fixtures: Mapping[str, ParallelFixture]) -> Any:
+    index, problems, _ = inspect(str(parallel_fixtures["autotp-tp2-z1-fp32"].dir))
+    assert index is not None and not problems
+    return index
+
+
+@pytest.mark.parametrize("kv,message", [
+    (2, "at tensor-parallel degree 4 AutoTP would give some ranks none of model.layers.0.self_attn.q_proj.weight "
+        "(split [[32, 32, 0, 0]]); choose a degree that divides its key/value heads (2)"),
+    (1, "model.layers.0.self_attn.q_proj.weight is split [[32, 32]] over 2 ranks, but DeepSpeed's arithmetic "
+        "(key/value heads 1, grain 1) gives [[64, 0]]; ckptflow does not know the rule this split followed, so it "
+        "does not split it again"),
+])
+def test_a_split_follows_deepspeeds_arithmetic_or_is_refused(kv: int, message: str,
+                                                              parallel_fixtures: Mapping[str, ParallelFixture]
+                                                              ) -> None:
+    """The planner itself (`resolve` never offers these shapes): a degree above the key/value heads leaves
+    ranks without a shard; a config whose heads do not give the recorded split is not followed."""
+    index = _llama_tp2(parallel_fixtures)
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": kv})
+    assert str(info.value) == f"{index.root}/{index.tag}: {message}"
+
+
+def _without_norm_map(params: dict[str, Any]) -> None:
+    del params[r"^model\.norm\.weight$"]
+
+
+def _ranks_swapped(params: dict[str, Any]) -> None:
+    ranks = params[r"^model\.layers\.0\.self_attn\.q_proj\.weight$"]["ranks"]
+    ranks[0], ranks[1] = ranks[1], ranks[0]  # each rank's piece where the other's is
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_without_norm_map, "model.norm.weight has no affine map of its own in universal_checkpoint_info, so ckptflow "
+                        "does not know how AutoTP splits it; ckptflow does not guess"),
+    (_ranks_swapped, "the affine map of model.layers.0.self_attn.q_proj.weight is none of the layouts ckptflow splits "
+                     "again (replicated, one block per rank, sub-parameters split one by one); ckptflow does not guess"),
+])
+def test_a_parameter_whose_split_is_not_recorded_is_refused(damage: Any, message: str,
+                                                             parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    index = _llama_tp2(parallel_fixtures)
+    head = index.ranks[0].model_states[0]
+    head[UC_INFO] = copy.deepcopy(head[UC_INFO])  # this index's own copy, damaged
+    damage(head[UC_INFO]["affine_map"]["params"])
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_tensor_parallel_split(index, 1, 4, config={"num_key_value_heads": 4})
+    assert str(refused.value) == f"{index.root}/{index.tag}: {message}"
+
+
+def test_a_split_without_the_models_config_is_refused(tmp_path: Path) -> None:
+    """Without config.json nothing says how many key/value heads the attention layers split on."""
+    import shutil
+
+    source = build_split(["autotp-mha-tp2-z1-fp32"])["autotp-mha-tp2-z1-fp32"]
+    src = tmp_path / "src"
+    shutil.copytree(source.dir, src)
+    (src / "config.json").unlink()
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        reshard(str(src), str(tmp_path / "out"), world_size=4, tp=4)
+    assert str(info.value) == (
+        f"{src}/global_step3: ckptflow needs the model's config.json (its key/value heads) to split the attention "
+        "layers as AutoTP does at tensor-parallel degree 4, and the checkpoint folder has none; copy the model's "
+        "config.json into the checkpoint folder")
+    assert not (tmp_path / "out").exists()

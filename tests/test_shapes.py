@@ -108,6 +108,21 @@ def test_tensor_parallel_degrees_must_divide_the_heads(parallel_fixtures: Mappin
     assert 4 in {s.tp for s, _ in shapes_at(index, 4)}  # without the config, only the ranks limit it
 
 
+def test_tensor_parallel_splits_are_offered_where_the_heads_divide() -> None:
+    """A model with 4 key/value heads (`specs.split`) at tp2: tp4 is a shape ckptflow writes, at every stage
+    (from ZeRO-1), next to the merge to tp1 and the tp2 reshard."""
+    from ckptflow.reshard.run import model_config
+    from tests.fixtures.sets import build_split
+
+    fixture = build_split(["autotp-mha-tp2-z1-fp32"])["autotp-mha-tp2-z1-fp32"]
+    index = load_index(str(fixture.dir))
+    shapes = shapes_at(index, 4, model_config(str(fixture.dir)))
+    assert [(str(s), reason) for s, reason in shapes if s.tp == 4] == [
+        ("ZeRO-1 tp4 x dp1 (4 ranks)", None), ("ZeRO-2 tp4 x dp1 (4 ranks)", None),
+        ("ZeRO-3 tp4 x dp1 (4 ranks)", None)]
+    assert all(reason is None for _, reason in shapes)
+
+
 def test_the_cli_plan_lists_shapes_and_writes_nothing(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
     runner = CliRunner()
     src = str(ds_fixtures["z2-fp32-ws2"].dir)

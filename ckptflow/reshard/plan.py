@@ -4,10 +4,10 @@
 `Shape` it means for this checkpoint (`reshard.shape.resolve`: refused in one line, naming the shapes
 that would work, when it does not divide, the layout forbids it or ckptflow cannot write it yet), then
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
-parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`), the pipeline one
-(`pipeline`: PipelineModule stages merged into one), the expert-parallel one (`experts`: another
-expert-parallel degree). Every planner returns a `ReshardPlan` (`units`) that `reshard.files` and
-`reshard.run` write. Nothing here reads a byte.
+parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: merged to tp1 or split to
+any degree), the pipeline one (`pipeline`: PipelineModule stages merged into one), the
+expert-parallel one (`experts`: another expert-parallel degree). Every planner returns a
+`ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ckptflow.reshard.experts import plan_expert_degree
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_model_parallel_stage, plan_stage_change
-from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge
+from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
 from ckptflow.reshard.units import ReshardPlan
 
 # ---- options --------------------------------------------------------------------------------------
@@ -92,11 +92,12 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
-    return replace(plan_shape(index, shape), source_shape=source_shape(index), shape=shape)
+    return replace(plan_shape(index, shape, config), source_shape=source_shape(index), shape=shape)
 
 
-def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
-    """The plan that writes `index` at `shape`, which `resolve` accepted."""
+def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None) -> ReshardPlan:
+    """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
+    `config.json`, which a tensor-parallel split needs)."""
     source = source_shape(index)
     if isinstance(index, OptimizerShards):
         if (shape.stage, shape.tp, shape.pp, shape.ep) != (source.stage, source.tp, source.pp, source.ep):
@@ -107,8 +108,10 @@ def plan_shape(index: Any, shape: Shape) -> ReshardPlan:
         return plan_shard_folder(index, shape.dp)
     if shape.pp != source.pp:
         return plan_pipeline(index, shape)
-    if shape.tp != source.tp:
+    if shape.tp != source.tp and shape.tp == 1:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp, stage=shape.stage)
+    if shape.tp != source.tp:
+        return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=config)
     if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):
         return plan_stage_change(index, shape.dp, shape.stage)
     if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":

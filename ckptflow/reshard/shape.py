@@ -259,8 +259,6 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     if shape.tp != source.tp:
         if kind != "autotp":
             return f"ckptflow changes the tensor-parallel degree of AutoTP checkpoints only, not of {name} ones"
-        if shape.tp != 1:
-            return "ckptflow merges AutoTP tensor parallelism to tp1; it does not split to other degrees yet"
     if shape.pp != source.pp:
         if kind != "pipeline":
             return (f"ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints only, "
@@ -276,7 +274,7 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if kind not in ("zero", "autotp"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
         if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
-            return ("ckptflow changes the ZeRO stage together with a tensor-parallel merge from ZeRO-1/2 only "
+            return ("ckptflow changes the ZeRO stage together with the tensor-parallel degree from ZeRO-1/2 only "
                     "(not from BF16_Optimizer or ZeRO-3) yet")
         if getattr(index, "optimizer_kind", None) == "bf16":
             return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "

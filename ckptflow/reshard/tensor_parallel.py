@@ -1,40 +1,55 @@
-"""Merging an AutoTP checkpoint's tensor parallelism away: tp N x dp D -> tp 1 x dp M. Pure.
+"""Changing an AutoTP checkpoint's tensor-parallel degree: tp N x dp D -> tp T x dp M. Pure.
 
-AutoTP's affine maps say where every element of every parameter lives (`formats.deepspeed.autotp`), so
-the full fp32 master weights and Adam moments are byte runs into the tensor-parallel ranks' flat
-partitions. The output is what DeepSpeed writes for the same Hugging Face model trained without
-tensor parallelism at M data-parallel ranks, same ZeRO stage and precision: `mp_rank_00` files only,
-each param group flattened from the full parameters in the same order, partitioned over M ranks by
-DeepSpeed's arithmetic (`formats.deepspeed.partition`), the ZeRO-1/2 16-bit module copy joined from the
-ranks' shards, no `universal_checkpoint_info`, `mp_world_size` 1, `checkpoint_parallel_dimensions`
-tp 1, and the `tensor_parallel` section left out of the recorded config. Load it with the same model
-and a config without `tensor_parallel` at M ranks.
+AutoTP's affine maps say where every element of every parameter lives (`readers.autotp`), so the full
+fp32 master weights and Adam moments are byte runs into the tensor-parallel ranks' flat partitions
+(`flats.ModelRuns`, every tensor-parallel rank's data-parallel ranks as virtual ranks `mp * D + d`).
 
-The plan is an ordinary `DataParallelPlan` whose source is a `ZeroCheckpoint` built over the tensor-parallel
-ranks' partitions (virtual rank `mp * D + d`), so `reshard.files` writes it unchanged. Refused:
-ZeRO-0 (its optimizer state names no parameter, so it cannot be joined), frozen parameters,
-`round_robin_gradients`, scaled pieces (the reader refuses those already), target degrees other than 1,
-and every layout but AutoTP.
+- Merged to T = 1 (`plan_tensor_parallel_merge`): what DeepSpeed writes for the same Hugging Face
+  model trained without tensor parallelism at M data-parallel ranks, same ZeRO stage and precision:
+  `mp_rank_00` files only, each param group flattened from the full parameters in the same order,
+  partitioned over M ranks by DeepSpeed's arithmetic (`formats.deepspeed.partition`), the ZeRO-1/2
+  16-bit module copy joined from the ranks' shards, no `universal_checkpoint_info`, `mp_world_size`
+  1, `checkpoint_parallel_dimensions` tp 1, and the `tensor_parallel` section left out of the
+  recorded config. Load it with the same model and a config without `tensor_parallel` at M ranks.
+- Split to T > 1 (`plan_tensor_parallel_split`): what AutoTP writes at `autotp_size` T. Each
+  parameter's layout is read from its saved map (`autotp_shards.layout_of`: replicated, one block per
+  rank along a dimension, or sub-parameters each split on their own) and checked against DeepSpeed's
+  shard arithmetic at N (`autotp_shards.shard_sizes`, with the key/value heads of the model's
+  `config.json` and the recorded `tp_grain_size`); the shards at T come from the same arithmetic.
+  Tensor-parallel rank t's files are a data-parallel checkpoint of its shards (their elements copied
+  from the source partitions that hold them), with `universal_checkpoint_info` rewritten at T (affine
+  maps, `sub_param_shard_widths`), `mp_world_size` and `checkpoint_parallel_dimensions` T, and
+  `tensor_parallel.autotp_size` T in the recorded config. A parameter whose map is none of those
+  layouts, or disagrees with the arithmetic at N, is refused.
+
+Both go from ZeRO-1/2 (DeepSpeedZeroOptimizer) to any of ZeRO-1, 2, 3, and otherwise at the source's
+stage. Refused: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
+`round_robin_gradients`, scaled pieces (the reader refuses those already), and every layout but AutoTP.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.autotp_shards import Layout, Meta, layout_of, meta_of, recorded_widths
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
-from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Piece, stretches
+from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.flats import ModelRuns, zero3_flats, zero12_flats
+from ckptflow.plumbing.text import excerpt
+from ckptflow.reshard.flats import Copies, ModelRuns, append_copy, zero3_flats, zero12_flats
 from ckptflow.reshard.shape import check_world_size
-from ckptflow.reshard.units import DataParallelPlan, RankUnit
+from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
 
 def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int, *, stage: int | None = None
@@ -42,6 +57,77 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
     """The plan that turns the AutoTP checkpoint `index` into a `tensor_parallel` = 1 checkpoint at
     `world_size` data-parallel ranks, at ZeRO `stage` (None: the source's; a ZeRO-1/2 source may go to
     any of 1, 2, 3); reads nothing. `UnsupportedCheckpointError` for anything else."""
+    if tensor_parallel != 1:
+        raise UnsupportedCheckpointError(
+            f"{index.root}/{index.tag}: a merge writes tensor-parallel degree 1, not {tensor_parallel}",
+            uri=index.root, hint="split it with plan_tensor_parallel_split")
+    source, stage = _check_source(index, world_size, tensor_parallel, stage)
+    kind = source.optimizer_kind
+    runs = ModelRuns(index)
+    if stage == 3:
+        plan = _plan_zero3(index, source, world_size, runs.copies)
+    else:
+        plan = _plan_zero12(index, source, world_size, kind, runs.copies, module_runs(index))
+    return replace(plan, stage=stage, source_optimizer=kind)
+
+
+def plan_tensor_parallel_split(index: Any, world_size: int, tensor_parallel: int, *, stage: int | None = None,
+                               config: Mapping[str, Any] | None = None) -> ModelParallelPlan:
+    """The plan that writes the AutoTP checkpoint `index` at `tensor_parallel` > 1 ranks per model
+    replica and `world_size` data-parallel ranks, at ZeRO `stage` (None: the source's; a ZeRO-1/2
+    source may go to any of 1, 2, 3), split as AutoTP splits the model at that degree. `config` is the
+    model's `config.json` (its key/value heads decide the attention layers' split). Reads nothing;
+    `UnsupportedCheckpointError` for anything it does not split (see the module's docstring)."""
+    merged, stage = _check_source(index, world_size, tensor_parallel, stage)
+    where = f"{index.root}/{index.tag}"
+    first = index.ranks[0]
+    head = first.model_states[0]
+    info = head.get(UC_INFO)
+    meta = meta_of(config, head.get("ds_config"))
+    if not meta.num_kv_heads:
+        raise UnsupportedCheckpointError(
+            f"{where}: ckptflow needs the model's config.json (its key/value heads) to split the attention layers "
+            f"as AutoTP does at tensor-parallel degree {tensor_parallel}, and the checkpoint folder has none",
+            uri=index.root, hint="copy the model's config.json into the checkpoint folder")
+    unsupported = info.get("autotp_unsupported_parameter_patterns") if isinstance(info, Mapping) else None
+    if unsupported:
+        pattern, reason = next(iter(unsupported.items()))
+        raise UnsupportedCheckpointError(
+            f"{where}: AutoTP recorded no split for {excerpt(pattern)} ({excerpt(reason)}); ckptflow does not guess "
+            "one", uri=index.root)
+    layouts = {p.name: _layout(index, info, meta, p.name) for p in first.params}
+    target_info = _info_at(info, layouts, meta, tensor_parallel, index)
+    kind = merged.optimizer_kind
+    runs = ModelRuns(index)
+    full_module = module_runs(index) if stage != 3 else {}
+    parts = []
+    for t in range(tensor_parallel):
+        maps = target_info["affine_map"]["params"]
+        pieces = {p.name: _pieces(maps[_pattern(p.name)]["ranks"][t]) for p in first.params}
+        shapes = {name: tuple(maps[_pattern(name)]["ranks"][t]["shard_shape"]) for name in pieces}
+        source = replace(
+            merged, params=tuple(Param(p.name, shapes[p.name], p.dtype, p.group) for p in first.params),
+            model_states=tuple(_at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
+                               for m in rank.model_states),
+            optim_states=tuple(_at_degree(o, tensor_parallel, target_info) for rank in index.ranks
+                               for o in rank.optim_states))
+        copies = _local_copies(pieces, runs.copies)
+        if stage == 3:
+            plan = _plan_zero3(index, source, world_size, copies, mp_rank=t)
+        else:
+            plan = _plan_zero12(index, source, world_size, kind, copies,
+                                {n: _local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t)
+        parts.append(replace(plan, stage=stage, source_optimizer=kind))
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
+        world_size=world_size, parts=tuple(parts), carried=index.carried, index=index,
+    )
+
+
+def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int | None
+                  ) -> tuple[ZeroCheckpoint, int]:
+    """The tensor-parallel ranks' partitions as one data-parallel checkpoint, and the target stage;
+    `UnsupportedCheckpointError` for a source or target no tensor-parallel change handles."""
     where = f"{index.root}/{index.tag}"
     check_world_size(world_size)
     current = getattr(index, "tp", 1)
@@ -53,11 +139,6 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
     if tensor_parallel == current:
         raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {current}", uri=index.root,
                                          hint="leave --tensor-parallel out to change the data-parallel size only")
-    if tensor_parallel != 1:
-        raise UnsupportedCheckpointError(
-            f"{where} has tensor-parallel degree {current}; ckptflow can merge it to 1, not split it to "
-            f"{tensor_parallel}: AutoTP decides a shard's layout when it builds the model", uri=index.root,
-            hint="use --tensor-parallel 1, then let AutoTP split the model again")
     if index.stage == 0:
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
@@ -69,32 +150,44 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
                                          "ckptflow has not verified", uri=index.root)
     if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
         raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
-                                         "a tensor-parallel merge does not handle", uri=index.root)
+                                         "a tensor-parallel change does not handle", uri=index.root)
     source = _merged_source(index)
-    kind = source.optimizer_kind
     stage = index.stage if stage is None else stage
-    if stage != index.stage and kind != ZERO:
+    if stage != index.stage and source.optimizer_kind != ZERO:
         raise UnsupportedCheckpointError(
-            f"{where}: ckptflow merges a ZeRO-{index.stage} AutoTP checkpoint's tensor parallelism at ZeRO-1, 2 or 3 "
-            f"from ZeRO-1/2 only, not from this one to ZeRO-{stage}", uri=index.root,
-            hint="merge it at its own stage, then change the stage")
-    plan = _plan_zero3(index, source, world_size) if stage == 3 else _plan_zero12(index, source, world_size, kind)
-    return replace(plan, stage=stage, source_optimizer=kind)
+            f"{where}: ckptflow changes a ZeRO-{index.stage} AutoTP checkpoint's tensor-parallel degree at ZeRO-1, 2 "
+            f"or 3 from ZeRO-1/2 only, not from this one to ZeRO-{stage}", uri=index.root,
+            hint="change the degree at its own stage, then change the stage")
+    return source, stage
 
 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
 
 
-def _without_tensor_parallel(state: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in state.items() if k != UC_INFO}
-    if "mp_world_size" in out:
-        out["mp_world_size"] = 1
-    dims = out.get("checkpoint_parallel_dimensions")
-    if isinstance(dims, Mapping):
-        out["checkpoint_parallel_dimensions"] = {**dims, "tp_degree": 1}
-    config = out.get("ds_config")
-    if isinstance(config, Mapping):
-        out["ds_config"] = {k: copy.deepcopy(v) for k, v in config.items() if k != "tensor_parallel"}
+def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None, *, tp_rank: int = 0
+               ) -> dict[str, Any]:
+    """A rank's saved state as DeepSpeed saves it at tensor-parallel degree `tp`, as tensor-parallel rank
+    `tp_rank`: `universal_checkpoint_info` `info` (left out at tp 1), `mp_world_size` and
+    `checkpoint_parallel_dimensions` tp, the recorded config's `tensor_parallel` section at `autotp_size`
+    tp (left out at tp 1), and the tied aliases (`shared_params`, which DeepSpeed records on global rank 0
+    only) emptied on the other tensor-parallel ranks."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if key == "shared_params" and tp_rank > 0 and isinstance(value, dict):
+            out[key] = type(value)()
+        elif key == UC_INFO:
+            if info is not None:
+                out[key] = info
+        elif key == "mp_world_size":
+            out[key] = tp
+        elif key == "checkpoint_parallel_dimensions" and isinstance(value, Mapping):
+            out[key] = {**value, "tp_degree": tp}
+        elif key == "ds_config" and isinstance(value, Mapping):
+            out[key] = {k: copy.deepcopy(v) for k, v in value.items() if k != "tensor_parallel" or tp > 1}
+            if tp > 1 and isinstance(out[key].get("tensor_parallel"), dict):
+                out[key]["tensor_parallel"]["autotp_size"] = tp
+        else:
+            out[key] = value
     return out
 
 
@@ -110,8 +203,8 @@ def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
         first, params=params, groups=groups,
         partitions=tuple(part for rank in ranks for part in rank.partitions),
         files=tuple(f for rank in ranks for f in rank.files),
-        model_states=tuple(_without_tensor_parallel(m) for rank in ranks for m in rank.model_states),
-        optim_states=tuple(_without_tensor_parallel(o) for rank in ranks for o in rank.optim_states),
+        model_states=tuple(_at_degree(m, 1) for rank in ranks for m in rank.model_states),
+        optim_states=tuple(_at_degree(o, 1) for rank in ranks for o in rank.optim_states),
         tied=index.tied,
     )
 
@@ -121,51 +214,177 @@ def _meta(index: ModelParallelCheckpoint, rank: int) -> int:
     return min(rank, index.world_size - 1)
 
 
+
+
+# ---- the split: each parameter's layout, and the target ranks' shards ----------------------------------
+
+
+def _pattern(name: str) -> str:
+    return "^" + re.escape(name) + "$"
+
+
+def _layout(index: ModelParallelCheckpoint, info: Any, meta: Meta, name: str) -> Layout:
+    """How AutoTP split parameter `name` in `index`, read from its saved map and checked against the
+    arithmetic at the source's degree; `UnsupportedCheckpointError` (one line, the parameter named) where
+    the metadata does not say, or says something else than DeepSpeed's arithmetic."""
+    where = f"{index.root}/{index.tag}"
+    maps = info.get("affine_map", {}).get("params", {}) if isinstance(info, Mapping) else {}
+    entry = maps.get(_pattern(name)) if isinstance(maps, Mapping) else None
+    if not isinstance(entry, Mapping):
+        raise UnsupportedCheckpointError(
+            f"{where}: {name} has no affine map of its own in {UC_INFO}, so ckptflow does not know how AutoTP splits "
+            "it; ckptflow does not guess", uri=index.root, tensor=name)
+    widths = (info.get("sub_param_shard_widths") or {}).get(_pattern(name))
+    dims = [e.get("partition_dim") for e in info.get("parameter_with_sub_params") or []
+            if isinstance(e, Mapping) and _pattern(name) in (e.get("patterns") or [])]
+    layout = layout_of(entry, index.tp, widths, dims[0] if dims else None)
+    if layout is None:
+        raise UnsupportedCheckpointError(
+            f"{where}: the affine map of {name} is none of the layouts ckptflow splits again (replicated, one block "
+            "per rank, sub-parameters split one by one); ckptflow does not guess", uri=index.root, tensor=name)
+    if layout.kind != "replicated":
+        recorded, ours = recorded_widths(entry, layout), layout.widths(index.tp, meta, _layer(index, name))
+        if recorded != ours:
+            raise UnsupportedCheckpointError(
+                f"{where}: {name} is split {recorded} over {index.tp} ranks, but DeepSpeed's arithmetic (key/value "
+                f"heads {meta.num_kv_heads}, grain {meta.tp_grain_size}) gives {ours}; ckptflow does not know the rule "
+                "this split followed, so it does not split it again", uri=index.root, tensor=name)
+    return layout
+
+
+def _layer(index: ModelParallelCheckpoint, name: str) -> str:
+    """The layer name AutoTP's arithmetic saw for parameter `name`: its module, or for a tied vocabulary
+    parameter the output head's (a tied embedding reuses `lm_head`'s split)."""
+    aliases = [alias for alias, owner in index.tied.items() if owner == name]
+    return (aliases[0] if aliases else name).rpartition(".")[0]
+
+
+def _info_at(info: Mapping[str, Any], layouts: Mapping[str, Layout], meta: Meta, tp: int,
+             index: ModelParallelCheckpoint) -> dict[str, Any]:
+    """`universal_checkpoint_info` as AutoTP records it at degree `tp`: the affine maps and sub-parameter
+    widths at `tp`, every other field (the pattern lists, the vocabulary) as the source's."""
+    where = f"{index.root}/{index.tag}"
+    shapes = {t.name: t.shape for t in index.tensors}
+    maps = {}
+    for name, layout in layouts.items():
+        if layout.kind != "replicated":
+            widths = layout.widths(tp, meta, _layer(index, name))
+            if any(0 in w for w in widths):
+                raise UnsupportedCheckpointError(
+                    f"{where}: at tensor-parallel degree {tp} AutoTP would give some ranks none of {name} (split "
+                    f"{widths}); choose a degree that divides its key/value heads ({meta.num_kv_heads})",
+                    uri=index.root, tensor=name)
+        maps[_pattern(name)] = layout.affine_map(shapes[name], tp, meta, _layer(index, name))
+    source_maps = info["affine_map"]["params"]
+    other = [pattern for pattern in source_maps if pattern not in maps]
+    if other:
+        raise UnsupportedCheckpointError(
+            f"{where}: {UC_INFO} records a split for {excerpt(other[0])}, which names no trained parameter of the "
+            "checkpoint; ckptflow does not know where it goes at another degree", uri=index.root)
+    out = copy.deepcopy({k: v for k, v in info.items() if k != "affine_map"})
+    if "sub_param_shard_widths" in info:
+        names = {_pattern(name): name for name in layouts}
+        out["sub_param_shard_widths"] = {
+            pattern: layouts[names[pattern]].widths(tp, meta, _layer(index, names[pattern])) if pattern in names
+            else widths for pattern, widths in info["sub_param_shard_widths"].items()}
+    out["affine_map"] = {**info["affine_map"], "params": {pattern: maps[pattern] for pattern in source_maps}}
+    return {k: out[k] for k in [*info, *(k for k in out if k not in info)]}
+
+
+def _pieces(rank: Mapping[str, Any]) -> list[Piece]:
+    """A target rank's pieces of one parameter (its affine-map entry), as the readers' `Piece`s."""
+    return [Piece(tuple(p["shape"]), p["source"][0], tuple(p["source"][1]), p["dest"][0], tuple(p["dest"][1]))
+            for p in rank["pieces"]]
+
+
+def _rows(pieces: Sequence[Piece]) -> list[tuple[int, int, int]]:
+    """(local start, full start, elements) of every stretch of the local shard that is contiguous on both
+    sides, in local order: one per piece of a column split, one per row of a row split."""
+    out = []
+    for piece in pieces:
+        for dest, source, row, rows, stride in stretches(piece):
+            if rows == 1 or stride == row:
+                out.append((dest, source, row * rows))
+            else:
+                out.extend((dest + i * row, source + i * stride, row) for i in range(rows))
+    return sorted(out)
+
+
+def _local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies:
+    """`flats.Copies` of the target shards: elements [first, last) of a shard are full-tensor stretches,
+    each copied by `full` from the source partitions that hold it."""
+    rows = {name: _rows(p) for name, p in pieces.items()}
+    starts = {name: [r[0] for r in stretch] for name, stretch in rows.items()}
+
+    def copies(name: str, group: int, first: int, last: int, dst: int) -> list[Copy]:
+        out: list[Copy] = []
+        stretch = rows[name]
+        for local, at, numel in stretch[max(0, bisect.bisect_right(starts[name], first) - 1):]:
+            if local >= last:
+                break
+            a, b = max(first, local), min(last, local + numel)
+            if a < b:
+                for c in full(name, group, at + a - local, at + b - local, dst + a - first):
+                    append_copy(out, c)
+        return out
+
+    return copies
+
+
+def _local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]:
+    """The runs of a target shard (offsets in the shard) made of `runs` of the full tensor."""
+    out = []
+    for local, at, numel in _rows(pieces):
+        for run in runs:
+            for part in run.within(at, at + numel):
+                out.append(replace(part, offset=part.offset - at + local))
+    return tuple(sorted(out, key=lambda r: r.offset))
+
+
 # ---- ZeRO-1/2 --------------------------------------------------------------------------------------
 
 
-def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str
-                 ) -> DataParallelPlan:
+def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str,
+                 copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0) -> DataParallelPlan:
     by_name = source.param_by_name
     n_tensors = source.tensors_per_partition
-    laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
-                        ModelRuns(index).copies, aligned=is_set(source.zero_config, "parameter_alignment"),
-                        bf16=optimizer == BF16)
+    laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size, copies,
+                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16)
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
-    flat_shapes, param_paddings, module = laid.shapes, laid.param_paddings, laid.module
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in source.params) + source.buffer_bytes
     units = []
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r),
-            model_file=model_file_name(source.stage, 0) if r == 0 else None, flats=tuple(flats[r]),
-            group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]),
+            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
+            model_file=model_file_name(source.stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
+            group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
         ))
     return DataParallelPlan(
         root=index.root, tag=index.tag, stage=source.stage, precision=source.precision, optimizer=optimizer,
-        source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
-        param_alignment_paddings=tuple(param_paddings), module=tuple(module), units=tuple(units), index=source,
-        module_runs=module_runs(index),
+        source_world_size=index.world_size, world_size=world_size, flat_shapes=laid.shapes,
+        param_alignment_paddings=laid.param_paddings, module=laid.module, units=tuple(units), index=source,
+        module_runs=module,
     )
 
 
 # ---- ZeRO-3 -----------------------------------------------------------------------------------------
 
 
-def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
+def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, copies: Copies, *,
+                mp_rank: int = 0) -> DataParallelPlan:
     by_name = source.param_by_name
     n_tensors = source.tensors_per_partition
     flats, flat_shapes = zero3_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
-                                     ModelRuns(index).copies, sub_group_size=sub_group_size(source.zero_config))
+                                     copies, sub_group_size=sub_group_size(source.zero_config))
     units = []
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r),
-            model_file=model_file_name(3, r), flats=tuple(flats[r]),
+            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
+            model_file=model_file_name(3, r, mp_rank), flats=tuple(flats[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved + source.buffer_bytes,
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + source.buffer_bytes,
         ))
@@ -176,4 +395,4 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     )
 
 
-__all__ = ["plan_tensor_parallel_merge"]
+__all__ = ["plan_tensor_parallel_merge", "plan_tensor_parallel_split"]

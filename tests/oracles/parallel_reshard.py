@@ -1,6 +1,8 @@
 """Rank script for the model-parallel reshard oracle: DeepSpeed itself loads checkpoints natively at a
 new data-parallel size, and everything it then holds is gathered and compared with the fixture's oracle.
 
+The split fixtures (``specs.split``) are built with their own models (``models.split``).
+
 Run on N ranks by ``launch("tests.oracles.parallel_reshard", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
 list of jobs of one layout (AutoTP, PipelineModule and Megatron-style each install process-wide
 groups), run in order. Each job builds the fixture's model with ``tests.fixtures.writers.parallel``'s own
@@ -18,6 +20,7 @@ degrees, another data-parallel size), then
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -31,7 +34,9 @@ from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.fixtures.launch import run_jobs  # noqa: E402
+from tests.fixtures.models.split import mha_models  # noqa: E402
 from tests.fixtures.specs.parallel import ParallelSpec  # noqa: E402
+from tests.fixtures.specs.split import SPLIT_SPECS  # noqa: E402
 from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
 from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
@@ -48,7 +53,8 @@ def run_job(job: dict[str, Any]) -> None:
         work: writer.Job = parallel_extra_writer.DataParallelHFJob(spec)
     else:
         work = writer.JOBS[spec.layout](spec)
-    engine, _ = work.initialize()
+    with mha_models() if spec.name in SPLIT_SPECS else contextlib.nullcontext():  # `specs.split`'s models
+        engine, _ = work.initialize()
     tag = Path(job["load"], "latest").read_text().strip()
     path, _ = engine.load_checkpoint(job["load"], tag=tag)
     if path is None:
