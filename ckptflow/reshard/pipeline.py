@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
@@ -54,10 +54,10 @@ def plan_pipeline(index: Any, shape: Shape) -> ModelParallelPlan:
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {kind} layout; ckptflow changes the number of pipeline stages of plain "
             "PipelineModule checkpoints only (no tensor parallelism inside the stages)", code="unsupported-layout",
-            uri=index.root, hint="keep the number of pipeline stages (leave --pp out)")
+            uri=index.root, hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
     if shape.pp != 1 or shape.tp != 1:
         raise UnsupportedCheckpointError(f"cannot write {where} at {shape}: {PIPELINE_STAGES}",
-                                         code="unsupported-shape", uri=index.root, hint="use --pp 1")
+                                         code="unsupported-shape", uri=index.root, hint=f"use {option('pp')} 1")
     if index.stage != 1:
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} PipelineModule checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
@@ -85,7 +85,7 @@ def _check_stages(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint
     if frozen:
         raise UnsupportedCheckpointError(f"{where} has frozen parameters ({', '.join(frozen[:3])}), which ckptflow "
                                          "does not move between pipeline stages", uri=index.root,
-                                         hint="keep the number of pipeline stages (leave --pp out)")
+                                         hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
     if is_set(first.zero_config, "round_robin_gradients"):
         raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, whose "
                                          "flattening order ckptflow does not rebuild for new stages", uri=index.root)
@@ -97,7 +97,7 @@ def _check_stages(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint
             raise UnsupportedCheckpointError(
                 f"{where}: pipeline stage {s} has other optimizer param groups than stage 0 ({len(hyper)} vs "
                 f"{len(hypers[0])} groups, or other hyper-parameters), so the stages' groups cannot be joined",
-                uri=index.root, hint="keep the number of pipeline stages (leave --pp out)")
+                uri=index.root, hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
     owner: dict[str, int] = {}
     for rank in ranks:
         for p in rank.params:

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.autotp_shards import Layout, Meta, layout_of, meta_of, recorded_widths
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
@@ -135,10 +135,10 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the tensor-parallel degree of "
             "AutoTP checkpoints only", code="unsupported-layout", uri=index.root,
-            hint="reshard it to another data-parallel size without --tensor-parallel")
+            hint=f"reshard it to another data-parallel size without {option('tp')}")
     if tensor_parallel == current:
         raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {current}", uri=index.root,
-                                         hint="leave --tensor-parallel out to change the data-parallel size only")
+                                         hint=f"leave {option('tp')} out to change the data-parallel size only")
     if index.stage == 0:
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
