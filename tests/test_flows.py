@@ -370,11 +370,26 @@ def test_the_steps_bars_are_gone_when_they_end(prefect_server: str, llama_bf16_c
     assert _progress_artifacts(run_id) == []
 
 
-def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, parallel_fixtures,
-                                                           tmp_path: Path) -> None:
-    """The form's "Merge tensor parallelism" reaches the core: the task writes, into `zero-ws2-tp1`, the
-    same bytes as `ckptflow reshard --tensor-parallel 1` (whose output DeepSpeed loads, in
-    test_model_parallel_reshard), and its run is named after it."""
+# The form's reshard fields, each through the task: (fixture set, fixture, the form's Reshard fields, the
+# folder the shape names, the task run's name). Each target's output is loaded natively by DeepSpeed in
+# test_model_parallel_reshard, test_reshard and test_expert_parallel.
+TASK_SHAPES = [
+    ("parallel_fixtures", "autotp-tp2-z1-fp32", {"world_sizes": [2], "merge_tensor_parallel": True}, "zero-ws2-tp1",
+     "reshard global_step3 to 2 ranks, tp 1"),
+    ("ds_fixtures", "z2-fp32-ws2", {"world_sizes": [3], "zero_stage": "3"}, "zero-ws3-z3",
+     "reshard global_step3 to 3 ranks, ZeRO-3"),
+    ("parallel_fixtures", "dsmoe-ep2-z2-fp32", {"world_sizes": [4], "expert_parallel_degree": 4}, "zero-ws4-ep4",
+     "reshard global_step3 to 4 ranks, ep 4"),
+]
+
+
+@pytest.mark.parametrize(("fixtures", "name", "form", "folder", "run_name"), TASK_SHAPES,
+                         ids=[case[3] for case in TASK_SHAPES])
+def test_the_reshard_task_writes_the_form_s_shape(prefect_server: str, request: pytest.FixtureRequest, tmp_path: Path,
+                                                  fixtures: str, name: str, form: dict[str, Any], folder: str,
+                                                  run_name: str) -> None:
+    """The form's Reshard fields reach the core: the task writes, into the folder its shape names, the same
+    bytes as `ckptflow reshard` to that shape, and its run and summary name the shape."""
     from prefect import flow
 
     from ckptflow.reshard import reshard
@@ -382,64 +397,27 @@ def test_the_reshard_task_merges_autotp_tensor_parallelism(prefect_server: str, 
     from flows.params import ReshardOptions
     from tasks.reshard import reshard_checkpoint
 
-    options = ReshardOptions(world_sizes=[2], merge_tensor_parallel=True)
-    assert options.tensor_parallel == 1 and ReshardOptions(world_sizes=[2]).tensor_parallel is None
-    assert ReshardOptions(world_sizes=[2], tensor_parallel_degree=1).targets() == options.targets()
-    [target] = options.targets()
+    [target] = ReshardOptions(**form).targets()
     out = paths.reshard_folder(str(tmp_path), target)
-    assert out.endswith("/zero-ws2-tp1")
-    assert paths.reshard_folder(str(tmp_path), Target(world_size=2)).endswith("/zero-ws2")
-    src = parallel_fixtures["autotp-tp2-z1-fp32"]
+    assert out.endswith(f"/{folder}")
+    src = request.getfixturevalue(fixtures)[name]
 
     @flow
     def build(source: str) -> Any:
         from prefect.runtime import flow_run
 
         checkpoint = validate_checkpoint(source, settle_seconds=0)
-        return reshard_checkpoint(checkpoint, out, 2, tensor_parallel=options.tensor_parallel), flow_run.id
+        return reshard_checkpoint(checkpoint, out, target.world_size, tensor_parallel=target.tp, stage=target.stage,
+                                  pipeline_parallel=target.pp, expert_parallel=target.ep), flow_run.id
 
     output, run_id = build(str(src.dir))
-    assert output.details["tensor_parallel"] == 1 and output.world_size == 2
-    reshard(str(src.dir), str(tmp_path / "cli"), world_size=2, tp=1)
+    cli = reshard(str(src.dir), str(tmp_path / "cli"), world_size=target.world_size, stage=target.stage, tp=target.tp,
+                  pp=target.pp, ep=target.ep)
+    assert output.details["shape"] == str(cli.shape) and output.world_size == target.world_size
     ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
-    cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
-    assert ours.keys() == cli.keys() and ours == cli
-    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 2 ranks, "
-                                                                                   "tp 1"]
-
-
-def test_the_reshard_task_writes_another_zero_stage(prefect_server: str, ds_fixtures, tmp_path: Path) -> None:
-    """The form's "ZeRO stage" reaches the core: the task writes, into `zero-ws3-z3`, the same bytes as
-    `ckptflow reshard --world-size 3 --zero-stage 3` (whose output DeepSpeed loads, in test_reshard), and
-    its run and summary name the shape."""
-    from prefect import flow
-
-    from ckptflow.reshard import reshard
-    from flows import paths
-    from flows.params import ReshardOptions
-    from tasks.reshard import reshard_checkpoint
-
-    options = ReshardOptions(world_sizes=[3], zero_stage="3")
-    [target] = options.targets()
-    out = paths.reshard_folder(str(tmp_path), target)
-    assert out.endswith("/zero-ws3-z3") and ReshardOptions(world_sizes=[3]).stage is None
-    src = ds_fixtures["z2-fp32-ws2"]
-
-    @flow
-    def build(source: str) -> Any:
-        from prefect.runtime import flow_run
-
-        checkpoint = validate_checkpoint(source, settle_seconds=0)
-        return reshard_checkpoint(checkpoint, out, 3, stage=options.stage), flow_run.id
-
-    output, run_id = build(str(src.dir))
-    assert output.details["shape"] == "ZeRO-3 dp3 (3 ranks)" and output.details["target_stage"] == 3
-    reshard(str(src.dir), str(tmp_path / "cli"), world_size=3, stage=3)
-    ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
-    cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
-    assert ours.keys() == cli.keys() and ours == cli
-    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 3 ranks, "
-                                                                                   "ZeRO-3"]
+    theirs = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
+    assert ours.keys() == theirs.keys() and ours == theirs
+    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == [run_name]
 
 
 def test_the_form_names_each_target_by_its_shape() -> None:
@@ -456,43 +434,13 @@ def test_the_form_names_each_target_by_its_shape() -> None:
     hub = Destination(uri="hf://org/model", revision="run-7")
     branch = paths.reshard_destination(hub, "global_step3", Target(world_size=2, ep=1))
     assert branch == ("hf://org/model", "run-7-zero-ws2-ep1")
+    merged = ReshardOptions(world_sizes=[2], merge_tensor_parallel=True)
+    assert merged.tensor_parallel == 1 and ReshardOptions(world_sizes=[2]).tensor_parallel is None
+    assert ReshardOptions(world_sizes=[2], tensor_parallel_degree=1).targets() == merged.targets()
+    assert ReshardOptions(world_sizes=[3]).stage is None
     with pytest.raises(ValueError, match="merge_tensor_parallel asks for tensor-parallel degree 1, but "
                                          "tensor_parallel_degree is 2"):
         ReshardOptions(world_sizes=[2], merge_tensor_parallel=True, tensor_parallel_degree=2)
-
-
-def test_the_reshard_task_changes_the_expert_parallel_degree(prefect_server: str, parallel_fixtures,
-                                                              tmp_path: Path) -> None:
-    """The form's "Expert-parallel degree" reaches the core: the task writes, into `zero-ws4-ep4`, the same
-    bytes as `ckptflow reshard --world-size 4 --ep 4` (whose output DeepSpeed loads, in
-    test_expert_parallel), and its run and summary name the shape."""
-    from prefect import flow
-
-    from ckptflow.reshard import reshard
-    from flows import paths
-    from flows.params import ReshardOptions
-    from tasks.reshard import reshard_checkpoint
-
-    [target] = ReshardOptions(world_sizes=[4], expert_parallel_degree=4).targets()
-    out = paths.reshard_folder(str(tmp_path), target)
-    assert out.endswith("/zero-ws4-ep4")
-    src = parallel_fixtures["dsmoe-ep2-z2-fp32"]
-
-    @flow
-    def build(source: str) -> Any:
-        from prefect.runtime import flow_run
-
-        checkpoint = validate_checkpoint(source, settle_seconds=0)
-        return reshard_checkpoint(checkpoint, out, 4, expert_parallel=target.ep), flow_run.id
-
-    output, run_id = build(str(src.dir))
-    assert output.details["expert_parallel"] == 4 and "ep4" in output.details["shape"], output.details
-    reshard(str(src.dir), str(tmp_path / "cli"), world_size=4, ep=4)
-    ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
-    cli = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
-    assert ours.keys() == cli.keys() and ours == cli
-    assert [r.name for r in task_runs(run_id) if r.name.startswith("reshard")] == ["reshard global_step3 to 4 ranks, "
-                                                                                   "ep 4"]
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:
