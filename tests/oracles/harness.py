@@ -29,7 +29,7 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Comp
 
 def held(fixture: HarnessFixture) -> dict[str, Any]:
     """``harness.pkl``: what the harness held after training (the fixture writer's own pickle: trusted)."""
-    return pickle.loads(fixture.harness_path.read_bytes())  # type: ignore[no-any-return]
+    return dict(pickle.loads(fixture.harness_path.read_bytes()))
 
 
 def resume(script: str, fixture: HarnessFixture, ckpt: Path, world_size: int, out: Path,
