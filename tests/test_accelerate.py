@@ -4,7 +4,7 @@ takes source rank r mod N, as for the Trainer's `rng_state_{i}.pth`), carries `s
 `sampler.bin` byte for byte, and Accelerate's own loader reads every target rank's file back.
 
 The end-to-end half runs on a folder written by Accelerate itself (`tests.fixtures.specs.harness`: processes
-on CPU ranks with gloo run `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))`, prepare the tiny
+on CPU ranks with gloo run `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2 or 3))`, prepare the tiny
 Llama, AdamW, a scheduler and a dataloader, train and call `accelerator.save_state(dir)`): it validates,
 consolidates with `--config` to the trained logits bit for bit, and after `reshard --world-size M`,
 `accelerator.load_state(OUT)` in M launched processes gives the engine the source's fp32 weights and Adam
@@ -32,8 +32,9 @@ from tests.oracles.harness import consolidated_logits, held, resume, run_cli, tr
 from tests.sampling import sample
 
 TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed's save_checkpoint
-SAVE_STATE = "accelerate-z2-fp32-ws2"
-TARGETS = sample((1, 3, 4), keep=(3,))  # each an `accelerator.load_state` on M processes
+SAVE_STATES = ("accelerate-z2-fp32-ws2", "accelerate-z3-fp32-ws2")
+# Each an `accelerator.load_state` on M processes: ZeRO-2 to 3 in the default run, every pair in the long mode.
+LOADS = sample([(name, m) for name in SAVE_STATES for m in (1, 3, 4)], keep=[(SAVE_STATES[0], 3)])
 CARRIED = ("custom_checkpoint_0.pkl", "scheduler.bin", "zero_to_fp32.py", "zero_to_torch.py")
 
 
@@ -131,15 +132,16 @@ def test_an_accelerate_save_state_folder_is_resharded(llama_trainer_ckpt, tmp_pa
 # ---- a folder written by Accelerate's own save_state ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def saved(harness_fixtures: Mapping[str, HarnessFixture]) -> HarnessFixture:
-    return harness_fixtures[SAVE_STATE]
+@pytest.fixture(params=SAVE_STATES)
+def saved(request: pytest.FixtureRequest, harness_fixtures: Mapping[str, HarnessFixture]) -> HarnessFixture:
+    return harness_fixtures[request.param]
 
 
 def test_a_save_state_folder_validates(saved: HarnessFixture) -> None:
     result = run_cli("validate", str(saved.dir))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith(f"valid {saved.dir / TAG}: ZeRO-2, data-parallel 2, fp32, step 3, 20 params ")
+    stage = saved.spec["stage"]
+    assert result.stdout.startswith(f"valid {saved.dir / TAG}: ZeRO-{stage}, data-parallel 2, fp32, step 3, 20 params ")
 
 
 def test_a_save_state_folder_consolidates_to_the_trained_logits(saved: HarnessFixture, tmp_path: Path) -> None:
@@ -150,6 +152,7 @@ def test_a_save_state_folder_consolidates_to_the_trained_logits(saved: HarnessFi
     assert torch.equal(consolidated_logits(out), trained_logits(saved))
 
 
+@pytest.mark.parametrize("saved", sample(SAVE_STATES, keep=SAVE_STATES[:1]), indirect=True)
 def test_no_command_opens_accelerates_pickles(saved: HarnessFixture, tmp_path: Path) -> None:
     """The registered object's `custom_checkpoint_0.pkl` holds classes that leave a marker when rebuilt:
     validate, consolidate and reshard leave none, and reshard carries Accelerate's files byte for byte."""
@@ -163,7 +166,7 @@ def test_no_command_opens_accelerates_pickles(saved: HarnessFixture, tmp_path: P
     assert [name for name in CARRIED if (out / name).read_bytes() != (saved.dir / name).read_bytes()] == []
 
 
-@pytest.mark.parametrize("world_size", TARGETS)
+@pytest.mark.parametrize(("saved", "world_size"), LOADS, indirect=["saved"])
 def test_accelerate_loads_the_resharded_state(saved: HarnessFixture, world_size: int, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = run_cli("reshard", str(saved.dir), str(out), "--world-size", str(world_size))

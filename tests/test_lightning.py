@@ -1,5 +1,5 @@
 """PyTorch Lightning's DeepSpeed strategy (issue 25, item 3): a `*.ckpt` folder written by Lightning itself
-(`Trainer(strategy=DeepSpeedStrategy(stage=3), accelerator="cpu", devices=2).fit`, then
+(`Trainer(strategy=DeepSpeedStrategy(stage=3 or 2), accelerator="cpu", devices=2).fit`, then
 `trainer.save_checkpoint("last.ckpt")`, on CPU ranks with gloo; `tests.fixtures.specs.harness`).
 
 - `validate` lists Lightning's client state (loops, callbacks, hyper-parameters, schedulers) and the user
@@ -29,20 +29,22 @@ from tests.fixtures.sets import HarnessFixture
 from tests.oracles.harness import consolidated_logits, held, resume, run_cli, trained_logits, unequal_tensors
 from tests.sampling import sample
 
-NAME = "lightning-z3-fp32-ws2"
-TARGETS = sample((1, 3, 4), keep=(3,))  # each a Lightning resume on M ranks
+NAMES = ("lightning-z3-fp32-ws2", "lightning-z2-fp32-ws2")
+# Each a Lightning resume on M ranks: ZeRO-3 to 3 ranks in the default run, every pair in the long mode.
+RESUMES = sample([(name, m) for name in NAMES for m in (1, 3, 4)], keep=[(NAMES[0], 3)])
 
 
-@pytest.fixture(scope="module")
-def lightning(harness_fixtures: Mapping[str, HarnessFixture]) -> HarnessFixture:
-    return harness_fixtures[NAME]
+@pytest.fixture(params=NAMES)
+def lightning(request: pytest.FixtureRequest, harness_fixtures: Mapping[str, HarnessFixture]) -> HarnessFixture:
+    return harness_fixtures[request.param]
 
 
 def test_validate_lists_lightnings_client_state(lightning: HarnessFixture) -> None:
     result = run_cli("validate", str(lightning.dir))
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"valid {lightning.dir / 'checkpoint'}: ZeRO-3, data-parallel 2, fp32, step 3, ")
+    stage = lightning.spec["stage"]
+    assert lines[0].startswith(f"valid {lightning.dir / 'checkpoint'}: ZeRO-{stage}, data-parallel 2, fp32, step 3, ")
     assert lines[1:] == [
         "  client state: carried as it is; its classes are named here, never imported or run",
         "    epoch: an int",
@@ -70,6 +72,7 @@ def test_consolidate_with_config_loads_and_gives_the_trained_logits(lightning: H
     assert torch.equal(consolidated_logits(out), trained_logits(lightning))
 
 
+@pytest.mark.parametrize("lightning", sample(NAMES, keep=NAMES[:1]), indirect=True)
 def test_no_command_runs_the_client_state(lightning: HarnessFixture, tmp_path: Path) -> None:
     markers = tmp_path / "markers"
     src = str(lightning.dir)
@@ -81,14 +84,16 @@ def test_no_command_runs_the_client_state(lightning: HarnessFixture, tmp_path: P
         assert not markers.exists(), (args, sorted(p.name for p in markers.iterdir()))
 
 
-@pytest.mark.parametrize("world_size", TARGETS)
+@pytest.mark.parametrize(("lightning", "world_size"), RESUMES, indirect=["lightning"])
 def test_lightning_resumes_from_the_resharded_checkpoint(lightning: HarnessFixture, world_size: int,
                                                          tmp_path: Path) -> None:
     out = tmp_path / "last-ws.ckpt"
     result = run_cli("reshard", str(lightning.dir), str(out), "--world-size", str(world_size))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == sorted(
-        f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(world_size) for kind in ("model", "optim"))
+    optim = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
+    model = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
+             if lightning.spec["stage"] == 3 else ["mp_rank_00_model_states.pt"])
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == sorted([*model, *optim])
     markers = tmp_path / "markers"
     state, reports = resume("lightning_resume", lightning, out, world_size, tmp_path / "resume",
                             env={MARKER_ENV: str(markers)})
