@@ -14,36 +14,22 @@ and the registered object's ``custom_checkpoint_0.pkl``. It writes:
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from deepspeed import comm as dist  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
 from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.models.accelerate_run import draws, prepare  # noqa: E402
-from tests.fixtures.specs.harness import HarnessSpec  # noqa: E402
-from tests.fixtures.writers.data_parallel import live_state  # noqa: E402
+from tests.oracles.harness import read_job, write_report  # noqa: E402
 
 
 def run_job(job: dict[str, str]) -> None:
-    rank = dist.get_rank()
-    spec = HarnessSpec.from_json(json.loads(Path(job["spec"]).read_text()))
-    out = Path(job["out"])
-    out.mkdir(parents=True, exist_ok=True)
+    spec, out = read_job(job)
     run = prepare(stage=spec.stage, seed=spec.seed)
     run.accelerator.load_state(job["ckpt"])
     report = {"step": run.accelerator.step, "scheduler": run.scheduler.state_dict(), "user": run.user.loaded,
               "draws": draws()}
-    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(report, protocol=2))
-    state = live_state(run.engine)
-    if rank == 0:
-        save_file(state, str(out / "state.safetensors"))
-    dist.barrier()
+    write_report(out, report, run.engine)
     run.accelerator.free_memory()
 
 

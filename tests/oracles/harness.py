@@ -1,6 +1,7 @@
-"""The test side of the harness oracles: what a harness fixture held, a resume script run at M ranks
-(``oracles.lightning_resume``, ``oracles.accelerate_resume``) and its reports read back, and the
-consolidated folder's logits next to the trained module's."""
+"""Both sides of the harness oracles. In the tests: what a harness fixture held, a resume script run at
+M ranks (``oracles.lightning_resume``, ``oracles.accelerate_resume``) and its reports read back, and the
+consolidated folder's logits next to the trained module's. In the resume scripts: a job read, and a
+rank's report and the engine's state written (``read_job``, ``write_report``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.fixtures.launch import REPO_ROOT, launch
 from tests.fixtures.sets import HarnessFixture
-from tests.fixtures.specs.harness import LOGIT_IDS
+from tests.fixtures.specs.harness import LOGIT_IDS, HarnessSpec
 
 
 def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -64,3 +65,25 @@ def consolidated_logits(out: Path) -> torch.Tensor:
 
 def trained_logits(fixture: HarnessFixture) -> torch.Tensor:
     return load_file(fixture.logits_path)["logits"]
+
+
+def read_job(job: Mapping[str, str]) -> tuple[HarnessSpec, Path]:
+    """A resume job's fixture spec, and its output folder (made)."""
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    return HarnessSpec.from_json(json.loads(Path(job["spec"]).read_text())), out
+
+
+def write_report(out: Path, report: Mapping[str, Any], engine: Any) -> None:
+    """This rank's ``rank{R}.pkl`` and, from rank 0, the engine's ``state.safetensors`` (a collective call)."""
+    from deepspeed import comm as dist
+    from safetensors.torch import save_file
+
+    from tests.fixtures.writers.data_parallel import live_state
+
+    rank = dist.get_rank()
+    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(dict(report), protocol=2))
+    state = live_state(engine)
+    if rank == 0:
+        save_file(state, str(out / "state.safetensors"))
+    dist.barrier()

@@ -18,28 +18,20 @@ This process defines the user classes: their markers are left here, as in the tr
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from deepspeed import comm as dist  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.models.client_state import Schedule  # noqa: E402
 from tests.fixtures.models.lightning_module import LitLlama, callback, make_trainer  # noqa: E402
-from tests.fixtures.specs.harness import HarnessSpec  # noqa: E402
-from tests.fixtures.writers.data_parallel import live_state  # noqa: E402
+from tests.oracles.harness import read_job, write_report  # noqa: E402
 
 
 def run_job(job: dict[str, str]) -> None:
-    rank = dist.get_rank()
-    spec = HarnessSpec.from_json(json.loads(Path(job["spec"]).read_text()))
-    out = Path(job["out"])
-    out.mkdir(parents=True, exist_ok=True)
+    spec, out = read_job(job)
     module = LitLlama(seed=spec.seed, schedule=Schedule(2, 100))
     trainer = make_trainer(stage=spec.stage, world_size=dist.get_world_size(), steps=spec.steps, root=out / "run")
     trainer.fit(module, ckpt_path=job["ckpt"])
@@ -48,11 +40,7 @@ def run_job(job: dict[str, str]) -> None:
     report = {"client_state": module.loaded, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
               "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
               "callback": callback(trainer).user.loaded}
-    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(report, protocol=2))
-    state = live_state(trainer.strategy.deepspeed_engine)
-    if rank == 0:
-        save_file(state, str(out / "state.safetensors"))
-    dist.barrier()
+    write_report(out, report, trainer.strategy.deepspeed_engine)
 
 
 if __name__ == "__main__":
