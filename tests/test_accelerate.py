@@ -1,21 +1,41 @@
 """Accelerate's `save_state` folder: the DeepSpeed tag folder `pytorch_model` beside Accelerate's own
 files. Reshard names the per-process `random_states_{i}.pkl` for the target world size (target rank r
 takes source rank r mod N, as for the Trainer's `rng_state_{i}.pth`), carries `scheduler.bin` and
-`sampler.bin` byte for byte, and Accelerate's own loader reads every target rank's file back."""
+`sampler.bin` byte for byte, and Accelerate's own loader reads every target rank's file back.
+
+The end-to-end half runs on a folder written by Accelerate itself (`tests.fixtures.specs.harness`: processes
+on CPU ranks with gloo run `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2 or 3))`, prepare the tiny
+Llama, AdamW, a scheduler and a dataloader, train and call `accelerator.save_state(dir)`): it validates,
+consolidates with `--config` to the trained logits bit for bit, and after `reshard --world-size M`,
+`accelerator.load_state(OUT)` in M launched processes gives the engine the source's fp32 weights and Adam
+moments bit for bit, and the source's step, scheduler state and registered object, and process r the
+random states of source process r mod N. ckptflow never opens Accelerate's own pickles (the registered
+object holds classes that leave a marker when rebuilt; only Accelerate's load leaves one).
+"""
 
 from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ckptflow.reshard import reshard
 from ckptflow.reshard.rng import ACCELERATE, TRAINER, describe, describe_families, plan_rng_files
+from tests.fixtures.models.client_state import MARKER_ENV, MARKERS, differences
+from tests.fixtures.sets import HarnessFixture
+from tests.oracles.harness import consolidated_logits, held, resume, run_cli, trained_logits, unequal_tensors
+from tests.sampling import sample
 
 TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed's save_checkpoint
+SAVE_STATES = ("accelerate-z2-fp32-ws2", "accelerate-z3-fp32-ws2")
+# Each an `accelerator.load_state` on M processes: ZeRO-2 to 3 in the default run, every pair in the long mode.
+LOADS = sample([(name, m) for name in SAVE_STATES for m in (1, 3, 4)], keep=[(SAVE_STATES[0], 3)])
+CARRIED = ("custom_checkpoint_0.pkl", "scheduler.bin", "zero_to_fp32.py", "zero_to_torch.py")
 
 
 def test_accelerate_rng_files_are_planned_for_the_target_world_size() -> None:
@@ -107,3 +127,63 @@ def test_an_accelerate_save_state_folder_is_resharded(llama_trainer_ckpt, tmp_pa
     cli = CliRunner().invoke(app, ["reshard", str(src), str(tmp_path / "cli"), "--world-size", str(world_size)])
     assert cli.exit_code == 0, cli.output
     assert f"  Accelerate RNG files: {expected}\n" in cli.output and "Trainer RNG files" not in cli.output
+
+
+# ---- a folder written by Accelerate's own save_state ------------------------------------------------------
+
+
+@pytest.fixture(params=SAVE_STATES)
+def saved(request: pytest.FixtureRequest, harness_fixtures: Mapping[str, HarnessFixture]) -> HarnessFixture:
+    return harness_fixtures[request.param]
+
+
+def test_a_save_state_folder_validates(saved: HarnessFixture) -> None:
+    result = run_cli("validate", str(saved.dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    stage = saved.spec["stage"]
+    assert result.stdout.startswith(f"valid {saved.dir / TAG}: ZeRO-{stage}, data-parallel 2, fp32, step 3, 20 params ")
+
+
+def test_a_save_state_folder_consolidates_to_the_trained_logits(saved: HarnessFixture, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = run_cli("consolidate", str(saved.dir), str(out), "--config", str(saved.config_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1].endswith(f"from {saved.config_dir}, checked against LlamaForCausalLM")
+    assert torch.equal(consolidated_logits(out), trained_logits(saved))
+
+
+@pytest.mark.parametrize("saved", sample(SAVE_STATES, keep=SAVE_STATES[:1]), indirect=True)
+def test_no_command_opens_accelerates_pickles(saved: HarnessFixture, tmp_path: Path) -> None:
+    """The registered object's `custom_checkpoint_0.pkl` holds classes that leave a marker when rebuilt:
+    validate, consolidate and reshard leave none, and reshard carries Accelerate's files byte for byte."""
+    markers = tmp_path / "markers"
+    src, out = str(saved.dir), tmp_path / "out"
+    for args in (["validate", src, "--deep"], ["consolidate", src, str(tmp_path / "hf"), "--config", str(saved.config_dir)],
+                 ["reshard", src, str(out), "--world-size", "3"]):
+        result = run_cli(*args, env={MARKER_ENV: str(markers)})
+        assert result.returncode == 0, (args, result.stdout, result.stderr)
+        assert not markers.exists(), (args, sorted(p.name for p in markers.iterdir()))
+    assert [name for name in CARRIED if (out / name).read_bytes() != (saved.dir / name).read_bytes()] == []
+
+
+@pytest.mark.parametrize(("saved", "world_size"), LOADS, indirect=["saved"])
+def test_accelerate_loads_the_resharded_state(saved: HarnessFixture, world_size: int, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run_cli("reshard", str(saved.dir), str(out), "--world-size", str(world_size))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rng = [f"random_states_{r}.pkl" for r in range(world_size)]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*rng, *CARRIED, "latest", TAG])
+    assert [(out / name).read_bytes() == (saved.dir / f"random_states_{r % 2}.pkl").read_bytes()
+            for r, name in enumerate(rng)] == [True] * world_size
+    markers = tmp_path / "markers"
+    state, reports = resume("accelerate_resume", saved, out, world_size, tmp_path / "resume",
+                            env={MARKER_ENV: str(markers)})
+    assert unequal_tensors(saved, state) == []
+    source = held(saved)
+    assert source["draws"][0] != source["draws"][1]  # each source process had its own random states
+    for rank, report in enumerate(reports):
+        assert report["step"] == source["step"] == 3
+        assert differences(report["scheduler"], source["scheduler"]) == [], rank
+        assert differences(report["user"], source["user"]) == [], rank
+        assert report["draws"] == source["draws"][rank % 2], rank  # process r resumes source process r mod N's
+    assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)  # Accelerate's load rebuilt them

@@ -155,8 +155,8 @@ def test_failed_generation_leaves_nothing_behind(tmp_path: Path) -> None:
 def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_path: Path) -> None:
     """The key follows the rank scripts' imports: every module that shapes a set's checkpoints, none of
     the machinery; docstrings, comments and layout change no key."""
-    from tests.fixtures.cache import KEYED_SOURCES, _code, keyed_modules
-    from tests.fixtures.sets import EXTRA_SOURCES, HOLDOUT_SOURCES, PARALLEL_SOURCES
+    from tests.fixtures.cache import KEYED_PACKAGES, KEYED_SOURCES, _code, cache_key, keyed_modules
+    from tests.fixtures.sets import EXTRA_SOURCES, HARNESS_PACKAGES, HARNESS_SOURCES, HOLDOUT_SOURCES, PARALLEL_SOURCES
 
     fx = "tests.fixtures."
     assert keyed_modules(KEYED_SOURCES) == (
@@ -167,6 +167,14 @@ def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_
     assert set(keyed_modules(EXTRA_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "models.parallel_extra",
                                                   fx + "specs.extra", fx + "writers.parallel_extra"}
     assert set(keyed_modules(HOLDOUT_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "specs.expert_holdout"}
+    assert set(keyed_modules(HARNESS_SOURCES)) == {*keyed_modules(KEYED_SOURCES[:1]), fx + "models.client_state",
+                                                   fx + "models.harness", fx + "models.lightning_module",
+                                                   fx + "models.accelerate_run", fx + "specs.harness",
+                                                   fx + "writers.harness", fx + "writers.lightning_strategy",
+                                                   fx + "writers.accelerate_state"}
+    # Lightning's version keys the harness set only: installing another Lightning regenerates nothing else.
+    assert cache_key(HARNESS_SOURCES, HARNESS_PACKAGES) != cache_key(HARNESS_SOURCES)
+    assert "lightning" not in KEYED_PACKAGES and set(HARNESS_PACKAGES) - set(KEYED_PACKAGES) == {"lightning"}
     plain, explained = tmp_path / "plain.py", tmp_path / "explained.py"
     plain.write_text("def f(x):\n    return x + 1\n")
     explained.write_text('"""A module."""\n\n\ndef f(x):  # one more\n    """Add one."""\n\n    return (x\n            '
