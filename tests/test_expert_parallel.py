@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -494,59 +495,75 @@ ALL_EP_RESHARDS = (
 EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4),
                                        ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
+# (source fixture, world size, degree, ZeRO stage): deepspeed.moe between ZeRO-1 and ZeRO-2, alone or with
+# another degree or size; DeepSpeed launched at the target stage loads it natively. By default one
+# launch (ZeRO-2 -> ZeRO-1 on the source's 2 ranks); `CKPTFLOW_LONG=1` adds ep4, edp2, bf16 and the
+# held-out ZeRO-1 -> ZeRO-2.
+ALL_STAGE_RESHARDS = (
+    ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
+    ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
+)
+STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1)])
 
-def _ep_case_id(case: tuple[str, int, int]) -> str:
-    return f"{case[0]}-to{case[1]}-ep{case[2]}"
+
+def _ep_case_id(case: tuple[Any, ...]) -> str:
+    stage = f"-z{case[3]}" if len(case) > 3 else ""
+    return f"{case[0]}-to{case[1]}-ep{case[2]}{stage}"
 
 
 class EpOracle:
-    """Reshards every `EP_RESHARDS` case to its degree, then per (layout, world size, degree) launches
-    DeepSpeed at that shape once: it loads each output, gathers its state and saves it again, and trains
-    the same model from scratch and saves it (`written`)."""
+    """Reshards the cases of `cases` ((fixture, world size, degree[, ZeRO stage])) to their shapes, then
+    per (layout, world size, degree, stage) launches DeepSpeed at that shape once, when a test first asks
+    for a case of it: it loads each output, gathers its state and saves it again, and trains the same
+    model from scratch and saves it (`written`)."""
 
-    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
-        self.fixtures, self.root = fixtures, root
-        self.ran = False
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path, cases: tuple[tuple[Any, ...], ...]) -> None:
+        self.fixtures, self.root, self.cases = fixtures, root, cases
+        self.ran: set[tuple[str, int, int, int]] = set()
 
-    def paths(self, case: tuple[str, int, int]) -> dict[str, Path]:
+    def _launch_of(self, case: tuple[Any, ...]) -> tuple[str, int, int, int]:
+        return (SPECS[case[0]].layout, case[1], case[2], case[3] if len(case) > 3 else SPECS[case[0]].stage)
+
+    def paths(self, case: tuple[Any, ...]) -> dict[str, Path]:
         name = _ep_case_id(case)
         return {"out": self.root / "out" / name, "resaved": self.root / "resaved" / name,
                 "state": self.root / "state" / f"{name}.safetensors", "written": self.root / "written" / name}
 
-    def __call__(self, case: tuple[str, int, int]) -> dict[str, Path]:
-        if not self.ran:
-            self.ran = True
-            self._run()
+    def __call__(self, case: tuple[Any, ...]) -> dict[str, Path]:
+        key = self._launch_of(case)
+        if key not in self.ran:
+            self.ran.add(key)
+            self._run(key)
         return self.paths(case)
 
-    def _run(self) -> None:
-        jobs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    def _run(self, key: tuple[str, int, int, int]) -> None:
+        items: list[dict[str, Any]] = []
         (self.root / "state").mkdir(parents=True, exist_ok=True)
-        for case in EP_RESHARDS:
+        layout, world_size, ep, stage = key
+        for case in (c for c in self.cases if self._launch_of(c) == key):
             fixture = self.fixtures[case[0]]
             paths = self.paths(case)
-            reshard(str(fixture.dir), str(paths["out"]), world_size=case[1], ep=case[2])
-            spec = str(fixture.root / "spec.json")
-            items = jobs.setdefault((fixture.layout, case[1], case[2]), [])
-            items.append({"spec": spec, "ep": case[2], "load": str(paths["out"]), "save": str(paths["resaved"]),
+            reshard(str(fixture.dir), str(paths["out"]), world_size=world_size, ep=ep, stage=stage)
+            shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage}
+            items.append({**shape, "load": str(paths["out"]), "save": str(paths["resaved"]),
                           "state": str(paths["state"]), "hang_after": 300})
-            items.append({"spec": spec, "ep": case[2], "write": str(paths["written"])})
-        for (layout, world_size, ep), items in sorted(jobs.items()):
-            jobs_file = self.root / f"jobs-{layout}-{world_size}-ep{ep}.json"
-            jobs_file.write_text(json.dumps(items, indent=1))
-            launch("tests.oracles.expert_reshard", world_size, ["--jobs", str(jobs_file)],
-                   log_dir=self.root / f"logs-{layout}-{world_size}-ep{ep}", timeout=900)
+            items.append({**shape, "write": str(paths["written"])})
+        name = f"{layout}-{world_size}-ep{ep}-z{stage}"
+        jobs_file = self.root / f"jobs-{name}.json"
+        jobs_file.write_text(json.dumps(items, indent=1))
+        launch("tests.oracles.expert_reshard", world_size, ["--jobs", str(jobs_file)],
+               log_dir=self.root / f"logs-{name}", timeout=900)
 
 
 @pytest.fixture(scope="session")
 def ep_oracle(expert_fixtures, tmp_path_factory) -> EpOracle:
-    return EpOracle(expert_fixtures, tmp_path_factory.mktemp("expert-degree-oracle"))
+    return EpOracle(expert_fixtures, tmp_path_factory.mktemp("expert-degree-oracle"), EP_RESHARDS + STAGE_RESHARDS)
 
 
-@pytest.mark.parametrize("case", EP_RESHARDS, ids=_ep_case_id)
+@pytest.mark.parametrize("case", EP_RESHARDS + STAGE_RESHARDS, ids=_ep_case_id)
 def test_deepspeed_at_the_new_degree_holds_exactly_the_source_state(expert_fixtures, ep_oracle, case) -> None:
-    """Loaded natively at the new expert-parallel degree, DeepSpeed holds the oracle's fp32 weights and
-    Adam moments of every parameter, experts placed by global id, bit for bit."""
+    """Loaded natively at the new expert-parallel degree or ZeRO stage, DeepSpeed holds the oracle's fp32
+    weights and Adam moments of every parameter, experts placed by global id, bit for bit."""
     fixture = expert_fixtures[case[0]]
     state = load_file(ep_oracle(case)["state"])
     expected = load_file(fixture.expected_path)
@@ -558,7 +575,7 @@ def test_deepspeed_at_the_new_degree_holds_exactly_the_source_state(expert_fixtu
         assert torch.equal(state[f"buffer/{key}"], tensor), key
 
 
-@pytest.mark.parametrize("case", EP_RESHARDS, ids=_ep_case_id)
+@pytest.mark.parametrize("case", EP_RESHARDS + STAGE_RESHARDS, ids=_ep_case_id)
 def test_deepspeed_at_the_new_degree_saves_again_exactly_our_files(ep_oracle, case) -> None:
     paths = ep_oracle(case)
     tag = (paths["out"] / "latest").read_text()
@@ -566,10 +583,10 @@ def test_deepspeed_at_the_new_degree_saves_again_exactly_our_files(ep_oracle, ca
     _compare_folders(paths["out"] / tag, paths["resaved"] / tag)
 
 
-@pytest.mark.parametrize("case", EP_RESHARDS, ids=_ep_case_id)
+@pytest.mark.parametrize("case", EP_RESHARDS + STAGE_RESHARDS, ids=_ep_case_id)
 def test_deepspeed_training_at_the_new_degree_writes_the_same_metadata(ep_oracle, case) -> None:
     """Every file, key, shape and metadata field (ep_size_N groups, partition counts, ds_autoep_layers with
-    its placement and affine maps, autoep_size) is what DeepSpeed writes training at that shape."""
+    its placement and affine maps, autoep_size, zero_stage) is what DeepSpeed writes training at that shape."""
     paths = ep_oracle(case)
     tag = (paths["out"] / "latest").read_text()
     _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
@@ -608,9 +625,39 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
                                                          r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
                                                          r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
         plan_reshard(zero3, Target(world_size=4, ep=4))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow does not change the "
-                                                         r"expert-parallel degree and the ZeRO stage together yet"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow does not move AutoEP "
+                                                         r"checkpoints between ZeRO-2 and ZeRO-3 yet \(ZeRO-3 keeps "):
         plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))
+
+
+def test_a_deepspeed_moe_stage_change_keeps_the_partitions_and_records_the_stage(expert_fixtures) -> None:
+    """deepspeed.moe ZeRO-2 -> ZeRO-1 (DeepSpeedZeroOptimizer both): every partition copied as the same-stage
+    reshard copies it, alone or with another degree; only the recorded stage differs."""
+    index = load_index(str(expert_fixtures["dsmoe-ep2-z2-fp32"].dir))
+    for target in (Target(world_size=4), Target(world_size=4, ep=4)):
+        same = plan_reshard(index, target)
+        plan = plan_reshard(index, replace(target, stage=1))
+        assert (same.stage, plan.stage, plan.optimizer) == (2, 1, same.optimizer)
+        assert [u.flats for u in plan.units] == [u.flats for u in same.units]
+        assert [u.model_file for u in plan.units] == [u.model_file for u in same.units]
+        assert plan.group_ep == same.group_ep
+
+
+def test_expert_stage_refusals(expert_fixtures) -> None:
+    """deepspeed.moe at ZeRO-3 is refused as DeepSpeed refuses it, naming what it would write instead."""
+    moe = load_index(str(expert_fixtures["dsmoe-ep2-z2-fp32"].dir))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-3: DeepSpeed refuses deepspeed.moe layers "
+                                                         r"at ZeRO-3 \(\"Native DeepSpeed MoE is not supported with "
+                                                         r"ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"\), so "
+                                                         r"a deepspeed.moe checkpoint is written at ZeRO-1 or ZeRO-2 "
+                                                         r"only; shapes it can write at 2 ranks: ZeRO-2 dp2 \(2 ranks\), "
+                                                         r"ZeRO-2 ep2 x edp1 \(2 ranks\), ZeRO-1 dp2 \(2 ranks\), "
+                                                         r"ZeRO-1 ep2 x edp1 \(2 ranks\)$"):
+        plan_reshard(moe, Target(world_size=2, stage=3))
+    autoep = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow does not move AutoEP "
+                                                         r"checkpoints between ZeRO-2 and ZeRO-3 yet"):
+        plan_reshard(autoep, Target(world_size=2, stage=2))
 
 
 def test_expert_groups_that_deepspeed_cuts_by_size_are_refused(expert_fixtures, monkeypatch, tmp_path: Path) -> None:

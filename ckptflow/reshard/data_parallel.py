@@ -46,6 +46,7 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.reshard.shape import why_not_expert_stage
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
 
@@ -58,9 +59,11 @@ def plan_model_parallel(index: ModelParallelCheckpoint, world_size: int) -> Mode
     )
 
 
-def plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> DataParallelPlan:
+def plan_expert_parallel(source: ExpertCheckpoint, world_size: int, stage: int | None = None) -> DataParallelPlan:
     """The data-parallel plan of the ZeRO index under an AutoEP or deepspeed.moe checkpoint, its expert
-    groups over the new expert data-parallel groups; the per-expert files carried as they are."""
+    groups over the new expert data-parallel groups; the per-expert files carried as they are. With
+    `stage`, at ZeRO-1 or ZeRO-2 from the other (`DeepSpeedZeroOptimizer` both: the same flat
+    partitions, only the recorded stage changes)."""
     index = source.zero
     if index is None:  # ZeRO-0: `plan.plan_reshard` says there is nothing to reshard
         raise UnsupportedCheckpointError(f"{source.tag_uri} is a ZeRO-0 {source.layout} checkpoint", uri=source.root)
@@ -71,7 +74,22 @@ def plan_expert_parallel(source: ExpertCheckpoint, world_size: int) -> DataParal
             f"degree {degrees[-1]}, and {world_size} ranks are not a multiple of it", uri=index.tag_uri,
             expected=degrees[-1], actual=world_size, hint=f"choose a world size that is a multiple of {degrees[-1]}")
     plan = plan_data_parallel(index, world_size, expert_parallel=True)
+    if stage is not None and stage != index.stage:
+        check_expert_stage(source, stage)
+        plan = replace(plan, stage=stage)
     return replace(plan, carried=source.expert_files, group_ep=tuple(g.ep for g in index.groups))
+
+
+def check_expert_stage(source: ExpertCheckpoint, stage: int) -> None:
+    """Refuse a ZeRO stage change of an expert-parallel checkpoint other than between ZeRO-1 and ZeRO-2
+    of `DeepSpeedZeroOptimizer` (`reshard.shape.why_not_expert_stage` says why)."""
+    index = source.zero
+    why = why_not_expert_stage(source.kind, index.stage if index is not None else 0, stage,
+                               index.optimizer_kind if index is not None else "")
+    if why is not None:
+        raise UnsupportedCheckpointError(f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{stage}: {why}",
+                                         code="unsupported-shape", uri=source.root,
+                                         hint="keep its ZeRO stage (leave --zero-stage out)")
 
 
 def plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> DataParallelPlan:

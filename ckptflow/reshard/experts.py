@@ -42,7 +42,7 @@ from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_fil
 from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy, param_alignment, zero12_layout
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
-from ckptflow.reshard.data_parallel import plan_expert_parallel
+from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
 from ckptflow.reshard.flats import append_copy
 from ckptflow.reshard.shape import Shape, expert_counts, expert_group_cut
 from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
@@ -192,14 +192,17 @@ def _copies(segments: Sequence[_Segment], first: int, last: int, dst: int, out: 
 
 def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
     """The plan that writes the AutoEP ZeRO-2 or deepspeed.moe ZeRO-1/2 checkpoint `source` at `shape`
-    (another expert-parallel degree, any data-parallel size it divides); reads nothing."""
+    (another expert-parallel degree, any data-parallel size it divides, and for deepspeed.moe the other
+    of ZeRO-1 and ZeRO-2 if asked); reads nothing."""
     zero = source.zero
     if zero is None or zero.stage not in (1, 2) or (source.kind == "autoep" and zero.stage != 2):
         raise _refuse(source, shape, "ckptflow changes the expert-parallel degree of AutoEP ZeRO-2 and deepspeed.moe "
                       "ZeRO-1/2 checkpoints only so far", f"keep its expert-parallel degree ({source.ep})")
-    if shape.stage != zero.stage or shape.tp != 1 or shape.pp != 1:
-        raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with the ZeRO stage "
-                      "or other degrees", "change one at a time")
+    if shape.tp != 1 or shape.pp != 1:
+        raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with other "
+                      "degrees", "change one at a time")
+    if shape.stage != zero.stage:
+        check_expert_stage(source, shape.stage)
     counts = expert_counts(source)
     bad = [n for n in counts if n % shape.ep]
     if not counts or bad:
@@ -283,13 +286,13 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_Targ
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
             rank=r, meta_rank=min(r, zero.world_size - 1), optim_file=optim_file_name(zero.precision, r),
-            model_file=model_file_name(zero.stage, 0) if r == 0 else None, flats=tuple(flats[r]),
+            model_file=model_file_name(shape.stage, 0) if r == 0 else None, flats=tuple(flats[r]),
             group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]),
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
         ))
     return DataParallelPlan(
-        root=zero.root, tag=zero.tag, stage=zero.stage, precision=zero.precision, optimizer=optimizer,
+        root=zero.root, tag=zero.tag, stage=shape.stage, precision=zero.precision, optimizer=optimizer,
         source_world_size=zero.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=tuple(param_paddings), module=(), units=tuple(units),
         index=_virtual_source(zero, groups, shape.ep), carried=source.expert_files,

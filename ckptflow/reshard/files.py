@@ -311,6 +311,10 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     for key, value in source.items():
         if key == "param_shapes":
             out[key] = [OrderedDict((n, _torch_size(s)) for n, s in flat) for flat in plan.flat_shapes]
+        elif key in ("frozen_param_shapes", "frozen_param_fragments") and plan.stage == 1:
+            out[key] = None  # DeepSpeed saves them from ZeRO-2 on (`save_frozen_param`)
+        elif key in ("frozen_param_shapes", "frozen_param_fragments") and value is None and plan.stage == 2:
+            out[key] = _frozen_at_zero2(ix, key, module, tree)
         elif key == "frozen_param_shapes" and isinstance(value, Mapping):
             out[key] = OrderedDict((n, _torch_size(s)) for n, s in value.items())
         elif key == "frozen_param_shapes" and plan.stage == 3:  # a ZeRO-1 source records none
@@ -339,6 +343,15 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
         else:
             out[key] = tree.convert(value)
     return out
+
+
+def _frozen_at_zero2(ix: Any, key: str, module: Any, tree: _Tree) -> OrderedDict[str, Any]:
+    """ZeRO-1 -> ZeRO-2: what a ZeRO-1 source records as None, as ZeRO-2 saves it: each frozen
+    parameter's shape, or (`frozen_param_fragments`) its whole tensor, the module's."""
+    frozen = [p for p in ix.params if p.frozen]
+    if key == "frozen_param_shapes":
+        return OrderedDict((p.name, _torch_size(p.shape)) for p in frozen)
+    return OrderedDict((p.name, tree.convert(module[p.name])) for p in frozen)
 
 
 def _whole_frozen(plan: DataParallelPlan, unit: RankUnit) -> dict[str, OutTensor]:

@@ -119,7 +119,7 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
     if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:
         return plan_expert_degree(index, shape)
     if isinstance(index, ExpertCheckpoint):
-        return plan_expert_parallel(index, shape.dp)
+        return plan_expert_parallel(index, shape.dp, shape.stage)
     if isinstance(index, ModelParallelCheckpoint):
         return plan_model_parallel(index, shape.dp)
     if not isinstance(index, ZeroCheckpoint):

@@ -271,6 +271,8 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if kind == "optimizer-shards":
             return ("optimizer shards are written for the same loading code at the same ZeRO stage only; another "
                     "stage loads through engine.load_checkpoint, and these files are not such a checkpoint")
+        if kind in ("moe", "autoep"):
+            return why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
         if kind not in ("zero", "autotp"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
         if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
@@ -288,7 +290,9 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
         return ("ckptflow changes the expert-parallel degree of AutoEP ZeRO-2 and deepspeed.moe ZeRO-1/2 checkpoints "
                 "only, not of ZeRO-3 ones yet")
     if shape.stage != source.stage:
-        return "ckptflow does not change the expert-parallel degree and the ZeRO stage together yet"
+        why = why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
+        if why is not None:
+            return why
     counts = expert_counts(index)
     if not counts:
         return "the checkpoint does not record how many experts each MoE layer has (num_experts)"
@@ -296,6 +300,28 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
         experts = "/".join(map(str, counts))
         return f"{shape.ep} expert-parallel ranks do not split the {experts} experts of its MoE layers"
     return expert_group_cut(index, shape.ep)
+
+
+def _expert_optimizer(index: Any) -> str:
+    zero = getattr(index, "zero", None)
+    return str(getattr(zero, "optimizer_kind", ""))
+
+
+def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) -> str | None:
+    """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") saved at ZeRO
+    `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: between
+    ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer`, the same flat partitions, only the recorded stage
+    changes."""
+    if target not in stages_allowed(kind):
+        return _forbidden_stage(kind, target)
+    if {source, target} != {1, 2}:
+        return ("ckptflow does not move AutoEP checkpoints between ZeRO-2 and ZeRO-3 yet (ZeRO-3 keeps every "
+                "parameter, experts included, in per-parameter pieces over its partition group, "
+                "ds_zero_partition_groups)")
+    if optimizer == "bf16":
+        return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
+                "stage yet")
+    return None
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:
@@ -339,8 +365,7 @@ def _forbidden(index: Any, shape: Shape) -> str:
     kind = kind_of(index)
     name = NAMES.get(kind, kind)
     if shape.stage not in stages_allowed(kind):
-        stages = ", ".join(map(str, stages_allowed(kind)))
-        return f"DeepSpeed trains {name} models at ZeRO stage {stages} only"
+        return _forbidden_stage(kind, shape.stage)
     if shape.tp > 1 and kind not in ("autotp", "megatron", "tensor-parallel"):
         return f"a {name} checkpoint has no tensor parallelism to give a degree of {shape.tp}"
     if shape.pp > 1 and kind not in ("pipeline", "megatron"):
@@ -348,6 +373,17 @@ def _forbidden(index: Any, shape: Shape) -> str:
     if shape.ep > 1 and kind not in ("autoep", "moe"):
         return f"a {name} checkpoint has no experts to spread over {shape.ep} ranks"
     return f"the model does not split into {shape} (its attention heads, layers or experts do not divide)"
+
+
+def _forbidden_stage(kind: str, stage: int) -> str:
+    """Why DeepSpeed 0.19.8 does not train a `kind` model at ZeRO `stage`, and what does."""
+    if kind == "moe" and stage == 3:
+        return ("DeepSpeed refuses deepspeed.moe layers at ZeRO-3 (\"Native DeepSpeed MoE is not supported with ZeRO "
+                "Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"), so a deepspeed.moe checkpoint is written at ZeRO-1 "
+                "or ZeRO-2 only")
+    name = NAMES.get(kind, kind)
+    stages = ", ".join(map(str, stages_allowed(kind)))
+    return f"DeepSpeed trains {name} models at ZeRO stage {stages} only"
 
 
 def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None) -> list[int]:
@@ -431,4 +467,5 @@ def _moments(index: Any) -> int:
 
 
 __all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "expert_counts", "kind_of", "memory",
-           "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not"]
+           "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not",
+           "why_not_expert_stage"]

@@ -6,7 +6,7 @@ JSON list of jobs, run in order. Each builds the model of a parallel fixture (``
 ``spec.json``) with that fixture's DeepSpeed config through the fixture writer's own job class
 (``tests.fixtures.writers.parallel.JOBS``), at this world size and expert-parallel degree ``"ep"``
 (the fixture's when absent; the writers draw each expert by its global id, so it is the same model at
-any degree), and then:
+any degree) and ZeRO stage ``"stage"`` (the fixture's when absent), and then:
 
 - with ``"write": DIR``: trains the fixture's steps from scratch and saves there, so that what
   DeepSpeed writes at this size can be compared field by field with a reshard;
@@ -41,7 +41,7 @@ from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 def run_job(job: dict[str, Any]) -> None:
     spec = ParallelSpec.from_json(json.loads(Path(job["spec"]).read_text()))
     spec = ParallelSpec.from_json({**spec.to_json(), "world_size": dist.get_world_size(),
-                                   "ep": job.get("ep") or spec.ep})
+                                   "ep": job.get("ep") or spec.ep, "stage": job.get("stage") or spec.stage})
     if job.get("hang_after"):
         faulthandler.dump_traceback_later(float(job["hang_after"]), exit=False)
     runner = JOBS[spec.layout](spec)
