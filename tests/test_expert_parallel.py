@@ -471,7 +471,8 @@ def test_reshard_refusals(expert_fixtures, tmp_path: Path) -> None:
     assert "DeepSpeed loads a deepspeed.moe ZeRO-0 checkpoint natively at any data-parallel size" in str(refused.value)
     with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks: an expert-parallel degree of 2 does not divide "
                                                          r"the 3 data-parallel ranks left at tp1 x pp1; shapes it can "
-                                                         r"write at 3 ranks: ZeRO-2 dp3 \(3 ranks\)$"):
+                                                         r"write at 3 ranks: ZeRO-2 dp3 \(3 ranks\), ZeRO-1 dp3 "
+                                                         r"\(3 ranks\)$"):
         plan_reshard(load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir)), 3)
     index, problems, _ = inspect(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
     plan = plan_reshard(index, 4)
@@ -495,13 +496,15 @@ ALL_EP_RESHARDS = (
 EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4),
                                        ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
-# (source fixture, world size, degree, ZeRO stage): deepspeed.moe between ZeRO-1 and ZeRO-2, alone or with
-# another degree or size; DeepSpeed launched at the target stage loads it natively. By default one
-# launch (ZeRO-2 -> ZeRO-1 on the source's 2 ranks); `CKPTFLOW_LONG=1` adds ep4, edp2, bf16 and the
-# held-out ZeRO-1 -> ZeRO-2.
+# (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
+# alone or with another degree or size; DeepSpeed launched at the target stage loads it natively. By
+# default one launch (deepspeed.moe ZeRO-2 -> ZeRO-1 on the source's 2 ranks); `CKPTFLOW_LONG=1` adds
+# ep4, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2, and AutoEP (Qwen3-MoE and Mixtral presets).
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 4, 4, 1),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 2, 1), ("autoep-mixtral-ep2-z2-fp32", 2, 2, 1),
 )
 STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1)])
 
@@ -617,11 +620,11 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
     autoep = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks, ep3: 3 expert-parallel ranks do not split the "
                                                          r"4/4 experts of its MoE layers; shapes it can write at 3 "
-                                                         r"ranks: ZeRO-2 dp3 \(3 ranks\)$"):
+                                                         r"ranks: ZeRO-2 dp3 \(3 ranks\), ZeRO-1 dp3 \(3 ranks\)$"):
         plan_reshard(autoep, Target(world_size=3, ep=3))
     zero3 = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep4: ckptflow changes the expert-parallel "
-                                                         r"degree of AutoEP ZeRO-2 and deepspeed.moe ZeRO-1/2 "
+                                                         r"degree of AutoEP and deepspeed.moe ZeRO-1/2 "
                                                          r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
                                                          r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
         plan_reshard(zero3, Target(world_size=4, ep=4))
@@ -641,6 +644,18 @@ def test_a_deepspeed_moe_stage_change_keeps_the_partitions_and_records_the_stage
         assert [u.flats for u in plan.units] == [u.flats for u in same.units]
         assert [u.model_file for u in plan.units] == [u.model_file for u in same.units]
         assert plan.group_ep == same.group_ep
+
+
+@pytest.mark.parametrize("name", ["dsmoe-ep2-z2-fp32", "autoep-qwen3-moe-ep2-z2-fp32"])
+def test_zero2_to_zero1_and_back_gives_the_source_s_files(expert_fixtures, name: str, tmp_path: Path) -> None:
+    """ZeRO-2 -> ZeRO-1 -> ZeRO-2 writes DeepSpeed's ZeRO-2 files back field for field and byte for byte
+    (ZeRO-1's frozen-parameter records are None, ZeRO-2's empty; AutoEP's second router copy is no frozen
+    parameter at ZeRO-1, which records no frozen list)."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "z1"), world_size=2, stage=1)
+    assert load_index(str(tmp_path / "z1")).stage == 1
+    reshard(str(tmp_path / "z1"), str(tmp_path / "z2"), world_size=2, stage=2)
+    _compare_folders(tmp_path / "z2" / "global_step3", source.tag_dir)
 
 
 def test_expert_stage_refusals(expert_fixtures) -> None:

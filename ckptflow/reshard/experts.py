@@ -1,4 +1,4 @@
-"""Changing the expert-parallel degree of an AutoEP (ZeRO-2) or deepspeed.moe (ZeRO-1/2) checkpoint. Pure.
+"""Changing the expert-parallel degree of an AutoEP or deepspeed.moe ZeRO-1/2 checkpoint. Pure.
 
 At expert-parallel degree N over M data-parallel ranks, DeepSpeed 0.19.8 (default topology,
 `groups._create_expert_and_data_parallel`) makes rank r expert-parallel rank `r % N` and partition
@@ -191,12 +191,12 @@ def _copies(segments: Sequence[_Segment], first: int, last: int, dst: int, out: 
 
 
 def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
-    """The plan that writes the AutoEP ZeRO-2 or deepspeed.moe ZeRO-1/2 checkpoint `source` at `shape`
-    (another expert-parallel degree, any data-parallel size it divides, and for deepspeed.moe the other
-    of ZeRO-1 and ZeRO-2 if asked); reads nothing."""
+    """The plan that writes the AutoEP or deepspeed.moe ZeRO-1/2 checkpoint `source` at `shape` (another
+    expert-parallel degree, any data-parallel size it divides, and the other of ZeRO-1 and ZeRO-2 if
+    asked); reads nothing."""
     zero = source.zero
-    if zero is None or zero.stage not in (1, 2) or (source.kind == "autoep" and zero.stage != 2):
-        raise _refuse(source, shape, "ckptflow changes the expert-parallel degree of AutoEP ZeRO-2 and deepspeed.moe "
+    if zero is None or zero.stage not in (1, 2):
+        raise _refuse(source, shape, "ckptflow changes the expert-parallel degree of AutoEP and deepspeed.moe "
                       "ZeRO-1/2 checkpoints only so far", f"keep its expert-parallel degree ({source.ep})")
     if shape.tp != 1 or shape.pp != 1:
         raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with other "

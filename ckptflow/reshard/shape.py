@@ -199,7 +199,7 @@ def stages_allowed(kind: str) -> tuple[int, ...]:
     if kind == "moe":
         return (1, 2)
     if kind == "autoep":
-        return (2, 3)
+        return STAGES
     return STAGES
 
 
@@ -286,8 +286,8 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
 
 def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | None:
     """Why ckptflow cannot move `index`'s experts to `shape.ep` expert-parallel ranks, or None."""
-    if (kind, source.stage) not in (("autoep", 2), ("moe", 1), ("moe", 2)):
-        return ("ckptflow changes the expert-parallel degree of AutoEP ZeRO-2 and deepspeed.moe ZeRO-1/2 checkpoints "
+    if source.stage not in (1, 2):
+        return ("ckptflow changes the expert-parallel degree of AutoEP and deepspeed.moe ZeRO-1/2 checkpoints "
                 "only, not of ZeRO-3 ones yet")
     if shape.stage != source.stage:
         why = why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.formats.deepspeed.config import section
@@ -105,7 +105,7 @@ def read_autoep(st: Inspection, listing: Listing, model0: dict[str, Any], topolo
         check_expert_files(st, listing, [layer.num_experts for layer in layers],
                            "AutoEP ZeRO-1/2 saves one file per MoE layer and global expert")
     st.stop_if_any()
-    zero = read_zero(st, listing, model0)
+    zero = _without_router_aliases(read_zero(st, listing, model0), layers, preset)
     _check_ranks(st, zero, layers)
     st.stop_if_any()
     if zero.stage != 3:
@@ -316,12 +316,27 @@ def _renamer(layers: Sequence[MoELayer], preset: Preset) -> Any:
     return rename
 
 
+def _router_aliases(layers: Sequence[MoELayer], preset: Preset) -> set[str]:
+    """The module keys under which AutoEP saves each router a second time, by the preset's name
+    (`{layer}.gate.gate.weight` beside `{layer}.router.gate.weight`), a copy of its own."""
+    return {f"{layer.path}.{preset.router}.gate.{rest}" for layer in layers for rest in ("weight", "bias")}
+
+
+def _without_router_aliases(zero: ZeroCheckpoint, layers: Sequence[MoELayer], preset: Preset) -> ZeroCheckpoint:
+    """At ZeRO-1, which records no frozen-parameter list, the ZeRO reader takes every module tensor that is
+    neither trainable nor a buffer as frozen: the router's copies under the preset's name are not."""
+    aliases = _router_aliases(layers, preset)
+    if not any(p.frozen and p.name in aliases for p in zero.params):
+        return zero
+    return replace(zero, params=tuple(p for p in zero.params if not (p.frozen and p.name in aliases)))
+
+
 def _tensors(
     st: Inspection, zero: ZeroCheckpoint, layers: Sequence[MoELayer], preset: Preset
 ) -> tuple[ModelTensor, ...]:
     rename = _renamer(layers, preset)
     experts = {f"{layer.prefix}.{w}" for layer in layers for w in WEIGHTS}
-    aliases = {f"{layer.path}.{preset.router}.gate.{rest}" for layer in layers for rest in ("weight", "bias")}
+    aliases = _router_aliases(layers, preset)
     owned = tuple(f"{layer.path}." for layer in layers)
     out: dict[str, ModelTensor] = {}
     for param in zero.params:
