@@ -628,8 +628,9 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
                                                          r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
                                                          r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
         plan_reshard(zero3, Target(world_size=4, ep=4))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow does not move AutoEP "
-                                                         r"checkpoints between ZeRO-2 and ZeRO-3 yet \(ZeRO-3 keeps "):
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow moves AutoEP "
+                                                         r"checkpoints between ZeRO-1 and ZeRO-2 only, not to or from "
+                                                         r"ZeRO-3 yet; "):
         plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))
 
 
@@ -670,8 +671,10 @@ def test_expert_stage_refusals(expert_fixtures) -> None:
                                                          r"ZeRO-1 ep2 x edp1 \(2 ranks\)$"):
         plan_reshard(moe, Target(world_size=2, stage=3))
     autoep = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow does not move AutoEP "
-                                                         r"checkpoints between ZeRO-2 and ZeRO-3 yet"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow moves AutoEP "
+                                                         r"checkpoints between ZeRO-1 and ZeRO-2 only, not to or from "
+                                                         r"ZeRO-3 yet; shapes it can write at 2 ranks: ZeRO-3 ep2 x "
+                                                         r"edp1 \(2 ranks\)$"):
         plan_reshard(autoep, Target(world_size=2, stage=2))
 
 

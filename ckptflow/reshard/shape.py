@@ -315,9 +315,7 @@ def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) ->
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
     if {source, target} != {1, 2}:
-        return ("ckptflow does not move AutoEP checkpoints between ZeRO-2 and ZeRO-3 yet (ZeRO-3 keeps every "
-                "parameter, experts included, in per-parameter pieces over its partition group, "
-                "ds_zero_partition_groups)")
+        return "ckptflow moves AutoEP checkpoints between ZeRO-1 and ZeRO-2 only, not to or from ZeRO-3 yet"
     if optimizer == "bf16":
         return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
                 "stage yet")

@@ -19,7 +19,9 @@ parameter-relative ranges of both sides intersected, so each source element is r
 saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation), with round-robin gradients or
 with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
-files are a data-parallel checkpoint of its shards.
+files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
+between ZeRO-1 and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`,
+`experts.plan_expert_degree`), by the first rule; `shape.why_not_expert_stage` says why not otherwise.
 """
 
 from __future__ import annotations
