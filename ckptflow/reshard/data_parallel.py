@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.errors import CheckpointError, UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
@@ -89,7 +89,7 @@ def check_expert_stage(source: ExpertCheckpoint, stage: int) -> None:
     if why is not None:
         raise UnsupportedCheckpointError(f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{stage}: {why}",
                                          code="unsupported-shape", uri=source.root,
-                                         hint="keep its ZeRO stage (leave --zero-stage out)")
+                                         hint=f"keep its ZeRO stage (leave {option('stage')} out)")
 
 
 def plan_data_parallel(index: ZeroCheckpoint, world_size: int, *, expert_parallel: bool = False) -> DataParallelPlan:
