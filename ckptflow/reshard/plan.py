@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
@@ -104,7 +104,7 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
             raise UnsupportedCheckpointError(
                 f"{index.root} holds ZeRO-{index.stage} optimizer states saved one file per rank; ckptflow writes them "
                 "for another number of ranks at the same ZeRO stage only, not another stage or parallel degree",
-                uri=index.root, hint="give --world-size alone")
+                uri=index.root, hint=f"give {option('world_size')} alone")
         return plan_shard_folder(index, shape.dp)
     if shape.pp != source.pp:
         return plan_pipeline(index, shape)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
@@ -50,7 +50,7 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
         raise UnsupportedCheckpointError(
             f"{where} was saved by DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation), whose "
             f"flat groups ckptflow does not move to ZeRO-{stage} yet", uri=where,
-            hint="reshard it at ZeRO-1 (leave --zero-stage out)")
+            hint=f"reshard it at ZeRO-1 (leave {option('stage')} out)")
     if is_set(index.zero_config, "round_robin_gradients"):
         raise UnsupportedCheckpointError(
             f"{where} was trained with zero_optimization.round_robin_gradients, whose flattening order ckptflow does "
