@@ -112,6 +112,10 @@ class FaultProxy:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
+        # Requests read and not yet counted: `reset` waits for them, since a client can have its whole
+        # answer before the proxy's thread records the transfer.
+        self._busy = 0
+        self._idle = threading.Condition(self._lock)
         self._stopping = threading.Event()
         self.plan = FaultPlan()
         self._rng = random.Random(0)
@@ -133,6 +137,9 @@ class FaultProxy:
             self.counters = _Counters()
 
     def reset(self) -> None:
+        """New counters, once every request already read has been counted in the old ones."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0, timeout=60)  # a hang guard only
         self.configure()
 
     @property
@@ -180,26 +187,36 @@ class FaultProxy:
             head, body = _read_request(client)
             if head is None:
                 return
-            method, path = head.split(b" ", 2)[:2]
-            fault = self._decide(method.decode(), path.decode("latin-1"))
-            if self.plan.delay:
-                time.sleep(self.plan.delay)
-            answer = next((status for m, p, status in self.plan.answers
-                           if m == method.decode() and p in path.decode("latin-1")), None)
-            if answer is not None and fault is None:
-                _respond(client, method.decode(), answer, "answered by the proxy", xml=self.xml)
-            elif fault == "status":
-                _respond(client, method.decode(), self.plan.status or 500, self.plan.message, xml=self.xml)
-            elif fault == "503":
-                _respond(client, method.decode(), 503, "injected: service unavailable", xml=self.xml)
-            elif fault == "reset":
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            else:
-                self._forward(client, head, body, truncate=fault == "truncate", drop=fault == "drop")
+            with self._lock:
+                self._busy += 1
+            try:
+                self._answer(client, head, body)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
         except OSError:
             pass
         finally:
             client.close()
+
+    def _answer(self, client: socket.socket, head: bytes, body: bytes) -> None:
+        method, path = head.split(b" ", 2)[:2]
+        fault = self._decide(method.decode(), path.decode("latin-1"))
+        if self.plan.delay:
+            time.sleep(self.plan.delay)
+        answer = next((status for m, p, status in self.plan.answers
+                       if m == method.decode() and p in path.decode("latin-1")), None)
+        if answer is not None and fault is None:
+            _respond(client, method.decode(), answer, "answered by the proxy", xml=self.xml)
+        elif fault == "status":
+            _respond(client, method.decode(), self.plan.status or 500, self.plan.message, xml=self.xml)
+        elif fault == "503":
+            _respond(client, method.decode(), 503, "injected: service unavailable", xml=self.xml)
+        elif fault == "reset":
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            self._forward(client, head, body, truncate=fault == "truncate", drop=fault == "drop")
 
     def _forward(self, client: socket.socket, head: bytes, body: bytes, *, truncate: bool, drop: bool = False) -> None:
         upstream = socket.create_connection(self.upstream, timeout=120)
