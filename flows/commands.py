@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptflow.plumbing.redaction import redact
-from flows.params import ConsolidationOptions, Destination, ReshardOptions, ValidationOptions, VerificationOptions
+from flows.params import ConsolidationForm, Destination, ReshardForm, ValidationForm, VerificationForm
 
 
 class FlowFailed(RuntimeError):
@@ -76,13 +76,13 @@ def lifecycle_parameters(
         return {
             "source": src,
             "tag": tag,
-            "validation": ValidationOptions(settle_seconds=settle, poll_seconds=min(15.0, max(settle / 10, 1.0))),
-            "consolidation": ConsolidationOptions(
+            "validation": ValidationForm(settle_seconds=settle, poll_seconds=min(15.0, max(settle / 10, 1.0))),
+            "consolidation": ConsolidationForm(
                 enabled=consolidate, dtype=dtype, max_shard_size=max_shard_size, deployment=gpu_deployment,
                 config=config, config_revision=config_revision,
             ),
-            "reshard": ReshardOptions(world_sizes=parse_world_sizes(reshard)),
-            "verification": VerificationOptions(enabled=verify and consolidate),
+            "reshard": ReshardForm(world_sizes=parse_world_sizes(reshard)),
+            "verification": VerificationForm(enabled=verify and consolidate),
             "destinations": [Destination(uri=d, what=publish) for d in destinations],
             "workspace": workspace,
             "refresh": refresh,

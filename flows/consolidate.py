@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow, tags
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.params import ConsolidationOptions, VerificationOptions, flow_timeout_seconds
+from flows.params import ConsolidationForm, VerificationForm, flow_timeout_seconds
 from tasks.consolidate import consolidate_model
 from tasks.models import Checkpoint
 from tasks.verify import verify_output
@@ -27,8 +27,8 @@ from tasks.verify import verify_output
 def consolidate_checkpoint(
     checkpoint: Checkpoint,
     out: str,
-    consolidation: ConsolidationOptions = ConsolidationOptions(),
-    verification: VerificationOptions = VerificationOptions(),
+    consolidation: ConsolidationForm = ConsolidationForm(),
+    verification: VerificationForm = VerificationForm(),
 ) -> dict[str, Any]:
     """Consolidate a validated checkpoint into a Hugging Face model folder, then verify it.
 

@@ -48,14 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 
     say("2/2 running the checkpoint-lifecycle flow with Prefect's embedded defaults ...")
     from flows.commands import FlowFailed, run_lifecycle
-    from flows.params import ConsolidationOptions, Destination, ReshardOptions, ValidationOptions
+    from flows.params import ConsolidationForm, Destination, ReshardForm, ValidationForm
 
     try:
         outcome = run_lifecycle({
             "source": str(run_dir),
-            "validation": ValidationOptions(settle_seconds=0),
-            "consolidation": ConsolidationOptions(dtype="bf16"),
-            "reshard": ReshardOptions(world_sizes=[1, 4]),
+            "validation": ValidationForm(settle_seconds=0),
+            "consolidation": ConsolidationForm(dtype="bf16"),
+            "reshard": ReshardForm(world_sizes=[1, 4]),
             "destinations": [Destination(uri=str(bucket), what="both")],
             "workspace": str(out / "work"),
         })

@@ -35,13 +35,13 @@ from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.sizes import format_size
 from flows import paths
 from flows.params import (
-    ConsolidationOptions,
+    ConsolidationForm,
     Destination,
-    PublishOptions,
-    ReshardOptions,
+    PublishForm,
+    ReshardForm,
     Text,
-    ValidationOptions,
-    VerificationOptions,
+    ValidationForm,
+    VerificationForm,
     flow_timeout_seconds,
 )
 from tasks.artifacts import checkpoint_key, code, link, markdown, md
@@ -106,12 +106,12 @@ def _post_training_run_name() -> str:
 def checkpoint_lifecycle(
     source: str = Field(..., json_schema_extra={"title": "Source checkpoint"}, min_length=1),
     tag: Text = _titled("", "Tag"),
-    validation: ValidationOptions = _titled(ValidationOptions(), "Validation"),
-    consolidation: ConsolidationOptions = _titled(ConsolidationOptions(), "Hugging Face model"),
-    reshard: ReshardOptions = _titled(ReshardOptions(), "Reshard"),
-    verification: VerificationOptions = _titled(VerificationOptions(), "Verification"),
+    validation: ValidationForm = _titled(ValidationForm(), "Validation"),
+    consolidation: ConsolidationForm = _titled(ConsolidationForm(), "Hugging Face model"),
+    reshard: ReshardForm = _titled(ReshardForm(), "Reshard"),
+    verification: VerificationForm = _titled(VerificationForm(), "Verification"),
     destinations: list[Destination] = _titled([], "Destinations"),
-    publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
+    publishing: PublishForm = _titled(PublishForm(), "Publishing"),
     workspace: Text = _titled("", "Workspace"),
     refresh: bool = _titled(False, "Rebuild everything"),
     cluster: Text = _titled("", "Dask cluster"),
@@ -297,8 +297,8 @@ def consolidate_on_deployment(
     checkpoint: Checkpoint,
     out: str,
     deployment: str,
-    consolidation: ConsolidationOptions,
-    verification: VerificationOptions,
+    consolidation: ConsolidationForm,
+    verification: VerificationForm,
     run_name: str | None = None,
 ) -> Output:
     """Run consolidation (and verification) as the deployment `deployment`, and wait for it.
@@ -466,11 +466,11 @@ def _summary(
       log_prints=False)
 def post_training(
     runs: list[str] = Field(..., json_schema_extra={"title": "Training runs"}, min_length=1),
-    consolidation: ConsolidationOptions = _titled(ConsolidationOptions(), "Hugging Face model"),
-    reshard: ReshardOptions = _titled(ReshardOptions(), "Reshard"),
-    verification: VerificationOptions = _titled(VerificationOptions(), "Verification"),
+    consolidation: ConsolidationForm = _titled(ConsolidationForm(), "Hugging Face model"),
+    reshard: ReshardForm = _titled(ReshardForm(), "Reshard"),
+    verification: VerificationForm = _titled(VerificationForm(), "Verification"),
     destinations: list[Destination] = _titled([], "Destinations"),
-    publishing: PublishOptions = _titled(PublishOptions(), "Publishing"),
+    publishing: PublishForm = _titled(PublishForm(), "Publishing"),
     workspace: Text = _titled("", "Workspace"),
     cluster: Text = _titled("", "Dask cluster"),
 ) -> list[dict[str, Any]]:

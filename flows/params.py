@@ -49,11 +49,11 @@ WorldSize = Annotated[int, Field(ge=1, le=65536)]
 Degree = Annotated[int, Field(ge=0, le=65536)]
 
 
-class _Options(BaseModel):
+class _Form(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ValidationOptions(_Options):
+class ValidationForm(_Form):
     """How the source checkpoint is checked before anything is built from it."""
 
     deep: bool = Field(
@@ -77,7 +77,7 @@ class ValidationOptions(_Options):
     )
 
 
-class ConsolidationOptions(_Options):
+class ConsolidationForm(_Form):
     """The Hugging Face model built from the ZeRO checkpoint."""
 
     enabled: bool = Field(
@@ -141,14 +141,14 @@ class ConsolidationOptions(_Options):
         return value.strip() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _revision_of_a_source(self) -> ConsolidationOptions:
+    def _revision_of_a_source(self) -> ConsolidationForm:
         if self.config_revision and not self.config:
             raise ValueError(f"config_revision {self.config_revision!r} needs a config source: the Hub repo it is a "
                              "revision of")
         return self
 
 
-class ReshardOptions(_Options):
+class ReshardForm(_Form):
     """ZeRO checkpoints rewritten for other numbers of GPUs: each target a shape (ranks, and the ZeRO
     stage and the tensor-, pipeline- and expert-parallel degrees when they change)."""
 
@@ -208,7 +208,7 @@ class ReshardOptions(_Options):
                 for n in self.world_sizes]
 
     @model_validator(mode="after")
-    def _one_tensor_parallel_degree(self) -> ReshardOptions:
+    def _one_tensor_parallel_degree(self) -> ReshardForm:
         if self.merge_tensor_parallel and self.tensor_parallel_degree not in (0, 1):
             raise ValueError(f"merge_tensor_parallel asks for tensor-parallel degree 1, but "
                              f"tensor_parallel_degree is {self.tensor_parallel_degree}: set one of them")
@@ -222,7 +222,7 @@ class ReshardOptions(_Options):
         return sorted(set(value))
 
 
-class VerificationOptions(_Options):
+class VerificationForm(_Form):
     """The check of the consolidated model against the checkpoint."""
 
     enabled: bool = Field(
@@ -238,7 +238,7 @@ class VerificationOptions(_Options):
     )
 
 
-class Destination(_Options):
+class Destination(_Form):
     """One place to publish to."""
 
     uri: str = Field(
@@ -273,7 +273,7 @@ class Destination(_Options):
         return self.what in (kind, "both")
 
 
-class PublishOptions(_Options):
+class PublishForm(_Form):
     """How uploads run."""
 
     workers: int = Field(default=8, ge=1, le=64, title="Upload workers", description="Files uploaded at the same time.")

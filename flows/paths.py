@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckptflow.plumbing.storage import join, open_fs
 from ckptflow.reshard.shape import Target
-from flows.params import ConsolidationOptions, Destination
+from flows.params import ConsolidationForm, Destination
 from tasks.caching import CACHE_VERSION
 from tasks.models import Checkpoint
 
@@ -52,7 +52,7 @@ def checkpoint_workspace(checkpoint: Checkpoint, workspace: str | None) -> str:
                 f"{checkpoint.tag}-{checkpoint.identity[:12]}{version}")
 
 
-def model_folder(base: str, options: ConsolidationOptions) -> str:
+def model_folder(base: str, options: ConsolidationForm) -> str:
     shape: dict[str, object] = {"max_shard_size": options.max_shard_size, "exclude_frozen": options.exclude_frozen}
     if options.config:  # a config source changes the folder's files; no key without one keeps older digests
         shape.update(config=options.config, config_revision=options.config_revision)

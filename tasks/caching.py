@@ -27,7 +27,7 @@ CACHE_VERSION = "1"
 # bytes as one built on threads, so they are left out of the key.
 WHERE_IT_RUNS = frozenset({"cluster"})
 
-# Options added to a task (or to an options model it takes) after results were cached, and the values
+# Options added to a task (or to a form section it takes) after results were cached, and the values
 # that mean "not set": left out of the key while not set, so that a result cached before the option
 # existed still matches (else the step runs again into an output folder that already exists, and fails).
 ADDED_LATER: dict[str, tuple[Any, ...]] = {"tensor_parallel": (None,), "stage": (None,), "config": (None, ""),

@@ -481,28 +481,28 @@ def test_the_lifecycle_form_has_the_config_source() -> None:
     from flows import paths
     from flows.commands import lifecycle_parameters
     from flows.lifecycle import checkpoint_lifecycle
-    from flows.params import ConsolidationOptions
+    from flows.params import ConsolidationForm
     from tasks.caching import _identity
 
-    fields = parameter_schema(checkpoint_lifecycle).model_dump()["definitions"]["ConsolidationOptions"]["properties"]
+    fields = parameter_schema(checkpoint_lifecycle).model_dump()["definitions"]["ConsolidationForm"]["properties"]
     assert {k: (fields[k]["type"], fields[k]["default"], fields[k]["title"]) for k in ("config", "config_revision")} \
         == {"config": ("string", "", "Config source"), "config_revision": ("string", "", "Config revision")}
     assert "Hugging Face Hub model repo ('org/name')" in fields["config"]["description"]
-    assert ConsolidationOptions(config=None, config_revision=" ").config == ""
+    assert ConsolidationForm(config=None, config_revision=" ").config == ""
     with pytest.raises(ValidationError, match="config_revision 'v1' needs a config source"):
-        ConsolidationOptions(config_revision="v1")
+        ConsolidationForm(config_revision="v1")
     params = lifecycle_parameters("gs://b/run", tag=None, dtype="bf16", consolidate=True, max_shard_size="5GB",
                                   reshard=None, destinations=[], publish="model", verify=True, settle=0,
                                   workspace=None, gpu_deployment=None, refresh=False, config="org/base",
                                   config_revision="v1")
     assert (params["consolidation"].config, params["consolidation"].config_revision) == ("org/base", "v1")
     # Without a config source, the folder and the cached results' keys are those of before the field existed.
-    assert "config" not in _identity(ConsolidationOptions()) and "config_revision" not in _identity(
-        ConsolidationOptions())
-    plain = paths.model_folder("/w", ConsolidationOptions())
+    assert "config" not in _identity(ConsolidationForm()) and "config_revision" not in _identity(
+        ConsolidationForm())
+    plain = paths.model_folder("/w", ConsolidationForm())
     assert plain == "/w/model-fp32-" + paths.hashlib.sha256(
         json.dumps({"max_shard_size": "5GB", "exclude_frozen": False}, sort_keys=True).encode()).hexdigest()[:6]
-    assert paths.model_folder("/w", ConsolidationOptions(config="org/base")) != plain
+    assert paths.model_folder("/w", ConsolidationForm(config="org/base")) != plain
 
 
 def test_the_consolidate_task_takes_a_config_source(tied_llama: tuple[Path, dict], parallel_fixtures,

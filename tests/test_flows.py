@@ -394,10 +394,10 @@ def test_the_reshard_task_writes_the_form_s_shape(prefect_server: str, request: 
 
     from ckptflow.reshard import reshard
     from flows import paths
-    from flows.params import ReshardOptions
+    from flows.params import ReshardForm
     from tasks.reshard import reshard_checkpoint
 
-    [target] = ReshardOptions(**form).targets()
+    [target] = ReshardForm(**form).targets()
     out = paths.reshard_folder(str(tmp_path), target)
     assert out.endswith(f"/{folder}")
     src = request.getfixturevalue(fixtures)[name]
@@ -423,24 +423,24 @@ def test_the_reshard_task_writes_the_form_s_shape(prefect_server: str, request: 
 def test_the_form_names_each_target_by_its_shape() -> None:
     """A target is a shape: folder and Hub branch say every degree that changes, in one order."""
     from flows import paths
-    from flows.params import Destination, ReshardOptions
+    from flows.params import Destination, ReshardForm
 
-    options = ReshardOptions(world_sizes=[8, 4], zero_stage="3", tensor_parallel_degree=2,
+    options = ReshardForm(world_sizes=[8, 4], zero_stage="3", tensor_parallel_degree=2,
                              pipeline_parallel_degree=1, expert_parallel_degree=4)
     assert options.targets() == [Target(world_size=4, stage=3, tp=2, pp=1, ep=4),
                                  Target(world_size=8, stage=3, tp=2, pp=1, ep=4)]
     assert [paths.reshard_name(t) for t in options.targets()] == ["zero-ws4-tp2-pp1-ep4-z3", "zero-ws8-tp2-pp1-ep4-z3"]
-    assert [paths.reshard_name(t) for t in ReshardOptions(world_sizes=[2]).targets()] == ["zero-ws2"]
+    assert [paths.reshard_name(t) for t in ReshardForm(world_sizes=[2]).targets()] == ["zero-ws2"]
     hub = Destination(uri="hf://org/model", revision="run-7")
     branch = paths.reshard_destination(hub, "global_step3", Target(world_size=2, ep=1))
     assert branch == ("hf://org/model", "run-7-zero-ws2-ep1")
-    merged = ReshardOptions(world_sizes=[2], merge_tensor_parallel=True)
-    assert merged.tensor_parallel == 1 and ReshardOptions(world_sizes=[2]).tensor_parallel is None
-    assert ReshardOptions(world_sizes=[2], tensor_parallel_degree=1).targets() == merged.targets()
-    assert ReshardOptions(world_sizes=[3]).stage is None
+    merged = ReshardForm(world_sizes=[2], merge_tensor_parallel=True)
+    assert merged.tensor_parallel == 1 and ReshardForm(world_sizes=[2]).tensor_parallel is None
+    assert ReshardForm(world_sizes=[2], tensor_parallel_degree=1).targets() == merged.targets()
+    assert ReshardForm(world_sizes=[3]).stage is None
     with pytest.raises(ValueError, match="merge_tensor_parallel asks for tensor-parallel degree 1, but "
                                          "tensor_parallel_degree is 2"):
-        ReshardOptions(world_sizes=[2], merge_tensor_parallel=True, tensor_parallel_degree=2)
+        ReshardForm(world_sizes=[2], merge_tensor_parallel=True, tensor_parallel_degree=2)
 
 
 def test_same_checkpoint_twice_does_the_work_once(first_run: dict[str, Any]) -> None:

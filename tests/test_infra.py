@@ -315,21 +315,21 @@ def test_form_fields_are_plain_titled_and_constrained() -> None:
     assert props["tag"] == {**props["tag"], "type": "string", "default": "", "title": "Tag"}
     assert props["workspace"]["type"] == "string" and props["workspace"]["default"] == ""
     definitions = schema["definitions"]
-    shard = definitions["ConsolidationOptions"]["properties"]["max_shard_size"]
+    shard = definitions["ConsolidationForm"]["properties"]["max_shard_size"]
     import re
 
     pattern = re.compile(shard["pattern"])
     assert all(pattern.match(v) for v in ("5GB", "500MB", "2GiB", "1.5 gb", "1024"))
     assert not any(pattern.match(v) for v in ("5 parsecs", "GB", "-1GB", ""))
-    world = definitions["ReshardOptions"]["properties"]["world_sizes"]
+    world = definitions["ReshardForm"]["properties"]["world_sizes"]
     assert world["items"]["minimum"] == 1
     for degree in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
-        field = definitions["ReshardOptions"]["properties"][degree]
+        field = definitions["ReshardForm"]["properties"][degree]
         assert (field["type"], field["minimum"], field["default"]) == ("integer", 0, 0), degree
-    workers = definitions["ConsolidationOptions"]["properties"]["workers"]
+    workers = definitions["ConsolidationForm"]["properties"]["workers"]
     assert (workers["minimum"], workers["maximum"]) == (1, 64)
-    assert definitions["ConsolidationOptions"]["properties"]["timeout_minutes"]["exclusiveMinimum"] == 0
-    token = definitions["PublishOptions"]["properties"]["hub_token"]
+    assert definitions["ConsolidationForm"]["properties"]["timeout_minutes"]["exclusiveMinimum"] == 0
+    token = definitions["PublishForm"]["properties"]["hub_token"]
     assert token["$ref"] == "#/definitions/Secret" and "default" not in token
     assert definitions["Secret"]["block_type_slug"] == "secret"
     assert "hub_token" not in props["publishing"]["default"]
@@ -338,13 +338,13 @@ def test_form_fields_are_plain_titled_and_constrained() -> None:
 def test_optional_text_takes_none_from_python_and_means_not_set() -> None:
     from pydantic import ValidationError
 
-    from flows.params import ConsolidationOptions, Destination, PublishOptions, ReshardOptions
+    from flows.params import ConsolidationForm, Destination, PublishForm, ReshardForm
 
-    assert ConsolidationOptions(deployment=None).deployment == ""
-    assert ConsolidationOptions(deployment="  consolidate-checkpoint/gpu ").deployment == "consolidate-checkpoint/gpu"
+    assert ConsolidationForm(deployment=None).deployment == ""
+    assert ConsolidationForm(deployment="  consolidate-checkpoint/gpu ").deployment == "consolidate-checkpoint/gpu"
     assert Destination(uri="hf://o/m", revision=None).revision == ""
-    assert "hub_token" not in PublishOptions().model_dump(mode="json")
+    assert "hub_token" not in PublishForm().model_dump(mode="json")
     with pytest.raises(ValidationError, match="max_shard_size must look like '5GB' or '500MB', got '5 parsecs'"):
-        ConsolidationOptions(max_shard_size="5 parsecs")
+        ConsolidationForm(max_shard_size="5 parsecs")
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
-        ReshardOptions(world_sizes=[0])
+        ReshardForm(world_sizes=[0])

@@ -309,7 +309,7 @@ def test_the_lifecycle_flow_runs_its_units_on_dask(prefect_server: str, gcs: Sto
     """`checkpoint_lifecycle(..., cluster=ADDRESS)`: validation, planning and finalize in the flow run,
     every shard and rank a task on prefect-dask's DaskTaskRunner; the same bytes as the core on threads."""
     from flows.lifecycle import checkpoint_lifecycle
-    from flows.params import ConsolidationOptions, ReshardOptions, ValidationOptions, VerificationOptions
+    from flows.params import ConsolidationForm, ReshardForm, ValidationForm, VerificationForm
 
     fixture = ds_fixtures[FIXTURE]
     src = _upload(fixture, f"{gcs.url}/src")
@@ -319,9 +319,9 @@ def test_the_lifecycle_flow_runs_its_units_on_dask(prefect_server: str, gcs: Sto
     cluster.reset_counters()
 
     summary = checkpoint_lifecycle(
-        source=src, validation=ValidationOptions(settle_seconds=0),
-        consolidation=ConsolidationOptions(**OPTIONS), reshard=ReshardOptions(world_sizes=[WORLD_SIZE]),
-        verification=VerificationOptions(enabled=False), workspace=f"{gcs.url}/work", cluster=cluster.address,
+        source=src, validation=ValidationForm(settle_seconds=0),
+        consolidation=ConsolidationForm(**OPTIONS), reshard=ReshardForm(world_sizes=[WORLD_SIZE]),
+        verification=VerificationForm(enabled=False), workspace=f"{gcs.url}/work", cluster=cluster.address,
     )
 
     assert summary["failures"] == []
