@@ -405,3 +405,106 @@ def test_deepspeed_loads_the_client_state_after_reshard(client: Mapping[str, Any
         assert loaded.keys() == expected.keys()
         assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == [], name
     assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)  # the user's process rebuilt them
+
+
+# ---- Megatron-DeepSpeed: `args` beside `universal_checkpoint_info`, tensor parallelism -------------------
+
+# pp1 x tp2 x dp2, saved with Megatron-DeepSpeed's whole client state (`tests.fixtures.specs.extra`)
+MEGATRON_PIPE = "megatron-args-tp2dp2-z1-fp32"
+MEGATRON_CASE = (MEGATRON_PIPE, 1)  # resharded to dp1: tp2 x dp1, 2 ranks
+MEGATRON_KEYS = ["args", "checkpoint_version", "iteration", "rng_state", "universal_checkpoint_info"]
+MEGATRON_CLIENT_KEYS = MEGATRON_KEYS[:-1]  # ckptflow reads `universal_checkpoint_info` itself (DEEPSPEED_MODEL_KEYS)
+
+
+@pytest.fixture(scope="module")
+def megatron_pipe() -> Any:
+    from tests.fixtures.sets import build_extra
+
+    return build_extra([MEGATRON_PIPE])[MEGATRON_PIPE]
+
+
+def model_states(folder: Path) -> list[Path]:
+    """The model-states files of a Megatron-style tag folder: one per tensor-parallel rank."""
+    return sorted(folder.glob("mp_rank_*_model_states.pt"))
+
+
+def test_megatron_deepspeed_args_are_listed_and_match_the_run(megatron_pipe: Any) -> None:
+    """The fixture is what Megatron-DeepSpeed saves: every model-states file holds `args` (sizes those of the
+    run) and `universal_checkpoint_info`; `validate` lists the client state and reads the layout."""
+    files = model_states(megatron_pipe.tag_dir)
+    assert len(files) == 2
+    for path in files:
+        obj = open_archive(str(path), ALLOWED).obj
+        assert [k for k in obj if k not in DEEPSPEED_MODEL_KEYS] == MEGATRON_CLIENT_KEYS, path
+        assert "universal_checkpoint_info" in obj, path
+        args = obj["args"]
+        assert (args.module, args.name) == ("argparse", "Namespace")
+        sizes = {k: args.state[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                            "data_parallel_size", "world_size")}
+        assert sizes == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "data_parallel_size": 2,
+                         "world_size": 4}
+    result = run_cli("validate", str(megatron_pipe.dir))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "Megatron-style tensor parallelism; tp 2 x dp 2, ZeRO-1" in lines[0]
+    assert lines[-5:] == [
+        "  client state: carried as it is; its classes are named here, never imported or run",
+        "    args: an argparse.Namespace",
+        "    checkpoint_version: a float",
+        "    iteration: an int",
+        "    rng_state: a list of 1 item, naming numpy._core.multiarray._reconstruct, numpy.dtype, numpy.ndarray",
+    ]
+
+
+def test_megatron_deepspeed_consolidates_under_the_pipeline_names(megatron_pipe: Any, tmp_path: Path) -> None:
+    """No config needed: the tensors under the PipelineModule's `{layer}.{name}`, the live engine's fp32 weights
+    bit for bit (the vocabulary's padding row cut off), and the last line says no config came with them."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model"
+    result = run_cli("consolidate", str(megatron_pipe.dir), str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].startswith(f"not loadable: {out} has no config.json")
+    got = load_file(out / "model.safetensors")
+    expected = {k.removeprefix("fp32/"): v for k, v in load_file(megatron_pipe.expected_path).items()
+                if k.startswith("fp32/")}
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    assert got["0.weight"].shape == (37, 16)
+
+
+def test_megatron_deepspeed_reshard_writes_the_client_state_back(megatron_pipe: Any, tmp_path: Path) -> None:
+    """`reshard --world-size 2` (dp2 -> dp1, tp2 kept): both model-states files hold the source's client state,
+    record for record, `args` and `universal_checkpoint_info` included."""
+    out = tmp_path / "out"
+    result = run_cli("reshard", str(megatron_pipe.dir), str(out), "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert "tp2 x dp2 (4 ranks) -> ZeRO-1 tp2 x dp1 (2 ranks)" in result.stdout
+    source = open_archive(str(model_states(megatron_pipe.tag_dir)[0]), ALLOWED).obj
+    written = model_states(out / megatron_pipe.tag)
+    assert [p.name for p in written] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    for path in written:
+        obj = open_archive(str(path), ALLOWED).obj
+        assert [k for k in obj if k not in DEEPSPEED_MODEL_KEYS] == MEGATRON_CLIENT_KEYS, path
+        assert plain({k: obj[k] for k in MEGATRON_KEYS}) == plain({k: source[k] for k in MEGATRON_KEYS}), path
+
+
+def test_megatron_deepspeed_loads_the_reshard_with_its_client_state(megatron_pipe: Any, tmp_path: Path) -> None:
+    """DeepSpeed builds the model at tp2 x dp1 and loads the reshard natively (`tests.oracles.parallel_reshard`,
+    one 2-rank launch): the client state it returns on each rank equals the source's (`args` field by field as
+    a Namespace, RNG states, `universal_checkpoint_info`); the fp32 masters and Adam moments equal the source's
+    live engine's bit for bit; re-saved at that size it writes exactly ckptflow's files."""
+    from tests.test_model_parallel_reshard import (
+        check_loaded_state,
+        check_same_files,
+        check_validates,
+        run_reshard_oracle,
+    )
+
+    oracle = run_reshard_oracle({MEGATRON_PIPE: megatron_pipe}, (MEGATRON_CASE,), (), tmp_path)
+    result = json.loads(oracle["results"][MEGATRON_CASE].read_text())
+    assert result["client_state_keys"] == MEGATRON_KEYS
+    assert result["client_state_differ"] == []
+    check_loaded_state(oracle, MEGATRON_CASE, megatron_pipe)
+    check_same_files(oracle, MEGATRON_CASE)
+    check_validates(oracle, MEGATRON_CASE, megatron_pipe)

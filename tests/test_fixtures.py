@@ -165,7 +165,8 @@ def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_
     assert keyed_modules(PARALLEL_SOURCES) == (
         fx + "models.parallel", fx + "specs.parallel", fx + "writers.parallel", fx + "writers.rank")
     assert set(keyed_modules(EXTRA_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "models.parallel_extra",
-                                                  fx + "specs.extra", fx + "writers.parallel_extra"}
+                                                  fx + "models.client_state", fx + "specs.extra",
+                                                  fx + "writers.parallel_extra"}
     assert set(keyed_modules(HOLDOUT_SOURCES)) == {*keyed_modules(PARALLEL_SOURCES), fx + "specs.expert_holdout"}
     assert set(keyed_modules(HARNESS_SOURCES)) == {*keyed_modules(KEYED_SOURCES[:1]), fx + "models.client_state",
                                                    fx + "models.harness", fx + "models.lightning_module",

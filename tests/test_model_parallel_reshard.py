@@ -134,7 +134,7 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
         launches.setdefault((spec.world_size, spec.layout, spec.tp), []).append({
-            "spec": spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
+            "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
         })
     for (world_size, layout, tp), jobs in sorted(launches.items()):

@@ -48,6 +48,7 @@ from ckptflow.formats.deepspeed.partition import (
     zero12_fragments,
     zero12_layout,
 )
+from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
@@ -906,12 +907,16 @@ def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
 
 
 def _plain(obj: Any, *, storage: bool = True) -> Any:
-    """A checkpoint's object tree with tensors as (dtype, shape, bytes) and DeepSpeed records as data."""
+    """A checkpoint's object tree with tensors as (dtype, shape, bytes), DeepSpeed records and a client
+    state's inert records as data."""
     if isinstance(obj, TensorRef):
         data = read_tensor(obj).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel else b""
         return ("tensor", obj.dtype, obj.shape, obj.storage_numel if storage else None, data)
     if isinstance(obj, PickledObject):
         return ("object", obj.qualname, _plain(obj.args, storage=storage), _plain(obj.state, storage=storage))
+    if isinstance(obj, InertRecord):  # a client state's object: how its pickle made it
+        return ("record", obj.qualname, obj.how, _plain(obj.args, storage=storage), _plain(obj.kwargs, storage=storage),
+                [(kind, _plain(items, storage=storage)) for kind, items in obj.ops])
     if isinstance(obj, Mapping):
         return {k: _plain(v, storage=storage) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -14,8 +14,11 @@ degrees, another data-parallel size), then
   (``job.gather``), and rank 0 compares them bit for bit with ``job["expected"]`` /
   ``job["buffers"]``, writing ``{"tensors_equal": n, "buffers_equal": m, "differ": [...]}`` to
   ``job["result"]``;
+- compares the client state ``load_checkpoint`` returns on every rank with the one the writer saved
+  (the client state of the job of ``job["source"]``, the fixture's spec: each of its keys, field by field, ``models.client_state.differences``),
+  writing ``"client_state_keys"`` and ``"client_state_differ"`` (``rank R: ...``) to the same result;
 - with ``"save"``: ``engine.save_checkpoint(job["save"], tag=<the loaded tag>)`` with the client state
-  the writer saved, so the files DeepSpeed writes at this size can be compared with ckptflow's.
+  the writer saved (carried as it is, as ckptflow carries it), so the files DeepSpeed writes at this size can be compared with ckptflow's.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.fixtures.launch import run_jobs  # noqa: E402
+from tests.fixtures.models.client_state import differences  # noqa: E402
 from tests.fixtures.models.split import mha_models  # noqa: E402
-from tests.fixtures.specs.parallel import ParallelSpec  # noqa: E402
+from tests.fixtures.specs.parallel import MEGATRON, ParallelSpec  # noqa: E402
 from tests.fixtures.specs.split import SPLIT_SPECS  # noqa: E402
 from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
@@ -49,21 +53,22 @@ def run_job(job: dict[str, Any]) -> None:
     spec = ParallelSpec.from_json(job["spec"])
     if spec.world_size != dist.get_world_size():
         raise SystemExit(f"{spec.name} wants {spec.world_size} ranks, this launch has {dist.get_world_size()}")
-    if spec.layout == "autotp" and spec.tp == 1:
-        work: writer.Job = parallel_extra_writer.DataParallelHFJob(spec)
-    else:
-        work = writer.JOBS[spec.layout](spec)
+    work = _job(spec)
     with mha_models() if spec.name in SPLIT_SPECS else contextlib.nullcontext():  # `specs.split`'s models
         engine, _ = work.initialize()
     tag = Path(job["load"], "latest").read_text().strip()
-    path, _ = engine.load_checkpoint(job["load"], tag=tag)
+    path, client_state = engine.load_checkpoint(job["load"], tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {job['load']}")
+    saved = _job(ParallelSpec.from_json(job.get("source", job["spec"]))).client_state()  # what the writer saved
+    client_differ = [f"rank {dist.get_rank()}: {d}" for key, value in saved.items()
+                     for d in (differences(value, client_state[key], key) if key in client_state else [f"{key}: missing"])]
+    client_differ = [d for differ in writer._all_gather_objects(client_differ) for d in differ]
     relink_optimizer_state(engine)
     state = work.gather(engine)
     buffers = work.buffers(engine)
     if job.get("save"):
-        engine.save_checkpoint(job["save"], tag=tag, client_state=work.client_state())
+        engine.save_checkpoint(job["save"], tag=tag, client_state=saved)
     if dist.get_rank() == 0:
         expected = load_file(job["expected"])
         expected_buffers = load_file(job["buffers"])
@@ -76,11 +81,22 @@ def run_job(job: dict[str, Any]) -> None:
             "buffers_equal": sum(1 for n in expected_buffers if n in buffers and torch.equal(buffers[n],
                                                                                               expected_buffers[n])),
             "differ": differ,
+            "client_state_keys": sorted(saved),
+            "client_state_differ": client_differ,
         }))
     dist.barrier()
     engine.destroy()
     del engine, work
     gc.collect()
+
+
+def _job(spec: ParallelSpec) -> writer.Job:
+    """The writer's job for ``spec`` (not initialized)."""
+    if spec.layout == "autotp" and spec.tp == 1:
+        return parallel_extra_writer.DataParallelHFJob(spec)
+    if spec.layout == MEGATRON:
+        return parallel_extra_writer.megatron_job(spec)  # an extra fixture's client state, where it has one
+    return writer.JOBS[spec.layout](spec)
 
 
 def main(argv: list[str] | None = None) -> None:
