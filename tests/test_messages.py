@@ -65,3 +65,12 @@ def test_every_form_name_is_a_field_of_the_form() -> None:
     helps = " ".join(CliRunner().invoke(app, [command, "--help"], terminal_width=400).output
                      for command in ("validate", "consolidate", "reshard", "push"))
     assert all(flag in helps for flag in FLAGS.values()), [f for f in FLAGS.values() if f not in helps]
+
+
+def test_units_on_threads_name_options_as_their_caller() -> None:
+    """A unit on the step driver's threads says an option the way the command that started it does."""
+    from ckptflow.plumbing.steps import run_units
+
+    with naming({"tag": "--tag"}):
+        assert run_units(lambda _: option("tag"), range(3), workers=2) == ["--tag"] * 3
+    assert run_units(lambda _: option("tag"), range(2), workers=2) == ["`tag`"] * 2

@@ -35,6 +35,7 @@ they finish, not from inside them.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
@@ -151,7 +152,10 @@ def run_units(
         return _bounded(lambda unit: executor.submit(fn, unit), units, cancel, done, max(1, ahead))
     items = list(units)
     with ThreadPoolExecutor(max(1, min(workers, len(items))), thread_name_prefix=name) as pool:
-        return _bounded(lambda unit: pool.submit(fn, unit), items, cancel, done, max(1, ahead, len(items)))
+        # Each unit runs in a copy of the caller's context, so what it says follows the caller's choices
+        # (`errors.naming`: an option named as the command line or the form names it).
+        return _bounded(lambda unit: pool.submit(contextvars.copy_context().run, fn, unit), items, cancel, done,
+                        max(1, ahead, len(items)))
 
 
 def _bounded(submit: Callable[[T], Future[R]], units: Iterable[T], cancel: threading.Event,
