@@ -47,6 +47,7 @@ from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
+from ckptflow.formats.deepspeed.readers.autoep import ZERO3_FORMAT
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
@@ -273,8 +274,8 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
 _ZERO12_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
                 "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_alignment_paddings",
                 "partition_count", "ds_version", "param_slice_mappings")
-_ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count", "optimizer_state_dict",
-               "fp32_flat_groups")
+_ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count",
+               "ds_zero_partition_groups", "optimizer_state_dict", "fp32_flat_groups")
 
 
 def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
@@ -292,8 +293,24 @@ def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Map
             out[key] = base
         elif key in osd:
             out[key] = osd[key]
+        elif key == "ds_zero_partition_groups":
+            if "ds_autoep_layers" in plan.index.model_states[0]:  # DeepSpeed records them with AutoEP experts only
+                out[key] = _placement_families(plan)
         else:
             out[key] = carried.get(key)
+    return out
+
+
+def _placement_families(plan: DataParallelPlan) -> list[dict[str, Any]]:
+    """Per param group, the ZeRO-3 placement family and partition group name of its parameters (AutoEP's
+    experts `autoep_expert` over their `ep_size_N` group, the rest `replicated`): what
+    `_partition_groups` completes into `ds_zero_partition_groups`, in DeepSpeed's key order."""
+    out = []
+    for group in plan.index.groups:
+        expert = group.ep > 1 or bool(group.hyper.get("moe"))
+        name = str(group.hyper.get("name", f"ep_size_{group.ep}")) if expert else "replicated"
+        out.append({"sub_group": None, "partition_count": None, "partition_rank": None, "partition_ranks": None,
+                    "families": ["autoep_expert" if expert else "replicated"], "group_names": [name]})
     return out
 
 
@@ -408,7 +425,9 @@ def _partition_groups(plan: DataParallelPlan, unit: RankUnit, source: Sequence[A
 def _autoep_layers(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]) -> list[Any]:
     """`ds_autoep_layers` as the writing rank records it at the new world size: the meta rank's entries
     (the same expert-parallel rank) with that rank's expert data-parallel rank and size. ZeRO-1/2 keep
-    rank 0's, as DeepSpeed writes the file from rank 0."""
+    rank 0's, as DeepSpeed writes the file from rank 0. At ZeRO-3 every rank records its own
+    expert-parallel rank and experts (`ep_rank * num_local_experts` on, as `engine._save_checkpoint`
+    computes them) and the `zero3_partitioned` format, whichever stage the source was saved at."""
     out = []
     for entry in source:
         entry = copy.deepcopy(entry)
@@ -416,6 +435,11 @@ def _autoep_layers(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]
             ep = entry["ep_size"]
             entry["expert_data_parallel_rank"] = unit.rank // ep
             entry["expert_data_parallel_world_size"] = plan.world_size // ep
+            local = entry.get("num_local_experts")
+            if plan.stage == 3 and isinstance(local, int):
+                entry.update(checkpoint_format=ZERO3_FORMAT[0], checkpoint_format_version=ZERO3_FORMAT[1],
+                             ep_rank=unit.rank % ep, global_expert_start=unit.rank % ep * local,
+                             global_expert_end=(unit.rank % ep + 1) * local)
         out.append(entry)
     return out
 
