@@ -497,16 +497,21 @@ EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), (
                                        ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
 # (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
-# alone or with another degree or size; DeepSpeed launched at the target stage loads it natively. By
-# default one launch (deepspeed.moe ZeRO-2 -> ZeRO-1 on the source's 2 ranks); `CKPTFLOW_LONG=1` adds
-# ep4, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2, and AutoEP (Qwen3-MoE and Mixtral presets).
+# alone or with another degree or size, and AutoEP ZeRO-2 -> ZeRO-3 at its own degree; DeepSpeed
+# launched at the target stage loads it natively. By default two launches (deepspeed.moe ZeRO-2 ->
+# ZeRO-1 and AutoEP ZeRO-2 -> ZeRO-3, each on the source's 2 ranks); `CKPTFLOW_LONG=1` adds ep4, edp2,
+# bf16, the held-out ZeRO-1 -> ZeRO-2, AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, and ZeRO-3 on
+# more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16.
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
     ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 4, 4, 1),
     ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 2, 1), ("autoep-mixtral-ep2-z2-fp32", 2, 2, 1),
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3), ("autoep-qwen3-moe-ep2-z2-fp32", 4, 2, 3),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32", 2, 2, 3), ("autoep-mixtral-ep2-z2-fp32", 4, 2, 3),
+    ("autoep-qwen3-moe-ep2-z2-bf16", 2, 2, 3),
 )
-STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1)])
+STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3)])
 
 
 def _ep_case_id(case: tuple[Any, ...]) -> str:
@@ -629,8 +634,9 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
                                                          r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
         plan_reshard(zero3, Target(world_size=4, ep=4))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow moves AutoEP "
-                                                         r"checkpoints between ZeRO-1 and ZeRO-2 only, not to or from "
-                                                         r"ZeRO-3 yet; "):
+                                                         r"checkpoints to ZeRO-3 at their own expert-parallel degree "
+                                                         r"only, not together with another one yet; shapes it can "
+                                                         r"write at 4 ranks: "):
         plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))
 
 
@@ -671,11 +677,50 @@ def test_expert_stage_refusals(expert_fixtures) -> None:
                                                          r"ZeRO-1 ep2 x edp1 \(2 ranks\)$"):
         plan_reshard(moe, Target(world_size=2, stage=3))
     autoep = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow moves AutoEP "
-                                                         r"checkpoints between ZeRO-1 and ZeRO-2 only, not to or from "
-                                                         r"ZeRO-3 yet; shapes it can write at 2 ranks: ZeRO-3 ep2 x "
-                                                         r"edp1 \(2 ranks\)$"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow does not move AutoEP "
+                                                         r"checkpoints from ZeRO-3 to ZeRO-1 or ZeRO-2 yet \(those "
+                                                         r"stages save each expert in its own file and the whole module "
+                                                         r"on rank 0, which ckptflow does not rebuild from ZeRO-3 "
+                                                         r"pieces\); shapes it can write at 2 ranks: ZeRO-3 ep2 x edp1 "
+                                                         r"\(2 ranks\)$"):
         plan_reshard(autoep, Target(world_size=2, stage=2))
+
+
+@pytest.mark.parametrize(("name", "world_size", "theirs"), [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, "autoep-qwen3-moe-ep2-z3-fp32"),
+    ("autoep-mixtral-ep2-z2-fp32", 4, "autoep-mixtral-ep2dp2-z3-fp32"),
+])
+def test_autoep_zero2_to_zero3_writes_what_deepspeed_writes_at_zero3(expert_fixtures, name: str, world_size: int,
+                                                                    theirs: str, tmp_path: Path) -> None:
+    """AutoEP ZeRO-2 -> ZeRO-3 at its own expert-parallel degree, on the source's ranks or twice as many:
+    every file, key, shape and metadata field (ds_zero_partition_groups, each rank's zero3_partitioned
+    ds_autoep_layers, no expert files) is what DeepSpeed saves training the same model at ZeRO-3 on that
+    many ranks, and the weights consolidated from it are the source's live engine's, bit for bit."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "z3"), world_size=world_size, stage=3)
+    _compare_folders(tmp_path / "z3" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
+                     ignore=("global_samples",))
+    consolidate(str(tmp_path / "z3"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    for key, tensor in _fp32(source).items():
+        assert torch.equal(weights[key], tensor), key
+
+
+def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:
+    """ep2 x edp1 ZeRO-2 -> ep2 x edp2 ZeRO-3: rank r holds half (piece r // 2) of expert-parallel rank r % 2's
+    stacked expert weights, copied from the source rank that held them; the dense groups are cut over all 4."""
+    index = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
+    plan = plan_reshard(index, Target(world_size=4, stage=3))
+    assert (plan.stage, plan.group_ep, plan.carried) == (3, (1, 1, 2), ())
+    for unit in plan.units:
+        experts = unit.flats[2]
+        assert {c.src_rank for c in experts.copies} == {unit.rank % 2}
+        w1 = index.zero.param_by_key[(unit.rank % 2, "model.layers.0.mlp.experts.w1")]
+        first = experts.copies[0]  # layer 0's w1 leads the group: the piece of it this rank's partition holds
+        assert (first.dst_offset, first.src_offset - w1.fragments[0].offset) == (0, unit.rank // 2 * w1.numel // 2)
+        assert {c.src_rank for f in unit.flats[:2] for c in f.copies} <= {0, 1}
+    assert sum(f.numel for u in plan.units for f in u.flats[:2]) == sum(
+        p.numel for p in index.zero.params if p.group in (0, 1) and not p.frozen)
 
 
 def test_expert_groups_that_deepspeed_cuts_by_size_are_refused(expert_fixtures, monkeypatch, tmp_path: Path) -> None:
