@@ -706,6 +706,20 @@ def test_autoep_zero2_to_zero3_writes_what_deepspeed_writes_at_zero3(expert_fixt
         assert torch.equal(weights[key], tensor), key
 
 
+def test_autoep_zero1_to_zero3_writes_the_bytes_zero2_to_zero3_writes(expert_fixtures, tmp_path: Path) -> None:
+    """ZeRO-1 (here written from the ZeRO-2 fixture) and ZeRO-2 hold the same flat partitions, so both go to
+    the same ZeRO-3 files, byte for byte (ZeRO-1's frozen-parameter records are None, ZeRO-3's empty)."""
+    source = expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"]
+    reshard(str(source.dir), str(tmp_path / "z1"), world_size=2, stage=1)
+    reshard(str(tmp_path / "z1"), str(tmp_path / "from-z1"), world_size=4, stage=3)
+    reshard(str(source.dir), str(tmp_path / "from-z2"), world_size=4, stage=3)
+    names = sorted(p.name for p in (tmp_path / "from-z2" / "global_step3").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "from-z1" / "global_step3").iterdir()) and len(names) == 8
+    for name in names:
+        assert (tmp_path / "from-z1" / "global_step3" / name).read_bytes() == (
+            tmp_path / "from-z2" / "global_step3" / name).read_bytes(), name
+
+
 def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:
     """ep2 x edp1 ZeRO-2 -> ep2 x edp2 ZeRO-3: rank r holds half (piece r // 2) of expert-parallel rank r % 2's
     stacked expert weights, copied from the source rank that held them; the dense groups are cut over all 4."""

@@ -23,9 +23,10 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   the optimizer file's `optimizer_state_dict` alone, under the source's file names, no model states;
 - expert parallelism (AutoEP, deepspeed.moe): `partition_count` per group (the expert groups' is the
   expert data-parallel size M / N), ZeRO-3's `ds_zero_partition_groups` (each sub-group's partition
-  count, rank and ranks), and in AutoEP model states `ds_autoep_layers` (and its copy in
-  `universal_checkpoint_info`): each layer's `expert_data_parallel_rank` and
-  `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3 every rank its own). The module
+  count, rank and ranks; from ZeRO-1/2, each group's placement family as well), and in AutoEP model
+  states `ds_autoep_layers` (and its copy in `universal_checkpoint_info`): each layer's
+  `expert_data_parallel_rank` and `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3
+  every rank its own, with its expert-parallel rank, experts and the `zero3_partitioned` format). The module
   of an expert-parallel save holds cloned tensors, copied as they are; the per-expert files are
   copied whole (`RankUnit.copies`).
 
