@@ -48,13 +48,14 @@ from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
-from ckptflow.formats.deepspeed.readers.autoep import ZERO3_FORMAT
+from ckptflow.formats.deepspeed.readers.autoep import PER_EXPERT_FORMAT, ZERO3_FORMAT
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
+from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan
+from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan, TensorFile
 
 # Where `_Tree.remap` sends a source tensor: (rebuilt storage, element offset, shape or None for the source's).
 Remapped = tuple[OutStorage, int, tuple[int, ...] | None]
@@ -399,6 +400,8 @@ def _module_at_stage(plan: DataParallelPlan, module: Mapping[str, Any], tree: _T
             out[name] = OutTensor(OutStorage(ref.dtype, 0, []), 0, (0,))
         elif name in frozen:
             out[name] = frozen[name]
+        elif not plan.module and name in plan.module_runs:  # an expert-parallel save: each tensor its own clone
+            out[name] = _from_runs(plan.module_runs[name], ix.param_by_name[ix.tied.get(name, name)].shape)
         else:
             owner = ix.tied.get(name, name)
             out[name] = tree.convert(module.get(owner, ref))
@@ -441,6 +444,8 @@ def _autoep_layers(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]
                 entry.update(checkpoint_format=ZERO3_FORMAT[0], checkpoint_format_version=ZERO3_FORMAT[1],
                              ep_rank=unit.rank % ep, global_expert_start=unit.rank % ep * local,
                              global_expert_end=(unit.rank % ep + 1) * local)
+            elif "checkpoint_format" in entry:
+                entry.update(checkpoint_format=PER_EXPERT_FORMAT[0], checkpoint_format_version=PER_EXPERT_FORMAT[1])
         out.append(entry)
     return out
 
@@ -485,6 +490,27 @@ def _module_remap(plan: DataParallelPlan, module: Mapping[str, Any]
     return remap
 
 
+def _from_runs(runs: Sequence[Run], shape: tuple[int, ...]) -> OutTensor:
+    """A tensor of its own storage, `shape`, filled by `runs` (all of one dtype, the tensor's)."""
+    dtype = runs[0].ref.dtype
+    size = DTYPE_SIZES[dtype]
+    spans = [Span(r.ref.uri, *_span(r.byte_range), r.offset * size, r.rows, r.stride * size) for r in runs]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return OutTensor(OutStorage(dtype, numel, spans), 0, shape)
+
+
+def _span(byte_range: tuple[int, int]) -> tuple[int, int]:
+    start, end = byte_range
+    return start, end - start
+
+
+def tensor_file(tensors: TensorFile) -> dict[str, OutTensor]:
+    """The object tree of a file of whole tensors (`units.TensorFile`), ready for `write_archive`."""
+    return {key: _from_runs(runs, shape) for key, shape, runs in tensors.tensors}
+
+
 def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict[str, OutTensor]:
     by_name = plan.index.param_by_name
     pieces = {p.name: p for p in unit.frozen}
@@ -497,4 +523,4 @@ def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[st
     return out
 
 
-__all__ = ["model_states", "optim_states"]
+__all__ = ["model_states", "optim_states", "tensor_file"]

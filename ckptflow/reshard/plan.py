@@ -27,7 +27,7 @@ from ckptflow.reshard.data_parallel import (
     plan_model_parallel,
     plan_shard_folder,
 )
-from ckptflow.reshard.experts import plan_expert_degree
+from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change
@@ -118,6 +118,8 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
         return plan_model_parallel_stage(index, shape.dp, shape.stage)
     if isinstance(index, ExpertCheckpoint) and shape.stage == 3 and source.stage != 3:
         return plan_expert_zero3(index, shape.dp)
+    if isinstance(index, ExpertCheckpoint) and source.stage == 3 and shape.stage != 3:
+        return plan_expert_from_zero3(index, shape)
     if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:
         return plan_expert_degree(index, shape)
     if isinstance(index, ExpertCheckpoint):

@@ -317,10 +317,6 @@ def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) ->
     changes), and AutoEP from either to ZeRO-3 (`stage.plan_expert_zero3`)."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
-    if source == 3:
-        return ("ckptflow does not move AutoEP checkpoints from ZeRO-3 to ZeRO-1 or ZeRO-2 yet (those stages save "
-                "each expert in its own file and the whole module on rank 0, which ckptflow does not rebuild from "
-                "ZeRO-3 pieces)")
     if optimizer == "bf16":
         return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
                 "stage yet")
