@@ -497,11 +497,12 @@ EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), (
                                        ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
 # (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
-# alone or with another degree or size, and AutoEP ZeRO-2 -> ZeRO-3 at its own degree; DeepSpeed
-# launched at the target stage loads it natively. By default two launches (deepspeed.moe ZeRO-2 ->
-# ZeRO-1 and AutoEP ZeRO-2 -> ZeRO-3, each on the source's 2 ranks); `CKPTFLOW_LONG=1` adds ep4, edp2,
-# bf16, the held-out ZeRO-1 -> ZeRO-2, AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, and ZeRO-3 on
-# more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16.
+# alone or with another degree or size, and AutoEP between ZeRO-1/2 and ZeRO-3 at its own degree;
+# DeepSpeed launched at the target stage loads it natively. By default two launches (deepspeed.moe
+# ZeRO-2 -> ZeRO-1 and AutoEP ZeRO-2 -> ZeRO-3, each on the source's 2 ranks); `CKPTFLOW_LONG=1` adds
+# ep4, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2, AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1,
+# ZeRO-3 on more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and
+# ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks, the held-out bf16 ep2 x edp3).
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
@@ -510,6 +511,8 @@ ALL_STAGE_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3), ("autoep-qwen3-moe-ep2-z2-fp32", 4, 2, 3),
     ("autoep-qwen3-moe-ep2dp2-z2-fp32", 2, 2, 3), ("autoep-mixtral-ep2-z2-fp32", 4, 2, 3),
     ("autoep-qwen3-moe-ep2-z2-bf16", 2, 2, 3),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, 2, 2), ("autoep-mixtral-ep2dp2-z3-fp32", 2, 2, 2),
+    ("autoep-mixtral-ep2-z3-fp32", 4, 2, 1), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 2, 2),
 )
 STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3)])
 
@@ -631,7 +634,8 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep4: ckptflow changes the expert-parallel "
                                                          r"degree of AutoEP and deepspeed.moe ZeRO-1/2 "
                                                          r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
-                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
+                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\), ZeRO-1 "
+                                                         r"ep2 x edp2 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 ranks\)$"):
         plan_reshard(zero3, Target(world_size=4, ep=4))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow moves AutoEP "
                                                          r"checkpoints to ZeRO-3 at their own expert-parallel degree "
@@ -677,13 +681,12 @@ def test_expert_stage_refusals(expert_fixtures) -> None:
                                                          r"ZeRO-1 ep2 x edp1 \(2 ranks\)$"):
         plan_reshard(moe, Target(world_size=2, stage=3))
     autoep = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow does not move AutoEP "
-                                                         r"checkpoints from ZeRO-3 to ZeRO-1 or ZeRO-2 yet \(those "
-                                                         r"stages save each expert in its own file and the whole module "
-                                                         r"on rank 0, which ckptflow does not rebuild from ZeRO-3 "
-                                                         r"pieces\); shapes it can write at 2 ranks: ZeRO-3 ep2 x edp1 "
-                                                         r"\(2 ranks\)$"):
-        plan_reshard(autoep, Target(world_size=2, stage=2))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-2, ep4: ckptflow changes the "
+                                                         r"expert-parallel degree of AutoEP and deepspeed.moe ZeRO-1/2 "
+                                                         r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
+                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\), ZeRO-1 ep2 "
+                                                         r"x edp2 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 ranks\)$"):
+        plan_reshard(autoep, Target(world_size=4, stage=2, ep=4))
 
 
 @pytest.mark.parametrize(("name", "world_size", "theirs"), [
@@ -718,6 +721,37 @@ def test_autoep_zero1_to_zero3_writes_the_bytes_zero2_to_zero3_writes(expert_fix
     for name in names:
         assert (tmp_path / "from-z1" / "global_step3" / name).read_bytes() == (
             tmp_path / "from-z2" / "global_step3" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("autoep-qwen3-moe-ep2-z2-fp32", 2), ("autoep-mixtral-ep2-z2-fp32", 4),
+                                                 ("autoep-qwen3-moe-ep2-z2-bf16", 4)])
+def test_autoep_zero2_to_zero3_and_back_gives_the_source_s_files(expert_fixtures, name: str, world_size: int,
+                                                                tmp_path: Path) -> None:
+    """ZeRO-2 -> ZeRO-3 (on `world_size` ranks) -> ZeRO-2 on the source's ranks writes DeepSpeed's ZeRO-2 files
+    back field for field and byte for byte: the flat partitions and moments, rank 0's module (each tensor
+    its own clone of the fp32 masters, cast to bf16 as DeepSpeed casts them; the router's second copy too),
+    and every expert's own file, rebuilt from the ZeRO-3 pieces."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "z3"), world_size=world_size, stage=3)
+    reshard(str(tmp_path / "z3"), str(tmp_path / "z2"), world_size=2, stage=2)
+    _compare_folders(tmp_path / "z2" / "global_step3", source.tag_dir)
+
+
+@pytest.mark.parametrize(("name", "theirs"), [("autoep-qwen3-moe-ep2-z3-fp32", "autoep-qwen3-moe-ep2-z2-fp32"),
+                                              ("autoep-mixtral-ep2dp2-z3-fp32", "autoep-mixtral-ep2-z2-fp32")])
+def test_autoep_zero3_to_zero2_writes_what_deepspeed_writes_at_zero2(expert_fixtures, name: str, theirs: str,
+                                                                    tmp_path: Path) -> None:
+    """DeepSpeed's own AutoEP ZeRO-3 saves (2 and 4 ranks) at ZeRO-2 on 2 ranks: every file (one per MoE layer
+    and global expert), key, shape and metadata field is what DeepSpeed saves training the same model at
+    ZeRO-2 on 2 ranks, and the weights consolidated from it are the ZeRO-3 engine's, bit for bit."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "z2"), world_size=2, stage=2)
+    _compare_folders(tmp_path / "z2" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
+                     ignore=("global_samples",))
+    consolidate(str(tmp_path / "z2"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    for key, tensor in _fp32(source).items():
+        assert torch.equal(weights[key], tensor), key
 
 
 def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:
