@@ -689,21 +689,28 @@ def test_expert_stage_refusals(expert_fixtures) -> None:
         plan_reshard(autoep, Target(world_size=4, stage=2, ep=4))
 
 
-@pytest.mark.parametrize(("name", "world_size", "theirs"), [
-    ("autoep-qwen3-moe-ep2-z2-fp32", 2, "autoep-qwen3-moe-ep2-z3-fp32"),
-    ("autoep-mixtral-ep2-z2-fp32", 4, "autoep-mixtral-ep2dp2-z3-fp32"),
-])
-def test_autoep_zero2_to_zero3_writes_what_deepspeed_writes_at_zero3(expert_fixtures, name: str, world_size: int,
-                                                                    theirs: str, tmp_path: Path) -> None:
-    """AutoEP ZeRO-2 -> ZeRO-3 at its own expert-parallel degree, on the source's ranks or twice as many:
-    every file, key, shape and metadata field (ds_zero_partition_groups, each rank's zero3_partitioned
-    ds_autoep_layers, no expert files) is what DeepSpeed saves training the same model at ZeRO-3 on that
-    many ranks, and the weights consolidated from it are the source's live engine's, bit for bit."""
+# (source, world size, ZeRO stage, DeepSpeed's own save of the same model at that shape).
+STAGE_TWINS = [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 3, "autoep-qwen3-moe-ep2-z3-fp32"),
+    ("autoep-mixtral-ep2-z2-fp32", 4, 3, "autoep-mixtral-ep2dp2-z3-fp32"),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, 2, "autoep-qwen3-moe-ep2-z2-fp32"),
+    ("autoep-mixtral-ep2dp2-z3-fp32", 2, 2, "autoep-mixtral-ep2-z2-fp32"),
+]
+
+
+@pytest.mark.parametrize(("name", "world_size", "stage", "theirs"), STAGE_TWINS)
+def test_autoep_at_another_stage_is_what_deepspeed_writes_there(expert_fixtures, name: str, world_size: int,
+                                                                stage: int, theirs: str, tmp_path: Path) -> None:
+    """AutoEP ZeRO-2 -> ZeRO-3 and ZeRO-3 -> ZeRO-2 at its own expert-parallel degree, on as many ranks, twice
+    as many or half: every file, key, shape and metadata field (ZeRO-3: ds_zero_partition_groups, each rank's
+    zero3_partitioned ds_autoep_layers, no expert files; ZeRO-2: one file per MoE layer and global expert,
+    rank 0's module) is what DeepSpeed saves training the same model at that shape, and the weights
+    consolidated from it are the source's live engine's, bit for bit."""
     source = expert_fixtures[name]
-    reshard(str(source.dir), str(tmp_path / "z3"), world_size=world_size, stage=3)
-    _compare_folders(tmp_path / "z3" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=stage)
+    _compare_folders(tmp_path / "out" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
                      ignore=("global_samples",))
-    consolidate(str(tmp_path / "z3"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
+    consolidate(str(tmp_path / "out"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for key, tensor in _fp32(source).items():
         assert torch.equal(weights[key], tensor), key
@@ -735,23 +742,6 @@ def test_autoep_zero2_to_zero3_and_back_gives_the_source_s_files(expert_fixtures
     reshard(str(source.dir), str(tmp_path / "z3"), world_size=world_size, stage=3)
     reshard(str(tmp_path / "z3"), str(tmp_path / "z2"), world_size=2, stage=2)
     _compare_folders(tmp_path / "z2" / "global_step3", source.tag_dir)
-
-
-@pytest.mark.parametrize(("name", "theirs"), [("autoep-qwen3-moe-ep2-z3-fp32", "autoep-qwen3-moe-ep2-z2-fp32"),
-                                              ("autoep-mixtral-ep2dp2-z3-fp32", "autoep-mixtral-ep2-z2-fp32")])
-def test_autoep_zero3_to_zero2_writes_what_deepspeed_writes_at_zero2(expert_fixtures, name: str, theirs: str,
-                                                                    tmp_path: Path) -> None:
-    """DeepSpeed's own AutoEP ZeRO-3 saves (2 and 4 ranks) at ZeRO-2 on 2 ranks: every file (one per MoE layer
-    and global expert), key, shape and metadata field is what DeepSpeed saves training the same model at
-    ZeRO-2 on 2 ranks, and the weights consolidated from it are the ZeRO-3 engine's, bit for bit."""
-    source = expert_fixtures[name]
-    reshard(str(source.dir), str(tmp_path / "z2"), world_size=2, stage=2)
-    _compare_folders(tmp_path / "z2" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
-                     ignore=("global_samples",))
-    consolidate(str(tmp_path / "z2"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
-    weights = load_file(tmp_path / "hf" / "model.safetensors")
-    for key, tensor in _fp32(source).items():
-        assert torch.equal(weights[key], tensor), key
 
 
 def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:

@@ -23,7 +23,8 @@ from the source ranks' fp32 fragments (`Param.fragments`: which elements of whic
 flat partition holds), after the source is checked to be laid out as DeepSpeed's arithmetic predicts
 (`data_parallel.plan_expert_parallel` at its own size). The ZeRO stage may change with the degree,
 between ZeRO-1 and ZeRO-2 (the same flat partitions; only the recorded stage differs). Refused in one
-line: ZeRO-3 sources and targets (`stage.plan_expert_zero3` moves AutoEP to ZeRO-3 at its own degree),
+line: ZeRO-3 sources and targets (AutoEP moves between ZeRO-1/2 and ZeRO-3 at its own degree:
+`stage.plan_expert_zero3` there, `plan_expert_from_zero3` here back),
 `round_robin_gradients`, a placement other than DeepSpeed's uniform one, and degrees that do not
 divide every layer's experts.
 """

@@ -27,8 +27,9 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   states `ds_autoep_layers` (and its copy in `universal_checkpoint_info`): each layer's
   `expert_data_parallel_rank` and `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3
   every rank its own, with its expert-parallel rank, experts and the `zero3_partitioned` format). The module
-  of an expert-parallel save holds cloned tensors, copied as they are; the per-expert files are
-  copied whole (`RankUnit.copies`).
+  of an expert-parallel save holds cloned tensors, copied as they are (from ZeRO-3: each its own
+  storage, filled from the plan's `module_runs`); the per-expert files are carried whole, or from
+  ZeRO-3 written by `tensor_file` (`RankUnit.tensor_files`).
 
 Everything else (scheduler, steps, samples, loss scaler, clip_grad, buffers, frozen ZeRO-1/2 tensors,
 client state) is copied from the source rank the unit names as `meta_rank`: every key of the source's

@@ -314,7 +314,8 @@ def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) ->
     """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") saved at ZeRO
     `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: between
     ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` (the same flat partitions, only the recorded stage
-    changes), and AutoEP from either to ZeRO-3 (`stage.plan_expert_zero3`)."""
+    changes), and AutoEP between either and ZeRO-3 (`stage.plan_expert_zero3`,
+    `experts.plan_expert_from_zero3`)."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
     if optimizer == "bf16":
