@@ -497,16 +497,24 @@ EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), (
                                        ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
 # (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
-# alone or with another degree or size; DeepSpeed launched at the target stage loads it natively. By
-# default one launch (deepspeed.moe ZeRO-2 -> ZeRO-1 on the source's 2 ranks); `CKPTFLOW_LONG=1` adds
-# ep4, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2, and AutoEP (Qwen3-MoE and Mixtral presets).
+# alone or with another degree or size, and AutoEP between ZeRO-1/2 and ZeRO-3 at its own degree;
+# DeepSpeed launched at the target stage loads it natively. By default two launches (deepspeed.moe
+# ZeRO-2 -> ZeRO-1 and AutoEP ZeRO-2 -> ZeRO-3, each on the source's 2 ranks); `CKPTFLOW_LONG=1` adds
+# ep4, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2, AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1,
+# ZeRO-3 on more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and
+# ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks, the held-out bf16 ep2 x edp3).
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
     ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 4, 4, 1),
     ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 2, 1), ("autoep-mixtral-ep2-z2-fp32", 2, 2, 1),
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3), ("autoep-qwen3-moe-ep2-z2-fp32", 4, 2, 3),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32", 2, 2, 3), ("autoep-mixtral-ep2-z2-fp32", 4, 2, 3),
+    ("autoep-qwen3-moe-ep2-z2-bf16", 2, 2, 3),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, 2, 2), ("autoep-mixtral-ep2dp2-z3-fp32", 2, 2, 2),
+    ("autoep-mixtral-ep2-z3-fp32", 4, 2, 1), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 2, 2),
 )
-STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1)])
+STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3)])
 
 
 def _ep_case_id(case: tuple[Any, ...]) -> str:
@@ -626,11 +634,13 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep4: ckptflow changes the expert-parallel "
                                                          r"degree of AutoEP and deepspeed.moe ZeRO-1/2 "
                                                          r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
-                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\)$"):
+                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\), ZeRO-1 "
+                                                         r"ep2 x edp2 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 ranks\)$"):
         plan_reshard(zero3, Target(world_size=4, ep=4))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow moves AutoEP "
-                                                         r"checkpoints between ZeRO-1 and ZeRO-2 only, not to or from "
-                                                         r"ZeRO-3 yet; "):
+                                                         r"checkpoints to ZeRO-3 at their own expert-parallel degree "
+                                                         r"only, not together with another one yet; shapes it can "
+                                                         r"write at 4 ranks: "):
         plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))
 
 
@@ -671,11 +681,84 @@ def test_expert_stage_refusals(expert_fixtures) -> None:
                                                          r"ZeRO-1 ep2 x edp1 \(2 ranks\)$"):
         plan_reshard(moe, Target(world_size=2, stage=3))
     autoep = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-2: ckptflow moves AutoEP "
-                                                         r"checkpoints between ZeRO-1 and ZeRO-2 only, not to or from "
-                                                         r"ZeRO-3 yet; shapes it can write at 2 ranks: ZeRO-3 ep2 x "
-                                                         r"edp1 \(2 ranks\)$"):
-        plan_reshard(autoep, Target(world_size=2, stage=2))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-2, ep4: ckptflow changes the "
+                                                         r"expert-parallel degree of AutoEP and deepspeed.moe ZeRO-1/2 "
+                                                         r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
+                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\), ZeRO-1 ep2 "
+                                                         r"x edp2 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 ranks\)$"):
+        plan_reshard(autoep, Target(world_size=4, stage=2, ep=4))
+
+
+# (source, world size, ZeRO stage, DeepSpeed's own save of the same model at that shape).
+STAGE_TWINS = [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 3, "autoep-qwen3-moe-ep2-z3-fp32"),
+    ("autoep-mixtral-ep2-z2-fp32", 4, 3, "autoep-mixtral-ep2dp2-z3-fp32"),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, 2, "autoep-qwen3-moe-ep2-z2-fp32"),
+    ("autoep-mixtral-ep2dp2-z3-fp32", 2, 2, "autoep-mixtral-ep2-z2-fp32"),
+]
+
+
+@pytest.mark.parametrize(("name", "world_size", "stage", "theirs"), STAGE_TWINS)
+def test_autoep_at_another_stage_is_what_deepspeed_writes_there(expert_fixtures, name: str, world_size: int,
+                                                                stage: int, theirs: str, tmp_path: Path) -> None:
+    """AutoEP ZeRO-2 -> ZeRO-3 and ZeRO-3 -> ZeRO-2 at its own expert-parallel degree, on as many ranks, twice
+    as many or half: every file, key, shape and metadata field (ZeRO-3: ds_zero_partition_groups, each rank's
+    zero3_partitioned ds_autoep_layers, no expert files; ZeRO-2: one file per MoE layer and global expert,
+    rank 0's module) is what DeepSpeed saves training the same model at that shape, and the weights
+    consolidated from it are the source's live engine's, bit for bit."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=stage)
+    _compare_folders(tmp_path / "out" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
+                     ignore=("global_samples",))
+    consolidate(str(tmp_path / "out"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    for key, tensor in _fp32(source).items():
+        assert torch.equal(weights[key], tensor), key
+
+
+def test_autoep_zero1_to_zero3_writes_the_bytes_zero2_to_zero3_writes(expert_fixtures, tmp_path: Path) -> None:
+    """ZeRO-1 (here written from the ZeRO-2 fixture) and ZeRO-2 hold the same flat partitions, so both go to
+    the same ZeRO-3 files, byte for byte (ZeRO-1's frozen-parameter records are None, ZeRO-3's empty)."""
+    source = expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"]
+    reshard(str(source.dir), str(tmp_path / "z1"), world_size=2, stage=1)
+    reshard(str(tmp_path / "z1"), str(tmp_path / "from-z1"), world_size=4, stage=3)
+    reshard(str(source.dir), str(tmp_path / "from-z2"), world_size=4, stage=3)
+    names = sorted(p.name for p in (tmp_path / "from-z2" / "global_step3").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "from-z1" / "global_step3").iterdir()) and len(names) == 8
+    for name in names:
+        assert (tmp_path / "from-z1" / "global_step3" / name).read_bytes() == (
+            tmp_path / "from-z2" / "global_step3" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("autoep-qwen3-moe-ep2-z2-fp32", 2), ("autoep-mixtral-ep2-z2-fp32", 4),
+                                                 ("autoep-qwen3-moe-ep2-z2-bf16", 4)])
+def test_autoep_zero2_to_zero3_and_back_gives_the_source_s_files(expert_fixtures, name: str, world_size: int,
+                                                                tmp_path: Path) -> None:
+    """ZeRO-2 -> ZeRO-3 (on `world_size` ranks) -> ZeRO-2 on the source's ranks writes DeepSpeed's ZeRO-2 files
+    back field for field and byte for byte: the flat partitions and moments, rank 0's module (each tensor
+    its own clone of the fp32 masters, cast to bf16 as DeepSpeed casts them; the router's second copy too),
+    and every expert's own file, rebuilt from the ZeRO-3 pieces."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "z3"), world_size=world_size, stage=3)
+    reshard(str(tmp_path / "z3"), str(tmp_path / "z2"), world_size=2, stage=2)
+    _compare_folders(tmp_path / "z2" / "global_step3", source.tag_dir)
+
+
+def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:
+    """ep2 x edp1 ZeRO-2 -> ep2 x edp2 ZeRO-3: rank r holds half (piece r // 2) of expert-parallel rank r % 2's
+    stacked expert weights, copied from the source rank that held them; the dense groups are cut over all 4."""
+    index = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
+    plan = plan_reshard(index, Target(world_size=4, stage=3))
+    assert (plan.stage, plan.group_ep, plan.carried) == (3, (1, 1, 2), ())
+    for unit in plan.units:
+        experts = unit.flats[2]
+        assert {c.src_rank for c in experts.copies} == {unit.rank % 2}
+        w1 = index.zero.param_by_key[(unit.rank % 2, "model.layers.0.mlp.experts.w1")]
+        first = experts.copies[0]  # layer 0's w1 leads the group: the piece of it this rank's partition holds
+        assert (first.dst_offset, first.src_offset - w1.fragments[0].offset) == (0, unit.rank // 2 * w1.numel // 2)
+        assert {c.src_rank for f in unit.flats[:2] for c in f.copies} <= {0, 1}
+    assert sum(f.numel for u in plan.units for f in u.flats[:2]) == sum(
+        p.numel for p in index.zero.params if p.group in (0, 1) and not p.frozen)
 
 
 def test_expert_groups_that_deepspeed_cuts_by_size_are_refused(expert_fixtures, monkeypatch, tmp_path: Path) -> None:

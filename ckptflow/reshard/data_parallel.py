@@ -82,7 +82,8 @@ def plan_expert_parallel(source: ExpertCheckpoint, world_size: int, stage: int |
 
 def check_expert_stage(source: ExpertCheckpoint, stage: int) -> None:
     """Refuse a ZeRO stage change of an expert-parallel checkpoint other than between ZeRO-1 and ZeRO-2
-    of `DeepSpeedZeroOptimizer` (`reshard.shape.why_not_expert_stage` says why)."""
+    of `DeepSpeedZeroOptimizer`, or AutoEP between those and ZeRO-3 (`reshard.shape.why_not_expert_stage`
+    says why)."""
     index = source.zero
     why = why_not_expert_stage(source.kind, index.stage if index is not None else 0, stage,
                                index.optimizer_kind if index is not None else "")

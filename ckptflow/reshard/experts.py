@@ -23,8 +23,8 @@ from the source ranks' fp32 fragments (`Param.fragments`: which elements of whic
 flat partition holds), after the source is checked to be laid out as DeepSpeed's arithmetic predicts
 (`data_parallel.plan_expert_parallel` at its own size). The ZeRO stage may change with the degree,
 between ZeRO-1 and ZeRO-2 (the same flat partitions; only the recorded stage differs). Refused in one
-line: ZeRO-3 (AutoEP keeps its
-experts in the ZeRO-3 partitions under `ds_zero_partition_groups`, not written here yet),
+line: ZeRO-3 sources and targets (AutoEP moves between ZeRO-1/2 and ZeRO-3 at its own degree:
+`stage.plan_expert_zero3` there, `plan_expert_from_zero3` here back),
 `round_robin_gradients`, a placement other than DeepSpeed's uniform one, and degrees that do not
 divide every layer's experts.
 """
@@ -40,17 +40,20 @@ from typing import Any
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.formats.deepspeed.runs import Run, slice_runs
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
 from ckptflow.reshard.flats import append_copy
 from ckptflow.reshard.shape import Shape, expert_counts, expert_group_cut
-from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat
+from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat, TensorFile
 
 _DSMOE_EXPERT = re.compile(r"^(?P<layer>.+\.deepspeed_moe\.experts\.deepspeed_experts)\.(?P<id>\d+)\.(?P<rest>.+)$")
 _AUTOEP_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<w>w[123])$")
+_ROUTER_ALIAS = re.compile(r"^(?P<path>.+)\.gate\.gate\.(?P<rest>weight|bias)$")  # the presets' router name, "gate"
 
 
 # ---- what the target holds -----------------------------------------------------------------------------
@@ -224,6 +227,75 @@ def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPl
     return _plan(source, zero, groups, shape)
 
 
+def plan_expert_from_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
+    """The plan that writes the AutoEP ZeRO-3 checkpoint `source` at ZeRO-1 or ZeRO-2 (`shape.stage`), its
+    expert-parallel degree kept, on any number of ranks it divides; reads nothing. What DeepSpeed saves
+    there: `DeepSpeedZeroOptimizer`'s flat groups (dense ones over every rank, each expert-parallel
+    rank's experts over its expert data-parallel group) filled from the ZeRO-3 pieces; rank 0's module,
+    every tensor its own 16-bit copy of the fp32 master (cast as DeepSpeed casts it after each step,
+    the router's second copy as well); and one file per MoE layer and global expert, written by the
+    expert-parallel rank that holds it (`units.TensorFile`)."""
+    zero = source.zero
+    assert zero is not None and zero.stage == 3 and shape.ep == source.ep, "the shape check refuses the rest"
+    check_expert_stage(source, shape.stage)
+    if source.kind != "autoep" or any(p.frozen for p in zero.params):
+        raise UnsupportedCheckpointError(
+            f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{shape.stage}: ckptflow moves AutoEP checkpoints "
+            "without frozen parameters only from ZeRO-3", code="unsupported-shape", uri=source.root,
+            hint="keep its ZeRO stage")
+    _check_uniform_placement(source, shape)
+    plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
+    counts = expert_counts(source)
+    groups = [_autoep_group(zero, g, shape.ep, counts, source, shape) if _is_expert(group) else _dense_group(zero, g)
+              for g, group in enumerate(zero.groups)]
+    plan = _plan(source, zero, groups, shape)
+    files = _expert_files(zero)
+    units = tuple(replace(u, tensor_files=files.get(u.rank, ())) for u in plan.units)
+    runs, copies = _module_runs(zero)
+    return replace(plan, units=units, module_runs=runs, index=replace(plan.index, tied={**zero.tied, **copies}))
+
+
+def _cast(runs: Sequence[Run], dtype: str) -> tuple[Run, ...]:
+    """fp32 master runs read as `dtype`, cast on the way as DeepSpeed casts the masters into the module."""
+    return tuple(runs) if dtype == "float32" else tuple(replace(r, ref=cast_view(r.ref, dtype)) for r in runs)
+
+
+def _module_runs(zero: ZeroCheckpoint) -> tuple[dict[str, tuple[Run, ...]], dict[str, str]]:
+    """Each module tensor's runs over the fp32 masters, in its dtype, and AutoEP's second copy of each
+    router (the module key by the presets' name `gate`) -> its router, whose runs it reads. The experts
+    are not in the module."""
+    out = {p.name: _cast(zero.trainable_runs(p), p.dtype) for p in zero.params
+           if not p.frozen and p.group is not None and not _is_expert(zero.groups[p.group])}
+    copies = {}
+    for name in zero.model_states[0].get("module") or {}:
+        m = _ROUTER_ALIAS.match(name)
+        owner = f"{m.group('path')}.{ROUTER}{m.group('rest')}" if m else ""
+        if owner in out and name not in out:
+            out[name], copies[name] = out[owner], owner
+    return out, copies
+
+
+def _expert_files(zero: ZeroCheckpoint) -> dict[int, tuple[TensorFile, ...]]:
+    """Per target rank e < N: the files of expert-parallel rank e's experts, `{prefix}.w{1,2,3}.{global}`
+    each, its rows of the stacked weights in the module's dtype (DeepSpeed's uniform placement, checked)."""
+    out: dict[int, list[TensorFile]] = {}
+    for entry in zero.model_states[0].get("ds_autoep_layers") or []:
+        prefix, local, ep = entry["expert_key_prefix"], entry["num_local_experts"], entry["ep_size"]
+        for e in range(ep):
+            stacked = {w: zero.param_by_key[(e, f"{prefix}.{w}")] for w in WEIGHTS}
+            runs = {w: _cast(zero.trainable_runs(p), p.dtype) for w, p in stacked.items()}
+            for j in range(local):
+                expert = e * local + j
+                tensors = []
+                for w, p in stacked.items():
+                    block = _numel(p.shape[1:])
+                    tensors.append((f"{prefix}.{w}.{expert}", tuple(p.shape[1:]),
+                                    slice_runs(runs[w], j * block, block, 0)))
+                out.setdefault(e, []).append(TensorFile(name=expert_file_name(entry["moe_layer_id"], expert),
+                                                        tensors=tuple(tensors)))
+    return {e: tuple(files) for e, files in out.items()}
+
+
 def _check_group_split(source: ExpertCheckpoint, zero: ZeroCheckpoint, shape: Shape) -> None:
     """Refuse where DeepSpeed's size cut of expert groups differs between the degrees (`shape.expert_group_cut`)."""
     why = expert_group_cut(source, shape.ep)
@@ -246,8 +318,7 @@ def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
 def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_TargetGroup],
           shape: Shape) -> DataParallelPlan:
     world_size = shape.world_size
-    optimizer = zero.optimizer_kind
-    assert optimizer != ZERO3, "refused above"
+    optimizer = ZERO if zero.optimizer_kind == ZERO3 else zero.optimizer_kind  # from ZeRO-3: DeepSpeedZeroOptimizer
     bf16 = optimizer == BF16
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]
@@ -298,7 +369,7 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_Targ
         source_world_size=zero.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=tuple(param_paddings), module=(), units=tuple(units),
         index=_virtual_source(zero, groups, shape.ep), carried=source.expert_files,
-        group_ep=tuple(group.ep for group in groups),
+        group_ep=tuple(group.ep for group in groups), source_optimizer=zero.optimizer_kind,
     )
 
 
@@ -404,4 +475,4 @@ def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[_TargetGroup], ep: in
                    optim_states=tuple(_optim_states(o, ep) for o in zero.optim_states))
 
 
-__all__ = ["plan_expert_degree"]
+__all__ = ["plan_expert_degree", "plan_expert_from_zero3"]

@@ -23,11 +23,13 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   the optimizer file's `optimizer_state_dict` alone, under the source's file names, no model states;
 - expert parallelism (AutoEP, deepspeed.moe): `partition_count` per group (the expert groups' is the
   expert data-parallel size M / N), ZeRO-3's `ds_zero_partition_groups` (each sub-group's partition
-  count, rank and ranks), and in AutoEP model states `ds_autoep_layers` (and its copy in
-  `universal_checkpoint_info`): each layer's `expert_data_parallel_rank` and
-  `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3 every rank its own). The module
-  of an expert-parallel save holds cloned tensors, copied as they are; the per-expert files are
-  copied whole (`RankUnit.copies`).
+  count, rank and ranks; from ZeRO-1/2, each group's placement family as well), and in AutoEP model
+  states `ds_autoep_layers` (and its copy in `universal_checkpoint_info`): each layer's
+  `expert_data_parallel_rank` and `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3
+  every rank its own, with its expert-parallel rank, experts and the `zero3_partitioned` format). The module
+  of an expert-parallel save holds cloned tensors, copied as they are (from ZeRO-3: each its own
+  storage, filled from the plan's `module_runs`); the per-expert files are carried whole, or from
+  ZeRO-3 written by `tensor_file` (`RankUnit.tensor_files`).
 
 Everything else (scheduler, steps, samples, loss scaler, clip_grad, buffers, frozen ZeRO-1/2 tensors,
 client state) is copied from the source rank the unit names as `meta_rank`: every key of the source's
@@ -47,12 +49,14 @@ from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
+from ckptflow.formats.deepspeed.readers.autoep import PER_EXPERT_FORMAT, ZERO3_FORMAT
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
+from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan
+from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan, TensorFile
 
 # Where `_Tree.remap` sends a source tensor: (rebuilt storage, element offset, shape or None for the source's).
 Remapped = tuple[OutStorage, int, tuple[int, ...] | None]
@@ -273,8 +277,8 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
 _ZERO12_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
                 "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_alignment_paddings",
                 "partition_count", "ds_version", "param_slice_mappings")
-_ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count", "optimizer_state_dict",
-               "fp32_flat_groups")
+_ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count",
+               "ds_zero_partition_groups", "optimizer_state_dict", "fp32_flat_groups")
 
 
 def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
@@ -292,8 +296,24 @@ def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Map
             out[key] = base
         elif key in osd:
             out[key] = osd[key]
+        elif key == "ds_zero_partition_groups":
+            if "ds_autoep_layers" in plan.index.model_states[0]:  # DeepSpeed records them with AutoEP experts only
+                out[key] = _placement_families(plan)
         else:
             out[key] = carried.get(key)
+    return out
+
+
+def _placement_families(plan: DataParallelPlan) -> list[dict[str, Any]]:
+    """Per param group, the ZeRO-3 placement family and partition group name of its parameters (AutoEP's
+    experts `autoep_expert` over their `ep_size_N` group, the rest `replicated`): what
+    `_partition_groups` completes into `ds_zero_partition_groups`, in DeepSpeed's key order."""
+    out = []
+    for group in plan.index.groups:
+        expert = group.ep > 1 or bool(group.hyper.get("moe"))
+        name = str(group.hyper.get("name", f"ep_size_{group.ep}")) if expert else "replicated"
+        out.append({"sub_group": None, "partition_count": None, "partition_rank": None, "partition_ranks": None,
+                    "families": ["autoep_expert" if expert else "replicated"], "group_names": [name]})
     return out
 
 
@@ -381,6 +401,8 @@ def _module_at_stage(plan: DataParallelPlan, module: Mapping[str, Any], tree: _T
             out[name] = OutTensor(OutStorage(ref.dtype, 0, []), 0, (0,))
         elif name in frozen:
             out[name] = frozen[name]
+        elif not plan.module and name in plan.module_runs:  # an expert-parallel save: each tensor its own clone
+            out[name] = _from_runs(plan.module_runs[name], ix.param_by_name[ix.tied.get(name, name)].shape)
         else:
             owner = ix.tied.get(name, name)
             out[name] = tree.convert(module.get(owner, ref))
@@ -408,7 +430,9 @@ def _partition_groups(plan: DataParallelPlan, unit: RankUnit, source: Sequence[A
 def _autoep_layers(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]) -> list[Any]:
     """`ds_autoep_layers` as the writing rank records it at the new world size: the meta rank's entries
     (the same expert-parallel rank) with that rank's expert data-parallel rank and size. ZeRO-1/2 keep
-    rank 0's, as DeepSpeed writes the file from rank 0."""
+    rank 0's, as DeepSpeed writes the file from rank 0. At ZeRO-3 every rank records its own
+    expert-parallel rank and experts (`ep_rank * num_local_experts` on, as `engine._save_checkpoint`
+    computes them) and the `zero3_partitioned` format, whichever stage the source was saved at."""
     out = []
     for entry in source:
         entry = copy.deepcopy(entry)
@@ -416,6 +440,13 @@ def _autoep_layers(plan: DataParallelPlan, unit: RankUnit, source: Sequence[Any]
             ep = entry["ep_size"]
             entry["expert_data_parallel_rank"] = unit.rank // ep
             entry["expert_data_parallel_world_size"] = plan.world_size // ep
+            local = entry.get("num_local_experts")
+            if plan.stage == 3 and isinstance(local, int):
+                entry.update(checkpoint_format=ZERO3_FORMAT[0], checkpoint_format_version=ZERO3_FORMAT[1],
+                             ep_rank=unit.rank % ep, global_expert_start=unit.rank % ep * local,
+                             global_expert_end=(unit.rank % ep + 1) * local)
+            elif "checkpoint_format" in entry:
+                entry.update(checkpoint_format=PER_EXPERT_FORMAT[0], checkpoint_format_version=PER_EXPERT_FORMAT[1])
         out.append(entry)
     return out
 
@@ -460,6 +491,27 @@ def _module_remap(plan: DataParallelPlan, module: Mapping[str, Any]
     return remap
 
 
+def _from_runs(runs: Sequence[Run], shape: tuple[int, ...]) -> OutTensor:
+    """A tensor of its own storage, `shape`, filled by `runs` (all of one dtype, the tensor's)."""
+    dtype = runs[0].ref.dtype
+    size = DTYPE_SIZES[dtype]
+    spans = [Span(r.ref.uri, *_span(r.byte_range), r.offset * size, r.rows, r.stride * size) for r in runs]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return OutTensor(OutStorage(dtype, numel, spans), 0, shape)
+
+
+def _span(byte_range: tuple[int, int]) -> tuple[int, int]:
+    start, end = byte_range
+    return start, end - start
+
+
+def tensor_file(tensors: TensorFile) -> dict[str, OutTensor]:
+    """The object tree of a file of whole tensors (`units.TensorFile`), ready for `write_archive`."""
+    return {key: _from_runs(runs, shape) for key, shape, runs in tensors.tensors}
+
+
 def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[str, Any]) -> OrderedDict[str, OutTensor]:
     by_name = plan.index.param_by_name
     pieces = {p.name: p for p in unit.frozen}
@@ -472,4 +524,4 @@ def _frozen_fragments(plan: DataParallelPlan, unit: RankUnit, source: Mapping[st
     return out
 
 
-__all__ = ["model_states", "optim_states"]
+__all__ = ["model_states", "optim_states", "tensor_file"]

@@ -27,10 +27,10 @@ from ckptflow.reshard.data_parallel import (
     plan_model_parallel,
     plan_shard_folder,
 )
-from ckptflow.reshard.experts import plan_expert_degree
+from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
-from ckptflow.reshard.stage import plan_model_parallel_stage, plan_stage_change
+from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
 from ckptflow.reshard.units import ReshardPlan
 
@@ -116,6 +116,10 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
         return plan_stage_change(index, shape.dp, shape.stage)
     if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":
         return plan_model_parallel_stage(index, shape.dp, shape.stage)
+    if isinstance(index, ExpertCheckpoint) and shape.stage == 3 and source.stage != 3:
+        return plan_expert_zero3(index, shape.dp)
+    if isinstance(index, ExpertCheckpoint) and source.stage == 3 and shape.stage != 3:
+        return plan_expert_from_zero3(index, shape)
     if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:
         return plan_expert_degree(index, shape)
     if isinstance(index, ExpertCheckpoint):

@@ -51,7 +51,7 @@ from ckptflow.plumbing.steps import Cancelled, run_step
 from ckptflow.plumbing.storage import join, open_fs, unstrip
 from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
-from ckptflow.reshard.files import model_states, optim_states
+from ckptflow.reshard.files import model_states, optim_states, tensor_file
 from ckptflow.reshard.plan import ReshardOptions, plan_reshard
 from ckptflow.reshard.rng import RngCopy, describe, describe_families, is_rng_file, plan_rng_files
 from ckptflow.reshard.shape import (
@@ -220,7 +220,8 @@ def rank_job(plan: ReshardPlan, unit: RankUnit, staging: Staging, *, chunk_bytes
 def _file_jobs(plan: ReshardPlan, unit: RankUnit) -> tuple[FileJob, ...]:
     files = []
     for name, tree in ((unit.optim_file, optim_states(plan, unit)),
-                       *(((unit.model_file, model_states(plan, unit)),) if unit.model_file else ())):
+                       *(((unit.model_file, model_states(plan, unit)),) if unit.model_file else ()),
+                       *((f.name, tensor_file(f)) for f in unit.tensor_files)):
         data, storages = dumps(tree)
         files.append(FileJob(name=name, pickle=data, storages=tuple(storages), size=archive_size(name, data, storages)))
     return tuple(files)

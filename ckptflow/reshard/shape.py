@@ -293,6 +293,9 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
         why = why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
         if why is not None:
             return why
+        if shape.stage == 3:
+            return ("ckptflow moves AutoEP checkpoints to ZeRO-3 at their own expert-parallel degree only, not "
+                    "together with another one yet")
     counts = expert_counts(index)
     if not counts:
         return "the checkpoint does not record how many experts each MoE layer has (num_experts)"
@@ -310,12 +313,11 @@ def _expert_optimizer(index: Any) -> str:
 def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) -> str | None:
     """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") saved at ZeRO
     `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: between
-    ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer`, the same flat partitions, only the recorded stage
-    changes."""
+    ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` (the same flat partitions, only the recorded stage
+    changes), and AutoEP between either and ZeRO-3 (`stage.plan_expert_zero3`,
+    `experts.plan_expert_from_zero3`)."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
-    if {source, target} != {1, 2}:
-        return "ckptflow moves AutoEP checkpoints between ZeRO-1 and ZeRO-2 only, not to or from ZeRO-3 yet"
     if optimizer == "bf16":
         return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
                 "stage yet")

@@ -21,11 +21,15 @@ with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatro
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
 files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
 between ZeRO-1 and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`,
-`experts.plan_expert_degree`), by the first rule; `shape.why_not_expert_stage` says why not otherwise.
+`experts.plan_expert_degree`), by the first rule; AutoEP moves from ZeRO-1/2 to ZeRO-3 at its own
+expert-parallel degree by the second, each expert-parallel rank's experts cut over its expert
+data-parallel group (`plan_expert_zero3`), and back by the third with its per-expert files
+(`experts.plan_expert_from_zero3`); `shape.why_not_expert_stage` says why not otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ckptflow.errors import UnsupportedCheckpointError, option
@@ -33,12 +37,13 @@ from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, zero3_piece, zero3_real
+from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
-from ckptflow.reshard.data_parallel import plan_data_parallel
+from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
 from ckptflow.reshard.flats import Copies, fragment_copies, zero3_flats, zero12_flats
-from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit
+from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
 
 def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParallelPlan:
@@ -51,16 +56,20 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
             f"{where} was saved by DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation), whose "
             f"flat groups ckptflow does not move to ZeRO-{stage} yet", uri=where,
             hint=f"reshard it at ZeRO-1 (leave {option('stage')} out)")
-    if is_set(index.zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(
-            f"{where} was trained with zero_optimization.round_robin_gradients, whose flattening order ckptflow does "
-            "not carry across a stage change yet", uri=where, hint="reshard it at its own stage")
+    _check_round_robin(index)
     if source.optimizer == ZERO and stage in (1, 2):
         same = plan_data_parallel(index, world_size)
         return replace(same, stage=stage)
     if stage == 3:
         return _to_zero3(index, world_size)
     return _to_zero12(index, world_size, stage)
+
+
+def _check_round_robin(index: ZeroCheckpoint) -> None:
+    if is_set(index.zero_config, "round_robin_gradients"):
+        raise UnsupportedCheckpointError(
+            f"{index.tag_uri} was trained with zero_optimization.round_robin_gradients, whose flattening order "
+            "ckptflow does not carry across a stage change yet", uri=index.tag_uri, hint="reshard it at its own stage")
 
 
 def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, stage: int) -> ModelParallelPlan:
@@ -75,7 +84,12 @@ def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, s
 
 def _copies(index: ZeroCheckpoint) -> Copies:
     """`flats.Copies` out of `index`'s fragments: every trainable parameter's, in parameter order."""
-    fragments = {p.name: sorted(p.fragments, key=lambda f: f.param_offset) for p in index.params if not p.frozen}
+    return _copies_of([p for p in index.params if not p.frozen])
+
+
+def _copies_of(params: Sequence[Param]) -> Copies:
+    """`flats.Copies` out of the fragments of `params` (by name: one expert-parallel rank's copy of each)."""
+    fragments = {p.name: sorted(p.fragments, key=lambda f: f.param_offset) for p in params}
     starts = {name: [f.param_offset for f in frags] for name, frags in fragments.items()}
     return lambda name, _group, first, last, dst: fragment_copies(fragments[name], first, last, dst, starts[name])
 
@@ -95,9 +109,45 @@ def _frozen_piece_copies(param: Param, source_stage: int, source_ws: int, lo: in
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     by_name = index.param_by_name
-    n_tensors = index.tensors_per_partition
     per_rank, flat_shapes = zero3_flats([[by_name[n] for n in group.params] for group in index.groups], world_size,
                                         _copies(index), sub_group_size=sub_group_size(index.zero_config))
+    return _zero3_plan(index, world_size, per_rank, flat_shapes)
+
+
+def plan_expert_zero3(source: ExpertCheckpoint, world_size: int) -> DataParallelPlan:
+    """The AutoEP ZeRO-1/2 checkpoint `source` at ZeRO-3 on `world_size` ranks, its expert-parallel
+    degree N kept. As `DeepSpeedZeroOptimizer_Stage3` partitions an AutoEP model
+    (`engine._resolve_zero3_param_placement`): a dense group over every rank, an expert group's copy
+    of expert-parallel rank e over that rank's expert data-parallel group (M / N ranks), each cut into
+    ZeRO-3 pieces; no per-expert files (`readers.autoep`: ZeRO-3 keeps the experts in the partitions)."""
+    index = source.zero
+    assert index is not None and index.stage in (1, 2), "the shape check refuses other sources"
+    check_expert_stage(source, 3)
+    _check_round_robin(index)
+    plan_expert_parallel(source, world_size)  # the source checked against DeepSpeed's arithmetic, the size against N
+    by_key = index.param_by_key
+    per_rank: list[list[TargetFlat]] = [[] for _ in range(world_size)]
+    flat_shapes: list[tuple[tuple[str, tuple[int, ...]], ...]] = []
+    for g, group in enumerate(index.groups):
+        for shard in range(group.ep):
+            params = [by_key[(shard, n)] for n in group.params]
+            laid, shapes = zero3_flats([params], world_size // group.ep, _copies_of(params),
+                                       sub_group_size=sub_group_size(index.zero_config))
+            for part, r in enumerate(group.ranks(world_size, shard)):
+                per_rank[r] += [replace(f, group=g) for f in laid[part]]
+        flat_shapes += shapes  # the same shapes on every expert-parallel rank
+    plan = _zero3_plan(index, world_size, tuple(map(tuple, per_rank)), tuple(flat_shapes))
+    group_ep = tuple(g.ep for g in index.groups)
+    ep = max(group_ep)
+    units = tuple(replace(u, meta_rank=u.rank if u.rank < index.world_size else u.rank % ep) for u in plan.units)
+    return replace(plan, units=units, group_ep=group_ep)
+
+
+def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Sequence[TargetFlat]],
+                flat_shapes: Sequence[tuple[tuple[str, tuple[int, ...]], ...]]) -> DataParallelPlan:
+    """The ZeRO-3 plan of `index` at `world_size` whose ranks hold the flats `per_rank`: each rank's
+    model-states file with its pieces of the frozen parameters."""
+    n_tensors = index.tensors_per_partition
     frozen = [p for p in index.params if p.frozen]
     units = []
     for r in range(world_size):
@@ -168,4 +218,4 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
     )
 
 
-__all__ = ["plan_model_parallel_stage", "plan_stage_change"]
+__all__ = ["plan_expert_zero3", "plan_model_parallel_stage", "plan_stage_change"]

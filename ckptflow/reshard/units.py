@@ -44,6 +44,15 @@ class FrozenPiece:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TensorFile:
+    """A file of whole tensors (a dict, as torch.save writes one), each of its own storage filled from
+    runs of source tensors: AutoEP's per-expert files, rebuilt from ZeRO-3 pieces."""
+
+    name: str
+    tensors: tuple[tuple[str, tuple[int, ...], tuple[Run, ...]], ...]  # key, shape, runs (their dtype the tensor's)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankUnit:
     """Everything one target rank's files need: an independent unit of work."""
 
@@ -58,10 +67,12 @@ class RankUnit:
     read_bytes: int = 0  # source bytes this unit copies: what `run_unit` reports as progress
     write_bytes: int = 0  # storage bytes of its files (zeros included), about their size
     mp_rank: int = 0  # the model-parallel rank whose files these are
+    tensor_files: tuple[TensorFile, ...] = ()  # files of whole tensors it writes too
 
     @property
     def files(self) -> tuple[str, ...]:
-        return (self.optim_file,) + ((self.model_file,) if self.model_file else ())
+        return ((self.optim_file,) + ((self.model_file,) if self.model_file else ())
+                + tuple(f.name for f in self.tensor_files))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,4 +171,5 @@ class ModelParallelPlan:
 ReshardPlan = DataParallelPlan | ModelParallelPlan
 
 
-__all__ = ["DataParallelPlan", "FrozenPiece", "ModelParallelPlan", "RankUnit", "ReshardPlan", "TargetFlat"]
+__all__ = ["DataParallelPlan", "FrozenPiece", "ModelParallelPlan", "RankUnit", "ReshardPlan", "TargetFlat",
+           "TensorFile"]
