@@ -84,6 +84,10 @@ def test_the_shapes_of_a_data_parallel_checkpoint(ds_fixtures: Mapping[str, Any]
     assert [(str(s), reason) for s, reason in listed] == [
         ("ZeRO-2 dp4 (4 ranks)", None), ("ZeRO-1 dp4 (4 ranks)", None), ("ZeRO-3 dp4 (4 ranks)", None)]
     assert resolve(index, Target(world_size=3, stage=3)) == Shape(world_size=3, stage=3)
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        resolve(index, Target(world_size=4, tp=2))
+    assert ("a data-parallel ZeRO checkpoint records no tensor-parallel split (AutoTP writes its affine maps only "
+            "when it trains tensor-parallel), so ckptflow cannot tell how AutoTP would split it at tp2") in str(info.value)
 
 
 def test_a_bf16_optimizer_checkpoint_keeps_its_stage(ds_fixtures: Mapping[str, Any]) -> None:
