@@ -367,8 +367,10 @@ def _forbidden(index: Any, shape: Shape) -> str:
     if shape.stage not in stages_allowed(kind):
         return _forbidden_stage(kind, shape.stage)
     if shape.tp > 1 and kind not in ("autotp", "megatron", "tensor-parallel"):
-        return (f"a {name} checkpoint records no tensor-parallel split (AutoTP writes its affine maps only when it "
-                f"trains tensor-parallel), so ckptflow cannot tell how AutoTP would split it at tp{shape.tp}")
+        if kind in ("zero", "zero0"):  # a model AutoTP could run: what is missing is how it would split it
+            return (f"a {name} checkpoint records no tensor-parallel split (AutoTP writes its affine maps only when "
+                    f"it trains tensor-parallel), so ckptflow cannot tell how AutoTP would split it at tp{shape.tp}")
+        return f"a {name} checkpoint has no tensor parallelism to give a degree of {shape.tp}"
     if shape.pp > 1 and kind not in ("pipeline", "megatron"):
         return f"a {name} checkpoint is not a PipelineModule; it has no pipeline stages to split into {shape.pp}"
     if shape.ep > 1 and kind not in ("autoep", "moe"):
