@@ -323,9 +323,10 @@ ALL_NATIVE = (("dsmoe-ep2-z0-fp32", 4), ("dsmoe-ep2dp2-z0-fp32", 2), ("dsmoe-ep2
 # AutoEP ZeRO-2 and ZeRO-3 growing, bf16 with a held-out seed; deepspeed.moe ZeRO-1 and ZeRO-2 and the
 # native ZeRO-0 load, all in one 4-rank launch. `CKPTFLOW_LONG=1` runs every case (shrinking to 2 ranks,
 # the Mixtral preset and the 8-rank launch included).
+# By default AutoEP's data-parallel change on its held-out ZeRO-3 bf16 checkpoint (AutoEP ZeRO-2 is read,
+# planned and loaded by the expert-parallel and stage cases below), and deepspeed.moe's at ZeRO-1 and 2.
 RESHARDS = sample(ALL_RESHARDS, [
-    ("autoep-qwen3-moe-ep2-z2-fp32", 4), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4), ("dsmoe-ep2-z2-bf16", 4),
-    ("dsmoe-ep2dp3-z1-bf16-s1", 4)])
+    ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4), ("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp3-z1-bf16-s1", 4)])
 NATIVE = sample(ALL_NATIVE, [("dsmoe-ep2-z0-fp32", 4)])
 # The matrix holds each of these layouts at both sizes, written by DeepSpeed training there: a reshard's
 # metadata must be what DeepSpeed writes at the new size (values differ: other data per replica).
@@ -491,17 +492,17 @@ ALL_EP_RESHARDS = (
     ("dsmoe-ep2dp2-z2-fp32", 4, 1), ("dsmoe-ep2-z2-bf16", 4, 4), ("autoep-mixtral-ep2-z2-fp32", 4, 4),
     ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4),
 )
-# One launch per (layout, world size, degree): by default AutoEP ZeRO-2 and deepspeed.moe ZeRO-2 growing
-# from ep2 x edp1 to ep4 x edp1; `CKPTFLOW_LONG=1` adds ep2 x edp2 -> ep4, -> ep1 (dense), bf16, Mixtral.
-EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("dsmoe-ep2-z2-fp32", 4, 4),
-                                       ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
+# One launch per (layout, world size, degree): by default AutoEP ZeRO-2 growing from ep2 x edp1 to ep4 x
+# edp1 (deepspeed.moe does the same with a stage change among the stage cases below); `CKPTFLOW_LONG=1`
+# adds deepspeed.moe alone, ep2 x edp2 -> ep4, -> ep1 (dense), bf16, Mixtral.
+EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
 # (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
 # alone or with another degree or size, and AutoEP between ZeRO-1/2 and ZeRO-3 at its own degree;
 # DeepSpeed launched at the target stage loads it natively. By default two launches (deepspeed.moe
-# ZeRO-2 -> ZeRO-1 and AutoEP ZeRO-2 -> ZeRO-3, each on the source's 2 ranks); `CKPTFLOW_LONG=1` adds
-# ep4, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2, AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1,
-# ZeRO-3 on more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and
+# ZeRO-2 -> ZeRO-1 with ep2 -> ep4 on 4 ranks, and AutoEP ZeRO-2 -> ZeRO-3 on the source's 2 ranks);
+# `CKPTFLOW_LONG=1` adds deepspeed.moe at its own degree, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2,
+# AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, ZeRO-3 on more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and
 # ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks, the held-out bf16 ep2 x edp3).
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
@@ -514,7 +515,7 @@ ALL_STAGE_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z3-fp32", 2, 2, 2), ("autoep-mixtral-ep2dp2-z3-fp32", 2, 2, 2),
     ("autoep-mixtral-ep2-z3-fp32", 4, 2, 1), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 2, 2),
 )
-STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 2, 2, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3)])
+STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 4, 4, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3)])
 
 
 def _ep_case_id(case: tuple[Any, ...]) -> str:
