@@ -502,8 +502,9 @@ EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), (
 # DeepSpeed launched at the target stage loads it natively. By default two launches (deepspeed.moe
 # ZeRO-2 -> ZeRO-1 with ep2 -> ep4 on 4 ranks, and AutoEP ZeRO-2 -> ZeRO-3 on the source's 2 ranks);
 # `CKPTFLOW_LONG=1` adds deepspeed.moe at its own degree, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2,
-# AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, ZeRO-3 on more ranks (ep2 x edp2) and fewer (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and
-# ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks, the held-out bf16 ep2 x edp3).
+# AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, ZeRO-3 on more ranks (ep2 x edp2) and fewer
+# (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks,
+# the held-out bf16 ep2 x edp3).
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
