@@ -39,11 +39,6 @@ def naming(names: Mapping[str, str]) -> Iterator[None]:
         _NAMES.reset(token)
 
 
-def use_naming(names: Mapping[str, str]) -> None:
-    """`naming` for the rest of this context (a command-line process, which never goes back)."""
-    _NAMES.set(names)
-
-
 class CkptflowError(Exception):
     """Base of every error raised on purpose. `str(err)` is the one line a user reads."""
 
