@@ -28,12 +28,14 @@ pytest_plugins = [
     "tests.servers.cluster",
 ]
 
-# The longest files first (serial seconds of the default run, longest first), so that the two processes
-# of `make test` (--dist loadfile hands out whole files in this order) finish together. Files not
-# named keep their order after these; tests keep their order within a file.
-_LONGEST_FIRST = ("test_flows", "test_reshard", "test_model_parallel_reshard", "test_expert_parallel",
-                  "test_scale_out", "test_hostile", "test_fuzz", "test_holdout", "test_fixtures", "test_watch",
-                  "test_publish_faults", "test_publish", "test_consolidate", "test_prefect_dask")
+# The longest files first (serial seconds of the default run, longest first; measured 2026-11-27), so
+# that the two processes of `make test` (--dist loadfile hands out whole files in this order) finish
+# together. Files not named keep their order after these; tests keep their order within a file.
+_LONGEST_FIRST = ("test_expert_parallel", "test_flows", "test_model_parallel_reshard", "test_reshard",
+                  "test_client_state", "test_hostile", "test_scale_out", "test_watch", "test_fuzz", "test_lightning",
+                  "test_publish_faults", "test_accelerate", "test_pipeline_reshard", "test_holdout",
+                  "test_model_parallel", "test_publish", "test_optimizer_shards", "test_consolidate",
+                  "test_consolidate_config", "test_prefect_dask", "test_fixtures", "test_staging")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
