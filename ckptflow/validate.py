@@ -22,9 +22,10 @@ from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
 from ckptflow.formats.deepspeed.output_dir import Choice
 from ckptflow.formats.deepspeed.partition import zero3_real
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Replica
+from ckptflow.formats.deepspeed.readers.zero import optimizer_step
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.formats.deepspeed.runs import plain_runs
-from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import read_ranges
 
@@ -92,15 +93,11 @@ def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:
     """The step one rank's optimizer is at (None when it has not stepped or cannot be read)."""
     if isinstance(index, Zero0Checkpoint):
         return float(index.optimizer_step)
-    for part in index.partitions[0]:
-        step = part.state.get("step")
-        try:
-            step = float(read_scalar(step)) if isinstance(step, TensorRef) else step
-            if isinstance(step, (int, float)):
-                return float(step)
-        except (CkptflowError, OSError, ValueError, OverflowError):
-            return None
-    return None
+    try:
+        step = optimizer_step(index.partitions[0])
+        return None if step is None else float(step)
+    except (CkptflowError, OSError, ValueError, OverflowError):
+        return None
 
 
 def _check_model_parallel_steps(index: ModelParallelCheckpoint) -> list[Problem]:

@@ -37,8 +37,8 @@ from typing import Any
 from ckptflow.errors import CkptflowError, ConfigError, option
 from ckptflow.formats.deepspeed.inspection import Inspection, StopReading, open_rank_file
 from ckptflow.formats.deepspeed.model import RankFiles, ZeroCheckpoint
-from ckptflow.formats.deepspeed.readers.zero import check_steps, read_partitions
-from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
+from ckptflow.formats.deepspeed.readers.zero import check_steps, optimizer_step, read_partitions
+from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import TORCH_ONLY, PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.sizes import element_count
@@ -452,15 +452,11 @@ def _param_shapes(st: Inspection, osds: Sequence[Mapping[str, Any]], uris: Seque
 
 def _step(partitions: Sequence[Sequence[Any]]) -> int:
     """The optimizer step rank 0 records (0 before the first step or when it cannot be read)."""
-    for part in partitions[0] if partitions else ():
-        step = part.state.get("step")
-        try:
-            step = read_scalar(step) if isinstance(step, TensorRef) else step
-        except (CkptflowError, OSError, ValueError):
-            return 0
-        if isinstance(step, int | float) and not isinstance(step, bool) and step == step and abs(step) < 2**62:
-            return int(step)
-    return 0
+    try:
+        step = optimizer_step(partitions[0]) if partitions else None
+    except (CkptflowError, OSError, ValueError):
+        return 0
+    return int(step) if step is not None and step == step and abs(step) < 2**62 else 0
 
 
 def read_shard_folder(st: Inspection) -> OptimizerShards | None:

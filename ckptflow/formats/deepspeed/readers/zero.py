@@ -25,7 +25,7 @@ Layout facts (DeepSpeed 0.19.8):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from ckptflow.errors import CkptflowError
@@ -118,24 +118,33 @@ def read_partitions(st: Inspection, stage: int, world_size: int, precision: str,
     return params, groups, partitions, parts.tied
 
 
+def optimizer_step(parts: Sequence[Partition]) -> int | float | None:
+    """The step one rank's optimizer records: the first of its partitions' `step` that is a number (a
+    tensor's one element read, a few bytes); None when none records one. Raises what the read raises
+    (`CkptflowError`, `OSError`, `ValueError`)."""
+    for part in parts:
+        step = part.state.get("step")
+        if isinstance(step, TensorRef):
+            step = read_scalar(step)
+        if isinstance(step, int | float) and not isinstance(step, bool):
+            return step
+    return None
+
+
 def check_steps(st: Inspection, partitions: tuple[tuple[Partition, ...], ...], optim_uris: list[str]) -> None:
     """Every rank's optimizer is at the same step (a few bytes read per rank): files saved at different
     steps would be stitched into a model no run ever had."""
     steps: dict[int, Any] = {}
     for rank, parts in enumerate(partitions):
-        for part in parts:
-            step = part.state.get("step")
-            try:
-                if isinstance(step, TensorRef):
-                    step = read_scalar(step)
-            except (CkptflowError, OSError, ValueError) as exc:
-                st.add("unreadable-file",
-                       f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({describe(exc)})",
-                       file=optim_uris[rank], rank=rank)
-                break
-            if isinstance(step, int | float) and not isinstance(step, bool):
-                steps[rank] = step
-                break
+        try:
+            step = optimizer_step(parts)
+        except (CkptflowError, OSError, ValueError) as exc:
+            st.add("unreadable-file",
+                   f"rank {rank}: cannot read the optimizer step in {optim_uris[rank]} ({describe(exc)})",
+                   file=optim_uris[rank], rank=rank)
+            continue
+        if step is not None:
+            steps[rank] = step
     if not steps:
         return
     first_rank = min(steps)
