@@ -18,7 +18,6 @@ This process defines the user classes (it imports ``tests.fixtures.models.client
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
@@ -26,11 +25,11 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from ckptflow.formats.deepspeed.names import DEEPSPEED_MODEL_KEYS  # noqa: E402
+from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.models.client_state import differences  # noqa: E402
 from tests.fixtures.specs.client_state import ClientSpec  # noqa: E402
 from tests.fixtures.writers.client_state import engine_spec  # noqa: E402
@@ -61,13 +60,7 @@ def run_job(job: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=Path, required=True, help="JSON list of jobs")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    options = parser.parse_args(argv)
-    deepspeed.init_distributed(dist_backend="gloo")
-    for job in json.loads(options.jobs.read_text()):
-        run_job(job)
+    run_jobs(run_job, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
