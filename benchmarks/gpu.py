@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="timed runs of each command (the best is kept)")
     parser.add_argument("--skip-big", action="store_true", help="the checks only")
     parser.add_argument("--skip-small", action="store_true", help="the timing only")
+    parser.add_argument("--profile", action="store_true",
+                        help="after writing the big checkpoint, break the consolidate time down (the disk, the casts, "
+                             "direct I/O and fsync on and off) instead of the timing table")
     parser.add_argument("--lightning", action="store_true",
                         help="also write a checkpoint with Lightning's DeepSpeed strategy on the GPU and run ckptflow on it")
     args = parser.parse_args()
@@ -136,7 +139,7 @@ def main() -> None:
     if args.lightning:
         lightning(out, config_dir)
     if not args.skip_big:
-        big(out, args.big_layers, args.big_hidden, device, args.repeat)
+        big(out, args.big_layers, args.big_hidden, device, args.repeat, args.profile)
     say("all GPU checks passed")
 
 
@@ -341,8 +344,9 @@ def lightning(out: Path, config_dir: Path) -> None:
         (out / f"lightning-z{stage}.txt").write_text("\n".join(report))
 
 
-def big(out: Path, layers: int, hidden: int, device: Any, repeat: int) -> None:
-    """Timing on a ~1B model: ckptflow consolidate vs DeepSpeed's zero_to_fp32, and ckptflow reshard 2 -> 3."""
+def big(out: Path, layers: int, hidden: int, device: Any, repeat: int, profile: bool = False) -> None:
+    """Timing on a ~1B model: ckptflow consolidate vs DeepSpeed's zero_to_fp32, and ckptflow reshard 2 -> 3
+    (with `profile`: `profile_consolidate` instead)."""
     import torch
     from transformers import LlamaConfig
 
@@ -357,6 +361,9 @@ def big(out: Path, layers: int, hidden: int, device: Any, repeat: int) -> None:
     size = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
     say(f"big: {params / 1e9:.2f}B parameters, ZeRO-2 fp16 checkpoint {size / 2**30:.1f} GiB")
     config.save_pretrained(out / "big-config")
+    if profile:
+        profile_consolidate(out, source, repeat)
+        return
     rows = []
     for attempt in range(repeat):
         for label, command in (
@@ -397,6 +404,110 @@ def big(out: Path, layers: int, hidden: int, device: Any, repeat: int) -> None:
         f"fp32: {best['ckptflow consolidate --dtype fp32'][0]:.1f} s vs {best['deepspeed zero_to_fp32'][0]:.1f} s; "
         f"reshard 2 -> 3 {best['ckptflow reshard ZeRO-2 -> ZeRO-3'][0]:.1f} s")
     (out / "big.json").write_text(json.dumps({"params": params, "bytes": size, "rows": rows}))
+
+
+# The CLI in this process with ckptflow's INFO log on stderr (each shard's "wrote ... in N s"), after one
+# of the patches below: the page cache instead of direct I/O, and no fsync at all (what DeepSpeed's
+# converter does: its output is in the page cache when it exits).
+PATCHED_CLI = """
+import logging, os, sys, time
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(relativeCreated)7.0f ms %(name)s %(message)s")
+logging.getLogger("ckptflow").setLevel(logging.INFO)
+patch = sys.argv.pop(1)
+if patch in ("page-cache", "no-fsync"):
+    import ckptflow.plumbing.direct as direct
+    direct.O_DIRECT = 0
+if patch == "no-fsync":
+    import ckptflow.consolidate.write as write
+    import ckptflow.plumbing.staging as staging
+    os.fsync = lambda fd: None
+    write._datasync = lambda fd: None
+    staging._fsync_dir = lambda path: None
+from ckptflow.cli import main
+main()
+"""
+
+# Reads, casts and hashes alone, on the source's own bytes in the page cache: what one thread does per second.
+PARTS = """
+import hashlib, json, os, sys, time
+import numpy as np
+from ckptflow.formats.casts import cast_into
+path = sys.argv[1]
+size = min(os.path.getsize(path), 2 << 30) // 4 * 4
+buf = np.empty(size, dtype=np.uint8)
+fd = os.open(path, os.O_RDONLY)
+started = time.monotonic(); os.preadv(fd, [buf], 0); read = time.monotonic() - started
+out = np.empty(size // 2, dtype=np.uint8)
+started = time.monotonic(); cast_into(out, "float16", buf, "float32"); cast = time.monotonic() - started
+started = time.monotonic(); hashlib.sha256(out).hexdigest(); sha = time.monotonic() - started
+print(json.dumps({"bytes": size, "pread GB/s": size / read / 1e9, "cast fp32->fp16 GB/s (source)": size / cast / 1e9,
+                  "sha256 GB/s": size / 2 / sha / 1e9}))
+"""
+
+# What `--config`'s check costs, part by part: torch's import, transformers', its modeling code's, and
+# the model built on the meta device and compared (`consolidate.architecture.check_config`).
+CHECK_PARTS = """
+import json, sys, time
+marks = [time.monotonic()]
+import torch; marks.append(time.monotonic())
+import transformers; marks.append(time.monotonic())
+import transformers.modeling_utils; marks.append(time.monotonic())
+from ckptflow.consolidate.architecture import _build, parse_config
+config = parse_config(open(sys.argv[1], "rb").read(), "config.json")
+model = _build(config, "config.json"); marks.append(time.monotonic())
+steps = ["import torch", "import transformers", "transformers.modeling_utils", "model on meta"]
+print(json.dumps({k: round(b - a, 2) for k, a, b in zip(steps, marks, marks[1:])}))
+"""
+
+
+def profile_consolidate(out: Path, source: Path, repeat: int) -> None:
+    """Where consolidate's time goes on this machine: the disk's direct and buffered write speed, one
+    thread's read, cast and hash speed, then `ckptflow consolidate --dtype fp16 --no-verify` as shipped,
+    through the page cache, and through the page cache with no fsync, against DeepSpeed's converter with
+    and without a `sync` after it. Each a fresh process; best of `repeat`."""
+    def run(label: str, command: list[str]) -> float:
+        best = None
+        for _ in range(max(1, repeat)):
+            for leftover in ("prof-ours", "prof-theirs", "dd.bin"):
+                target = out / leftover
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+            subprocess.run(["sync"], check=False)
+            seconds, rss = timed(command)
+            best = seconds if best is None else min(best, seconds)
+            say(f"   profile: {label}: {seconds:.1f} s, peak RSS {rss / 2**30:.2f} GiB")
+        return best or 0.0
+
+    gib = 2
+    dd = ["dd", "if=/dev/zero", f"of={out / 'dd.bin'}", "bs=16M", f"count={gib * 64}"]
+    direct = run(f"dd {gib} GiB oflag=direct", [*dd, "oflag=direct"])
+    buffered = run(f"dd {gib} GiB buffered + fsync", [*dd, "conv=fsync"])
+    cached = run(f"dd {gib} GiB buffered, no fsync", dd)
+    say(f"   disk: direct {gib * 2**30 / direct / 1e9:.2f} GB/s, buffered+fsync {gib * 2**30 / buffered / 1e9:.2f} GB/s, "
+        f"page cache only {gib * 2**30 / cached / 1e9:.2f} GB/s")
+    optim = max(source.rglob("*optim_states.pt"), key=lambda f: f.stat().st_size)
+    parts = subprocess.run([sys.executable, "-c", PARTS, str(optim)], capture_output=True, text=True, env=child_env())
+    say(f"   one thread: {parts.stdout.strip() or parts.stderr[-1000:]}")
+    check = subprocess.run([sys.executable, "-c", CHECK_PARTS, str(out / "big-config" / "config.json")],
+                           capture_output=True, text=True, env=child_env())
+    say(f"   the config check, part by part (s): {check.stdout.strip() or check.stderr[-1000:]}")
+    cli = [sys.executable, "-c", PATCHED_CLI]
+    args = ["consolidate", str(source), str(out / "prof-ours"), "--dtype", "fp16", "--no-verify"]
+    config = ["--config", str(out / "big-config")]  # checked against the tensors: transformers on the meta device
+    times = {"shipped --config": run("ckptflow consolidate fp16 --config (shipped)", [*cli, "shipped", *args, *config])}
+    times.update({patch: run(f"ckptflow consolidate fp16 ({patch})", [*cli, patch, *args])
+                  for patch in ("shipped", "page-cache", "no-fsync")})
+    z2f = [sys.executable, "-c", "import sys; from deepspeed.utils.zero_to_fp32 import "
+           "convert_zero_checkpoint_to_state_dict as c; c(sys.argv[1], sys.argv[2], dtype='float16', "
+           "safe_serialization=True)", str(source), str(out / "prof-theirs")]
+    theirs = run("zero_to_fp32 fp16", z2f)
+    synced = run("zero_to_fp32 fp16 then sync", ["sh", "-c", '"$@" && sync', "sh", *z2f])
+    log = subprocess.run([*cli, "shipped", *args, *config], capture_output=True, text=True, env=child_env())
+    say("   the shipped run's log:\n" + "\n".join("      " + line for line in log.stderr.splitlines()[-12:]))
+    say(f"big profile: ckptflow with --config {times['shipped --config']:.1f} s, shipped {times['shipped']:.1f} s, page cache {times['page-cache']:.1f} s, "
+        f"no fsync {times['no-fsync']:.1f} s; zero_to_fp32 {theirs:.1f} s, with sync {synced:.1f} s")
+    (out / "profile.json").write_text(json.dumps({**times, "check": check.stdout.strip(), "zero_to_fp32": theirs, "zero_to_fp32+sync": synced,
+                                                  "dd_direct": direct, "dd_fsync": buffered, "dd_cache": cached,
+                                                  "parts": parts.stdout.strip()}))
 
 
 def release(engine: Any) -> None:

@@ -94,8 +94,8 @@ CLUSTER_HELP = ("Run the units on the Dask scheduler at this address (tcp://HOST
 
 CONFIG_HELP = ("Where config.json, generation_config.json and tokenizer files come from when SRC has none: a "
                "folder, or a Hub model repo (ORG/NAME or hf://ORG/NAME). Its config.json is checked against the "
-               "checkpoint's tensors (transformers, meta device) before anything is written. A kind of file SRC has "
-               "(config, generation config, tokenizer) stays SRC's.")
+               "checkpoint's tensors (transformers, meta device) while the shards are written; a mismatch commits "
+               "nothing. A kind of file SRC has (config, generation config, tokenizer) stays SRC's.")
 
 
 def units_on(address: str | None) -> Any:

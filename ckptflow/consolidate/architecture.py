@@ -1,4 +1,4 @@
-"""Does a config.json describe a checkpoint's tensors? Asked of transformers, before anything is written.
+"""Does a config.json describe a checkpoint's tensors? Asked of transformers, before anything is committed.
 
 `check_config(raw, tensors, ...)` reads the JSON (bounded, parsed by us), builds the configuration
 class transformers registers for its `model_type` (`CONFIG_MAPPING`, built-in models only: ckptflow
@@ -43,7 +43,7 @@ def check_config(raw: bytes, tensors: Sequence[tuple[str, Shape]], *, tied: Mapp
     them, in order); `tied` maps each alias the folder leaves out to the tensor it shares, `excluded`
     names tensors left out on purpose (frozen). Returns the model class checked against; raises
     `ConfigError` naming `where` and the first mismatch."""
-    config = _parse(raw, where)
+    config = parse_config(raw, where)
     for key in _LAYER_KEYS:  # bounded work: a model is not built with more layers than there are tensors
         value = config.get(key)
         if type(value) is int and value > len(tensors):
@@ -61,7 +61,7 @@ def model_shapes(raw: bytes, *, most_tensors: int, where: str = "config.json") -
     """Every tensor of the model the config.json `raw` describes, by name, with its shape (transformers on
     the meta device, as `check_config` builds it); a model of more layers than `most_tensors` is not
     built. What gives optimizer shards saved without their model their shapes."""
-    config = _parse(raw, where)
+    config = parse_config(raw, where)
     for key in _LAYER_KEYS:
         value = config.get(key)
         if type(value) is int and value > most_tensors:
@@ -72,7 +72,9 @@ def model_shapes(raw: bytes, *, most_tensors: int, where: str = "config.json") -
     return {k: tuple(int(d) for d in v.shape) for k, v in model.state_dict().items()}
 
 
-def _parse(raw: bytes, where: str) -> dict[str, Any]:
+def parse_config(raw: bytes, where: str) -> dict[str, Any]:
+    """The config.json `raw` as a dict, after the checks that need no transformers: JSON (bounded), an
+    object, a `model_type`, no `quantization_config`. `ConfigError` naming `where` otherwise."""
     try:
         config = load_json(raw)
     except ValueError as exc:
@@ -253,4 +255,4 @@ def _ignored(model: Any) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
     return matcher(missing), matcher(unexpected)
 
 
-__all__ = ["check_config", "model_shapes"]
+__all__ = ["check_config", "model_shapes", "parse_config"]

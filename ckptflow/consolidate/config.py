@@ -13,8 +13,9 @@ checkpoint keeps the config it trained with), and the files of one kind never mi
 `SideFiles.unused` lists what the source offered and SRC overrode, for the caller to say so.
 
 A config.json taken from the source is checked against the checkpoint's tensors before anything is
-written (`consolidate.architecture.check_config`: transformers builds the architecture on the meta
-device, no weights, no repo code). That is the one step here that imports transformers.
+committed (`checked`, `consolidate.architecture.check_config`: transformers builds the architecture on
+the meta device, no weights, no repo code). That is the one step here that imports transformers, which
+takes seconds whatever the model: `ConsolidateStep` runs it beside the shard writes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import posixpath
 import re
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptflow.errors import CkptflowError, ConfigError, UnsupportedCheckpointError, option
@@ -156,9 +157,10 @@ class SideFiles:
         }
 
 
-def side_files(plan: ConsolidationPlan, *, retry: RetryPolicy | None = None) -> SideFiles:
+def side_files(plan: ConsolidationPlan, *, retry: RetryPolicy | None = None, check: bool = True) -> SideFiles:
     """The side files of `plan`'s model folder: SRC's, and, with `plan.options.config`, the kinds SRC
-    lacks from that source. A config.json taken from it is checked against the plan's tensors first.
+    lacks from that source. A config.json taken from it is checked against the plan's tensors first
+    (with `check`; else later, by `checked`).
 
     Raises `ConfigError` when the source cannot be read, holds no side file, holds no config.json while
     SRC has none either, or its config.json does not describe the checkpoint (the first mismatch named).
@@ -176,18 +178,30 @@ def side_files(plan: ConsolidationPlan, *, retry: RetryPolicy | None = None) -> 
     if hf.CONFIG_NAME not in own and hf.CONFIG_NAME not in given:
         raise ConfigError(f"{read.shown} has no {hf.CONFIG_NAME} (it holds {', '.join(read.files)}), and the "
                           "checkpoint has none either", code="config-not-found", uri=read.shown, hint=_HINT)
-    architecture = None
-    if hf.CONFIG_NAME in given:
-        from ckptflow.consolidate.architecture import check_config
+    if hf.CONFIG_NAME in given:  # the JSON read and its plain checks now; the model built by `checked`
+        from ckptflow.consolidate.architecture import parse_config
 
-        tensors = [(t.name, t.shape) for u in plan.units for t in u.tensors]
-        architecture = check_config(given[hf.CONFIG_NAME], tensors, tied=plan.tied, excluded=plan.excluded,
-                                    where=f"{hf.CONFIG_NAME} of {read.shown}")
-    result = SideFiles(plan.root, own, given, read, architecture)
+        parse_config(given[hf.CONFIG_NAME], f"{hf.CONFIG_NAME} of {read.shown}")
+    result = SideFiles(plan.root, own, given, read)
     if result.unused:
         logger.info("the checkpoint has its own %s; %s not taken from %s", ", ".join(sorted(
             {hf.side_kind(n) for n in result.unused})), ", ".join(result.unused), read.shown)
-    return result
+    return checked(plan, result) if check else result
+
+
+def checked(plan: ConsolidationPlan, side: SideFiles) -> SideFiles:
+    """`side` with the config.json it takes from its config source checked against `plan`'s tensors
+    (transformers builds the architecture on the meta device: `architecture.check_config`), and the
+    class checked against recorded; `side` itself when it takes no config.json or was checked already.
+    Raises `ConfigError` naming the first mismatch."""
+    if side.architecture is not None or hf.CONFIG_NAME not in side.given or side.source is None:
+        return side
+    from ckptflow.consolidate.architecture import check_config
+
+    tensors = [(t.name, t.shape) for u in plan.units for t in u.tensors]
+    architecture = check_config(side.given[hf.CONFIG_NAME], tensors, tied=plan.tied, excluded=plan.excluded,
+                                where=f"{hf.CONFIG_NAME} of {side.source.shown}")
+    return replace(side, architecture=architecture)
 
 
 def shaped(index: Partitioned, config: str | None, revision: str | None = None, *,
@@ -324,4 +338,4 @@ def _hub_error(exc: Exception, source: ConfigSource, what: str, token: str | Non
                        hint="check the network and HF_ENDPOINT, then run again")
 
 
-__all__ = ["ConfigFiles", "ConfigSource", "SideFiles", "read_config_source", "side_files"]
+__all__ = ["ConfigFiles", "ConfigSource", "SideFiles", "checked", "read_config_source", "side_files"]

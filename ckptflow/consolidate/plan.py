@@ -37,7 +37,7 @@ class ConsolidateOptions:
     `config` names where the config, generation config and tokenizer files come from when SRC lacks
     them: a folder (local or a store URL) or a Hub model repo (`org/name`, `hf://org/name`) at
     `config_revision` (a branch, tag or commit; the default branch when None). Its config.json is
-    checked against the checkpoint's tensors before anything is written (`consolidate.config`).
+    checked against the checkpoint's tensors before anything is committed (`consolidate.config`).
     `strict_pickle` refuses a checkpoint whose pickles name any class outside DeepSpeed's allow-list,
     client state included (`formats.deepspeed.names`).
     """

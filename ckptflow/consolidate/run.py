@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.consolidate.config import SideFiles, shaped, side_files
+from ckptflow.consolidate.config import SideFiles, checked, shaped, side_files
 from ckptflow.consolidate.plan import ConsolidateOptions, ConsolidationPlan, ShardUnit, plan_consolidation
 from ckptflow.consolidate.write import ShardJob, ShardResult, run_job, shard_job
 from ckptflow.errors import OutputError, option
@@ -252,28 +252,32 @@ def abort(staging: Staging | None) -> None:
 
 class ConsolidateStep:
     """Consolidating `plan` into OUT, as the step driver runs it (`plumbing.steps`): units are the
-    plan's shards, a job is a `ShardJob`, `run` is `run_job`, and `finalize` commits the index (or the
-    only shard) last. The coordinator reads headers and pickles only, never a tensor byte."""
+    plan's shards, a job is a `ShardJob`, `run` is `run_job`, `check` checks a config source's
+    config.json against the plan beside the units (transformers' import and a model built on the meta
+    device: seconds, fixed, that the shards are written in meanwhile), and `finalize` commits the
+    index (or the only shard) last. The coordinator reads headers and pickles only, never a tensor byte."""
 
     run = staticmethod(run_job)
 
     def __init__(self, plan: ConsolidationPlan, out: str, side: SideFiles | None = None) -> None:
         self.plan, self.out = plan, out
         self.staging: Staging | None = None
-        self.side = side
+        self.side = side  # the side files, found and read (a given config.json checked once `check` ran)
 
     def side_files(self) -> SideFiles:
-        """The config and tokenizer files, found (and a config source read and checked) once."""
-        if self.side is None:
-            self.side = side_files(self.plan)
+        """The config and tokenizer files, found, read and checked (each once)."""
+        self.side = checked(self.plan, self._found())
         return self.side
 
     def committed(self) -> ConsolidationResult | None:
         return committed_output(self.plan, self.out, self.side_files())
 
     def prepare(self) -> tuple[ShardUnit, ...]:
-        self.staging = prepare_output(self.plan, self.out, self.side_files())
+        self.staging = prepare_output(self.plan, self.out, self._found())
         return self.plan.units
+
+    def check(self) -> None:
+        self.side_files()
 
     def job(self, unit: ShardUnit) -> ShardJob:
         return shard_job(self.plan, unit, self._staging())
@@ -287,6 +291,12 @@ class ConsolidateStep:
 
     def abort(self) -> None:
         abort(self.staging)
+
+    def _found(self) -> SideFiles:
+        """The side files found and a config source read, not yet checked against the plan."""
+        if self.side is None:
+            self.side = side_files(self.plan, check=False)
+        return self.side
 
     def _staging(self) -> Staging:
         assert self.staging is not None, "prepare() comes first"
@@ -310,8 +320,8 @@ def consolidate(
     `progress(done_bytes, total_bytes)` is called as shards are written and checked. On any error
     nothing is left at `out` and the staging folder is removed. With `options.config`, the config and
     tokenizer files SRC lacks come from that source, its config.json checked against the tensors
-    before anything is written (`consolidate.config`); `ConsolidationResult.has_config` says whether
-    the folder holds a config.json at all.
+    while the shards are written, and a mismatch stops them and commits nothing (`consolidate.config`);
+    `ConsolidationResult.has_config` says whether the folder holds a config.json at all.
     """
     options = options or ConsolidateOptions()
     index = shaped(load_index(src, tag, strict_pickle=options.strict_pickle), options.config, options.config_revision)

@@ -535,6 +535,9 @@ class ReshardStep:
         self.staging = prepare_output(self.plan, self.out)
         return tuple(self.plan.units)
 
+    def check(self) -> None:
+        """Nothing beside the units: every check of a reshard is in its plan."""
+
     def job(self, unit: RankUnit) -> RankJob:
         return rank_job(self.plan, unit, self._staging(), durable=self.durable, threads=self.threads)
 
