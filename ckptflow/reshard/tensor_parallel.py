@@ -67,7 +67,7 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
     if stage == 3:
         plan = _plan_zero3(index, source, world_size, runs.copies)
     else:
-        plan = _plan_zero12(index, source, world_size, kind, runs.copies, module_runs(index))
+        plan = plan_zero12(index, source, world_size, kind, runs.copies, module_runs(index))
     return replace(plan, stage=stage, source_optimizer=kind)
 
 
@@ -107,16 +107,16 @@ def plan_tensor_parallel_split(index: Any, world_size: int, tensor_parallel: int
         shapes = {name: tuple(maps[_pattern(name)]["ranks"][t]["shard_shape"]) for name in pieces}
         source = replace(
             merged, params=tuple(Param(p.name, shapes[p.name], p.dtype, p.group) for p in first.params),
-            model_states=tuple(_at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
+            model_states=tuple(at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
                                for m in rank.model_states),
-            optim_states=tuple(_at_degree(o, tensor_parallel, target_info) for rank in index.ranks
+            optim_states=tuple(at_degree(o, tensor_parallel, target_info) for rank in index.ranks
                                for o in rank.optim_states))
-        copies = _local_copies(pieces, runs.copies)
+        copies = local_copies(pieces, runs.copies)
         if stage == 3:
             plan = _plan_zero3(index, source, world_size, copies, mp_rank=t)
         else:
-            plan = _plan_zero12(index, source, world_size, kind, copies,
-                                {n: _local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t)
+            plan = plan_zero12(index, source, world_size, kind, copies,
+                                {n: local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t)
         parts.append(replace(plan, stage=stage, source_optimizer=kind))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
@@ -164,13 +164,13 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
 
 
-def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None, *, tp_rank: int = 0
-               ) -> dict[str, Any]:
+def at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None, *, tp_rank: int = 0,
+              mp_world_size: int | None = None) -> dict[str, Any]:
     """A rank's saved state as DeepSpeed saves it at tensor-parallel degree `tp`, as tensor-parallel rank
-    `tp_rank`: `universal_checkpoint_info` `info` (left out at tp 1), `mp_world_size` and
-    `checkpoint_parallel_dimensions` tp, the recorded config's `tensor_parallel` section at `autotp_size`
-    tp (left out at tp 1), and the tied aliases (`shared_params`, which DeepSpeed records on global rank 0
-    only) emptied on the other tensor-parallel ranks."""
+    `tp_rank`: `universal_checkpoint_info` `info` (left out at tp 1), `mp_world_size` (tp unless given: a
+    pipeline's is tp x pp) and `checkpoint_parallel_dimensions` tp, the recorded config's
+    `tensor_parallel` section at `autotp_size` tp (left out at tp 1), and the tied aliases
+    (`shared_params`, which DeepSpeed records on global rank 0 only) emptied on the other tensor-parallel ranks."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if key == "shared_params" and tp_rank > 0 and isinstance(value, dict):
@@ -179,7 +179,7 @@ def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None
             if info is not None:
                 out[key] = info
         elif key == "mp_world_size":
-            out[key] = tp
+            out[key] = tp if mp_world_size is None else mp_world_size
         elif key == "checkpoint_parallel_dimensions" and isinstance(value, Mapping):
             out[key] = {**value, "tp_degree": tp}
         elif key == "ds_config" and isinstance(value, Mapping):
@@ -203,8 +203,8 @@ def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
         first, params=params, groups=groups,
         partitions=tuple(part for rank in ranks for part in rank.partitions),
         files=tuple(f for rank in ranks for f in rank.files),
-        model_states=tuple(_at_degree(m, 1) for rank in ranks for m in rank.model_states),
-        optim_states=tuple(_at_degree(o, 1) for rank in ranks for o in rank.optim_states),
+        model_states=tuple(at_degree(m, 1) for rank in ranks for m in rank.model_states),
+        optim_states=tuple(at_degree(o, 1) for rank in ranks for o in rank.optim_states),
         tied=index.tied,
     )
 
@@ -310,7 +310,7 @@ def _rows(pieces: Sequence[Piece]) -> list[tuple[int, int, int]]:
     return sorted(out)
 
 
-def _local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies:
+def local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies:
     """`flats.Copies` of the target shards: elements [first, last) of a shard are full-tensor stretches,
     each copied by `full` from the source partitions that hold it."""
     rows = {name: _rows(p) for name, p in pieces.items()}
@@ -331,7 +331,7 @@ def _local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies
     return copies
 
 
-def _local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]:
+def local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]:
     """The runs of a target shard (offsets in the shard) made of `runs` of the full tensor."""
     out = []
     for local, at, numel in _rows(pieces):
@@ -344,8 +344,14 @@ def _local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]
 # ---- ZeRO-1/2 --------------------------------------------------------------------------------------
 
 
-def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str,
-                 copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0) -> DataParallelPlan:
+def plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str,
+                copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0, meta_base: int = 0
+                ) -> DataParallelPlan:
+    """Model-parallel rank `mp_rank`'s ZeRO-1/2 files at `world_size` data-parallel ranks: `source`'s param
+    groups (the virtual checkpoint whose rank `mp * D + d` is model-parallel rank mp's data-parallel rank
+    d) laid out by DeepSpeed's arithmetic, filled by `copies`; the 16-bit module from `module`'s runs. Each
+    target rank copies its per-rank scalars from virtual rank `meta_base` + its own (the source's last
+    data-parallel rank beyond them)."""
     by_name = source.param_by_name
     n_tensors = source.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size, copies,
@@ -356,7 +362,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
+            rank=r, meta_rank=meta_base + _meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
             model_file=model_file_name(source.stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
             group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
@@ -395,4 +401,5 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     )
 
 
-__all__ = ["plan_tensor_parallel_merge", "plan_tensor_parallel_split"]
+__all__ = ["at_degree", "local_copies", "local_runs", "plan_tensor_parallel_merge", "plan_tensor_parallel_split",
+           "plan_zero12"]
