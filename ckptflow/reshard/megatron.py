@@ -17,7 +17,8 @@ Each target model-parallel rank (stage s, tensor-parallel rank t', `mp_rank_{s *
   whose rank `mp * D + d` is source model-parallel rank mp's data-parallel rank d, `flats.ModelRuns`
   copying the fp32 masters and Adam moments element by element), the per-rank scalars and model states
   from stage s's first tensor-parallel rank, `mp_world_size` T' x P and `checkpoint_parallel_dimensions`
-  tp T', the client's `universal_checkpoint_info` kept as it is (it names patterns, not degrees);
+  tp T', the client's `universal_checkpoint_info` kept (it names patterns, not degrees; the shard widths of
+  `parameter_with_sub_params`, which only a merge to tp1 writes, become each sub-parameter's whole);
 - its layer files `layer_{XX}-model_{t'}-model_states.pt`: each trained tensor cut the same way from the
   full module copy (the source's layer files joined by the same rules), buffers as tensor-parallel rank
   0 holds them.
@@ -55,7 +56,11 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     degree, the same pipeline stages and ZeRO stage); reads nothing. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
     _check_source(index, shape)
-    splits = splits_at(index, shape.tp)
+    try:
+        splits = splits_at(index, shape.tp)
+    except UnsupportedCheckpointError as exc:
+        raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
+                                         uri=index.root, tensor=exc.tensor) from None
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
@@ -66,7 +71,7 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
         for t in range(shape.tp):
             mp_rank = stage * shape.tp + t
             pieces = {name: split[1][t] for name, split in stage_splits.items()}
-            source = _stage_source(index, stage, stage_splits, shape, t, info)
+            source = _stage_source(index, stage, stage_splits, shape, t, _info_at(info, shape.tp))
             plan = plan_zero12(index, source, shape.dp, kind, local_copies(pieces, runs.copies), {}, mp_rank=mp_rank,
                                meta_base=stage * index.tp * index.world_size)
             # the layer files take the place of the module copy plan_zero12 counts in rank 0's bytes
@@ -112,6 +117,16 @@ def _check_source(index: Any, shape: Shape) -> None:
     if is_set(ranks[0].zero_config, "round_robin_gradients"):
         raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
                                          "a tensor-parallel change does not handle", uri=index.root)
+
+
+def _info_at(info: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """The client's `universal_checkpoint_info` at degree `tp`: the same, but for `sub_param_shard_widths`,
+    which at tp1 (the one degree `readers.pipeline.shard_shapes` gives sub-parameters) is each whole."""
+    out = dict(info)
+    widths = info.get("sub_param_shard_widths")
+    if tp == 1 and isinstance(widths, Mapping):
+        out["sub_param_shard_widths"] = {k: [[sum(w)] for w in v] for k, v in widths.items()}
+    return out
 
 
 def _layer_of(name: str) -> int:

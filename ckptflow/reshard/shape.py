@@ -296,7 +296,7 @@ def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
     try:
         splits_at(index, tp)
     except UnsupportedCheckpointError as exc:
-        return f"its universal_checkpoint_info does not split it at tp{tp}: {exc}"
+        return str(exc)
     return None
 
 

@@ -429,11 +429,12 @@ def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: in
     if rules.matches("tp_replicated_parameter_patterns", name):
         return [full] * tp
     if rules.matches("parameter_to_average_patterns", name):
-        raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks; "
-                                         "ckptflow copies bytes and does not average")
+        raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks "
+                                         "(parameter_to_average_patterns), and ckptflow copies bytes, it does not "
+                                         "average")
     if rules.sub_params(name) is not None:
-        raise UnsupportedCheckpointError(f"it is recorded as fused sub-parameters whose shard widths at "
-                                         f"tensor-parallel degree {tp} the checkpoint does not record; ckptflow does "
+        raise UnsupportedCheckpointError("it is recorded as fused sub-parameters (parameter_with_sub_params), whose "
+                                         "shard widths at that degree the checkpoint does not record; ckptflow does "
                                          "not guess them")
     halves = rules.matches("parameter_with_2_sub_params_cat_dim_0", name)
     dim = 1 if rules.matches("parameter_with_row_parallelism_patterns", name) and not halves else 0
@@ -445,8 +446,8 @@ def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: in
             raise UnsupportedCheckpointError(f"its {full[1]} columns do not split into {tp} equal blocks")
         vocabulary = rules.matches("vocabulary_parameter_patterns", name)
         blocks_of = f"two halves of {tp} equal blocks each" if halves else f"{tp} equal blocks"
-        raise UnsupportedCheckpointError(f"its {'padded vocabulary of ' if vocabulary else ''}{full[0]} rows do not "
-                                         f"split into {blocks_of}")
+        rows = f"the padded vocabulary's {full[0]} rows" if vocabulary else f"its {full[0]} rows"
+        raise UnsupportedCheckpointError(f"{rows} do not split into {blocks_of}")
     return [(*full[:dim], full[dim] // tp, *full[dim + 1:])] * tp
 
 
@@ -472,7 +473,8 @@ def splits_at(index: ModelParallelCheckpoint, tp: int) -> list[dict[str, Split]]
                 shapes = shard_shapes(param.name, full, info, tp)
                 again, pieces, _ = split_pieces(param.name, shapes, info, tp, "param")
             except (CkptflowError, ValueError, KeyError) as exc:
-                raise UnsupportedCheckpointError(about(param.name, exc), tensor=param.name) from None
+                raise UnsupportedCheckpointError(f"{param.name} does not split at tensor-parallel degree {tp}: {exc}",
+                                                 tensor=param.name) from None
             assert again == full, (param.name, again, full)
             splits[param.name] = (shapes, pieces)
         out.append(splits)
