@@ -22,7 +22,8 @@ is refused. The rules are those of DeepSpeed's `ds_to_universal.merge_tp_slices`
 copy (all must agree); row-parallel = concatenated on dim 1; `parameter_with_2_sub_params_cat_dim_0`
 = each shard halved on dim 0 and the halves concatenated apart; `parameter_with_sub_params` with
 recorded shard widths; every other parameter concatenated on dim 0 (that format's convention);
-vocabulary parameters then cut to `original_vocab_size` rows; averaged parameters are refused.
+vocabulary parameters then cut to `original_vocab_size` rows (at tp1 too, where the client records
+`universal_checkpoint_info`); averaged parameters are refused.
 
 At ZeRO-0 no file names a parameter (no `param_shapes`): every tensor is read from its layer file and
 named `{layer}.{name}`, a tied module under the first layer that uses it.
@@ -91,12 +92,14 @@ def read_pipeline(
     if tp > 1:
         info = _uc_info(st, listing, model0, topology)
         st.stop_if_any()
+    elif megatron and isinstance(model0.get(UC_INFO), Mapping):  # at tp1 it still says which rows are padding
+        info = model0[UC_INFO]
     check_mp_files(st, listing, count, label, topology.description, layer_files=True)
     left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
     layer_names = _layer_files(st, listing, tp if megatron else None)
     heads = open_heads(st, listing, model0, count)
     stop_on_new(st, left_over)
-    if tp > 1:
+    if info:
         for mp in range(1, count):
             if heads[mp].get(UC_INFO) != info:
                 st.add("ranks-disagree", f"{label(mp)} records another {UC_INFO} than {label(0)} in "
@@ -379,13 +382,13 @@ def split_pieces(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str
     tensor of `shapes[rank]`, and rows to keep (the vocabulary without its padding), by the client's
     rules. `UnsupportedCheckpointError` (or `ValueError`) where they do not say."""
     whole = [[Piece(s, 0, row_major(s), 0, row_major(s))] for s in shapes]
+    rules = _Rules(info)
     if tp == 1 or kind == "buffer":
         if any(s != shapes[0] for s in shapes):
             raise UnsupportedCheckpointError(
                 f"its tensor-parallel copies have different shapes {[list(s) for s in shapes]}"
             )
-        return tuple(shapes[0]), whole, None
-    rules = _Rules(info)
+        return tuple(shapes[0]), whole, None if kind == "buffer" else _vocabulary_rows(name, shapes[0], rules, info)
     if rules.matches("tp_replicated_parameter_patterns", name):
         if any(s != shapes[0] for s in shapes):
             raise UnsupportedCheckpointError(f"it is recorded as replicated but its tensor-parallel copies have shapes "
@@ -405,14 +408,18 @@ def split_pieces(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str
     else:
         full, concat = concat_pieces(shapes, 0)
         pieces = [[p] for p in concat]
-    rows = None
-    if rules.matches("vocabulary_parameter_patterns", name):
-        original = info.get("original_vocab_size")
-        if not isinstance(original, int) or isinstance(original, bool):
-            raise UnsupportedCheckpointError("it is a vocabulary parameter but the checkpoint records no "
-                                             "original_vocab_size")
-        rows = original if original != full[0] else None
-    return tuple(full), pieces, rows
+    return tuple(full), pieces, _vocabulary_rows(name, full, rules, info)
+
+
+def _vocabulary_rows(name: str, full: Sequence[int], rules: _Rules, info: Mapping[str, Any]) -> int | None:
+    """The rows of vocabulary parameter `name` to keep (its padding cut), None for the whole tensor."""
+    if not rules.matches("vocabulary_parameter_patterns", name):
+        return None
+    original = info.get("original_vocab_size")
+    if not isinstance(original, int) or isinstance(original, bool):
+        raise UnsupportedCheckpointError("it is a vocabulary parameter but the checkpoint records no "
+                                         "original_vocab_size")
+    return original if original != full[0] else None
 
 
 def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: int, kind: str = "param"
