@@ -95,15 +95,20 @@ def split_oracle(merged_fixtures: Mapping[str, ParallelFixture], tmp_path_factor
     return run_reshard_oracle(merged_fixtures, SPLITS, (), tmp_path_factory.mktemp("megatron-split-oracle"))
 
 
-def _check_universal(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture, scratch: Path) -> None:
-    """`ds_to_universal` of DeepSpeed's re-save at the target equals that of the source: every parameter's
-    fp32 weight, Adam moments and step, with the converter's own metadata (cat_dim, vocab_tensor). (Its
-    `optimizer_state.pt` records the data-parallel size, which a split changes.)"""
+def check_target(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture, source: ParallelFixture,
+                 scratch: Path) -> None:
+    """DeepSpeed at the target loaded the reshard of `fixture` holding the training state, saved exactly
+    ckptflow's files, and `ds_to_universal` of that save equals that of the DeepSpeed-written `source`:
+    every parameter's fp32 weight, Adam moments and step, with the converter's own metadata (cat_dim,
+    vocab_tensor). (Its `optimizer_state.pt` records the data-parallel size, which a split changes.)"""
+    check_loaded_state(oracle, case, fixture)
+    check_same_files(oracle, case)
+    check_validates(oracle, case, fixture)
     cache: dict[Path, Path] = {}
-    ours = _universal(fixture.dir, cache, scratch) / "zero"
+    ours = _universal(source.dir, cache, scratch) / "zero"
     theirs = _universal(oracle["resaved"][case], cache, scratch) / "zero"
-    files = {f"{name}/{state}.pt" for name in fixture.spec["params"] for state in ("fp32", "exp_avg", "exp_avg_sq",
-                                                                                    "step")}
+    files = {f"{name}/{state}.pt" for name in source.spec["params"] for state in ("fp32", "exp_avg", "exp_avg_sq",
+                                                                                   "step")}
     held = {str(p.relative_to(ours)) for p in ours.rglob("*.pt")}
     assert held == {str(p.relative_to(theirs)) for p in theirs.rglob("*.pt")}
     assert files <= held
@@ -116,10 +121,7 @@ def test_deepspeed_loads_a_merge_at_tp1(merge_oracle: dict[str, Any], case: tupl
                                         megatron_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     fixture = megatron_fixtures[case[0]]
-    check_loaded_state(merge_oracle, case, fixture)
-    check_same_files(merge_oracle, case)
-    check_validates(merge_oracle, case, fixture)
-    _check_universal(merge_oracle, case, fixture, tmp_path_factory.mktemp("universal"))
+    check_target(merge_oracle, case, fixture, fixture, tmp_path_factory.mktemp("universal"))
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=case_id)
@@ -127,11 +129,8 @@ def test_deepspeed_loads_a_split_at_tp2(split_oracle: dict[str, Any], case: tupl
                                         merged_fixtures: Mapping[str, ParallelFixture],
                                         megatron_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    fixture = merged_fixtures[case[0]]
-    check_loaded_state(split_oracle, case, fixture)
-    check_same_files(split_oracle, case)
-    check_validates(split_oracle, case, fixture)
-    _check_universal(split_oracle, case, megatron_fixtures[case[0]], tmp_path_factory.mktemp("universal"))
+    check_target(split_oracle, case, merged_fixtures[case[0]], megatron_fixtures[case[0]],
+                 tmp_path_factory.mktemp("universal"))
 
 
 # ---- without DeepSpeed ---------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
-from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import ModelTensor, Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, join
@@ -45,7 +44,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import Split, split_pieces, spl
 from ckptflow.formats.deepspeed.runs import Run, whole_run
 from ckptflow.reshard.flats import ModelRuns
 from ckptflow.reshard.shape import Shape
-from ckptflow.reshard.tensor_parallel import at_degree, local_copies, local_runs, plan_zero12
+from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
 from ckptflow.reshard.units import ModelParallelPlan, TensorFile
 
 TIED = "tied_modules."
@@ -90,33 +89,17 @@ def _check_source(index: Any, shape: Shape) -> None:
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {getattr(index, 'layout', type(index).__name__)} layout, not a "
             "Megatron-style one", code="unsupported-layout", uri=index.root)
-    if shape.tp == index.tp:
-        raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {index.tp}", uri=index.root,
-                                         hint=f"leave {option('tp')} out to change the data-parallel size only")
     if shape.pp != index.pp or shape.stage != index.stage:
         raise UnsupportedCheckpointError(
             f"{where}: ckptflow changes a Megatron-style checkpoint's tensor-parallel degree at its own number of "
             f"pipeline stages ({index.pp}) and ZeRO stage ({index.stage}) only", uri=index.root,
             hint=f"leave {option('pp')} and {option('stage')} out")
-    if index.stage == 0:
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by position and names "
-            "no parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
-            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
+    check_joinable(index, shape.tp)
     ranks: Sequence[ZeroCheckpoint] = index.ranks
-    frozen = [p.name for rank in ranks for p in rank.params if p.frozen]
-    if frozen or any(t.kind == "frozen" for t in index.tensors):
-        names = frozen or [t.name for t in index.tensors if t.kind == "frozen"]
-        raise UnsupportedCheckpointError(f"{where} has frozen parameters ({', '.join(names[:3])}), whose "
-                                         "tensor-parallel split ckptflow has not verified", uri=index.root,
-                                         tensor=names[0])
     tied = [p.name for rank in ranks for p in rank.params if p.name.startswith(TIED)]
     if tied:
         raise UnsupportedCheckpointError(f"{where}: {tied[0]} is a tied module, which ckptflow does not split again "
                                          "over tensor-parallel ranks", uri=index.root, tensor=tied[0])
-    if is_set(ranks[0].zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
-                                         "a tensor-parallel change does not handle", uri=index.root)
 
 
 def _info_at(info: Mapping[str, Any], tp: int) -> dict[str, Any]:

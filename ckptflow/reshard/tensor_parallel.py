@@ -130,27 +130,12 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
     `UnsupportedCheckpointError` for a source or target no tensor-parallel change handles."""
     where = f"{index.root}/{index.tag}"
     check_world_size(world_size)
-    current = getattr(index, "tp", 1)
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "autotp":
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the tensor-parallel degree of "
             "AutoTP checkpoints only", code="unsupported-layout", uri=index.root,
             hint=f"reshard it to another data-parallel size without {option('tp')}")
-    if tensor_parallel == current:
-        raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {current}", uri=index.root,
-                                         hint=f"leave {option('tp')} out to change the data-parallel size only")
-    if index.stage == 0:
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
-            "parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
-            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
-    frozen = [p.name for rank in index.ranks for p in rank.params if p.frozen]
-    if frozen:
-        raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
-                                         "ckptflow has not verified", uri=index.root)
-    if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
-                                         "a tensor-parallel change does not handle", uri=index.root)
+    check_joinable(index, tensor_parallel)
     source = _merged_source(index)
     stage = index.stage if stage is None else stage
     if stage != index.stage and source.optimizer_kind != ZERO:
@@ -159,6 +144,29 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
             f"or 3 from ZeRO-1/2 only, not from this one to ZeRO-{stage}", uri=index.root,
             hint="change the degree at its own stage, then change the stage")
     return source, stage
+
+
+def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None:
+    """`UnsupportedCheckpointError` unless the tensor-parallel ranks' optimizer state of `index` can be joined
+    and cut again at degree `tensor_parallel`: another degree, ZeRO-1/2/3, no frozen parameters, no
+    `round_robin_gradients`."""
+    where = f"{index.root}/{index.tag}"
+    if tensor_parallel == index.tp:
+        raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {index.tp}", uri=index.root,
+                                         hint=f"leave {option('tp')} out to change the data-parallel size only")
+    if index.stage == 0:
+        raise UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
+            "parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
+            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
+    frozen = [p.name for rank in index.ranks for p in rank.params if p.frozen]
+    frozen += [t.name for t in index.tensors if t.kind == "frozen" and t.name not in frozen]
+    if frozen:
+        raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
+                                         "ckptflow has not verified", uri=index.root, tensor=frozen[0])
+    if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
+        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
+                                         "a tensor-parallel change does not handle", uri=index.root)
 
 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
@@ -401,5 +409,5 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     )
 
 
-__all__ = ["at_degree", "local_copies", "local_runs", "plan_tensor_parallel_merge", "plan_tensor_parallel_split",
-           "plan_zero12"]
+__all__ = ["at_degree", "check_joinable", "local_copies", "local_runs", "plan_tensor_parallel_merge",
+           "plan_tensor_parallel_split", "plan_zero12"]
