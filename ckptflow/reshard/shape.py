@@ -18,7 +18,9 @@ change (the rest are the source's).
 Which shapes a layout allows follows DeepSpeed 0.19.8: PipelineModule trains at ZeRO-0 or 1 only
 (`PipelineEngine` asserts it); `deepspeed.moe` layers do not run under ZeRO-3; an expert-parallel
 degree divides the number of experts and the data-parallel ranks; a tensor-parallel degree divides
-the attention heads (when the model's `config.json` says how many).
+the attention heads (when the model's `config.json` says how many). A Megatron-style checkpoint is
+written at the tensor-parallel degrees its `universal_checkpoint_info` rules cut every parameter at
+(`readers.pipeline.splits_at`; `why_not` names the first one they do not).
 """
 
 from __future__ import annotations
