@@ -119,6 +119,12 @@ def _model_file(rank: ZeroCheckpoint | Zero0Checkpoint) -> str:
     return rank.model_file if isinstance(rank, Zero0Checkpoint) else rank.model_file(0)
 
 
+def replica_problems(index: ModelParallelCheckpoint, progress: Progress | None = None) -> list[Problem]:
+    """`index.replicas` compared (`_compare_replicas`): what `validate --deep` reports of them, and what a
+    tensor-parallel change that keeps one copy of a replicated parameter checks first."""
+    return _compare_replicas(index.replicas, index, progress)
+
+
 def _compare_replicas(replicas: tuple[Replica, ...], index: ModelParallelCheckpoint,
                       progress: Progress | None) -> list[Problem]:
     """Blocks held by two model-parallel ranks (replicated parameters, a pipeline's tied weight) must hold
@@ -232,4 +238,4 @@ def _scan(jobs: list[tuple[str, str, TensorRef, int, int, str]], progress: Progr
     return problems
 
 
-__all__ = ["ValidationReport", "validate"]
+__all__ = ["ValidationReport", "replica_problems", "validate"]

@@ -129,7 +129,8 @@ def test_other_stage_counts_are_refused(parallel_fixtures: Mapping[str, Parallel
     megatron = parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"]
     with pytest.raises(UnsupportedCheckpointError, match=(
             r"to 2 ranks, pp1: ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints "
-            r"only, not of Megatron-style PipelineModule ones; ckptflow can write no shape of it at 2 ranks")):
+            r"only, not of Megatron-style PipelineModule ones; shapes it can write at 2 ranks: ZeRO-1 pp2 x dp1 "
+            r"\(2 ranks\)$")):
         reshard(str(megatron.dir), str(tmp_path / "out"), world_size=2, pp=1)
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=(

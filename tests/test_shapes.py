@@ -164,3 +164,18 @@ def test_the_cli_plan_of_a_folder_without_a_checkpoint_is_one_line(tmp_path: Pat
     assert result.exit_code == 1
     assert result.output == (f"error: refusing to plan a reshard of {tmp_path}: no `latest` file in {tmp_path}; point "
                              "at the folder DeepSpeed saved into (it holds `latest`), at a tag folder, or pass --tag\n")
+
+
+def test_the_cli_plan_of_a_megatron_checkpoint_names_what_its_rules_split(
+        parallel_extra_fixtures: Mapping[str, Any]) -> None:
+    """A Megatron-style checkpoint (tp2 x dp2) is written at every tensor-parallel degree its
+    `universal_checkpoint_info` cuts every parameter at; the others name the first parameter it does not."""
+    src = str(parallel_extra_fixtures["megatron-args-tp2dp2-z1-fp32"].dir)
+    result = CliRunner().invoke(app, ["reshard", src, "--world-size", "4", "--plan"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split("  ")[0]: line.rstrip().rsplit("  ", 1)[-1].strip() for line in result.output.splitlines()[2:-1]}
+    assert rows["ZeRO-1 dp4 (4 ranks)"] == "writes it"
+    assert rows["ZeRO-1 tp4 x dp1 (4 ranks)"] == (
+        "not yet: 0.weight does not split at tensor-parallel degree 4: the padded vocabulary's 38 rows do not split "
+        "into 4 equal blocks")
+    assert result.output.splitlines()[-1].startswith("2 of 6 shape(s) at 4 rank(s) can be written.")

@@ -6,7 +6,8 @@ that would work, when it does not divide, the layout forbids it or ckptflow cann
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
 parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: merged to tp1 or split to
 any degree), the pipeline one (`pipeline`: PipelineModule stages merged into one), the
-expert-parallel one (`experts`: another expert-parallel degree). Every planner returns a
+expert-parallel one (`experts`: another expert-parallel degree), the Megatron-style one (`megatron`:
+another tensor-parallel degree by the client's `universal_checkpoint_info`). Every planner returns a
 `ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
 """
 
@@ -28,6 +29,7 @@ from ckptflow.reshard.data_parallel import (
     plan_shard_folder,
 )
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
+from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change
@@ -108,6 +110,8 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
         return plan_shard_folder(index, shape.dp)
     if shape.pp != source.pp:
         return plan_pipeline(index, shape)
+    if shape.tp != source.tp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
+        return plan_megatron_tensor_parallel(index, shape)
     if shape.tp != source.tp and shape.tp == 1:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp, stage=shape.stage)
     if shape.tp != source.tp:

@@ -59,13 +59,14 @@ from ckptflow.reshard.shape import (
     Shape,
     Target,
     check_world_size,
+    kind_of,
     memory,
     parameter_counts,
     shapes_at,
     source_shape,
 )
 from ckptflow.reshard.units import RankUnit, ReshardPlan
-from ckptflow.validate import validate
+from ckptflow.validate import replica_problems, validate
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +83,23 @@ def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = N
     An `out` inside the source's tag folder is refused (`OutputError`)."""
     index = _valid_index(src, tag, "reshard", strict_pickle=strict_pickle)
     plan = plan_reshard(index, target, model_config(index.root))
+    if kind_of(index) == "megatron" and plan.shape is not None and plan.source_shape is not None \
+            and plan.shape.tp != plan.source_shape.tp:
+        _check_replicas(src, index)
     _check_not_inside(plan, out)
     carried_files(plan, out)  # a special file or a link out of the folder refuses the source now, not at the end
     return plan
+
+
+def _check_replicas(src: str, index: Any) -> None:
+    """A tensor-parallel change keeps one copy of each replicated block, as DeepSpeed's universal converter
+    does, and like it refuses a source whose copies differ (`CheckpointError` naming the first)."""
+    problems = replica_problems(index)
+    if problems:
+        first = problems[0]
+        more = and_more(len(problems) - 1, "problem", then=f"run `ckptflow validate --deep {src}`")
+        raise CheckpointError(f"refusing to reshard {src}: {first.message}{more}", code=first.code, uri=src,
+                              file=first.file)
 
 
 def _valid_index(src: str, tag: str | None, doing: str, *, strict_pickle: bool = False) -> Any:

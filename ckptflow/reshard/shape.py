@@ -18,7 +18,9 @@ change (the rest are the source's).
 Which shapes a layout allows follows DeepSpeed 0.19.8: PipelineModule trains at ZeRO-0 or 1 only
 (`PipelineEngine` asserts it); `deepspeed.moe` layers do not run under ZeRO-3; an expert-parallel
 degree divides the number of experts and the data-parallel ranks; a tensor-parallel degree divides
-the attention heads (when the model's `config.json` says how many).
+the attention heads (when the model's `config.json` says how many). A Megatron-style checkpoint is
+written at the tensor-parallel degrees its `universal_checkpoint_info` rules cut every parameter at
+(`readers.pipeline.splits_at`; `why_not` names the first one they do not).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.readers.pipeline import splits_at
 
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
 
@@ -257,8 +260,13 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot be "
                 "moved to another shape (its weights can still be consolidated)")
     if shape.tp != source.tp:
-        if kind != "autotp":
-            return f"ckptflow changes the tensor-parallel degree of AutoTP checkpoints only, not of {name} ones"
+        if kind == "megatron":
+            why = _why_not_megatron_tp(index, shape.tp)
+            if why is not None:
+                return why
+        elif kind != "autotp":
+            return (f"ckptflow changes the tensor-parallel degree of AutoTP and Megatron-style checkpoints only, not "
+                    f"of {name} ones")
     if shape.pp != source.pp:
         if kind != "pipeline":
             return (f"ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints only, "
@@ -281,6 +289,16 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if getattr(index, "optimizer_kind", None) == "bf16":
             return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
                     "stage yet")
+    return None
+
+
+def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
+    """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at degree `tp`
+    (None: they do)."""
+    try:
+        splits_at(index, tp)
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
     return None
 
 

@@ -67,7 +67,7 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
     if stage == 3:
         plan = _plan_zero3(index, source, world_size, runs.copies)
     else:
-        plan = _plan_zero12(index, source, world_size, kind, runs.copies, module_runs(index))
+        plan = plan_zero12(index, source, world_size, kind, runs.copies, module_runs(index))
     return replace(plan, stage=stage, source_optimizer=kind)
 
 
@@ -107,16 +107,16 @@ def plan_tensor_parallel_split(index: Any, world_size: int, tensor_parallel: int
         shapes = {name: tuple(maps[_pattern(name)]["ranks"][t]["shard_shape"]) for name in pieces}
         source = replace(
             merged, params=tuple(Param(p.name, shapes[p.name], p.dtype, p.group) for p in first.params),
-            model_states=tuple(_at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
+            model_states=tuple(at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
                                for m in rank.model_states),
-            optim_states=tuple(_at_degree(o, tensor_parallel, target_info) for rank in index.ranks
+            optim_states=tuple(at_degree(o, tensor_parallel, target_info) for rank in index.ranks
                                for o in rank.optim_states))
-        copies = _local_copies(pieces, runs.copies)
+        copies = local_copies(pieces, runs.copies)
         if stage == 3:
             plan = _plan_zero3(index, source, world_size, copies, mp_rank=t)
         else:
-            plan = _plan_zero12(index, source, world_size, kind, copies,
-                                {n: _local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t)
+            plan = plan_zero12(index, source, world_size, kind, copies,
+                                {n: local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t)
         parts.append(replace(plan, stage=stage, source_optimizer=kind))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
@@ -130,27 +130,12 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
     `UnsupportedCheckpointError` for a source or target no tensor-parallel change handles."""
     where = f"{index.root}/{index.tag}"
     check_world_size(world_size)
-    current = getattr(index, "tp", 1)
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "autotp":
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the tensor-parallel degree of "
             "AutoTP checkpoints only", code="unsupported-layout", uri=index.root,
             hint=f"reshard it to another data-parallel size without {option('tp')}")
-    if tensor_parallel == current:
-        raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {current}", uri=index.root,
-                                         hint=f"leave {option('tp')} out to change the data-parallel size only")
-    if index.stage == 0:
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
-            "parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
-            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
-    frozen = [p.name for rank in index.ranks for p in rank.params if p.frozen]
-    if frozen:
-        raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
-                                         "ckptflow has not verified", uri=index.root)
-    if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
-                                         "a tensor-parallel change does not handle", uri=index.root)
+    check_joinable(index, tensor_parallel)
     source = _merged_source(index)
     stage = index.stage if stage is None else stage
     if stage != index.stage and source.optimizer_kind != ZERO:
@@ -161,16 +146,39 @@ def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int 
     return source, stage
 
 
+def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None:
+    """`UnsupportedCheckpointError` unless the tensor-parallel ranks' optimizer state of `index` can be joined
+    and cut again at degree `tensor_parallel`: another degree, ZeRO-1/2/3, no frozen parameters, no
+    `round_robin_gradients`."""
+    where = f"{index.root}/{index.tag}"
+    if tensor_parallel == index.tp:
+        raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {index.tp}", uri=index.root,
+                                         hint=f"leave {option('tp')} out to change the data-parallel size only")
+    if index.stage == 0:
+        raise UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
+            "parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
+            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
+    frozen = [p.name for rank in index.ranks for p in rank.params if p.frozen]
+    frozen += [t.name for t in index.tensors if t.kind == "frozen" and t.name not in frozen]
+    if frozen:
+        raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
+                                         "ckptflow has not verified", uri=index.root, tensor=frozen[0])
+    if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
+        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
+                                         "a tensor-parallel change does not handle", uri=index.root)
+
+
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
 
 
-def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None, *, tp_rank: int = 0
-               ) -> dict[str, Any]:
+def at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None = None, *, tp_rank: int = 0,
+              mp_world_size: int | None = None) -> dict[str, Any]:
     """A rank's saved state as DeepSpeed saves it at tensor-parallel degree `tp`, as tensor-parallel rank
-    `tp_rank`: `universal_checkpoint_info` `info` (left out at tp 1), `mp_world_size` and
-    `checkpoint_parallel_dimensions` tp, the recorded config's `tensor_parallel` section at `autotp_size`
-    tp (left out at tp 1), and the tied aliases (`shared_params`, which DeepSpeed records on global rank 0
-    only) emptied on the other tensor-parallel ranks."""
+    `tp_rank`: `universal_checkpoint_info` `info` (left out at tp 1), `mp_world_size` (tp unless given: a
+    pipeline's is tp x pp) and `checkpoint_parallel_dimensions` tp, the recorded config's
+    `tensor_parallel` section at `autotp_size` tp (left out at tp 1), and the tied aliases
+    (`shared_params`, which DeepSpeed records on global rank 0 only) emptied on the other tensor-parallel ranks."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if key == "shared_params" and tp_rank > 0 and isinstance(value, dict):
@@ -179,7 +187,7 @@ def _at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None
             if info is not None:
                 out[key] = info
         elif key == "mp_world_size":
-            out[key] = tp
+            out[key] = tp if mp_world_size is None else mp_world_size
         elif key == "checkpoint_parallel_dimensions" and isinstance(value, Mapping):
             out[key] = {**value, "tp_degree": tp}
         elif key == "ds_config" and isinstance(value, Mapping):
@@ -203,8 +211,8 @@ def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
         first, params=params, groups=groups,
         partitions=tuple(part for rank in ranks for part in rank.partitions),
         files=tuple(f for rank in ranks for f in rank.files),
-        model_states=tuple(_at_degree(m, 1) for rank in ranks for m in rank.model_states),
-        optim_states=tuple(_at_degree(o, 1) for rank in ranks for o in rank.optim_states),
+        model_states=tuple(at_degree(m, 1) for rank in ranks for m in rank.model_states),
+        optim_states=tuple(at_degree(o, 1) for rank in ranks for o in rank.optim_states),
         tied=index.tied,
     )
 
@@ -310,7 +318,7 @@ def _rows(pieces: Sequence[Piece]) -> list[tuple[int, int, int]]:
     return sorted(out)
 
 
-def _local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies:
+def local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies:
     """`flats.Copies` of the target shards: elements [first, last) of a shard are full-tensor stretches,
     each copied by `full` from the source partitions that hold it."""
     rows = {name: _rows(p) for name, p in pieces.items()}
@@ -331,7 +339,7 @@ def _local_copies(pieces: Mapping[str, Sequence[Piece]], full: Copies) -> Copies
     return copies
 
 
-def _local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]:
+def local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]:
     """The runs of a target shard (offsets in the shard) made of `runs` of the full tensor."""
     out = []
     for local, at, numel in _rows(pieces):
@@ -344,8 +352,14 @@ def _local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]
 # ---- ZeRO-1/2 --------------------------------------------------------------------------------------
 
 
-def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str,
-                 copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0) -> DataParallelPlan:
+def plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str,
+                copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0, meta_base: int = 0
+                ) -> DataParallelPlan:
+    """Model-parallel rank `mp_rank`'s ZeRO-1/2 files at `world_size` data-parallel ranks: `source`'s param
+    groups (the virtual checkpoint whose rank `mp * D + d` is model-parallel rank mp's data-parallel rank
+    d) laid out by DeepSpeed's arithmetic, filled by `copies`; the 16-bit module from `module`'s runs. Each
+    target rank copies its per-rank scalars from virtual rank `meta_base` + its own (the source's last
+    data-parallel rank beyond them)."""
     by_name = source.param_by_name
     n_tensors = source.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size, copies,
@@ -356,7 +370,7 @@ def _plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_s
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=_meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
+            rank=r, meta_rank=meta_base + _meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
             model_file=model_file_name(source.stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
             group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
@@ -395,4 +409,5 @@ def _plan_zero3(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     )
 
 
-__all__ = ["plan_tensor_parallel_merge", "plan_tensor_parallel_split"]
+__all__ = ["at_degree", "check_joinable", "local_copies", "local_runs", "plan_tensor_parallel_merge",
+           "plan_tensor_parallel_split", "plan_zero12"]

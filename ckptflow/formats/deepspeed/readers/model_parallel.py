@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointError, CkptflowError
@@ -289,7 +289,8 @@ class ModelParallelCheckpoint:
     """Index of a model-parallel checkpoint: the data-parallel checkpoint of each model-parallel rank
     (`ranks`, by `mp_rank_XX`), the full model they make (`tensors`), and the blocks held twice
     (`replicas`). `carried` lists the tag folder's other DeepSpeed files (PipelineModule layer files),
-    which a data-parallel reshard keeps as they are."""
+    which a data-parallel reshard keeps as they are, and `layers` their tensors by (layer, tensor-parallel
+    rank): what a tensor-parallel change writes again at the new degree."""
 
     root: str
     tag: str
@@ -308,6 +309,7 @@ class ModelParallelCheckpoint:
     replicas: tuple[Replica, ...]
     carried: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    layers: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def tag_uri(self) -> str:

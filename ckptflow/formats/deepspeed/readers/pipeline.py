@@ -22,7 +22,8 @@ is refused. The rules are those of DeepSpeed's `ds_to_universal.merge_tp_slices`
 copy (all must agree); row-parallel = concatenated on dim 1; `parameter_with_2_sub_params_cat_dim_0`
 = each shard halved on dim 0 and the halves concatenated apart; `parameter_with_sub_params` with
 recorded shard widths; every other parameter concatenated on dim 0 (that format's convention);
-vocabulary parameters then cut to `original_vocab_size` rows; averaged parameters are refused.
+vocabulary parameters then cut to `original_vocab_size` rows (at tp1 too, where the client records
+`universal_checkpoint_info`); averaged parameters are refused.
 
 At ZeRO-0 no file names a parameter (no `param_shapes`): every tensor is read from its layer file and
 named `{layer}.{name}`, a tied module under the first layer that uses it.
@@ -91,12 +92,14 @@ def read_pipeline(
     if tp > 1:
         info = _uc_info(st, listing, model0, topology)
         st.stop_if_any()
+    elif megatron and isinstance(model0.get(UC_INFO), Mapping):  # at tp1 it still says which rows are padding
+        info = model0[UC_INFO]
     check_mp_files(st, listing, count, label, topology.description, layer_files=True)
     left_over = len(st.problems)  # files of other saves: reported, and the ranks are still read
     layer_names = _layer_files(st, listing, tp if megatron else None)
     heads = open_heads(st, listing, model0, count)
     stop_on_new(st, left_over)
-    if tp > 1:
+    if info:
         for mp in range(1, count):
             if heads[mp].get(UC_INFO) != info:
                 st.add("ranks-disagree", f"{label(mp)} records another {UC_INFO} than {label(0)} in "
@@ -131,7 +134,7 @@ def read_pipeline(
         step=first.step, ds_version=first.ds_version, kind=topology.kind,
         description=Topology(topology.kind, first.stage, topology.dp, tp=topology.tp, pp=pp).description, tp=tp, pp=pp,
         ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas),
-        carried=tuple(sorted(layer_names.values())), notes=notes,
+        carried=tuple(sorted(layer_names.values())), notes=notes, layers=layers,
     )
 
 
@@ -357,7 +360,7 @@ def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[
                                                      "ranks of its stage do; the folder mixes saves")
                 locals_ = [mp_locals[mp][name] for mp in view]
                 kind = locals_[0].kind
-                full, pieces, rows = _split(name, [t.shape for t in locals_], info, tp, kind)
+                full, pieces, rows = split_pieces(name, [t.shape for t in locals_], info, tp, kind)
                 if shape is not None and full != shape:
                     raise UnsupportedCheckpointError(f"stages hold it with different shapes {excerpt(list(shape))} and "
                                                      f"{excerpt(list(full))}")
@@ -373,17 +376,19 @@ def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[
     return tensors, replicas
 
 
-def _split(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any], tp: int,
-           kind: str) -> tuple[tuple[int, ...], list[list[Piece]], int | None]:
-    """Full shape, per tensor-parallel rank the pieces it holds, and rows to keep, by the client's rules."""
+def split_pieces(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any], tp: int,
+                 kind: str) -> tuple[tuple[int, ...], list[list[Piece]], int | None]:
+    """Full shape (vocabulary padding included), per tensor-parallel rank the pieces it holds of its local
+    tensor of `shapes[rank]`, and rows to keep (the vocabulary without its padding), by the client's
+    rules. `UnsupportedCheckpointError` (or `ValueError`) where they do not say."""
     whole = [[Piece(s, 0, row_major(s), 0, row_major(s))] for s in shapes]
+    rules = _Rules(info)
     if tp == 1 or kind == "buffer":
         if any(s != shapes[0] for s in shapes):
             raise UnsupportedCheckpointError(
                 f"its tensor-parallel copies have different shapes {[list(s) for s in shapes]}"
             )
-        return tuple(shapes[0]), whole, None
-    rules = _Rules(info)
+        return tuple(shapes[0]), whole, None if kind == "buffer" else _vocabulary_rows(name, shapes[0], rules, info)
     if rules.matches("tp_replicated_parameter_patterns", name):
         if any(s != shapes[0] for s in shapes):
             raise UnsupportedCheckpointError(f"it is recorded as replicated but its tensor-parallel copies have shapes "
@@ -403,14 +408,84 @@ def _split(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any]
     else:
         full, concat = concat_pieces(shapes, 0)
         pieces = [[p] for p in concat]
-    rows = None
-    if rules.matches("vocabulary_parameter_patterns", name):
-        original = info.get("original_vocab_size")
-        if not isinstance(original, int) or isinstance(original, bool):
-            raise UnsupportedCheckpointError("it is a vocabulary parameter but the checkpoint records no "
-                                             "original_vocab_size")
-        rows = original if original != full[0] else None
-    return tuple(full), pieces, rows
+    return tuple(full), pieces, _vocabulary_rows(name, full, rules, info)
+
+
+def _vocabulary_rows(name: str, full: Sequence[int], rules: _Rules, info: Mapping[str, Any]) -> int | None:
+    """The rows of vocabulary parameter `name` to keep (its padding cut), None for the whole tensor."""
+    if not rules.matches("vocabulary_parameter_patterns", name):
+        return None
+    original = info.get("original_vocab_size")
+    if not isinstance(original, int) or isinstance(original, bool):
+        raise UnsupportedCheckpointError("it is a vocabulary parameter but the checkpoint records no "
+                                         "original_vocab_size")
+    return original if original != full[0] else None
+
+
+def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: int, kind: str = "param"
+                 ) -> list[tuple[int, ...]]:
+    """Every tensor-parallel rank's local shape of `name` (full shape `full`, vocabulary padding included)
+    at degree `tp`: the inverse of `split_pieces`, as DeepSpeed's `load_hp_checkpoint_state` slices a
+    universal checkpoint (`chunk` into `tp` equal blocks on dim 0, or on dim 1 for row-parallel
+    parameters, each half of a `parameter_with_2_sub_params_cat_dim_0` on its own; replicated ones
+    whole). `UnsupportedCheckpointError` where the rules do not say, or the blocks would not be equal."""
+    full = tuple(int(d) for d in full)
+    if tp == 1 or kind == "buffer":
+        return [full] * tp
+    rules = _Rules(info)
+    if rules.matches("tp_replicated_parameter_patterns", name):
+        return [full] * tp
+    if rules.matches("parameter_to_average_patterns", name):
+        raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks "
+                                         "(parameter_to_average_patterns), and ckptflow copies bytes, it does not "
+                                         "average")
+    if rules.sub_params(name) is not None:
+        raise UnsupportedCheckpointError("it is recorded as fused sub-parameters (parameter_with_sub_params), whose "
+                                         "shard widths at that degree the checkpoint does not record; ckptflow does "
+                                         "not guess them")
+    halves = rules.matches("parameter_with_2_sub_params_cat_dim_0", name)
+    dim = 1 if rules.matches("parameter_with_row_parallelism_patterns", name) and not halves else 0
+    if len(full) <= dim:
+        raise UnsupportedCheckpointError(f"it has shape {list(full)}, with no dimension {dim} to split")
+    blocks = 2 * tp if halves else tp
+    if full[dim] % blocks:
+        if dim == 1:
+            raise UnsupportedCheckpointError(f"its {full[1]} columns do not split into {tp} equal blocks")
+        vocabulary = rules.matches("vocabulary_parameter_patterns", name)
+        blocks_of = f"two halves of {tp} equal blocks each" if halves else f"{tp} equal blocks"
+        rows = f"the padded vocabulary's {full[0]} rows" if vocabulary else f"its {full[0]} rows"
+        raise UnsupportedCheckpointError(f"{rows} do not split into {blocks_of}")
+    return [(*full[:dim], full[dim] // tp, *full[dim + 1:])] * tp
+
+
+# One parameter's split at a tensor-parallel degree: per rank its local shape and the pieces of the full
+# tensor (vocabulary padding included) it holds.
+Split = tuple[list[tuple[int, ...]], list[list[Piece]]]
+
+
+def splits_at(index: ModelParallelCheckpoint, tp: int) -> list[dict[str, Split]]:
+    """Per pipeline stage of the Megatron-style checkpoint `index`, every parameter its stage trains,
+    split at tensor-parallel degree `tp` by the rules its `universal_checkpoint_info` records (`shard_shapes`,
+    then `split_pieces`, the same rules the reader joins the source's shards by).
+    `UnsupportedCheckpointError` naming the first parameter the rules do not split at `tp`."""
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    out = []
+    for stage in range(index.pp):
+        ranks = index.ranks[stage * index.tp:(stage + 1) * index.tp]
+        splits: dict[str, Split] = {}
+        for param in ranks[0].params:
+            try:
+                local = [rank.param_by_name[param.name].shape for rank in ranks]
+                full, _, _ = split_pieces(param.name, local, info, index.tp, "param")
+                shapes = shard_shapes(param.name, full, info, tp)
+                again, pieces, _ = split_pieces(param.name, shapes, info, tp, "param")
+            except (CkptflowError, ValueError, KeyError) as exc:
+                raise UnsupportedCheckpointError(f"{param.name} does not split at tensor-parallel degree {tp}: {exc}",
+                                                 tensor=param.name) from None
+            assert again == full, (param.name, again, full)
+            splits[param.name] = (shapes, pieces)
+        out.append(splits)
+    return out
 
 
 class _Rules:
@@ -505,4 +580,4 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["read_pipeline"]
+__all__ = ["Split", "read_pipeline", "shard_shapes", "split_pieces", "splits_at"]

@@ -1,0 +1,285 @@
+"""Megatron-style checkpoints at another tensor-parallel degree (issue 24), checked against DeepSpeed itself.
+
+A PipelineModule whose layers split their parameters over a tensor-parallel group records how only in
+the client's `universal_checkpoint_info`. ckptflow merges the shards as `ds_to_universal` does and cuts
+the target's as `load_hp_checkpoint_state` does at the new degree, and writes the target's own files:
+
+- DeepSpeed builds the same model at the target degree (`writers.parallel`'s Megatron job at tp T'),
+  loads OUT natively (`engine.load_checkpoint`, no universal flag), and holds the source's fp32 weights
+  and Adam moments of every parameter bit for bit (`oracles.parallel_reshard`); saved again, it writes
+  exactly ckptflow's files (layer files included); `ds_to_universal` of that save equals
+  `ds_to_universal` of the source in every fp32 weight, moment and step;
+- a merge and a split back give the source again, but for the vocabulary's padding rows, which hold
+  zeros as the universal route pads them;
+- what the recorded rules do not split at the target degree is refused, naming the parameter.
+
+The default run makes one 2-rank launch (tp2 x dp2 -> tp1 x dp2); the long mode adds the pipelines
+(pp2 x tp2 -> pp2 x tp1, fused SwiGLU halves among them) in the same launch, and a split (tp1 -> tp2,
+from ckptflow's own merge) in a second one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed import load_index
+from ckptflow.formats.deepspeed.names import UC_INFO
+from ckptflow.formats.deepspeed.runs import plain_runs
+from ckptflow.reshard import reshard
+from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
+from ckptflow.reshard.shape import Shape
+from tests.fixtures.sets import ParallelFixture
+from tests.sampling import sample
+from tests.test_model_parallel_reshard import (
+    case_id,
+    check_loaded_state,
+    check_same_files,
+    check_validates,
+    run_reshard_oracle,
+)
+from tests.test_reshard import _load_plain, _universal, _universal_tensor
+
+ARGS = "megatron-args-tp2dp2-z1-fp32"  # pp1 x tp2 x dp2, Megatron-DeepSpeed's whole client state
+PIPE = "megatron-pp2tp2-z1-fp32-ucinfo"
+SWIGLU = "megatron-swiglu-pp2tp2-z1-fp32"  # fc1: two sub-parameters concatenated on dim 0
+
+# (fixture, dp, tp): every one a 2-rank launch at tp1.
+ALL_MERGES = ((ARGS, 2, 1), (PIPE, 1, 1), (SWIGLU, 1, 1))
+MERGES = sample(ALL_MERGES, [(ARGS, 2, 1)])
+# (fixture, dp, tp) from ckptflow's merge of the fixture to tp1 x dp2: back to tp2 at dp1.
+ALL_SPLITS = ((ARGS, 1, 2),)
+SPLITS = sample(ALL_SPLITS, [])
+
+
+@pytest.fixture(scope="session")
+def megatron_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
+                      parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
+    return {name: {**parallel_fixtures, **parallel_extra_fixtures}[name] for name in (ARGS, PIPE, SWIGLU)}
+
+
+@pytest.fixture(scope="session")
+def merge_oracle(megatron_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Any]:
+    return run_reshard_oracle(megatron_fixtures, MERGES, (), tmp_path_factory.mktemp("megatron-merge-oracle"))
+
+
+@pytest.fixture(scope="session")
+def merged_fixtures(megatron_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                    ) -> Mapping[str, ParallelFixture]:
+    """Each split's source: ckptflow's merge of the fixture to tp1 x dp2, with the fixture's oracles (the
+    same training state) and spec (the client state it carries)."""
+    out = {}
+    for name in sorted({case[0] for case in SPLITS}):
+        fixture = megatron_fixtures[name]
+        root = tmp_path_factory.mktemp(f"merged-{name}")
+        reshard(str(fixture.dir), str(root / "ckpt"), world_size=2, tp=1, workers=2)
+        for oracle in (fixture.expected_path, fixture.buffers_path):
+            shutil.copy(oracle, root / oracle.name)
+        out[name] = ParallelFixture(name=name, root=root, spec=fixture.spec)
+    return out
+
+
+@pytest.fixture(scope="session")
+def split_oracle(merged_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Any]:
+    return run_reshard_oracle(merged_fixtures, SPLITS, (), tmp_path_factory.mktemp("megatron-split-oracle"))
+
+
+def check_target(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture, source: ParallelFixture,
+                 scratch: Path) -> None:
+    """DeepSpeed at the target loaded the reshard of `fixture` holding the training state, saved exactly
+    ckptflow's files, and `ds_to_universal` of that save equals that of the DeepSpeed-written `source`:
+    every parameter's fp32 weight, Adam moments and step, with the converter's own metadata (cat_dim,
+    vocab_tensor). (Its `optimizer_state.pt` records the data-parallel size, which a split changes.)"""
+    check_loaded_state(oracle, case, fixture)
+    check_same_files(oracle, case)
+    check_validates(oracle, case, fixture)
+    cache: dict[Path, Path] = {}
+    ours = _universal(source.dir, cache, scratch) / "zero"
+    theirs = _universal(oracle["resaved"][case], cache, scratch) / "zero"
+    files = {f"{name}/{state}.pt" for name in source.spec["params"] for state in ("fp32", "exp_avg", "exp_avg_sq",
+                                                                                   "step")}
+    held = {str(p.relative_to(ours)) for p in ours.rglob("*.pt")}
+    assert held == {str(p.relative_to(theirs)) for p in theirs.rglob("*.pt")}
+    assert files <= held
+    for name in sorted(files):
+        assert _universal_tensor(_load_plain(ours / name)) == _universal_tensor(_load_plain(theirs / name)), name
+
+
+@pytest.mark.parametrize("case", MERGES, ids=case_id)
+def test_deepspeed_loads_a_merge_at_tp1(merge_oracle: dict[str, Any], case: tuple,
+                                        megatron_fixtures: Mapping[str, ParallelFixture],
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    fixture = megatron_fixtures[case[0]]
+    check_target(merge_oracle, case, fixture, fixture, tmp_path_factory.mktemp("universal"))
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=case_id)
+def test_deepspeed_loads_a_split_at_tp2(split_oracle: dict[str, Any], case: tuple,
+                                        merged_fixtures: Mapping[str, ParallelFixture],
+                                        megatron_fixtures: Mapping[str, ParallelFixture],
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    check_target(split_oracle, case, merged_fixtures[case[0]], megatron_fixtures[case[0]],
+                 tmp_path_factory.mktemp("universal"))
+
+
+# ---- without DeepSpeed ---------------------------------------------------------------------------------
+
+
+def _differences(ours: Any, theirs: Any, path: str, out: dict[str, int]) -> None:
+    """Every tensor of `ours` that differs from `theirs`: path -> elements that differ, each of them 0 in ours
+    (a vocabulary padding row); anything else must be equal."""
+    if isinstance(ours, torch.Tensor):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, path
+        differ = ours != theirs
+        if differ.any():
+            assert not ours[differ].any(), f"{path}: differs where ckptflow does not write zeros"
+            out[path] = int(differ.sum())
+    elif isinstance(ours, Mapping):
+        assert list(ours) == list(theirs), path
+        for key in ours:
+            _differences(ours[key], theirs[key], f"{path}/{key}", out)
+    elif isinstance(ours, (list, tuple)):
+        assert len(ours) == len(theirs), path
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _differences(a, b, f"{path}/{i}", out)
+    elif isinstance(ours, np.ndarray):
+        assert np.array_equal(ours, theirs), path
+    elif hasattr(ours, "__dict__") and not isinstance(ours, type):  # DeepSpeed's loss scaler, argparse's Namespace
+        assert type(ours) is type(theirs) and vars(ours) == vars(theirs), path
+    else:
+        assert ours == theirs, path
+
+
+@pytest.mark.parametrize("name", [ARGS, SWIGLU])
+def test_a_merge_and_a_split_give_the_source_back(name: str, megatron_fixtures: Mapping[str, ParallelFixture],
+                                                  tmp_path: Path) -> None:
+    """tp2 -> tp1 -> tp2 writes the source's files again, every field and tensor, but for the vocabulary's
+    padding row (one per vocabulary-parallel parameter, on the last rank), which the universal route pads with
+    zeros (`load_hp_checkpoint_state`): in the layer files and in the fp32 masters; the moments are zero there
+    in the source too."""
+    fixture = megatron_fixtures[name]
+    spec = fixture.parallel_spec
+    reshard(str(fixture.dir), str(tmp_path / "tp1"), world_size=spec.world_size // spec.tp, tp=1, workers=2)
+    reshard(str(tmp_path / "tp1"), str(tmp_path / "tp2"), world_size=spec.world_size, tp=2, workers=2)
+    tag = (fixture.dir / "latest").read_text().strip()
+    source, again = fixture.dir / tag, tmp_path / "tp2" / tag
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in source.iterdir() if p.suffix == ".pt")
+    differ: dict[str, int] = {}
+    for path in sorted(again.iterdir()):
+        _differences(torch.load(path, weights_only=False), torch.load(source / path.name, weights_only=False),
+                     path.name, differ)
+    hidden = 16
+    layers = {p: n for p, n in differ.items() if p.startswith("layer_")}
+    assert layers == {"layer_00-model_01-model_states.pt/weight": hidden,
+                      "layer_05-model_01-model_states.pt/weight": hidden}
+    masters = {p: n for p, n in differ.items() if not p.startswith("layer_")}
+    last = [f"mp_rank_{stage * 2 + 1:02d}" for stage in range(spec.pp)]  # each stage's last tensor-parallel rank
+    assert all("single_partition_of_fp32_groups" in p and any(m in p for m in last) for p in masters), masters
+    assert sum(masters.values()) == 2 * hidden
+
+
+def _plan(src: Path, tp: int, damage: Any) -> Any:
+    index = load_index(str(src))
+    head = index.ranks[0].model_states[0]
+    head[UC_INFO] = copy.deepcopy(head[UC_INFO])  # this index's own copy, damaged
+    damage(head[UC_INFO])
+    return plan_megatron_tensor_parallel(index, Shape(world_size=2 * tp, stage=1, tp=tp))
+
+
+def _averaged(info: dict[str, Any]) -> None:
+    info["parameter_to_average_patterns"] = [r"\d+\.fc1\.bias"]
+
+
+def _sub_params(info: dict[str, Any]) -> None:
+    info["parameter_with_sub_params"] = [{"patterns": [r"\d+\.fc1\.weight"], "shape": [[8, 8], 16],
+                                          "partition_dim": 0}]
+    info["sub_param_shard_widths"] = {r"\d+\.fc1\.weight": [[8, 8], [8, 8]]}
+
+
+def test_a_parameter_the_rules_do_not_split_is_refused(megatron_fixtures: Mapping[str, ParallelFixture],
+                                                       tmp_path: Path) -> None:
+    """The planner itself, on a recorded `universal_checkpoint_info` changed in memory: an averaged parameter
+    (which `ds_to_universal` averages) at any degree; fused sub-parameters merged to tp1, but not split again
+    from there, their widths at tp2 being nowhere."""
+    fixture = megatron_fixtures[ARGS]
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        _plan(fixture.dir, 1, _averaged)
+    assert str(refused.value) == (
+        f"{fixture.dir}/global_step3: 1.fc1.bias does not split at tensor-parallel degree 1: the checkpoint records it "
+        "as averaged over the tensor-parallel ranks; ckptflow copies bytes and does not average: convert it with "
+        "deepspeed.checkpoint.ds_to_universal")
+    merged = _plan(fixture.dir, 1, _sub_params)
+    assert merged.parts[0].flat_shapes[0][1] == ("1.fc1.weight", (32, 16))
+    reshard(str(fixture.dir), str(tmp_path / "tp1"), world_size=2, tp=1, workers=2)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        _plan(tmp_path / "tp1", 2, _sub_params)
+    assert str(refused.value) == (
+        f"{tmp_path}/tp1/global_step3: 1.fc1.weight does not split at tensor-parallel degree 2: it is recorded as "
+        "fused sub-parameters (parameter_with_sub_params), whose shard widths at that degree the checkpoint does not "
+        "record; ckptflow does not guess them")
+
+
+def test_shapes_the_rules_do_not_reach_are_refused_in_one_line(megatron_fixtures: Mapping[str, ParallelFixture],
+                                                               tmp_path: Path) -> None:
+    fixture = megatron_fixtures[ARGS]
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        reshard(str(fixture.dir), str(tmp_path / "out"), world_size=4, tp=4)
+    assert str(refused.value) == (
+        f"cannot reshard {fixture.dir}/global_step3 (ZeRO-1 tp2 x dp2 (4 ranks)) to 4 ranks, tp4: 0.weight does not "
+        "split at tensor-parallel degree 4: the padded vocabulary's 38 rows do not split into 4 equal blocks; shapes "
+        "it can write at 4 ranks: ZeRO-1 dp4 (4 ranks), ZeRO-1 tp2 x dp2 (4 ranks)")
+    pipe = megatron_fixtures[PIPE]
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=2, tp=1, pp=1)
+    assert str(refused.value).endswith(
+        "(ZeRO-1 pp2 x tp2 x dp1 (4 ranks)) to 2 ranks, tp1, pp1: ckptflow changes the number of pipeline stages of "
+        "plain PipelineModule checkpoints only, not of Megatron-style PipelineModule ones; shapes it can write at 2 "
+        "ranks: ZeRO-1 pp2 x dp1 (2 ranks)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_replicated_copies_that_differ_are_refused(megatron_fixtures: Mapping[str, ParallelFixture],
+                                                   tmp_path: Path) -> None:
+    """A replicated parameter is taken once, as `ds_to_universal` takes it, and like it ckptflow refuses a
+    source whose tensor-parallel ranks hold different values for it."""
+    src = tmp_path / "src"
+    shutil.copytree(megatron_fixtures[ARGS].dir, src)
+    index = load_index(str(src))
+    replica = next(r for r in index.replicas if r.name == "1.norm.weight")
+    run = plain_runs(replica.other)[0]
+    start, _ = run.ref.element_range(run.start, 1)
+    path = Path(run.ref.uri)
+    data = bytearray(path.read_bytes())
+    data[start:start + 4] = torch.tensor([1234.5]).numpy().tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as refused:
+        reshard(str(src), str(tmp_path / "out"), world_size=2, tp=1)
+    assert str(refused.value).startswith(
+        f"refusing to reshard {src}: tensor 1.norm.weight: tensor-parallel rank 0 of 2 and tensor-parallel rank 1 of 2 "
+        "hold different values for the same block")
+    assert not (tmp_path / "out").exists()
+    reshard(str(src), str(tmp_path / "same"), world_size=2)  # the data-parallel reshard copies both as they are
+
+
+def test_the_plan_lists_the_degrees_the_rules_split(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
+    from ckptflow.reshard import shapes_at
+
+    index = load_index(str(megatron_fixtures[ARGS].dir))
+    assert [(str(s), reason) for s, reason in shapes_at(index, 4) if s.pp == 1] == [
+        ("ZeRO-1 dp4 (4 ranks)", None), ("ZeRO-1 tp2 x dp2 (4 ranks)", None),
+        ("ZeRO-1 tp4 x dp1 (4 ranks)", "0.weight does not split at tensor-parallel degree 4: the padded vocabulary's "
+                                       "38 rows do not split into 4 equal blocks")]
+    result = json.dumps([str(s) for s, reason in shapes_at(load_index(str(megatron_fixtures[PIPE].dir)), 2)
+                         if reason is None])
+    assert result == '["ZeRO-1 pp2 x dp1 (2 ranks)"]'
