@@ -475,7 +475,8 @@ def test_megatron_deepspeed_consolidates_under_the_pipeline_names(megatron_pipe:
 
 def test_megatron_deepspeed_reshard_writes_the_client_state_back(megatron_pipe: Any, tmp_path: Path) -> None:
     """`reshard --world-size 2` (dp2 -> dp1, tp2 kept): both model-states files hold the source's client state,
-    record for record, `args` and `universal_checkpoint_info` included."""
+    record for record, `universal_checkpoint_info` included; `args` too, but for the fields that say the shape
+    (`reshard.files.ARGS_SHAPE`), which say the target's: dp 1 of 2 ranks."""
     out = tmp_path / "out"
     result = run_cli("reshard", str(megatron_pipe.dir), str(out), "--world-size", "2")
     assert result.returncode == 0, result.stderr
@@ -486,7 +487,14 @@ def test_megatron_deepspeed_reshard_writes_the_client_state_back(megatron_pipe: 
     for path in written:
         obj = open_archive(str(path), ALLOWED).obj
         assert [k for k in obj if k not in DEEPSPEED_MODEL_KEYS] == MEGATRON_CLIENT_KEYS, path
-        assert plain({k: obj[k] for k in MEGATRON_KEYS}) == plain({k: source[k] for k in MEGATRON_KEYS}), path
+        others = [k for k in MEGATRON_KEYS if k != "args"]
+        assert plain({k: obj[k] for k in others}) == plain({k: source[k] for k in others}), path
+        args, was = plain(obj["args"]), plain(source["args"])
+        assert args[:-1] == was[:-1] and [kind for kind, _ in args[-1]] == ["build"], path
+        state, before = args[-1][0][1], was[-1][0][1]
+        changed = {k: (before[k], state[k]) for k in before if state[k] != before[k]}
+        assert changed == {"data_parallel_size": (2, 1), "world_size": (4, 2)}, path
+        assert list(state) == list(before), path
 
 
 def test_megatron_deepspeed_loads_the_reshard_with_its_client_state(megatron_pipe: Any, tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
@@ -360,9 +361,34 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
                         for k, v in value.items()}
         elif key == "ds_config":
             out[key] = _target_config(value, plan.source_world_size, plan.world_size, plan.stage)
+        elif key == "args" and whole.shape is not None:
+            out[key] = tree.convert(args_at(value, whole.shape))
         else:
             out[key] = tree.convert(value)
     return out
+
+
+# Megatron-DeepSpeed keeps its command line, `args` (an `argparse.Namespace`), in every model-states file,
+# and its loader compares the tensor- and pipeline-parallel sizes there with its own run's
+# (`checkpointing.check_checkpoint_args`): at another shape, the fields that say the shape say the target's.
+# Every other field (batch sizes, samples consumed, paths...) is the training's, carried as it is.
+ARGS_SHAPE = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "data_parallel_size": "dp",
+              "world_size": "world_size", "zero_stage": "stage"}
+
+
+def args_at(value: Any, shape: Any) -> Any:
+    """`value`, when it is an `argparse.Namespace` record whose state holds the `ARGS_SHAPE` fields as
+    ints, with those fields set to `shape`'s; else `value` itself."""
+    namespace = isinstance(value, InertRecord) and value.qualname == "argparse.Namespace"
+    if not namespace or not isinstance(value.state, dict):
+        return value
+    state = value.state
+    moved = {k: getattr(shape, ARGS_SHAPE[k]) for k, v in state.items() if k in ARGS_SHAPE and type(v) is int}
+    if all(state[k] == v for k, v in moved.items()):
+        return value
+    last = max(i for i, (kind, _) in enumerate(value.ops) if kind == "build")
+    ops = tuple(("build", {**state, **moved}) if i == last else op for i, op in enumerate(value.ops))
+    return replace(value, ops=ops)
 
 
 def _frozen_at_zero2(ix: Any, key: str, module: Any, tree: _Tree) -> OrderedDict[str, Any]:

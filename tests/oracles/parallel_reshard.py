@@ -15,7 +15,8 @@ degrees, another data-parallel size), then
   ``job["buffers"]``, writing ``{"tensors_equal": n, "buffers_equal": m, "differ": [...]}`` to
   ``job["result"]``;
 - compares the client state ``load_checkpoint`` returns on every rank with the one the writer saved
-  (the client state of the job of ``job["source"]``, the fixture's spec: each of its keys, field by field, ``models.client_state.differences``),
+  (the client state of the job of ``job["source"]``, the fixture's spec: each of its keys, field by field,
+  ``models.client_state.differences``; Megatron's ``args`` with its shape fields at the target's, ``at_shape``),
   writing ``"client_state_keys"`` and ``"client_state_differ"`` (``rank R: ...``) to the same result;
 - with ``"save"``: ``engine.save_checkpoint(job["save"], tag=<the loaded tag>)`` with the client state
   the writer saved (carried as it is, as ckptflow carries it), so the files DeepSpeed writes at this size can be compared with ckptflow's.
@@ -23,6 +24,7 @@ degrees, another data-parallel size), then
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -61,6 +63,7 @@ def run_job(job: dict[str, Any]) -> None:
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {job['load']}")
     saved = _job(ParallelSpec.from_json(job.get("source", job["spec"]))).client_state()  # what the writer saved
+    saved = at_shape(saved, spec)  # what ckptflow writes back: Megatron's `args` saying the target's shape
     client_differ = [f"rank {dist.get_rank()}: {d}" for key, value in saved.items()
                      for d in (differences(value, client_state[key], key) if key in client_state else [f"{key}: missing"])]
     client_differ = [d for differ in writer._all_gather_objects(client_differ) for d in differ]
@@ -88,6 +91,19 @@ def run_job(job: dict[str, Any]) -> None:
     engine.destroy()
     del engine, work
     gc.collect()
+
+
+def at_shape(state: dict[str, Any], spec: ParallelSpec) -> dict[str, Any]:
+    """`state` with its `args` Namespace's shape fields set to `spec`'s, as `reshard.files.args_at` sets them;
+    the writer's own objects otherwise."""
+    args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        return state
+    shape = {"tensor_model_parallel_size": spec.tp, "pipeline_model_parallel_size": spec.pp,
+             "data_parallel_size": spec.world_size // (spec.tp * spec.pp), "world_size": spec.world_size,
+             "zero_stage": spec.stage}
+    fields = {k: shape[k] if k in shape and type(v) is int else v for k, v in vars(args).items()}
+    return {**state, "args": argparse.Namespace(**fields)}
 
 
 def _job(spec: ParallelSpec) -> writer.Job:
