@@ -40,7 +40,7 @@ from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
-from ckptflow.reshard.shape import Target
+from ckptflow.reshard.shape import Target, shapes_at
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
@@ -473,7 +473,7 @@ def test_reshard_refusals(expert_fixtures, tmp_path: Path) -> None:
     with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks: an expert-parallel degree of 2 does not divide "
                                                          r"the 3 data-parallel ranks left at tp1 x pp1; shapes it can "
                                                          r"write at 3 ranks: ZeRO-2 dp3 \(3 ranks\), ZeRO-1 dp3 "
-                                                         r"\(3 ranks\)$"):
+                                                         r"\(3 ranks\), ZeRO-3 dp3 \(3 ranks\)$"):
         plan_reshard(load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir)), 3)
     index, problems, _ = inspect(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
     plan = plan_reshard(index, 4)
@@ -630,20 +630,33 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
     autoep = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 3 ranks, ep3: 3 expert-parallel ranks do not split the "
                                                          r"4/4 experts of its MoE layers; shapes it can write at 3 "
-                                                         r"ranks: ZeRO-2 dp3 \(3 ranks\), ZeRO-1 dp3 \(3 ranks\)$"):
+                                                         r"ranks: ZeRO-2 dp3 \(3 ranks\), ZeRO-1 dp3 \(3 ranks\), "
+                                                         r"ZeRO-3 dp3 \(3 ranks\)$"):
         plan_reshard(autoep, Target(world_size=3, ep=3))
     zero3 = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep4: ckptflow changes the expert-parallel "
-                                                         r"degree of AutoEP and deepspeed.moe ZeRO-1/2 "
-                                                         r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
-                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\), ZeRO-1 "
-                                                         r"ep2 x edp2 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 ranks\)$"):
-        plan_reshard(zero3, Target(world_size=4, ep=4))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-3, ep4: ckptflow moves AutoEP "
-                                                         r"checkpoints to ZeRO-3 at their own expert-parallel degree "
-                                                         r"only, not together with another one yet; shapes it can "
-                                                         r"write at 4 ranks: "):
-        plan_reshard(autoep, Target(world_size=4, stage=3, ep=4))
+    with pytest.raises(UnsupportedCheckpointError, match=r"\(ZeRO-3 ep2 x edp1 \(2 ranks\)\) to 6 ranks, ZeRO-2, ep3: 3 "
+                                                         r"expert-parallel ranks do not split the 4/4 experts of its "
+                                                         r"MoE layers; shapes it can write at 6 ranks: ZeRO-3 dp6 "):
+        plan_reshard(zero3, Target(world_size=6, stage=2, ep=3))
+
+
+def test_an_autoep_zero3_checkpoint_with_frozen_parameters_stays_at_zero3(expert_fixtures) -> None:
+    """With a frozen parameter (here the embedding, made frozen in the index), AutoEP ZeRO-3 -> ZeRO-1/2 is
+    refused in one line, at its own degree or another, and --plan offers its ZeRO-3 shapes only."""
+    index = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
+    name = "model.embed_tokens.weight"
+    zero = replace(index.zero, params=tuple(replace(p, group=None, fragments=()) if p.name == name else p
+                                           for p in index.zero.params))
+    frozen = replace(index, zero=zero)
+    for target in (Target(world_size=2, stage=2), Target(world_size=4, stage=1, ep=4)):
+        with pytest.raises(UnsupportedCheckpointError, match=r": ckptflow moves AutoEP checkpoints from ZeRO-3 to "
+                                                             r"ZeRO-1/2 only without frozen parameters, whose records "
+                                                             r"DeepSpeed writes differently per stage for AutoEP and no "
+                                                             r"checkpoint here shows yet; shapes it can write at \d "
+                                                             r"ranks: ZeRO-3 "):
+            plan_reshard(frozen, target)
+    assert [str(s) for s, why in shapes_at(frozen, 4) if why is None] == [
+        "ZeRO-3 dp4 (4 ranks)", "ZeRO-3 ep2 x edp2 (4 ranks)", "ZeRO-3 ep4 x edp1 (4 ranks)"]
 
 
 def test_a_deepspeed_moe_stage_change_keeps_the_partitions_and_records_the_stage(expert_fixtures) -> None:
@@ -682,13 +695,6 @@ def test_expert_stage_refusals(expert_fixtures) -> None:
                                                          r"ZeRO-2 ep2 x edp1 \(2 ranks\), ZeRO-1 dp2 \(2 ranks\), "
                                                          r"ZeRO-1 ep2 x edp1 \(2 ranks\)$"):
         plan_reshard(moe, Target(world_size=2, stage=3))
-    autoep = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ZeRO-2, ep4: ckptflow changes the "
-                                                         r"expert-parallel degree of AutoEP and deepspeed.moe ZeRO-1/2 "
-                                                         r"checkpoints only, not of ZeRO-3 ones yet; shapes it can "
-                                                         r"write at 4 ranks: ZeRO-3 ep2 x edp2 \(4 ranks\), ZeRO-1 ep2 "
-                                                         r"x edp2 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 ranks\)$"):
-        plan_reshard(autoep, Target(world_size=4, stage=2, ep=4))
 
 
 # (source, world size, ZeRO stage, DeepSpeed's own save of the same model at that shape).

@@ -39,7 +39,7 @@ from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
-from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, param_alignment, zero12_layout
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
@@ -47,7 +47,7 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy
+from ckptflow.reshard.flats import append_copy, fragment_copies
 from ckptflow.reshard.shape import Shape, expert_counts, expert_group_cut
 from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat, TensorFile
 
@@ -173,25 +173,6 @@ def _dense_group(zero: ZeroCheckpoint, g: int) -> _TargetGroup:
     return _TargetGroup(1, names, tuple(by_name[n].shape for n in names), segments)
 
 
-# ---- the copies ---------------------------------------------------------------------------------------
-
-
-def _copies(segments: Sequence[_Segment], first: int, last: int, dst: int, out: list[Copy]) -> None:
-    """Copies of elements [first, last) of a target parameter, landing at `dst` onwards of a target
-    partition, out of the source ranks' fp32 fragments."""
-    for seg in segments:
-        a, b = max(first, seg.dst_offset), min(last, seg.dst_offset + seg.numel)
-        if a >= b:
-            continue
-        lo, hi = seg.src_offset + a - seg.dst_offset, seg.src_offset + b - seg.dst_offset  # in the source param
-        for frag in seg.src.fragments:
-            x, y = max(lo, frag.param_offset), min(hi, frag.param_offset + frag.numel)
-            if x < y:
-                append_copy(out, Copy(src_rank=frag.rank, src_flat=frag.group,
-                                  src_offset=frag.offset + x - frag.param_offset,
-                                  dst_offset=dst + (x - lo) + (a - first), numel=y - x))
-
-
 # ---- the plan -----------------------------------------------------------------------------------------
 
 
@@ -202,57 +183,65 @@ def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPl
     zero = source.zero
     if zero is None or zero.stage not in (1, 2):
         raise _refuse(source, shape, "ckptflow changes the expert-parallel degree of AutoEP and deepspeed.moe "
-                      "ZeRO-1/2 checkpoints only so far", f"keep its expert-parallel degree ({source.ep})")
+                      "ZeRO-1/2 checkpoints only (AutoEP ZeRO-3 ones: `plan_expert_from_zero3`, "
+                      "`stage.plan_expert_zero3`)", f"keep its expert-parallel degree ({source.ep})")
     if shape.tp != 1 or shape.pp != 1:
         raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with other "
                       "degrees", "change one at a time")
     if shape.stage != zero.stage:
         check_expert_stage(source, shape.stage)
+    plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
+    return _plan(source, zero, at_degree(source, shape), shape)
+
+
+def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
+    """`source`'s ZeRO index as DeepSpeed records the checkpoint at expert-parallel degree `shape.ep`
+    (the source's own at its degree): the target's parameters and param groups, each expert-group
+    parameter's fragments composed of the source ranks' fragments that hold its elements (so a
+    planner of the stage, `_plan` here or `stage.plan_expert_zero3`, copies them as from any
+    source), and the metadata `reshard.files` copies into the new files; its partitions stay the
+    source's. Refused in one line where DeepSpeed's layout at `shape.ep` is not one ckptflow builds."""
+    zero = source.zero
+    assert zero is not None, "a ZeRO-0 source has nothing to reshard"
+    if shape.ep == source.ep:
+        return zero
     counts = expert_counts(source)
     bad = [n for n in counts if n % shape.ep]
     if not counts or bad:
         raise _refuse(source, shape, f"its MoE layers have {list(counts) or 'an unrecorded number of'} experts, which "
                       f"{shape.ep} expert-parallel ranks do not split evenly",
                       "choose a degree that divides every layer's experts")
-    if is_set(zero.zero_config, "round_robin_gradients"):
+    if zero.stage != 3 and is_set(zero.zero_config, "round_robin_gradients"):
         raise _refuse(source, shape, "it was trained with zero_optimization.round_robin_gradients, whose order "
                       "ckptflow does not rebuild across expert-parallel degrees", "keep its expert-parallel degree")
     if source.kind == "autoep":
         _check_uniform_placement(source, shape)
     _check_group_split(source, zero, shape)
-    plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
     groups = [(_autoep_group(zero, g, shape.ep, counts, source, shape) if source.kind == "autoep"
                else _dsmoe_group(zero, g, shape.ep, source, shape)) if _is_expert(group) else _dense_group(zero, g)
               for g, group in enumerate(zero.groups)]
-    return _plan(source, zero, groups, shape)
+    return _virtual_source(zero, groups, shape.ep)
 
 
 def plan_expert_from_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
-    """The plan that writes the AutoEP ZeRO-3 checkpoint `source` at ZeRO-1 or ZeRO-2 (`shape.stage`), its
-    expert-parallel degree kept, on any number of ranks it divides; reads nothing. What DeepSpeed saves
-    there: `DeepSpeedZeroOptimizer`'s flat groups (dense ones over every rank, each expert-parallel
-    rank's experts over its expert data-parallel group) filled from the ZeRO-3 pieces; rank 0's module,
-    every tensor its own 16-bit copy of the fp32 master (cast as DeepSpeed casts it after each step,
-    the router's second copy as well); and one file per MoE layer and global expert, written by the
-    expert-parallel rank that holds it (`units.TensorFile`)."""
+    """The plan that writes the AutoEP ZeRO-3 checkpoint `source` at ZeRO-1 or ZeRO-2 (`shape.stage`), at
+    its own expert-parallel degree or another (`at_degree`), on any number of ranks it divides; reads
+    nothing. What DeepSpeed saves there: `DeepSpeedZeroOptimizer`'s flat groups (dense ones over every
+    rank, each expert-parallel rank's experts over its expert data-parallel group) filled from the
+    ZeRO-3 pieces; rank 0's module, every tensor its own 16-bit copy of the fp32 master (cast as
+    DeepSpeed casts it after each step, the router's second copy as well); and one file per MoE layer
+    and global expert, written by the target expert-parallel rank that holds it (`units.TensorFile`)."""
     zero = source.zero
-    assert zero is not None and zero.stage == 3 and shape.ep == source.ep, "the shape check refuses the rest"
-    check_expert_stage(source, shape.stage)
-    if source.kind != "autoep" or any(p.frozen for p in zero.params):
-        raise UnsupportedCheckpointError(
-            f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{shape.stage}: ckptflow moves AutoEP checkpoints "
-            "without frozen parameters only from ZeRO-3", code="unsupported-shape", uri=source.root,
-            hint="keep its ZeRO stage")
+    assert zero is not None and zero.stage == 3 and source.kind == "autoep", "the shape check refuses the rest"
+    check_expert_stage(source, shape.stage)  # frozen parameters refused
     _check_uniform_placement(source, shape)
     plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
-    counts = expert_counts(source)
-    groups = [_autoep_group(zero, g, shape.ep, counts, source, shape) if _is_expert(group) else _dense_group(zero, g)
-              for g, group in enumerate(zero.groups)]
-    plan = _plan(source, zero, groups, shape)
-    files = _expert_files(zero)
+    plan = _plan(source, zero, at_degree(source, shape), shape)
+    files = _expert_files(plan.index)
     units = tuple(replace(u, tensor_files=files.get(u.rank, ())) for u in plan.units)
     runs, copies = _module_runs(zero)
-    return replace(plan, units=units, module_runs=runs, index=replace(plan.index, tied={**zero.tied, **copies}))
+    return replace(plan, units=units, module_runs=runs,
+                   index=replace(plan.index, tied={**zero.tied, **copies}))
 
 
 def _cast(runs: Sequence[Run], dtype: str) -> tuple[Run, ...]:
@@ -315,8 +304,10 @@ def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
                           "at another degree", "convert it with DeepSpeed's universal converter")
 
 
-def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_TargetGroup],
-          shape: Shape) -> DataParallelPlan:
+def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoint, shape: Shape) -> DataParallelPlan:
+    """`DeepSpeedZeroOptimizer`'s flat groups of `virtual` (`at_degree`: the source's index at the target
+    degree) on `shape.world_size` ranks, each filled from the source fragments its parameters name;
+    rank 0 writes the model states."""
     world_size = shape.world_size
     optimizer = ZERO if zero.optimizer_kind == ZERO3 else zero.optimizer_kind  # from ZeRO-3: DeepSpeedZeroOptimizer
     bf16 = optimizer == BF16
@@ -324,10 +315,13 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_Targ
     paddings: list[list[int]] = [[] for _ in range(world_size)]
     slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
     flat_shapes, param_paddings = [], []
-    for g, group in enumerate(groups):
-        numels = [_numel(s) for s in group.shapes]
-        dtype = zero.param_by_name[zero.groups[g].params[0]].dtype if zero.groups[g].params else "float32"
-        align = 1 if bf16 or not numels else param_alignment(DTYPE_SIZES[dtype],
+    by_key = virtual.param_by_key
+    ordered = {key: sorted(p.fragments, key=lambda f: f.param_offset) for key, p in by_key.items()}
+    starts = {key: [f.param_offset for f in frags] for key, frags in ordered.items()}
+    for g, group in enumerate(virtual.groups):
+        params = [by_key[(0, n)] for n in group.params]
+        numels = [p.numel for p in params]
+        align = 1 if bf16 or not numels else param_alignment(DTYPE_SIZES[params[0].dtype],
                                                              is_set(zero.zero_config, "parameter_alignment"))
         parts = world_size // group.ep
         dst = zero12_layout(numels, parts, alignment=align, bf16_optimizer=bf16)
@@ -337,10 +331,11 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_Targ
             lo, hi = part * dst.partition, (part + 1) * dst.partition
             copies: list[Copy] = []
             mine, pos = [], 0
-            for name, off, numel in zip(group.names, dst.offsets, numels):
+            for name, off, numel in zip(group.params, dst.offsets, numels):
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
-                    _copies(group.segments[(e, name)], a - off, b - off, a - lo, copies)
+                    for c in fragment_copies(ordered[(e, name)], a - off, b - off, a - lo, starts[(e, name)]):
+                        append_copy(copies, c)
                 mapped = pos if cumulative else off
                 ma, mb = max(mapped, lo), min(mapped + numel, hi)
                 if ma < mb:
@@ -349,7 +344,7 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_Targ
             flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=tuple(copies)))
             paddings[r].append(dst.group_paddings[part])
             slices[r].append(tuple(mine))
-        flat_shapes.append(tuple(zip(group.names, group.shapes)))
+        flat_shapes.append(tuple((p.name, p.shape) for p in params))
         param_paddings.append(dst.param_paddings)
     n_tensors = zero.tensors_per_partition
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in zero.params if p.group is None or
@@ -368,8 +363,8 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, groups: Sequence[_Targ
         root=zero.root, tag=zero.tag, stage=shape.stage, precision=zero.precision, optimizer=optimizer,
         source_world_size=zero.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
         param_alignment_paddings=tuple(param_paddings), module=(), units=tuple(units),
-        index=_virtual_source(zero, groups, shape.ep), carried=source.expert_files,
-        group_ep=tuple(group.ep for group in groups), source_optimizer=zero.optimizer_kind,
+        index=virtual, carried=source.expert_files, group_ep=tuple(group.ep for group in virtual.groups),
+        source_optimizer=zero.optimizer_kind,
     )
 
 
@@ -443,16 +438,43 @@ def _model_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
 
 
 def _optim_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
+    """An optimizer file's fields that name the expert groups, as at degree `ep`: the base optimizer's
+    param groups (`base_optimizer_state` at ZeRO-1/2, `optimizer_state_dict` at ZeRO-3), ZeRO-3's
+    `ds_zero_partition_groups` group names, and `autoep_size` in the recorded config."""
     out = dict(state)
     osd = out.get("optimizer_state_dict")
-    base = osd.get("base_optimizer_state") if isinstance(osd, Mapping) else None
-    if isinstance(osd, Mapping) and isinstance(base, Mapping):
-        groups = [{**g, "name": f"ep_size_{ep}"} if isinstance(g, Mapping) and g.get("moe") else g
-                  for g in base.get("param_groups") or []]
-        out["optimizer_state_dict"] = {**osd, "base_optimizer_state": {**base, "param_groups": groups}}
+    if isinstance(osd, Mapping):
+        osd = dict(osd)
+        for key in ("base_optimizer_state", "optimizer_state_dict"):
+            base = osd.get(key)
+            if isinstance(base, Mapping):
+                groups = [{**g, "name": f"ep_size_{ep}"} if isinstance(g, Mapping) and g.get("moe") else g
+                          for g in base.get("param_groups") or []]
+                osd[key] = {**base, "param_groups": groups}
+        if isinstance(osd.get("ds_zero_partition_groups"), list):
+            osd["ds_zero_partition_groups"] = [
+                {**g, "group_names": [f"ep_size_{ep}" if str(n).startswith("ep_size_") else n
+                                      for n in g["group_names"]]}
+                if isinstance(g, Mapping) and isinstance(g.get("group_names"), list) else g
+                for g in osd["ds_zero_partition_groups"]]
+        out["optimizer_state_dict"] = osd
     if "ds_config" in out:
         out["ds_config"] = _config(out["ds_config"], ep)
     return out
+
+
+def _fragments(segments: Sequence[_Segment]) -> tuple[Fragment, ...]:
+    """A target parameter's fragments, in parameter order: where in the source ranks' flat partitions
+    each of its elements is, through the source parameters its `segments` come from."""
+    out = []
+    for seg in segments:
+        lo, hi = seg.src_offset, seg.src_offset + seg.numel
+        for frag in sorted(seg.src.fragments, key=lambda f: f.param_offset):
+            x, y = max(lo, frag.param_offset), min(hi, frag.param_offset + frag.numel)
+            if x < y:
+                out.append(Fragment(rank=frag.rank, group=frag.group, offset=frag.offset + x - frag.param_offset,
+                                    numel=y - x, param_offset=seg.dst_offset + x - lo))
+    return tuple(out)
 
 
 def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[_TargetGroup], ep: int) -> ZeroCheckpoint:
@@ -468,8 +490,8 @@ def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[_TargetGroup], ep: in
         hyper = {**old.hyper, "name": f"ep_size_{ep}"} if "name" in old.hyper else old.hyper
         new_groups.append(ParamGroup(old.index, hyper, group.names, ep=group.ep))
         dtype = zero.param_by_name[old.params[0]].dtype
-        params += [Param(name, shape, dtype, old.index, shard=e) for e in range(group.ep)
-                   for name, shape in zip(group.names, group.shapes)]
+        params += [Param(name, shape, dtype, old.index, fragments=_fragments(group.segments[(e, name)]), shard=e)
+                   for e in range(group.ep) for name, shape in zip(group.names, group.shapes)]
     return replace(zero, params=tuple(params), groups=tuple(new_groups),
                    model_states=tuple(_model_states(m, ep) for m in zero.model_states),
                    optim_states=tuple(_optim_states(o, ep) for o in zero.optim_states))

@@ -120,8 +120,8 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
         return plan_stage_change(index, shape.dp, shape.stage)
     if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":
         return plan_model_parallel_stage(index, shape.dp, shape.stage)
-    if isinstance(index, ExpertCheckpoint) and shape.stage == 3 and source.stage != 3:
-        return plan_expert_zero3(index, shape.dp)
+    if isinstance(index, ExpertCheckpoint) and shape.stage == 3 and (source.stage != 3 or shape.ep != source.ep):
+        return plan_expert_zero3(index, shape)
     if isinstance(index, ExpertCheckpoint) and source.stage == 3 and shape.stage != 3:
         return plan_expert_from_zero3(index, shape)
     if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:

@@ -42,7 +42,9 @@ from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheck
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
+from ckptflow.reshard.experts import at_degree
 from ckptflow.reshard.flats import Copies, fragment_copies, zero3_flats, zero12_flats
+from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
 
@@ -114,17 +116,23 @@ def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     return _zero3_plan(index, world_size, per_rank, flat_shapes)
 
 
-def plan_expert_zero3(source: ExpertCheckpoint, world_size: int) -> DataParallelPlan:
-    """The AutoEP ZeRO-1/2 checkpoint `source` at ZeRO-3 on `world_size` ranks, its expert-parallel
-    degree N kept. As `DeepSpeedZeroOptimizer_Stage3` partitions an AutoEP model
-    (`engine._resolve_zero3_param_placement`): a dense group over every rank, an expert group's copy
-    of expert-parallel rank e over that rank's expert data-parallel group (M / N ranks), each cut into
-    ZeRO-3 pieces; no per-expert files (`readers.autoep`: ZeRO-3 keeps the experts in the partitions)."""
-    index = source.zero
-    assert index is not None and index.stage in (1, 2), "the shape check refuses other sources"
+def plan_expert_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
+    """The AutoEP checkpoint `source` (ZeRO-1/2, or ZeRO-3 at another expert-parallel degree) at ZeRO-3
+    on `shape.world_size` ranks and expert-parallel degree `shape.ep`. As `DeepSpeedZeroOptimizer_Stage3`
+    partitions an AutoEP model (`engine._resolve_zero3_param_placement`): a dense group over every
+    rank, an expert group's copy of expert-parallel rank e over that rank's expert data-parallel group
+    (M / N ranks), each cut into ZeRO-3 pieces; no per-expert files (`readers.autoep`: ZeRO-3 keeps the
+    experts in the partitions). Another degree is the source's index at that degree
+    (`experts.at_degree`), whose parameters name the source fragments that hold them."""
+    zero = source.zero
+    assert zero is not None and source.kind == "autoep", "the shape check refuses other sources"
+    assert zero.stage in (1, 2) or shape.ep != source.ep, "a ZeRO-3 source at its own degree is a data-parallel reshard"
     check_expert_stage(source, 3)
-    _check_round_robin(index)
-    plan_expert_parallel(source, world_size)  # the source checked against DeepSpeed's arithmetic, the size against N
+    if zero.stage != 3:
+        _check_round_robin(zero)
+    plan_expert_parallel(source, zero.world_size)  # the source checked against DeepSpeed's arithmetic
+    index = at_degree(source, shape)
+    world_size = shape.world_size
     by_key = index.param_by_key
     per_rank: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     flat_shapes: list[tuple[tuple[str, tuple[int, ...]], ...]] = []
@@ -137,10 +145,10 @@ def plan_expert_zero3(source: ExpertCheckpoint, world_size: int) -> DataParallel
                 per_rank[r] += [replace(f, group=g) for f in laid[part]]
         flat_shapes += shapes  # the same shapes on every expert-parallel rank
     plan = _zero3_plan(index, world_size, tuple(map(tuple, per_rank)), tuple(flat_shapes))
-    group_ep = tuple(g.ep for g in index.groups)
-    ep = max(group_ep)
-    units = tuple(replace(u, meta_rank=u.rank if u.rank < index.world_size else u.rank % ep) for u in plan.units)
-    return replace(plan, units=units, group_ep=group_ep)
+    # A rank past the source's copies the scalars of one of the source's expert-parallel rank's.
+    units = tuple(replace(u, meta_rank=u.rank if u.rank < zero.world_size else u.rank % source.ep)
+                  for u in plan.units)
+    return replace(plan, units=units, group_ep=tuple(g.ep for g in index.groups))
 
 
 def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Sequence[TargetFlat]],
@@ -170,7 +178,8 @@ def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Seque
     return DataParallelPlan(
         root=index.root, tag=index.tag, stage=3, precision=index.precision, optimizer=ZERO3,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
-        param_alignment_paddings=(), module=(), units=tuple(units), index=index, source_optimizer=ZERO,
+        param_alignment_paddings=(), module=(), units=tuple(units), index=index,
+        source_optimizer=index.optimizer_kind,
     )
 
 
