@@ -498,9 +498,10 @@ ALL_EP_RESHARDS = (
 EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
 
 # (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
-# alone or with another degree or size, and AutoEP between ZeRO-1/2 and ZeRO-3 at its own degree;
-# DeepSpeed launched at the target stage loads it natively. By default two launches (deepspeed.moe
-# ZeRO-2 -> ZeRO-1 with ep2 -> ep4 on 4 ranks, and AutoEP ZeRO-2 -> ZeRO-3 on the source's 2 ranks);
+# alone or with another degree or size, and AutoEP between ZeRO-1/2 and ZeRO-3 at its own degree or
+# another; DeepSpeed launched at the target stage and degree loads it natively. By default three launches
+# (deepspeed.moe ZeRO-2 -> ZeRO-1 with ep2 -> ep4 on 4 ranks, AutoEP ZeRO-2 -> ZeRO-3 on the source's 2
+# ranks, AutoEP at ZeRO-3 ep4 on 4 ranks);
 # `CKPTFLOW_LONG=1` adds deepspeed.moe at its own degree, edp2, bf16, the held-out ZeRO-1 -> ZeRO-2,
 # AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, ZeRO-3 on more ranks (ep2 x edp2) and fewer
 # (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks,
@@ -515,8 +516,21 @@ ALL_STAGE_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z2-bf16", 2, 2, 3),
     ("autoep-qwen3-moe-ep2-z3-fp32", 2, 2, 2), ("autoep-mixtral-ep2dp2-z3-fp32", 2, 2, 2),
     ("autoep-mixtral-ep2-z3-fp32", 4, 2, 1), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 2, 2),
+    # AutoEP's expert-parallel degree with ZeRO-3 on either side: ZeRO-2 ep2 x edp2 -> ZeRO-3 ep4 (stage,
+    # degree and expert data parallelism at once), ZeRO-3 -> ZeRO-3 ep4 and ep1, ZeRO-3 -> ZeRO-2 ep4 and
+    # ep1, ZeRO-1 ep4 from the held-out bf16 ep2 x edp3, and ZeRO-2 ep2 -> ZeRO-3 ep1.
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 4, 3), ("autoep-mixtral-ep2dp2-z3-fp32", 4, 4, 3),
+    ("autoep-mixtral-ep2dp2-z3-fp32", 4, 4, 2), ("autoep-qwen3-moe-ep2-z3-fp32", 2, 1, 3),
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 1, 3), ("autoep-mixtral-ep2-z3-fp32", 4, 1, 2),
+    ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 4, 1), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 4, 3),
 )
-STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [("dsmoe-ep2-z2-fp32", 4, 4, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3)])
+# By default one launch more for AutoEP ZeRO-3 at another degree (ep4 at ZeRO-3 from ZeRO-2 ep2 x edp2 and
+# from ZeRO-3), and ZeRO-3 -> ZeRO-2 ep4 in the ep4 ZeRO-2 launch the degree cases make anyway.
+STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [
+    ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 4, 3), ("autoep-mixtral-ep2dp2-z3-fp32", 4, 4, 3),
+    ("autoep-mixtral-ep2dp2-z3-fp32", 4, 4, 2),
+])
 
 
 def _ep_case_id(case: tuple[Any, ...]) -> str:
@@ -750,6 +764,67 @@ def test_autoep_zero2_to_zero3_and_back_gives_the_source_s_files(expert_fixtures
     reshard(str(source.dir), str(tmp_path / "z3"), world_size=world_size, stage=3)
     reshard(str(tmp_path / "z3"), str(tmp_path / "z2"), world_size=2, stage=2)
     _compare_folders(tmp_path / "z2" / "global_step3", source.tag_dir)
+
+
+# (source, ranks and degree on the way, ranks back): an expert-parallel degree change at ZeRO-3 and back
+# (ZeRO-2 -> ZeRO-3 ep4 -> ZeRO-2 ep2; ZeRO-3 -> ZeRO-3 ep4 or ep1 -> ZeRO-3 ep2) gives the source's files.
+DEGREE_ROUND_TRIPS = [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 3, 4, 4), ("autoep-qwen3-moe-ep2-z2-bf16", 3, 4, 4),
+    ("autoep-mixtral-ep2dp2-z3-fp32", 3, 4, 4), ("autoep-qwen3-moe-ep2-z3-fp32", 3, 2, 1),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, 4, 4),
+]
+
+
+@pytest.mark.parametrize(("name", "stage", "world_size", "ep"), DEGREE_ROUND_TRIPS)
+def test_an_expert_degree_change_at_zero3_and_back_gives_the_source_s_files(expert_fixtures, name: str, stage: int,
+                                                                            world_size: int, ep: int,
+                                                                            tmp_path: Path) -> None:
+    """Out to ZeRO-`stage` at degree `ep` on `world_size` ranks and back to the source's stage, ranks and
+    degree: DeepSpeed's files of the source field for field and byte for byte (flat partitions, moments,
+    ds_zero_partition_groups, each rank's ds_autoep_layers, the module, every expert's own file), so
+    every element went to the rank that owns it at `ep` and came back."""
+    source = expert_fixtures[name]
+    index = load_index(str(source.dir))
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=stage, ep=ep)
+    there = load_index(str(tmp_path / "out"))
+    assert (there.stage, there.ep, there.world_size) == (stage, ep, world_size)
+    reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=index.world_size, stage=index.stage, ep=index.ep)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
+
+
+def test_the_zero3_degree_plan_names_the_source_fragments_of_each_new_expert(expert_fixtures) -> None:
+    """ZeRO-3 ep2 x edp2 -> ZeRO-3 ep4 x edp1 on 4 ranks: rank r holds global expert r of each layer (one
+    row of each stacked weight, its whole ZeRO-3 piece, no expert data parallelism left), read from the
+    two source ranks of expert-parallel rank r // 2 that hold row r % 2's halves."""
+    index = load_index(str(expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"].dir))
+    plan = plan_reshard(index, Target(world_size=4, ep=4))
+    assert (plan.stage, plan.group_ep, plan.carried) == (3, (1, 1, 4), ())
+    w1 = index.zero.param_by_key[(0, "model.layers.0.mlp.experts.w1")]
+    row = w1.numel // w1.shape[0]
+    for unit in plan.units:
+        experts = unit.flats[2]
+        held = {(c.src_rank, c.src_flat) for c in experts.copies}
+        assert {rank for rank, _ in held} <= {unit.rank // 2, unit.rank // 2 + 2}, held
+        first = sum(min(c.dst_offset + c.numel, row) - c.dst_offset for c in experts.copies if c.dst_offset < row)
+        assert first == row  # layer 0's w1 leads the group: the whole of expert `unit.rank`'s row
+    osd = plan.index.optim_states[0]["optimizer_state_dict"]
+    assert [g["name"] for g in osd["optimizer_state_dict"]["param_groups"]] == ["decay", "no_decay", "ep_size_4"]
+    assert [g["group_names"] for g in osd["ds_zero_partition_groups"]] == [["replicated"], ["replicated"],
+                                                                         ["ep_size_4"]]
+
+
+def test_autoep_zero3_at_another_degree_is_what_deepspeed_writes_at_zero2_there(expert_fixtures,
+                                                                                tmp_path: Path) -> None:
+    """AutoEP ZeRO-3 ep2 x edp2 -> ZeRO-2 ep4 on 4 ranks has the files, keys, shapes and metadata of the
+    held-out ZeRO-2 ep4 checkpoint DeepSpeed wrote (another seed: values aside), and the source's weights."""
+    source = expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"]
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=4, stage=2, ep=4)
+    _compare_folders(tmp_path / "out" / "global_step3", expert_fixtures["autoep-mixtral-ep4-z2-fp32-s2"].tag_dir,
+                     values=False, ignore=("global_samples",))
+    consolidate(str(tmp_path / "out"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    for key, tensor in _fp32(source).items():
+        assert torch.equal(weights[key], tensor), key
 
 
 def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:

@@ -1,4 +1,4 @@
-"""Changing the expert-parallel degree of an AutoEP or deepspeed.moe ZeRO-1/2 checkpoint. Pure.
+"""Changing the expert-parallel degree of an AutoEP or deepspeed.moe checkpoint. Pure.
 
 At expert-parallel degree N over M data-parallel ranks, DeepSpeed 0.19.8 (default topology,
 `groups._create_expert_and_data_parallel`) makes rank r expert-parallel rank `r % N` and partition
@@ -17,16 +17,19 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
   record N', `num_local_experts`, the placement and its affine maps, the group name and rank 0's
   expert-parallel coordinates; `expert_parallel.autoep_size` in the recorded config is N'.
 
-The plan is an ordinary `DataParallelPlan` over a virtual source: the source's ZeRO index with that
-metadata rewritten for N', so `reshard.files` writes it unchanged. Every target partition is built
-from the source ranks' fp32 fragments (`Param.fragments`: which elements of which parameter each rank's
-flat partition holds), after the source is checked to be laid out as DeepSpeed's arithmetic predicts
-(`data_parallel.plan_expert_parallel` at its own size). The ZeRO stage may change with the degree,
-between ZeRO-1 and ZeRO-2 (the same flat partitions; only the recorded stage differs). Refused in one
-line: ZeRO-3 sources and targets (AutoEP moves between ZeRO-1/2 and ZeRO-3 at its own degree:
-`stage.plan_expert_zero3` there, `plan_expert_from_zero3` here back),
-`round_robin_gradients`, a placement other than DeepSpeed's uniform one, and degrees that do not
-divide every layer's experts.
+The plan is an ordinary plan of the target stage over a virtual source (`at_degree`): the source's
+ZeRO index at N', its expert parameters at their new shapes, each with the fragments of the source
+ranks' fp32 partitions that hold its elements (`Param.fragments`, composed through the source
+parameters its rows come from), and that metadata rewritten for N', so the stage planners and
+`reshard.files` use it as any source. Before that the source is checked to be laid out as DeepSpeed's
+arithmetic predicts (`data_parallel.plan_expert_parallel` at its own size). The stage planners:
+`plan_expert_degree` here for ZeRO-1/2 (and the other of ZeRO-1 and ZeRO-2: the same flat partitions,
+only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to ZeRO-1/2 (each
+expert's own file written again, by the target expert-parallel rank holding it) and
+`stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
+in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), AutoEP ZeRO-3 with frozen parameters to
+ZeRO-1/2, `round_robin_gradients`, a placement other than DeepSpeed's uniform one, degrees that do
+not divide every layer's experts, and expert groups DeepSpeed cuts by size differently at N and N'.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ that would work, when it does not divide, the layout forbids it or ckptflow cann
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
 parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: merged to tp1 or split to
 any degree), the pipeline one (`pipeline`: PipelineModule stages merged into one), the
-expert-parallel one (`experts`: another expert-parallel degree), the Megatron-style one (`megatron`:
-another tensor-parallel degree by the client's `universal_checkpoint_info`). Every planner returns a
-`ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
+expert-parallel one (`experts`: another expert-parallel degree, at any stage AutoEP trains at), the
+Megatron-style one (`megatron`: another tensor-parallel degree by the client's
+`universal_checkpoint_info`). Every planner returns a `ReshardPlan` (`units`) that `reshard.files` and
+`reshard.run` write. Nothing here reads a byte.
 """
 
 from __future__ import annotations

@@ -21,10 +21,12 @@ with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatro
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
 files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
 between ZeRO-1 and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`,
-`experts.plan_expert_degree`), by the first rule; AutoEP moves from ZeRO-1/2 to ZeRO-3 at its own
-expert-parallel degree by the second, each expert-parallel rank's experts cut over its expert
-data-parallel group (`plan_expert_zero3`), and back by the third with its per-expert files
-(`experts.plan_expert_from_zero3`); `shape.why_not_expert_stage` says why not otherwise.
+`experts.plan_expert_degree`), by the first rule; AutoEP moves from ZeRO-1/2 to ZeRO-3 by the second,
+each expert-parallel rank's experts cut over its expert data-parallel group (`plan_expert_zero3`), and
+back by the third with its per-expert files (`experts.plan_expert_from_zero3`), at its own
+expert-parallel degree or another (`experts.at_degree`: the source's index at the new degree, which
+ZeRO-3 -> ZeRO-3 at another degree goes through too); `shape.why_not_expert_stage` says why not
+otherwise.
 """
 
 from __future__ import annotations
