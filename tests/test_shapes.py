@@ -179,3 +179,19 @@ def test_the_cli_plan_of_a_megatron_checkpoint_names_what_its_rules_split(
         "not yet: 0.weight does not split at tensor-parallel degree 4: the padded vocabulary's 38 rows do not split "
         "into 4 equal blocks")
     assert result.output.splitlines()[-1].startswith("2 of 6 shape(s) at 4 rank(s) can be written.")
+
+
+def test_the_cli_plan_of_an_autoep_zero3_checkpoint_offers_every_degree_at_every_stage(
+        parallel_fixtures: Mapping[str, Any]) -> None:
+    """AutoEP ZeRO-3 at ep2: on 4 ranks ckptflow writes it at ep1, ep2 and ep4, at ZeRO-3 and at ZeRO-1/2
+    (the degree and the stage change together, `experts.at_degree`); a degree that does not divide its 4
+    experts is not offered."""
+    src = str(parallel_fixtures["autoep-mixtral-ep2-z3-fp32"].dir)
+    result = CliRunner().invoke(app, ["reshard", src, "--world-size", "4", "--plan"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("ZeRO-") and "(now)" not in line]
+    assert [row.split("  ")[0] for row in rows] == [
+        f"ZeRO-{stage} {axes} (4 ranks)" for stage in (3, 1, 2) for axes in ("dp4", "ep2 x edp2", "ep4 x edp1")]
+    assert all(row.rstrip().endswith("writes it") for row in rows)
+    assert result.output.splitlines()[-1].startswith("9 of 9 shape(s) at 4 rank(s) can be written.")
+    assert {s.ep for s, why in shapes_at(load_index(src), 6) if why is None} == {1, 2}
