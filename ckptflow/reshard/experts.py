@@ -184,10 +184,7 @@ def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPl
     expert-parallel degree, any data-parallel size it divides, and the other of ZeRO-1 and ZeRO-2 if
     asked); reads nothing."""
     zero = source.zero
-    if zero is None or zero.stage not in (1, 2):
-        raise _refuse(source, shape, "ckptflow changes the expert-parallel degree of AutoEP and deepspeed.moe "
-                      "ZeRO-1/2 checkpoints only (AutoEP ZeRO-3 ones: `plan_expert_from_zero3`, "
-                      "`stage.plan_expert_zero3`)", f"keep its expert-parallel degree ({source.ep})")
+    assert zero is not None and zero.stage in (1, 2), "ZeRO-3 sources go to plan_expert_from_zero3 or ZeRO-3's planner"
     if shape.tp != 1 or shape.pp != 1:
         raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with other "
                       "degrees", "change one at a time")
