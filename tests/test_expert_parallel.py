@@ -40,7 +40,7 @@ from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
-from ckptflow.reshard.shape import Target, shapes_at
+from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
@@ -419,6 +419,20 @@ def _compare_folders(ours: Path, theirs: Path, *, values: bool = True, ignore: t
         assert not diffs, f"{name}: " + "; ".join(diffs[:5])
 
 
+def _shape_types(folder: Path) -> dict[str, list[str]]:
+    """Per model-states file, the Python types of its recorded shapes (`param_shapes`, `frozen_param_shapes`),
+    which the archive reader gives as tuples either way: DeepSpeed's MoE save writes plain tuples, where
+    other saves write torch.Size. Read with torch.load: these are trusted files, DeepSpeed's or ours."""
+    out = {}
+    for path in sorted(folder.glob("*model_states.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        shapes = [v for group in state.get("param_shapes") or [] for v in group.values()]
+        shapes += list((state.get("frozen_param_shapes") or {}).values())
+        if shapes:
+            out[path.name] = sorted({type(v).__name__ for v in shapes})
+    return out
+
+
 @pytest.mark.parametrize("case", RESHARDS + NATIVE, ids=_case_id)
 def test_deepspeed_holds_exactly_the_source_state(expert_fixtures, oracle, case) -> None:
     """Loaded natively at the new world size (no universal flag), DeepSpeed holds the oracle's fp32
@@ -616,6 +630,7 @@ def test_deepspeed_training_at_the_new_degree_writes_the_same_metadata(ep_oracle
     paths = ep_oracle(case)
     tag = (paths["out"] / "latest").read_text()
     _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
+    assert _shape_types(paths["out"] / tag) == _shape_types(paths["written"] / tag)
 
 
 def test_the_expert_degree_plan_moves_each_expert_to_its_new_rank(expert_fixtures) -> None:
@@ -653,23 +668,84 @@ def test_expert_degree_refusals(expert_fixtures) -> None:
         plan_reshard(zero3, Target(world_size=6, stage=2, ep=3))
 
 
-def test_an_autoep_zero3_checkpoint_with_frozen_parameters_stays_at_zero3(expert_fixtures) -> None:
-    """With a frozen parameter (here the embedding, made frozen in the index), AutoEP ZeRO-3 -> ZeRO-1/2 is
-    refused in one line, at its own degree or another, and --plan offers its ZeRO-3 shapes only."""
-    index = load_index(str(expert_fixtures["autoep-mixtral-ep2-z3-fp32"].dir))
-    name = "model.embed_tokens.weight"
-    zero = replace(index.zero, params=tuple(replace(p, group=None, fragments=()) if p.name == name else p
-                                           for p in index.zero.params))
-    frozen = replace(index, zero=zero)
-    for target in (Target(world_size=2, stage=2), Target(world_size=4, stage=1, ep=4)):
-        with pytest.raises(UnsupportedCheckpointError, match=r": ckptflow moves AutoEP checkpoints from ZeRO-3 to "
-                                                             r"ZeRO-1/2 only without frozen parameters, whose records "
-                                                             r"DeepSpeed writes differently per stage for AutoEP and no "
-                                                             r"checkpoint here shows yet; shapes it can write at \d "
-                                                             r"ranks: ZeRO-3 "):
-            plan_reshard(frozen, target)
-    assert [str(s) for s, why in shapes_at(frozen, 4) if why is None] == [
-        "ZeRO-3 dp4 (4 ranks)", "ZeRO-3 ep2 x edp2 (4 ranks)", "ZeRO-3 ep4 x edp1 (4 ranks)"]
+# AutoEP ZeRO-3 with frozen parameters (a 2-D projection and a norm, both cut into ZeRO-3 pieces): a source
+# DeepSpeed writes in the test (the oracle's "frozen"), resharded on 2 ranks to (ZeRO stage, degree).
+# Long mode only: two launches, the source's and the targets'.
+FROZEN = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+FROZEN_TARGETS = sample([(2, 2), (1, 1), (3, 1)], [])
+
+
+class FrozenOracle:
+    """Launches DeepSpeed once to train and save AutoEP ZeRO-3 ep2 with `FROZEN` frozen (and gather its
+    state), reshards it to every target, then launches DeepSpeed once at 2 ranks to load each target
+    natively at its stage and degree, gather its state and save it again, and to train the same model
+    from scratch there and save it."""
+
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
+        self.fixtures, self.root, self.ran = fixtures, root, False
+
+    def __call__(self) -> Path:
+        if not self.ran:
+            self.ran = True
+            self._run()
+        return self.root
+
+    def _run(self) -> None:
+        spec = str(self.fixtures["autoep-qwen3-moe-ep2-z3-fp32"].root / "spec.json")
+        (self.root / "state").mkdir(parents=True)
+        source = {"spec": spec, "frozen": FROZEN, "write": str(self.root / "source"),
+                  "state": str(self.root / "state" / "source.safetensors")}
+        (self.root / "source.json").write_text(json.dumps([source]))
+        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "source.json")],
+               log_dir=self.root / "logs-source", timeout=900)
+        items: list[dict[str, Any]] = []
+        for stage, ep in FROZEN_TARGETS:
+            name = f"z{stage}-ep{ep}"
+            reshard(str(self.root / "source"), str(self.root / "out" / name), world_size=2, stage=stage, ep=ep)
+            shape = {"spec": spec, "frozen": FROZEN, "stage": stage, "ep": ep}
+            items.append({**shape, "load": str(self.root / "out" / name), "save": str(self.root / "resaved" / name),
+                          "state": str(self.root / "state" / f"{name}.safetensors"), "hang_after": 300})
+            items.append({**shape, "write": str(self.root / "written" / name)})
+        (self.root / "targets.json").write_text(json.dumps(items))
+        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "targets.json")],
+               log_dir=self.root / "logs-targets", timeout=900)
+
+
+@pytest.fixture(scope="session")
+def frozen_oracle(expert_fixtures, tmp_path_factory) -> FrozenOracle:
+    return FrozenOracle(expert_fixtures, tmp_path_factory.mktemp("expert-frozen-oracle"))
+
+
+@pytest.mark.parametrize(("stage", "ep"), FROZEN_TARGETS)
+def test_autoep_zero3_with_frozen_parameters_moves_to_any_stage_and_degree(frozen_oracle, stage: int,
+                                                                         ep: int) -> None:
+    """DeepSpeed at ZeRO-`stage` and degree `ep` loads the reshard natively and holds the source's state bit
+    for bit (every trainable parameter's fp32 weights and moments, each frozen one's value), saves exactly
+    our files again, and trained there from scratch writes the same files, keys, shapes and metadata
+    (frozen records: the whole tensors at ZeRO-2, each its own copy; None at ZeRO-1; pieces at ZeRO-3)."""
+    root = frozen_oracle()
+    name = f"z{stage}-ep{ep}"
+    state, source = (load_file(root / "state" / f"{n}.safetensors") for n in (name, "source"))
+    assert set(state) == set(source) and {f"fp32/{n}" for n in FROZEN} <= set(source)
+    for key, tensor in source.items():
+        assert torch.equal(state[key], tensor), key
+    tag = (root / "out" / name / "latest").read_text()
+    _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
+    _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False,
+                     ignore=("global_samples",))
+    assert _shape_types(root / "out" / name / tag) == _shape_types(root / "written" / name / tag)
+    assert _frozen_storages(root / "out" / name / tag) == _frozen_storages(root / "written" / name / tag)
+
+
+def _frozen_storages(folder: Path) -> dict[str, bool]:
+    """Per frozen record of rank 0's model states, whether it shares its storage with the module's tensor
+    (torch.load: trusted files)."""
+    path = next(folder / name for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                if (folder / name).exists())
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    module = state["module"]
+    return {name: tensor.untyped_storage().data_ptr() == module[name].untyped_storage().data_ptr()
+            for name, tensor in (state.get("frozen_param_fragments") or {}).items()}
 
 
 def test_a_deepspeed_moe_stage_change_keeps_the_partitions_and_records_the_stage(expert_fixtures) -> None:
@@ -731,6 +807,7 @@ def test_autoep_at_another_stage_is_what_deepspeed_writes_there(expert_fixtures,
     reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=stage)
     _compare_folders(tmp_path / "out" / "global_step3", expert_fixtures[theirs].tag_dir, values=False,
                      ignore=("global_samples",))
+    assert _shape_types(tmp_path / "out" / "global_step3") == _shape_types(expert_fixtures[theirs].tag_dir)
     consolidate(str(tmp_path / "out"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for key, tensor in _fp32(source).items():
@@ -818,8 +895,10 @@ def test_autoep_zero3_at_another_degree_is_what_deepspeed_writes_at_zero2_there(
     held-out ZeRO-2 ep4 checkpoint DeepSpeed wrote (another seed: values aside), and the source's weights."""
     source = expert_fixtures["autoep-mixtral-ep2dp2-z3-fp32"]
     reshard(str(source.dir), str(tmp_path / "out"), world_size=4, stage=2, ep=4)
-    _compare_folders(tmp_path / "out" / "global_step3", expert_fixtures["autoep-mixtral-ep4-z2-fp32-s2"].tag_dir,
-                     values=False, ignore=("global_samples",))
+    theirs = expert_fixtures["autoep-mixtral-ep4-z2-fp32-s2"].tag_dir
+    _compare_folders(tmp_path / "out" / "global_step3", theirs, values=False, ignore=("global_samples",))
+    assert _shape_types(tmp_path / "out" / "global_step3") == _shape_types(theirs) == {
+        "mp_rank_00_model_states.pt": ["tuple"]}
     consolidate(str(tmp_path / "out"), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="fp32", workers=2))
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for key, tensor in _fp32(source).items():

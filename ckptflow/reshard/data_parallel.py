@@ -86,8 +86,7 @@ def check_expert_stage(source: ExpertCheckpoint, stage: int) -> None:
     says why)."""
     index = source.zero
     why = why_not_expert_stage(source.kind, index.stage if index is not None else 0, stage,
-                               index.optimizer_kind if index is not None else "",
-                               index is not None and any(p.frozen for p in index.params))
+                               index.optimizer_kind if index is not None else "")
     if why is not None:
         raise UnsupportedCheckpointError(f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{stage}: {why}",
                                          code="unsupported-shape", uri=source.root,

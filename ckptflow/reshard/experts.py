@@ -27,9 +27,9 @@ arithmetic predicts (`data_parallel.plan_expert_parallel` at its own size). The 
 only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to ZeRO-1/2 (each
 expert's own file written again, by the target expert-parallel rank holding it) and
 `stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
-in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), AutoEP ZeRO-3 with frozen parameters to
-ZeRO-1/2, `round_robin_gradients`, a placement other than DeepSpeed's uniform one, degrees that do
-not divide every layer's experts, and expert groups DeepSpeed cuts by size differently at N and N'.
+in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), `round_robin_gradients`, a placement
+other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and expert
+groups DeepSpeed cuts by size differently at N and N'.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy, fragment_copies
+from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies
 from ckptflow.reshard.shape import Shape, expert_counts, expert_group_cut
-from ckptflow.reshard.units import DataParallelPlan, RankUnit, TargetFlat, TensorFile
+from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
 
 _DSMOE_EXPERT = re.compile(r"^(?P<layer>.+\.deepspeed_moe\.experts\.deepspeed_experts)\.(?P<id>\d+)\.(?P<rest>.+)$")
 _AUTOEP_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<w>w[123])$")
@@ -229,16 +229,22 @@ def plan_expert_from_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParall
     nothing. What DeepSpeed saves there: `DeepSpeedZeroOptimizer`'s flat groups (dense ones over every
     rank, each expert-parallel rank's experts over its expert data-parallel group) filled from the
     ZeRO-3 pieces; rank 0's module, every tensor its own 16-bit copy of the fp32 master (cast as
-    DeepSpeed casts it after each step, the router's second copy as well); and one file per MoE layer
-    and global expert, written by the target expert-parallel rank that holds it (`units.TensorFile`)."""
+    DeepSpeed casts it after each step, the router's second copy as well), frozen parameters whole from
+    their pieces; and one file per MoE layer and global expert, written by the target expert-parallel
+    rank that holds it (`units.TensorFile`)."""
     zero = source.zero
     assert zero is not None and zero.stage == 3 and source.kind == "autoep", "the shape check refuses the rest"
-    check_expert_stage(source, shape.stage)  # frozen parameters refused
+    check_expert_stage(source, shape.stage)
     _check_uniform_placement(source, shape)
     plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
     plan = _plan(source, zero, at_degree(source, shape), shape)
     files = _expert_files(plan.index)
-    units = tuple(replace(u, tensor_files=files.get(u.rank, ())) for u in plan.units)
+    # Rank 0's module and frozen records hold each frozen parameter whole, joined from its ZeRO-3 pieces.
+    whole = tuple(FrozenPiece(name=p.name, numel=p.numel,
+                              copies=tuple(frozen_copies(p, 3, zero.world_size, 0, p.numel, 0)))
+                  for p in zero.params if p.frozen)
+    units = tuple(replace(u, tensor_files=files.get(u.rank, ()), frozen=whole if u.rank == 0 else ())
+                  for u in plan.units)
     runs, copies = _module_runs(zero)
     return replace(plan, units=units, module_runs=runs,
                    index=replace(plan.index, tied={**zero.tied, **copies}))

@@ -28,8 +28,9 @@ Which fields are rewritten, after DeepSpeed 0.19.8's `state_dict` methods and th
   `expert_data_parallel_rank` and `expert_data_parallel_world_size` (ZeRO-1/2 record rank 0's; ZeRO-3
   every rank its own, with its expert-parallel rank, experts and the `zero3_partitioned` format). The module
   of an expert-parallel save holds cloned tensors, copied as they are (from ZeRO-3: each its own
-  storage, filled from the plan's `module_runs`); the per-expert files are carried whole, or from
-  ZeRO-3 written by `tensor_file` (`RankUnit.tensor_files`).
+  storage, filled from the plan's `module_runs`; frozen records a copy of their own); DeepSpeed's MoE
+  save clones the whole state, so its shapes are plain tuples, not `torch.Size`; the per-expert files
+  are carried whole, or from ZeRO-3 written by `tensor_file` (`RankUnit.tensor_files`).
 
 Everything else (scheduler, steps, samples, loss scaler, clip_grad, buffers, frozen ZeRO-1/2 tensors,
 client state) is copied from the source rank the unit names as `meta_rank`: every key of the source's
@@ -328,23 +329,28 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     module = source.get("module")
     tree = _Tree(_module_remap(plan, module) if plan.stage != 3 and module is not None else None)
     frozen = _whole_frozen(plan, unit) if plan.stage != 3 and ix.stage == 3 else {}
+    moe = _is_moe_save(ix)
+    # A MoE save clones every tensor on its own (`clone_tensors_for_torch_save`): the frozen records hold
+    # copies of their own, not the module's storages.
+    frozen_records = _whole_frozen(plan, unit) if frozen and moe else frozen
+    shape = _plain_shape if moe else _torch_size
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "param_shapes":
-            out[key] = [OrderedDict((n, _torch_size(s)) for n, s in flat) for flat in plan.flat_shapes]
+            out[key] = [OrderedDict((n, shape(s)) for n, s in flat) for flat in plan.flat_shapes]
         elif key in ("frozen_param_shapes", "frozen_param_fragments") and plan.stage == 1:
             out[key] = None  # DeepSpeed saves them from ZeRO-2 on (`save_frozen_param`)
         elif key in ("frozen_param_shapes", "frozen_param_fragments") and value is None and plan.stage == 2:
             out[key] = _frozen_at_zero2(ix, key, module, tree)
         elif key == "frozen_param_shapes" and isinstance(value, Mapping):
-            out[key] = OrderedDict((n, _torch_size(s)) for n, s in value.items())
+            out[key] = OrderedDict((n, shape(s)) for n, s in value.items())
         elif key == "frozen_param_shapes" and plan.stage == 3:  # a ZeRO-1 source records none
-            out[key] = OrderedDict((p.name, _torch_size(p.shape)) for p in ix.params if p.frozen)
+            out[key] = OrderedDict((p.name, shape(p.shape)) for p in ix.params if p.frozen)
         elif key == "frozen_param_fragments" and plan.stage == 3:
             out[key] = _frozen_fragments(plan, unit, value if isinstance(value, Mapping) else
                                          {p.name: None for p in unit.frozen})
         elif key == "frozen_param_fragments" and frozen:  # ZeRO-3 -> 1/2: the whole tensors, as in the module
-            out[key] = OrderedDict((n, frozen[n]) for n in (value if isinstance(value, Mapping) else frozen))
+            out[key] = OrderedDict((n, frozen_records[n]) for n in (value if isinstance(value, Mapping) else frozen))
         elif key == "module" and isinstance(value, Mapping) and plan.stage != ix.stage:
             out[key] = _module_at_stage(plan, value, tree, frozen)
         elif key == "shared_params" and plan.stage == 3:  # DeepSpeed fills it on global rank 0 only
@@ -391,12 +397,24 @@ def args_at(value: Any, shape: Any) -> Any:
     return replace(value, ops=ops)
 
 
+def _is_moe_save(ix: Any) -> bool:
+    """Whether DeepSpeed saves this checkpoint's model states through its MoE path (AutoEP,
+    deepspeed.moe: `num_experts` recorded), which clones the whole state before saving: every tensor
+    its own storage, and every `torch.Size` (a tuple) a plain tuple."""
+    return "num_experts" in ix.model_states[0]
+
+
+def _plain_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape)
+
+
 def _frozen_at_zero2(ix: Any, key: str, module: Any, tree: _Tree) -> OrderedDict[str, Any]:
     """ZeRO-1 -> ZeRO-2: what a ZeRO-1 source records as None, as ZeRO-2 saves it: each frozen
     parameter's shape, or (`frozen_param_fragments`) its whole tensor, the module's."""
     frozen = [p for p in ix.params if p.frozen]
     if key == "frozen_param_shapes":
-        return OrderedDict((p.name, _torch_size(p.shape)) for p in frozen)
+        shape = _plain_shape if _is_moe_save(ix) else _torch_size
+        return OrderedDict((p.name, shape(p.shape)) for p in frozen)
     return OrderedDict((p.name, tree.convert(module[p.name])) for p in frozen)
 
 

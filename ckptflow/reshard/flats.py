@@ -7,7 +7,8 @@ ZeRO-3 pieces): a `Copies` function. `zero12_flats` lays the target's param grou
 (`formats.deepspeed.partition.zero12_layout`) and asks that function for the copies of every target
 partition; `fragment_copies` is such a function over a data-parallel index's fragments, `ModelRuns`
 one over a model-parallel checkpoint's full tensors (every tensor-parallel rank or pipeline stage as
-virtual data-parallel ranks).
+virtual data-parallel ranks). `frozen_copies` says where a frozen parameter's elements are (rank 0's
+whole tensor at ZeRO-1/2, the ranks' pieces at ZeRO-3).
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def fragment_copies(fragments: Sequence[Fragment], first: int, last: int, dst: i
         if a < b:
             append_copy(out, Copy(src_rank=f.rank, src_flat=f.group, src_offset=f.offset + a - f.param_offset,
                                   dst_offset=dst + a - first, numel=b - a))
+    return out
+
+
+def frozen_copies(param: Param, source_stage: int, source_ws: int, lo: int, hi: int, dst: int) -> list[Copy]:
+    """Copies of frozen `param`'s elements [lo, hi): from rank 0's whole tensor (ZeRO-1/2) or from the
+    ranks' pieces (ZeRO-3); `src_flat` -1 names the frozen pieces (`Param.frozen_pieces`)."""
+    if source_stage != 3:
+        return [Copy(src_rank=0, src_flat=-1, src_offset=lo, dst_offset=dst, numel=hi - lo)] if lo < hi else []
+    piece = zero3_piece(param.numel, source_ws)
+    out = []
+    for r in range(lo // piece, -(-hi // piece)) if lo < hi else ():
+        a, b = max(lo, r * piece), min(hi, (r + 1) * piece)
+        out.append(Copy(src_rank=r, src_flat=-1, src_offset=a - r * piece, dst_offset=dst + a - lo, numel=b - a))
     return out
 
 

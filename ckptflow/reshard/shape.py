@@ -280,7 +280,7 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
             return ("optimizer shards are written for the same loading code at the same ZeRO stage only; another "
                     "stage loads through engine.load_checkpoint, and these files are not such a checkpoint")
         if kind in ("moe", "autoep"):
-            return why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index), _has_frozen(index))
+            return why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
         if kind not in ("zero", "autotp"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
         if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
@@ -307,7 +307,7 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
     degree changes at any stage AutoEP trains at, together with the stage (`experts.at_degree`, then
     the stage's planner)."""
     if shape.stage != source.stage:
-        why = why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index), _has_frozen(index))
+        why = why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
         if why is not None:
             return why
     counts = expert_counts(index)
@@ -324,31 +324,18 @@ def _expert_optimizer(index: Any) -> str:
     return str(getattr(zero, "optimizer_kind", ""))
 
 
-def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str, frozen: bool = False) -> str | None:
+def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) -> str | None:
     """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") saved at ZeRO
-    `source` by `optimizer` ("zero", "bf16", "zero3"), with `frozen` parameters or none, at ZeRO
-    `target`, or None when it can: between ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` (the same
-    flat partitions, only the recorded stage changes), and AutoEP between either and ZeRO-3
-    (`stage.plan_expert_zero3`, `experts.plan_expert_from_zero3`; from ZeRO-3 without frozen
-    parameters)."""
+    `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: between
+    ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` (the same flat partitions, only the recorded stage
+    changes), and AutoEP between either and ZeRO-3 (`stage.plan_expert_zero3`,
+    `experts.plan_expert_from_zero3`)."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
     if optimizer == "bf16":
         return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
                 "stage yet")
-    if source == 3 and target != 3 and frozen:
-        return FROZEN_FROM_ZERO3
     return None
-
-
-# Why an AutoEP ZeRO-3 checkpoint with frozen parameters stays at ZeRO-3 (`experts.plan_expert_from_zero3`).
-FROZEN_FROM_ZERO3 = ("ckptflow moves AutoEP checkpoints from ZeRO-3 to ZeRO-1/2 only without frozen parameters, "
-                     "whose records DeepSpeed writes differently per stage for AutoEP and no checkpoint here shows yet")
-
-
-def _has_frozen(index: Any) -> bool:
-    zero = getattr(index, "zero", None)
-    return zero is not None and any(p.frozen for p in zero.params)
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:

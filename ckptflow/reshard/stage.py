@@ -45,7 +45,7 @@ from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
 from ckptflow.reshard.experts import at_degree
-from ckptflow.reshard.flats import Copies, fragment_copies, zero3_flats, zero12_flats
+from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, zero3_flats, zero12_flats
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
@@ -96,19 +96,6 @@ def _copies_of(params: Sequence[Param]) -> Copies:
     fragments = {p.name: sorted(p.fragments, key=lambda f: f.param_offset) for p in params}
     starts = {name: [f.param_offset for f in frags] for name, frags in fragments.items()}
     return lambda name, _group, first, last, dst: fragment_copies(fragments[name], first, last, dst, starts[name])
-
-
-def _frozen_piece_copies(param: Param, source_stage: int, source_ws: int, lo: int, hi: int, dst: int) -> list[Copy]:
-    """Copies of frozen `param`'s elements [lo, hi): from rank 0's whole tensor (ZeRO-1/2) or from the
-    ranks' pieces (ZeRO-3); `src_flat` -1 names the frozen pieces (`Param.frozen_pieces`)."""
-    if source_stage != 3:
-        return [Copy(src_rank=0, src_flat=-1, src_offset=lo, dst_offset=dst, numel=hi - lo)] if lo < hi else []
-    piece = zero3_piece(param.numel, source_ws)
-    out = []
-    for r in range(lo // piece, -(-hi // piece)) if lo < hi else ():
-        a, b = max(lo, r * piece), min(hi, (r + 1) * piece)
-        out.append(Copy(src_rank=r, src_flat=-1, src_offset=a - r * piece, dst_offset=dst + a - lo, numel=b - a))
-    return out
 
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
@@ -165,7 +152,7 @@ def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Seque
         for p in frozen:
             piece = zero3_piece(p.numel, world_size)
             lo = r * piece
-            pieces.append(FrozenPiece(name=p.name, numel=piece, copies=tuple(_frozen_piece_copies(
+            pieces.append(FrozenPiece(name=p.name, numel=piece, copies=tuple(frozen_copies(
                 p, index.stage, index.world_size, lo, lo + zero3_real(p.numel, world_size, r), 0))))
         flats = tuple(per_rank[r])
         frozen_bytes = sum(c.numel * DTYPE_SIZES[p.dtype] for p, piece in zip(frozen, pieces) for c in piece.copies)
@@ -206,7 +193,7 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
     }
     frozen = [p for p in index.params if p.frozen]
     whole = tuple(FrozenPiece(name=p.name, numel=p.numel,
-                              copies=tuple(_frozen_piece_copies(p, 3, index.world_size, 0, p.numel, 0)))
+                              copies=tuple(frozen_copies(p, 3, index.world_size, 0, p.numel, 0)))
                   for p in frozen)
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + index.buffer_bytes
     units = []
