@@ -70,7 +70,7 @@ FLAGS = {
     "tag": "--tag", "dtype": "--dtype", "exclude_frozen": "--exclude-frozen", "verify": "--verify",
     "config": "--config", "config_revision": "--config-revision", "max_shard_size": "--max-shard-size",
     "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
-    "strict_pickle": "--strict-pickle", "break_lease": "--break-lease", "cluster": "--cluster",
+    "partition_method": "--partition-method", "strict_pickle": "--strict-pickle", "break_lease": "--break-lease", "cluster": "--cluster",
 }
 
 
@@ -391,6 +391,9 @@ def reshard_command(
                                      help="Tensor-parallel degree; default: the source's."),
     pp: Optional[int] = typer.Option(None, "--pp", min=1, help="Pipeline stages; default: the source's."),
     ep: Optional[int] = typer.Option(None, "--ep", min=1, help="Expert-parallel degree; default: the source's."),
+    partition_method: Optional[str] = typer.Option(
+        None, "--partition-method", metavar="METHOD",
+        help="With --pp: the PipelineModule's partition_method (parameters, its default, or uniform)."),
     plan: bool = typer.Option(False, "--plan",
                               help="List the shapes at --world-size ranks with their per-GPU memory; write nothing."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
@@ -425,7 +428,7 @@ def reshard_command(
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
-                             strict_pickle=strict_pickle)
+                             strict_pickle=strict_pickle, partition_method=partition_method)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)

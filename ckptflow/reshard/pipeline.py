@@ -1,29 +1,31 @@
 """Changing a PipelineModule checkpoint's number of pipeline stages: pp N x dp D -> pp M x dp E. Pure.
 
 What DeepSpeed 0.19.8 saves for a PipelineModule (`runtime/pipe/module.py`, `runtime/engine.py`):
-per layer `layer_{XX}-model_states.pt` (the layer's own state dict, independent of the stage count:
-carried as they are), and per stage an ordinary data-parallel ZeRO-1 checkpoint
+per layer `layer_{XX}-model_states.pt` (the layer's own state dict under its global index, independent of
+the stage count: carried as they are), and per stage an ordinary data-parallel ZeRO-1 checkpoint
 (`mp_rank_{stage:02d}_model_states.pt` with `module: None`, `zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt`)
 whose param groups flatten the stage module's `parameters()`: the tied modules first (the
 `tied_modules` ModuleDict is registered before the layers, each key where the stage first uses it),
-then the layers `{layer}.{name}` in layer order, each split over the client's groups in that order.
+then the layers `{layer}.{name}` in layer order, each split over the client's groups in that order; a
+group left with no parameter on a stage is dropped there (DeepSpeed's optimizer keeps none).
 
-A target stage's groups are rebuilt from the parameters it owns in that order, group by group (a
-parameter keeps the group it had in the source; every stage must have the same groups), laid out by
-DeepSpeed's ZeRO-1 arithmetic at E ranks; the fp32 masters and Adam moments are element copies out
-of the source stages' partitions (a tied module's from the lowest stage that trains it, its copies
-being equal). The model file of each stage records its own `buffer_names`, `param_shapes`,
-`mp_world_size` (tp x pp) and `checkpoint_parallel_dimensions`. As in `tensor_parallel`, each target
-stage is an ordinary `DataParallelPlan` over a virtual `ZeroCheckpoint` whose rank `s * D + d` is source
-stage s's data-parallel rank d, so `reshard.files` writes it unchanged.
+Which layers a target stage holds is what `PipelineModule._partition_layers` decides at M from the layer
+list, which no file records; `pipeline_layers` rebuilds the lists the files allow, keeps those whose
+partition at N gives each source stage what it holds (`--partition-method`, DeepSpeed's default
+"parameters", or "uniform"), and answers only when all give every target stage the same layers and
+tied modules. Merging every stage into one (pp1) needs none of it.
 
-Which layers a target stage holds is what `PipelineModule._partition_layers` decides from the layer
-list, which no file records: a layer that is a function, and a tied module's later uses with a
-`forward_fn`, save nothing, so neither the number of layers nor their parameter counts (method
-`parameters` counts a tied module at every use) can be read back. Merging every stage into one (pp1)
-needs none of it, and is what ckptflow writes; other stage counts are refused (`shape.why_not`).
+A target stage's groups are rebuilt from the parameters it owns in that order (a parameter keeps the
+group it had in the source, groups known by their hyper-parameters), laid out by DeepSpeed's ZeRO-1
+arithmetic at E ranks; the fp32 masters and Adam moments are element copies out of the source stages'
+partitions (a tied module's from the lowest stage that trains it, its copies being equal). Each target
+stage is an ordinary `DataParallelPlan` over a virtual `ZeroCheckpoint` whose rank `s * D + d` is
+source stage s's data-parallel rank d, and whose ranks `N * D + d` hold the optimizer fields of rank d
+re-indexed to the target stage's groups (what `reshard.files` copies from a unit's `meta_rank`), so
+`reshard.files` writes it unchanged. The model file of each stage records its own `buffer_names`,
+`param_shapes`, `mp_world_size` (tp x pp) and `checkpoint_parallel_dimensions`.
 Megatron-style tensor parallelism inside the stages, ZeRO-0, frozen parameters and
-`round_robin_gradients` are refused too.
+`round_robin_gradients` are refused.
 """
 
 from __future__ import annotations
@@ -35,18 +37,30 @@ from typing import Any
 from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO3
+from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel
 from ckptflow.reshard.flats import ModelRuns, zero12_flats
-from ckptflow.reshard.shape import PIPELINE_STAGES, Shape
+from ckptflow.reshard.pipeline_layers import (
+    METHODS,
+    Evidence,
+    TargetStage,
+    describe,
+    layer_lists,
+    partition,
+    target_stages,
+)
+from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
 TIED = "tied_modules."
+DEFAULT_METHOD = "parameters"  # PipelineModule's own default
 
-def plan_pipeline(index: Any, shape: Shape) -> ModelParallelPlan:
-    """The plan that writes the PipelineModule checkpoint `index` at `shape` (pp1 x dp E); reads nothing.
+
+def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None) -> ModelParallelPlan:
+    """The plan that writes the PipelineModule checkpoint `index` at `shape` (pp M x dp E), its layers
+    assigned to the M stages as `PipelineModule(partition_method=...)` would; reads nothing.
     `UnsupportedCheckpointError`, in one line saying why and what would work, for anything else."""
     where = f"{index.root}/{index.tag}"
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "pipeline":
@@ -55,9 +69,9 @@ def plan_pipeline(index: Any, shape: Shape) -> ModelParallelPlan:
             f"{where} is a checkpoint in the {kind} layout; ckptflow changes the number of pipeline stages of plain "
             "PipelineModule checkpoints only (no tensor parallelism inside the stages)", code="unsupported-layout",
             uri=index.root, hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
-    if shape.pp != 1 or shape.tp != 1:
-        raise UnsupportedCheckpointError(f"cannot write {where} at {shape}: {PIPELINE_STAGES}",
-                                         code="unsupported-shape", uri=index.root, hint=f"use {option('pp')} 1")
+    if shape.tp != 1:
+        raise UnsupportedCheckpointError(f"cannot write {where} at {shape}: a PipelineModule checkpoint has no "
+                                         "tensor parallelism", code="unsupported-shape", uri=index.root)
     if index.stage != 1:
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} PipelineModule checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
@@ -65,20 +79,28 @@ def plan_pipeline(index: Any, shape: Shape) -> ModelParallelPlan:
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     for rank in ranks:  # the source's layout must be DeepSpeed's arithmetic at its size (refused otherwise)
         plan_data_parallel(rank, rank.world_size)
-    _check_stages(index, ranks)
-    names = _stage_order(ranks)
-    source = _merged_source(index, ranks, names, shape)
-    part = _plan_stage(index, source, shape.dp, mp_rank=0)
+    groups = _check_stages(index, ranks)
+    if shape.pp == 1:
+        stages = [_merged(ranks)]
+    else:
+        stages = _split(index, ranks, shape.pp, partition_method or DEFAULT_METHOD)
+    parts = tuple(_plan_stage(index, _stage_source(index, ranks, groups, stage, shape), shape.dp, mp_rank=t)
+                  for t, stage in enumerate(stages))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
-        source_world_size=index.world_size, world_size=shape.dp, parts=(part,), carried=index.carried, index=index,
+        source_world_size=index.world_size, world_size=shape.dp, parts=parts, carried=index.carried, index=index,
     )
 
 
 # ---- the source stages ---------------------------------------------------------------------------------
 
 
-def _check_stages(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint]) -> None:
+def _group_key(group: Any) -> str:
+    return repr(sorted((k, repr(v)) for k, v in group.hyper.items() if k != "params"))
+
+
+def _check_stages(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint]) -> list[str]:
+    """Every param group of the stages (known by their hyper-parameters), in the client's order."""
     where = f"{index.root}/{index.tag}"
     first = ranks[0]
     frozen = [p.name for rank in ranks for p in rank.params if p.frozen]
@@ -91,20 +113,31 @@ def _check_stages(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint
                                          "flattening order ckptflow does not rebuild for new stages", uri=index.root)
     if first.optimizer_kind == ZERO3:
         raise UnsupportedCheckpointError(f"{where}: a PipelineModule does not train at ZeRO-3", uri=index.root)
-    hypers = [[{k: v for k, v in g.hyper.items() if k != "params"} for g in rank.groups] for rank in ranks]
-    for s, hyper in enumerate(hypers[1:], start=1):
-        if hyper != hypers[0]:
-            raise UnsupportedCheckpointError(
-                f"{where}: pipeline stage {s} has other optimizer param groups than stage 0 ({len(hyper)} vs "
-                f"{len(hypers[0])} groups, or other hyper-parameters), so the stages' groups cannot be joined",
-                uri=index.root, hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
-    owner: dict[str, int] = {}
+    order: list[str] = []
+    for s, rank in enumerate(ranks):  # each stage holds the client's groups that kept a parameter, in order
+        keys = [_group_key(g) for g in rank.groups]
+        at = 0
+        for key in keys:
+            if key in order:
+                if order.index(key) < at:
+                    raise UnsupportedCheckpointError(
+                        f"{where}: pipeline stage {s} orders its optimizer param groups otherwise than stage 0, so "
+                        "the stages' groups cannot be joined", uri=index.root,
+                        hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
+                at = order.index(key) + 1
+            else:
+                order.insert(at, key)
+                at += 1
+    owner: dict[str, str] = {}
     for rank in ranks:
+        keys = [_group_key(g) for g in rank.groups]
         for p in rank.params:
-            if owner.setdefault(p.name, -1 if p.group is None else p.group) != p.group:
+            key = keys[p.group] if p.group is not None else ""
+            if owner.setdefault(p.name, key) != key:
                 raise UnsupportedCheckpointError(
-                    f"{where}: {p.name} sits in param group {owner[p.name]} on one pipeline stage and {p.group} on "
-                    "another, so the stages' groups cannot be joined", uri=index.root, tensor=p.name)
+                    f"{where}: {p.name} sits in one param group on one pipeline stage and another on another, so "
+                    "the stages' groups cannot be joined", uri=index.root, tensor=p.name)
+    return order
 
 
 def _layer_of(name: str) -> int:
@@ -112,36 +145,145 @@ def _layer_of(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def _stage_order(ranks: Sequence[ZeroCheckpoint]) -> list[list[str]]:
-    """Per param group, the merged stage's parameters in `PipelineModule.parameters()` order: tied
-    modules first (in the order the stages first use them: the first stage holding a key, its place in
-    that stage's group, which holds every tied module of the group that stage uses), then the layers in
-    layer order, a layer's parameters in the order its stage had them."""
-    out = []
-    for g in range(len(ranks[0].groups)):
-        first_use: dict[str, tuple[int, int]] = {}
-        for s, rank in enumerate(ranks):
-            for pos, name in enumerate(rank.groups[g].params):
-                if name.startswith(TIED):
-                    first_use.setdefault(_tied_key(name), (s, pos))
-
-        def place(name: str, first_use: dict[str, tuple[int, int]] = first_use) -> tuple[int, int, int]:
-            return (0, *first_use[_tied_key(name)]) if name.startswith(TIED) else (1, _layer_of(name), 0)
-
-        merged = list(dict.fromkeys(n for rank in ranks for n in rank.groups[g].params))
-        out.append(sorted(merged, key=place))  # stable: a module's parameters keep their stage's order
-    return out
-
-
 def _tied_key(name: str) -> str:
     return name[len(TIED):].partition(".")[0]
 
 
-def _buffer_names(ranks: Sequence[ZeroCheckpoint]) -> list[str]:
-    """`buffer_names` as the merged stage's module records them: tied modules' first, then by layer."""
-    names = dict.fromkeys(n for rank in ranks for n in rank.model_states[0].get("buffer_names") or []
-                          if isinstance(n, str))
-    return sorted(names, key=lambda n: (not n.startswith(TIED), _layer_of(n)))
+def _merged(ranks: Sequence[ZeroCheckpoint]) -> TargetStage:
+    """One stage holding every layer and tied module, the tied modules in the order the stages first use
+    them (the first stage holding a key, its place in that stage's parameters)."""
+    first_use: dict[str, tuple[int, int]] = {}
+    layers: set[int] = set()
+    for s, rank in enumerate(ranks):
+        for pos, p in enumerate(rank.params):
+            if p.name.startswith(TIED):
+                first_use.setdefault(_tied_key(p.name), (s, pos))
+        layers.update(_named_layers(rank))
+    return TargetStage(tuple(sorted(layers)), tuple(sorted(first_use, key=first_use.__getitem__)))
+
+
+def _named_layers(rank: ZeroCheckpoint) -> set[int]:
+    names = [p.name for p in rank.params] + [n for n in rank.model_states[0].get("buffer_names") or []
+                                             if isinstance(n, str)]
+    return {layer for n in names if (layer := _layer_of(n)) >= 0}
+
+
+# ---- which layers each target stage holds --------------------------------------------------------------
+
+
+def evidence(index: ModelParallelCheckpoint) -> Evidence:
+    """What `index`'s files say about its layer list (`pipeline_layers.Evidence`)."""
+    ranks: Sequence[ZeroCheckpoint] = index.ranks
+    tied = dict(index.tied_layers)
+    counts: dict[int, int] = {}
+    sizes: dict[str, int] = {}
+    for rank in ranks:
+        for p in rank.params:
+            if p.name.startswith(TIED):
+                sizes.setdefault(_tied_key(p.name), 0)
+        for p in rank.params:
+            if not p.name.startswith(TIED):
+                counts[_layer_of(p.name)] = counts.get(_layer_of(p.name), 0) + p.numel
+    for key in sizes:
+        sizes[key] = sum(p.numel for p in next(r for r in ranks if any(_tied_key(q.name) == key and
+                                                                        q.name.startswith(TIED) for q in r.params)).params
+                         if p.name.startswith(TIED) and _tied_key(p.name) == key)
+    files = {int(m.group(1)) for name in index.carried if (m := LAYER_FILE_RE.match(name))}
+    known = {layer: ("", counts.get(layer, 0)) for layer in files}
+    for key, layer in tied.items():
+        known[layer] = (key, sizes.get(key, 0))
+    return Evidence(known=known, stage_layers=tuple(frozenset(_named_layers(r)) for r in ranks),
+                    stage_tied=tuple(frozenset(_tied_key(p.name) for p in r.params if p.name.startswith(TIED))
+                                     for r in ranks),
+                    tied=sizes)
+
+
+def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: int, method: str
+           ) -> tuple[TargetStage, ...]:
+    where = f"{index.root}/{index.tag}"
+    hint = f"give the {option('partition_method')} the model was trained with"
+    if method not in METHODS:
+        what = ("weighs the layers whose class name matches, and no file records a layer's class" if
+                method.startswith("type:") else "is not one of PipelineModule's partition methods")
+        raise UnsupportedCheckpointError(
+            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method {method!r} "
+            f"{what}", code="unsupported-shape", uri=index.root, hint="use `parameters` or `uniform`")
+    found = _fitting(index, method)
+    if not found:
+        other = [m for m in METHODS if m != method and _fitting(index, m)]
+        raise UnsupportedCheckpointError(
+            f"{where}: no layer list the files allow gives its {index.pp} pipeline stages the layers they hold under "
+            f"partition method {method!r}" + (f"; {other[0]!r} does" if other else ""),
+            code="unsupported-shape", uri=index.root,
+            hint=f"pass {option('partition_method')} {other[0]}" if other else hint)
+    modules = frozenset().union(*(_named_layers(r) for r in ranks))
+    outcomes: dict[tuple[TargetStage, ...], list[Any]] = {}
+    for layers in found:
+        outcomes.setdefault(target_stages(layers, partition(method, layers, pp), modules), layers)
+    if len(outcomes) > 1:
+        (a, one), (b, two) = list(outcomes.items())[:2]
+        raise UnsupportedCheckpointError(
+            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: layer lists the files allow "
+            f"({describe(one)}; or {describe(two)}) give the source's stages what they hold under partition method "
+            f"{method!r}, and put other layers on the target's stages ({_stages_text(a)}; or {_stages_text(b)})",
+            code="unsupported-shape", uri=index.root, hint="keep the number of pipeline stages, or merge them (pp 1)")
+    (stages,) = outcomes
+    empty = [t for t, stage in enumerate(stages) if not stage.layers and not stage.tied]
+    if empty:
+        raise UnsupportedCheckpointError(
+            f"cannot write {where} at {pp} pipeline stages: stage {empty[0]} would hold no parameter "
+            f"({_stages_text(stages)})", code="unsupported-shape", uri=index.root, hint="use fewer pipeline stages")
+    return stages
+
+
+def _fitting(index: ModelParallelCheckpoint, method: str) -> list[Any]:
+    try:
+        return list(layer_lists(evidence(index), method))
+    except ValueError as exc:
+        raise UnsupportedCheckpointError(
+            f"cannot tell which layers each pipeline stage of {index.root}/{index.tag} holds: {exc}",
+            code="unsupported-shape", uri=index.root, hint="keep the number of pipeline stages, or merge them (pp 1)"
+        ) from None
+
+
+def _stages_text(stages: Sequence[TargetStage]) -> str:
+    def one(stage: TargetStage) -> str:
+        return "+".join([*map(str, stage.layers), *stage.tied]) or "nothing"
+    return " | ".join(map(one, stages))
+
+
+# ---- the virtual source of one target stage ------------------------------------------------------------
+
+
+def _group_names(ranks: Sequence[ZeroCheckpoint], groups: list[str], stage: TargetStage) -> list[list[str]]:
+    """Per group (of `groups`), the target stage's parameters in `PipelineModule.parameters()` order: its
+    tied modules first, in `stage.tied` order, then its layers in layer order, a module's parameters in
+    the order its source stage had them."""
+    tied = {key: i for i, key in enumerate(stage.tied)}
+    layers = set(stage.layers)
+    out = []
+    for key in groups:
+        names: dict[str, None] = {}
+        for rank in ranks:
+            for g in rank.groups:
+                if _group_key(g) == key:
+                    names.update(dict.fromkeys(n for n in g.params if (
+                        _tied_key(n) in tied if n.startswith(TIED) else _layer_of(n) in layers)))
+
+        def place(name: str) -> tuple[int, int]:
+            return (0, tied[_tied_key(name)]) if name.startswith(TIED) else (1, _layer_of(name))
+
+        out.append(sorted(names, key=place))  # stable: a module's parameters keep their stage's order
+    return out
+
+
+def _buffer_names(ranks: Sequence[ZeroCheckpoint], stage: TargetStage) -> list[str]:
+    """`buffer_names` as the target stage's module records them: tied modules' first, then by layer."""
+    tied = {key: i for i, key in enumerate(stage.tied)}
+    names = [n for rank in ranks for n in rank.model_states[0].get("buffer_names") or [] if isinstance(n, str)
+             and (_tied_key(n) in tied if n.startswith(TIED) else _layer_of(n) in stage.layers)]
+    return sorted(dict.fromkeys(names), key=lambda n: (0, tied[_tied_key(n)]) if n.startswith(TIED)
+                  else (1, _layer_of(n)))
 
 
 def _stage_states(state: Mapping[str, Any], shape: Shape, buffers: list[str]) -> dict[str, Any]:
@@ -155,24 +297,51 @@ def _stage_states(state: Mapping[str, Any], shape: Shape, buffers: list[str]) ->
     return out
 
 
-def _merged_source(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], names: list[list[str]],
-                   shape: Shape) -> ZeroCheckpoint:
-    """A `ZeroCheckpoint` whose rank `s * D + d` is source stage s's data-parallel rank d, holding the
-    merged stage's parameters and groups, and its model-file fields."""
+def _meta(ranks: Sequence[ZeroCheckpoint], groups: list[str], d: int) -> tuple[Any, Any, Any]:
+    """Data-parallel rank d's optimizer fields re-indexed to `groups`: its optimizer file's tree (the base
+    optimizer's `state` and `param_groups`), its partitions and file names, each group from the first
+    source stage holding it."""
+    first = ranks[0]
+    states, hypers, partitions = {}, [], []
+    for t, key in enumerate(groups):
+        rank = next(r for r in ranks if any(_group_key(g) == key for g in r.groups))
+        g = next(g.index for g in rank.groups if _group_key(g) == key)
+        base = rank.optim_states[d]["optimizer_state_dict"]["base_optimizer_state"]
+        if g in (base.get("state") or {}):
+            states[t] = base["state"][g]
+        hypers.append(base["param_groups"][g])
+        partitions.append(replace(rank.partitions[d][g], group=t))
+    optim = dict(first.optim_states[d])
+    osd = dict(optim["optimizer_state_dict"])
+    osd["base_optimizer_state"] = {**osd["base_optimizer_state"], "state": states, "param_groups": hypers}
+    optim["optimizer_state_dict"] = osd
+    return optim, tuple(partitions), first.files[d]
+
+
+def _stage_source(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], groups: list[str],
+                  stage: TargetStage, shape: Shape) -> ZeroCheckpoint:
+    """A `ZeroCheckpoint` whose rank `s * D + d` is source stage s's data-parallel rank d and rank `N * D + d`
+    rank d's optimizer fields for the target stage's groups, holding the target stage's parameters and
+    groups, and its model-file fields."""
     first = ranks[0]
     full = {t.name: t for t in index.tensors}
     dtype = {p.name: p.dtype for rank in ranks for p in rank.params}
-    params = tuple(Param(n, full[n].shape, dtype[n], g) for g, group in enumerate(names) for n in group)
-    groups = tuple(ParamGroup(g.index, g.hyper, tuple(names[g.index])) for g in first.groups)
-    buffers = _buffer_names(ranks)
+    names = _group_names(ranks, groups, stage)
+    kept = [(key, group) for key, group in zip(groups, names) if group]  # DeepSpeed drops an empty group
+    hyper = {_group_key(g): g.hyper for rank in ranks for g in rank.groups}
+    params = tuple(Param(n, full[n].shape, dtype[n], g) for g, (_, group) in enumerate(kept) for n in group)
+    out_groups = tuple(ParamGroup(g, hyper[key], tuple(group)) for g, (key, group) in enumerate(kept))
+    buffers = _buffer_names(ranks, stage)
+    metas = [_meta(ranks, [key for key, _ in kept], d) for d in range(first.world_size)]
     return replace(
-        first, params=params, groups=groups, tied={},
-        buffers=tuple(b for rank in ranks for b in rank.buffers),
-        partitions=tuple(part for rank in ranks for part in rank.partitions),
-        files=tuple(f for rank in ranks for f in rank.files),
-        model_states=tuple(_stage_states(m, shape, buffers) for rank in ranks for m in rank.model_states),
-        optim_states=tuple(o for rank in ranks for o in rank.optim_states),
-        module_order=tuple(n for group in names for n in group),
+        first, params=params, groups=out_groups, tied={},
+        buffers=tuple(b for rank in ranks for b in rank.buffers if b.name in buffers),
+        partitions=tuple(part for rank in ranks for part in rank.partitions) + tuple(m[1] for m in metas),
+        files=tuple(f for rank in ranks for f in rank.files) + tuple(m[2] for m in metas),
+        model_states=tuple(_stage_states(m, shape, buffers) for rank in ranks for m in rank.model_states)
+        + tuple(_stage_states(first.model_states[0], shape, buffers) for _ in range(first.world_size)),
+        optim_states=tuple(o for rank in ranks for o in rank.optim_states) + tuple(m[0] for m in metas),
+        module_order=tuple(n for _, group in kept for n in group),
     )
 
 
@@ -186,16 +355,25 @@ def _plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     by_name = source.param_by_name
     optimizer = source.optimizer_kind
     n_tensors = source.tensors_per_partition
+    held: dict[str, int] = {}  # a parameter's group in the source stage it is read from (the lowest that trains it)
+    for rank in reversed(index.ranks):
+        held.update({p.name: p.group for p in rank.params if p.group is not None})
+    runs = ModelRuns(index)
+
+    def copies(name: str, _group: int, first: int, last: int, dst: int) -> list[Copy]:
+        return runs.copies(name, held[name], first, last, dst)
+
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
-                        ModelRuns(index).copies, aligned=is_set(source.zero_config, "parameter_alignment"),
+                        copies, aligned=is_set(source.zero_config, "parameter_alignment"),
                         bf16=optimizer == BF16)
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     flat_shapes, param_paddings = laid.shapes, laid.param_paddings
+    meta = len(index.ranks) * index.world_size  # the virtual ranks holding the stage's optimizer fields
     units = []
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=min(r, index.world_size - 1), optim_file=optim_file_name(source.precision, r, mp_rank),
+            rank=r, meta_rank=meta + min(r, index.world_size - 1), optim_file=optim_file_name(source.precision, r, mp_rank),
             model_file=model_file_name(source.stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
             group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved, write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]),

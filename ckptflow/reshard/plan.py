@@ -58,6 +58,7 @@ class ReshardOptions:
     tp: int | None = None
     pp: int | None = None
     ep: int | None = None
+    partition_method: str | None = None
     workers: int = 4
     durable: bool = True
     strict_pickle: bool = False
@@ -69,7 +70,8 @@ class ReshardOptions:
 
     @property
     def target(self) -> Target:
-        return Target(world_size=self.world_size, stage=self.stage, tp=self.tp, pp=self.pp, ep=self.ep)
+        return Target(world_size=self.world_size, stage=self.stage, tp=self.tp, pp=self.pp, ep=self.ep,
+                      partition_method=self.partition_method)
 
 
 def _is_count(value: Any) -> bool:
@@ -95,12 +97,14 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
-    return replace(plan_shape(index, shape, config), source_shape=source_shape(index), shape=shape)
+    return replace(plan_shape(index, shape, config, partition_method=target.partition_method), source_shape=source_shape(index), shape=shape)
 
 
-def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None) -> ReshardPlan:
+def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None, *,
+               partition_method: str | None = None) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
-    `config.json`, which a tensor-parallel split needs)."""
+    `config.json`, which a tensor-parallel split needs; `partition_method`: a PipelineModule's, which a
+    new number of pipeline stages needs, None for its default)."""
     source = source_shape(index)
     if isinstance(index, OptimizerShards):
         if (shape.stage, shape.tp, shape.pp, shape.ep) != (source.stage, source.tp, source.pp, source.ep):
@@ -110,7 +114,7 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
                 uri=index.root, hint=f"give {option('world_size')} alone")
         return plan_shard_folder(index, shape.dp)
     if shape.pp != source.pp:
-        return plan_pipeline(index, shape)
+        return plan_pipeline(index, shape, partition_method)
     if shape.tp != source.tp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
         return plan_megatron_tensor_parallel(index, shape)
     if shape.tp != source.tp and shape.tp == 1:

@@ -574,7 +574,8 @@ class ReshardStep:
 def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | None = None,
             options: ReshardOptions | None = None, workers: int | None = None, durable: bool = True,
             stage: int | None = None, tp: int | None = None, pp: int | None = None, ep: int | None = None,
-            progress: Progress | None = None, executor: Executor | None = None) -> ReshardResult:
+            partition_method: str | None = None, progress: Progress | None = None,
+            executor: Executor | None = None) -> ReshardResult:
     """Reshard the checkpoint at `src` into the new folder `out` as `options` say: for
     `options.world_size` ranks, at the ZeRO stage and tensor-, pipeline- and expert-parallel degrees
     given (every one not given is the source's; the data parallelism is what is left). The options may
@@ -587,7 +588,8 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     bytes. On any error nothing is left at `out` and the staging folder is removed.
     """
     started = time.monotonic()
-    asked = {"world_size": world_size, "stage": stage, "tp": tp, "pp": pp, "ep": ep, "workers": workers}
+    asked = {"world_size": world_size, "stage": stage, "tp": tp, "pp": pp, "ep": ep, "workers": workers,
+             "partition_method": partition_method}
     options = _options(options, asked, durable=durable)
     plan = plan_output(src, out, target=options.target, tag=tag, strict_pickle=options.strict_pickle)
     threads = write_threads(options.workers, len(plan.units)) if executor is None else 1
@@ -603,7 +605,7 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     )
 
 
-def _options(options: ReshardOptions | None, asked: dict[str, int | None], *, durable: bool) -> ReshardOptions:
+def _options(options: ReshardOptions | None, asked: dict[str, Any], *, durable: bool) -> ReshardOptions:
     """`options`, or the options the keywords give; a `TypeError` when both or neither are given."""
     given = {k: v for k, v in asked.items() if v is not None}
     if options is not None and (given or not durable):

@@ -88,6 +88,7 @@ class Target:
     tp: int | None = None
     pp: int | None = None
     ep: int | None = None
+    partition_method: str | None = None  # PipelineModule's, for a new stage count (None: its default)
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
@@ -240,11 +241,6 @@ def _candidates(kind: str, source: Shape, world_size: int, model: Model) -> Iter
                     yield Shape(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep)
 
 
-# Why a PipelineModule checkpoint is written at pp1 only (`reshard.pipeline`).
-PIPELINE_STAGES = ("ckptflow merges the pipeline stages into one (pp1) only: which layers each of several stages "
-                   "holds depends on the model's layer list, which a PipelineModule checkpoint does not record (layers "
-                   "that are functions, and a tied module's later uses, save no file)")
-
 NAMES = {"zero": "data-parallel ZeRO", "zero0": "ZeRO-0", "autotp": "AutoTP", "pipeline": "PipelineModule",
          "megatron": "Megatron-style PipelineModule", "tensor-parallel": "model-parallel", "autoep": "AutoEP",
          "moe": "deepspeed.moe", "optimizer-shards": "optimizer-shard"}
@@ -271,8 +267,11 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if kind != "pipeline":
             return (f"ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints only, "
                     f"not of {name} ones")
-        if shape.pp != 1:
-            return PIPELINE_STAGES
+        if source.stage != 1:
+            return "ckptflow changes the number of pipeline stages of ZeRO-1 PipelineModule checkpoints only"
+        layers = pipeline_layers(index)
+        if layers and shape.pp > layers:
+            return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages"
     if shape.ep != source.ep:
         return _why_not_ep(index, kind, source, shape)
     if shape.stage != source.stage:
@@ -317,6 +316,11 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
         experts = "/".join(map(str, counts))
         return f"{shape.ep} expert-parallel ranks do not split the {experts} experts of its MoE layers"
     return expert_group_cut(index, shape.ep)
+
+
+def pipeline_layers(index: Any) -> int:
+    """How many layers of a PipelineModule checkpoint saved a file (0: not known)."""
+    return len(getattr(index, "carried", ()) or ())
 
 
 def _expert_optimizer(index: Any) -> str:

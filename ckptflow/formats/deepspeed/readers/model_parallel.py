@@ -310,6 +310,7 @@ class ModelParallelCheckpoint:
     carried: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     layers: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+    tied_layers: tuple[tuple[str, int], ...] = ()  # PipelineModule: (tied module key, the layer whose file holds it)
 
     @property
     def tag_uri(self) -> str:

@@ -135,6 +135,7 @@ def read_pipeline(
         description=Topology(topology.kind, first.stage, topology.dp, tp=topology.tp, pp=pp).description, tp=tp, pp=pp,
         ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas),
         carried=tuple(sorted(layer_names.values())), notes=notes, layers=layers,
+        tied_layers=tuple(sorted(plan.tied_owner.items())) if plan else (),
     )
 
 
@@ -224,8 +225,9 @@ class _StageModules:
                  label: Callable[[int], str]) -> None:
         self.modules: list[dict[str, TensorRef]] = []
         self.frozen: dict[int, dict[str, ModelTensor]] = {}
+        self.tied_owner: dict[str, int] = {}  # tied module key -> the layer whose file holds it
         owned = {layer for head in heads for n in _names(head) if (layer := _layer_of(n)) is not None}
-        tied_owner = self._tied_owners(st, heads, layers, owned)
+        tied_owner = self.tied_owner = self._tied_owners(st, heads, layers, owned)
         used: set[tuple[int, int, str]] = set()
         for mp, head in enumerate(heads):
             t = mp % tp

@@ -1,0 +1,144 @@
+"""Which layers each stage of a PipelineModule holds at another stage count. Pure.
+
+DeepSpeed 0.19.8's `PipelineModule._partition_layers` cuts the layer list into `num_stages` runs by
+`partition_method`: "parameters" (the default: `ds_utils.partition_balanced` over each layer's
+trainable elements, a `TiedLayerSpec` counted at every use, a function as 0), "uniform"
+(`partition_uniform` over the number of layers) or "type:REGEX" (balanced over the layers whose class
+name matches). `partition_uniform` and `partition_balanced` below are ports of DeepSpeed's.
+
+No file records the layer list. What the files say (`Evidence`): each layer that is a module saved
+`layer_XX-model_states.pt` under its global index; each stage's `param_shapes` and `buffer_names` name
+the layers it holds (`{layer}.{name}`) and the tied modules it uses (`tied_modules.{key}.{name}`); a
+tied module's file sits under one of its uses. Layers that are functions, and a tied module's uses
+with a `forward_fn`, save nothing: an index without a file is one or the other, and how many such
+layers follow the last file is unknown. `layer_lists` tries every filling of those indices (up to
+`SPAN` layers after the last file) and keeps those whose partition at the source's stage count gives
+each source stage exactly the layers and tied modules it holds; `target_stages` then cuts each at the
+target count, and answers only when every kept list gives every target stage the same modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+METHODS = ("parameters", "uniform")  # and "type:REGEX", which ckptflow cannot compute (no class names)
+SPAN = 8  # layers without files tried after the last layer file
+MAX_LISTS = 4096  # layer lists tried at most
+
+Layer = tuple[str, int]  # (tied module key, or "" for a module or a function; trainable elements)
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """`deepspeed.runtime.utils.partition_uniform`."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
+    """`deepspeed.runtime.utils.partition_balanced`: the linear partition minimising the spread between
+    the heaviest and the lightest part, ties to the last split point, as DeepSpeed's loops break them."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0] * (n + 1)
+    for i, w in enumerate(weights):
+        prefix[i + 1] = prefix[i] + float(w)
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                high, low = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
+                if dp_cost[i][j] >= high - low:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = high - low, high, low, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
+
+
+def partition(method: str, layers: Sequence[Layer], num_stages: int) -> list[int]:
+    """`PipelineModule._partition_layers`' `parts` for `layers` (methods of `METHODS`)."""
+    if method == "uniform":
+        return partition_uniform(len(layers), num_stages)
+    return partition_balanced([count for _, count in layers], num_stages)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a PipelineModule checkpoint's files say about its layer list: `known`, the layers that saved
+    a file (layer -> (tied key or "", trainable elements)); per source stage, the layers it names
+    (`stage_layers`) and the tied modules it uses (`stage_tied`); each tied module's elements (`tied`)."""
+
+    known: dict[int, Layer]
+    stage_layers: tuple[frozenset[int], ...]
+    stage_tied: tuple[frozenset[str], ...]
+    tied: dict[str, int]
+
+
+@dataclass(frozen=True)
+class TargetStage:
+    """What one target stage holds: its layers that are modules (in order) and the tied modules it uses
+    (in the order of their first use in the stage)."""
+
+    layers: tuple[int, ...]
+    tied: tuple[str, ...]
+
+
+def layer_lists(evidence: Evidence, method: str) -> Iterator[list[Layer]]:
+    """Every layer list the files allow whose partition by `method` at the source's stage count gives
+    each source stage the layers and tied modules it holds. `ValueError` when more than `MAX_LISTS`
+    lists would have to be tried."""
+    first = max(evidence.known, default=-1) + 1
+    choices: list[Layer] = [("", 0), *sorted(evidence.tied.items())]
+    tried = 0
+    for count in range(max(first, 1), first + SPAN + 1):
+        unknown = [i for i in range(count) if i not in evidence.known]
+        for filling in itertools.product(choices, repeat=len(unknown)):
+            tried += 1
+            if tried > MAX_LISTS:
+                raise ValueError(f"more than {MAX_LISTS} layer lists fit the files")
+            layers = [evidence.known.get(i, ("", 0)) for i in range(count)]
+            for i, layer in zip(unknown, filling):
+                layers[i] = layer
+            if _holds_the_source(evidence, layers, partition(method, layers, len(evidence.stage_layers))):
+                yield layers
+
+
+def _holds_the_source(evidence: Evidence, layers: Sequence[Layer], parts: Sequence[int]) -> bool:
+    for s, (named, tied) in enumerate(zip(evidence.stage_layers, evidence.stage_tied)):
+        span = range(parts[s], parts[s + 1])
+        if any(i not in span for i in named) or {layers[i][0] for i in span} - {""} != tied:
+            return False
+    return True
+
+
+def target_stages(layers: Sequence[Layer], parts: Sequence[int], modules: frozenset[int]) -> tuple[TargetStage, ...]:
+    """Each stage's modules (those of `modules`, the layers any stage names) and tied modules at `parts`."""
+    return tuple(TargetStage(tuple(i for i in range(a, b) if i in modules),
+                             tuple(dict.fromkeys(layers[i][0] for i in range(a, b) if layers[i][0])))
+                 for a, b in zip(parts, parts[1:]))
+
+
+def describe(layers: Sequence[Layer]) -> str:
+    """A layer list in words: "0 embed, 1-3 modules, 4 function, 5 embed"."""
+    words = [key or ("module" if count else "function or module without parameters") for key, count in layers]
+    out, start = [], 0
+    for i in range(1, len(words) + 1):
+        if i == len(words) or words[i] != words[start]:
+            out.append(f"{start}{f'-{i - 1}' if i - 1 > start else ''} {words[start]}")
+            start = i
+    return ", ".join(out)
+
+
+__all__ = ["Evidence", "METHODS", "TargetStage", "describe", "layer_lists", "partition", "partition_balanced",
+           "partition_uniform", "target_stages"]
