@@ -70,7 +70,8 @@ FLAGS = {
     "tag": "--tag", "dtype": "--dtype", "exclude_frozen": "--exclude-frozen", "verify": "--verify",
     "config": "--config", "config_revision": "--config-revision", "max_shard_size": "--max-shard-size",
     "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
-    "partition_method": "--partition-method", "strict_pickle": "--strict-pickle", "break_lease": "--break-lease", "cluster": "--cluster",
+    "partition_method": "--partition-method", "strict_pickle": "--strict-pickle", "break_lease": "--break-lease",
+    "cluster": "--cluster",
 }
 
 

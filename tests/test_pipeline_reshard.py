@@ -9,7 +9,9 @@ job), loads the output natively (``engine.load_checkpoint``, no universal checkp
   shape (``expected.safetensors``) bit for bit;
 - saved again at that shape, it writes exactly ckptflow's files (layer files included).
 
-Other stage counts are refused, as are Megatron-style pipelines and ZeRO-0, each in one line that says why.
+And to another number of stages above one (``--pp 4``, ``--partition-method uniform``, the fixture's), checked the
+same way. Stage counts the files do not determine are refused, as are Megatron-style pipelines and ZeRO-0, each
+in one line that says why.
 """
 
 from __future__ import annotations
@@ -118,14 +120,6 @@ def test_the_merged_stage_flattens_in_parameters_order(parallel_fixtures: Mappin
 def test_other_stage_counts_are_refused(parallel_fixtures: Mapping[str, ParallelFixture],
                                         parallel_extra_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path: Path) -> None:
-    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=(
-            r"\(ZeRO-1 pp2 x dp1 \(2 ranks\)\) to 4 ranks, pp4: ckptflow merges the pipeline stages into one \(pp1\) "
-            r"only: which layers each of several stages holds depends on the model's layer list, which a "
-            r"PipelineModule checkpoint does not record \(layers that are functions, and a tied module's later "
-            r"uses, save no file\); shapes it can write at 4 ranks: ZeRO-1 dp4 \(4 ranks\), ZeRO-1 pp2 x dp2 "
-            r"\(4 ranks\)$")):
-        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4)
     megatron = parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"]
     with pytest.raises(UnsupportedCheckpointError, match=(
             r"to 2 ranks, pp1: ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints "
@@ -179,3 +173,90 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
             assert torch.equal(got.float().reshape(-1), expected[f"{state}/{name}"].reshape(-1)), (name, state)
             compared += 1
     assert compared == len(expected) == 3 * len(fixture.spec["params"])
+
+
+# ---- another number of stages above one ------------------------------------------------------------------
+
+# (fixture, pp, dp, via): pp2 -> pp4 (layer 4 alone on a stage, the tied head alone on the last: each keeps
+# one param group), pp2 x dp2 -> pp4 x dp1, and pp3 (ckptflow's own pp2 x dp2 -> pp3) regrouped to pp2 x dp2
+# (a pp4 source is not determined: its last stage may hold a function before the head). One 4-rank launch;
+# `pipe-toy` trains with partition_method="uniform".
+SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None), ("pipe-pp2dp2-z1-fp32", 4, 1, None),
+          ("pipe-pp2dp2-z1-fp32", 2, 2, 3))
+
+
+def split_id(case: tuple[str, int, int, int | None]) -> str:
+    name, pp, dp, via = case
+    return f"{name}{f'-via-pp{via}' if via else ''}-to-pp{pp}-dp{dp}"
+
+
+@pytest.fixture(scope="session")
+def split_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
+                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pipe-split-oracle")
+    outs, resaved, results, jobs = {}, {}, {}, []
+    for case in SPLITS:
+        name, pp, dp, via = case
+        fixture = parallel_fixtures[name]
+        source = str(fixture.dir)
+        if via:
+            source = str(root / "via" / split_id(case))
+            reshard(str(fixture.dir), source, world_size=via, pp=via, partition_method="uniform", workers=2)
+        outs[case] = root / "out" / split_id(case)
+        reshard(source, str(outs[case]), world_size=pp * dp, pp=pp, partition_method="uniform", workers=2)
+        resaved[case] = root / "resaved" / split_id(case)
+        results[case] = root / "results" / f"{split_id(case)}.json"
+        results[case].parent.mkdir(parents=True, exist_ok=True)
+        spec = dataclasses.replace(fixture.parallel_spec, pp=pp, world_size=pp * dp)
+        jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
+                     "save": str(resaved[case]), "expected": str(fixture.expected_path),
+                     "buffers": str(fixture.buffers_path), "result": str(results[case])})
+    jobs_file = root / "jobs-4-pipe-split.json"
+    jobs_file.write_text(json.dumps(jobs, indent=1))
+    launch("tests.oracles.parallel_reshard", 4, ["--jobs", str(jobs_file)], timeout=900, log_dir=root / "logs")
+    return {"outs": outs, "resaved": resaved, "results": results}
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=split_id)
+def test_deepspeed_loads_the_new_stages_holding_the_source_state(
+        split_oracle: dict[str, Any], case: tuple[str, int, int, int | None],
+        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """DeepSpeed's PipelineModule at the target stage count loads the output natively and holds the
+    source's fp32 weights, both Adam moments and buffers bit for bit, and saves exactly ckptflow's files."""
+    check_loaded_state(split_oracle, case, parallel_fixtures[case[0]])
+    check_same_files(split_oracle, case)
+    report = validate(str(split_oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    assert (report.summary()["pp"], report.summary()["world_size"]) == (case[1], case[2])
+
+
+def test_the_stages_are_deepspeeds_partition() -> None:
+    """Pure: the ports of `partition_uniform` and `partition_balanced` give DeepSpeed's own answers."""
+    from deepspeed.runtime import utils
+
+    from ckptflow.reshard.pipeline_layers import partition_balanced, partition_uniform
+
+    for n, m in ((6, 4), (6, 2), (3, 4), (13, 5)):
+        assert partition_uniform(n, m) == utils.partition_uniform(n, m)
+    for weights in ([592, 1104, 1104, 1104, 32, 592], [0, 5, 0, 0, 7, 1, 1, 9, 0], [3, 3, 3, 3]):
+        for m in (2, 3, 4):
+            assert partition_balanced(weights, m) == [int(x) for x in utils.partition_balanced(weights, m)]
+
+
+def test_a_stage_count_the_files_do_not_determine_is_refused(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                             tmp_path: Path) -> None:
+    """`pipe-toy`'s tied head saves no file, so under `parameters` (DeepSpeed's default) the files allow
+    several layer lists that put other layers on 4 stages; type:REGEX needs class names no file records."""
+    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"cannot tell which layers each of 4 pipeline stages of .*global_step3 holds: layer lists the files allow "
+            r"\(0 embed, 1-4 module, 5 embed; or 0 embed, 1-4 module, 5-6 embed\) give the source's stages what they "
+            r"hold under partition method 'parameters', and put other layers on the target's stages \(1\+embed \| 2 "
+            r"\| 3 \| 4\+embed; or 1\+embed \| 2 \| 3\+4 \| embed\); keep the number of pipeline stages, or merge "
+            r"them \(pp 1\)$")):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4)
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"partition method 'type:Block' weighs the layers whose class name matches, and no file records a "
+            r"layer's class; use `parameters` or `uniform`$")):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4, partition_method="type:Block")
+    assert not (tmp_path / "out").exists()

@@ -81,7 +81,7 @@ def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None)
         plan_data_parallel(rank, rank.world_size)
     groups = _check_stages(index, ranks)
     if shape.pp == 1:
-        stages = [_merged(ranks)]
+        stages: tuple[TargetStage, ...] = (_merged(ranks),)
     else:
         stages = _split(index, ranks, shape.pp, partition_method or DEFAULT_METHOD)
     parts = tuple(_plan_stage(index, _stage_source(index, ranks, groups, stage, shape), shape.dp, mp_rank=t)
@@ -184,10 +184,9 @@ def evidence(index: ModelParallelCheckpoint) -> Evidence:
         for p in rank.params:
             if not p.name.startswith(TIED):
                 counts[_layer_of(p.name)] = counts.get(_layer_of(p.name), 0) + p.numel
-    for key in sizes:
-        sizes[key] = sum(p.numel for p in next(r for r in ranks if any(_tied_key(q.name) == key and
-                                                                        q.name.startswith(TIED) for q in r.params)).params
-                         if p.name.startswith(TIED) and _tied_key(p.name) == key)
+    for key in sizes:  # a tied module's elements, on the first stage that uses it
+        first = next(r for r in ranks if any(q.name.startswith(TIED) and _tied_key(q.name) == key for q in r.params))
+        sizes[key] = sum(p.numel for p in first.params if p.name.startswith(TIED) and _tied_key(p.name) == key)
     files = {int(m.group(1)) for name in index.carried if (m := LAYER_FILE_RE.match(name))}
     known = {layer: ("", counts.get(layer, 0)) for layer in files}
     for key, layer in tied.items():
@@ -373,7 +372,8 @@ def _plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     for r in range(world_size):
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
-            rank=r, meta_rank=meta + min(r, index.world_size - 1), optim_file=optim_file_name(source.precision, r, mp_rank),
+            rank=r, meta_rank=meta + min(r, index.world_size - 1),
+            optim_file=optim_file_name(source.precision, r, mp_rank),
             model_file=model_file_name(source.stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
             group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved, write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]),

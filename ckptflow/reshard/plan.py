@@ -97,7 +97,8 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
-    return replace(plan_shape(index, shape, config, partition_method=target.partition_method), source_shape=source_shape(index), shape=shape)
+    plan = plan_shape(index, shape, config, partition_method=target.partition_method)
+    return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
 def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None, *,
