@@ -139,15 +139,18 @@ def test_tied_modules_come_first_in_the_order_the_stages_first_use_them() -> Non
     keep their order, whatever the group."""
     from types import SimpleNamespace
 
-    from ckptflow.reshard.pipeline import _stage_order
+    from ckptflow.reshard.pipeline import _group_key, _group_names, _merged
 
     def stage(*groups: list[str]) -> Any:
-        return SimpleNamespace(groups=[SimpleNamespace(params=tuple(g)) for g in groups])
+        out = [SimpleNamespace(index=g, hyper={"name": f"g{g}"}, params=tuple(names)) for g, names in enumerate(groups)]
+        return SimpleNamespace(groups=out, params=[SimpleNamespace(name=n) for g in groups for n in g],
+                               model_states=[{}])
 
     ranks = [stage(["tied_modules.a.weight", "1.fc.weight"], ["1.fc.bias"]),
              stage(["tied_modules.b.weight", "tied_modules.a.weight", "3.fc.weight", "10.fc.weight"],
                    ["tied_modules.b.bias", "3.fc.bias", "3.norm.weight", "4.weight"])]
-    assert _stage_order(ranks) == [
+    keys = [_group_key(g) for g in ranks[0].groups]
+    assert _group_names(ranks, keys, _merged(ranks)) == [
         ["tied_modules.a.weight", "tied_modules.b.weight", "1.fc.weight", "3.fc.weight", "10.fc.weight"],
         ["tied_modules.b.bias", "1.fc.bias", "3.fc.bias", "3.norm.weight", "4.weight"],
     ]
