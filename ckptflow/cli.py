@@ -70,7 +70,8 @@ FLAGS = {
     "tag": "--tag", "dtype": "--dtype", "exclude_frozen": "--exclude-frozen", "verify": "--verify",
     "config": "--config", "config_revision": "--config-revision", "max_shard_size": "--max-shard-size",
     "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
-    "partition_method": "--partition-method", "strict_pickle": "--strict-pickle", "break_lease": "--break-lease",
+    "partition_method": "--partition-method", "pipeline_layers": "--pipeline-layers",
+    "strict_pickle": "--strict-pickle", "break_lease": "--break-lease",
     "cluster": "--cluster",
 }
 
@@ -395,6 +396,9 @@ def reshard_command(
     partition_method: Optional[str] = typer.Option(
         None, "--partition-method", metavar="METHOD",
         help="With --pp: the PipelineModule's partition_method (parameters, its default, or uniform)."),
+    pipeline_layers: Optional[int] = typer.Option(
+        None, "--pipeline-layers", min=1, metavar="N",
+        help="With --pp: the length of the PipelineModule's layer list, where its files leave it open."),
     plan: bool = typer.Option(False, "--plan",
                               help="List the shapes at --world-size ranks with their per-GPU memory; write nothing."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
@@ -429,7 +433,8 @@ def reshard_command(
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
-                             strict_pickle=strict_pickle, partition_method=partition_method)
+                             strict_pickle=strict_pickle, partition_method=partition_method,
+                             pipeline_layers=pipeline_layers)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)

@@ -180,17 +180,19 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
 
 # ---- another number of stages above one ------------------------------------------------------------------
 
-# (fixture, pp, dp, via): pp2 -> pp4 (layer 4 alone on a stage, the tied head alone on the last: each keeps
-# one param group), pp2 x dp2 -> pp4 x dp1, and pp3 (ckptflow's own pp2 x dp2 -> pp3) regrouped to pp2 x dp2
-# (a pp4 source is not determined: its last stage may hold a function before the head). One 4-rank launch;
-# `pipe-toy` trains with partition_method="uniform".
-SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None), ("pipe-pp2dp2-z1-fp32", 4, 1, None),
-          ("pipe-pp2dp2-z1-fp32", 2, 2, 3))
+# (fixture, pp, dp, via, partition method, layers): pp2 -> pp4 (layer 4 alone on a stage, the tied head
+# alone on the last: each keeps one param group), pp2 x dp2 -> pp4 x dp1, pp3 (ckptflow's own pp2 x dp2 ->
+# pp3) regrouped to pp2 x dp2 (a pp4 source is not determined: its last stage may hold a function before the
+# head), all "uniform" as `pipe-toy` trains; and pp2 -> pp4 by "parameters" (DeepSpeed's default, which the
+# source's stages fit too) with the layer list's length given, since the files leave it open there. One
+# 4-rank launch.
+SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None, "uniform", None), ("pipe-pp2dp2-z1-fp32", 4, 1, None, "uniform", None),
+          ("pipe-pp2dp2-z1-fp32", 2, 2, 3, "uniform", None), ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6))
 
 
-def split_id(case: tuple[str, int, int, int | None]) -> str:
-    name, pp, dp, via = case
-    return f"{name}{f'-via-pp{via}' if via else ''}-to-pp{pp}-dp{dp}"
+def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
+    name, pp, dp, via, method, layers = case
+    return f"{name}{f'-via-pp{via}' if via else ''}-to-pp{pp}-dp{dp}-{method}{f'-{layers}' if layers else ''}"
 
 
 @pytest.fixture(scope="session")
@@ -199,21 +201,22 @@ def split_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
     root = tmp_path_factory.mktemp("pipe-split-oracle")
     outs, resaved, results, jobs = {}, {}, {}, []
     for case in SPLITS:
-        name, pp, dp, via = case
+        name, pp, dp, via, method, layers = case
         fixture = parallel_fixtures[name]
         source = str(fixture.dir)
         if via:
             source = str(root / "via" / split_id(case))
-            reshard(str(fixture.dir), source, world_size=via, pp=via, partition_method="uniform", workers=2)
+            reshard(str(fixture.dir), source, world_size=via, pp=via, partition_method=method, workers=2)
         outs[case] = root / "out" / split_id(case)
-        reshard(source, str(outs[case]), world_size=pp * dp, pp=pp, partition_method="uniform", workers=2)
+        reshard(source, str(outs[case]), world_size=pp * dp, pp=pp, partition_method=method, pipeline_layers=layers,
+                workers=2)
         resaved[case] = root / "resaved" / split_id(case)
         results[case] = root / "results" / f"{split_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
         spec = dataclasses.replace(fixture.parallel_spec, pp=pp, world_size=pp * dp)
         jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
                      "save": str(resaved[case]), "expected": str(fixture.expected_path),
-                     "buffers": str(fixture.buffers_path), "result": str(results[case])})
+                     "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": method})
     jobs_file = root / "jobs-4-pipe-split.json"
     jobs_file.write_text(json.dumps(jobs, indent=1))
     launch("tests.oracles.parallel_reshard", 4, ["--jobs", str(jobs_file)], timeout=900, log_dir=root / "logs")
@@ -222,7 +225,7 @@ def split_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
 
 @pytest.mark.parametrize("case", SPLITS, ids=split_id)
 def test_deepspeed_loads_the_new_stages_holding_the_source_state(
-        split_oracle: dict[str, Any], case: tuple[str, int, int, int | None],
+        split_oracle: dict[str, Any], case: tuple[str, int, int, int | None, str, int | None],
         parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
     """DeepSpeed's PipelineModule at the target stage count loads the output natively and holds the
     source's fp32 weights, both Adam moments and buffers bit for bit, and saves exactly ckptflow's files."""

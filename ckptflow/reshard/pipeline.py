@@ -58,9 +58,11 @@ TIED = "tied_modules."
 DEFAULT_METHOD = "parameters"  # PipelineModule's own default
 
 
-def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None) -> ModelParallelPlan:
+def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None,
+                  layers: int | None = None) -> ModelParallelPlan:
     """The plan that writes the PipelineModule checkpoint `index` at `shape` (pp M x dp E), its layers
-    assigned to the M stages as `PipelineModule(partition_method=...)` would; reads nothing.
+    assigned to the M stages as `PipelineModule(partition_method=...)` would (`layers`: the length of its
+    layer list, when the user knows it; None: what the files allow); reads nothing.
     `UnsupportedCheckpointError`, in one line saying why and what would work, for anything else."""
     where = f"{index.root}/{index.tag}"
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "pipeline":
@@ -83,7 +85,7 @@ def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None)
     if shape.pp == 1:
         stages: tuple[TargetStage, ...] = (_merged(ranks),)
     else:
-        stages = _split(index, ranks, shape.pp, partition_method or DEFAULT_METHOD)
+        stages = _split(index, ranks, shape.pp, partition_method or DEFAULT_METHOD, layers)
     parts = tuple(_plan_stage(index, _stage_source(index, ranks, groups, stage, shape), shape.dp, mp_rank=t)
                   for t, stage in enumerate(stages))
     return ModelParallelPlan(
@@ -197,8 +199,8 @@ def evidence(index: ModelParallelCheckpoint) -> Evidence:
                     tied=sizes)
 
 
-def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: int, method: str
-           ) -> tuple[TargetStage, ...]:
+def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: int, method: str,
+           count: int | None) -> tuple[TargetStage, ...]:
     where = f"{index.root}/{index.tag}"
     hint = f"give the {option('partition_method')} the model was trained with"
     if method not in METHODS:
@@ -207,12 +209,13 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method {method!r} "
             f"{what}", code="unsupported-shape", uri=index.root, hint="use `parameters` or `uniform`")
-    found = _fitting(index, method)
+    found = _fitting(index, method, count)
     if not found:
-        other = [m for m in METHODS if m != method and _fitting(index, m)]
+        other = [m for m in METHODS if m != method and _fitting(index, m, count)]
+        of = f" of {count} layers" if count is not None else ""
         raise UnsupportedCheckpointError(
-            f"{where}: no layer list the files allow gives its {index.pp} pipeline stages the layers they hold under "
-            f"partition method {method!r}" + (f"; {other[0]!r} does" if other else ""),
+            f"{where}: no layer list{of} the files allow gives its {index.pp} pipeline stages the layers they hold "
+            f"under partition method {method!r}" + (f"; {other[0]!r} does" if other else ""),
             code="unsupported-shape", uri=index.root,
             hint=f"pass {option('partition_method')} {other[0]}" if other else hint)
     modules = frozenset().union(*(_named_layers(r) for r in ranks))
@@ -225,7 +228,9 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: layer lists the files allow "
             f"({describe(one)}; or {describe(two)}) give the source's stages what they hold under partition method "
             f"{method!r}, and put other layers on the target's stages ({_stages_text(a)}; or {_stages_text(b)})",
-            code="unsupported-shape", uri=index.root, hint="keep the number of pipeline stages, or merge them (pp 1)")
+            code="unsupported-shape", uri=index.root,
+            hint=f"give the length of the model's layer list with {option('pipeline_layers')}, keep the number of "
+                 "pipeline stages, or merge them (pp 1)")
     (stages,) = outcomes
     empty = [t for t, stage in enumerate(stages) if not stage.layers and not stage.tied]
     if empty:
@@ -235,14 +240,15 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     return stages
 
 
-def _fitting(index: ModelParallelCheckpoint, method: str) -> list[Any]:
+def _fitting(index: ModelParallelCheckpoint, method: str, count: int | None) -> list[Any]:
     try:
-        return list(layer_lists(evidence(index), method))
+        return list(layer_lists(evidence(index), method, count))
     except ValueError as exc:
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each pipeline stage of {index.root}/{index.tag} holds: {exc}",
-            code="unsupported-shape", uri=index.root, hint="keep the number of pipeline stages, or merge them (pp 1)"
-        ) from None
+            code="unsupported-shape", uri=index.root,
+            hint=f"give the length of the model's layer list with {option('pipeline_layers')}, keep the number of "
+                 "pipeline stages, or merge them (pp 1)") from None
 
 
 def _stages_text(stages: Sequence[TargetStage]) -> str:

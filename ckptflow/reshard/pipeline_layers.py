@@ -94,14 +94,15 @@ class TargetStage:
     tied: tuple[str, ...]
 
 
-def layer_lists(evidence: Evidence, method: str) -> Iterator[list[Layer]]:
-    """Every layer list the files allow whose partition by `method` at the source's stage count gives
-    each source stage the layers and tied modules it holds. `ValueError` when more than `MAX_LISTS`
-    lists would have to be tried."""
+def layer_lists(evidence: Evidence, method: str, count: int | None = None) -> Iterator[list[Layer]]:
+    """Every layer list the files allow (of `count` layers when given) whose partition by `method` at the
+    source's stage count gives each source stage the layers and tied modules it holds. `ValueError` when
+    more than `MAX_LISTS` lists would have to be tried."""
     first = max(evidence.known, default=-1) + 1
     choices: list[Layer] = [("", 0), *sorted(evidence.tied.items())]
     tried = 0
-    for count in range(max(first, 1), first + SPAN + 1):
+    counts = range(max(first, 1), first + SPAN + 1) if count is None else range(count, count + 1)
+    for count in counts:
         unknown = [i for i in range(count) if i not in evidence.known]
         for filling in itertools.product(choices, repeat=len(unknown)):
             tried += 1

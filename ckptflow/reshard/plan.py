@@ -59,6 +59,7 @@ class ReshardOptions:
     pp: int | None = None
     ep: int | None = None
     partition_method: str | None = None
+    pipeline_layers: int | None = None
     workers: int = 4
     durable: bool = True
     strict_pickle: bool = False
@@ -71,7 +72,7 @@ class ReshardOptions:
     @property
     def target(self) -> Target:
         return Target(world_size=self.world_size, stage=self.stage, tp=self.tp, pp=self.pp, ep=self.ep,
-                      partition_method=self.partition_method)
+                      partition_method=self.partition_method, pipeline_layers=self.pipeline_layers)
 
 
 def _is_count(value: Any) -> bool:
@@ -97,15 +98,16 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
-    plan = plan_shape(index, shape, config, partition_method=target.partition_method)
+    plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers)
     return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
 def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None, *,
-               partition_method: str | None = None) -> ReshardPlan:
+               partition_method: str | None = None, layers: int | None = None) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
     `config.json`, which a tensor-parallel split needs; `partition_method`: a PipelineModule's, which a
-    new number of pipeline stages needs, None for its default)."""
+    new number of pipeline stages needs, None for its default; `layers`: its layer list's length, where
+    the files leave it open)."""
     source = source_shape(index)
     if isinstance(index, OptimizerShards):
         if (shape.stage, shape.tp, shape.pp, shape.ep) != (source.stage, source.tp, source.pp, source.ep):
@@ -115,7 +117,7 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
                 uri=index.root, hint=f"give {option('world_size')} alone")
         return plan_shard_folder(index, shape.dp)
     if shape.pp != source.pp:
-        return plan_pipeline(index, shape, partition_method)
+        return plan_pipeline(index, shape, partition_method, layers)
     if shape.tp != source.tp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
         return plan_megatron_tensor_parallel(index, shape)
     if shape.tp != source.tp and shape.tp == 1:

@@ -89,11 +89,14 @@ class Target:
     pp: int | None = None
     ep: int | None = None
     partition_method: str | None = None  # PipelineModule's, for a new stage count (None: its default)
+    pipeline_layers: int | None = None  # the length of a PipelineModule's layer list, when the files leave it open
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
         if self.stage is not None and self.stage not in STAGES:
             raise ValueError(f"the ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
+        if self.pipeline_layers is not None and not _is_count(self.pipeline_layers):
+            raise ValueError(f"a layer list's length must be a positive whole number; got {self.pipeline_layers!r}")
         for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if value is not None and not _is_count(value):

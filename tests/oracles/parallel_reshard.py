@@ -9,6 +9,7 @@ groups), run in order. Each job builds the fixture's model with ``tests.fixtures
 job for its ``spec`` (a ``ParallelSpec`` whose ``world_size`` is N: the same tensor and pipeline
 degrees, another data-parallel size), then
 
+- with ``"partition_method"``: the PipelineModule built with it instead of the writer's "uniform";
 - ``engine.load_checkpoint(job["load"])``, no universal-checkpoint flag;
 - gathers the fp32 weights, Adam moments and buffers exactly as the writer did for the oracle
   (``job.gather``), and rank 0 compares them bit for bit with ``job["expected"]`` /
@@ -29,6 +30,7 @@ import contextlib
 import gc
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,9 @@ def run_job(job: dict[str, Any]) -> None:
     if spec.world_size != dist.get_world_size():
         raise SystemExit(f"{spec.name} wants {spec.world_size} ranks, this launch has {dist.get_world_size()}")
     work = _job(spec)
-    with mha_models() if spec.name in SPLIT_SPECS else contextlib.nullcontext():  # `specs.split`'s models
+    method = job.get("partition_method")
+    with (mha_models() if spec.name in SPLIT_SPECS else contextlib.nullcontext(),  # `specs.split`'s models
+          _partitioned(method) if method else contextlib.nullcontext()):
         engine, _ = work.initialize()
     tag = Path(job["load"], "latest").read_text().strip()
     path, client_state = engine.load_checkpoint(job["load"], tag=tag)
@@ -104,6 +108,27 @@ def at_shape(state: dict[str, Any], spec: ParallelSpec) -> dict[str, Any]:
              "zero_stage": spec.stage}
     fields = {k: shape[k] if k in shape and type(v) is int else v for k, v in vars(args).items()}
     return {**state, "args": argparse.Namespace(**fields)}
+
+
+@contextlib.contextmanager
+def _partitioned(method: str) -> Iterator[None]:
+    """The writer's PipelineModule built with `partition_method=method` (its jobs build it "uniform"). Not
+    seeding its layers: DeepSpeed 0.19.8's `partition_balanced` returns numpy integers, which
+    `seed_layers=True` hands to `random.seed`, a TypeError on Python 3.11; the load overwrites every
+    weight anyway."""
+    import deepspeed.pipe
+
+    base = deepspeed.pipe.PipelineModule
+
+    class PipelineModule(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "partition_method": method, "seed_layers": False})
+
+    deepspeed.pipe.PipelineModule = PipelineModule
+    try:
+        yield
+    finally:
+        deepspeed.pipe.PipelineModule = base
 
 
 def _job(spec: ParallelSpec) -> writer.Job:
