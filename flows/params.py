@@ -183,6 +183,19 @@ class ReshardForm(_Form):
         description="The pipeline-parallel degree of each target (PipelineModule); 0 keeps the source's. "
         "Written to zero-wsN-ppP.",
     )
+    partition_method: str = Field(
+        default="parameters",
+        title="Pipeline partition method",
+        description="With another number of pipeline stages: the PipelineModule's partition_method, as in "
+        "training (parameters, its default, or uniform); the layers are assigned to the stages as it assigns them.",
+        max_length=200,
+    )
+    pipeline_layers: Degree = Field(
+        default=0,
+        title="Pipeline layers",
+        description="With another number of pipeline stages: the length of the PipelineModule's layer list, where "
+        "its files leave it open (layers that are functions save none); 0: what the files allow.",
+    )
     expert_parallel_degree: Degree = Field(
         default=0,
         title="Expert-parallel degree",
@@ -203,8 +216,10 @@ class ReshardForm(_Form):
 
     def targets(self) -> list[Target]:
         """One target shape per world size."""
+        pipeline = {"partition_method": self.partition_method if self.partition_method != "parameters" else None,
+                    "pipeline_layers": self.pipeline_layers or None}
         return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
-                       pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None)
+                       pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None, **pipeline)
                 for n in self.world_sizes]
 
     @model_validator(mode="after")

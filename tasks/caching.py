@@ -32,7 +32,8 @@ WHERE_IT_RUNS = frozenset({"cluster"})
 # existed still matches (else the step runs again into an output folder that already exists, and fails).
 ADDED_LATER: dict[str, tuple[Any, ...]] = {"tensor_parallel": (None,), "stage": (None,), "config": (None, ""),
                                            "config_revision": (None, ""), "pipeline_parallel": (None,),
-                                           "expert_parallel": (None,)}
+                                           "expert_parallel": (None,), "partition_method": (None,),
+                                           "pipeline_layers": (None,)}
 
 
 def _unset(name: str, value: Any) -> bool:

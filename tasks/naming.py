@@ -27,6 +27,8 @@ FORM_FIELDS = {
     "tp": "Tensor-parallel degree",
     "pp": "Pipeline stages",
     "ep": "Expert-parallel degree",
+    "partition_method": "Pipeline partition method",
+    "pipeline_layers": "Pipeline layers",
     "cluster": "Dask cluster",
 }
 NAMES = {keyword: f'the form\'s "{title}"' for keyword, title in FORM_FIELDS.items()}

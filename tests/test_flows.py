@@ -372,7 +372,7 @@ def test_the_steps_bars_are_gone_when_they_end(prefect_server: str, llama_bf16_c
 
 # The form's reshard fields, each through the task: (fixture set, fixture, the form's Reshard fields, the
 # folder the shape names, the task run's name). Each target's output is loaded natively by DeepSpeed in
-# test_model_parallel_reshard, test_reshard and test_expert_parallel.
+# test_model_parallel_reshard, test_reshard, test_expert_parallel and test_pipeline_reshard.
 TASK_SHAPES = [
     ("parallel_fixtures", "autotp-tp2-z1-fp32", {"world_sizes": [2], "merge_tensor_parallel": True}, "zero-ws2-tp1",
      "reshard global_step3 to 2 ranks, tp 1"),
@@ -380,6 +380,9 @@ TASK_SHAPES = [
      "reshard global_step3 to 3 ranks, ZeRO-3"),
     ("parallel_fixtures", "dsmoe-ep2-z2-fp32", {"world_sizes": [4], "expert_parallel_degree": 4}, "zero-ws4-ep4",
      "reshard global_step3 to 4 ranks, ep 4"),
+    ("parallel_fixtures", "pipe-pp2-z1-fp32", {"world_sizes": [4], "pipeline_parallel_degree": 4,
+                                               "partition_method": "uniform"}, "zero-ws4-pp4",
+     "reshard global_step3 to 4 ranks, pp 4"),
 ]
 
 
@@ -408,11 +411,14 @@ def test_the_reshard_task_writes_the_form_s_shape(prefect_server: str, request: 
 
         checkpoint = validate_checkpoint(source, settle_seconds=0)
         return reshard_checkpoint(checkpoint, out, target.world_size, tensor_parallel=target.tp, stage=target.stage,
-                                  pipeline_parallel=target.pp, expert_parallel=target.ep), flow_run.id
+                                  pipeline_parallel=target.pp, expert_parallel=target.ep,
+                                  partition_method=target.partition_method,
+                                  pipeline_layers=target.pipeline_layers), flow_run.id
 
     output, run_id = build(str(src.dir))
     cli = reshard(str(src.dir), str(tmp_path / "cli"), world_size=target.world_size, stage=target.stage, tp=target.tp,
-                  pp=target.pp, ep=target.ep)
+                  pp=target.pp, ep=target.ep, partition_method=target.partition_method,
+                  pipeline_layers=target.pipeline_layers)
     assert output.details["shape"] == str(cli.shape) and output.world_size == target.world_size
     ours = {p.relative_to(out): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
     theirs = {p.relative_to(tmp_path / "cli"): p.read_bytes() for p in (tmp_path / "cli").rglob("*") if p.is_file()}
@@ -438,6 +444,10 @@ def test_the_form_names_each_target_by_its_shape() -> None:
     assert merged.tensor_parallel == 1 and ReshardForm(world_sizes=[2]).tensor_parallel is None
     assert ReshardForm(world_sizes=[2], tensor_parallel_degree=1).targets() == merged.targets()
     assert ReshardForm(world_sizes=[3]).stage is None
+    pipeline = ReshardForm(world_sizes=[4], pipeline_parallel_degree=4, partition_method="uniform", pipeline_layers=6)
+    assert pipeline.targets() == [Target(world_size=4, pp=4, partition_method="uniform", pipeline_layers=6)]
+    assert paths.reshard_name(pipeline.targets()[0]) == "zero-ws4-pp4"
+    assert ReshardForm(world_sizes=[4], pipeline_parallel_degree=4).targets() == [Target(world_size=4, pp=4)]
     with pytest.raises(ValueError, match="merge_tensor_parallel asks for tensor-parallel degree 1, but "
                                          "tensor_parallel_degree is 2"):
         ReshardForm(world_sizes=[2], merge_tensor_parallel=True, tensor_parallel_degree=2)

@@ -62,7 +62,7 @@ def test_every_form_name_is_a_field_of_the_form() -> None:
     assert set(FORM_FIELDS.values()) <= titles, set(FORM_FIELDS.values()) - titles
 
     from ckptflow.cli import app
-    helps = " ".join(CliRunner().invoke(app, [command, "--help"], terminal_width=400).output
+    helps = " ".join(CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
                      for command in ("validate", "consolidate", "reshard", "push"))
     assert all(flag in helps for flag in FLAGS.values()), [f for f in FLAGS.values() if f not in helps]
 

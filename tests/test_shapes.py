@@ -32,6 +32,7 @@ def test_a_shape_in_words() -> None:
     ({"world_size": 2, "stage": 4}, "the ZeRO stage must be 1, 2 or 3; got 4"),
     ({"world_size": 2, "tp": 0}, "the tensor-parallel degree must be a positive whole number; got 0"),
     ({"world_size": 2, "ep": 1.5}, "the expert-parallel degree must be a positive whole number; got 1.5"),
+    ({"world_size": 2, "pipeline_layers": 0}, "a layer list's length must be a positive whole number; got 0"),
 ])
 def test_a_target_is_checked_when_built(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -125,6 +126,38 @@ def test_tensor_parallel_splits_are_offered_where_the_heads_divide() -> None:
         ("ZeRO-1 tp4 x dp1 (4 ranks)", None), ("ZeRO-2 tp4 x dp1 (4 ranks)", None),
         ("ZeRO-3 tp4 x dp1 (4 ranks)", None)]
     assert all(reason is None for _, reason in shapes)
+
+
+def test_the_stage_counts_of_a_pipeline(parallel_fixtures: Mapping[str, Any]) -> None:
+    """pipe-toy at pp2 (5 layer files): any stage count up to its layers at ZeRO-1, the only stage a
+    PipelineModule trains at; more stages than layers is not a shape of it."""
+    index = load_index(str(parallel_fixtures["pipe-pp2-z1-fp32"].dir))
+    assert [(str(s), reason) for s, reason in shapes_at(index, 4)] == [
+        ("ZeRO-1 dp4 (4 ranks)", None), ("ZeRO-1 pp2 x dp2 (4 ranks)", None), ("ZeRO-1 pp4 x dp1 (4 ranks)", None)]
+    assert dict((str(s), reason) for s, reason in shapes_at(index, 8))["ZeRO-1 pp8 x dp1 (8 ranks)"] == (
+        "its 5 layers that save a file do not fill 8 pipeline stages")
+
+
+def test_the_cli_moves_a_pipeline_to_other_stages(parallel_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    """Under DeepSpeed's default partition method the files of pipe-toy (trained "uniform") leave four stages
+    open, and the refusal says so in one line naming the flags; with the method it was trained with, or the
+    length of its layer list, the stages are written."""
+    runner = CliRunner()
+    src = str(parallel_fixtures["pipe-pp2-z1-fp32"].dir)
+    refused = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--pp", "4"],
+                            env={"COLUMNS": "400"})
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
+    assert refused.output.startswith(f"error: cannot tell which layers each of 4 pipeline stages of {src}/global_step3 "
+                                     "holds: layer lists the files allow")
+    assert refused.output.rstrip().endswith("give the length of the model's layer list with --pipeline-layers, keep "
+                                            "the number of pipeline stages, or merge them (pp 1)")
+    assert not (tmp_path / "out").exists()
+    for flags, out in ((["--partition-method", "uniform"], "uniform"), (["--pipeline-layers", "6"], "six")):
+        done = runner.invoke(app, ["reshard", src, str(tmp_path / out), "--world-size", "4", "--pp", "4", *flags],
+                             env={"COLUMNS": "400"})
+        assert done.exit_code == 0, done.output
+        assert "ZeRO-1 pp2 x dp1 (2 ranks) -> ZeRO-1 pp4 x dp1 (4 ranks)" in done.output
+        assert (tmp_path / out / "global_step3" / "zero_pp_rank_0_mp_rank_03_optim_states.pt").is_file()
 
 
 def test_the_cli_plan_lists_shapes_and_writes_nothing(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
