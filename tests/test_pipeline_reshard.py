@@ -183,11 +183,12 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
 # (fixture, pp, dp, via, partition method, layers): pp2 -> pp4 (layer 4 alone on a stage, the tied head
 # alone on the last: each keeps one param group), pp2 x dp2 -> pp4 x dp1, pp3 (ckptflow's own pp2 x dp2 ->
 # pp3) regrouped to pp2 x dp2 (a pp4 source is not determined: its last stage may hold a function before the
-# head), all "uniform" as `pipe-toy` trains; and pp2 -> pp4 by "parameters" (DeepSpeed's default, which the
-# source's stages fit too) with the layer list's length given, since the files leave it open there. One
-# 4-rank launch.
+# head), all "uniform" as `pipe-toy` trains; bf16 (BF16_Optimizer) pp2 -> pp4; and pp2 -> pp4 by
+# "parameters" (DeepSpeed's default, which the source's stages fit too) with the layer list's length given,
+# since the files leave it open there. One 4-rank launch.
 SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None, "uniform", None), ("pipe-pp2dp2-z1-fp32", 4, 1, None, "uniform", None),
-          ("pipe-pp2dp2-z1-fp32", 2, 2, 3, "uniform", None), ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6))
+          ("pipe-pp2dp2-z1-fp32", 2, 2, 3, "uniform", None), ("pipe-pp2-z1-bf16", 4, 1, None, "uniform", None),
+          ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6))
 
 
 def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
@@ -258,8 +259,8 @@ def test_a_stage_count_the_files_do_not_determine_is_refused(parallel_fixtures: 
             r"cannot tell which layers each of 4 pipeline stages of .*global_step3 holds: layer lists the files allow "
             r"\(0 embed, 1-4 module, 5 embed; or 0 embed, 1-4 module, 5-6 embed\) give the source's stages what they "
             r"hold under partition method 'parameters', and put other layers on the target's stages \(1\+embed \| 2 "
-            r"\| 3 \| 4\+embed; or 1\+embed \| 2 \| 3\+4 \| embed\); keep the number of pipeline stages, or merge "
-            r"them \(pp 1\)$")):
+            r"\| 3 \| 4\+embed; or 1\+embed \| 2 \| 3\+4 \| embed\); give the length of the model's "
+            r"layer list with `pipeline_layers`, keep the number of pipeline stages, or merge them \(pp 1\)$")):
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4)
     with pytest.raises(UnsupportedCheckpointError, match=(
             r"partition method 'type:Block' weighs the layers whose class name matches, and no file records a "

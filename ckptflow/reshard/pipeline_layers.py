@@ -99,12 +99,11 @@ def layer_lists(evidence: Evidence, method: str, count: int | None = None) -> It
     source's stage count gives each source stage the layers and tied modules it holds. `ValueError` when
     more than `MAX_LISTS` lists would have to be tried."""
     first = max(evidence.known, default=-1) + 1
-    choices: list[Layer] = [("", 0), *sorted(evidence.tied.items())]
     tried = 0
     counts = range(max(first, 1), first + SPAN + 1) if count is None else range(count, count + 1)
     for count in counts:
         unknown = [i for i in range(count) if i not in evidence.known]
-        for filling in itertools.product(choices, repeat=len(unknown)):
+        for filling in itertools.product(*(_choices(evidence, i) for i in unknown)):
             tried += 1
             if tried > MAX_LISTS:
                 raise ValueError(f"more than {MAX_LISTS} layer lists fit the files")
@@ -113,6 +112,19 @@ def layer_lists(evidence: Evidence, method: str, count: int | None = None) -> It
                 layers[i] = layer
             if _holds_the_source(evidence, layers, partition(method, layers, len(evidence.stage_layers))):
                 yield layers
+
+
+def _choices(evidence: Evidence, index: int) -> list[Layer]:
+    """What a layer without a file at `index` can be: a function, or a use of a tied module that a source
+    stage whose layers could reach `index` uses (stages hold runs of layers in order)."""
+    keys: set[str] = set()
+    named = evidence.stage_layers
+    for s, tied in enumerate(evidence.stage_tied):
+        below = max((i for layers in named[:s] for i in layers), default=-1)
+        above = min((i for layers in named[s + 1:] for i in layers), default=index + 1)
+        if below < index < above:
+            keys |= tied
+    return [("", 0), *sorted((key, evidence.tied[key]) for key in keys)]
 
 
 def _holds_the_source(evidence: Evidence, layers: Sequence[Layer], parts: Sequence[int]) -> bool:
