@@ -160,7 +160,9 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
         holdout_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
     """A checkpoint no one looked at while this was written (bf16, pp2 x dp2, seed 1) merged to pp1 x dp3:
     DeepSpeed's own offline converter (ds_to_universal, one process) reads every parameter's fp32 master
-    and Adam moments out of ckptflow's files equal to the live engine's at the source shape."""
+    and Adam moments out of ckptflow's files equal to the live engine's at the source shape, and the step
+    equal to the source's. (Split to pp4 it is loaded by DeepSpeed in `split_oracle`: ds_to_universal
+    takes any PipelineModule's layer files for Megatron's and divides by zero on pipe-toy at pp4.)"""
     fixture = holdout_fixtures["holdout-pipe-pp2dp2-z1-bf16-s1"]
     out = tmp_path / "out"
     reshard(str(fixture.dir), str(out), world_size=3, pp=1, workers=2)
@@ -175,6 +177,9 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
             got = universal_tensor(tmp_path / "universal" / "zero", name, state, fixture.spec["layout"])
             assert torch.equal(got.float().reshape(-1), expected[f"{state}/{name}"].reshape(-1)), (name, state)
             compared += 1
+        source_step = Path(fixture.dir).parent / "universal" / tag / "zero" / name / "step.pt"
+        assert torch.load(tmp_path / "universal" / "zero" / name / "step.pt", weights_only=True) == \
+            torch.load(source_step, weights_only=True) == fixture.spec["global_steps"], name
     assert compared == len(expected) == 3 * len(fixture.spec["params"])
 
 
@@ -185,10 +190,11 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
 # pp3) regrouped to pp2 x dp2 (a pp4 source is not determined: its last stage may hold a function before the
 # head), all "uniform" as `pipe-toy` trains; bf16 (BF16_Optimizer) pp2 -> pp4; and pp2 -> pp4 by
 # "parameters" (DeepSpeed's default, which the source's stages fit too) with the layer list's length given,
-# since the files leave it open there. One 4-rank launch.
+# since the files leave it open there; and the holdout (bf16, pp2 x dp2, seed 1) to pp4. One 4-rank launch.
 SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None, "uniform", None), ("pipe-pp2dp2-z1-fp32", 4, 1, None, "uniform", None),
           ("pipe-pp2dp2-z1-fp32", 2, 2, 3, "uniform", None), ("pipe-pp2-z1-bf16", 4, 1, None, "uniform", None),
-          ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6))
+          ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6),
+          ("holdout-pipe-pp2dp2-z1-bf16-s1", 4, 1, None, "uniform", None))
 
 
 def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
@@ -197,13 +203,19 @@ def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
 
 
 @pytest.fixture(scope="session")
-def split_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
+def pipe_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
+                  holdout_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
+    return {**parallel_fixtures, **holdout_fixtures}
+
+
+@pytest.fixture(scope="session")
+def split_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipe-split-oracle")
     outs, resaved, results, jobs = {}, {}, {}, []
     for case in SPLITS:
         name, pp, dp, via, method, layers = case
-        fixture = parallel_fixtures[name]
+        fixture = pipe_fixtures[name]
         source = str(fixture.dir)
         if via:
             source = str(root / "via" / split_id(case))
@@ -227,10 +239,10 @@ def split_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
 @pytest.mark.parametrize("case", SPLITS, ids=split_id)
 def test_deepspeed_loads_the_new_stages_holding_the_source_state(
         split_oracle: dict[str, Any], case: tuple[str, int, int, int | None, str, int | None],
-        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+        pipe_fixtures: Mapping[str, ParallelFixture]) -> None:
     """DeepSpeed's PipelineModule at the target stage count loads the output natively and holds the
     source's fp32 weights, both Adam moments and buffers bit for bit, and saves exactly ckptflow's files."""
-    check_loaded_state(split_oracle, case, parallel_fixtures[case[0]])
+    check_loaded_state(split_oracle, case, pipe_fixtures[case[0]])
     check_same_files(split_oracle, case)
     report = validate(str(split_oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
