@@ -19,6 +19,8 @@ degrees, another data-parallel size), then
   (the client state of the job of ``job["source"]``, the fixture's spec: each of its keys, field by field,
   ``models.client_state.differences``; Megatron's ``args`` with its shape fields at the target's, ``at_shape``),
   writing ``"client_state_keys"`` and ``"client_state_differ"`` (``rank R: ...``) to the same result;
+- with ``"next_loss"``: trains one more step (after the save) on the writer's batches for it and writes
+  its loss as ``"next_loss"``;
 - with ``"save"``: ``engine.save_checkpoint(job["save"], tag=<the loaded tag>)`` with the client state
   the writer saved (carried as it is, as ckptflow carries it), so the files DeepSpeed writes at this size can be compared with ckptflow's.
 """
@@ -76,6 +78,8 @@ def run_job(job: dict[str, Any]) -> None:
     buffers = work.buffers(engine)
     if job.get("save"):
         engine.save_checkpoint(job["save"], tag=tag, client_state=saved)
+    # the loss of the next step, on the writer's batches for that step (a float, the same on every rank)
+    next_loss = work.train_step(engine, engine.global_steps) if job.get("next_loss") else None
     if dist.get_rank() == 0:
         expected = load_file(job["expected"])
         expected_buffers = load_file(job["buffers"])
@@ -90,6 +94,7 @@ def run_job(job: dict[str, Any]) -> None:
             "differ": differ,
             "client_state_keys": sorted(saved),
             "client_state_differ": client_differ,
+            "next_loss": next_loss,
         }))
     dist.barrier()
     engine.destroy()
