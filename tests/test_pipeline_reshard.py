@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -277,6 +278,33 @@ def test_the_stages_are_deepspeeds_partition() -> None:
     for weights in ([592, 1104, 1104, 1104, 32, 592], [0, 5, 0, 0, 7, 1, 1, 9, 0], [3, 3, 3, 3]):
         for m in (2, 3, 4):
             assert partition_balanced(weights, m) == [int(x) for x in utils.partition_balanced(weights, m)]
+    draw = random.Random(24)  # ties and zero-weight layers (functions) where the split point is a choice
+    for _ in range(300):
+        weights = [draw.choice([0, 0, 1, 3, 16, 592, 1104]) for _ in range(draw.randint(1, 20))]
+        m = draw.randint(1, 8)
+        assert partition_balanced(weights, m) == [int(x) for x in utils.partition_balanced(weights, m)], (weights, m)
+
+
+@pytest.mark.parametrize("method,source,target", [("uniform", 4, 2), ("uniform", 8, 3), ("parameters", 4, 8),
+                                                   ("parameters", 8, 2)])
+def test_the_files_of_a_gpt_like_pipeline_determine_its_stages(method: str, source: int, target: int) -> None:
+    """Pure: a GPT-style layer list (a tied embedding, a function, 32 blocks, a function, a norm, the tied
+    head with a forward_fn) saved at `source` stages says, through what its files record alone, which
+    modules each of `target` stages holds: the same for every layer list that fits, and the true list's."""
+    from ckptflow.reshard.pipeline_layers import Evidence, layer_lists, partition, target_stages
+
+    true = [("embed", 1000), ("", 0), *[("", 500)] * 32, ("", 0), ("", 20), ("embed", 1000)]
+    files = {0: true[0], **{i: layer for i, layer in enumerate(true) if not layer[0] and layer[1]}}
+    parts = partition(method, true, source)
+    spans = [range(a, b) for a, b in zip(parts, parts[1:])]
+    evidence = Evidence(known=files, tied={"embed": 1000},
+                        stage_layers=tuple(frozenset(i for i in span if i in files and i > 0) for span in spans),
+                        stage_tied=tuple(frozenset(true[i][0] for i in span if true[i][0]) for span in spans))
+    modules = frozenset(i for i in files if i > 0)
+    found = list(layer_lists(evidence, method))
+    assert true in found
+    outcomes = {target_stages(layers, partition(method, layers, target), modules) for layers in found}
+    assert outcomes == {target_stages(true, partition(method, true, target), modules)}
 
 
 def test_a_stage_count_the_files_do_not_determine_is_refused(parallel_fixtures: Mapping[str, ParallelFixture],

@@ -23,6 +23,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 METHODS = ("parameters", "uniform")  # and "type:REGEX", which ckptflow cannot compute (no class names)
 SPAN = 8  # layers without files tried after the last layer file
 MAX_LISTS = 4096  # layer lists tried at most
@@ -40,29 +42,28 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
     """`deepspeed.runtime.utils.partition_balanced`: the linear partition minimising the spread between
-    the heaviest and the lightest part, ties to the last split point, as DeepSpeed's loops break them."""
+    the heaviest and the lightest part. DeepSpeed's innermost loop keeps the last split point of least
+    cost (it replaces on `>=`); this takes the same one, a row of split points at a time."""
     n, m = len(weights), num_parts
     if n <= m:
         return partition_uniform(n, m)
-    inf = float("inf")
-    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    position = [[0] * (m + 1) for _ in range(n + 1)]
-    prefix = [0.0] * (n + 1)
-    for i, w in enumerate(weights):
-        prefix[i + 1] = prefix[i] + float(w)
-    dp_max[0][0] = dp_cost[0][0] = 0.0
+    dp_max = np.full((n + 1, m + 1), np.inf)
+    dp_min = np.full((n + 1, m + 1), np.inf)
+    position = np.zeros((n + 1, m + 1), dtype=int)
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(weights)
+    dp_max[0, 0] = 0
     for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                part = prefix[i] - prefix[k]
-                high, low = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
-                if dp_cost[i][j] >= high - low:
-                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = high - low, high, low, k
+        top = min(i, m)  # parts j = 1..top, every split point k < i at once
+        part = (prefix[i] - prefix[:i])[:, None]
+        high, low = np.maximum(dp_max[:i, :top], part), np.minimum(dp_min[:i, :top], part)
+        k = i - 1 - np.argmin((high - low)[::-1], axis=0)  # per part count, the last k of least cost
+        columns = np.arange(top)
+        dp_max[i, 1:top + 1], dp_min[i, 1:top + 1] = high[k, columns], low[k, columns]
+        position[i, 1:top + 1] = k
     parts = [n]
     for j in range(m, 0, -1):
-        parts.append(position[parts[-1]][j])
+        parts.append(int(position[parts[-1], j]))
     return parts[::-1]
 
 
