@@ -47,6 +47,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help text as written, its single line breaks joined: no markup read in it
 )
 out = Console(highlight=False, markup=False, emoji=False)
 T = TypeVar("T")
