@@ -330,6 +330,25 @@ def test_the_target_pads_the_vocabulary_by_the_args_rule(megatron_fixtures: Mapp
                                          Shape(world_size=2, stage=1, tp=1)).notes == ()
 
 
+def test_reshard_says_the_padded_vocabulary_is_kept(megatron_fixtures: Mapping[str, ParallelFixture],
+                                                     tmp_path: Path) -> None:
+    """Without `make_vocab_size_divisible_by`, `ckptflow reshard` says in a note that the target keeps the source's
+    padded rows; padded again, it says nothing of them."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    def run(name: str, out: str) -> str:
+        result = CliRunner().invoke(app, ["reshard", str(megatron_fixtures[name].dir), str(tmp_path / out),
+                                          "--world-size", "2", "--tp", "1"], env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    assert ("note: the vocabulary parameters keep the source's 38 padded rows at tensor-parallel degree 1: the "
+            "checkpoint's args record no make_vocab_size_divisible_by") in run(ARGS, "kept")
+    assert "note:" not in run(VOCAB, "padded")
+
+
 def test_a_padding_the_rule_does_not_give_is_refused(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
     """38 rows at tp2 are not Megatron's padding with `make_vocab_size_divisible_by` 2 (40): refused, naming the
     numbers, and `--plan` says why for every other degree; a divisor of 0 pads nothing."""

@@ -8,8 +8,11 @@ replicas; column- and vocabulary-parallel ones on dim 0, row-parallel ones on di
 `parameter_with_2_sub_params_cat_dim_0` apart; the vocabulary cut to `original_vocab_size` rows). The
 target's shards are cut from them as `universal_checkpoint.load_hp_checkpoint_state` slices a universal
 checkpoint at degree T' (`readers.pipeline.shard_shapes`: `chunk` into T' equal blocks, the vocabulary
-padded back with zero rows to the padded size the source's shards make), so what DeepSpeed at T' loads
-from OUT is what it loads through the universal route, without the conversion.
+padded back with zero rows: to Megatron's padded size at T' where the run's `args` record
+`make_vocab_size_divisible_by` (`reshard.vocabulary`; `padded_vocab_size` in `args` and in
+`universal_checkpoint_info` then says T''s), else to the size the source's shards make, which the plan's
+notes say), so what DeepSpeed at T' loads from OUT is what it loads through the universal route, without
+the conversion.
 
 Each target model-parallel rank (stage s, tensor-parallel rank t', `mp_rank_{s * T' + t'}`) writes:
 
