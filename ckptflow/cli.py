@@ -445,6 +445,8 @@ def reshard_command(
         f"{len(result.files)} files, {format_size(result.bytes_written)} in {result.seconds:.1f}s")
     for label, text in describe_families(result.rng_files):
         line(f"  {label} RNG files: {text}")
+    for note in result.notes:
+        line(f"  note: {note}")
 
 
 def render_shapes(src: str, world_size: int, tag: str | None) -> None:

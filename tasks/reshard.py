@@ -105,6 +105,9 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
     results, rng_files = found or _build(checkpoint, plan, out, workers, cluster_address(cluster))
     for label, text in describe_families(rng_files):
         logger.info("%s RNG files: %s", label, text)
+    notes = getattr(plan, "notes", ())  # a model-parallel plan's: what the user should know of the output
+    for note in notes:
+        logger.info("note: %s", note)
     markdown(
         reshard_summary(checkpoint, plan, results, rng_files, out, _listing(out)),
         key=checkpoint_key("reshard", checkpoint.root, checkpoint.tag, f"ws{world_size}"),
@@ -119,7 +122,7 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
         details={"stage": plan.stage, "precision": plan.precision, "source_world_size": plan.source_world_size,
                  "tensor_parallel": tensor_parallel, "target_stage": stage, "pipeline_parallel": pipeline_parallel,
                  "expert_parallel": expert_parallel, "shape": str(plan.shape),
-                 "rng_files": describe(rng_files) if rng_files else None},
+                 "rng_files": describe(rng_files) if rng_files else None, "notes": list(notes) or None},
     )
 
 

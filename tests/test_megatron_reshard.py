@@ -21,6 +21,7 @@ from ckptflow's own merge) in a second one.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from collections.abc import Mapping
@@ -30,14 +31,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.deepspeed.names import UC_INFO
 from ckptflow.formats.deepspeed.runs import plain_runs
-from ckptflow.reshard import reshard
+from ckptflow.reshard import reshard, shapes_at
 from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
 from ckptflow.reshard.shape import Shape
+from ckptflow.reshard.vocabulary import padded_vocab_size
+from tests.fixtures.models.parallel import VOCAB as VOCAB_ROWS
+from tests.fixtures.models.parallel_extra import padded_vocab
 from tests.fixtures.sets import ParallelFixture
 from tests.sampling import sample
 from tests.test_model_parallel_reshard import (
@@ -50,21 +55,23 @@ from tests.test_model_parallel_reshard import (
 from tests.test_reshard import _load_plain, _universal, _universal_tensor
 
 ARGS = "megatron-args-tp2dp2-z1-fp32"  # pp1 x tp2 x dp2, Megatron-DeepSpeed's whole client state
+# The same, its vocabulary padded as Megatron pads it (make_vocab_size_divisible_by 2: 40 rows at tp2, 38 at tp1)
+VOCAB = "megatron-vocab-tp2dp2-z1-fp32"
 PIPE = "megatron-pp2tp2-z1-fp32-ucinfo"
 SWIGLU = "megatron-swiglu-pp2tp2-z1-fp32"  # fc1: two sub-parameters concatenated on dim 0
 
 # (fixture, dp, tp): every one a 2-rank launch at tp1.
-ALL_MERGES = ((ARGS, 2, 1), (PIPE, 1, 1), (SWIGLU, 1, 1))
-MERGES = sample(ALL_MERGES, [(ARGS, 2, 1)])
+ALL_MERGES = ((ARGS, 2, 1), (VOCAB, 2, 1), (PIPE, 1, 1), (SWIGLU, 1, 1))
+MERGES = sample(ALL_MERGES, [(ARGS, 2, 1), (VOCAB, 2, 1)])
 # (fixture, dp, tp) from ckptflow's merge of the fixture to tp1 x dp2: back to tp2 at dp1.
-ALL_SPLITS = ((ARGS, 1, 2),)
+ALL_SPLITS = ((ARGS, 1, 2), (VOCAB, 1, 2))
 SPLITS = sample(ALL_SPLITS, [])
 
 
 @pytest.fixture(scope="session")
 def megatron_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
                       parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
-    return {name: {**parallel_fixtures, **parallel_extra_fixtures}[name] for name in (ARGS, PIPE, SWIGLU)}
+    return {name: {**parallel_fixtures, **parallel_extra_fixtures}[name] for name in (ARGS, VOCAB, PIPE, SWIGLU)}
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +109,7 @@ def check_target(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixtur
     every parameter's fp32 weight, Adam moments and step, with the converter's own metadata (cat_dim,
     vocab_tensor). (Its `optimizer_state.pt` records the data-parallel size, which a split changes.)"""
     check_loaded_state(oracle, case, fixture)
+    assert json.loads(oracle["results"][case].read_text())["client_state_differ"] == []
     check_same_files(oracle, case)
     check_validates(oracle, case, fixture)
     cache: dict[Path, Path] = {}
@@ -116,12 +124,58 @@ def check_target(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixtur
         assert _universal_tensor(_load_plain(ours / name)) == _universal_tensor(_load_plain(theirs / name)), name
 
 
+def vocabulary_tensors(out: Path, tp: int) -> dict[str, torch.Tensor]:
+    """The vocabulary parameters of `out` (the test's own output: torch.load is safe on it), padding included,
+    their tensor-parallel shards joined on dim 0: from the layer files ("layer/0.weight"), and the fp32 masters
+    and Adam moments from the optimizer files, each data-parallel rank's fragments in rank order
+    ("fp32/0.weight", "exp_avg/0.weight", "exp_avg_sq/0.weight")."""
+    tag = (out / "latest").read_text().strip()
+    shards: dict[str, list[list[torch.Tensor]]] = {}
+    for t in range(tp):
+        for layer in (0, 5):
+            weight = torch.load(out / tag / f"layer_{layer:02d}-model_{t:02d}-model_states.pt")["weight"]
+            shards.setdefault(f"layer/{layer}.weight", []).append([weight.reshape(-1)])
+        for path in sorted((out / tag).glob(f"zero_pp_rank_*_mp_rank_{t:02d}_optim_states.pt"),
+                           key=lambda p: int(p.name.split("_")[3])):
+            state = torch.load(path, weights_only=False)["optimizer_state_dict"]
+            for g, mapping in enumerate(state["param_slice_mappings"]):
+                flats = {"fp32": state["single_partition_of_fp32_groups"][g],
+                         **{k: state["base_optimizer_state"]["state"][g][k] for k in ("exp_avg", "exp_avg_sq")}}
+                for name in ("0.weight", "5.weight"):
+                    if name in mapping:
+                        for key, flat in flats.items():
+                            pieces = shards.setdefault(f"{key}/{name}", [])
+                            pieces.extend([] for _ in range(t + 1 - len(pieces)))
+                            pieces[t].append(flat.narrow(0, mapping[name].start, mapping[name].numel))
+    return {key: torch.cat([torch.cat(shard).view(-1, 16) for shard in shards[key]]) for key in sorted(shards)}
+
+
+def check_padded(out: Path, tp: int, fixture: ParallelFixture) -> None:
+    """`out` at degree `tp` holds the vocabulary parameters at Megatron's padded rows there, in its layer files,
+    masters and moments: the original rows the source's, the padding rows zeros."""
+    expected = load_file(fixture.expected_path)
+    tag = (out / "latest").read_text().strip()
+    head = torch.load(out / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    assert (head["args"].padded_vocab_size, head[UC_INFO]["padded_vocab_size"]) == (padded_vocab(tp),) * 2
+    tensors = vocabulary_tensors(out, tp)
+    assert sorted(tensors) == sorted(f"{k}/{n}" for k in ("layer", "fp32", "exp_avg", "exp_avg_sq")
+                                     for n in ("0.weight", "5.weight"))
+    for key, tensor in tensors.items():
+        assert tensor.shape == (padded_vocab(tp), 16), key
+        assert not tensor[VOCAB_ROWS:].any(), key
+        assert torch.equal(tensor[:VOCAB_ROWS], expected[key.replace("layer/", "fp32/")]), key
+
+
 @pytest.mark.parametrize("case", MERGES, ids=case_id)
 def test_deepspeed_loads_a_merge_at_tp1(merge_oracle: dict[str, Any], case: tuple,
                                         megatron_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """(With the vocabulary padded as Megatron pads it: DeepSpeed's model at tp1 has 38 rows, not the source's
+    40, and loads OUT.)"""
     fixture = megatron_fixtures[case[0]]
     check_target(merge_oracle, case, fixture, fixture, tmp_path_factory.mktemp("universal"))
+    if case[0] == VOCAB:
+        check_padded(merge_oracle["outs"][case], 1, fixture)
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=case_id)
@@ -131,6 +185,8 @@ def test_deepspeed_loads_a_split_at_tp2(split_oracle: dict[str, Any], case: tupl
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     check_target(split_oracle, case, merged_fixtures[case[0]], megatron_fixtures[case[0]],
                  tmp_path_factory.mktemp("universal"))
+    if case[0] == VOCAB:
+        check_padded(split_oracle["outs"][case], 2, megatron_fixtures[VOCAB])
 
 
 # ---- without DeepSpeed ---------------------------------------------------------------------------------
@@ -161,13 +217,14 @@ def _differences(ours: Any, theirs: Any, path: str, out: dict[str, int]) -> None
         assert ours == theirs, path
 
 
-@pytest.mark.parametrize("name", [ARGS, SWIGLU])
-def test_a_merge_and_a_split_give_the_source_back(name: str, megatron_fixtures: Mapping[str, ParallelFixture],
+@pytest.mark.parametrize(("name", "padding"), [(ARGS, 1), (SWIGLU, 1), (VOCAB, 3)])
+def test_a_merge_and_a_split_give_the_source_back(name: str, padding: int,
+                                                  megatron_fixtures: Mapping[str, ParallelFixture],
                                                   tmp_path: Path) -> None:
     """tp2 -> tp1 -> tp2 writes the source's files again, every field and tensor, but for the vocabulary's
-    padding row (one per vocabulary-parallel parameter, on the last rank), which the universal route pads with
+    `padding` rows (per vocabulary-parallel parameter, on the last rank), which the universal route pads with
     zeros (`load_hp_checkpoint_state`): in the layer files and in the fp32 masters; the moments are zero there
-    in the source too."""
+    in the source too. Padded as Megatron pads it (40 rows at tp2, 38 at tp1), `args` says 40 again."""
     fixture = megatron_fixtures[name]
     spec = fixture.parallel_spec
     reshard(str(fixture.dir), str(tmp_path / "tp1"), world_size=spec.world_size // spec.tp, tp=1, workers=2)
@@ -181,12 +238,12 @@ def test_a_merge_and_a_split_give_the_source_back(name: str, megatron_fixtures: 
                      path.name, differ)
     hidden = 16
     layers = {p: n for p, n in differ.items() if p.startswith("layer_")}
-    assert layers == {"layer_00-model_01-model_states.pt/weight": hidden,
-                      "layer_05-model_01-model_states.pt/weight": hidden}
+    assert layers == {"layer_00-model_01-model_states.pt/weight": padding * hidden,
+                      "layer_05-model_01-model_states.pt/weight": padding * hidden}
     masters = {p: n for p, n in differ.items() if not p.startswith("layer_")}
     last = [f"mp_rank_{stage * 2 + 1:02d}" for stage in range(spec.pp)]  # each stage's last tensor-parallel rank
     assert all("single_partition_of_fp32_groups" in p and any(m in p for m in last) for p in masters), masters
-    assert sum(masters.values()) == 2 * hidden
+    assert sum(masters.values()) == 2 * padding * hidden
 
 
 def _plan(src: Path, tp: int, damage: Any) -> Any:
@@ -228,6 +285,88 @@ def test_a_parameter_the_rules_do_not_split_is_refused(megatron_fixtures: Mappin
         f"{tmp_path}/tp1/global_step3: 1.fc1.weight does not split at tensor-parallel degree 2: it is recorded as "
         "fused sub-parameters (parameter_with_sub_params), whose shard widths at that degree the checkpoint does not "
         "record; ckptflow does not guess them")
+
+
+def _divisible_by(index: Any, divisor: int) -> Any:
+    """`index` whose `args` record `make_vocab_size_divisible_by` `divisor` (in memory: this index's own copy)."""
+    head = index.ranks[0].model_states[0]
+    args = head["args"]
+    last = max(i for i, (kind, _) in enumerate(args.ops) if kind == "build")
+    state = {**args.state, "make_vocab_size_divisible_by": divisor}
+    head["args"] = dataclasses.replace(args, ops=tuple(("build", state) if i == last else op
+                                                       for i, op in enumerate(args.ops)))
+    return index
+
+
+def test_the_vocabulary_is_padded_as_megatron_pads_it() -> None:
+    """Megatron-DeepSpeed's `_vocab_size_with_padding`: GPT-2's 50257 rows are 50304 at tp1, 50432 at tp2."""
+    assert [padded_vocab_size(50257, 128, tp) for tp in (1, 2, 4, 8)] == [50304, 50432, 50688, 51200]
+    assert [padded_vocab_size(37, 2, tp) for tp in (1, 2, 4)] == [padded_vocab(tp) for tp in (1, 2, 4)] == [38, 40, 40]
+    assert padded_vocab_size(40, 2, 2) == 40 and padded_vocab_size(37, 1, 1) == 37
+
+
+def test_the_target_pads_the_vocabulary_by_the_args_rule(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """The planner on a recorded `args` changed in memory: 38 rows at tp2 are Megatron's padding of 37 with
+    `make_vocab_size_divisible_by` 1, so at tp1 the vocabulary has its 37 rows and at tp4 40 (10 per rank), a
+    degree the source's 38 rows do not split into; without the field, the source's 38 rows, and a note."""
+    fixture = megatron_fixtures[ARGS]
+    index = _divisible_by(load_index(str(fixture.dir)), 1)
+    merged = plan_megatron_tensor_parallel(index, Shape(world_size=2, stage=1, tp=1))
+    assert (merged.padded_vocab, merged.notes) == (37, ())
+    assert ("0.weight", (37, 16)) in merged.parts[0].flat_shapes[0]
+    split = plan_megatron_tensor_parallel(index, Shape(world_size=4, stage=1, tp=4))
+    assert split.padded_vocab == 40
+    assert [dict(part.flat_shapes[0]).get("0.weight") for part in split.parts] == [(10, 16)] * 4
+    assert [str(s) for s, reason in shapes_at(index, 4) if reason is None and s.pp == 1] == [
+        "ZeRO-1 dp4 (4 ranks)", "ZeRO-1 tp2 x dp2 (4 ranks)", "ZeRO-1 tp4 x dp1 (4 ranks)"]
+    kept = plan_megatron_tensor_parallel(load_index(str(fixture.dir)), Shape(world_size=2, stage=1, tp=1))
+    assert kept.padded_vocab is None
+    assert ("0.weight", (38, 16)) in kept.parts[0].flat_shapes[0]
+    assert kept.notes == (
+        "the vocabulary parameters keep the source's 38 padded rows at tensor-parallel degree 1: the checkpoint's "
+        "args record no make_vocab_size_divisible_by, so ckptflow does not pad them as Megatron would at that "
+        "degree; build the model at the target with that padded vocabulary size",)
+    assert plan_megatron_tensor_parallel(load_index(str(megatron_fixtures[VOCAB].dir)),
+                                         Shape(world_size=2, stage=1, tp=1)).notes == ()
+
+
+def test_reshard_says_the_padded_vocabulary_is_kept(megatron_fixtures: Mapping[str, ParallelFixture],
+                                                     tmp_path: Path) -> None:
+    """Without `make_vocab_size_divisible_by`, `ckptflow reshard` says in a note that the target keeps the source's
+    padded rows; padded again, it says nothing of them."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    def run(name: str, out: str) -> str:
+        result = CliRunner().invoke(app, ["reshard", str(megatron_fixtures[name].dir), str(tmp_path / out),
+                                          "--world-size", "2", "--tp", "1"], env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    assert ("note: the vocabulary parameters keep the source's 38 padded rows at tensor-parallel degree 1: the "
+            "checkpoint's args record no make_vocab_size_divisible_by") in run(ARGS, "kept")
+    assert "note:" not in run(VOCAB, "padded")
+
+
+def test_a_padding_the_rule_does_not_give_is_refused(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """38 rows at tp2 are not Megatron's padding with `make_vocab_size_divisible_by` 2 (40): refused, naming the
+    numbers, and `--plan` says why for every other degree; a divisor of 0 pads nothing."""
+    fixture = megatron_fixtures[ARGS]
+    index = _divisible_by(load_index(str(fixture.dir)), 2)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_megatron_tensor_parallel(index, Shape(world_size=2, stage=1, tp=1))
+    why = ("0.weight has 38 rows, but Megatron pads its vocabulary of 37 rows (original_vocab_size) to 40 at "
+           "tensor-parallel degree 2 (make_vocab_size_divisible_by 2 in its args); ckptflow does not know the rule "
+           "that padded it, so it does not pad it at another degree")
+    assert str(refused.value) == f"{fixture.dir}/global_step3: {why}"
+    assert refused.value.tensor == "0.weight"
+    assert [reason for s, reason in shapes_at(index, 2) if s.tp == 1 and s.pp == 1] == [why]
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_megatron_tensor_parallel(_divisible_by(load_index(str(fixture.dir)), 0),
+                                      Shape(world_size=2, stage=1, tp=1))
+    assert str(refused.value) == (f"{fixture.dir}/global_step3: its args record make_vocab_size_divisible_by 0, "
+                                  "which pads no vocabulary")
 
 
 def test_shapes_the_rules_do_not_reach_are_refused_in_one_line(megatron_fixtures: Mapping[str, ParallelFixture],
@@ -273,8 +412,6 @@ def test_replicated_copies_that_differ_are_refused(megatron_fixtures: Mapping[st
 
 
 def test_the_plan_lists_the_degrees_the_rules_split(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
-    from ckptflow.reshard import shapes_at
-
     index = load_index(str(megatron_fixtures[ARGS].dir))
     assert [(str(s), reason) for s, reason in shapes_at(index, 4) if s.pp == 1] == [
         ("ZeRO-1 dp4 (4 ranks)", None), ("ZeRO-1 tp2 x dp2 (4 ranks)", None),

@@ -58,7 +58,8 @@ from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
-from ckptflow.reshard.units import DataParallelPlan, RankUnit, ReshardPlan, TensorFile
+from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit, ReshardPlan, TensorFile
+from ckptflow.reshard.vocabulary import PADDED_VOCAB
 
 # Where `_Tree.remap` sends a source tensor: (rebuilt storage, element offset, shape or None for the source's).
 Remapped = tuple[OutStorage, int, tuple[int, ...] | None]
@@ -368,7 +369,8 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
         elif key == "ds_config":
             out[key] = _target_config(value, plan.source_world_size, plan.world_size, plan.stage)
         elif key == "args" and whole.shape is not None:
-            out[key] = tree.convert(args_at(value, whole.shape))
+            padded = whole.padded_vocab if isinstance(whole, ModelParallelPlan) else None
+            out[key] = tree.convert(args_at(value, whole.shape, padded_vocab=padded))
         else:
             out[key] = tree.convert(value)
     return out
@@ -377,19 +379,24 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
 # Megatron-DeepSpeed keeps its command line, `args` (an `argparse.Namespace`), in every model-states file,
 # and its loader compares the tensor- and pipeline-parallel sizes there with its own run's
 # (`checkpointing.check_checkpoint_args`): at another shape, the fields that say the shape say the target's.
+# `padded_vocab_size` is not the shape's: it says the target's where a Megatron-style tensor-parallel change
+# pads the vocabulary again (`reshard.vocabulary`), as Megatron at the target computes it.
 # Every other field (batch sizes, samples consumed, paths...) is the training's, carried as it is.
 ARGS_SHAPE = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "data_parallel_size": "dp",
               "world_size": "world_size", "zero_stage": "stage"}
 
 
-def args_at(value: Any, shape: Any) -> Any:
+def args_at(value: Any, shape: Any, *, padded_vocab: int | None = None) -> Any:
     """`value`, when it is an `argparse.Namespace` record whose state holds the `ARGS_SHAPE` fields as
-    ints, with those fields set to `shape`'s; else `value` itself."""
+    ints, with those fields set to `shape`'s, and `padded_vocab_size` (an int there too) to `padded_vocab`
+    when given; else `value` itself."""
     namespace = isinstance(value, InertRecord) and value.qualname == "argparse.Namespace"
     if not namespace or not isinstance(value.state, dict):
         return value
     state = value.state
     moved = {k: getattr(shape, ARGS_SHAPE[k]) for k, v in state.items() if k in ARGS_SHAPE and type(v) is int}
+    if padded_vocab is not None and type(state.get(PADDED_VOCAB)) is int:
+        moved[PADDED_VOCAB] = padded_vocab
     if all(state[k] == v for k, v in moved.items()):
         return value
     last = max(i for i, (kind, _) in enumerate(value.ops) if kind == "build")

@@ -8,8 +8,11 @@ replicas; column- and vocabulary-parallel ones on dim 0, row-parallel ones on di
 `parameter_with_2_sub_params_cat_dim_0` apart; the vocabulary cut to `original_vocab_size` rows). The
 target's shards are cut from them as `universal_checkpoint.load_hp_checkpoint_state` slices a universal
 checkpoint at degree T' (`readers.pipeline.shard_shapes`: `chunk` into T' equal blocks, the vocabulary
-padded back with zero rows to the padded size the source's shards make), so what DeepSpeed at T' loads
-from OUT is what it loads through the universal route, without the conversion.
+padded back with zero rows: to Megatron's padded size at T' where the run's `args` record
+`make_vocab_size_divisible_by` (`reshard.vocabulary`; `padded_vocab_size` in `args` and in
+`universal_checkpoint_info` then says T''s), else to the size the source's shards make, which the plan's
+notes say), so what DeepSpeed at T' loads from OUT is what it loads through the universal route, without
+the conversion.
 
 Each target model-parallel rank (stage s, tensor-parallel rank t', `mp_rank_{s * T' + t'}`) writes:
 
@@ -46,6 +49,7 @@ from ckptflow.reshard.flats import ModelRuns
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
 from ckptflow.reshard.units import ModelParallelPlan, TensorFile
+from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
 
 TIED = "tied_modules."
 
@@ -56,11 +60,13 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     line saying why, for anything else (see the module's docstring)."""
     _check_source(index, shape)
     try:
-        splits = splits_at(index, shape.tp)
+        vocab_rows = vocab_rows_at(index, shape.tp)
+        splits = splits_at(index, shape.tp, vocab_rows)
     except UnsupportedCheckpointError as exc:
         raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
                                          uri=index.root, tensor=exc.tensor) from None
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    note = keep_note(index, shape.tp)
     runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
     parts = []
@@ -70,7 +76,7 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
         for t in range(shape.tp):
             mp_rank = stage * shape.tp + t
             pieces = {name: split[1][t] for name, split in stage_splits.items()}
-            source = _stage_source(index, stage, stage_splits, shape, t, _info_at(info, shape.tp))
+            source = _stage_source(index, stage, stage_splits, shape, t, _info_at(info, shape.tp, vocab_rows))
             plan = plan_zero12(index, source, shape.dp, kind, local_copies(pieces, runs.copies), {}, mp_rank=mp_rank,
                                meta_base=stage * index.tp * index.world_size)
             # the layer files take the place of the module copy plan_zero12 counts in rank 0's bytes
@@ -80,6 +86,7 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
+        padded_vocab=vocab_rows, notes=(note,) if note else (),
     )
 
 
@@ -102,13 +109,17 @@ def _check_source(index: Any, shape: Shape) -> None:
                                          "over tensor-parallel ranks", uri=index.root, tensor=tied[0])
 
 
-def _info_at(info: Mapping[str, Any], tp: int) -> dict[str, Any]:
+def _info_at(info: Mapping[str, Any], tp: int, vocab_rows: int | None) -> dict[str, Any]:
     """The client's `universal_checkpoint_info` at degree `tp`: the same, but for `sub_param_shard_widths`,
-    which at tp1 (the one degree `readers.pipeline.shard_shapes` gives sub-parameters) is each whole."""
+    which at tp1 (the one degree `readers.pipeline.shard_shapes` gives sub-parameters) is each whole, and
+    the `padded_vocab_size` Megatron-DeepSpeed records there, `vocab_rows` where the vocabulary is padded
+    again."""
     out = dict(info)
     widths = info.get("sub_param_shard_widths")
     if tp == 1 and isinstance(widths, Mapping):
         out["sub_param_shard_widths"] = {k: [[sum(w)] for w in v] for k, v in widths.items()}
+    if vocab_rows is not None and type(info.get(PADDED_VOCAB)) is int:
+        out[PADDED_VOCAB] = vocab_rows
     return out
 
 

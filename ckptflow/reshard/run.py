@@ -524,6 +524,7 @@ class ReshardResult:
     rng_files: tuple[RngCopy, ...] = ()  # the per-process RNG files written for the new world size, from which files
     source_shape: Shape | None = None  # the shapes, in ranks and degrees (`world_size` above: data-parallel ranks)
     shape: Shape | None = None
+    notes: tuple[str, ...] = ()  # what the user should know of the output (`ModelParallelPlan.notes`)
 
     @property
     def rng_summary(self) -> str:
@@ -601,7 +602,7 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
         out=out, tag=plan.tag, stage=plan.stage, precision=plan.precision, source_world_size=plan.source_world_size,
         world_size=plan.world_size, files=plan.files, bytes_read=sum(r.bytes_read for r in results),
         bytes_written=sum(r.bytes_written for r in results), seconds=seconds, rng_files=rng_files,
-        source_shape=plan.source_shape, shape=plan.shape,
+        source_shape=plan.source_shape, shape=plan.shape, notes=getattr(plan, "notes", ()),
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.readers.pipeline import splits_at
+from ckptflow.reshard.vocabulary import vocab_rows_at
 
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
 
@@ -298,7 +299,7 @@ def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
     """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at degree `tp`
     (None: they do)."""
     try:
-        splits_at(index, tp)
+        splits_at(index, tp, vocab_rows_at(index, tp))
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None

@@ -144,6 +144,8 @@ class ModelParallelPlan:
     index: Any = field(repr=False, compare=False)  # the ModelParallelCheckpoint
     source_shape: Shape | None = None
     shape: Shape | None = None
+    padded_vocab: int | None = None  # Megatron-style: the vocabulary's padded rows at the target, padded again
+    notes: tuple[str, ...] = ()  # what the user should know of the output (a padded vocabulary kept)
 
     @property
     def units(self) -> tuple[RankUnit, ...]:

@@ -40,10 +40,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.models.client_state import differences  # noqa: E402
+from tests.fixtures.models.parallel_extra import padded_vocab  # noqa: E402
 from tests.fixtures.models.split import mha_models  # noqa: E402
 from tests.fixtures.specs.parallel import MEGATRON, ParallelSpec  # noqa: E402
 from tests.fixtures.specs.split import SPLIT_SPECS  # noqa: E402
@@ -104,15 +106,23 @@ def run_job(job: dict[str, Any]) -> None:
 
 def at_shape(state: dict[str, Any], spec: ParallelSpec) -> dict[str, Any]:
     """`state` with its `args` Namespace's shape fields set to `spec`'s, as `reshard.files.args_at` sets them;
-    the writer's own objects otherwise."""
+    where `args` record `make_vocab_size_divisible_by`, `padded_vocab_size` (there and in
+    `universal_checkpoint_info`) Megatron's at `spec.tp` (`models.parallel_extra.padded_vocab`); the writer's
+    own objects otherwise."""
     args = state.get("args")
     if not isinstance(args, argparse.Namespace):
         return state
     shape = {"tensor_model_parallel_size": spec.tp, "pipeline_model_parallel_size": spec.pp,
              "data_parallel_size": spec.world_size // (spec.tp * spec.pp), "world_size": spec.world_size,
              "zero_stage": spec.stage}
+    out = dict(state)
+    divisible_by = getattr(args, "make_vocab_size_divisible_by", None)
+    if divisible_by is not None:
+        shape["padded_vocab_size"] = padded_vocab(spec.tp, divisible_by)
+        out[UNIVERSAL_CHECKPOINT_INFO] = {**state[UNIVERSAL_CHECKPOINT_INFO],
+                                          "padded_vocab_size": shape["padded_vocab_size"]}
     fields = {k: shape[k] if k in shape and type(v) is int else v for k, v in vars(args).items()}
-    return {**state, "args": argparse.Namespace(**fields)}
+    return {**out, "args": argparse.Namespace(**fields)}
 
 
 @contextlib.contextmanager

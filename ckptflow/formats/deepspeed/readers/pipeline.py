@@ -465,11 +465,12 @@ def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: in
 Split = tuple[list[tuple[int, ...]], list[list[Piece]]]
 
 
-def splits_at(index: ModelParallelCheckpoint, tp: int) -> list[dict[str, Split]]:
+def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = None) -> list[dict[str, Split]]:
     """Per pipeline stage of the Megatron-style checkpoint `index`, every parameter its stage trains,
     split at tensor-parallel degree `tp` by the rules its `universal_checkpoint_info` records (`shard_shapes`,
-    then `split_pieces`, the same rules the reader joins the source's shards by).
-    `UnsupportedCheckpointError` naming the first parameter the rules do not split at `tp`."""
+    then `split_pieces`, the same rules the reader joins the source's shards by); the vocabulary parameters
+    padded to `vocab_rows` rows (None: the source's padded rows). `UnsupportedCheckpointError` naming the
+    first parameter the rules do not split at `tp`."""
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     out = []
     for stage in range(index.pp):
@@ -479,6 +480,8 @@ def splits_at(index: ModelParallelCheckpoint, tp: int) -> list[dict[str, Split]]
             try:
                 local = [rank.param_by_name[param.name].shape for rank in ranks]
                 full, _, _ = split_pieces(param.name, local, info, index.tp, "param")
+                if vocab_rows is not None and _Rules(info).matches("vocabulary_parameter_patterns", param.name):
+                    full = (vocab_rows, *full[1:])
                 shapes = shard_shapes(param.name, full, info, tp)
                 again, pieces, _ = split_pieces(param.name, shapes, info, tp, "param")
             except (CkptflowError, ValueError, KeyError) as exc:
@@ -487,6 +490,21 @@ def splits_at(index: ModelParallelCheckpoint, tp: int) -> list[dict[str, Split]]
             assert again == full, (param.name, again, full)
             splits[param.name] = (shapes, pieces)
         out.append(splits)
+    return out
+
+
+def vocabulary_rows(index: ModelParallelCheckpoint) -> dict[str, int]:
+    """Each vocabulary parameter (`vocabulary_parameter_patterns`) of the Megatron-style checkpoint `index`
+    with its rows, padding included, as its tensor-parallel shards make them."""
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    rules = _Rules(info)
+    out = {}
+    for stage in range(index.pp):
+        ranks = index.ranks[stage * index.tp:(stage + 1) * index.tp]
+        for param in ranks[0].params:
+            if rules.matches("vocabulary_parameter_patterns", param.name):
+                local = [rank.param_by_name[param.name].shape for rank in ranks]
+                out[param.name] = split_pieces(param.name, local, info, index.tp, "param")[0][0]
     return out
 
 
@@ -582,4 +600,4 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["Split", "read_pipeline", "shard_shapes", "split_pieces", "splits_at"]
+__all__ = ["Split", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "vocabulary_rows"]
