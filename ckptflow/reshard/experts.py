@@ -16,6 +16,11 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
   carried as they are; AutoEP's `ds_autoep_layers` (and its copy in `universal_checkpoint_info`)
   record N', `num_local_experts`, the placement and its affine maps, the group name and rank 0's
   expert-parallel coordinates; `expert_parallel.autoep_size` in the recorded config is N'.
+- Both: DeepSpeed cuts an expert group by its rank-local size (`moe_cut`), which changes with the
+  degree: the pieces of each source group are joined, the whole rebuilt at N' and cut again as
+  DeepSpeed cuts it there, each target group with its source group's hyper-parameters and optimizer
+  scalars (`ParamGroup.index` names that group), its flat partitions, paddings and partition counts
+  laid out by the stage's planner as for any group.
 
 The plan is an ordinary plan of the target stage over a virtual source (`at_degree`): the source's
 ZeRO index at N', its expert parameters at their new shapes, each with the fragments of the source
@@ -28,8 +33,8 @@ only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to
 expert's own file written again, by the target expert-parallel rank holding it) and
 `stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
 in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), `round_robin_gradients`, a placement
-other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and expert
-groups DeepSpeed cuts by size differently at N and N'.
+other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and a source
+whose cuts leave the size limit open where the limits they allow cut the target differently.
 """
 
 from __future__ import annotations
@@ -145,7 +150,8 @@ def _dsmoe_group(zero: ZeroCheckpoint, run: Sequence[int], ep: int, source: Expe
         order.append((m.group("layer"), int(m.group("id")), m.group("rest")))
     expected = [(layer, i, rest) for layer, local in layers.items() for i in range(len(local)) for rest in local[0]]
     if order != expected or any(local[i] != local[0] for local in layers.values() for i in local):
-        raise _refuse(source, shape, f"param group {g} ({zero.groups[g].hyper.get('name')!r}) does not list its experts "
+        label = zero.groups[g].hyper.get("name")
+        raise _refuse(source, shape, f"param group {g} ({label!r}) does not list its experts "
                       "layer by layer, local expert by local expert, each with the same parameters, as deepspeed.moe's "
                       "split_params_into_different_moe_groups_for_optimizer does",
                       "convert it with DeepSpeed's universal converter")

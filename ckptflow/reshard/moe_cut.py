@@ -101,13 +101,13 @@ def recut(source: Sequence[Sequence[Sequence[int]]], target: Sequence[Sequence[i
         lo = hi = MAX_MOE_GROUP_SIZE
     out = []
     for numels in target:
-        pieces, compared = cut(numels, lo)
+        counts, compared = cut(numels, lo)
         if any(lo < v <= hi for v in compared):
             return Recut(why=_unknown(lo, hi, ep))
-        if pieces and pieces[0] == 0:
+        if counts and counts[0] == 0:
             return Recut(why=f"at ep{ep} its first expert parameter alone ({numels[0]:,} elements) passes the size "
                              f"limit of an expert param group ({lo:,}), where DeepSpeed makes an empty param group")
-        out.append(pieces)
+        out.append(counts)
     return Recut(pieces=tuple(out), limit=lo)
 
 
