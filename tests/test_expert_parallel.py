@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -675,14 +675,16 @@ FROZEN = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
 FROZEN_TARGETS = [(2, 2), (1, 1), (3, 1)]
 
 
-class FrozenOracle:
-    """Launches DeepSpeed once to train and save AutoEP ZeRO-3 ep2 with `FROZEN` frozen (and gather its
-    state), reshards it to every target, then launches DeepSpeed once at 2 ranks to load each target
-    natively at its stage and degree, gather its state and save it again, and to train the same model
-    from scratch there and save it."""
+class SourceOracle:
+    """Launches DeepSpeed once on 2 ranks to train and save the model of fixture `name` with the oracle's
+    job `options` (and gather its state), reshards it to every (stage, degree) of `targets`, then launches
+    DeepSpeed once at 2 ranks with the same options to load each target natively at its stage and degree,
+    gather its state and save it again, and to train the same model from scratch there and save it."""
 
-    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path, name: str, options: Mapping[str, Any],
+                 targets: Sequence[tuple[int, int]]) -> None:
         self.fixtures, self.root, self.ran = fixtures, root, False
+        self.name, self.options, self.targets = name, dict(options), tuple(targets)
 
     def __call__(self) -> Path:
         if not self.ran:
@@ -691,18 +693,18 @@ class FrozenOracle:
         return self.root
 
     def _run(self) -> None:
-        spec = str(self.fixtures["autoep-qwen3-moe-ep2-z3-fp32"].root / "spec.json")
+        spec = str(self.fixtures[self.name].root / "spec.json")
         (self.root / "state").mkdir(parents=True)
-        source = {"spec": spec, "frozen": FROZEN, "write": str(self.root / "source"),
+        source = {"spec": spec, **self.options, "write": str(self.root / "source"),
                   "state": str(self.root / "state" / "source.safetensors")}
         (self.root / "source.json").write_text(json.dumps([source]))
         launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "source.json")],
                log_dir=self.root / "logs-source", timeout=900)
         items: list[dict[str, Any]] = []
-        for stage, ep in FROZEN_TARGETS:
+        for stage, ep in self.targets:
             name = f"z{stage}-ep{ep}"
             reshard(str(self.root / "source"), str(self.root / "out" / name), world_size=2, stage=stage, ep=ep)
-            shape = {"spec": spec, "frozen": FROZEN, "stage": stage, "ep": ep}
+            shape = {"spec": spec, **self.options, "stage": stage, "ep": ep}
             items.append({**shape, "load": str(self.root / "out" / name), "save": str(self.root / "resaved" / name),
                           "state": str(self.root / "state" / f"{name}.safetensors"), "hang_after": 300})
             items.append({**shape, "write": str(self.root / "written" / name)})
@@ -712,8 +714,10 @@ class FrozenOracle:
 
 
 @pytest.fixture(scope="session")
-def frozen_oracle(expert_fixtures, tmp_path_factory) -> FrozenOracle:
-    return FrozenOracle(expert_fixtures, tmp_path_factory.mktemp("expert-frozen-oracle"))
+def frozen_oracle(expert_fixtures, tmp_path_factory) -> SourceOracle:
+    """AutoEP ZeRO-3 ep2 trained with `FROZEN` frozen, and its targets."""
+    return SourceOracle(expert_fixtures, tmp_path_factory.mktemp("expert-frozen-oracle"),
+                        "autoep-qwen3-moe-ep2-z3-fp32", {"frozen": FROZEN}, FROZEN_TARGETS)
 
 
 @pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
@@ -1022,6 +1026,30 @@ def test_a_degree_whose_cut_is_unknown_is_refused(expert_fixtures, monkeypatch, 
     assert plan.group_ep == (1, 1, 4)
 
 
+@pytest.mark.parametrize(("name", "stage", "limit"), [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, LIMIT), ("autoep-qwen3-moe-ep2-z3-fp32", 3, LIMIT),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, LIMIT), ("dsmoe-ep2-z2-fp32", 1, 4000),
+])
+def test_a_cut_degree_change_and_back_gives_the_source_s_files(expert_fixtures, monkeypatch, name: str, stage: int,
+                                                               limit: int, tmp_path: Path) -> None:
+    """To ep1 on 2 ranks at ZeRO-`stage` (the expert group cut in two at `limit`, ckptflow assuming it as
+    DeepSpeed's default) and back to the source's stage and ep2, where the two join again: the source's
+    files field for field and byte for byte. On the way back ckptflow assumes DeepSpeed's real default,
+    which the ep1 cut rules out, and infers the limit from the cut (AutoEP: 3 + 3 weights of 6,144, any
+    limit from 18,432 to 24,575; deepspeed.moe: 10 + 6 of 384, from 3,840 to 4,223)."""
+    from ckptflow.reshard import moe_cut
+
+    source = expert_fixtures[name]
+    index = load_index(str(source.dir))
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", limit)
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=2, stage=stage, ep=1)
+    there = load_index(str(tmp_path / "out"))
+    assert len(there.zero.groups) == len(index.zero.groups) + 1
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", 178_956_971)  # the cut alone tells the limit now
+    reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=index.world_size, stage=index.stage, ep=index.ep)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
+
+
 # (source fixture, world size, degree, ZeRO stage, DeepSpeed's limit, ckptflow's assumed default or None):
 # the source resharded to a degree DeepSpeed cuts otherwise, then DeepSpeed launched at that shape with
 # that limit loads it natively. By default one launch, AutoEP ZeRO-2 ep2 (uncut) -> ZeRO-2 ep1 (cut in
@@ -1109,44 +1137,11 @@ def test_deepspeed_loads_expert_groups_cut_at_the_new_degree(expert_fixtures, cu
 CUT_SOURCE_TARGETS = [(2, 1), (3, 1)]
 
 
-class CutSourceOracle:
-    """Launches DeepSpeed once to train and save AutoEP ZeRO-2 ep2 with its expert group cut at 10,000
-    (and gather its state), reshards it to every target, then launches DeepSpeed once at 2 ranks, at the
-    same limit, to load each natively, gather its state and save it again, and to train there and save."""
-
-    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
-        self.fixtures, self.root, self.ran = fixtures, root, False
-
-    def __call__(self) -> Path:
-        if not self.ran:
-            self.ran = True
-            self._run()
-        return self.root
-
-    def _run(self) -> None:
-        spec = str(self.fixtures["autoep-qwen3-moe-ep2-z2-fp32"].root / "spec.json")
-        (self.root / "state").mkdir(parents=True)
-        source = {"spec": spec, "max_group_size": 10_000, "write": str(self.root / "source"),
-                  "state": str(self.root / "state" / "source.safetensors")}
-        (self.root / "source.json").write_text(json.dumps([source]))
-        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "source.json")],
-               log_dir=self.root / "logs-source", timeout=900)
-        items: list[dict[str, Any]] = []
-        for stage, ep in CUT_SOURCE_TARGETS:
-            name = f"z{stage}-ep{ep}"
-            reshard(str(self.root / "source"), str(self.root / "out" / name), world_size=2, stage=stage, ep=ep)
-            shape = {"spec": spec, "max_group_size": 10_000, "stage": stage, "ep": ep}
-            items.append({**shape, "load": str(self.root / "out" / name), "save": str(self.root / "resaved" / name),
-                          "state": str(self.root / "state" / f"{name}.safetensors"), "hang_after": 300})
-            items.append({**shape, "write": str(self.root / "written" / name)})
-        (self.root / "targets.json").write_text(json.dumps(items))
-        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "targets.json")],
-               log_dir=self.root / "logs-targets", timeout=900)
-
-
 @pytest.fixture(scope="session")
-def cut_source_oracle(expert_fixtures, tmp_path_factory) -> CutSourceOracle:
-    return CutSourceOracle(expert_fixtures, tmp_path_factory.mktemp("expert-cut-source-oracle"))
+def cut_source_oracle(expert_fixtures, tmp_path_factory) -> SourceOracle:
+    """AutoEP ZeRO-2 ep2 trained with its expert group cut at 10,000 elements, and its targets."""
+    return SourceOracle(expert_fixtures, tmp_path_factory.mktemp("expert-cut-source-oracle"),
+                        "autoep-qwen3-moe-ep2-z2-fp32", {"max_group_size": 10_000}, CUT_SOURCE_TARGETS)
 
 
 @pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
