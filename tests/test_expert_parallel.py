@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -675,14 +675,16 @@ FROZEN = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
 FROZEN_TARGETS = [(2, 2), (1, 1), (3, 1)]
 
 
-class FrozenOracle:
-    """Launches DeepSpeed once to train and save AutoEP ZeRO-3 ep2 with `FROZEN` frozen (and gather its
-    state), reshards it to every target, then launches DeepSpeed once at 2 ranks to load each target
-    natively at its stage and degree, gather its state and save it again, and to train the same model
-    from scratch there and save it."""
+class SourceOracle:
+    """Launches DeepSpeed once on 2 ranks to train and save the model of fixture `name` with the oracle's
+    job `options` (and gather its state), reshards it to every (stage, degree) of `targets`, then launches
+    DeepSpeed once at 2 ranks with the same options to load each target natively at its stage and degree,
+    gather its state and save it again, and to train the same model from scratch there and save it."""
 
-    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path, name: str, options: Mapping[str, Any],
+                 targets: Sequence[tuple[int, int]]) -> None:
         self.fixtures, self.root, self.ran = fixtures, root, False
+        self.name, self.options, self.targets = name, dict(options), tuple(targets)
 
     def __call__(self) -> Path:
         if not self.ran:
@@ -691,18 +693,18 @@ class FrozenOracle:
         return self.root
 
     def _run(self) -> None:
-        spec = str(self.fixtures["autoep-qwen3-moe-ep2-z3-fp32"].root / "spec.json")
+        spec = str(self.fixtures[self.name].root / "spec.json")
         (self.root / "state").mkdir(parents=True)
-        source = {"spec": spec, "frozen": FROZEN, "write": str(self.root / "source"),
+        source = {"spec": spec, **self.options, "write": str(self.root / "source"),
                   "state": str(self.root / "state" / "source.safetensors")}
         (self.root / "source.json").write_text(json.dumps([source]))
         launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "source.json")],
                log_dir=self.root / "logs-source", timeout=900)
         items: list[dict[str, Any]] = []
-        for stage, ep in FROZEN_TARGETS:
+        for stage, ep in self.targets:
             name = f"z{stage}-ep{ep}"
             reshard(str(self.root / "source"), str(self.root / "out" / name), world_size=2, stage=stage, ep=ep)
-            shape = {"spec": spec, "frozen": FROZEN, "stage": stage, "ep": ep}
+            shape = {"spec": spec, **self.options, "stage": stage, "ep": ep}
             items.append({**shape, "load": str(self.root / "out" / name), "save": str(self.root / "resaved" / name),
                           "state": str(self.root / "state" / f"{name}.safetensors"), "hang_after": 300})
             items.append({**shape, "write": str(self.root / "written" / name)})
@@ -712,8 +714,10 @@ class FrozenOracle:
 
 
 @pytest.fixture(scope="session")
-def frozen_oracle(expert_fixtures, tmp_path_factory) -> FrozenOracle:
-    return FrozenOracle(expert_fixtures, tmp_path_factory.mktemp("expert-frozen-oracle"))
+def frozen_oracle(expert_fixtures, tmp_path_factory) -> SourceOracle:
+    """AutoEP ZeRO-3 ep2 trained with `FROZEN` frozen, and its targets."""
+    return SourceOracle(expert_fixtures, tmp_path_factory.mktemp("expert-frozen-oracle"),
+                        "autoep-qwen3-moe-ep2-z3-fp32", {"frozen": FROZEN}, FROZEN_TARGETS)
 
 
 @pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
@@ -923,18 +927,237 @@ def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_par
         p.numel for p in index.zero.params if p.group in (0, 1) and not p.frozen)
 
 
-def test_expert_groups_that_deepspeed_cuts_by_size_are_refused(expert_fixtures, monkeypatch, tmp_path: Path) -> None:
-    """DeepSpeed cuts an expert param group into several past 178,956,971 rank-local elements
-    (`split_params_into_different_moe_groups_for_optimizer`), so the groups depend on the degree; until
-    ckptflow re-cuts them, a change that would move the cut is refused, nothing written. (Measured on the
-    0.49B AutoEP benchmark model, whose ep_size_2 group is cut in two; here the limit is lowered.)"""
-    from ckptflow.reshard import shape
+# ---- DeepSpeed's size cut of expert param groups at another degree --------------------------------------
+# DeepSpeed cuts an expert param group into several past 178,956,971 rank-local elements
+# (`split_params_into_different_moe_groups_for_optimizer`), so a real-size MoE model's groups differ with
+# the expert-parallel degree (the 0.49B AutoEP benchmark model's ep_size_2 group is cut in two, its ep4 one
+# is not). The fixtures' groups are far smaller: these tests lower the limit, DeepSpeed's default patched
+# in the oracle's launch ("max_group_size") and ckptflow's assumed default (`moe_cut.MAX_MOE_GROUP_SIZE`)
+# alike where the test means "DeepSpeed's default", or DeepSpeed's alone where ckptflow must infer it.
+
+# The autoep-qwen3-moe-ep2-z2-fp32 expert group: 6 stacked weights of 3,072 elements at ep2 (18,432 in
+# all), 6,144 each at ep1. At a limit of 20,000 ep2 is not cut and ep1 is cut in two (3 + 3).
+LIMIT = 20_000
+
+
+@pytest.mark.parametrize(("numels", "limit"), [
+    ((5, 5, 5), 10), ((5, 5, 5), 15), ((3, 9, 2, 2, 11, 1), 10), ((12, 3, 4), 10), ((4, 12, 3), 10), ((7,), 7),
+])
+def test_the_cut_is_deepspeed_s(numels: tuple[int, ...], limit: int) -> None:
+    """`moe_cut.cut` against DeepSpeed's own function on parameters of those sizes: the same pieces, the
+    empty group DeepSpeed makes when the first parameter alone passes the limit included."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from ckptflow.reshard.moe_cut import cut
+
+    params = []
+    for n in numels:
+        param = torch.nn.Parameter(torch.zeros(n))
+        param.allreduce, param.group_name = False, "ep_size_2"  # what deepspeed.moe marks its experts with
+        params.append(param)
+    groups = split_params_into_different_moe_groups_for_optimizer({"name": "decay", "params": params}, limit)
+    assert cut(numels, limit)[0] == tuple(len(g["params"]) for g in groups[1:])
+    assert all(g["name"] == "ep_size_2" and g["moe"] for g in groups[1:])
+
+
+def test_the_limit_is_inferred_from_the_source_s_cuts() -> None:
+    """DeepSpeed's default where it reproduces the source's cuts; else the range of limits that does, and
+    a target cut only where the whole range cuts it alike."""
+    from ckptflow.reshard.moe_cut import MAX_MOE_GROUP_SIZE, recut
+
+    cut_at_10000 = [[[3072] * 3, [3072] * 3]]  # 6 x 3,072 cut at 10,000: any limit from 9,216 to 12,287
+    assert recut(cut_at_10000, [[6144] * 6], 1).pieces == ((1,) * 6,)
+    assert recut(cut_at_10000, [[1536] * 6], 4).pieces == ((6,),)
+    assert recut(cut_at_10000, [[1536] * 6], 4).limit == 9216
+    unknown = recut(cut_at_10000, [[2048] * 9], 3)  # 10,240 is in the range
+    assert unknown.pieces == () and unknown.why == (
+        f"its expert param groups were cut at a size limit from 9,216 to 12,287 elements, not DeepSpeed's default size "
+        f"limit of an expert param group ({MAX_MOE_GROUP_SIZE:,} elements), which the checkpoint does not record, and "
+        f"the limits in that range cut them differently at ep3")
+    assert recut([[[10] * 3]], [[20] * 3], 1).pieces == ((3,),)  # DeepSpeed's default: nothing cut
+    big = MAX_MOE_GROUP_SIZE  # uncut past the default: built with a larger limit or none
+    assert recut([[[big, 1]]], [[big // 4] * 4], 4).pieces == ((4,),)
+    assert "hold up to 178,956,972 elements uncut" in str(recut([[[big, 1]]], [[big, big, 2]], 1).why)
+    assert recut([[[5], [5, 5]]], [[5] * 3], 1).why == (
+        "its expert param groups are not cut as DeepSpeed's split_params_into_different_moe_groups_for_optimizer "
+        "cuts them at any size limit")  # 5 + 5 fits wherever the second piece's 10 does
+    assert "where DeepSpeed makes an empty param group" in str(recut([[[4], [4]]], [[16]], 1).why)
+
+
+def test_a_cut_target_is_planned_as_deepspeed_groups_it(expert_fixtures, monkeypatch) -> None:
+    """ep2 -> ep1 at a limit of 20,000: the expert group becomes two, each with its source group's
+    hyper-parameters and name, and each parameter's elements copied from the source rank that held them;
+    `--plan` offers the shape, and the other degrees whose cut it cannot tell are refused there."""
+    from ckptflow.reshard import moe_cut
+    from ckptflow.reshard.shape import shapes_at
+
+    index = load_index(str(expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"].dir))
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", LIMIT)
+    plan = plan_reshard(index, Target(world_size=2, ep=1))
+    assert plan.group_ep == (1, 1, 1, 1)
+    assert [len(shapes) for shapes in plan.flat_shapes] == [12, 9, 3, 3]
+    groups = plan.index.optim_states[0]["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    source = index.zero.optim_states[0]["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert groups[2:] == [{**source[2], "name": "ep_size_1"}] * 2
+    assert [g.index for g in plan.index.groups] == [0, 1, 2, 2]
+    for unit in plan.units:  # expert data-parallel 2: each rank half of each group, from both source ranks
+        assert [f.numel for f in unit.flats[2:]] == [3 * 6144 // 2] * 2
+    assert {s.ep: why for s, why in shapes_at(index, 2) if s.stage == 2}[1] is None
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", 10_000)
+    assert "cut them differently at ep1" in str({s.ep: why for s, why in shapes_at(index, 2) if s.stage == 2}[1])
+
+
+def test_a_degree_whose_cut_is_unknown_is_refused(expert_fixtures, monkeypatch, tmp_path: Path) -> None:
+    """At a default of 10,000 the source (18,432 elements, uncut) was built with another limit, 18,432 or
+    more, and at ep1 those limits cut its 6 x 6,144 differently: refused in one line, nothing written."""
+    from ckptflow.reshard import moe_cut
 
     source = expert_fixtures["autoep-qwen3-moe-ep2-z2-fp32"]
-    monkeypatch.setattr(shape, "MAX_MOE_GROUP_SIZE", 10)
-    with pytest.raises(UnsupportedCheckpointError, match=r"ep1: at ep1 a rank's expert param group would hold [\d,]+ "
-                                                         r"elements, which DeepSpeed cuts into groups of at most 10, "
-                                                         r"and the groups differ with the degree; ckptflow does not "
-                                                         r"re-cut them yet"):
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", 10_000)
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep1: its expert param groups hold up to 18,432 "
+                                                         r"elements uncut, past DeepSpeed's default size limit of an "
+                                                         r"expert param group \(10,000 elements\), so they were built "
+                                                         r"with a larger limit or none, which the checkpoint does not "
+                                                         r"record, and the limits in that range cut them differently "
+                                                         r"at ep1; shapes it can write at 4 ranks: ZeRO-2 ep2 x edp2"):
         reshard(str(source.dir), str(tmp_path / "out"), world_size=4, ep=1)
     assert not (tmp_path / "out").exists()
+    plan = plan_reshard(load_index(str(source.dir)), Target(world_size=4, ep=4))  # 9,216 at ep4: no cut at any
+    assert plan.group_ep == (1, 1, 4)
+
+
+@pytest.mark.parametrize(("name", "stage", "limit"), [
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, LIMIT), ("autoep-qwen3-moe-ep2-z3-fp32", 3, LIMIT),
+    ("autoep-qwen3-moe-ep2-z3-fp32", 2, LIMIT), ("dsmoe-ep2-z2-fp32", 1, 4000),
+])
+def test_a_cut_degree_change_and_back_gives_the_source_s_files(expert_fixtures, monkeypatch, name: str, stage: int,
+                                                               limit: int, tmp_path: Path) -> None:
+    """To ep1 on 2 ranks at ZeRO-`stage` (the expert group cut in two at `limit`, ckptflow assuming it as
+    DeepSpeed's default) and back to the source's stage and ep2, where the two join again: the source's
+    files field for field and byte for byte. On the way back ckptflow assumes DeepSpeed's real default,
+    which the ep1 cut rules out, and infers the limit from the cut (AutoEP: 3 + 3 weights of 6,144, any
+    limit from 18,432 to 24,575; deepspeed.moe: 10 + 6 of 384, from 3,840 to 4,223)."""
+    from ckptflow.reshard import moe_cut
+
+    source = expert_fixtures[name]
+    index = load_index(str(source.dir))
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", limit)
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=2, stage=stage, ep=1)
+    there = load_index(str(tmp_path / "out"))
+    assert len(there.zero.groups) == len(index.zero.groups) + 1
+    monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", 178_956_971)  # the cut alone tells the limit now
+    reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=index.world_size, stage=index.stage, ep=index.ep)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
+
+
+# (source fixture, world size, degree, ZeRO stage, DeepSpeed's limit, ckptflow's assumed default or None):
+# the source resharded to a degree DeepSpeed cuts otherwise, then DeepSpeed launched at that shape with
+# that limit loads it natively. By default one launch, AutoEP ZeRO-2 ep2 (uncut) -> ZeRO-2 ep1 (cut in
+# two); `CKPTFLOW_LONG=1` adds ZeRO-3 ep1 and deepspeed.moe (ep2 -> ep1: 16 x 384 cut at 4,000 into
+# 10 + 6 parameters, the bias group not cut).
+ALL_CUT_RESHARDS = (
+    ("autoep-qwen3-moe-ep2-z2-fp32", 2, 1, 2, LIMIT), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 1, 3, LIMIT),
+    ("dsmoe-ep2-z2-fp32", 2, 1, 2, 4000),
+)
+CUT_RESHARDS = sample(ALL_CUT_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 2, 1, 2, LIMIT)])
+
+
+def _cut_case_id(case: tuple[Any, ...]) -> str:
+    return f"{case[0]}-to{case[1]}-ep{case[2]}-z{case[3]}-limit{case[4]}"
+
+
+class CutOracle:
+    """Reshards every case (ckptflow assuming the case's limit as DeepSpeed's default), then launches
+    DeepSpeed once on 2 ranks with each case's limit: it loads each output, gathers its state and saves
+    it again, and trains the same model from scratch at that shape and saves it (`written`)."""
+
+    def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path) -> None:
+        self.fixtures, self.root, self.ran = fixtures, root, False
+
+    def paths(self, case: tuple[Any, ...]) -> dict[str, Path]:
+        name = _cut_case_id(case)
+        return {"out": self.root / "out" / name, "resaved": self.root / "resaved" / name,
+                "state": self.root / "state" / f"{name}.safetensors", "written": self.root / "written" / name}
+
+    def __call__(self, case: tuple[Any, ...]) -> dict[str, Path]:
+        if not self.ran:
+            self.ran = True
+            self._run()
+        return self.paths(case)
+
+    def _run(self) -> None:
+        from ckptflow.reshard import moe_cut
+
+        (self.root / "state").mkdir(parents=True)
+        items: list[dict[str, Any]] = []
+        for case in CUT_RESHARDS:
+            name, world_size, ep, stage, limit = case
+            fixture, paths = self.fixtures[name], self.paths(case)
+            default, moe_cut.MAX_MOE_GROUP_SIZE = moe_cut.MAX_MOE_GROUP_SIZE, limit
+            try:
+                reshard(str(fixture.dir), str(paths["out"]), world_size=world_size, ep=ep, stage=stage)
+            finally:
+                moe_cut.MAX_MOE_GROUP_SIZE = default
+            shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage, "max_group_size": limit}
+            items.append({**shape, "load": str(paths["out"]), "save": str(paths["resaved"]),
+                          "state": str(paths["state"]), "hang_after": 300})
+            items.append({**shape, "write": str(paths["written"])})
+        (self.root / "jobs.json").write_text(json.dumps(items, indent=1))
+        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "jobs.json")],
+               log_dir=self.root / "logs", timeout=900)
+
+
+@pytest.fixture(scope="session")
+def cut_oracle(expert_fixtures, tmp_path_factory) -> CutOracle:
+    return CutOracle(expert_fixtures, tmp_path_factory.mktemp("expert-cut-oracle"))
+
+
+@pytest.mark.parametrize("case", CUT_RESHARDS, ids=_cut_case_id)
+def test_deepspeed_loads_expert_groups_cut_at_the_new_degree(expert_fixtures, cut_oracle, case) -> None:
+    """DeepSpeed, cutting the expert groups at the case's limit, loads the output natively and holds the
+    source's fp32 weights and Adam moments bit for bit, saves exactly our files again, and trained from
+    scratch at that shape writes the same files, groups and metadata (more groups than the source's)."""
+    fixture = expert_fixtures[case[0]]
+    paths = cut_oracle(case)
+    state, expected = load_file(paths["state"]), load_file(fixture.expected_path)
+    buffers = load_file(fixture.buffers_path)
+    assert set(state) == set(expected) | {f"buffer/{k}" for k in buffers}
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    tag = (paths["out"] / "latest").read_text()
+    _compare_folders(paths["out"] / tag, paths["resaved"] / tag)
+    _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
+    source_groups = len(load_index(str(fixture.dir)).zero.groups)
+    assert len(load_index(str(paths["out"])).zero.groups) == source_groups + 1
+
+
+# A source DeepSpeed cut (AutoEP ZeRO-2 ep2, 2 ranks, limit 10,000: the expert group in 3 + 3), written in
+# the test; ckptflow, assuming nothing, infers the limit (9,216 to 12,287) and writes ep1 (6 groups of one
+# weight) at ZeRO-2 and ZeRO-3, and DeepSpeed at that limit loads both. Long mode only: two launches.
+CUT_SOURCE_TARGETS = [(2, 1), (3, 1)]
+
+
+@pytest.fixture(scope="session")
+def cut_source_oracle(expert_fixtures, tmp_path_factory) -> SourceOracle:
+    """AutoEP ZeRO-2 ep2 trained with its expert group cut at 10,000 elements, and its targets."""
+    return SourceOracle(expert_fixtures, tmp_path_factory.mktemp("expert-cut-source-oracle"),
+                        "autoep-qwen3-moe-ep2-z2-fp32", {"max_group_size": 10_000}, CUT_SOURCE_TARGETS)
+
+
+@pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
+@pytest.mark.parametrize(("stage", "ep"), CUT_SOURCE_TARGETS)
+def test_a_source_deepspeed_cut_is_recut_at_the_limit_its_cuts_imply(cut_source_oracle, stage: int, ep: int) -> None:
+    """The source's group, cut in two (3 + 3 weights), becomes six at ep1, the limit inferred from the cut
+    (not DeepSpeed's default, which would cut nothing); DeepSpeed holds the source's state bit for bit,
+    saves exactly our files again, and trained there writes the same files and metadata."""
+    root = cut_source_oracle()
+    name = f"z{stage}-ep{ep}"
+    state, expected = load_file(root / "state" / f"{name}.safetensors"), load_file(root / "state" / "source.safetensors")
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    assert len(load_index(str(root / "source")).zero.groups) == 4
+    assert len(load_index(str(root / "out" / name)).zero.groups) == 8
+    tag = (root / "out" / name / "latest").read_text()
+    _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
+    _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False, ignore=("global_samples",))

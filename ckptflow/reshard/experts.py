@@ -16,6 +16,11 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
   carried as they are; AutoEP's `ds_autoep_layers` (and its copy in `universal_checkpoint_info`)
   record N', `num_local_experts`, the placement and its affine maps, the group name and rank 0's
   expert-parallel coordinates; `expert_parallel.autoep_size` in the recorded config is N'.
+- Both: DeepSpeed cuts an expert group by its rank-local size (`moe_cut`), which changes with the
+  degree: the pieces of each source group are joined, the whole rebuilt at N' and cut again as
+  DeepSpeed cuts it there, each target group with its source group's hyper-parameters and optimizer
+  scalars (`ParamGroup.index` names that group), its flat partitions, paddings and partition counts
+  laid out by the stage's planner as for any group.
 
 The plan is an ordinary plan of the target stage over a virtual source (`at_degree`): the source's
 ZeRO index at N', its expert parameters at their new shapes, each with the fragments of the source
@@ -28,8 +33,8 @@ only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to
 expert's own file written again, by the target expert-parallel rank holding it) and
 `stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
 in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), `round_robin_gradients`, a placement
-other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and expert
-groups DeepSpeed cuts by size differently at N and N'.
+other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and a source
+whose cuts leave the size limit open where the limits they allow cut the target differently.
 """
 
 from __future__ import annotations
@@ -51,10 +56,10 @@ from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
 from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies
-from ckptflow.reshard.shape import Shape, expert_counts, expert_group_cut
+from ckptflow.reshard.moe_cut import DSMOE_EXPERT, expert_runs, is_expert, plan_recut
+from ckptflow.reshard.shape import Shape, expert_counts
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
 
-_DSMOE_EXPERT = re.compile(r"^(?P<layer>.+\.deepspeed_moe\.experts\.deepspeed_experts)\.(?P<id>\d+)\.(?P<rest>.+)$")
 _AUTOEP_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<w>w[123])$")
 _ROUTER_ALIAS = re.compile(r"^(?P<path>.+)\.gate\.gate\.(?P<rest>weight|bias)$")  # the presets' router name, "gate"
 
@@ -97,22 +102,23 @@ def _numel(shape: Sequence[int]) -> int:
     return out
 
 
-def _autoep_group(zero: ZeroCheckpoint, g: int, ep: int, counts: Sequence[int], source: ExpertCheckpoint,
+def _autoep_group(zero: ZeroCheckpoint, run: Sequence[int], ep: int, counts: Sequence[int], source: ExpertCheckpoint,
                   shape: Shape) -> _TargetGroup:
-    """An AutoEP `ep_size_N` group at degree `ep`: each stacked weight holds that rank's experts."""
-    group = zero.groups[g]
+    """An AutoEP `ep_size_N` group (the pieces `run` DeepSpeed cut it into, joined) at degree `ep`: each
+    stacked weight holds that rank's experts."""
+    g, src_ep, params = run[0], zero.groups[run[0]].ep, [n for i in run for n in zero.groups[i].params]
     by_key = zero.param_by_key
     layer_of = {}
     for entry in zero.model_states[0].get("ds_autoep_layers") or []:
         layer_of[f"{entry['expert_key_prefix']}"] = entry["moe_layer_id"]
     names, shapes, segments = [], [], {}
-    for name in group.params:
+    for name in params:
         m = _AUTOEP_EXPERT.match(name)
         if m is None or m.group("layer") not in layer_of:
             raise _refuse(source, shape, f"{name} is in the expert param group {g} but is not an AutoEP routed expert "
                           "weight (`<layer>.experts.w1/w2/w3`)", "convert it with DeepSpeed's universal converter")
         experts = counts[layer_of[m.group("layer")]]
-        src_local, dst_local = experts // group.ep, experts // ep
+        src_local, dst_local = experts // src_ep, experts // ep
         first = by_key[(0, name)].shape
         block = _numel(first[1:])
         names.append(name)
@@ -127,15 +133,16 @@ def _autoep_group(zero: ZeroCheckpoint, g: int, ep: int, counts: Sequence[int], 
     return _TargetGroup(ep, tuple(names), tuple(shapes), segments)
 
 
-def _dsmoe_group(zero: ZeroCheckpoint, g: int, ep: int, source: ExpertCheckpoint, shape: Shape) -> _TargetGroup:
-    """A deepspeed.moe `ep_size_N` group at degree `ep`: locals 0 .. E/ep - 1 of each layer, in the
-    source's order (layer, local expert, parameter)."""
-    group = zero.groups[g]
+def _dsmoe_group(zero: ZeroCheckpoint, run: Sequence[int], ep: int, source: ExpertCheckpoint,
+                 shape: Shape) -> _TargetGroup:
+    """A deepspeed.moe `ep_size_N` group (the pieces `run` DeepSpeed cut it into, joined) at degree `ep`:
+    locals 0 .. E/ep - 1 of each layer, in the source's order (layer, local expert, parameter)."""
+    g, src_ep, params = run[0], zero.groups[run[0]].ep, [n for i in run for n in zero.groups[i].params]
     by_key = zero.param_by_key
     layers: dict[str, dict[int, list[str]]] = {}  # layer -> local id -> parameter names, in order
     order: list[tuple[str, int, str]] = []
-    for name in group.params:
-        m = _DSMOE_EXPERT.match(name)
+    for name in params:
+        m = DSMOE_EXPERT.match(name)
         if m is None:
             raise _refuse(source, shape, f"{name} is in the expert param group {g} but is not a deepspeed.moe expert "
                           "parameter", "convert it with DeepSpeed's universal converter")
@@ -143,14 +150,15 @@ def _dsmoe_group(zero: ZeroCheckpoint, g: int, ep: int, source: ExpertCheckpoint
         order.append((m.group("layer"), int(m.group("id")), m.group("rest")))
     expected = [(layer, i, rest) for layer, local in layers.items() for i in range(len(local)) for rest in local[0]]
     if order != expected or any(local[i] != local[0] for local in layers.values() for i in local):
-        raise _refuse(source, shape, f"param group {g} ({group.hyper.get('name')!r}) does not list its experts "
+        label = zero.groups[g].hyper.get("name")
+        raise _refuse(source, shape, f"param group {g} ({label!r}) does not list its experts "
                       "layer by layer, local expert by local expert, each with the same parameters, as deepspeed.moe's "
                       "split_params_into_different_moe_groups_for_optimizer does",
                       "convert it with DeepSpeed's universal converter")
     names, shapes, segments = [], [], {}
     for layer, local in layers.items():
         src_local = len(local)
-        dst_local = src_local * group.ep // ep
+        dst_local = src_local * src_ep // ep
         for j in range(dst_local):
             for rest in local[0]:
                 names.append(f"{layer}.{j}.{rest}")
@@ -164,9 +172,14 @@ def _dsmoe_group(zero: ZeroCheckpoint, g: int, ep: int, source: ExpertCheckpoint
     return _TargetGroup(ep, tuple(names), tuple(shapes), segments)
 
 
-def _is_expert(group: ParamGroup) -> bool:
-    """An expert param group (`ep_size_N`, `moe: True`), at any degree, 1 included."""
-    return group.ep > 1 or bool(group.hyper.get("moe"))
+_is_expert = is_expert
+
+
+def _piece(group: _TargetGroup, start: int, count: int) -> _TargetGroup:
+    """Parameters `start` .. `start + count - 1` of `group`: one of the groups DeepSpeed cuts it into."""
+    names = group.names[start:start + count]
+    return _TargetGroup(group.ep, names, group.shapes[start:start + count],
+                        {key: segs for key, segs in group.segments.items() if key[1] in names})
 
 
 def _dense_group(zero: ZeroCheckpoint, g: int) -> _TargetGroup:
@@ -216,10 +229,26 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
                       "ckptflow does not rebuild across expert-parallel degrees", "keep its expert-parallel degree")
     if source.kind == "autoep":
         _check_uniform_placement(source, shape)
-    _check_group_split(source, zero, shape)
-    groups = [(_autoep_group(zero, g, shape.ep, counts, source, shape) if source.kind == "autoep"
-               else _dsmoe_group(zero, g, shape.ep, source, shape)) if _is_expert(group) else _dense_group(zero, g)
-              for g, group in enumerate(zero.groups)]
+    runs = expert_runs(zero)
+    whole = {run: _autoep_group(zero, run, shape.ep, counts, source, shape) if source.kind == "autoep"
+             else _dsmoe_group(zero, run, shape.ep, source, shape) for run in runs}
+    cut = plan_recut(zero, shape.ep, [[_numel(s) for s in whole[run].shapes] for run in runs])
+    if cut.why is not None:
+        raise _refuse(source, shape, cut.why, "convert it with DeepSpeed's universal converter (ds_to_universal)")
+    pieces = dict(zip(runs, cut.pieces))
+    groups: list[tuple[_TargetGroup, int]] = []  # (the group at the target, the source group it carries)
+    for g in range(len(zero.groups)):
+        run = next((r for r in runs if g in r), None)
+        if run is None:
+            groups.append((_dense_group(zero, g), g))
+        elif g == run[0]:
+            start = 0
+            for count in pieces[run]:
+                groups.append((_piece(whole[run], start, count), g))
+                start += count
+    if len(groups) != len(zero.groups) and zero.stage == 3 and any(len(p) != len(zero.groups) for p in zero.partitions):
+        raise _refuse(source, shape, "DeepSpeed cuts its expert param groups otherwise at that degree, and its ZeRO-3 "
+                      "sub-groups (sub_group_size) are not one per param group", "keep its expert-parallel degree")
     return _virtual_source(zero, groups, shape.ep)
 
 
@@ -289,13 +318,6 @@ def _expert_files(zero: ZeroCheckpoint) -> dict[int, tuple[TensorFile, ...]]:
                 out.setdefault(e, []).append(TensorFile(name=expert_file_name(entry["moe_layer_id"], expert),
                                                         tensors=tuple(tensors)))
     return {e: tuple(files) for e, files in out.items()}
-
-
-def _check_group_split(source: ExpertCheckpoint, zero: ZeroCheckpoint, shape: Shape) -> None:
-    """Refuse where DeepSpeed's size cut of expert groups differs between the degrees (`shape.expert_group_cut`)."""
-    why = expert_group_cut(source, shape.ep)
-    if why is not None:
-        raise _refuse(source, shape, why, "convert it with DeepSpeed's universal converter (ds_to_universal)")
 
 
 def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
@@ -443,10 +465,19 @@ def _model_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
     return out
 
 
-def _optim_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
+def _optim_states(state: Mapping[str, Any], ep: int, sources: Sequence[int] | None = None) -> dict[str, Any]:
     """An optimizer file's fields that name the expert groups, as at degree `ep`: the base optimizer's
     param groups (`base_optimizer_state` at ZeRO-1/2, `optimizer_state_dict` at ZeRO-3), ZeRO-3's
-    `ds_zero_partition_groups` group names, and `autoep_size` in the recorded config."""
+    `ds_zero_partition_groups` group names, and `autoep_size` in the recorded config. With `sources`
+    (DeepSpeed cuts the expert groups otherwise at `ep`), one param group, optimizer state and
+    partition-group entry per target group, each its source group's."""
+    def regroup(items: Any) -> Any:
+        if sources is None:
+            return items
+        if isinstance(items, Mapping):
+            return {g: items[src] for g, src in enumerate(sources) if src in items}
+        return [items[src] for src in sources]
+
     out = dict(state)
     osd = out.get("optimizer_state_dict")
     if isinstance(osd, Mapping):
@@ -455,14 +486,16 @@ def _optim_states(state: Mapping[str, Any], ep: int) -> dict[str, Any]:
             base = osd.get(key)
             if isinstance(base, Mapping):
                 groups = [{**g, "name": f"ep_size_{ep}"} if isinstance(g, Mapping) and g.get("moe") else g
-                          for g in base.get("param_groups") or []]
+                          for g in regroup(list(base.get("param_groups") or []))]
                 osd[key] = {**base, "param_groups": groups}
+                if isinstance(base.get("state"), Mapping):
+                    osd[key]["state"] = regroup(base["state"])
         if isinstance(osd.get("ds_zero_partition_groups"), list):
             osd["ds_zero_partition_groups"] = [
                 {**g, "group_names": [f"ep_size_{ep}" if str(n).startswith("ep_size_") else n
                                       for n in g["group_names"]]}
                 if isinstance(g, Mapping) and isinstance(g.get("group_names"), list) else g
-                for g in osd["ds_zero_partition_groups"]]
+                for g in regroup(osd["ds_zero_partition_groups"])]
         out["optimizer_state_dict"] = osd
     if "ds_config" in out:
         out["ds_config"] = _config(out["ds_config"], ep)
@@ -483,24 +516,31 @@ def _fragments(segments: Sequence[_Segment]) -> tuple[Fragment, ...]:
     return tuple(out)
 
 
-def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[_TargetGroup], ep: int) -> ZeroCheckpoint:
+def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[tuple[_TargetGroup, int]], ep: int) -> ZeroCheckpoint:
     """The source's ZeRO index as DeepSpeed records the checkpoint at degree `ep`: the target's
-    parameters and param groups, and the metadata `reshard.files` copies into the new files; its
-    partitions stay the source's (the copies' sources)."""
-    params: list[Param] = [p for p in zero.params if p.group is None or not _is_expert(zero.groups[p.group])]
+    parameters and param groups (`groups`: each at the target, with the source group whose
+    hyper-parameters and optimizer scalars it carries, which becomes its `ParamGroup.index`), and the
+    metadata `reshard.files` copies into the new files, each param group's entry that of its source
+    group; its partitions stay the source's (the copies' sources)."""
+    sources = [src for _, src in groups]
+    position = {src: g for g, src in enumerate(sources) if not _is_expert(zero.groups[src])}
+    params: list[Param] = [p if p.group is None or position[p.group] == p.group else replace(p, group=position[p.group])
+                           for p in zero.params if p.group is None or not _is_expert(zero.groups[p.group])]
     new_groups = []
-    for old, group in zip(zero.groups, groups):
+    for g, (group, src) in enumerate(groups):
+        old = zero.groups[src]
         if not _is_expert(old):
             new_groups.append(old)
             continue
         hyper = {**old.hyper, "name": f"ep_size_{ep}"} if "name" in old.hyper else old.hyper
-        new_groups.append(ParamGroup(old.index, hyper, group.names, ep=group.ep))
+        new_groups.append(ParamGroup(src, hyper, group.names, ep=group.ep))
         dtype = zero.param_by_name[old.params[0]].dtype
-        params += [Param(name, shape, dtype, old.index, fragments=_fragments(group.segments[(e, name)]), shard=e)
+        params += [Param(name, shape, dtype, g, fragments=_fragments(group.segments[(e, name)]), shard=e)
                    for e in range(group.ep) for name, shape in zip(group.names, group.shapes)]
+    regroup = None if sources == list(range(len(zero.groups))) else sources
     return replace(zero, params=tuple(params), groups=tuple(new_groups),
                    model_states=tuple(_model_states(m, ep) for m in zero.model_states),
-                   optim_states=tuple(_optim_states(o, ep) for o in zero.optim_states))
+                   optim_states=tuple(_optim_states(o, ep, regroup) for o in zero.optim_states))
 
 
 __all__ = ["plan_expert_degree", "plan_expert_from_zero3"]

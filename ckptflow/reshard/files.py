@@ -213,7 +213,7 @@ def _flat_states(plan: DataParallelPlan, unit: RankUnit, tree: _Tree
         fp32.append(OutTensor(storage, 0, (flat.saved,)))
         if flat.group not in meta_state:  # the optimizer has not stepped: no state, as in the source
             continue
-        part = ix.partitions[unit.meta_rank][flat.group]
+        part = ix.partitions[unit.meta_rank][ix.groups[flat.group].index]  # the source group the state is from
         state = {}
         for key, value in meta_state[flat.group].items():
             if part.is_moment(value):

@@ -31,6 +31,7 @@ from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.readers.pipeline import splits_at
+from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.vocabulary import vocab_rows_at
 
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
@@ -137,35 +138,11 @@ def expert_counts(index: Any) -> tuple[int, ...]:
     return ()
 
 
-# `deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`'s default: an expert param
-# group is cut into several once its rank-local parameters pass this many elements.
-MAX_MOE_GROUP_SIZE = 178_956_971
-
-
 def expert_group_cut(index: Any, ep: int) -> str | None:
-    """Why DeepSpeed's size cut of expert param groups stops `index` from moving to `ep` (None: it does
-    not): the cut depends on the rank-local size, so the groups differ with the degree where the source
-    was cut or the target would be, and ckptflow keeps the source's groups (it does not re-cut them yet)."""
+    """Why ckptflow cannot tell how DeepSpeed cuts `index`'s expert param groups by size at degree `ep`
+    (None: it can, and `experts.at_degree` cuts them so; `moe_cut`)."""
     zero = getattr(index, "zero", None)
-    if zero is None:
-        return None
-    experts = [g for g in zero.groups if g.ep > 1 or bool(g.hyper.get("moe"))]
-    # One expert group per (original param group, ep size); a cut one's pieces share its name and every
-    # hyper-parameter.
-    keys = [repr(sorted((k, repr(v)) for k, v in g.hyper.items() if k != "params")) for g in experts]
-    cut = sorted({str(g.hyper.get("name")) for g, key in zip(experts, keys) if keys.count(key) > 1})
-    by_name = zero.param_by_name
-    largest = max((sum(by_name[p].numel for p in g.params) for g in experts), default=0)
-    target = largest * index.ep // ep
-    if cut:
-        why = (f"DeepSpeed cut its expert param group {cut[0]} into several of at most {MAX_MOE_GROUP_SIZE:,} "
-               "rank-local elements")
-    elif target > MAX_MOE_GROUP_SIZE:
-        why = (f"at ep{ep} a rank's expert param group would hold {target:,} elements, which DeepSpeed cuts into "
-               f"groups of at most {MAX_MOE_GROUP_SIZE:,}")
-    else:
-        return None
-    return f"{why}, and the groups differ with the degree; ckptflow does not re-cut them yet"
+    return None if zero is None else plan_recut(zero, ep).why
 
 
 def source_shape(index: Any) -> Shape:

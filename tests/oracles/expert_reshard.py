@@ -19,6 +19,12 @@ any degree) and ZeRO stage ``"stage"`` (the fixture's when absent), and then:
 (``requires_grad`` off, left out of the optimizer's groups): their gathered state is their value as
 ``fp32`` and zero moments, as the optimizer holds none.
 
+``"max_group_size"`` (elements) builds the engine with that as DeepSpeed's size limit of an expert
+param group: the default of ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``
+(178,956,971, which the engine always uses) patched for the job, so that the tiny models' expert
+groups are cut as a real-size model's are (the tests patch ckptflow's assumed default alike where
+they mean DeepSpeed's default, and leave it where ckptflow must infer the limit).
+
 ``"hang_after"`` (seconds) dumps every rank's Python stack to its log if the job is still running
 then, which is how a load that never returns shows where it waits.
 """
@@ -79,8 +85,23 @@ def frozen_parameters(names: frozenset[str]) -> Iterator[None]:
         writer.models.build_hf_model, writer.models.param_groups, writer._local_states = build, groups, local
 
 
+@contextlib.contextmanager
+def moe_group_limit(limit: int | None) -> Iterator[None]:
+    """Within it, DeepSpeed cuts expert param groups at `limit` elements (None: its own default)."""
+    from deepspeed.moe import utils
+
+    split = utils.split_params_into_different_moe_groups_for_optimizer
+    defaults = split.__defaults__
+    if limit is not None:
+        split.__defaults__ = (limit,)
+    try:
+        yield
+    finally:
+        split.__defaults__ = defaults
+
+
 def run_job(job: dict[str, Any]) -> None:
-    with frozen_parameters(frozenset(job.get("frozen") or ())):
+    with frozen_parameters(frozenset(job.get("frozen") or ())), moe_group_limit(job.get("max_group_size")):
         _run_job(job)
 
 

@@ -67,7 +67,10 @@ class Buffer:
 class ParamGroup:
     """One optimizer param group: its hyper-parameters and its parameters, in flattening order. `ep` is
     the expert-parallel degree of an expert group (`ep_size_N`): each of its `ep` shards is partitioned
-    over `layout.partition_ranks(world_size, ep, shard)`; 1 for a group partitioned over every rank."""
+    over `layout.partition_ranks(world_size, ep, shard)`; 1 for a group partitioned over every rank.
+    `index` is its place among the checkpoint's groups; in an index rebuilt at another expert-parallel
+    degree (`reshard.experts.at_degree`), the source group whose hyper-parameters and optimizer state
+    entries it carries, as DeepSpeed may cut the expert groups otherwise there."""
 
     index: int
     hyper: Mapping[str, Any]
