@@ -7,7 +7,7 @@ this world size (``writers.data_parallel.initialize_engine``), calls ``engine.lo
 natively (no universal checkpoint), and writes:
 
 - ``out/rank{R}.json`` (every rank): the differences between the client state DeepSpeed returned and the
-  expected one (``models.client_state.differences``), and the keys it returned that are neither the
+  expected one (``models.client_state.differences``; Megatron's ``args`` saying this launch's shape, ``args_at``), and the keys it returned that are neither the
   expected ones nor DeepSpeed's own;
 - ``out/state.safetensors`` (rank 0): the loaded engine's fp32 weights and Adam moments
   (``writers.data_parallel.live_state``), to compare with the fixture's ``expected.safetensors``.
@@ -18,10 +18,12 @@ This process defines the user classes (it imports ``tests.fixtures.models.client
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -40,6 +42,7 @@ def run_job(job: dict[str, str]) -> None:
     rank = dist.get_rank()
     spec = ClientSpec.from_json(json.loads(Path(job["spec"]).read_text()))
     expected = pickle.loads(Path(job["expected"]).read_bytes())  # the test's own file: trusted
+    expected = args_at(expected, tp=1, pp=1, world_size=dist.get_world_size(), stage=spec.stage)
     engine, _ = initialize_engine(engine_spec(spec), world_size=dist.get_world_size())
     path, client = engine.load_checkpoint(job["ckpt"])
     out = Path(job["out"])
@@ -57,6 +60,19 @@ def run_job(job: dict[str, str]) -> None:
         save_file(state, str(out / "state.safetensors"))
     dist.barrier()
     engine.destroy()
+
+
+def args_at(state: dict[str, Any], *, tp: int, pp: int, world_size: int, stage: int) -> dict[str, Any]:
+    """`state` with its `args` Namespace's shape fields (those that are ints) set to the given shape, as
+    `reshard.files.args_at` sets them (Megatron-DeepSpeed's loader compares them with its run's); `state`
+    itself without such `args`."""
+    args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        return state
+    shape = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+             "data_parallel_size": world_size // (tp * pp), "world_size": world_size, "zero_stage": stage}
+    return {**state, "args": argparse.Namespace(**{k: shape[k] if k in shape and type(v) is int else v
+                                                    for k, v in vars(args).items()})}
 
 
 def main(argv: list[str] | None = None) -> None:

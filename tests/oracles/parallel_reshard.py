@@ -52,6 +52,7 @@ from tests.fixtures.specs.split import SPLIT_SPECS  # noqa: E402
 from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
 from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
+from tests.oracles.client_state import args_at  # noqa: E402
 
 # A ZeRO-0 bf16 run's state is read as the extra fixtures' writer reads it (FP16_Optimizer's flat groups).
 writer._local_states = parallel_extra_writer._local_states
@@ -105,24 +106,17 @@ def run_job(job: dict[str, Any]) -> None:
 
 
 def at_shape(state: dict[str, Any], spec: ParallelSpec) -> dict[str, Any]:
-    """`state` with its `args` Namespace's shape fields set to `spec`'s, as `reshard.files.args_at` sets them;
-    where `args` record `make_vocab_size_divisible_by`, `padded_vocab_size` (there and in
-    `universal_checkpoint_info`) Megatron's at `spec.tp` (`models.parallel_extra.padded_vocab`); the writer's
-    own objects otherwise."""
-    args = state.get("args")
-    if not isinstance(args, argparse.Namespace):
-        return state
-    shape = {"tensor_model_parallel_size": spec.tp, "pipeline_model_parallel_size": spec.pp,
-             "data_parallel_size": spec.world_size // (spec.tp * spec.pp), "world_size": spec.world_size,
-             "zero_stage": spec.stage}
-    out = dict(state)
-    divisible_by = getattr(args, "make_vocab_size_divisible_by", None)
-    if divisible_by is not None:
-        shape["padded_vocab_size"] = padded_vocab(spec.tp, divisible_by)
-        out[UNIVERSAL_CHECKPOINT_INFO] = {**state[UNIVERSAL_CHECKPOINT_INFO],
-                                          "padded_vocab_size": shape["padded_vocab_size"]}
-    fields = {k: shape[k] if k in shape and type(v) is int else v for k, v in vars(args).items()}
-    return {**out, "args": argparse.Namespace(**fields)}
+    """`state` with its `args` Namespace's shape fields set to `spec`'s (`oracles.client_state.args_at`); where
+    `args` record `make_vocab_size_divisible_by`, `padded_vocab_size` (there and in `universal_checkpoint_info`)
+    Megatron's at `spec.tp` (`models.parallel_extra.padded_vocab`); the writer's own objects otherwise."""
+    out = args_at(state, tp=spec.tp, pp=spec.pp, world_size=spec.world_size, stage=spec.stage)
+    divisible_by = getattr(out.get("args"), "make_vocab_size_divisible_by", None)
+    if divisible_by is None:
+        return out
+    padded = padded_vocab(spec.tp, divisible_by)
+    args = argparse.Namespace(**{**vars(out["args"]), "padded_vocab_size": padded})
+    return {**out, "args": args, UNIVERSAL_CHECKPOINT_INFO: {**state[UNIVERSAL_CHECKPOINT_INFO],
+                                                             "padded_vocab_size": padded}}
 
 
 @contextlib.contextmanager
