@@ -30,7 +30,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.readers.pipeline import splits_at
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
 
@@ -257,8 +259,18 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     if source.stage == 0:
         if replace(shape, world_size=source.world_size * shape.dp // max(source.dp, 1)) == source:
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
-        return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot be "
-                "moved to another shape (its weights can still be consolidated)")
+        if shape.stage == 0 or (shape.tp, shape.pp, shape.ep) != (source.tp, source.pp, source.ep):
+            return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot "
+                    "be moved to another shape; ckptflow names it for a ZeRO stage change alone, at the same tensor-, "
+                    "pipeline- and expert-parallel degrees (its weights can still be consolidated)")
+        if kind not in ("zero0", "autotp"):
+            return (f"ckptflow changes the ZeRO stage of data-parallel and AutoTP ZeRO-0 checkpoints only, not of "
+                    f"{name} ones yet")
+        for rank in getattr(index, "ranks", None) or (index,):
+            why = why_not_zero0(rank)
+            if why is not None:
+                return why
+        return None
     if shape.tp != source.tp:
         if kind == "megatron":
             why = _why_not_megatron_tp(index, shape.tp)
@@ -300,6 +312,20 @@ def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None
+
+
+def why_not_zero0(index: Zero0Checkpoint) -> str | None:
+    """Why ckptflow cannot write the ZeRO-0 checkpoint (or model-parallel rank) `index` at ZeRO-1, 2 or 3,
+    or None: its optimizer state must be named (`readers.zero0.named_groups`), and the target's loss
+    scaler and flattening order written."""
+    if index.precision == "fp16":
+        return ("it was trained in fp16, and ckptflow does not carry FP16_Optimizer's dynamic loss scaler to another "
+                "stage yet")
+    if is_set(index.zero_config, "round_robin_gradients"):
+        return ("its config sets zero_optimization.round_robin_gradients, whose order ckptflow does not lay out from a "
+                "ZeRO-0 source yet")
+    named = named_groups(index)
+    return named if isinstance(named, str) else None
 
 
 def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | None:
@@ -485,4 +511,4 @@ def _moments(index: Any) -> int:
 
 __all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "expert_counts", "kind_of", "memory",
            "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not",
-           "why_not_expert_stage"]
+           "why_not_expert_stage", "why_not_zero0"]

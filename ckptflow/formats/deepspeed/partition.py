@@ -35,6 +35,7 @@ from dataclasses import dataclass
 ZERO = "zero"  # DeepSpeedZeroOptimizer (ZeRO-1/2)
 BF16 = "bf16"  # BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation)
 ZERO3 = "zero3"  # DeepSpeedZeroOptimizer_Stage3
+ZERO0 = "zero0"  # a ZeRO-0 optimizer: a torch optimizer, or FP16_Optimizer in a 16-bit run
 
 NCCL_START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size
@@ -242,7 +243,7 @@ def piece_offsets(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 __all__ = [
-    "BF16", "ZERO", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "partition_ranks",
+    "BF16", "ZERO", "ZERO0", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "partition_ranks",
     "piece_offsets", "round_robin_order", "zero12_fragments", "zero12_layout", "zero12_padded", "zero3_moves",
     "zero3_piece", "zero3_real", "zero3_sub_groups",
 ]
