@@ -26,7 +26,7 @@ written at the tensor-parallel degrees its `universal_checkpoint_info` rules cut
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
@@ -257,7 +257,7 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     kind = kind_of(index)
     name = NAMES.get(kind, kind)
     if source.stage == 0:
-        if replace(shape, world_size=source.world_size * shape.dp // max(source.dp, 1)) == source:
+        if (shape.stage, shape.tp, shape.pp, shape.ep) == (source.stage, source.tp, source.pp, source.ep):
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
         if shape.stage == 0 or (shape.tp, shape.pp, shape.ep) != (source.tp, source.pp, source.ep):
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot "
