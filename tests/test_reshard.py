@@ -39,8 +39,10 @@ from ckptflow.formats.deepspeed.names import ALLOWED
 from ckptflow.formats.deepspeed.partition import (
     Extent,
     moves,
+    original_order,
     param_alignment,
     piece_offsets,
+    recorded_slices,
     round_robin_order,
     zero3_moves,
     zero3_piece,
@@ -77,6 +79,34 @@ def test_round_robin_order_is_deepspeeds() -> None:
             items = [f"p{i}" for i in range(count)]
             reordered, _ = DeepSpeedZeroOptimizer._round_robin_reorder(None, items, world_size)
             assert [items[i] for i in round_robin_order(count, world_size)] == reordered
+
+
+def test_recorded_slices_are_deepspeeds() -> None:
+    """`param_slice_mappings` as DeepSpeed 0.19.8 records them (`_init_lp_to_hp_mapping`, then
+    `get_hp_fragment_mapping`'s address), with and without round-robin order and alignment padding:
+    in round-robin order without padding they are not where the elements are, and ckptflow writes them so."""
+    import torch
+    from deepspeed.utils.mixed_precision_linkage import _init_lp_to_hp_mapping
+
+    rng = random.Random(5)
+    for _ in range(300):
+        numels = [rng.randint(0, 40) for _ in range(rng.randint(1, 8))]
+        world_size, rr = rng.randint(1, 4), rng.random() < 0.6
+        align = rng.choice([1, 1, 4])
+        flat_order = list(round_robin_order(len(numels), world_size)) if rr else list(range(len(numels)))
+        layout = zero12_layout([numels[i] for i in flat_order], world_size, alignment=align)
+        order = original_order(len(numels), world_size, rr)
+        assert [flat_order[pos] for pos in order] == list(range(len(numels)))
+        params = [torch.empty(n) for n in numels]  # in the optimizer's order, as DeepSpeed's bit16_groups
+        index = {id(p): i for i, p in enumerate(params)}
+        offsets = [layout.offsets[pos] for pos in order] if any(layout.param_paddings) else None
+        for rank in range(world_size):
+            start, end = rank * layout.partition, (rank + 1) * layout.partition
+            theirs = [(index[id(p)], max(lp_start, start) - start, min(lp_start + p.numel(), end) - max(lp_start, start))
+                      for p, lp_start in _init_lp_to_hp_mapping(params, start, layout.partition, None, offsets)]
+            ours = [(flat_order[pos], a, n) for pos, a, n in recorded_slices(layout.numels, layout.offsets,
+                                                                             layout.partition, rank, order)]
+            assert ours == theirs, (numels, world_size, rr, align, rank)
 
 
 def test_zero3_sub_groups_are_deepspeeds() -> None:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.readers.pipeline import splits_at
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 
@@ -317,13 +316,10 @@ def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
 def why_not_zero0(index: Zero0Checkpoint) -> str | None:
     """Why ckptflow cannot write the ZeRO-0 checkpoint (or model-parallel rank) `index` at ZeRO-1, 2 or 3,
     or None: its optimizer state must be named (`readers.zero0.named_groups`), and the target's loss
-    scaler and flattening order written."""
+    scaler written."""
     if index.precision == "fp16":
         return ("it was trained in fp16, and ckptflow does not carry FP16_Optimizer's dynamic loss scaler to another "
                 "stage yet")
-    if is_set(index.zero_config, "round_robin_gradients"):
-        return ("its config sets zero_optimization.round_robin_gradients, whose order ckptflow does not lay out from a "
-                "ZeRO-0 source yet")
     named = named_groups(index)
     return named if isinstance(named, str) else None
 

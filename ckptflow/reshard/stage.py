@@ -14,10 +14,18 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   fp32 masters cast as DeepSpeed casts them after every step (round to nearest even; for fp32
   training, the masters themselves), and the frozen ones joined from their pieces.
 
+- ZeRO-0 -> ZeRO-1/2/3 (`plan_zero0_stage`): the optimizer state, saved by position, named first
+  (`readers.zero0.named_groups`); then each master is a partition of its own and the rules above
+  apply, the ZeRO-1/2 module copy the source module's own weights.
+
+With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
+ranks: ZeRO-3 takes the parameters in the optimizer's own order (the round-robin undone), and a
+ZeRO-1/2 target flattens them round-robin at its own world size (`flats.zero12_flats`).
+
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources
-saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation), with round-robin gradients or
-with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
+saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation) or with ZeRO-3 sub-groups are
+refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
 files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
 between ZeRO-1 and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`,
@@ -38,7 +46,7 @@ from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LOSS_SCALER, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, zero3_piece, zero3_real
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, original_order, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
@@ -62,7 +70,6 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
             f"{where} was saved by DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation), whose "
             f"flat groups ckptflow does not move to ZeRO-{stage} yet", uri=where,
             hint=f"reshard it at ZeRO-1 (leave {option('stage')} out)")
-    _check_round_robin(index)
     if source.optimizer == ZERO and stage in (1, 2):
         same = plan_data_parallel(index, world_size)
         return replace(same, stage=stage)
@@ -145,11 +152,12 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     )
 
 
-def _check_round_robin(index: ZeroCheckpoint) -> None:
-    if is_set(index.zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(
-            f"{index.tag_uri} was trained with zero_optimization.round_robin_gradients, whose flattening order "
-            "ckptflow does not carry across a stage change yet", uri=index.tag_uri, hint="reshard it at its own stage")
+def _optimizer_order(index: ZeroCheckpoint, group: ParamGroup) -> tuple[str, ...]:
+    """`group`'s parameters in the optimizer's own order: as flattened, except that
+    DeepSpeedZeroOptimizer with `round_robin_gradients` flattens them round-robin over the group's
+    ranks (`partition.original_order` undoes it)."""
+    rr = index.stage in (1, 2) and index.optimizer_kind == ZERO and is_set(index.zero_config, "round_robin_gradients")
+    return tuple(group.params[pos] for pos in original_order(len(group.params), index.world_size // group.ep, rr))
 
 
 def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, stage: int) -> ModelParallelPlan:
@@ -177,8 +185,9 @@ def _copies_of(params: Sequence[Param]) -> Copies:
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     by_name = index.param_by_name
-    per_rank, flat_shapes = zero3_flats([[by_name[n] for n in group.params] for group in index.groups], world_size,
-                                        _copies(index), sub_group_size=sub_group_size(index.zero_config))
+    groups = [[by_name[n] for n in _optimizer_order(index, group)] for group in index.groups]
+    per_rank, flat_shapes = zero3_flats(groups, world_size, _copies(index),
+                                        sub_group_size=sub_group_size(index.zero_config))
     return _zero3_plan(index, world_size, per_rank, flat_shapes)
 
 
@@ -194,8 +203,11 @@ def plan_expert_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParallelPla
     assert zero is not None and source.kind == "autoep", "the shape check refuses other sources"
     assert zero.stage in (1, 2) or shape.ep != source.ep, "a ZeRO-3 source at its own degree is a data-parallel reshard"
     check_expert_stage(source, 3)
-    if zero.stage != 3:
-        _check_round_robin(zero)
+    if zero.stage != 3 and is_set(zero.zero_config, "round_robin_gradients"):
+        raise UnsupportedCheckpointError(
+            f"{zero.tag_uri} was trained with zero_optimization.round_robin_gradients, whose order ckptflow does not "
+            "carry to ZeRO-3 for expert-parallel checkpoints yet", uri=zero.tag_uri,
+            hint="reshard it at its own stage")
     plan_expert_parallel(source, zero.world_size)  # the source checked against DeepSpeed's arithmetic
     index = at_degree(source, shape)
     world_size = shape.world_size
@@ -256,7 +268,8 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_modul
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
-                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False)
+                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False,
+                        round_robin=is_set(index.zero_config, "round_robin_gradients"))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     # The module's copy of every trainable parameter: the fp32 masters from the ranks' partitions, cast to
     # the training dtype on the way as DeepSpeed copies them after each step (`tensorref.cast_view`).
