@@ -104,7 +104,7 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     (16-bit: of the group's flat master, end to end). The optimizer file is what DeepSpeedZeroOptimizer
     would save over it (its base state's moments rank 0's, for their dtype; the step the group's;
     the loss scaler of a run without fp16's dynamic scaling); the model states ZeRO-1's (no
-    `optimizer`, the tied aliases in `shared_params`)."""
+    `optimizer`, the tied aliases in model-parallel rank 0's `shared_params`)."""
     tensors = {t.name: t for t in index.tensors}
     module = index.model_states["module"]
     ranks = max(len(g.masters) for g in groups)
@@ -138,8 +138,9 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     optimizer = model0.get("optimizer")
     if isinstance(optimizer, Mapping) and "clip_grad" in optimizer:  # FP16_Optimizer's; else the recorded config's
         osd["clip_grad"] = optimizer["clip_grad"]
-    states = {k: None if k == "optimizer" else dict(index.tied) if k == "shared_params" else v
-              for k, v in model0.items()}
+    # DeepSpeed records the tied aliases on global rank 0 only: in model-parallel rank 0's files.
+    shared = dict(index.tied) if index.mp_rank == 0 else {}
+    states = {k: None if k == "optimizer" else shared if k == "shared_params" else v for k, v in model0.items()}
     return ZeroCheckpoint(
         root=index.root, tag=index.tag, stage=0, world_size=1, precision=index.precision, step=index.step,
         ds_version=index.ds_version, files=(RankFiles(0, index.model_file, index.model_file),),

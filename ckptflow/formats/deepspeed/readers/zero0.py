@@ -252,7 +252,8 @@ def named_groups(index: Zero0Checkpoint) -> tuple[tuple[Zero0Group, ...], tuple[
     none (frozen), or why they cannot be named (see the module docstring)."""
     optimizer = index.model_states.get("optimizer")
     sixteen = index.precision != "fp32"
-    base = optimizer.get("optimizer_state_dict") if sixteen and isinstance(optimizer, Mapping) else optimizer
+    assert isinstance(optimizer, Mapping), "read_zero0 checked the optimizer state"
+    base = optimizer.get("optimizer_state_dict") if sixteen else optimizer
     assert isinstance(base, Mapping), "read_zero0 checked the optimizer state"
     groups = base["param_groups"]
     state = base.get("state") or {}
