@@ -856,6 +856,9 @@ ALL_CASES = (
     ("z3-bf16-ws2", 3, 2), ("z3-bf16-ws4", 2, 1), ("z3-fp16-ws2*", 1, 2),  # the 16-bit module cast from the masters
     # round-robin gradients: at another world size, to ZeRO-3, and from ZeRO-3 to a round-robin ZeRO-2
     ("z2-rr-ws2*", 3), ("z2-rr-ws2*", 1, 3), ("llama-z3-rr-ws2*", 3, 2),
+    # BF16_Optimizer (bf16 ZeRO-1, fp32 gradient accumulation): the same config at ZeRO-2/3 gets DeepSpeed's
+    # ZeRO optimizers
+    ("z1-bf16-ws2-fp32accum", 3, 3), ("z1-bf16-ws2-fp32accum", 1, 2),
 )
 # Sampled by default (`tests.sampling`; every launch size stays): ZeRO-1/2/3 in fp32, bf16 and fp16,
 # offload, alignment, sub-groups, no step yet, a chained reshard, in every direction. All with
@@ -867,7 +870,7 @@ CASES = sample(ALL_CASES, [
     ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
     ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-bf16-ws2-offload", 4),
     ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z3-fp32-ws2", 3, 2), ("z3-bf16-ws2", 3, 2), ("z3-fp16-ws2*", 1, 2),
-    ("z2-rr-ws2*", 3), ("z2-rr-ws2*", 1, 3), ("llama-z3-rr-ws2*", 3, 2),
+    ("z2-rr-ws2*", 3), ("z2-rr-ws2*", 1, 3), ("llama-z3-rr-ws2*", 3, 2), ("z1-bf16-ws2-fp32accum", 3, 3),
 ])
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
 ROUND_ROBIN = {"round_robin_gradients": True}
@@ -1217,7 +1220,7 @@ def test_zero3_sub_groups_in_the_source_are_refused(oracle, tmp_path: Path) -> N
 @pytest.mark.parametrize("curve", CURVES, ids=_case_id)
 def test_training_resumes_on_the_same_loss_curve(oracle, curve) -> None:
     name = curve[0]
-    source_ws = int(name.rsplit("-ws", 1)[1].rstrip("*"))
+    source_ws = oracle["specs"][name]["world_size"]
     resumed = json.loads(oracle["losses"][curve].read_text())
     original = json.loads(oracle["losses"][(name, source_ws)].read_text())
     assert len(resumed) == len(original) == CURVE_STEPS

@@ -297,9 +297,6 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
             return ("ckptflow changes the ZeRO stage together with the tensor-parallel degree from ZeRO-1/2 only "
                     "(not from BF16_Optimizer or ZeRO-3) yet")
-        if getattr(index, "optimizer_kind", None) == "bf16":
-            return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
-                    "stage yet")
     return None
 
 

@@ -41,18 +41,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import LOSS_SCALER, model_file_name, optim_file_name
+from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, original_order, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
-from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
 from ckptflow.reshard.experts import at_degree
 from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, zero3_flats, zero12_flats
@@ -64,12 +64,9 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
     """The plan that writes the data-parallel ZeRO checkpoint `index` at ZeRO `stage` on `world_size`
     ranks; `UnsupportedCheckpointError` for what it does not convert (see the module's docstring)."""
     source = plan_data_parallel(index, index.world_size)  # the source checked against DeepSpeed's arithmetic
-    where = index.tag_uri
-    if source.optimizer == BF16:
-        raise UnsupportedCheckpointError(
-            f"{where} was saved by DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation), whose "
-            f"flat groups ckptflow does not move to ZeRO-{stage} yet", uri=where,
-            hint=f"reshard it at ZeRO-1 (leave {option('stage')} out)")
+    if source.optimizer == BF16:  # at ZeRO-2/3 the same config gets DeepSpeed's ZeRO optimizers
+        moved = _to_zero3(index, world_size) if stage == 3 else _to_zero12(index, world_size, stage, from_module=True)
+        return replace(moved, source_optimizer=BF16)
     if source.optimizer == ZERO and stage in (1, 2):
         same = plan_data_parallel(index, world_size)
         return replace(same, stage=stage)
@@ -102,9 +99,9 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     masters are the partitions, virtual rank k's partition of group g the group's k-th master (a group
     with fewer repeats its last, which no copy reads), each parameter one fragment of its master
     (16-bit: of the group's flat master, end to end). The optimizer file is what DeepSpeedZeroOptimizer
-    would save over it (its base state's moments rank 0's, for their dtype; the step the group's;
-    the loss scaler of a run without fp16's dynamic scaling); the model states ZeRO-1's (no
-    `optimizer`, the tied aliases in model-parallel rank 0's `shared_params`)."""
+    would save over it, less what `reshard.files` adds for any source that lacks it (the loss scaler):
+    its base state's moments rank 0's, for their dtype, the step the group's; the model states
+    ZeRO-1's (no `optimizer`, the tied aliases in model-parallel rank 0's `shared_params`)."""
     tensors = {t.name: t for t in index.tensors}
     module = index.model_states["module"]
     ranks = max(len(g.masters) for g in groups)
@@ -128,9 +125,7 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     base_state = {gi: {k: g.step if k == "step" else v for k, v in partitions[0][gi].state.items()}
                   for gi, g in enumerate(groups) if partitions[0][gi].state}
     model0 = index.model_states
-    osd = {
-        "loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": 1.0, "dynamic": False}),
-        "dynamic_loss_scale": False, "overflow": False,
+    osd: dict[str, Any] = {  # the loss scaler and the rest `files` fills in
         "base_optimizer_state": {"state": base_state,
                                  "param_groups": [{**g.hyper, "params": [gi]} for gi, g in enumerate(groups)]},
         "ds_version": model0.get("ds_version"),
