@@ -260,8 +260,8 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
         if shape.stage == 0 or (shape.tp, shape.pp, shape.ep) != (source.tp, source.pp, source.ep):
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot "
-                    "be moved to another shape; ckptflow names it for a ZeRO stage change alone, at the same tensor-, "
-                    "pipeline- and expert-parallel degrees (its weights can still be consolidated)")
+                    "be moved to another shape, except to another ZeRO stage at the same tensor-, pipeline- and "
+                    "expert-parallel degrees (its weights can still be consolidated)")
         if kind not in ("zero0", "autotp"):
             return (f"ckptflow changes the ZeRO stage of data-parallel and AutoTP ZeRO-0 checkpoints only, not of "
                     f"{name} ones yet")

@@ -14,6 +14,9 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   fp32 masters cast as DeepSpeed casts them after every step (round to nearest even; for fp32
   training, the masters themselves), and the frozen ones joined from their pieces.
 
+- BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) -> ZeRO-2/3: the same config gets
+  DeepSpeed's ZeRO optimizers there; its flat groups (no alignment, padding on the last rank) are read
+  through their fragments like any source, by the rules above, the module's bf16 copy its own.
 - ZeRO-0 -> ZeRO-1/2/3 (`plan_zero0_stage`): the optimizer state, saved by position, named first
   (`readers.zero0.named_groups`); then each master is a partition of its own and the rules above
   apply, the ZeRO-1/2 module copy the source module's own weights.
@@ -24,8 +27,7 @@ ZeRO-1/2 target flattens them round-robin at its own world size (`flats.zero12_f
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources
-saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation) or with ZeRO-3 sub-groups are
-refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
+with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
 files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
 between ZeRO-1 and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`,

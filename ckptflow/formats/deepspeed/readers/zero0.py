@@ -12,7 +12,8 @@ In a bf16 or fp16 run the module holds 16-bit copies and the fp32 masters sit in
 state: DeepSpeed 0.19.8 trains both at ZeRO-0 with its FP16_Optimizer, whose `optimizer` entry holds
 `optimizer_state_dict` (the base optimizer's, one flat state per param group) and `fp32_groups_flat`,
 one flat fp32 tensor per param group. Which parameters a group holds, and in which order, is the
-training script's; nothing in the file says it, so the masters cannot be placed. The 16-bit weights
+training script's; nothing in the file says it, so the masters cannot be placed for certain (a
+reshard to another stage places them where exactly one assignment fits: below). The 16-bit weights
 can: after every step FP16_Optimizer copies each master into its 16-bit parameter (a round to nearest
 even, the cast `formats.casts` does bit for bit), so the module's weights are exactly the masters
 rounded to the training dtype. The index names them, in that dtype; a consolidation in that dtype is
