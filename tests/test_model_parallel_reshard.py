@@ -12,7 +12,8 @@ loads the reshard natively (``engine.load_checkpoint``, no universal checkpoint)
   same tensor bytes (layer files and ``universal_checkpoint_info`` included).
 
 ZeRO-0 needs no reshard: DeepSpeed loads it as it is at another data-parallel size (checked here
-too), and ckptflow says so.
+too), and ckptflow says so. At another ZeRO stage it does (issue 24): its optimizer state named
+(`readers.zero0.named_groups`), data-parallel and AutoTP, fp32 and bf16, with the same oracle.
 
 The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
 oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
