@@ -47,13 +47,16 @@ ALL_RESHARDS = (
     # another ZeRO stage (fixture, dp, tp or None, stage), with the tensor parallelism merged too
     ("holdout-autotp-tp2dp2-z2-bf16-s1", 1, None, 3), ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 2, None, 1),
     ("holdout-autotp-tp2dp2-z2-bf16-s1", 3, 1, 3),
+    # ZeRO-0 at ZeRO-2 and ZeRO-3 (issue 24): its optimizer state named
+    ("holdout-zero-dp3-z0-fp32-s1", 2, None, 2), ("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 1, None, 3),
 )
 ALL_NATIVE = (("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 1), ("holdout-zero-dp3-z0-fp32-s1", 2))
 # Sampled by default (`tests.sampling`): every held-out layout still validates and consolidates above;
 # the DeepSpeed launches cover AutoTP ZeRO-2 and the ZeRO-0 load (the pipeline, the merges and the
 # 3-rank launch in the long mode).
 RESHARDS = sample(ALL_RESHARDS, [("holdout-autotp-tp2dp2-z2-bf16-s1", 1),
-                                 ("holdout-autotp-tp2dp2-z2-bf16-s1", 1, None, 3)])
+                                 ("holdout-autotp-tp2dp2-z2-bf16-s1", 1, None, 3),
+                                 ("holdout-zero-dp3-z0-fp32-s1", 2, None, 2)])  # on the ZeRO-0 load's launch
 NATIVE = sample(ALL_NATIVE, [("holdout-zero-dp3-z0-fp32-s1", 2)])
 
 

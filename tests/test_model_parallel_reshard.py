@@ -12,7 +12,8 @@ loads the reshard natively (``engine.load_checkpoint``, no universal checkpoint)
   same tensor bytes (layer files and ``universal_checkpoint_info`` included).
 
 ZeRO-0 needs no reshard: DeepSpeed loads it as it is at another data-parallel size (checked here
-too), and ckptflow says so.
+too), and ckptflow says so. At another ZeRO stage it does (issue 24): its optimizer state named
+(`readers.zero0.named_groups`), data-parallel and AutoTP, fp32 and bf16, with the same oracle.
 
 The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
 oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
@@ -87,9 +88,16 @@ ALL_STAGES = (
     ("autotp-glm-tp2-z3-fp32", 2, None, 1), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
     # three axes at once: the stage, the tensor parallelism merged, the data-parallel size
     ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z1-fp32", 3, 1, 3), ("autotp-tp2-z1-bf16", 1, 1, 2),
+    # ZeRO-0 to ZeRO-1/2/3 (issue 24): the optimizer state named, the masters the fp32 module's or
+    # FP16_Optimizer's flat ones (bf16); data-parallel and AutoTP, a tied embedding
+    ("autotp-tp2-z0-fp32", 1, None, 3), ("autotp-tp2-z0-bf16", 1, None, 2), ("zero-dp2-z0-fp32", 3, None, 1),
+    ("zero-dp2-z0-bf16", 2, None, 3), ("zero-llama-tied-dp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-fp32", 1, None, 2),
 )
+# The ZeRO-0 cases ride on launches the others make already: (2 ranks, tp2), (3 ranks, tp1), (2 ranks, tp1).
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
-                             ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2)])
+                             ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
+                             ("autotp-tp2-z0-fp32", 1, None, 3), ("autotp-tp2-z0-bf16", 1, None, 2),
+                             ("zero-dp2-z0-fp32", 3, None, 1), ("zero-dp2-z0-bf16", 2, None, 3)])
 RESHARDS = CASES + MERGES + STAGES
 # AutoTP split to another degree above 1 (fixture of `specs.split`, dp, tp[, stage]). The default run makes
 # one 4-rank launch at tp4: tp2 x dp2 -> tp4 x dp1, with ZeRO-1 -> 3, and GLM's sub-parameters at ZeRO-3.
@@ -170,7 +178,7 @@ def check_validates(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFix
     source = validate(str(fixture.dir)).summary()
     summary = report.summary()
     assert summary["world_size"] == case[1]
-    assert summary.get("tp", 1) == (case[2] if len(case) > 2 and case[2] else source["tp"])
+    assert summary.get("tp", 1) == (case[2] if len(case) > 2 and case[2] else source.get("tp", 1))
     assert summary["stage"] == (case[3] if len(case) > 3 else source["stage"])
     assert {k: summary[k] for k in ("step", "params", "numel", "tied")} == \
         {k: source[k] for k in ("step", "params", "numel", "tied")}
@@ -242,8 +250,8 @@ def test_deepspeed_writes_the_same_files(mp_oracle: dict[str, Any], case: tuple)
 
 @pytest.mark.parametrize("case", RESHARDS, ids=case_id)
 def test_the_reshard_validates_at_the_new_size(mp_oracle: dict[str, Any], case: tuple,
-                                               parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    check_validates(mp_oracle, case, parallel_fixtures[case[0]])
+                                               both_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_validates(mp_oracle, case, both_fixtures[case[0]])
 
 
 def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures: Mapping[str, ParallelFixture],

@@ -91,14 +91,13 @@ def test_the_shapes_of_a_data_parallel_checkpoint(ds_fixtures: Mapping[str, Any]
             "when it trains tensor-parallel), so ckptflow cannot tell how AutoTP would split it at tp2") in str(info.value)
 
 
-def test_a_bf16_optimizer_checkpoint_keeps_its_stage(ds_fixtures: Mapping[str, Any]) -> None:
+def test_a_bf16_optimizer_checkpoint_moves_to_every_stage(ds_fixtures: Mapping[str, Any]) -> None:
+    """bf16 ZeRO-1 with fp32 gradient accumulation (BF16_Optimizer): the same config runs DeepSpeed's ZeRO
+    optimizers at ZeRO-2 and 3, which ckptflow writes (issue 24)."""
     index = load_index(str(ds_fixtures["z1-bf16-ws2-fp32accum"].dir))
-    with pytest.raises(UnsupportedCheckpointError) as info:
-        resolve(index, Target(world_size=2, stage=3))
-    assert str(info.value).endswith(
-        "(ZeRO-1 dp2 (2 ranks)) to 2 ranks, ZeRO-3: ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 "
-        "gradient accumulation) to another stage yet; shapes it can write at 2 ranks: ZeRO-1 dp2 (2 ranks)")
-    assert info.value.code == "unsupported-shape"
+    assert [(str(s), reason) for s, reason in shapes_at(index, 2)] == [
+        ("ZeRO-1 dp2 (2 ranks)", None), ("ZeRO-2 dp2 (2 ranks)", None), ("ZeRO-3 dp2 (2 ranks)", None)]
+    assert resolve(index, Target(world_size=3, stage=3)) == Shape(world_size=3, stage=3)
 
 
 def test_tensor_parallel_degrees_must_divide_the_heads(parallel_fixtures: Mapping[str, Any]) -> None:
@@ -183,11 +182,12 @@ def test_the_cli_plan_lists_shapes_and_writes_nothing(ds_fixtures: Mapping[str, 
 def test_the_cli_refuses_a_shape_in_one_line(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
     runner = CliRunner()
     src = str(ds_fixtures["z1-bf16-ws2-fp32accum"].dir)
-    result = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--zero-stage", "3"],
+    result = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--tp", "2"],
                            env={"COLUMNS": "300"})
     assert result.exit_code == 1
     assert result.output.startswith(f"error: cannot reshard {src}/global_step3 (ZeRO-1 dp2 (2 ranks)) to 2 ranks, "
-                                    "ZeRO-3: ckptflow does not move BF16_Optimizer state")
+                                    "tp2: a data-parallel ZeRO checkpoint records no tensor-parallel split")
+    assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 

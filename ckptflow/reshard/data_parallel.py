@@ -35,6 +35,7 @@ from ckptflow.formats.deepspeed.partition import (
     moves,
     param_alignment,
     piece_offsets,
+    recorded_slices,
     round_robin_order,
     zero3_moves,
     zero3_piece,
@@ -235,15 +236,9 @@ def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str
     src_pos = {n: src.offsets[i] for i, n in enumerate(src_names)}
     dst_pos = {n: dst.offsets[i] for i, n in enumerate(dst_names)}
     extents = [Extent(numel=numel[n], src=src_pos[n], dst=dst_pos[n]) for n in dst_names]
-    # param_slice_mappings follow the optimizer's original order; like DeepSpeed, offsets are the
-    # real ones only when some parameter carries alignment padding, else cumulative in that order.
-    if any(dst.param_paddings):
-        mapping_offsets = [dst_pos[n] for n in original]
-    else:
-        mapping_offsets, pos = [], 0
-        for n in original:
-            mapping_offsets.append(pos)
-            pos += numel[n]
+    # param_slice_mappings follow the optimizer's original order, placed as DeepSpeed places them.
+    dst_at = {n: i for i, n in enumerate(dst_names)}
+    order = [dst_at[n] for n in original]
     flats: list[TargetFlat | None] = [None] * world_size
     paddings: list[int] = [0] * world_size
     slices: list[tuple[tuple[str, int, int], ...]] = [()] * world_size
@@ -255,13 +250,8 @@ def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str
                            for c in moves(extents, src.partition, dst.partition, part, src_flat=g))
             flats[r] = TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=copies)
             paddings[r] = dst.group_paddings[part]
-            lo, hi = part * dst.partition, (part + 1) * dst.partition
-            mine = []
-            for n, off in zip(original, mapping_offsets):
-                a, b = max(off, lo), min(off + numel[n], hi)
-                if a < b:
-                    mine.append((n, a - lo, b - a))
-            slices[r] = tuple(mine)
+            slices[r] = tuple((dst_names[i], start, k)
+                              for i, start, k in recorded_slices(dst.numels, dst.offsets, dst.partition, part, order))
     assert all(f is not None for f in flats), "every target rank holds a partition of every group"
     return _Zero12Group(
         flats=tuple(f for f in flats if f is not None), group_paddings=tuple(paddings), slices=tuple(slices),

@@ -49,7 +49,7 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, RECORDS, UC_INFO, ZERO_STAGE_ENUM
+from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, LOSS_SCALER, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.readers.autoep import PER_EXPERT_FORMAT, ZERO3_FORMAT
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
@@ -286,13 +286,17 @@ _ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "p
 
 def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
     """The source optimizer's state dict re-keyed as the target stage's optimizer saves it: the loss
-    scaler's fields carried, the base state under its new key, placeholders for what `optim_states`
-    rewrites anyway; `clip_grad` (which ZeRO-3 does not save) from the recorded `gradient_clipping`."""
+    scaler's fields carried (a static scale of 1 where the source keeps none: BF16_Optimizer, ZeRO-0), the
+    base state under its new key, placeholders for what `optim_states` rewrites anyway; `clip_grad`
+    (which ZeRO-3 does not save) from the recorded `gradient_clipping`."""
     base = osd.get("optimizer_state_dict" if plan.src_optimizer == ZERO3 else "base_optimizer_state")
     keys = _ZERO3_KEYS if plan.optimizer == ZERO3 else _ZERO12_KEYS
     config = source.get("ds_config")
     clip = config.get("gradient_clipping", 0.0) if isinstance(config, Mapping) else 0.0
-    carried = {"clip_grad": osd.get("clip_grad", clip), "ds_version": osd.get("ds_version", source.get("ds_version"))}
+    carried = {"clip_grad": osd.get("clip_grad", clip), "ds_version": osd.get("ds_version", source.get("ds_version")),
+               # BF16_Optimizer and ZeRO-0 keep none: what DeepSpeed's ZeRO optimizers build without fp16
+               "loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": 1.0, "dynamic": False}),
+               "dynamic_loss_scale": False, "overflow": False}
     out: dict[str, Any] = {}
     for key in keys:
         if key in ("base_optimizer_state", "optimizer_state_dict"):

@@ -22,8 +22,11 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Fragment, Param
 from ckptflow.formats.deepspeed.partition import (
     Copy,
+    original_order,
     param_alignment,
     piece_offsets,
+    recorded_slices,
+    round_robin_order,
     zero3_piece,
     zero3_real,
     zero3_sub_groups,
@@ -135,35 +138,35 @@ class Zero12Flats:
 
 
 def zero12_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Copies, *, aligned: bool,
-                 bf16: bool) -> Zero12Flats:
-    """`groups` (each its parameters in flattening order) laid out at `world_size` ranks, each target
-    partition filled by `copies`. `aligned`: `zero_optimization.parameter_alignment`; `bf16`: the
-    layout of `BF16_Optimizer` (no per-parameter padding)."""
+                 bf16: bool, round_robin: bool = False) -> Zero12Flats:
+    """`groups` (each its parameters in the optimizer's order) laid out at `world_size` ranks, each
+    target partition filled by `copies`. `aligned`: `zero_optimization.parameter_alignment`; `bf16`:
+    the layout of `BF16_Optimizer` (no per-parameter padding); `round_robin`:
+    `zero_optimization.round_robin_gradients`, each group flattened in `round_robin_order` (not with
+    BF16_Optimizer, which ignores it), its `param_slice_mappings` still in the optimizer's order."""
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]
     slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
     shapes, param_paddings, module = [], [], []
-    for g, params in enumerate(groups):
+    for g, given in enumerate(groups):
+        rr = round_robin and not bf16
+        params = [given[i] for i in round_robin_order(len(given), world_size)] if rr else list(given)
+        order = original_order(len(given), world_size, rr)
         align = 1 if bf16 or not params else param_alignment(DTYPE_SIZES[params[0].dtype], aligned)
         numels = [p.numel for p in params]
         dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
-        # param_slice_mappings: like DeepSpeed, real offsets only when some parameter is padded, else cumulative.
-        mapped = list(dst.offsets) if any(dst.param_paddings) else [sum(numels[:i]) for i in range(len(numels))]
         for r in range(world_size):
             lo, hi = r * dst.partition, (r + 1) * dst.partition
             out: list[Copy] = []
-            mine = []
-            for p, off, at in zip(params, dst.offsets, mapped):
+            for p, off in zip(params, dst.offsets):
                 a, b = max(off, lo), min(off + p.numel, hi)
                 if a < b:
                     for c in copies(p.name, g, a - off, b - off, a - lo):
                         append_copy(out, c)
-                a, b = max(at, lo), min(at + p.numel, hi)
-                if a < b:
-                    mine.append((p.name, a - lo, b - a))
             flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=tuple(out)))
             paddings[r].append(dst.group_paddings[r])
-            slices[r].append(tuple(mine))
+            slices[r].append(tuple((params[i].name, start, k)
+                                   for i, start, k in recorded_slices(numels, dst.offsets, dst.partition, r, order)))
         shapes.append(tuple((p.name, p.shape) for p in params))
         param_paddings.append(dst.param_paddings)
         module.append((dst.flat_numel, tuple((p.name, off) for p, off in zip(params, dst.offsets))))

@@ -23,6 +23,7 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.reshard.data_parallel import (
     plan_data_parallel,
     plan_expert_parallel,
@@ -33,7 +34,7 @@ from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
 from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
-from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change
+from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
 from ckptflow.reshard.units import ReshardPlan
 
@@ -126,6 +127,8 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
         return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=config)
     if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):
         return plan_stage_change(index, shape.dp, shape.stage)
+    if shape.stage != source.stage and isinstance(index, Zero0Checkpoint):
+        return plan_zero0_stage(index, shape.dp, shape.stage)
     if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":
         return plan_model_parallel_stage(index, shape.dp, shape.stage)
     if isinstance(index, ExpertCheckpoint) and shape.stage == 3 and (source.stage != 3 or shape.ep != source.ep):

@@ -26,11 +26,12 @@ written at the tensor-parallel degrees its `universal_checkpoint_info` rules cut
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.readers.pipeline import splits_at
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.vocabulary import vocab_rows_at
 
@@ -232,10 +233,20 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     kind = kind_of(index)
     name = NAMES.get(kind, kind)
     if source.stage == 0:
-        if replace(shape, world_size=source.world_size * shape.dp // max(source.dp, 1)) == source:
+        if (shape.stage, shape.tp, shape.pp, shape.ep) == (source.stage, source.tp, source.pp, source.ep):
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
-        return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot be "
-                "moved to another shape (its weights can still be consolidated)")
+        if shape.stage == 0 or (shape.tp, shape.pp, shape.ep) != (source.tp, source.pp, source.ep):
+            return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot "
+                    "be moved to another shape, except to another ZeRO stage at the same tensor-, pipeline- and "
+                    "expert-parallel degrees (its weights can still be consolidated)")
+        if kind not in ("zero0", "autotp"):
+            return (f"ckptflow changes the ZeRO stage of data-parallel and AutoTP ZeRO-0 checkpoints only, not of "
+                    f"{name} ones yet")
+        for rank in getattr(index, "ranks", None) or (index,):
+            why = why_not_zero0(rank)
+            if why is not None:
+                return why
+        return None
     if shape.tp != source.tp:
         if kind == "megatron":
             why = _why_not_megatron_tp(index, shape.tp)
@@ -266,9 +277,6 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
             return ("ckptflow changes the ZeRO stage together with the tensor-parallel degree from ZeRO-1/2 only "
                     "(not from BF16_Optimizer or ZeRO-3) yet")
-        if getattr(index, "optimizer_kind", None) == "bf16":
-            return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
-                    "stage yet")
     return None
 
 
@@ -280,6 +288,17 @@ def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None
+
+
+def why_not_zero0(index: Zero0Checkpoint) -> str | None:
+    """Why ckptflow cannot write the ZeRO-0 checkpoint (or model-parallel rank) `index` at ZeRO-1, 2 or 3,
+    or None: its optimizer state must be named (`readers.zero0.named_groups`), and the target's loss
+    scaler written."""
+    if index.precision == "fp16":
+        return ("it was trained in fp16, and ckptflow does not carry FP16_Optimizer's dynamic loss scaler to another "
+                "stage yet")
+    named = named_groups(index)
+    return named if isinstance(named, str) else None
 
 
 def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | None:
@@ -470,4 +489,4 @@ def _moments(index: Any) -> int:
 
 __all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "expert_counts", "kind_of", "memory",
            "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not",
-           "why_not_expert_stage"]
+           "why_not_expert_stage", "why_not_zero0"]

@@ -14,9 +14,19 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   fp32 masters cast as DeepSpeed casts them after every step (round to nearest even; for fp32
   training, the masters themselves), and the frozen ones joined from their pieces.
 
+- BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) -> ZeRO-2/3: the same config gets
+  DeepSpeed's ZeRO optimizers there; its flat groups (no alignment, padding on the last rank) are read
+  through their fragments like any source, by the rules above, the module's bf16 copy its own.
+- ZeRO-0 -> ZeRO-1/2/3 (`plan_zero0_stage`): the optimizer state, saved by position, named first
+  (`readers.zero0.named_groups`); then each master is a partition of its own and the rules above
+  apply, the ZeRO-1/2 module copy the source module's own weights.
+
+With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
+ranks: ZeRO-3 takes the parameters in the optimizer's own order (the round-robin undone), and a
+ZeRO-1/2 target flattens them round-robin at its own world size (`flats.zero12_flats`).
+
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources
-saved by `BF16_Optimizer` (bf16 ZeRO-1 with fp32 gradient accumulation), with round-robin gradients or
 with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
 files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
@@ -31,22 +41,24 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
-from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, zero3_piece, zero3_real
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, original_order, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
 from ckptflow.reshard.experts import at_degree
 from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, zero3_flats, zero12_flats
-from ckptflow.reshard.shape import Shape
+from ckptflow.reshard.shape import Shape, why_not_zero0
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
 
@@ -54,13 +66,9 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
     """The plan that writes the data-parallel ZeRO checkpoint `index` at ZeRO `stage` on `world_size`
     ranks; `UnsupportedCheckpointError` for what it does not convert (see the module's docstring)."""
     source = plan_data_parallel(index, index.world_size)  # the source checked against DeepSpeed's arithmetic
-    where = index.tag_uri
-    if source.optimizer == BF16:
-        raise UnsupportedCheckpointError(
-            f"{where} was saved by DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation), whose "
-            f"flat groups ckptflow does not move to ZeRO-{stage} yet", uri=where,
-            hint=f"reshard it at ZeRO-1 (leave {option('stage')} out)")
-    _check_round_robin(index)
+    if source.optimizer == BF16:  # at ZeRO-2/3 the same config gets DeepSpeed's ZeRO optimizers
+        moved = _to_zero3(index, world_size) if stage == 3 else _to_zero12(index, world_size, stage, from_module=True)
+        return replace(moved, source_optimizer=BF16)
     if source.optimizer == ZERO and stage in (1, 2):
         same = plan_data_parallel(index, world_size)
         return replace(same, stage=stage)
@@ -69,17 +77,92 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
     return _to_zero12(index, world_size, stage)
 
 
-def _check_round_robin(index: ZeroCheckpoint) -> None:
-    if is_set(index.zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(
-            f"{index.tag_uri} was trained with zero_optimization.round_robin_gradients, whose flattening order "
-            "ckptflow does not carry across a stage change yet", uri=index.tag_uri, hint="reshard it at its own stage")
+def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> DataParallelPlan:
+    """The plan that writes the ZeRO-0 checkpoint `index` at ZeRO `stage` on `world_size` ranks: its
+    optimizer state named (`readers.zero0.named_groups`; `UnsupportedCheckpointError` where it cannot
+    be), then laid out as from a source whose every parameter is a partition of its own
+    (`_zero0_source`): the fp32 masters the module's weights (an fp32 run) or FP16_Optimizer's flat
+    masters (bf16), the moments and each group's step the optimizer's. The module's own weights are
+    the ZeRO-1/2 target's 16-bit (or fp32) copies."""
+    why = why_not_zero0(index)
+    if why is not None:
+        raise UnsupportedCheckpointError(f"{index.tag_uri}: {why}", uri=index.root,
+                                         hint="consolidate its weights (`ckptflow consolidate`) and start the "
+                                              "optimizer afresh, or resume it at ZeRO-0")
+    named = named_groups(index)
+    assert not isinstance(named, str), "why_not_zero0 names them"
+    source = _zero0_source(index, *named)
+    plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage, from_module=True)
+    return replace(plan, source_world_size=index.world_size, source_optimizer=ZERO0)
+
+
+def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: Sequence[str]) -> ZeroCheckpoint:
+    """`index` as a data-parallel ZeRO index at one rank, for the ZeRO-3 and ZeRO-1/2 layouts above: its
+    masters are the partitions, virtual rank k's partition of group g the group's k-th master (a group
+    with fewer repeats its last, which no copy reads), each parameter one fragment of its master
+    (16-bit: of the group's flat master, end to end). The optimizer file is what DeepSpeedZeroOptimizer
+    would save over it, less what `reshard.files` adds for any source that lacks it (the loss scaler):
+    its base state's moments rank 0's, for their dtype, the step the group's; the model states
+    ZeRO-1's (no `optimizer`, the tied aliases in model-parallel rank 0's `shared_params`)."""
+    tensors = {t.name: t for t in index.tensors}
+    module = index.model_states["module"]
+    ranks = max(len(g.masters) for g in groups)
+    partitions = tuple(tuple(Partition(rank=k, group=gi, numel=g.masters[min(k, len(g.masters) - 1)].numel,
+                                       padding=0, fp32=g.masters[min(k, len(g.masters) - 1)],
+                                       state=g.states[min(k, len(g.masters) - 1)])
+                             for gi, g in enumerate(groups)) for k in range(ranks))
+    params = []
+    for gi, g in enumerate(groups):
+        offset = 0
+        for j, name in enumerate(g.params):
+            t = tensors[name]
+            flat = len(g.masters) == 1
+            params.append(Param(name, t.shape, t.dtype, gi, (Fragment(rank=0 if flat else j, group=gi,
+                                                                      offset=offset if flat else 0, numel=t.numel,
+                                                                      param_offset=0),)))
+            offset += t.numel
+    params += [Param(n, tensors[n].shape, tensors[n].dtype, None, frozen_pieces=(module[n],)) for n in frozen]
+    order = {t.name: i for i, t in enumerate(index.tensors)}
+    params.sort(key=lambda p: order[p.name])
+    base_state = {gi: {k: g.step if k == "step" else v for k, v in partitions[0][gi].state.items()}
+                  for gi, g in enumerate(groups) if partitions[0][gi].state}
+    model0 = index.model_states
+    osd: dict[str, Any] = {  # the loss scaler and the rest `files` fills in
+        "base_optimizer_state": {"state": base_state,
+                                 "param_groups": [{**g.hyper, "params": [gi]} for gi, g in enumerate(groups)]},
+        "ds_version": model0.get("ds_version"),
+    }
+    optimizer = model0.get("optimizer")
+    if isinstance(optimizer, Mapping) and "clip_grad" in optimizer:  # FP16_Optimizer's; else the recorded config's
+        osd["clip_grad"] = optimizer["clip_grad"]
+    # DeepSpeed records the tied aliases on global rank 0 only: in model-parallel rank 0's files.
+    shared = dict(index.tied) if index.mp_rank == 0 else {}
+    states = {k: None if k == "optimizer" else shared if k == "shared_params" else v for k, v in model0.items()}
+    return ZeroCheckpoint(
+        root=index.root, tag=index.tag, stage=0, world_size=1, precision=index.precision, step=index.step,
+        ds_version=index.ds_version, files=(RankFiles(0, index.model_file, index.model_file),),
+        params=tuple(params), buffers=tuple(Buffer(t.name, t.runs[0].ref) for t in index.tensors if t.kind == "buffer"),
+        tied=index.tied, groups=tuple(ParamGroup(gi, g.hyper, g.params) for gi, g in enumerate(groups)),
+        partitions=partitions, module_order=tuple(order), model_states=(states,),
+        optim_states=({"optimizer_state_dict": osd, "ds_config": model0.get("ds_config"),
+                       "ds_version": model0.get("ds_version")},),
+        mp_rank=index.mp_rank,
+    )
+
+
+def _optimizer_order(index: ZeroCheckpoint, group: ParamGroup) -> tuple[str, ...]:
+    """`group`'s parameters in the optimizer's own order: as flattened, except that
+    DeepSpeedZeroOptimizer with `round_robin_gradients` flattens them round-robin over the group's
+    ranks (`partition.original_order` undoes it)."""
+    rr = index.stage in (1, 2) and index.optimizer_kind == ZERO and is_set(index.zero_config, "round_robin_gradients")
+    return tuple(group.params[pos] for pos in original_order(len(group.params), index.world_size // group.ep, rr))
 
 
 def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, stage: int) -> ModelParallelPlan:
     """An AutoTP checkpoint at ZeRO `stage`: each tensor-parallel rank's data-parallel checkpoint changed
     alone (`plan_stage_change`), its `mp_rank_XX` files side by side; the split metadata carried."""
-    parts = tuple(plan_stage_change(rank, world_size, stage) for rank in index.ranks)
+    parts = tuple(plan_zero0_stage(rank, world_size, stage) if isinstance(rank, Zero0Checkpoint)
+                  else plan_stage_change(rank, world_size, stage) for rank in index.ranks)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
         world_size=world_size, parts=parts, carried=index.carried, index=index,
@@ -100,8 +183,9 @@ def _copies_of(params: Sequence[Param]) -> Copies:
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     by_name = index.param_by_name
-    per_rank, flat_shapes = zero3_flats([[by_name[n] for n in group.params] for group in index.groups], world_size,
-                                        _copies(index), sub_group_size=sub_group_size(index.zero_config))
+    groups = [[by_name[n] for n in _optimizer_order(index, group)] for group in index.groups]
+    per_rank, flat_shapes = zero3_flats(groups, world_size, _copies(index),
+                                        sub_group_size=sub_group_size(index.zero_config))
     return _zero3_plan(index, world_size, per_rank, flat_shapes)
 
 
@@ -117,8 +201,11 @@ def plan_expert_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParallelPla
     assert zero is not None and source.kind == "autoep", "the shape check refuses other sources"
     assert zero.stage in (1, 2) or shape.ep != source.ep, "a ZeRO-3 source at its own degree is a data-parallel reshard"
     check_expert_stage(source, 3)
-    if zero.stage != 3:
-        _check_round_robin(zero)
+    if zero.stage != 3 and is_set(zero.zero_config, "round_robin_gradients"):
+        raise UnsupportedCheckpointError(
+            f"{zero.tag_uri} was trained with zero_optimization.round_robin_gradients, whose order ckptflow does not "
+            "carry to ZeRO-3 for expert-parallel checkpoints yet", uri=zero.tag_uri,
+            hint="reshard it at its own stage")
     plan_expert_parallel(source, zero.world_size)  # the source checked against DeepSpeed's arithmetic
     index = at_degree(source, shape)
     world_size = shape.world_size
@@ -172,13 +259,15 @@ def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Seque
     )
 
 
-def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParallelPlan:
-    """ZeRO-3 (fp32) to `DeepSpeedZeroOptimizer`'s flat groups at `world_size`; rank 0 writes the module."""
+def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_module: bool = False) -> DataParallelPlan:
+    """ZeRO-3 (fp32) to `DeepSpeedZeroOptimizer`'s flat groups at `world_size`; rank 0 writes the module,
+    its trainable parameters cast from the masters, or (`from_module`: ZeRO-0) the source module's own."""
     copies_of = _copies(index)
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
-                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False)
+                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False,
+                        round_robin=is_set(index.zero_config, "round_robin_gradients"))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     # The module's copy of every trainable parameter: the fp32 masters from the ranks' partitions, cast to
     # the training dtype on the way as DeepSpeed copies them after each step (`tensorref.cast_view`).
@@ -186,14 +275,14 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
         ref = index.partitions[c.src_rank][c.src_flat].fp32
         return ref if param.dtype == "float32" else cast_view(ref, param.dtype)
 
-    module_runs = {
+    module_runs = {} if from_module else {
         p.name: tuple(Run(ref=master(p, c), start=c.src_offset, numel=c.numel, offset=c.dst_offset)
                       for c in copies_of(p.name, g, 0, p.numel, 0))
         for g, group in enumerate(index.groups) for p in (by_name[n] for n in group.params)
     }
     frozen = [p for p in index.params if p.frozen]
     whole = tuple(FrozenPiece(name=p.name, numel=p.numel,
-                              copies=tuple(frozen_copies(p, 3, index.world_size, 0, p.numel, 0)))
+                              copies=tuple(frozen_copies(p, index.stage, index.world_size, 0, p.numel, 0)))
                   for p in frozen)
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + index.buffer_bytes
     units = []
@@ -216,4 +305,4 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int) -> DataParall
     )
 
 
-__all__ = ["plan_expert_zero3", "plan_model_parallel_stage", "plan_stage_change"]
+__all__ = ["plan_expert_zero3", "plan_model_parallel_stage", "plan_stage_change", "plan_zero0_stage"]

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 ZERO = "zero"  # DeepSpeedZeroOptimizer (ZeRO-1/2)
 BF16 = "bf16"  # BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation)
 ZERO3 = "zero3"  # DeepSpeedZeroOptimizer_Stage3
+ZERO0 = "zero0"  # a ZeRO-0 optimizer: a torch optimizer, or FP16_Optimizer in a 16-bit run
 
 NCCL_START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size
@@ -149,6 +150,38 @@ def zero12_fragments(layout: Zero12Layout, rank: int) -> tuple[tuple[int, int, i
     return tuple(out)
 
 
+def recorded_slices(numels: Sequence[int], offsets: Sequence[int], partition: int, rank: int,
+                    order: Sequence[int] | None = None) -> tuple[tuple[int, int, int], ...]:
+    """DeepSpeed 0.19.8's `param_slice_mappings` of `rank`'s partition of a ZeRO-1/2 flat group whose
+    parameters (in flattening order) have `numels` elements and start at `offsets`: (parameter
+    position, start in the partition, numel) for each parameter it places there, in the optimizer's
+    original order `order` (flattening positions; None: the flattening order itself). It places a
+    parameter at its real offset when some parameter is padded, and otherwise at the running sum of
+    the sizes in the original order, which with `round_robin_gradients` (flattened in another order,
+    `round_robin_order`) is not where its elements are: the fragment addresses it records then point
+    elsewhere (`_init_lp_to_hp_mapping`); checkpoints record them so, and loading does not use them."""
+    order = range(len(numels)) if order is None else order
+    padded = any(off != sum(numels[:i]) for i, off in enumerate(offsets))
+    lo, hi = rank * partition, (rank + 1) * partition
+    out, running = [], 0
+    for pos in order:
+        at = offsets[pos] if padded else running
+        running += numels[pos]
+        a, b = max(at, lo), min(at + numels[pos], hi)
+        if a < b:
+            out.append((pos, a - lo, b - a))
+    return tuple(out)
+
+
+def original_order(count: int, world_size: int, round_robin: bool) -> tuple[int, ...]:
+    """The flattening positions of a ZeRO-1/2 group's `count` parameters in the optimizer's original
+    order: with `round_robin` the inverse of `round_robin_order` at `world_size`, else 0, 1, 2, ..."""
+    if not round_robin:
+        return tuple(range(count))
+    where = {i: pos for pos, i in enumerate(round_robin_order(count, world_size))}
+    return tuple(where[i] for i in range(count))
+
+
 def zero3_piece(numel: int, world_size: int) -> int:
     """Elements of each rank's piece of a ZeRO-3 parameter (`_aligned_size // world_size`)."""
     return math.ceil(numel / world_size)
@@ -242,7 +275,8 @@ def piece_offsets(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 __all__ = [
-    "BF16", "ZERO", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "partition_ranks",
-    "piece_offsets", "round_robin_order", "zero12_fragments", "zero12_layout", "zero12_padded", "zero3_moves",
+    "BF16", "ZERO", "ZERO0", "ZERO3", "Copy", "Extent", "Zero12Layout", "moves", "param_alignment", "partition_ranks",
+    "original_order", "piece_offsets", "recorded_slices", "round_robin_order", "zero12_fragments", "zero12_layout",
+    "zero12_padded", "zero3_moves",
     "zero3_piece", "zero3_real", "zero3_sub_groups",
 ]

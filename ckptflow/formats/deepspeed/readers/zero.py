@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from ckptflow.errors import CkptflowError
-from ckptflow.formats.deepspeed.config import precision_of
+from ckptflow.formats.deepspeed.config import is_set, precision_of, zero_section
 from ckptflow.formats.deepspeed.inspection import (
     BASE_STATE_FIELDS,
     MODEL_FIELDS,
@@ -45,7 +45,7 @@ from ckptflow.formats.deepspeed.inspection import (
 )
 from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import expert_group_degree
-from ckptflow.formats.deepspeed.partition import zero3_piece, zero12_padded
+from ckptflow.formats.deepspeed.partition import original_order, recorded_slices, zero3_piece, zero12_padded
 from ckptflow.formats.torch.tensorref import TensorRef, read_scalar
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.plumbing.redaction import describe
@@ -311,6 +311,9 @@ class _Partitioning:
         self.model_uris, self.optim_uris = model_uris, optim_uris
         self.osds = [o["optimizer_state_dict"] for o in optims]
         self.padding_saved = stage != 3 and "zero_stage" not in self.osds[0]  # BF16_Optimizer
+        # DeepSpeedZeroOptimizer flattens each group round-robin over its ranks (BF16_Optimizer does not)
+        self.round_robin = stage in (1, 2) and not self.padding_saved and is_set(
+            zero_section(models[0].get("ds_config")), "round_robin_gradients")
         self.tied: dict[str, str] = {}
 
     def build(self) -> tuple[tuple[Param, ...], tuple[ParamGroup, ...], tuple[tuple[Partition, ...], ...]]:
@@ -531,8 +534,11 @@ class _Partitioning:
             return {}
         offset = 0
         out: dict[str, tuple[Fragment, ...]] = {}
+        numels, starts = [], []
         for i, (name, shape) in enumerate(group_shapes.items()):
             numel = element_count(shape)
+            numels.append(numel)
+            starts.append(offset)
             frags = []
             pos = offset
             while pos < offset + numel:
@@ -552,16 +558,20 @@ class _Partitioning:
             self.st.add("partition-mismatch", f"param group {g}: its parameters need {offset} elements but the "
                         f"{which} saved {saved}; the partition sizes do not add up, so the files do not belong "
                         "together", file=self.optim_uris[ranks[0]])
-        for rank in ranks:
+        # The fragment addresses DeepSpeed records: where the parameters are, except with round-robin
+        # gradients, whose addresses follow the optimizer's original order (`partition.recorded_slices`).
+        names = list(group_shapes)
+        order = original_order(len(names), len(ranks), self.round_robin)
+        for part, rank in enumerate(ranks):
             mapping = (self.osds[rank].get("param_slice_mappings") or [{}] * (g + 1))[g]
+            placed = {names[i]: (start, numel)
+                      for i, start, numel in recorded_slices(numels, starts, size, part, order)}
             for name, addr in (mapping or {}).items():
-                mine = [f for f in out.get(name, ()) if f.rank == rank]
-                if isinstance(addr, PickledObject) and (
-                    len(mine) != 1 or mine[0].offset != addr.get("start") or mine[0].numel != addr.get("numel")
-                ):
+                at = placed.get(name)
+                if isinstance(addr, PickledObject) and at != (addr.get("start"), addr.get("numel")):
                     self.st.add("partition-mismatch", f"rank {rank}: {self.optim_uris[rank]} places {excerpt(name)} at "
                                 f"{excerpt(addr.get('start'))}+{excerpt(addr.get('numel'))} but the shapes place it at "
-                                f"{[(f.offset, f.numel) for f in mine]}; the file is damaged or from another model",
+                                f"{[at] if at else []}; the file is damaged or from another model",
                                 file=self.optim_uris[rank], rank=rank)
         return out
 

@@ -12,21 +12,31 @@ In a bf16 or fp16 run the module holds 16-bit copies and the fp32 masters sit in
 state: DeepSpeed 0.19.8 trains both at ZeRO-0 with its FP16_Optimizer, whose `optimizer` entry holds
 `optimizer_state_dict` (the base optimizer's, one flat state per param group) and `fp32_groups_flat`,
 one flat fp32 tensor per param group. Which parameters a group holds, and in which order, is the
-training script's; nothing in the file says it, so the masters cannot be placed. The 16-bit weights
+training script's; nothing in the file says it, so the masters cannot be placed for certain (a
+reshard to another stage places them where exactly one assignment fits: below). The 16-bit weights
 can: after every step FP16_Optimizer copies each master into its 16-bit parameter (a round to nearest
 even, the cast `formats.casts` does bit for bit), so the module's weights are exactly the masters
 rounded to the training dtype. The index names them, in that dtype; a consolidation in that dtype is
 exact, and one in any other is refused (`masters_unnamed`). (bf16 at ZeRO-1 with fp32 gradient
 accumulation is DeepSpeed's BF16_Optimizer, which saves named partitions like ZeRO-1 and is read as
 such.)
+
+Where a ZeRO-0 checkpoint moves to ZeRO-1, 2 or 3 (`reshard`), its optimizer state needs names after
+all. `named_groups` finds them from what the file does record, under the one premise that holds for
+every training script that builds its param groups by walking the model (DeepSpeed's default group,
+`model.parameters()`, the usual decay / no-decay split): each group holds its parameters in the
+module's order. Then the parameters are the module's, in order, each in one group (or in none: frozen),
+and what the file records pins down which: per index the shape of its Adam moments (fp32), or per group
+the size of its flat masters (16-bit). The assignment is used only where exactly one fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ckptflow.formats.deepspeed.config import zero_section
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor
 from ckptflow.formats.deepspeed.names import model_file_name
@@ -78,6 +88,11 @@ class Zero0Checkpoint:
     @property
     def degrees(self) -> Degrees:
         return Degrees(self.world_size)
+
+    @property
+    def zero_config(self) -> Mapping[str, Any]:
+        """The `zero_optimization` section of the config it was trained with."""
+        return zero_section(self.model_states.get("ds_config"))
 
     @property
     def numel(self) -> int:
@@ -209,4 +224,157 @@ def _module_tensors(module: Mapping[str, Any], buffers: set[str]) -> tuple[tuple
     return tuple(out), tied
 
 
-__all__ = ["UNNAMED_OPTIMIZER", "Zero0Checkpoint", "masters_note", "read_zero0"]
+# ---- naming the optimizer state -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Zero0Group:
+    """One param group of a ZeRO-0 optimizer with its parameters named (`named_groups`).
+
+    `masters` are 1-D fp32 tensors: one per parameter, the module's own weight (an fp32 run), or one
+    flat tensor over the whole group (a 16-bit run: FP16_Optimizer's `fp32_groups_flat`), the
+    parameters end to end in `params` order. `states[i]` is the base optimizer's state over
+    `masters[i]`, its moments as 1-D views; `step` the group's step (FusedAdam advances the step of a
+    group's last parameter only, torch's Adam every one alike: the last one's is the group's)."""
+
+    hyper: Mapping[str, Any]
+    params: tuple[str, ...]
+    masters: tuple[TensorRef, ...]
+    states: tuple[Mapping[str, Any], ...]
+    step: Any
+
+
+# A model with more ways to check than this is refused rather than searched.
+MAX_ASSIGNMENTS = 200_000
+
+
+def named_groups(index: Zero0Checkpoint) -> tuple[tuple[Zero0Group, ...], tuple[str, ...]] | str:
+    """The param groups of `index`'s optimizer with their parameters named, and the weights that are in
+    none (frozen), or why they cannot be named (see the module docstring)."""
+    optimizer = index.model_states.get("optimizer")
+    sixteen = index.precision != "fp32"
+    assert isinstance(optimizer, Mapping), "read_zero0 checked the optimizer state"
+    base = optimizer.get("optimizer_state_dict") if sixteen else optimizer
+    assert isinstance(base, Mapping), "read_zero0 checked the optimizer state"
+    groups = base["param_groups"]
+    state = base.get("state") or {}
+    weights = [t for t in index.tensors if t.kind != "buffer"]
+    hyper = tuple({k: v for k, v in g.items() if k != "params"} for g in groups)
+    if sixteen:
+        masters = optimizer["fp32_groups_flat"]
+        sizes = [m.shape[0] for m in masters]
+        spare = sum(t.numel for t in weights) - sum(sizes)
+        found = _assign([t.numel for t in weights], len(groups),
+                        lambda at, g, n: at[g] + n <= sizes[g] if g >= 0 else at[-1] + n <= spare,
+                        lambda n: n, lambda at: list(at) == [*sizes, spare])
+        what = "the sizes of its flat fp32 masters"
+    else:
+        ids = [list(g["params"]) for g in groups]
+        spare = len(weights) - sum(map(len, ids))
+        shapes = [[_moment_shape(state.get(i)) for i in group] for group in ids]
+        found = _assign([t.shape for t in weights], len(groups),
+                        lambda at, g, shape: (at[g] < len(shapes[g]) and shapes[g][at[g]] in (None, shape))
+                        if g >= 0 else at[-1] < spare,
+                        lambda shape: 1, lambda at: list(at) == [*map(len, ids), spare])
+        what = "the shapes of its Adam moments"
+    if isinstance(found, str):
+        return (f"ZeRO-0 saves which parameters each of its {len(groups)} param groups holds nowhere, and taking "
+                f"them in the module's order {found} ({what}, {spare} left out)")
+    members: list[list[str]] = [[] for _ in groups]
+    for t, g in zip(weights, found):
+        if g >= 0:
+            members[g].append(t.name)
+    frozen = tuple(t.name for t, g in zip(weights, found) if g < 0)
+    if sixteen:
+        out = tuple(Zero0Group(hyper[g], tuple(members[g]), (masters[g],), (_flat_state(state.get(g), masters[g]),),
+                               _step(state.get(g))) for g in range(len(groups)))
+        return out, frozen
+    module = _module(index)
+    out_groups = []
+    for g, group in enumerate(ids):
+        states = [state.get(i) for i in group]
+        stepped = [s is not None for s in states]
+        if any(stepped) and not all(stepped):
+            name = members[g][stepped.index(False)]
+            return (f"{name} has no optimizer state while the rest of its param group has (it never had a gradient), "
+                    "and DeepSpeed's flat group at ZeRO-1/2/3 would hold zero moments for it, which ckptflow does not "
+                    "write yet")
+        refs = tuple(_flat(module[n]) for n in members[g])
+        out_groups.append(Zero0Group(hyper[g], tuple(members[g]), refs,
+                                     tuple(_flat_state(s, r) for s, r in zip(states, refs)),
+                                     _step(states[-1]) if states else None))
+    return tuple(out_groups), frozen
+
+
+def _module(index: Zero0Checkpoint) -> Mapping[str, TensorRef]:
+    module = index.model_states.get("module")
+    assert isinstance(module, Mapping), "read_zero0 checked the module"
+    return module
+
+
+def _moment_shape(state: Any) -> tuple[int, ...] | None:
+    """The shape of the first moment in a parameter's optimizer state (None: no state yet)."""
+    if isinstance(state, Mapping):
+        for value in state.values():
+            if isinstance(value, TensorRef) and value.shape:
+                return value.shape
+    return None
+
+
+def _flat(ref: TensorRef) -> TensorRef:
+    """A contiguous tensor as 1-D (the bytes are the same)."""
+    return replace(ref, shape=(ref.numel,), stride=(1,)) if ref.is_contiguous else ref
+
+
+def _flat_state(state: Any, master: TensorRef) -> Mapping[str, Any]:
+    """The optimizer state over `master`: tensors of its size as 1-D views (the moments), the rest as saved."""
+    if not isinstance(state, Mapping):
+        return {}
+    return {k: _flat(v) if isinstance(v, TensorRef) and v.numel == master.numel and v.shape else v
+            for k, v in state.items()}
+
+
+def _step(state: Any) -> Any:
+    return state.get("step") if isinstance(state, Mapping) else None
+
+
+def _assign(items: Sequence[Any], groups: int, fits: Callable[[tuple[int, ...], int, Any], bool],
+            size: Callable[[Any], int], done: Callable[[tuple[int, ...]], bool]
+            ) -> list[int] | str:
+    """The one way to put `items`, in order, into `groups` groups or none (-1), as `fits(at, g, item)`
+    allows from progress `at` (per group, then the items in none: each adds `size(item)`) and `done(at)`
+    accepts at the end; or
+    why not: no way, several, or too many to check (more than `MAX_ASSIGNMENTS` partial ones)."""
+    start = (0,) * (groups + 1)
+    layers: list[dict[tuple[int, ...], tuple[int, tuple[int, ...], int]]] = [{start: (1, start, -2)}]
+    for item in items:
+        nxt: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}
+        for at, (count, _, _) in layers[-1].items():
+            for g in [*range(groups), -1]:
+                if not fits(at, g, item):
+                    continue
+                moved = list(at)
+                moved[g] += size(item)  # g -1: the items in none
+                key = tuple(moved)
+                seen = nxt.get(key)
+                nxt[key] = (min(2, count + seen[0]), seen[1], seen[2]) if seen else (count, at, g)
+        if len(nxt) > MAX_ASSIGNMENTS:
+            return "has too many ways to check"
+        layers.append(nxt)
+    ends = [(at, count) for at, (count, _, _) in layers[-1].items() if done(at)]
+    total = sum(count for _, count in ends)
+    if total == 0:
+        return "fits none of them"
+    if total > 1:
+        return "fits them in more than one way"
+    at = ends[0][0]
+    out = []
+    for layer in reversed(layers[1:]):
+        _, at_before, g = layer[at]
+        out.append(g)
+        at = at_before
+    return out[::-1]
+
+
+__all__ = ["MAX_ASSIGNMENTS", "UNNAMED_OPTIMIZER", "Zero0Checkpoint", "Zero0Group", "masters_note", "named_groups",
+           "read_zero0"]
