@@ -19,14 +19,15 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
   strict expected failure until ckptflow handles that layout.
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
-f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): four launches, two of
-4 ranks and two of 2, about two minutes on two cores. Skipped otherwise.
+f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): six launches, two of
+4 ranks and four of 2, about two and a half minutes on two cores. Skipped otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,11 @@ pytestmark = pytest.mark.skipif(
 TIMEOUT = 900.0
 
 
-def _run(mode: str, ckpt: Path, world: int, tp: int, work: Path, recipe: str, tag: str, *counter: Path
-         ) -> tuple[dict[str, Any], torch.Tensor]:
+def _run(mode: str, ckpt: Path, world: int, tp: int, work: Path, recipe: str, tag: str, *counter: Path,
+         module_only: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
     launch(oracle.__file__, world, [mode, str(ckpt), str(tp), str(work), recipe, tag, *map(str, counter)],
-           env={oracle.MDS_ENV: CHECKOUT}, timeout=TIMEOUT, log_dir=work / f"logs-{tag}")
+           env={oracle.MDS_ENV: CHECKOUT, oracle.MODULE_ONLY_ENV: "1" if module_only else "0"}, timeout=TIMEOUT,
+           log_dir=work / f"logs-{tag}")
     return json.loads((work / f"{tag}.json").read_text()), torch.load(work / f"{tag}.logits.pt")
 
 
@@ -103,3 +105,27 @@ def test_the_source_args_fail_megatrons_check_at_the_target_tp(tp_change: dict[s
                    "merged rank after rank: nothing in the checkpoint records it")
 def test_a_tp_change_keeps_the_models_logits(tp_change: dict[str, Any]) -> None:
     assert torch.allclose(tp_change["logits"], tp_change["source"], rtol=0, atol=1e-5)
+
+
+def _qkv_by_part(layer_file: Path, ranks: int) -> None:
+    """Reorder a merged `query_key_value` from [q0 k0 v0 q1 k1 v1] (rank after rank) to [q0 q1 k0 k1 v0 v1]."""
+    state = torch.load(layer_file)
+    weight = state["self_attention.query_key_value.weight"]
+    state["self_attention.query_key_value.weight"] = (
+        weight.view(ranks, 3, -1, weight.shape[1]).transpose(0, 1).reshape(weight.shape).clone())
+    torch.save(state, layer_file)
+
+
+def test_the_logits_differ_by_the_qkv_layout_alone(tp_change: dict[str, Any]) -> None:
+    """The expected failure above is the attention layout and nothing else: the same layer files with each
+    `query_key_value` reordered part by part give the source model's logits (Megatron's --finetune load:
+    the layer files' weights only, no optimizer state), as ckptflow's own give another model's."""
+    work = tp_change["work"]
+    _, ours = _run("load", work / "tp1", 2, 1, work, "llama", "tp1-module", module_only=True)
+    fixed = work / "tp1-by-part"
+    shutil.copytree(work / "tp1", fixed)
+    for layer_file in sorted((fixed / "global_step3").glob("layer_0[23]-model_00-model_states.pt")):
+        _qkv_by_part(layer_file, ranks=2)
+    _, reordered = _run("load", fixed, 2, 1, work, "llama", "tp1-by-part", module_only=True)
+    assert not torch.allclose(ours, tp_change["source"], rtol=0, atol=1e-2)
+    assert torch.allclose(reordered, tp_change["source"], rtol=0, atol=1e-5)

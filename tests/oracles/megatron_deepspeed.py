@@ -48,6 +48,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 MDS_ENV = "CKPTFLOW_MEGATRON_DEEPSPEED"
+MODULE_ONLY_ENV = "CKPTFLOW_MEGATRON_MODULE_ONLY"  # "1": load with --finetune, the layer files' weights only
 VOCAB = 37  # the tokenizer's own tokens; Megatron pads them to 38 at tp 1, 40 at tp 2
 GLOBAL_BATCH = 2
 RECIPES = {
@@ -93,6 +94,7 @@ def _argv(ckpt: str, tp: int, work: Path, recipe: str, vocab: Path, merges: Path
         "--no-gradient-accumulation-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--deepspeed", "--deepspeed_config", str(config), "--zero-stage", "1", "--distributed-backend", "gloo",
         "--save", ckpt, "--load", ckpt, "--save-interval", "1", *RECIPES[recipe],
+        *(["--finetune"] if os.environ.get(MODULE_ONLY_ENV) == "1" else []),
     ]
 
 
