@@ -15,8 +15,9 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
   each rank's ``query_key_value`` rows as [q | k | v] of the rank's heads, and neither its
   ``universal_checkpoint_info`` nor anything else in the checkpoint says so, so the merge puts the
   ranks' blocks one after the other ([q0 k0 v0 q1 k1 v1], where tp 1 reads [q0 q1 k0 k1 v0 v1]), as
-  ``ds_to_universal`` does on the same information. The test that the logits agree is pinned as a
-  strict expected failure until ckptflow handles that layout.
+  ``ds_to_universal`` does on the same information (checked: the same tensor). The test that the
+  logits agree is pinned as a strict expected failure until ckptflow handles that layout; the same
+  layer files with each ``query_key_value`` reordered part by part give the source model's logits.
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
 f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): six launches, two of
@@ -39,6 +40,7 @@ from ckptflow.reshard import reshard
 from tests.fixtures.launch import launch
 from tests.oracles import megatron_deepspeed as oracle
 from tests.sampling import long_mode
+from tests.test_reshard import _universal
 
 CHECKOUT = os.environ.get(oracle.MDS_ENV, "")
 pytestmark = pytest.mark.skipif(
@@ -129,3 +131,15 @@ def test_the_logits_differ_by_the_qkv_layout_alone(tp_change: dict[str, Any]) ->
     _, reordered = _run("load", fixed, 2, 1, work, "llama", "tp1-by-part", module_only=True)
     assert not torch.allclose(ours, tp_change["source"], rtol=0, atol=1e-2)
     assert torch.allclose(reordered, tp_change["source"], rtol=0, atol=1e-5)
+
+
+def test_ds_to_universal_merges_query_key_value_as_ckptflow_does(tp_change: dict[str, Any],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's own converter, from the same `universal_checkpoint_info`, gives the same merged tensor."""
+    monkeypatch.syspath_prepend(CHECKOUT)  # the model-states files pickle Megatron's own classes
+    work = tp_change["work"]
+    converted = _universal(work / "src", {}, work) / "zero"
+    for layer in (2, 3):
+        universal = torch.load(converted / f"{layer}.self_attention.query_key_value.weight" / "fp32.pt")
+        ours = torch.load(work / "tp1" / "global_step3" / f"layer_0{layer}-model_00-model_states.pt")
+        assert torch.equal(universal["param"], ours["self_attention.query_key_value.weight"])
