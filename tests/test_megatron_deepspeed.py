@@ -15,9 +15,10 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
   each rank's ``query_key_value`` rows as [q | k | v] of the rank's heads, and neither its
   ``universal_checkpoint_info`` nor anything else in the checkpoint says so, so the merge puts the
   ranks' blocks one after the other ([q0 k0 v0 q1 k1 v1], where tp 1 reads [q0 q1 k0 k1 v0 v1]), as
-  ``ds_to_universal`` does on the same information (checked: the same tensor). The test that the
-  logits agree is pinned as a strict expected failure until ckptflow handles that layout; the same
-  layer files with each ``query_key_value`` reordered part by part give the source model's logits.
+  ``ds_to_universal`` does on the same information (checked: the same tensor); the same layer files
+  with each ``query_key_value`` reordered part by part give the source model's logits. So ckptflow
+  refuses a tensor-parallel change of a checkpoint with a fused ``query_key_value``
+  (``readers.pipeline.fused_qkv``); the tests lift that guard to show what it guards against.
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
 f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): six launches, two of
@@ -36,7 +37,7 @@ import pytest
 import torch
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.reshard import reshard
+from ckptflow.reshard import megatron, reshard, shape
 from tests.fixtures.launch import launch
 from tests.oracles import megatron_deepspeed as oracle
 from tests.sampling import long_mode
@@ -71,10 +72,16 @@ def dp_change(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def tp_change(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("mds-llama")
     _, source_logits = _run("save", work / "src", 4, 2, work, "llama", "source")
-    reshard(str(work / "src"), str(work / "tp1"), world_size=2, tp=1, workers=2)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        reshard(str(work / "src"), str(work / "tp1"), world_size=2, tp=1, workers=2)
+    assert not (work / "tp1").exists()
+    with pytest.MonkeyPatch.context() as patch:  # the guard lifted: the merge rank after rank, to see it load
+        for module in (megatron, shape):  # the planner's and `--plan`'s
+            patch.setattr(module, "fused_qkv", lambda index: None)
+        reshard(str(work / "src"), str(work / "tp1"), world_size=2, tp=1, workers=2)
     counter = work / "src" / "global_step3" / "mp_rank_00_model_states.pt"
     loaded, logits = _run("load", work / "tp1", 2, 1, work, "llama", "tp1", counter)
-    return {"work": work, "source": source_logits, "loaded": loaded, "logits": logits}
+    return {"work": work, "source": source_logits, "loaded": loaded, "logits": logits, "refused": refused.value}
 
 
 def test_megatron_resumes_from_a_dp_change(dp_change: dict[str, Any]) -> None:
@@ -103,10 +110,11 @@ def test_the_source_args_fail_megatrons_check_at_the_target_tp(tp_change: dict[s
     ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="Megatron-DeepSpeed's per-rank [q | k | v] query_key_value layout is "
-                   "merged rank after rank: nothing in the checkpoint records it")
-def test_a_tp_change_keeps_the_models_logits(tp_change: dict[str, Any]) -> None:
-    assert torch.allclose(tp_change["logits"], tp_change["source"], rtol=0, atol=1e-5)
+def test_a_tp_change_of_a_fused_attention_is_refused(tp_change: dict[str, Any]) -> None:
+    """What the guard prevents: merged rank after rank, Megatron loads the model and computes other logits."""
+    assert "2.self_attention.query_key_value.weight is Megatron's fused attention projection" in str(
+        tp_change["refused"])
+    assert not torch.allclose(tp_change["logits"], tp_change["source"], rtol=0, atol=1e-2)
 
 
 def _qkv_by_part(layer_file: Path, ranks: int) -> None:

@@ -287,6 +287,32 @@ def test_a_parameter_the_rules_do_not_split_is_refused(megatron_fixtures: Mappin
         "record; ckptflow does not guess them")
 
 
+def test_a_fused_attention_projection_is_refused_at_another_degree(
+        megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Megatron's `query_key_value` (renamed so in memory): its rows' layout per tensor-parallel rank changed in
+    Megatron-DeepSpeed in December 2024 and no file says which a checkpoint holds, so a tp change is refused
+    (the planner and `--plan`); the same degree is still offered. `tests/test_megatron_deepspeed.py` shows a
+    merge rank after rank loads in Megatron-DeepSpeed and computes other logits."""
+    fixture = megatron_fixtures[ARGS]
+    index = load_index(str(fixture.dir))
+    for rank in index.ranks:
+        params = tuple(dataclasses.replace(p, name=p.name.replace("fc1", "self_attention.query_key_value"))
+                       for p in rank.params)
+        object.__setattr__(rank, "params", params)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_megatron_tensor_parallel(index, Shape(world_size=2, stage=1, tp=1))
+    assert str(refused.value) == (
+        f"{fixture.dir}/global_step3: 1.self_attention.query_key_value.weight is Megatron's fused attention "
+        "projection, whose rows each tensor-parallel rank holds as [q | k | v] of its own heads in Megatron-DeepSpeed "
+        "since December 2024 and key/value group by group before; the checkpoint does not record which, and joined "
+        "or cut the wrong way the model loads and computes something else; keep the tensor-parallel degree (2; "
+        "leave `tp` out)")
+    assert refused.value.tensor == "1.self_attention.query_key_value.weight"
+    reasons = {str(s): why for s, why in shapes_at(index, 4)}
+    assert reasons["ZeRO-1 dp4 (4 ranks)"].startswith("1.self_attention.query_key_value.weight is Megatron's")
+    assert reasons["ZeRO-1 tp2 x dp2 (4 ranks)"] is None
+
+
 def _divisible_by(index: Any, divisor: int) -> Any:
     """`index` whose `args` record `make_vocab_size_divisible_by` `divisor` (in memory: this index's own copy)."""
     head = index.ranks[0].model_states[0]

@@ -43,7 +43,7 @@ from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.model import ModelTensor, Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, join
-from ckptflow.formats.deepspeed.readers.pipeline import Split, split_pieces, splits_at
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, Split, fused_qkv, split_pieces, splits_at
 from ckptflow.formats.deepspeed.runs import Run, whole_run
 from ckptflow.reshard.flats import ModelRuns
 from ckptflow.reshard.shape import Shape
@@ -101,6 +101,11 @@ def _check_source(index: Any, shape: Shape) -> None:
             f"{where}: ckptflow changes a Megatron-style checkpoint's tensor-parallel degree at its own number of "
             f"pipeline stages ({index.pp}) and ZeRO stage ({index.stage}) only", uri=index.root,
             hint=f"leave {option('pp')} and {option('stage')} out")
+    fused = fused_qkv(index) if shape.tp != index.tp else None
+    if fused is not None:
+        raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
+                                         tensor=fused,
+                                         hint=f"keep the tensor-parallel degree ({index.tp}; leave {option('tp')} out)")
     check_joinable(index, shape.tp)
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     tied = [p.name for rank in ranks for p in rank.params if p.name.startswith(TIED)]

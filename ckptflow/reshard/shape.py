@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.readers.pipeline import splits_at
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, fused_qkv, splits_at
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.vocabulary import vocab_rows_at
@@ -283,6 +283,8 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
 def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
     """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at degree `tp`
     (None: they do)."""
+    if tp != index.tp and (fused := fused_qkv(index)) is not None:
+        return f"{fused} {FUSED_QKV_WHY}"
     try:
         splits_at(index, tp, vocab_rows_at(index, tp))
     except UnsupportedCheckpointError as exc:

@@ -465,6 +465,26 @@ def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: in
 Split = tuple[list[tuple[int, ...]], list[list[Piece]]]
 
 
+# Megatron-DeepSpeed's fused attention projection. Since its commit 676a482c (December 2024, the FPDT change)
+# each tensor-parallel rank holds its rows as [q | k | v] of that rank's heads, and a model at tp1 reads all the
+# q rows, then all k, then all v; before, each rank's rows went key/value group by group, which rank after rank
+# keeps right. Nothing in the checkpoint says which (`checkpoint_version` is 3.0 in both, and
+# `universal_checkpoint_info` does not name it), and `ds_to_universal` joins it rank after rank.
+FUSED_QKV = "query_key_value"
+
+
+FUSED_QKV_WHY = ("is Megatron's fused attention projection, whose rows each tensor-parallel rank holds as [q | k | v] "
+                 "of its own heads in Megatron-DeepSpeed since December 2024 and key/value group by group before; the "
+                 "checkpoint does not record which, and joined or cut the wrong way the model loads and computes "
+                 "something else")
+
+
+def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
+    """The first of the Megatron-style checkpoint `index`'s parameters that is a fused attention projection
+    (`FUSED_QKV`), which no tensor-parallel change can join or cut (`FUSED_QKV_WHY`); None without one."""
+    return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
+
+
 def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = None) -> list[dict[str, Split]]:
     """Per pipeline stage of the Megatron-style checkpoint `index`, every parameter its stage trains,
     split at tensor-parallel degree `tp` by the rules its `universal_checkpoint_info` records (`shard_shapes`,
@@ -600,4 +620,5 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["Split", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "vocabulary_rows"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "Split", "fused_qkv", "read_pipeline", "shard_shapes", "split_pieces", "splits_at",
+           "vocabulary_rows"]
