@@ -620,5 +620,5 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "Split", "fused_qkv", "read_pipeline", "shard_shapes", "split_pieces", "splits_at",
-           "vocabulary_rows"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "Split", "fused_qkv", "read_pipeline", "shard_shapes", "split_pieces",
+           "splits_at", "vocabulary_rows"]
