@@ -323,10 +323,10 @@ ALL_NATIVE = (("dsmoe-ep2-z0-fp32", 4), ("dsmoe-ep2dp2-z0-fp32", 2), ("dsmoe-ep2
 # AutoEP ZeRO-2 and ZeRO-3 growing, bf16 with a held-out seed; deepspeed.moe ZeRO-1 and ZeRO-2 and the
 # native ZeRO-0 load, all in one 4-rank launch. `CKPTFLOW_LONG=1` runs every case (shrinking to 2 ranks,
 # the Mixtral preset and the 8-rank launch included).
-# By default AutoEP's data-parallel change on its held-out ZeRO-3 bf16 checkpoint (AutoEP ZeRO-2 is read,
-# planned and loaded by the expert-parallel and stage cases below), and deepspeed.moe's at ZeRO-1 and 2.
-RESHARDS = sample(ALL_RESHARDS, [
-    ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4), ("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp3-z1-bf16-s1", 4)])
+# By default deepspeed.moe's data-parallel change at ZeRO-1 and 2 (AutoEP's ZeRO-2 and ZeRO-3 writers are
+# loaded by the stage cases below, ZeRO-3 -> ZeRO-3 among them; the held-out AutoEP ZeRO-3 bf16 checkpoint's
+# data-parallel change, one 4-rank launch of its own, is in the long mode).
+RESHARDS = sample(ALL_RESHARDS, [("dsmoe-ep2-z2-bf16", 4), ("dsmoe-ep2dp3-z1-bf16-s1", 4)])
 NATIVE = sample(ALL_NATIVE, [("dsmoe-ep2-z0-fp32", 4)])
 # The matrix holds each of these layouts at both sizes, written by DeepSpeed training there: a reshard's
 # metadata must be what DeepSpeed writes at the new size (values differ: other data per replica).
@@ -506,10 +506,12 @@ ALL_EP_RESHARDS = (
     ("dsmoe-ep2dp2-z2-fp32", 4, 1), ("dsmoe-ep2-z2-bf16", 4, 4), ("autoep-mixtral-ep2-z2-fp32", 4, 4),
     ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4),
 )
-# One launch per (layout, world size, degree): by default AutoEP ZeRO-2 growing from ep2 x edp1 to ep4 x
-# edp1 (deepspeed.moe does the same with a stage change among the stage cases below); `CKPTFLOW_LONG=1`
-# adds deepspeed.moe alone, ep2 x edp2 -> ep4, -> ep1 (dense), bf16, Mixtral.
-EP_RESHARDS = sample(ALL_EP_RESHARDS, [("autoep-qwen3-moe-ep2-z2-fp32", 4, 4), ("autoep-qwen3-moe-ep2-z2-bf16", 4, 4)])
+# One launch per (layout, world size, degree), all in the long mode (`CKPTFLOW_LONG=1`): AutoEP ZeRO-2 growing
+# from ep2 x edp1 to ep4 x edp1, deepspeed.moe alone, ep2 x edp2 -> ep4, -> ep1 (dense), bf16, Mixtral. By
+# default the degree changes are loaded by DeepSpeed through the stage cases below (deepspeed.moe ep2 -> ep4
+# at ZeRO-1, AutoEP ZeRO-2 ep2 x edp2 -> ZeRO-3 ep4, ZeRO-3 ep2 x edp2 -> ep4) and the cut case (AutoEP
+# ZeRO-2 ep2 -> ep1).
+EP_RESHARDS = sample(ALL_EP_RESHARDS, [])
 
 # (source fixture, world size, degree, ZeRO stage): deepspeed.moe and AutoEP between ZeRO-1 and ZeRO-2,
 # alone or with another degree or size, and AutoEP between ZeRO-1/2 and ZeRO-3 at its own degree or

@@ -870,7 +870,7 @@ CASES = sample(ALL_CASES, [
     ("z3-bf16-ws4", 2), ("z2-bf16-ws3", 2),
     ("z1-fp32-ws1", 4), ("z2-bf16-ws1*", 4), ("z3-bf16-ws2-offload", 4),
     ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z3-fp32-ws2", 3, 2), ("z3-bf16-ws2", 3, 2), ("z3-fp16-ws2*", 1, 2),
-    ("z2-rr-ws2*", 3), ("z2-rr-ws2*", 1, 3), ("llama-z3-rr-ws2*", 3, 2), ("z1-bf16-ws2-fp32accum", 3, 3),
+    ("z2-rr-ws2*", 1, 3), ("z1-bf16-ws2-fp32accum", 3, 3),
 ])
 CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
 ROUND_ROBIN = {"round_robin_gradients": True}
@@ -885,9 +885,13 @@ WRITTEN = {
 }
 LAUNCH_ORDER = (2, 1, 3, 4)  # 2 writes the WRITTEN sources; 4 reshards a checkpoint the 1-rank launch wrote
 # Loss curves: k steps at the source's world size from the source against k steps at the new one.
-CURVES = (("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 3),
-          ("z2-fp32-ws2", 3, 3), ("z3-fp32-ws2", 1, 1),  # and at another ZeRO stage
-          ("z2-rr-ws2*", 3), ("z2-rr-ws2*", 1, 3), ("llama-z3-rr-ws2*", 3, 2))  # round-robin gradients
+ALL_CURVES = (("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 3), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 3),
+              ("z2-fp32-ws2", 3, 3), ("z3-fp32-ws2", 1, 1),  # and at another ZeRO stage
+              ("z2-rr-ws2*", 3), ("z2-rr-ws2*", 1, 3), ("llama-z3-rr-ws2*", 3, 2))  # round-robin gradients
+# By default every stage and direction once, round-robin to ZeRO-3 among them (the tiny Llama's round-robin
+# source, written only for its own cases, in the long mode).
+CURVES = sample(ALL_CURVES, [("z1-fp32-ws2", 3), ("z2-fp32-ws2", 3), ("z3-fp32-ws2", 1), ("z2-fp16-ws2*", 3),
+                             ("z2-fp32-ws2", 3, 3), ("z3-fp32-ws2", 1, 1), ("z2-rr-ws2*", 1, 3)])
 CURVE_STEPS, GLOBAL_BATCH = 3, 12
 
 
