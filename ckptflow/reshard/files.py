@@ -48,6 +48,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, LOSS_SCALER, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
@@ -394,10 +395,9 @@ def args_at(value: Any, shape: Any, *, padded_vocab: int | None = None) -> Any:
     """`value`, when it is an `argparse.Namespace` record whose state holds the `ARGS_SHAPE` fields as
     ints, with those fields set to `shape`'s, and `padded_vocab_size` (an int there too) to `padded_vocab`
     when given; else `value` itself."""
-    namespace = isinstance(value, InertRecord) and value.qualname == "argparse.Namespace"
-    if not namespace or not isinstance(value.state, dict):
+    state = namespace_state(value)
+    if state is None:
         return value
-    state = value.state
     moved = {k: getattr(shape, ARGS_SHAPE[k]) for k, v in state.items() if k in ARGS_SHAPE and type(v) is int}
     if padded_vocab is not None and type(state.get(PADDED_VOCAB)) is int:
         moved[PADDED_VOCAB] = padded_vocab

@@ -14,10 +14,10 @@ the field, the target keeps the source's padded rows (`keep_note` says so).
 from __future__ import annotations
 
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.names import UC_INFO
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.pipeline import vocabulary_rows
-from ckptflow.formats.torch.inert import InertRecord
 
 DIVISIBLE_BY = "make_vocab_size_divisible_by"
 PADDED_VOCAB = "padded_vocab_size"  # in `args`, and in Megatron-DeepSpeed's `universal_checkpoint_info`
@@ -33,10 +33,8 @@ def padded_vocab_size(original: int, divisible_by: int, tp: int) -> int:
 def divisible_by(index: ModelParallelCheckpoint) -> int | None:
     """`make_vocab_size_divisible_by` of the run's `args` (an `argparse.Namespace` record in its first
     model-states file), where it is an int; else None."""
-    args = index.ranks[0].model_states[0].get("args")
-    if not isinstance(args, InertRecord) or args.qualname != "argparse.Namespace" or not isinstance(args.state, dict):
-        return None
-    value = args.state.get(DIVISIBLE_BY)
+    args = namespace_state(index.ranks[0].model_states[0].get("args"))
+    value = args.get(DIVISIBLE_BY) if args is not None else None
     return value if type(value) is int else None
 
 

@@ -172,4 +172,13 @@ def misplaced_record(obj: Mapping[str, Any], *, model_states: bool) -> tuple[str
     return None
 
 
-__all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "class_name", "misplaced_record"]
+def namespace_state(value: Any) -> dict[str, Any] | None:
+    """The attributes `value` was built with when it is an `argparse.Namespace` record with a dict state
+    (Megatron-DeepSpeed's `args`), else None."""
+    if isinstance(value, InertRecord) and value.qualname == "argparse.Namespace" and isinstance(value.state, dict):
+        return value.state
+    return None
+
+
+__all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "class_name", "misplaced_record",
+           "namespace_state"]
