@@ -42,7 +42,7 @@ from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
-from tests.fixtures.launch import launch
+from tests.fixtures.replay import launch
 from tests.fixtures.sets import ParallelFixture
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from flows.demo_checkpoint import write_demo_checkpoint
-from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch
+from tests.fixtures import MATRIX, Fixture, LaunchError, build, launch, replay
 from tests.fixtures.cache import _generate_group
 from tests.fixtures.models.data_parallel import BIG_INT64
 from tests.fixtures.specs.data_parallel import TRAINER, FixtureSpec
@@ -227,6 +227,39 @@ def test_launch_passes_args_and_env(tmp_path: Path) -> None:
     )
     launch(script, 2, [str(tmp_path)], env={"EXTRA": "yes"}, timeout=30)
     assert (tmp_path / "1").read_text() == "1 1 2 127.0.0.1 cpu yes"
+
+
+def test_a_launch_is_replayed_only_when_it_would_read_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
+    """`replay.launch` runs the ranks for a new key (code, arguments, the bytes of the inputs they name) and
+    copies the outputs back for one it kept; a changed input byte, a changed script or the switch runs
+    them again."""
+    monkeypatch.setenv("CKPTFLOW_FIXTURE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(replay.REPLAY_ENV, raising=False)
+    script, runs = tmp_path / "upper.py", tmp_path / "runs"
+    script.write_text(
+        "import json, os, sys\n"
+        "for job in json.load(open(sys.argv[2])):\n"
+        "    os.makedirs(job['out'])\n"
+        "    open(job['out'] + '/upper', 'w').write(open(job['in']).read().upper())\n"
+        "open(os.environ['RUNS'], 'a').write('ran\\n')\n"
+    )
+    source, jobs = tmp_path / "source.txt", tmp_path / "jobs.json"
+    source.write_text("deepspeed")
+
+    def run(out: str) -> tuple[bool, str]:
+        jobs.write_text(json.dumps([{"in": str(source), "out": str(tmp_path / out)}]))
+        ran = replay.launch(str(script), 1, ["--jobs", str(jobs)], env={"RUNS": str(runs)}, timeout=30)
+        return ran, (tmp_path / out / "upper").read_text()
+
+    assert run("a") == (True, "DEEPSPEED")
+    assert run("b") == (False, "DEEPSPEED")  # another output folder, the same input bytes: copied back
+    source.write_text("DeepSpeed")
+    assert run("c") == (True, "DEEPSPEED")
+    script.write_text(script.read_text() + "# another script\n")
+    assert run("d") == (True, "DEEPSPEED")
+    monkeypatch.setenv(replay.REPLAY_ENV, "0")
+    assert run("e") == (True, "DEEPSPEED")
+    assert runs.read_text() == "ran\n" * 4
 
 
 @pytest.mark.skipif(not long_mode(), reason="a DeepSpeed launch that `make demo` makes too (CI runs it): long mode")

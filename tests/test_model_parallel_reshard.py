@@ -50,7 +50,7 @@ from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import reshard
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_split
 from ckptflow.validate import validate
-from tests.fixtures.launch import launch
+from tests.fixtures.replay import launch
 from tests.fixtures.sets import ParallelFixture, build_split
 from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample

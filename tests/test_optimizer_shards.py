@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 from ckptflow.cli import app
 from ckptflow.formats.deepspeed.readers.optimizer_shards import name_ranks
 from tests.fixtures import Fixture
-from tests.fixtures.launch import launch
+from tests.fixtures.replay import launch
 from tests.sampling import sample
 
 FP32, BF16 = "shards-z2-fp32-ws4", "shards-z2-bf16-ws2"

@@ -35,7 +35,7 @@ from ckptflow.reshard import reshard
 from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
-from tests.fixtures.launch import launch
+from tests.fixtures.replay import launch
 from tests.fixtures.sets import ParallelFixture
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
 from tests.test_parallel_fixtures import STATES, universal_tensor

@@ -64,7 +64,7 @@ from ckptflow.reshard import (
     reshard,
     run_unit,
 )
-from tests.fixtures.launch import launch
+from tests.fixtures.replay import launch
 from tests.oracles.tensors import read_elements, read_tensor
 from tests.sampling import sample
 
