@@ -200,6 +200,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     options = parser.parse_args(argv)
     train_and_save(options.out, stage=options.stage, dtype=options.dtype, steps=options.steps)
+    _leave()
+
+
+def _leave() -> None:
+    """Exit this rank without running C++ static destructors: gloo's threads sometimes abort a normal
+    exit once the engine is gone ("terminate called without an active exception", exit code -6), after
+    the checkpoint is complete. Everything is saved and flushed by then."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
