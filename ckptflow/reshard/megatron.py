@@ -35,6 +35,7 @@ pipeline stages or ZeRO stage at the same time (a PipelineModule trains at ZeRO-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -43,15 +44,23 @@ from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.model import ModelTensor, Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, join
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, Split, fused_qkv, split_pieces, splits_at
+from ckptflow.formats.deepspeed.readers.pipeline import (
+    FUSED_QKV_WHY,
+    TIED_WHY,
+    Split,
+    fused_qkv,
+    split_pieces,
+    splits_at,
+    tied_module,
+)
 from ckptflow.formats.deepspeed.runs import Run, whole_run
-from ckptflow.reshard.flats import ModelRuns
+from ckptflow.reshard.flats import Copies, ModelRuns
+from ckptflow.reshard.pipeline import Weigh, check_stages, plan_stage, stage_source, stages_at
+from ckptflow.reshard.pipeline_layers import Layer, TargetStage
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
 from ckptflow.reshard.units import ModelParallelPlan, TensorFile
 from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
-
-TIED = "tied_modules."
 
 
 def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan:
@@ -59,12 +68,7 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     degree, the same pipeline stages and ZeRO stage); reads nothing. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
     _check_source(index, shape)
-    try:
-        vocab_rows = vocab_rows_at(index, shape.tp)
-        splits = splits_at(index, shape.tp, vocab_rows)
-    except UnsupportedCheckpointError as exc:
-        raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
-                                         uri=index.root, tensor=exc.tensor) from None
+    vocab_rows, splits = _splits(index, shape.tp)
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     note = keep_note(index, shape.tp)
     runs = ModelRuns(index)
@@ -90,28 +94,117 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     )
 
 
-def _check_source(index: Any, shape: Shape) -> None:
+def plan_megatron_stages(index: Any, shape: Shape, partition_method: str | None = None,
+                         layers: int | None = None) -> ModelParallelPlan:
+    """The plan that writes the Megatron-style checkpoint `index` at `shape`: another number of pipeline
+    stages, and the same or another tensor-parallel degree; reads nothing. The two act on different axes
+    and compose: each target stage's parameters are those `pipeline.stages_at` gives it (weighed at the
+    target degree, as `PipelineModule` counts the shards it builds), each at its shard's shape at the
+    target degree (`splits_at`); the stage's ZeRO-1 files are laid out as `pipeline.plan_stage` lays
+    them, each element copied out of the full tensor (`local_copies`) from the source stage and
+    tensor-parallel ranks that hold it; the layer files of its layers cut as `plan_megatron_tensor_parallel`
+    cuts them. `UnsupportedCheckpointError`, in one line saying why, for anything else."""
+    _check_source(index, shape, stages=True)
+    vocab_rows, stage_splits = _splits(index, shape.tp)
+    splits = {name: split for stage in stage_splits for name, split in stage.items()}
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    info_at = _info_at(info, shape.tp, vocab_rows)
+    note = keep_note(index, shape.tp) if shape.tp != index.tp else None
+    groups = check_stages(index)
+    stages = stages_at(index, shape.pp, partition_method, layers, _weigh(splits) if shape.tp != index.tp else None)
+    module: dict[str, tuple[Run, ...]] = {}
+    for stage in range(index.pp):
+        module.update(_module_runs(index, stage, info))
+    owners = _layer_owners(index, stages)
+    parts = []
+    for s, stage in enumerate(stages):
+        for t in range(shape.tp):
+            pieces = {name: split[1][t] for name, split in splits.items()}
+            shapes = {name: split[0][t] for name, split in splits.items()}
+
+            def restate(state: Mapping[str, Any], t: int = t) -> Mapping[str, Any]:
+                return at_degree(state, shape.tp, info_at, tp_rank=t, mp_world_size=shape.tp * shape.pp)
+
+            def local(full: Copies, pieces: Mapping[str, Any] = pieces) -> Copies:
+                return local_copies(pieces, full)
+
+            source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
+            plan = plan_stage(index, source, shape.dp, mp_rank=s * shape.tp + t, local=local)
+            files = tuple(_layer_file(index, layer, t, splits, module) for layer, owner in owners.items() if owner == s)
+            first = replace(plan.units[0], tensor_files=files)
+            parts.append(replace(plan, units=(first, *plan.units[1:])))
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
+        source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
+        padded_vocab=vocab_rows, notes=(note,) if note else (),
+    )
+
+
+def _splits(index: ModelParallelCheckpoint, tp: int) -> tuple[int | None, list[dict[str, Split]]]:
+    """The vocabulary's padded rows at degree `tp` (None: the source's, kept at its own degree) and every
+    stage's splits there."""
+    try:
+        vocab_rows = vocab_rows_at(index, tp) if tp != index.tp else None
+        return vocab_rows, splits_at(index, tp, vocab_rows)
+    except UnsupportedCheckpointError as exc:
+        raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
+                                         uri=index.root, tensor=exc.tensor) from None
+
+
+def _weigh(splits: Mapping[str, Split]) -> Weigh:
+    """A layer list's weights at the target degree: each layer's parameters' elements on a tensor-parallel
+    rank there (every rank holds equal shards: `shard_shapes`)."""
+    counts: dict[int, int] = {}
+    for name, (shapes, _) in splits.items():
+        counts[_layer_of(name)] = counts.get(_layer_of(name), 0) + math.prod(shapes[0])
+
+    def weigh(layers: Sequence[Layer]) -> list[Layer]:
+        return [(key, count if key else counts.get(i, 0)) for i, (key, count) in enumerate(layers)]
+
+    return weigh
+
+
+def _layer_owners(index: ModelParallelCheckpoint, stages: Sequence[TargetStage]) -> dict[int, int]:
+    """Each layer file's layer -> the target stage that writes it: the stage holding it; a layer without
+    parameters or buffers, the last stage starting before it."""
+    firsts = [min(stage.layers) if stage.layers else None for stage in stages]
+    out = {}
+    for layer in sorted({layer for layer, _ in index.layers}):
+        out[layer] = next((s for s, stage in enumerate(stages) if layer in stage.layers),
+                          max((s for s, first in enumerate(firsts) if first is not None and first <= layer), default=0))
+    return out
+
+
+def _check_source(index: Any, shape: Shape, *, stages: bool = False) -> None:
+    """`UnsupportedCheckpointError` unless `index` is a Megatron-style checkpoint ckptflow writes at `shape`:
+    another tensor-parallel degree, and another number of pipeline stages where `stages`."""
     where = f"{index.root}/{index.tag}"
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "megatron":
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {getattr(index, 'layout', type(index).__name__)} layout, not a "
             "Megatron-style one", code="unsupported-layout", uri=index.root)
-    if shape.pp != index.pp or shape.stage != index.stage:
+    if (shape.pp != index.pp and not stages) or shape.stage != index.stage:
         raise UnsupportedCheckpointError(
             f"{where}: ckptflow changes a Megatron-style checkpoint's tensor-parallel degree at its own number of "
             f"pipeline stages ({index.pp}) and ZeRO stage ({index.stage}) only", uri=index.root,
             hint=f"leave {option('pp')} and {option('stage')} out")
+    if shape.pp != index.pp and index.stage != 1:
+        raise UnsupportedCheckpointError(
+            f"{where} is a ZeRO-{index.stage} Megatron-style checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
+            "ones only (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
     fused = fused_qkv(index) if shape.tp != index.tp else None
     if fused is not None:
         raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
                                          tensor=fused,
                                          hint=f"keep the tensor-parallel degree ({index.tp}; leave {option('tp')} out)")
-    check_joinable(index, shape.tp)
-    ranks: Sequence[ZeroCheckpoint] = index.ranks
-    tied = [p.name for rank in ranks for p in rank.params if p.name.startswith(TIED)]
-    if tied:
-        raise UnsupportedCheckpointError(f"{where}: {tied[0]} is a tied module, which ckptflow does not split again "
-                                         "over tensor-parallel ranks", uri=index.root, tensor=tied[0])
+    if shape.tp != index.tp:
+        check_joinable(index, shape.tp)
+    tied = tied_module(index)
+    if tied is not None:
+        raise UnsupportedCheckpointError(
+            f"{where}: {tied} {TIED_WHY}", code="unsupported-shape", uri=index.root, tensor=tied,
+            hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and {option('pp')} "
+                 "out) to change the data-parallel size only")
 
 
 def _info_at(info: Mapping[str, Any], tp: int, vocab_rows: int | None) -> dict[str, Any]:
@@ -188,4 +281,4 @@ def _layer_file(index: ModelParallelCheckpoint, layer: int, t: int, splits: Mapp
     return TensorFile(name=layer_file_name(layer, t), tensors=tuple(tensors))
 
 
-__all__ = ["plan_megatron_tensor_parallel"]
+__all__ = ["plan_megatron_stages", "plan_megatron_tensor_parallel"]

@@ -5,10 +5,10 @@
 that would work, when it does not divide, the layout forbids it or ckptflow cannot write it yet), then
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
 parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: merged to tp1 or split to
-any degree), the pipeline one (`pipeline`: PipelineModule stages merged into one), the
+any degree), the pipeline one (`pipeline`: PipelineModule stages merged or cut again), the
 expert-parallel one (`experts`: another expert-parallel degree, at any stage AutoEP trains at), the
 Megatron-style one (`megatron`: another tensor-parallel degree by the client's
-`universal_checkpoint_info`). Every planner returns a `ReshardPlan` (`units`) that `reshard.files` and
+`universal_checkpoint_info`, and another number of pipeline stages with it or alone). Every planner returns a `ReshardPlan` (`units`) that `reshard.files` and
 `reshard.run` write. Nothing here reads a byte.
 """
 
@@ -31,7 +31,7 @@ from ckptflow.reshard.data_parallel import (
     plan_shard_folder,
 )
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
-from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
+from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
@@ -117,6 +117,8 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
                 "for another number of ranks at the same ZeRO stage only, not another stage or parallel degree",
                 uri=index.root, hint=f"give {option('world_size')} alone")
         return plan_shard_folder(index, shape.dp)
+    if shape.pp != source.pp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
+        return plan_megatron_stages(index, shape, partition_method, layers)
     if shape.pp != source.pp:
         return plan_pipeline(index, shape, partition_method, layers)
     if shape.tp != source.tp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":

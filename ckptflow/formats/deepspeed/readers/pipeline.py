@@ -485,12 +485,23 @@ def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
 
 
+TIED_WHY = ("is a tied module (a TiedLayerSpec its pipeline stages share, as Megatron's GPT ties its embedding and "
+            "head), which ckptflow does not move to another tensor-parallel degree or number of pipeline stages of a "
+            "Megatron-style checkpoint yet")
+
+
+def tied_module(index: ModelParallelCheckpoint) -> str | None:
+    """The first parameter of a tied module (`tied_modules.{key}.{name}`) of the Megatron-style checkpoint
+    `index`, which no tensor-parallel or pipeline change moves yet (`TIED_WHY`); None without one."""
+    return next((p.name for rank in index.ranks for p in rank.params if p.name.startswith(TIED)), None)
+
+
 def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = None) -> list[dict[str, Split]]:
     """Per pipeline stage of the Megatron-style checkpoint `index`, every parameter its stage trains,
     split at tensor-parallel degree `tp` by the rules its `universal_checkpoint_info` records (`shard_shapes`,
     then `split_pieces`, the same rules the reader joins the source's shards by); the vocabulary parameters
-    padded to `vocab_rows` rows (None: the source's padded rows). `UnsupportedCheckpointError` naming the
-    first parameter the rules do not split at `tp`."""
+    padded to `vocab_rows` rows (None: the source's padded rows); at the source's own degree, its own
+    shards. `UnsupportedCheckpointError` naming the first parameter the rules do not split at `tp`."""
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     out = []
     for stage in range(index.pp):
@@ -499,7 +510,10 @@ def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = 
         for param in ranks[0].params:
             try:
                 local = [rank.param_by_name[param.name].shape for rank in ranks]
-                full, _, _ = split_pieces(param.name, local, info, index.tp, "param")
+                full, held, _ = split_pieces(param.name, local, info, index.tp, "param")
+                if tp == index.tp and vocab_rows is None:  # its own degree: the source's shards
+                    splits[param.name] = ([tuple(s) for s in local], held)
+                    continue
                 if vocab_rows is not None and _Rules(info).matches("vocabulary_parameter_patterns", param.name):
                     full = (vocab_rows, *full[1:])
                 shapes = shard_shapes(param.name, full, info, tp)
@@ -620,5 +634,5 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "Split", "fused_qkv", "read_pipeline", "shard_shapes", "split_pieces",
-           "splits_at", "vocabulary_rows"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "Split", "TIED_WHY", "fused_qkv", "read_pipeline", "shard_shapes",
+           "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]
