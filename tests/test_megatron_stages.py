@@ -37,7 +37,7 @@ from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
 from tests.sampling import sample
-from tests.test_megatron_reshard import PIPE, SWIGLU, check_same_universal
+from tests.test_megatron_reshard import PIPE, SWIGLU, _differences, check_same_universal
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
 
 # (fixture, pp, tp, dp, partition method) at the target.
@@ -151,10 +151,24 @@ def test_the_stages_are_cut_again_at_the_target_degree(stage_fixtures: Mapping[s
     assert kept.notes == ()
 
 
-def test_the_plan_lists_the_stage_counts(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+def test_the_plan_lists_the_stage_counts(stage_fixtures: Mapping[str, ParallelFixture],
+                                        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """`--plan` offers every stage count and degree the planners write; a stage count whose layers DeepSpeed's
+    default partition method leaves open (pipe-toy's, trained "uniform", at pp4) says so, and what would work."""
+    from ckptflow.reshard.run import plan_shapes
+
     index = load_index(str(stage_fixtures[PIPE].dir))
     assert [str(s) for s, reason in shapes_at(index, 2) if reason is None] == [
         "ZeRO-1 dp2 (2 ranks)", "ZeRO-1 pp2 x dp1 (2 ranks)", "ZeRO-1 tp2 x dp1 (2 ranks)"]
+    options = plan_shapes(str(stage_fixtures[PIPE].dir), 4).options
+    assert [str(o.shape) for o in options if o.reason is None] == [
+        "ZeRO-1 dp4 (4 ranks)", "ZeRO-1 pp2 x dp2 (4 ranks)", "ZeRO-1 pp4 x dp1 (4 ranks)", "ZeRO-1 tp2 x dp2 (4 ranks)",
+        "ZeRO-1 pp2 x tp2 x dp1 (4 ranks)"]
+    pipe = str(parallel_fixtures["pipe-pp2-z1-fp32"].dir)
+    reasons = {str(o.shape): o.reason for o in plan_shapes(pipe, 4).options}
+    assert reasons["ZeRO-1 pp2 x dp2 (4 ranks)"] is None
+    assert reasons["ZeRO-1 pp4 x dp1 (4 ranks)"].startswith(
+        f"cannot tell which layers each of 4 pipeline stages of {pipe}/global_step3 holds: layer lists the files allow")
 
 
 def _tied(index: Any) -> Any:
@@ -204,3 +218,81 @@ def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[s
         "DeepSpeed trains Megatron-style PipelineModule models at ZeRO stage 1 only; shapes it can write at 2 ranks: "
         "ZeRO-1 dp2 (2 ranks), ZeRO-1 pp2 x dp1 (2 ranks), ZeRO-1 tp2 x dp1 (2 ranks)")
     assert not (tmp_path / "out").exists()
+
+
+# ---- Megatron's learned position embeddings ------------------------------------------------------------
+
+INFO = {"original_vocab_size": 37, "tp_replicated_parameter_patterns": [r"\d+\.norm\.weight"],
+        "parameter_with_row_parallelism_patterns": [r"\d+\.fc2\.weight"], "vocabulary_parameter_patterns": []}
+
+
+def test_unlisted_position_embeddings_are_read_as_replicated() -> None:
+    """Megatron's learned position embeddings, which `universal_checkpoint_info` leaves out where the embedding is
+    untied (`ds_to_universal` would concatenate them into 2 x 8 rows, which Megatron refuses): every
+    tensor-parallel rank holds them whole, and ckptflow joins and cuts them so, with a note; listed in a category,
+    the category's rule holds; another unlisted name is concatenated on dim 0 as before; copies of other shapes are
+    refused, naming why."""
+    from ckptflow.formats.deepspeed.readers.pipeline import position_note, shard_shapes, split_pieces
+
+    name = "1.position_embeddings.weight"
+    full, pieces, _ = split_pieces(name, [(8, 16), (8, 16)], INFO, 2, "param")
+    assert full == (8, 16) and all(len(p) == 1 and p[0].shape == (8, 16) for p in pieces)
+    assert shard_shapes(name, (8, 16), INFO, 4) == [(8, 16)] * 4
+    assert split_pieces("1.other_embeddings.weight", [(8, 16), (8, 16)], INFO, 2, "param")[0] == (16, 16)
+    rows = {**INFO, "parameter_with_row_parallelism_patterns": [r"\d+\.position_embeddings\.weight"]}
+    assert split_pieces(name, [(8, 16), (8, 16)], rows, 2, "param")[0] == (8, 32)
+    assert position_note(rows, [name]) is None
+    assert position_note(INFO, [name, "2.fc1.weight", "tied_modules.embed.position_embeddings.weight"]) == (
+        "1.position_embeddings.weight, tied_modules.embed.position_embeddings.weight are Megatron's learned position "
+        "embeddings, which every tensor-parallel rank holds whole; the checkpoint's universal_checkpoint_info does "
+        "not list them as replicated, so ckptflow reads them as replicated (the ranks' copies must agree) where "
+        "DeepSpeed's universal converter would concatenate them")
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        split_pieces(name, [(8, 16), (4, 16)], INFO, 2, "param")
+    assert str(refused.value) == ("it is Megatron's learned position embeddings, which every tensor-parallel rank "
+                                  "holds whole, but its tensor-parallel copies have shapes [[8, 16], [4, 16]]")
+
+
+def test_a_replicated_tensor_the_info_leaves_out_reshards_as_if_listed(
+        stage_fixtures: Mapping[str, ParallelFixture], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule end to end on DeepSpeed's files: the fixture's `universal_checkpoint_info` rewritten without its
+    replicated `norm.weight` pattern, and the rule's name pattern pointed at `norm.weight` (the fixture has no
+    position embeddings): pp2 x tp2 -> pp1 x tp1 writes the same tensors as from the source that lists them, and
+    says so; without the rule, the norms are concatenated as if split (2 x 16 elements), the file Megatron refuses."""
+    import re
+    import shutil
+
+    import torch
+
+    from ckptflow.formats.deepspeed.names import UC_INFO
+    from ckptflow.formats.deepspeed.readers import pipeline as reader
+
+    fixture = stage_fixtures[PIPE]
+    src = tmp_path / "src"
+    shutil.copytree(fixture.dir, src)
+    tag = (src / "latest").read_text().strip()
+    for path in sorted((src / tag).glob("mp_rank_*_model_states.pt")):  # the test's own copy: trusted
+        state = torch.load(path, weights_only=False)
+        info = state[UC_INFO]
+        info["tp_replicated_parameter_patterns"] = [p for p in info["tp_replicated_parameter_patterns"]
+                                                    if p != r"\d+\.norm\.weight"]
+        torch.save(state, path)
+    unruled = plan_reshard(load_index(str(src)), Target(world_size=2, pp=1, tp=1))
+    assert dict(unruled.parts[0].flat_shapes[1])["1.norm.weight"] == (32,)
+    monkeypatch.setattr(reader, "POSITION_EMBEDDINGS", re.compile(r"(?:^|\.)norm\.weight$"))
+    index = load_index(str(src))
+    assert any(note.startswith("1.norm.weight, 2.norm.weight, 3.norm.weight are Megatron's") for note in index.notes)
+    ruled = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
+    assert dict(ruled.parts[0].flat_shapes[1])["1.norm.weight"] == (16,)
+    assert ruled.notes[1].startswith("1.norm.weight, 2.norm.weight, 3.norm.weight are Megatron's")
+    reshard(str(src), str(tmp_path / "ruled"), world_size=2, pp=1, tp=1, workers=2)
+    reshard(str(fixture.dir), str(tmp_path / "listed"), world_size=2, pp=1, tp=1, workers=2)
+    for path in sorted((tmp_path / "listed" / tag).iterdir()):
+        ours, theirs = (torch.load(d / tag / path.name, weights_only=False) for d in (tmp_path / "ruled",
+                                                                                       tmp_path / "listed"))
+        for tree in (ours, theirs):
+            if isinstance(tree, dict):
+                tree.pop(UC_INFO, None)
+        differ: dict[str, int] = {}
+        _differences(ours, theirs, path.name, differ)
+        assert differ == {}, path.name

@@ -10,8 +10,8 @@ job), loads the output natively (``engine.load_checkpoint``, no universal checkp
 - saved again at that shape, it writes exactly ckptflow's files (layer files included).
 
 And to another number of stages above one (``--pp 4``, ``--partition-method uniform``, the fixture's), checked the
-same way. Stage counts the files do not determine are refused, as are Megatron-style pipelines and ZeRO-0, each
-in one line that says why.
+same way. Stage counts the files do not determine are refused, as is ZeRO-0, each in one line that says why
+(Megatron-style pipelines: `tests/test_megatron_stages.py`).
 """
 
 from __future__ import annotations
@@ -118,15 +118,8 @@ def test_the_merged_stage_flattens_in_parameters_order(parallel_fixtures: Mappin
     assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
 
 
-def test_other_stage_counts_are_refused(parallel_fixtures: Mapping[str, ParallelFixture],
-                                        parallel_extra_fixtures: Mapping[str, ParallelFixture],
+def test_other_stage_counts_are_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path: Path) -> None:
-    megatron = parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"]
-    with pytest.raises(UnsupportedCheckpointError, match=(
-            r"to 2 ranks, pp1: ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints "
-            r"only, not of Megatron-style PipelineModule ones; shapes it can write at 2 ranks: ZeRO-1 pp2 x dp1 "
-            r"\(2 ranks\)$")):
-        reshard(str(megatron.dir), str(tmp_path / "out"), world_size=2, pp=1)
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=(
             r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, "

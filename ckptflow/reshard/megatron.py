@@ -26,11 +26,24 @@ Each target model-parallel rank (stage s, tensor-parallel rank t', `mp_rank_{s *
   full module copy (the source's layer files joined by the same rules), buffers as tensor-parallel rank
   0 holds them.
 
+Another number of pipeline stages, P -> P', the degree changing with it or not (`plan_megatron_stages`):
+the two act on different axes and compose. Which layers each target stage holds is what `PipelineModule`
+decides at P' (`pipeline.stages_at`: merged to one, or cut by its partition method, each layer weighed
+by its shards' elements at T', as `PipelineModule` counts the layers it builds); each target stage s'
+and tensor-parallel rank t' is then a pipeline stage as `pipeline.plan_stage` writes it, over the same
+virtual checkpoint, its parameters at their shapes at T' and each element copied out of the full tensor
+(`local_copies` over `ModelRuns`) from whichever source stage and tensor-parallel rank trained it; its
+model states at T' x P'; the layer files of its layers cut as above. At the source's own degree the
+shards are the source's own (`splits_at`), whatever the rules say of other degrees.
+
 Refused, naming the parameter: a parameter the patterns do not split at T' (averaged ones, which
 `ds_to_universal` averages and ckptflow does not; `parameter_with_sub_params`, whose shard widths at T'
-are not recorded; a dimension T' does not divide). Refused as well: ZeRO-0 (its optimizer state names no
-parameter), frozen parameters, tied modules across stages, `round_robin_gradients`, and another number of
-pipeline stages or ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and 1 only).
+are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree,
+and a tied module (`tied_modules.*`: Megatron's GPT ties its embedding and head) at any tensor-parallel or
+pipeline change (no fixture of a Megatron-style tied module has been checked against DeepSpeed yet).
+Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
+`round_robin_gradients`, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and
+1 only).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
     TIED_WHY,
     Split,
     fused_qkv,
+    position_note,
     split_pieces,
     splits_at,
     tied_module,
@@ -70,7 +84,6 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     _check_source(index, shape)
     vocab_rows, splits = _splits(index, shape.tp)
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
-    note = keep_note(index, shape.tp)
     runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
     parts = []
@@ -90,7 +103,7 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
-        padded_vocab=vocab_rows, notes=(note,) if note else (),
+        padded_vocab=vocab_rows, notes=_notes(index, shape.tp),
     )
 
 
@@ -109,15 +122,14 @@ def plan_megatron_stages(index: Any, shape: Shape, partition_method: str | None 
     splits = {name: split for stage in stage_splits for name, split in stage.items()}
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     info_at = _info_at(info, shape.tp, vocab_rows)
-    note = keep_note(index, shape.tp) if shape.tp != index.tp else None
     groups = check_stages(index)
-    stages = stages_at(index, shape.pp, partition_method, layers, _weigh(splits) if shape.tp != index.tp else None)
+    stages = megatron_stages(index, shape, partition_method, layers, splits)
     module: dict[str, tuple[Run, ...]] = {}
-    for stage in range(index.pp):
-        module.update(_module_runs(index, stage, info))
+    for source_stage in range(index.pp):
+        module.update(_module_runs(index, source_stage, info))
     owners = _layer_owners(index, stages)
     parts = []
-    for s, stage in enumerate(stages):
+    for at, stage in enumerate(stages):
         for t in range(shape.tp):
             pieces = {name: split[1][t] for name, split in splits.items()}
             shapes = {name: split[0][t] for name, split in splits.items()}
@@ -129,15 +141,37 @@ def plan_megatron_stages(index: Any, shape: Shape, partition_method: str | None 
                 return local_copies(pieces, full)
 
             source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
-            plan = plan_stage(index, source, shape.dp, mp_rank=s * shape.tp + t, local=local)
-            files = tuple(_layer_file(index, layer, t, splits, module) for layer, owner in owners.items() if owner == s)
+            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local)
+            files = tuple(_layer_file(index, layer, t, splits, module)
+                          for layer, owner in owners.items() if owner == at)
             first = replace(plan.units[0], tensor_files=files)
             parts.append(replace(plan, units=(first, *plan.units[1:])))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
-        padded_vocab=vocab_rows, notes=(note,) if note else (),
+        padded_vocab=vocab_rows, notes=_notes(index, shape.tp),
     )
+
+
+def _notes(index: ModelParallelCheckpoint, tp: int) -> tuple[str, ...]:
+    """What a change to degree `tp` says: the source's padded vocabulary kept, position embeddings read as
+    replicated (`readers.pipeline.position_note`); nothing at the source's own degree."""
+    if tp == index.tp:
+        return ()
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    notes = (keep_note(index, tp), position_note(info, [t.name for t in index.tensors]))
+    return tuple(note for note in notes if note)
+
+
+def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
+                    layers: int | None = None, splits: Mapping[str, Split] | None = None) -> tuple[TargetStage, ...]:
+    """What each of `shape.pp` target stages of the Megatron-style checkpoint `index` holds at `shape.tp`
+    (`pipeline.stages_at`, the layers weighed at that degree; `splits`: every parameter's there)."""
+    if shape.tp == index.tp:
+        return stages_at(index, shape.pp, partition_method, layers)
+    if splits is None:
+        splits = {name: split for stage in _splits(index, shape.tp)[1] for name, split in stage.items()}
+    return stages_at(index, shape.pp, partition_method, layers, _weigh(splits))
 
 
 def _splits(index: ModelParallelCheckpoint, tp: int) -> tuple[int | None, list[dict[str, Split]]]:
@@ -281,4 +315,4 @@ def _layer_file(index: ModelParallelCheckpoint, layer: int, t: int, splits: Mapp
     return TensorFile(name=layer_file_name(layer, t), tensors=tuple(tensors))
 
 
-__all__ = ["plan_megatron_stages", "plan_megatron_tensor_parallel"]
+__all__ = ["megatron_stages", "plan_megatron_stages", "plan_megatron_tensor_parallel"]

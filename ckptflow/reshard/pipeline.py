@@ -24,8 +24,9 @@ source stage s's data-parallel rank d, and whose ranks `N * D + d` hold the opti
 re-indexed to the target stage's groups (what `reshard.files` copies from a unit's `meta_rank`), so
 `reshard.files` writes it unchanged. The model file of each stage records its own `buffer_names`,
 `param_shapes`, `mp_world_size` (tp x pp) and `checkpoint_parallel_dimensions`.
-Megatron-style tensor parallelism inside the stages, ZeRO-0, frozen parameters and
-`round_robin_gradients` are refused.
+ZeRO-0, frozen parameters and `round_robin_gradients` are refused. A Megatron-style checkpoint (tensor
+parallelism inside the stages) is regrouped by the same functions, one target tensor-parallel rank at a
+time (`megatron.plan_megatron_stages`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None,
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} PipelineModule checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones between stages (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
-    ranks: Sequence[ZeroCheckpoint] = index.ranks
     groups = check_stages(index)
     stages = stages_at(index, shape.pp, partition_method, layers)
     parts = tuple(plan_stage(index, stage_source(index, groups, stage, shape), shape.dp, mp_rank=t)
@@ -395,8 +395,8 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
         return runs.copies(name, held[name], first, last, dst)
 
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
-                        local(copies) if local is not None else copies, aligned=is_set(source.zero_config, "parameter_alignment"),
-                        bf16=optimizer == BF16)
+                        local(copies) if local is not None else copies,
+                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16)
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     flat_shapes, param_paddings = laid.shapes, laid.param_paddings
     meta = len(index.ranks) * index.world_size  # the virtual ranks holding the stage's optimizer fields
