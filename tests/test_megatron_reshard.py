@@ -409,7 +409,8 @@ def test_shapes_the_rules_do_not_reach_are_refused_in_one_line(megatron_fixtures
     assert str(refused.value) == (
         f"cannot reshard {fixture.dir}/global_step3 (ZeRO-1 tp2 x dp2 (4 ranks)) to 4 ranks, tp4: 0.weight does not "
         "split at tensor-parallel degree 4: the padded vocabulary's 38 rows do not split into 4 equal blocks; shapes "
-        "it can write at 4 ranks: ZeRO-1 dp4 (4 ranks), ZeRO-1 tp2 x dp2 (4 ranks)")
+        "it can write at 4 ranks: ZeRO-1 dp4 (4 ranks), ZeRO-1 pp2 x dp2 (4 ranks), ZeRO-1 pp4 x dp1 (4 ranks), "
+        "ZeRO-1 tp2 x dp2 (4 ranks), ZeRO-1 pp2 x tp2 x dp1 (4 ranks)")
     assert not (tmp_path / "out").exists()
 
 

@@ -15,7 +15,8 @@ stage and tensor-parallel ranks that hold them; its layer files cut again at the
 
 The default run makes one 2-rank launch: pp2 x tp2 x dp1 -> pp1 x tp1 x dp2 (both degrees at once). The
 long mode adds the pipeline alone (pp2 x tp2 -> pp1 x tp2), fused SwiGLU halves merged the same way, and
-a 4-rank launch cutting the stages again (pp2 x tp2 -> pp4 x tp1, "uniform" as the writer builds it).
+4-rank launches cutting the stages again (pp2 x tp2 -> pp4 x tp1, "uniform" as the writer builds it) and
+growing them (pp1 x tp2 x dp2 -> pp2 x tp1 x dp2, with Megatron-DeepSpeed's `args` and its sizes).
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ from ckptflow.reshard import reshard, shapes_at
 from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
-from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
 from tests.sampling import sample
-from tests.test_megatron_reshard import PIPE, SWIGLU, _differences, check_same_universal
-from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
+from tests.test_megatron_reshard import ARGS, PIPE, SWIGLU, _differences, check_same_universal
+from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 
-# (fixture, pp, tp, dp, partition method) at the target.
-ALL_CASES = ((PIPE, 1, 1, 2, None), (PIPE, 1, 2, 1, None), (SWIGLU, 1, 1, 2, None), (PIPE, 4, 1, 1, "uniform"))
-CASES = sample(ALL_CASES, [(PIPE, 1, 1, 2, None)])
+# (fixture, pp, tp, dp, partition method, layer list's length) at the target.
+ALL_CASES = ((PIPE, 1, 1, 2, None, None), (PIPE, 1, 2, 1, None, None), (SWIGLU, 1, 1, 2, None, None),
+             (PIPE, 4, 1, 1, "uniform", None), (ARGS, 2, 1, 2, "uniform", 6))
+CASES = sample(ALL_CASES, [(PIPE, 1, 1, 2, None, None)])
 
 
 def case_id(case: tuple) -> str:
@@ -64,12 +65,12 @@ def stage_oracle(stage_fixtures: Mapping[str, ParallelFixture], tmp_path_factory
     outs, resaved, results = {}, {}, {}
     launches: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for case in CASES:
-        name, pp, tp, dp, method = case
+        name, pp, tp, dp, method, layers = case
         fixture = stage_fixtures[name]
         spec = dataclasses.replace(fixture.parallel_spec, pp=pp, tp=tp, world_size=pp * tp * dp)
         outs[case] = root / "out" / case_id(case)
         reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, pp=pp, tp=tp, partition_method=method,
-                workers=2)
+                pipeline_layers=layers, workers=2)
         resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
@@ -79,10 +80,7 @@ def stage_oracle(stage_fixtures: Mapping[str, ParallelFixture], tmp_path_factory
             "result": str(results[case]),
         })
     for (world_size, pp, tp), jobs in sorted(launches.items()):
-        jobs_file = root / f"jobs-{world_size}-pp{pp}-tp{tp}.json"
-        jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
-               log_dir=root / f"logs-{world_size}-pp{pp}-tp{tp}")
+        launch_oracle(world_size, jobs, root, f"{world_size}-pp{pp}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
 
 

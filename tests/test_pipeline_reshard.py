@@ -37,7 +37,7 @@ from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.launch import launch
 from tests.fixtures.sets import ParallelFixture
-from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
+from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 from tests.test_parallel_fixtures import STATES, universal_tensor
 
 # (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16.
@@ -69,10 +69,7 @@ def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
         })
     for world_size, jobs in sorted(launches.items()):
-        jobs_file = root / f"jobs-{world_size}-pipe-pp1.json"
-        jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
-               log_dir=root / f"logs-{world_size}-pipe-pp1")
+        launch_oracle(world_size, jobs, root, f"{world_size}-pipe-pp1")
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
