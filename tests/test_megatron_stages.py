@@ -101,6 +101,18 @@ def test_deepspeed_loads_the_stages_at_the_target_shape(stage_oracle: dict[str, 
     check_same_universal(fixture, stage_oracle["resaved"][case], tmp_path_factory.mktemp("universal"))
 
 
+@pytest.mark.parametrize(("pp", "tp", "dp"), sample(((1, 1, 2), (4, 1, 1)), [(1, 1, 2)]))
+def test_a_holdout_at_other_stages_converts_to_the_source_state(
+        holdout_fixtures: Mapping[str, ParallelFixture], pp: int, tp: int, dp: int, tmp_path: Path) -> None:
+    """A Megatron-style checkpoint no one looked at while this was written (pp2 x tp2, seed 1), its stages and
+    degree changed at once: `ds_to_universal` of ckptflow's files equals `ds_to_universal` of the source in every
+    fp32 weight, Adam moment and step (no launch: the converter runs in this process)."""
+    fixture = holdout_fixtures["holdout-megatron-pp2tp2-z1-fp32-ucinfo-s1"]
+    out = tmp_path / "out"
+    reshard(str(fixture.dir), str(out), world_size=pp * tp * dp, pp=pp, tp=tp, partition_method="uniform", workers=2)
+    check_same_universal(fixture, out, tmp_path / "universal")
+
+
 # ---- without DeepSpeed ---------------------------------------------------------------------------------
 
 
