@@ -146,11 +146,17 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
         })
     for (world_size, layout, tp), jobs in sorted(launches.items()):
-        jobs_file = root / f"jobs-{world_size}-{layout}-tp{tp}.json"
-        jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
-               log_dir=root / f"logs-{world_size}-{layout}-tp{tp}")
+        launch_oracle(world_size, jobs, root, f"{world_size}-{layout}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
+
+
+def launch_oracle(world_size: int, jobs: list[dict[str, Any]], root: Path, label: str) -> None:
+    """One DeepSpeed launch of `tests.oracles.parallel_reshard` on `world_size` ranks running `jobs` (its
+    jobs file and logs under `root`, named by `label`)."""
+    jobs_file = root / f"jobs-{label}.json"
+    jobs_file.write_text(json.dumps(jobs, indent=1))
+    launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
+           log_dir=root / f"logs-{label}")
 
 
 def check_loaded_state(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFixture) -> None:

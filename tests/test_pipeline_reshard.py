@@ -10,8 +10,8 @@ job), loads the output natively (``engine.load_checkpoint``, no universal checkp
 - saved again at that shape, it writes exactly ckptflow's files (layer files included).
 
 And to another number of stages above one (``--pp 4``, ``--partition-method uniform``, the fixture's), checked the
-same way. Stage counts the files do not determine are refused, as are Megatron-style pipelines and ZeRO-0, each
-in one line that says why.
+same way. Stage counts the files do not determine are refused, as is ZeRO-0, each in one line that says why
+(Megatron-style pipelines: `tests/test_megatron_stages.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
 from tests.fixtures.sets import ParallelFixture
-from tests.test_model_parallel_reshard import check_loaded_state, check_same_files
+from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 from tests.test_parallel_fixtures import STATES, universal_tensor
 
 # (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16.
@@ -69,10 +69,7 @@ def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
         })
     for world_size, jobs in sorted(launches.items()):
-        jobs_file = root / f"jobs-{world_size}-pipe-pp1.json"
-        jobs_file.write_text(json.dumps(jobs, indent=1))
-        launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
-               log_dir=root / f"logs-{world_size}-pipe-pp1")
+        launch_oracle(world_size, jobs, root, f"{world_size}-pipe-pp1")
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
@@ -118,15 +115,8 @@ def test_the_merged_stage_flattens_in_parameters_order(parallel_fixtures: Mappin
     assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
 
 
-def test_other_stage_counts_are_refused(parallel_fixtures: Mapping[str, ParallelFixture],
-                                        parallel_extra_fixtures: Mapping[str, ParallelFixture],
+def test_other_stage_counts_are_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path: Path) -> None:
-    megatron = parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"]
-    with pytest.raises(UnsupportedCheckpointError, match=(
-            r"to 2 ranks, pp1: ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints "
-            r"only, not of Megatron-style PipelineModule ones; shapes it can write at 2 ranks: ZeRO-1 pp2 x dp1 "
-            r"\(2 ranks\)$")):
-        reshard(str(megatron.dir), str(tmp_path / "out"), world_size=2, pp=1)
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=(
             r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, "

@@ -202,7 +202,8 @@ def test_the_cli_plan_of_a_folder_without_a_checkpoint_is_one_line(tmp_path: Pat
 def test_the_cli_plan_of_a_megatron_checkpoint_names_what_its_rules_split(
         parallel_extra_fixtures: Mapping[str, Any]) -> None:
     """A Megatron-style checkpoint (tp2 x dp2) is written at every tensor-parallel degree its
-    `universal_checkpoint_info` cuts every parameter at; the others name the first parameter it does not."""
+    `universal_checkpoint_info` cuts every parameter at, and at other stage counts; the others name the first
+    parameter it does not cut."""
     src = str(parallel_extra_fixtures["megatron-args-tp2dp2-z1-fp32"].dir)
     result = CliRunner().invoke(app, ["reshard", src, "--world-size", "4", "--plan"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
@@ -211,7 +212,8 @@ def test_the_cli_plan_of_a_megatron_checkpoint_names_what_its_rules_split(
     assert rows["ZeRO-1 tp4 x dp1 (4 ranks)"] == (
         "not yet: 0.weight does not split at tensor-parallel degree 4: the padded vocabulary's 38 rows do not split "
         "into 4 equal blocks")
-    assert result.output.splitlines()[-1].startswith("2 of 6 shape(s) at 4 rank(s) can be written.")
+    assert rows["ZeRO-1 pp2 x tp2 x dp1 (4 ranks)"] == "writes it"  # the pipeline stages too (issue 24)
+    assert result.output.splitlines()[-1].startswith("5 of 6 shape(s) at 4 rank(s) can be written.")
 
 
 def test_the_cli_plan_of_an_autoep_zero3_checkpoint_offers_every_degree_at_every_stage(

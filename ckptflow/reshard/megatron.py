@@ -26,15 +26,29 @@ Each target model-parallel rank (stage s, tensor-parallel rank t', `mp_rank_{s *
   full module copy (the source's layer files joined by the same rules), buffers as tensor-parallel rank
   0 holds them.
 
+Another number of pipeline stages, P -> P', the degree changing with it or not (`plan_megatron_stages`):
+the two act on different axes and compose. Which layers each target stage holds is what `PipelineModule`
+decides at P' (`pipeline.stages_at`: merged to one, or cut by its partition method, each layer weighed
+by its shards' elements at T', as `PipelineModule` counts the layers it builds); each target stage s'
+and tensor-parallel rank t' is then a pipeline stage as `pipeline.plan_stage` writes it, over the same
+virtual checkpoint, its parameters at their shapes at T' and each element copied out of the full tensor
+(`local_copies` over `ModelRuns`) from whichever source stage and tensor-parallel rank trained it; its
+model states at T' x P'; the layer files of its layers cut as above. At the source's own degree the
+shards are the source's own (`splits_at`), whatever the rules say of other degrees.
+
 Refused, naming the parameter: a parameter the patterns do not split at T' (averaged ones, which
 `ds_to_universal` averages and ckptflow does not; `parameter_with_sub_params`, whose shard widths at T'
-are not recorded; a dimension T' does not divide). Refused as well: ZeRO-0 (its optimizer state names no
-parameter), frozen parameters, tied modules across stages, `round_robin_gradients`, and another number of
-pipeline stages or ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and 1 only).
+are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree,
+and a tied module (`tied_modules.*`: Megatron's GPT ties its embedding and head) at any tensor-parallel or
+pipeline change (no fixture of a Megatron-style tied module has been checked against DeepSpeed yet).
+Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
+`round_robin_gradients`, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and
+1 only).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -43,15 +57,24 @@ from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.model import ModelTensor, Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, join
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, Split, fused_qkv, split_pieces, splits_at
+from ckptflow.formats.deepspeed.readers.pipeline import (
+    FUSED_QKV_WHY,
+    TIED_WHY,
+    Split,
+    fused_qkv,
+    position_note,
+    split_pieces,
+    splits_at,
+    tied_module,
+)
 from ckptflow.formats.deepspeed.runs import Run, whole_run
-from ckptflow.reshard.flats import ModelRuns
+from ckptflow.reshard.flats import Copies, ModelRuns
+from ckptflow.reshard.pipeline import Weigh, check_stages, plan_stage, stage_source, stages_at
+from ckptflow.reshard.pipeline_layers import Layer, TargetStage
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
 from ckptflow.reshard.units import ModelParallelPlan, TensorFile
 from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
-
-TIED = "tied_modules."
 
 
 def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan:
@@ -59,14 +82,8 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     degree, the same pipeline stages and ZeRO stage); reads nothing. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
     _check_source(index, shape)
-    try:
-        vocab_rows = vocab_rows_at(index, shape.tp)
-        splits = splits_at(index, shape.tp, vocab_rows)
-    except UnsupportedCheckpointError as exc:
-        raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
-                                         uri=index.root, tensor=exc.tensor) from None
+    vocab_rows, splits = _splits(index, shape.tp)
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
-    note = keep_note(index, shape.tp)
     runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
     parts = []
@@ -86,32 +103,142 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
-        padded_vocab=vocab_rows, notes=(note,) if note else (),
+        padded_vocab=vocab_rows, notes=_notes(index, shape.tp),
     )
 
 
-def _check_source(index: Any, shape: Shape) -> None:
+def plan_megatron_stages(index: Any, shape: Shape, partition_method: str | None = None,
+                         layers: int | None = None) -> ModelParallelPlan:
+    """The plan that writes the Megatron-style checkpoint `index` at `shape`: another number of pipeline
+    stages, and the same or another tensor-parallel degree; reads nothing. The two act on different axes
+    and compose: each target stage's parameters are those `pipeline.stages_at` gives it (weighed at the
+    target degree, as `PipelineModule` counts the shards it builds), each at its shard's shape at the
+    target degree (`splits_at`); the stage's ZeRO-1 files are laid out as `pipeline.plan_stage` lays
+    them, each element copied out of the full tensor (`local_copies`) from the source stage and
+    tensor-parallel ranks that hold it; the layer files of its layers cut as `plan_megatron_tensor_parallel`
+    cuts them. `UnsupportedCheckpointError`, in one line saying why, for anything else."""
+    _check_source(index, shape, stages=True)
+    vocab_rows, stage_splits = _splits(index, shape.tp)
+    splits = {name: split for stage in stage_splits for name, split in stage.items()}
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    info_at = _info_at(info, shape.tp, vocab_rows)
+    groups = check_stages(index)
+    stages = megatron_stages(index, shape, partition_method, layers, splits)
+    module: dict[str, tuple[Run, ...]] = {}
+    for source_stage in range(index.pp):
+        module.update(_module_runs(index, source_stage, info))
+    owners = _layer_owners(index, stages)
+    parts = []
+    for at, stage in enumerate(stages):
+        for t in range(shape.tp):
+            pieces = {name: split[1][t] for name, split in splits.items()}
+            shapes = {name: split[0][t] for name, split in splits.items()}
+
+            def restate(state: Mapping[str, Any], t: int = t) -> Mapping[str, Any]:
+                return at_degree(state, shape.tp, info_at, tp_rank=t, mp_world_size=shape.tp * shape.pp)
+
+            def local(full: Copies, pieces: Mapping[str, Any] = pieces) -> Copies:
+                return local_copies(pieces, full)
+
+            source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
+            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local)
+            files = tuple(_layer_file(index, layer, t, splits, module)
+                          for layer, owner in owners.items() if owner == at)
+            first = replace(plan.units[0], tensor_files=files)
+            parts.append(replace(plan, units=(first, *plan.units[1:])))
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
+        source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
+        padded_vocab=vocab_rows, notes=_notes(index, shape.tp),
+    )
+
+
+def _notes(index: ModelParallelCheckpoint, tp: int) -> tuple[str, ...]:
+    """What a change to degree `tp` says: the source's padded vocabulary kept, position embeddings read as
+    replicated (`readers.pipeline.position_note`); nothing at the source's own degree."""
+    if tp == index.tp:
+        return ()
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    notes = (keep_note(index, tp), position_note(info, [t.name for t in index.tensors]))
+    return tuple(note for note in notes if note)
+
+
+def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
+                    layers: int | None = None, splits: Mapping[str, Split] | None = None) -> tuple[TargetStage, ...]:
+    """What each of `shape.pp` target stages of the Megatron-style checkpoint `index` holds at `shape.tp`
+    (`pipeline.stages_at`, the layers weighed at that degree; `splits`: every parameter's there)."""
+    if shape.tp == index.tp:
+        return stages_at(index, shape.pp, partition_method, layers)
+    if splits is None:
+        splits = {name: split for stage in _splits(index, shape.tp)[1] for name, split in stage.items()}
+    return stages_at(index, shape.pp, partition_method, layers, _weigh(splits))
+
+
+def _splits(index: ModelParallelCheckpoint, tp: int) -> tuple[int | None, list[dict[str, Split]]]:
+    """The vocabulary's padded rows at degree `tp` (None: the source's, kept at its own degree) and every
+    stage's splits there."""
+    try:
+        vocab_rows = vocab_rows_at(index, tp) if tp != index.tp else None
+        return vocab_rows, splits_at(index, tp, vocab_rows)
+    except UnsupportedCheckpointError as exc:
+        raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
+                                         uri=index.root, tensor=exc.tensor) from None
+
+
+def _weigh(splits: Mapping[str, Split]) -> Weigh:
+    """A layer list's weights at the target degree: each layer's parameters' elements on a tensor-parallel
+    rank there (every rank holds equal shards: `shard_shapes`)."""
+    counts: dict[int, int] = {}
+    for name, (shapes, _) in splits.items():
+        counts[_layer_of(name)] = counts.get(_layer_of(name), 0) + math.prod(shapes[0])
+
+    def weigh(layers: Sequence[Layer]) -> list[Layer]:
+        return [(key, count if key else counts.get(i, 0)) for i, (key, count) in enumerate(layers)]
+
+    return weigh
+
+
+def _layer_owners(index: ModelParallelCheckpoint, stages: Sequence[TargetStage]) -> dict[int, int]:
+    """Each layer file's layer -> the target stage that writes it: the stage holding it; a layer without
+    parameters or buffers, the last stage starting before it."""
+    firsts = [min(stage.layers) if stage.layers else None for stage in stages]
+    out = {}
+    for layer in sorted({layer for layer, _ in index.layers}):
+        out[layer] = next((s for s, stage in enumerate(stages) if layer in stage.layers),
+                          max((s for s, first in enumerate(firsts) if first is not None and first <= layer), default=0))
+    return out
+
+
+def _check_source(index: Any, shape: Shape, *, stages: bool = False) -> None:
+    """`UnsupportedCheckpointError` unless `index` is a Megatron-style checkpoint ckptflow writes at `shape`:
+    another tensor-parallel degree, and another number of pipeline stages where `stages`."""
     where = f"{index.root}/{index.tag}"
     if not isinstance(index, ModelParallelCheckpoint) or index.kind != "megatron":
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {getattr(index, 'layout', type(index).__name__)} layout, not a "
             "Megatron-style one", code="unsupported-layout", uri=index.root)
-    if shape.pp != index.pp or shape.stage != index.stage:
+    if (shape.pp != index.pp and not stages) or shape.stage != index.stage:
         raise UnsupportedCheckpointError(
             f"{where}: ckptflow changes a Megatron-style checkpoint's tensor-parallel degree at its own number of "
             f"pipeline stages ({index.pp}) and ZeRO stage ({index.stage}) only", uri=index.root,
             hint=f"leave {option('pp')} and {option('stage')} out")
+    if shape.pp != index.pp and index.stage != 1:
+        raise UnsupportedCheckpointError(
+            f"{where} is a ZeRO-{index.stage} Megatron-style checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
+            "ones only (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
     fused = fused_qkv(index) if shape.tp != index.tp else None
     if fused is not None:
         raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
                                          tensor=fused,
                                          hint=f"keep the tensor-parallel degree ({index.tp}; leave {option('tp')} out)")
-    check_joinable(index, shape.tp)
-    ranks: Sequence[ZeroCheckpoint] = index.ranks
-    tied = [p.name for rank in ranks for p in rank.params if p.name.startswith(TIED)]
-    if tied:
-        raise UnsupportedCheckpointError(f"{where}: {tied[0]} is a tied module, which ckptflow does not split again "
-                                         "over tensor-parallel ranks", uri=index.root, tensor=tied[0])
+    if shape.tp != index.tp:
+        check_joinable(index, shape.tp)
+    tied = tied_module(index)
+    if tied is not None:
+        raise UnsupportedCheckpointError(
+            f"{where}: {tied} {TIED_WHY}", code="unsupported-shape", uri=index.root, tensor=tied,
+            hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and {option('pp')} "
+                 "out) to change the data-parallel size only")
 
 
 def _info_at(info: Mapping[str, Any], tp: int, vocab_rows: int | None) -> dict[str, Any]:
@@ -188,4 +315,4 @@ def _layer_file(index: ModelParallelCheckpoint, layer: int, t: int, splits: Mapp
     return TensorFile(name=layer_file_name(layer, t), tensors=tuple(tensors))
 
 
-__all__ = ["plan_megatron_tensor_parallel"]
+__all__ = ["megatron_stages", "plan_megatron_stages", "plan_megatron_tensor_parallel"]

@@ -24,13 +24,14 @@ source stage s's data-parallel rank d, and whose ranks `N * D + d` hold the opti
 re-indexed to the target stage's groups (what `reshard.files` copies from a unit's `meta_rank`), so
 `reshard.files` writes it unchanged. The model file of each stage records its own `buffer_names`,
 `param_shapes`, `mp_world_size` (tp x pp) and `checkpoint_parallel_dimensions`.
-Megatron-style tensor parallelism inside the stages, ZeRO-0, frozen parameters and
-`round_robin_gradients` are refused.
+ZeRO-0, frozen parameters and `round_robin_gradients` are refused. A Megatron-style checkpoint (tensor
+parallelism inside the stages) is regrouped by the same functions, one target tensor-parallel rank at a
+time (`megatron.plan_megatron_stages`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,10 +42,11 @@ from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, model_file_name, opt
 from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.reshard.data_parallel import plan_data_parallel
-from ckptflow.reshard.flats import ModelRuns, zero12_flats
+from ckptflow.reshard.flats import Copies, ModelRuns, zero12_flats
 from ckptflow.reshard.pipeline_layers import (
     METHODS,
     Evidence,
+    Layer,
     TargetStage,
     describe,
     layer_lists,
@@ -78,15 +80,9 @@ def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None,
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} PipelineModule checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones between stages (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
-    ranks: Sequence[ZeroCheckpoint] = index.ranks
-    for rank in ranks:  # the source's layout must be DeepSpeed's arithmetic at its size (refused otherwise)
-        plan_data_parallel(rank, rank.world_size)
-    groups = _check_stages(index, ranks)
-    if shape.pp == 1:
-        stages: tuple[TargetStage, ...] = (_merged(ranks),)
-    else:
-        stages = _split(index, ranks, shape.pp, partition_method or DEFAULT_METHOD, layers)
-    parts = tuple(_plan_stage(index, _stage_source(index, ranks, groups, stage, shape), shape.dp, mp_rank=t)
+    groups = check_stages(index)
+    stages = stages_at(index, shape.pp, partition_method, layers)
+    parts = tuple(plan_stage(index, stage_source(index, groups, stage, shape), shape.dp, mp_rank=t)
                   for t, stage in enumerate(stages))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
@@ -101,9 +97,14 @@ def _group_key(group: Any) -> str:
     return repr(sorted((k, repr(v)) for k, v in group.hyper.items() if k != "params"))
 
 
-def _check_stages(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint]) -> list[str]:
-    """Every param group of the stages (known by their hyper-parameters), in the client's order."""
+def check_stages(index: ModelParallelCheckpoint) -> list[str]:
+    """Every param group of `index`'s model-parallel ranks (known by their hyper-parameters), in the
+    client's order; `UnsupportedCheckpointError` where its stages' optimizer state cannot be regrouped
+    (frozen parameters, `round_robin_gradients`, ZeRO-3, groups in another order or a parameter in two)."""
     where = f"{index.root}/{index.tag}"
+    ranks: Sequence[ZeroCheckpoint] = index.ranks
+    for rank in ranks:  # the source's layout must be DeepSpeed's arithmetic at its size (refused otherwise)
+        plan_data_parallel(rank, rank.world_size)
     first = ranks[0]
     frozen = [p.name for rank in ranks for p in rank.params if p.frozen]
     if frozen:
@@ -174,8 +175,9 @@ def _named_layers(rank: ZeroCheckpoint) -> set[int]:
 
 
 def evidence(index: ModelParallelCheckpoint) -> Evidence:
-    """What `index`'s files say about its layer list (`pipeline_layers.Evidence`)."""
-    ranks: Sequence[ZeroCheckpoint] = index.ranks
+    """What `index`'s files say about its layer list (`pipeline_layers.Evidence`), at its own
+    tensor-parallel degree (each stage's first tensor-parallel rank)."""
+    ranks: Sequence[ZeroCheckpoint] = index.ranks[::index.tp]
     tied = dict(index.tied_layers)
     counts: dict[int, int] = {}
     sizes: dict[str, int] = {}
@@ -199,8 +201,25 @@ def evidence(index: ModelParallelCheckpoint) -> Evidence:
                     tied=sizes)
 
 
+# A layer list's weights at the target (`PipelineModule` counts the parameters of each layer as built on
+# the rank, so at another tensor-parallel degree they are the shards' there).
+Weigh = Callable[[Sequence[Layer]], list[Layer]]
+
+
+def stages_at(index: ModelParallelCheckpoint, pp: int, partition_method: str | None = None,
+              count: int | None = None, weigh: Weigh | None = None) -> tuple[TargetStage, ...]:
+    """What each of `pp` target stages of `index` holds: every layer and tied module at pp1, else as
+    `PipelineModule(partition_method=...)` (None: its default) cuts the layer lists the files allow
+    (`count` layers, when given), weighed at the target by `weigh` (None: as the source weighs them);
+    `UnsupportedCheckpointError` where that is not one answer."""
+    ranks: Sequence[ZeroCheckpoint] = index.ranks
+    if pp == 1:
+        return (_merged(ranks),)
+    return _split(index, ranks, pp, partition_method or DEFAULT_METHOD, count, weigh)
+
+
 def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: int, method: str,
-           count: int | None) -> tuple[TargetStage, ...]:
+           count: int | None, weigh: Weigh | None = None) -> tuple[TargetStage, ...]:
     where = f"{index.root}/{index.tag}"
     hint = f"give the {option('partition_method')} the model was trained with"
     if method not in METHODS:
@@ -221,7 +240,8 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     modules = frozenset().union(*(_named_layers(r) for r in ranks))
     outcomes: dict[tuple[TargetStage, ...], list[Any]] = {}
     for layers in found:
-        outcomes.setdefault(target_stages(layers, partition(method, layers, pp), modules), layers)
+        weights = weigh(layers) if weigh is not None else layers
+        outcomes.setdefault(target_stages(layers, partition(method, weights, pp), modules), layers)
     if len(outcomes) > 1:
         (a, one), (b, two) = list(outcomes.items())[:2]
         raise UnsupportedCheckpointError(
@@ -323,28 +343,33 @@ def _meta(ranks: Sequence[ZeroCheckpoint], groups: list[str], d: int) -> tuple[A
     return optim, tuple(partitions), first.files[d]
 
 
-def _stage_source(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], groups: list[str],
-                  stage: TargetStage, shape: Shape) -> ZeroCheckpoint:
-    """A `ZeroCheckpoint` whose rank `s * D + d` is source stage s's data-parallel rank d and rank `N * D + d`
-    rank d's optimizer fields for the target stage's groups, holding the target stage's parameters and
-    groups, and its model-file fields."""
+def stage_source(index: ModelParallelCheckpoint, groups: list[str], stage: TargetStage, shape: Shape, *,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 restate: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> ZeroCheckpoint:
+    """A `ZeroCheckpoint` whose rank `s * D + d` is source model-parallel rank s's data-parallel rank d and
+    rank `N * D + d` rank d's optimizer fields for the target stage's groups (`groups`: `check_stages`),
+    holding the target stage's parameters and groups, and its model-file fields. `shapes`: each
+    parameter's shape at the target (None: the full tensor's); `restate`: what else changes in the
+    model states (a tensor-parallel rank's fields)."""
+    ranks: Sequence[ZeroCheckpoint] = index.ranks
     first = ranks[0]
-    full = {t.name: t for t in index.tensors}
+    full = {t.name: t.shape for t in index.tensors} if shapes is None else shapes
     dtype = {p.name: p.dtype for rank in ranks for p in rank.params}
     names = _group_names(ranks, groups, stage)
     kept = [(key, group) for key, group in zip(groups, names) if group]  # DeepSpeed drops an empty group
     hyper = {_group_key(g): g.hyper for rank in ranks for g in rank.groups}
-    params = tuple(Param(n, full[n].shape, dtype[n], g) for g, (_, group) in enumerate(kept) for n in group)
+    params = tuple(Param(n, tuple(full[n]), dtype[n], g) for g, (_, group) in enumerate(kept) for n in group)
     out_groups = tuple(ParamGroup(g, hyper[key], tuple(group)) for g, (key, group) in enumerate(kept))
     buffers = _buffer_names(ranks, stage)
     metas = [_meta(ranks, [key for key, _ in kept], d) for d in range(first.world_size)]
+    states = restate or dict
     return replace(
         first, params=params, groups=out_groups, tied={},
         buffers=tuple(b for rank in ranks for b in rank.buffers if b.name in buffers),
         partitions=tuple(part for rank in ranks for part in rank.partitions) + tuple(m[1] for m in metas),
         files=tuple(f for rank in ranks for f in rank.files) + tuple(m[2] for m in metas),
-        model_states=tuple(_stage_states(m, shape, buffers) for rank in ranks for m in rank.model_states)
-        + tuple(_stage_states(first.model_states[0], shape, buffers) for _ in range(first.world_size)),
+        model_states=tuple(_stage_states(states(m), shape, buffers) for rank in ranks for m in rank.model_states)
+        + tuple(_stage_states(states(first.model_states[0]), shape, buffers) for _ in range(first.world_size)),
         optim_states=tuple(o for rank in ranks for o in rank.optim_states) + tuple(m[0] for m in metas),
         module_order=tuple(n for _, group in kept for n in group),
     )
@@ -353,10 +378,11 @@ def _stage_source(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint
 # ---- one target stage ----------------------------------------------------------------------------------
 
 
-def _plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, *, mp_rank: int
-                ) -> DataParallelPlan:
-    """The target stage's ZeRO-1 files at `world_size` data-parallel ranks: each group flattened from its
-    parameters in order, partitioned by DeepSpeed's arithmetic, filled by copies from the source stages."""
+def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, *, mp_rank: int,
+               local: Callable[[Copies], Copies] | None = None) -> DataParallelPlan:
+    """The target stage's ZeRO-1 files (`source`: `stage_source`) at `world_size` data-parallel ranks: each
+    group flattened from its parameters in order, partitioned by DeepSpeed's arithmetic, filled by copies
+    from the source stages (of the full tensors; `local` turns those into copies of a target shard's)."""
     by_name = source.param_by_name
     optimizer = source.optimizer_kind
     n_tensors = source.tensors_per_partition
@@ -369,8 +395,8 @@ def _plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
         return runs.copies(name, held[name], first, last, dst)
 
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
-                        copies, aligned=is_set(source.zero_config, "parameter_alignment"),
-                        bf16=optimizer == BF16)
+                        local(copies) if local is not None else copies,
+                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16)
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     flat_shapes, param_paddings = laid.shapes, laid.param_paddings
     meta = len(index.ranks) * index.world_size  # the virtual ranks holding the stage's optimizer fields
@@ -391,4 +417,4 @@ def _plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
     )
 
 
-__all__ = ["plan_pipeline"]
+__all__ = ["TIED", "Weigh", "check_stages", "evidence", "plan_pipeline", "plan_stage", "stage_source", "stages_at"]

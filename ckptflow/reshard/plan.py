@@ -5,11 +5,11 @@
 that would work, when it does not divide, the layout forbids it or ckptflow cannot write it yet), then
 hands it to the planner of the axis that changes: the data-parallel planner (`data_parallel`: the data
 parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: merged to tp1 or split to
-any degree), the pipeline one (`pipeline`: PipelineModule stages merged into one), the
+any degree), the pipeline one (`pipeline`: PipelineModule stages merged or cut again), the
 expert-parallel one (`experts`: another expert-parallel degree, at any stage AutoEP trains at), the
 Megatron-style one (`megatron`: another tensor-parallel degree by the client's
-`universal_checkpoint_info`). Every planner returns a `ReshardPlan` (`units`) that `reshard.files` and
-`reshard.run` write. Nothing here reads a byte.
+`universal_checkpoint_info`, another number of pipeline stages with it or alone). Every planner returns
+a `ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from ckptflow.reshard.data_parallel import (
     plan_shard_folder,
 )
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
-from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
-from ckptflow.reshard.pipeline import plan_pipeline
+from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
+from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
@@ -117,6 +117,8 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
                 "for another number of ranks at the same ZeRO stage only, not another stage or parallel degree",
                 uri=index.root, hint=f"give {option('world_size')} alone")
         return plan_shard_folder(index, shape.dp)
+    if shape.pp != source.pp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
+        return plan_megatron_stages(index, shape, partition_method, layers)
     if shape.pp != source.pp:
         return plan_pipeline(index, shape, partition_method, layers)
     if shape.tp != source.tp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
@@ -149,6 +151,22 @@ def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None
     return plan_data_parallel(index, shape.dp)
 
 
+def why_not_stages(index: Any, shape: Shape) -> str | None:
+    """Why PipelineModule's default partition method does not say which layers each of `shape.pp` stages of
+    `index` holds (the message of the planner's refusal, which says what would), or None: it does, or the
+    number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts."""
+    if not isinstance(index, ModelParallelCheckpoint) or shape.pp in (1, index.pp):
+        return None
+    try:
+        if index.kind == "megatron":
+            megatron_stages(index, shape)
+        else:
+            stages_at(index, shape.pp)
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def _nothing_to_do(index: Any, target: Target) -> None:
     """A ZeRO-0 checkpoint loads as it is at any data-parallel size: say so, and how to run it."""
     if isinstance(index, ExpertCheckpoint):
@@ -168,4 +186,4 @@ def _nothing_to_do(index: Any, target: Target) -> None:
         hint=f"point the run at {index.root} as it is, with {ranks}")
 
 
-__all__ = ["ReshardOptions", "check_world_size", "plan_reshard", "plan_shape"]
+__all__ = ["ReshardOptions", "check_world_size", "plan_reshard", "plan_shape", "why_not_stages"]

@@ -52,7 +52,7 @@ from ckptflow.plumbing.storage import join, open_fs, unstrip
 from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states, tensor_file
-from ckptflow.reshard.plan import ReshardOptions, plan_reshard
+from ckptflow.reshard.plan import ReshardOptions, plan_reshard, why_not_stages
 from ckptflow.reshard.rng import RngCopy, describe, describe_families, is_rng_file, plan_rng_files
 from ckptflow.reshard.shape import (
     Memory,
@@ -156,7 +156,8 @@ def plan_shapes(src: str, world_size: int, *, tag: str | None = None) -> ShapePl
     check_world_size(world_size)
     index = _valid_index(src, tag, "plan a reshard of")
     source = source_shape(index)
-    options = tuple(ShapeOption(shape=shape, memory=memory(index, shape), reason=reason)
+    options = tuple(ShapeOption(shape=shape, memory=memory(index, shape),
+                                reason=reason if reason is not None else why_not_stages(index, shape))
                     for shape, reason in shapes_at(index, world_size, model_config(index.root)))
     return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,
                      source_memory=memory(index, source), parameters=sum(parameter_counts(index)), options=options)

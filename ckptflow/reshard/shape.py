@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, fused_qkv, splits_at
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, TIED_WHY, fused_qkv, splits_at, tied_module
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.vocabulary import vocab_rows_at
@@ -256,11 +256,13 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
             return (f"ckptflow changes the tensor-parallel degree of AutoTP and Megatron-style checkpoints only, not "
                     f"of {name} ones")
     if shape.pp != source.pp:
-        if kind != "pipeline":
-            return (f"ckptflow changes the number of pipeline stages of plain PipelineModule checkpoints only, "
+        if kind not in ("pipeline", "megatron"):
+            return (f"ckptflow changes the number of pipeline stages of PipelineModule checkpoints only, "
                     f"not of {name} ones")
         if source.stage != 1:
             return "ckptflow changes the number of pipeline stages of ZeRO-1 PipelineModule checkpoints only"
+        if kind == "megatron" and (tied := tied_module(index)) is not None:
+            return f"{tied} {TIED_WHY}"
         layers = pipeline_layers(index)
         if layers and shape.pp > layers:
             return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages"
@@ -285,6 +287,8 @@ def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
     (None: they do)."""
     if tp != index.tp and (fused := fused_qkv(index)) is not None:
         return f"{fused} {FUSED_QKV_WHY}"
+    if tp != index.tp and (tied := tied_module(index)) is not None:
+        return f"{tied} {TIED_WHY}"
     try:
         splits_at(index, tp, vocab_rows_at(index, tp))
     except UnsupportedCheckpointError as exc:
@@ -321,8 +325,9 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
 
 
 def pipeline_layers(index: Any) -> int:
-    """How many layers of a PipelineModule checkpoint saved a file (0: not known)."""
-    return len(getattr(index, "carried", ()) or ())
+    """How many layers of a PipelineModule checkpoint saved a file (0: not known); a Megatron-style one
+    saves one per tensor-parallel rank."""
+    return len(getattr(index, "carried", ()) or ()) // getattr(index, "tp", 1)
 
 
 def _expert_optimizer(index: Any) -> str:

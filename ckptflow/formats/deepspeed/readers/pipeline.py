@@ -23,7 +23,9 @@ copy (all must agree); row-parallel = concatenated on dim 1; `parameter_with_2_s
 = each shard halved on dim 0 and the halves concatenated apart; `parameter_with_sub_params` with
 recorded shard widths; every other parameter concatenated on dim 0 (that format's convention);
 vocabulary parameters then cut to `original_vocab_size` rows (at tp1 too, where the client records
-`universal_checkpoint_info`); averaged parameters are refused.
+`universal_checkpoint_info`); averaged parameters are refused. Megatron's learned position embeddings
+(`position_embeddings.weight`), which every rank holds whole, are read as replicated where no category
+lists them (Megatron-DeepSpeed lists the tied one only; `POSITION_EMBEDDINGS`), with a note.
 
 At ZeRO-0 no file names a parameter (no `param_shapes`): every tensor is read from its layer file and
 named `{layer}.{name}`, a tied module under the first layer that uses it.
@@ -129,6 +131,8 @@ def read_pipeline(
                  "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
                  "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",
                  *([masters_note(first.precision)] if first.masters_unnamed else []))
+    note = position_note(info, [t.name for t in tensors]) if tp > 1 else None
+    notes += (note,) if note else ()
     return ModelParallelCheckpoint(
         root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
         step=first.step, ds_version=first.ds_version, kind=topology.kind,
@@ -391,9 +395,11 @@ def split_pieces(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str
                 f"its tensor-parallel copies have different shapes {[list(s) for s in shapes]}"
             )
         return tuple(shapes[0]), whole, None if kind == "buffer" else _vocabulary_rows(name, shapes[0], rules, info)
-    if rules.matches("tp_replicated_parameter_patterns", name):
+    if rules.replicated(name):
         if any(s != shapes[0] for s in shapes):
-            raise UnsupportedCheckpointError(f"it is recorded as replicated but its tensor-parallel copies have shapes "
+            recorded = ("it is recorded as replicated" if rules.matches("tp_replicated_parameter_patterns", name) else
+                        "it is Megatron's learned position embeddings, which every tensor-parallel rank holds whole,")
+            raise UnsupportedCheckpointError(f"{recorded} but its tensor-parallel copies have shapes "
                                              f"{[list(s) for s in shapes]}")
         full, pieces = tuple(shapes[0]), whole
     elif rules.matches("parameter_to_average_patterns", name):
@@ -435,7 +441,7 @@ def shard_shapes(name: str, full: Sequence[int], info: Mapping[str, Any], tp: in
     if tp == 1 or kind == "buffer":
         return [full] * tp
     rules = _Rules(info)
-    if rules.matches("tp_replicated_parameter_patterns", name):
+    if rules.replicated(name):
         return [full] * tp
     if rules.matches("parameter_to_average_patterns", name):
         raise UnsupportedCheckpointError("the checkpoint records it as averaged over the tensor-parallel ranks "
@@ -485,12 +491,23 @@ def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
 
 
+TIED_WHY = ("is a tied module (a TiedLayerSpec its pipeline stages share, as Megatron's GPT ties its embedding and "
+            "head), which ckptflow does not move to another tensor-parallel degree or number of pipeline stages of a "
+            "Megatron-style checkpoint yet")
+
+
+def tied_module(index: ModelParallelCheckpoint) -> str | None:
+    """The first parameter of a tied module (`tied_modules.{key}.{name}`) of the Megatron-style checkpoint
+    `index`, which no tensor-parallel or pipeline change moves yet (`TIED_WHY`); None without one."""
+    return next((p.name for rank in index.ranks for p in rank.params if p.name.startswith(TIED)), None)
+
+
 def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = None) -> list[dict[str, Split]]:
     """Per pipeline stage of the Megatron-style checkpoint `index`, every parameter its stage trains,
     split at tensor-parallel degree `tp` by the rules its `universal_checkpoint_info` records (`shard_shapes`,
     then `split_pieces`, the same rules the reader joins the source's shards by); the vocabulary parameters
-    padded to `vocab_rows` rows (None: the source's padded rows). `UnsupportedCheckpointError` naming the
-    first parameter the rules do not split at `tp`."""
+    padded to `vocab_rows` rows (None: the source's padded rows); at the source's own degree, its own
+    shards. `UnsupportedCheckpointError` naming the first parameter the rules do not split at `tp`."""
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     out = []
     for stage in range(index.pp):
@@ -499,7 +516,10 @@ def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = 
         for param in ranks[0].params:
             try:
                 local = [rank.param_by_name[param.name].shape for rank in ranks]
-                full, _, _ = split_pieces(param.name, local, info, index.tp, "param")
+                full, held, _ = split_pieces(param.name, local, info, index.tp, "param")
+                if tp == index.tp and vocab_rows is None:  # its own degree: the source's shards
+                    splits[param.name] = ([tuple(s) for s in local], held)
+                    continue
                 if vocab_rows is not None and _Rules(info).matches("vocabulary_parameter_patterns", param.name):
                     full = (vocab_rows, *full[1:])
                 shapes = shard_shapes(param.name, full, info, tp)
@@ -528,12 +548,51 @@ def vocabulary_rows(index: ModelParallelCheckpoint) -> dict[str, int]:
     return out
 
 
+# Megatron's learned position embeddings: an `nn.Embedding` of `max_position_embeddings` rows that every
+# tensor-parallel rank holds whole (`megatron.model.language_model.Embedding`). Megatron-DeepSpeed lists the tied
+# one (`tied_modules.embed.position_embeddings.weight`) as replicated in `universal_checkpoint_info`, but not the
+# untied one (`{layer}.position_embeddings.weight`, `--untie-embeddings-and-output-weights`), which
+# `ds_to_universal` then concatenates as if split, and Megatron refuses the tensor it writes. A parameter of that
+# name that no category lists is read as replicated: each rank's copy must have the same shape, and the reader
+# pairs the copies as replicas, so a reshard refuses them where their values differ.
+POSITION_EMBEDDINGS = re.compile(r"(?:^|\.)position_embeddings\.weight$")
+CATEGORIES = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
+              "parameter_with_2_sub_params_cat_dim_0", "parameter_with_row_parallelism_patterns",
+              "vocabulary_parameter_patterns")
+POSITION_NOTE = ("{names} {are} Megatron's learned position embeddings, which every tensor-parallel rank holds "
+                 "whole; the checkpoint's universal_checkpoint_info does not list {them} as replicated, so ckptflow "
+                 "reads {them} as replicated (the ranks' copies must agree) where DeepSpeed's universal converter "
+                 "would concatenate them")
+
+
+def position_note(info: Mapping[str, Any], names: Sequence[str]) -> str | None:
+    """What the reader says of those of `names` that `info` lists in no category and that it reads as
+    replicated all the same, Megatron's learned position embeddings (`POSITION_EMBEDDINGS`); None: none."""
+    rules = _Rules(info)
+    found = [n for n in names if POSITION_EMBEDDINGS.search(n) and not rules.listed(n)]
+    if not found:
+        return None
+    plural = len(found) > 1
+    return POSITION_NOTE.format(names=", ".join(found), are="are" if plural else "is", them="them" if plural else "it")
+
+
 class _Rules:
     """The category patterns of a client's `universal_checkpoint_info`, matched as DeepSpeed matches them
     (`re.match` on `{layer}.{name}`; two patterns of one category matching one name is an error)."""
 
     def __init__(self, info: Mapping[str, Any]) -> None:
         self.info = info
+
+    def listed(self, name: str) -> bool:
+        """Whether any category names `name`."""
+        return any(self.matches(key, name) for key in CATEGORIES) or self.sub_params(name) is not None
+
+    def replicated(self, name: str) -> bool:
+        """Whether every tensor-parallel rank holds `name` whole: listed so, or Megatron's learned position
+        embeddings listed in no category (`POSITION_EMBEDDINGS`)."""
+        if self.matches("tp_replicated_parameter_patterns", name):
+            return True
+        return POSITION_EMBEDDINGS.search(name) is not None and not self.listed(name)
 
     def _patterns(self, key: str) -> list[str]:
         patterns = self.info.get(key) or []
@@ -620,5 +679,5 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "Split", "fused_qkv", "read_pipeline", "shard_shapes", "split_pieces",
-           "splits_at", "vocabulary_rows"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_qkv", "position_note",
+           "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]

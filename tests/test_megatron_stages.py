@@ -1,0 +1,308 @@
+"""Megatron-style checkpoints at another number of pipeline stages, the tensor-parallel degree changing
+with it or not (issue 24), checked against DeepSpeed itself.
+
+The two act on different axes and compose in one plan (`reshard.megatron.plan_megatron_stages`): each
+target stage holds the layers `PipelineModule` gives it at the target (weighed at the target degree),
+each parameter at its shard's shape there, its fp32 masters and Adam moments copied out of the source
+stage and tensor-parallel ranks that hold them; its layer files cut again at the target degree.
+
+- DeepSpeed builds `megatron-toy` at the target shape (the fixture writer's own Megatron job), loads OUT
+  natively (`engine.load_checkpoint`, no universal flag) and holds the source's fp32 weights and Adam
+  moments bit for bit (`oracles.parallel_reshard`); saved again, it writes exactly ckptflow's files;
+  `ds_to_universal` of that save equals `ds_to_universal` of the source in every fp32 weight, moment and
+  step;
+- what cannot move yet (a tied module, another ZeRO stage) is refused in one line, and `--plan` says so.
+
+The default run makes one 2-rank launch: pp2 x tp2 x dp1 -> pp1 x tp1 x dp2 (both degrees at once). The
+long mode adds the pipeline alone (pp2 x tp2 -> pp1 x tp2), fused SwiGLU halves merged the same way, and
+4-rank launches cutting the stages again (pp2 x tp2 -> pp4 x tp1, "uniform" as the writer builds it) and
+growing them (pp1 x tp2 x dp2 -> pp2 x tp1 x dp2, with Megatron-DeepSpeed's `args` and its sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed import load_index
+from ckptflow.reshard import reshard, shapes_at
+from ckptflow.reshard.plan import plan_reshard
+from ckptflow.reshard.shape import Target
+from ckptflow.validate import validate
+from tests.fixtures.sets import ParallelFixture
+from tests.sampling import sample
+from tests.test_megatron_reshard import ARGS, PIPE, SWIGLU, _differences, check_same_universal
+from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
+
+# (fixture, pp, tp, dp, partition method, layer list's length) at the target.
+ALL_CASES = ((PIPE, 1, 1, 2, None, None), (PIPE, 1, 2, 1, None, None), (SWIGLU, 1, 1, 2, None, None),
+             (PIPE, 4, 1, 1, "uniform", None), (ARGS, 2, 1, 2, "uniform", 6))
+CASES = sample(ALL_CASES, [(PIPE, 1, 1, 2, None, None)])
+
+
+def case_id(case: tuple) -> str:
+    return f"{case[0]}-to-pp{case[1]}-tp{case[2]}-dp{case[3]}"
+
+
+@pytest.fixture(scope="session")
+def stage_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
+                   parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
+    names = {case[0] for case in CASES} | {PIPE}
+    return {name: {**parallel_fixtures, **parallel_extra_fixtures}[name] for name in names}
+
+
+@pytest.fixture(scope="session")
+def stage_oracle(stage_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Any]:
+    """Reshard every case; one DeepSpeed launch per target (world size, pp, tp) loads, checks and saves them."""
+    root = tmp_path_factory.mktemp("megatron-stages-oracle")
+    outs, resaved, results = {}, {}, {}
+    launches: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    for case in CASES:
+        name, pp, tp, dp, method, layers = case
+        fixture = stage_fixtures[name]
+        spec = dataclasses.replace(fixture.parallel_spec, pp=pp, tp=tp, world_size=pp * tp * dp)
+        outs[case] = root / "out" / case_id(case)
+        reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, pp=pp, tp=tp, partition_method=method,
+                pipeline_layers=layers, workers=2)
+        resaved[case] = root / "resaved" / case_id(case)
+        results[case] = root / "results" / f"{case_id(case)}.json"
+        results[case].parent.mkdir(parents=True, exist_ok=True)
+        launches.setdefault((spec.world_size, pp, tp), []).append({
+            "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
+            "save": str(resaved[case]), "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path),
+            "result": str(results[case]),
+        })
+    for (world_size, pp, tp), jobs in sorted(launches.items()):
+        launch_oracle(world_size, jobs, root, f"{world_size}-pp{pp}-tp{tp}")
+    return {"outs": outs, "resaved": resaved, "results": results}
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_deepspeed_loads_the_stages_at_the_target_shape(stage_oracle: dict[str, Any], case: tuple,
+                                                       stage_fixtures: Mapping[str, ParallelFixture],
+                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    fixture = stage_fixtures[case[0]]
+    check_loaded_state(stage_oracle, case, fixture)
+    assert json.loads(stage_oracle["results"][case].read_text())["client_state_differ"] == []
+    check_same_files(stage_oracle, case)
+    report = validate(str(stage_oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    summary, source = report.summary(), validate(str(fixture.dir)).summary()
+    assert (summary["pp"], summary.get("tp", 1), summary["world_size"]) == case[1:4]
+    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "param_groups")} == \
+        {k: source[k] for k in ("stage", "step", "params", "numel", "param_groups")}
+    check_same_universal(fixture, stage_oracle["resaved"][case], tmp_path_factory.mktemp("universal"))
+
+
+@pytest.mark.parametrize(("pp", "tp", "dp"), sample(((1, 1, 2), (4, 1, 1)), [(1, 1, 2)]))
+def test_a_holdout_at_other_stages_converts_to_the_source_state(
+        holdout_fixtures: Mapping[str, ParallelFixture], pp: int, tp: int, dp: int, tmp_path: Path) -> None:
+    """A Megatron-style checkpoint no one looked at while this was written (pp2 x tp2, seed 1), its stages and
+    degree changed at once: `ds_to_universal` of ckptflow's files equals `ds_to_universal` of the source in every
+    fp32 weight, Adam moment and step (no launch: the converter runs in this process)."""
+    fixture = holdout_fixtures["holdout-megatron-pp2tp2-z1-fp32-ucinfo-s1"]
+    out = tmp_path / "out"
+    reshard(str(fixture.dir), str(out), world_size=pp * tp * dp, pp=pp, tp=tp, partition_method="uniform", workers=2)
+    check_same_universal(fixture, out, tmp_path / "universal")
+
+
+# ---- without DeepSpeed ---------------------------------------------------------------------------------
+
+
+def test_the_stages_merge_with_the_tensor_parallel_ranks(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """pp2 x tp2 x dp1 -> pp1 x tp1 x dp2 in one plan: one model-parallel rank holding every layer at its full
+    shape (the vocabulary's 38 padded rows kept: the source's args say nothing of the padding), its groups in
+    `parameters()` order, every element copied from the source stage and tensor-parallel rank that trained it,
+    and the six layer files cut again."""
+    index = load_index(str(stage_fixtures[PIPE].dir))
+    plan = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
+    assert (str(plan.source_shape), str(plan.shape)) == ("ZeRO-1 pp2 x tp2 x dp1 (4 ranks)", "ZeRO-1 dp2 (2 ranks)")
+    (part,) = plan.parts
+    assert part.flat_shapes[0] == (
+        ("0.weight", (38, 16)), ("1.fc1.weight", (32, 16)), ("1.fc2.weight", (16, 32)), ("2.fc1.weight", (32, 16)),
+        ("2.fc2.weight", (16, 32)), ("3.fc1.weight", (32, 16)), ("3.fc2.weight", (16, 32)), ("5.weight", (38, 16)))
+    assert [name for name, _ in part.flat_shapes[1]][-2:] == ["4.weight", "4.bias"]
+    copied = sum(c.numel for u in part.units for f in u.flats for c in f.copies)
+    numel = sum(t.numel for t in index.tensors)  # the vocabulary's padding row is zeros, copied from nowhere
+    assert copied == numel
+    assert {c.src_rank for u in part.units for f in u.flats for c in f.copies} == {0, 1, 2, 3}
+    assert [u.optim_file for u in part.units] == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    assert [f.name for f in part.units[0].tensor_files] == [f"layer_{i:02d}-model_00-model_states.pt"
+                                                            for i in range(6)]
+    assert plan.carried == () and plan.notes[0].startswith("the vocabulary parameters keep the source's 38 padded rows")
+
+
+def test_the_stages_are_cut_again_at_the_target_degree(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """pp2 x tp2 -> pp4 x tp1 ("uniform": layers 0-1 | 2-3 | 4 | 5), and pp2 x tp2 -> pp1 x tp2: the shards
+    keep the source's shapes, each target rank's layer files its own."""
+    index = load_index(str(stage_fixtures[PIPE].dir))
+    plan = plan_reshard(index, Target(world_size=4, pp=4, tp=1, partition_method="uniform"))
+    assert [[name for g in part.flat_shapes for name, _ in g] for part in plan.parts] == [
+        ["0.weight", "1.fc1.weight", "1.fc2.weight", "1.norm.weight", "1.norm.bias", "1.fc1.bias", "1.fc2.bias"],
+        ["2.fc1.weight", "2.fc2.weight", "3.fc1.weight", "3.fc2.weight", "2.norm.weight", "2.norm.bias",
+         "2.fc1.bias", "2.fc2.bias", "3.norm.weight", "3.norm.bias", "3.fc1.bias", "3.fc2.bias"],
+        ["4.weight", "4.bias"], ["5.weight"]]
+    assert [[f.name for f in part.units[0].tensor_files] for part in plan.parts] == [
+        ["layer_00-model_00-model_states.pt", "layer_01-model_00-model_states.pt"],
+        ["layer_02-model_00-model_states.pt", "layer_03-model_00-model_states.pt"],
+        ["layer_04-model_00-model_states.pt"], ["layer_05-model_00-model_states.pt"]]
+    assert [part.units[0].model_file for part in plan.parts] == [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
+    kept = plan_reshard(index, Target(world_size=2, pp=1))
+    assert [dict(part.flat_shapes[0])["0.weight"] for part in kept.parts] == [(19, 16), (19, 16)]
+    assert [[f.name for f in part.units[0].tensor_files][-1] for part in kept.parts] == [
+        "layer_05-model_00-model_states.pt", "layer_05-model_01-model_states.pt"]
+    assert kept.notes == ()
+
+
+def test_the_plan_lists_the_stage_counts(stage_fixtures: Mapping[str, ParallelFixture],
+                                        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """`--plan` offers every stage count and degree the planners write; a stage count whose layers DeepSpeed's
+    default partition method leaves open (pipe-toy's, trained "uniform", at pp4) says so, and what would work."""
+    from ckptflow.reshard.run import plan_shapes
+
+    index = load_index(str(stage_fixtures[PIPE].dir))
+    assert [str(s) for s, reason in shapes_at(index, 2) if reason is None] == [
+        "ZeRO-1 dp2 (2 ranks)", "ZeRO-1 pp2 x dp1 (2 ranks)", "ZeRO-1 tp2 x dp1 (2 ranks)"]
+    options = plan_shapes(str(stage_fixtures[PIPE].dir), 4).options
+    assert [str(o.shape) for o in options if o.reason is None] == [
+        "ZeRO-1 dp4 (4 ranks)", "ZeRO-1 pp2 x dp2 (4 ranks)", "ZeRO-1 pp4 x dp1 (4 ranks)", "ZeRO-1 tp2 x dp2 (4 ranks)",
+        "ZeRO-1 pp2 x tp2 x dp1 (4 ranks)"]
+    pipe = str(parallel_fixtures["pipe-pp2-z1-fp32"].dir)
+    reasons = {str(o.shape): o.reason for o in plan_shapes(pipe, 4).options}
+    assert reasons["ZeRO-1 pp2 x dp2 (4 ranks)"] is None
+    assert reasons["ZeRO-1 pp4 x dp1 (4 ranks)"].startswith(
+        f"cannot tell which layers each of 4 pipeline stages of {pipe}/global_step3 holds: layer lists the files allow")
+
+
+def _tied(index: Any) -> Any:
+    """`index` whose embedding is a tied module (renamed so in memory)."""
+    for rank in index.ranks:
+        params = tuple(dataclasses.replace(p, name=p.name.replace("0.weight", "tied_modules.embed.weight", 1)
+                                           if p.name == "0.weight" else p.name) for p in rank.params)
+        object.__setattr__(rank, "params", params)
+    return index
+
+
+def test_a_tied_module_is_refused_at_another_shape(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """A Megatron-style tied module (Megatron's GPT ties its embedding and head) is not moved to another
+    tensor-parallel degree or stage count yet: the planners refuse it in one line and `--plan` says why; the
+    source's own degrees are still offered."""
+    fixture = stage_fixtures[PIPE]
+    index = _tied(load_index(str(fixture.dir)))
+    why = ("tied_modules.embed.weight is a tied module (a TiedLayerSpec its pipeline stages share, as Megatron's GPT "
+           "ties its embedding and head), which ckptflow does not move to another tensor-parallel degree or number "
+           "of pipeline stages of a Megatron-style checkpoint yet")
+    for target in (Target(world_size=2, pp=1, tp=1), Target(world_size=2, pp=1), Target(world_size=2, tp=1)):
+        with pytest.raises(UnsupportedCheckpointError) as refused:
+            plan_reshard(index, target)
+        assert str(refused.value) == (
+            f"cannot reshard {fixture.dir}/global_step3 (ZeRO-1 pp2 x tp2 x dp1 (4 ranks)) to {target.changes}: "
+            f"{why}; ckptflow can write no shape of it at 2 ranks (it can at 4)")
+    reasons = {str(s): reason for s, reason in shapes_at(index, 4)}
+    assert (reasons["ZeRO-1 dp4 (4 ranks)"], reasons["ZeRO-1 pp2 x tp2 x dp1 (4 ranks)"]) == (why, None)
+    from ckptflow.reshard.megatron import plan_megatron_stages
+    from ckptflow.reshard.shape import Shape
+
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_megatron_stages(index, Shape(world_size=2, stage=1, pp=1, tp=1))
+    assert str(refused.value) == (
+        f"{fixture.dir}/global_step3: {why}; keep the tensor-parallel degree and the pipeline stages (leave `tp` "
+        "and `pp` out) to change the data-parallel size only")
+    assert refused.value.tensor == "tied_modules.embed.weight"
+
+
+def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[str, ParallelFixture],
+                                                      tmp_path: Path) -> None:
+    fixture = stage_fixtures[PIPE]
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        reshard(str(fixture.dir), str(tmp_path / "out"), world_size=2, pp=1, tp=1, stage=2)
+    assert str(refused.value) == (
+        f"cannot reshard {fixture.dir}/global_step3 (ZeRO-1 pp2 x tp2 x dp1 (4 ranks)) to 2 ranks, ZeRO-2, tp1, pp1: "
+        "DeepSpeed trains Megatron-style PipelineModule models at ZeRO stage 1 only; shapes it can write at 2 ranks: "
+        "ZeRO-1 dp2 (2 ranks), ZeRO-1 pp2 x dp1 (2 ranks), ZeRO-1 tp2 x dp1 (2 ranks)")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- Megatron's learned position embeddings ------------------------------------------------------------
+
+INFO = {"original_vocab_size": 37, "tp_replicated_parameter_patterns": [r"\d+\.norm\.weight"],
+        "parameter_with_row_parallelism_patterns": [r"\d+\.fc2\.weight"], "vocabulary_parameter_patterns": []}
+
+
+def test_unlisted_position_embeddings_are_read_as_replicated() -> None:
+    """Megatron's learned position embeddings, which `universal_checkpoint_info` leaves out where the embedding is
+    untied (`ds_to_universal` would concatenate them into 2 x 8 rows, which Megatron refuses): every
+    tensor-parallel rank holds them whole, and ckptflow joins and cuts them so, with a note; listed in a category,
+    the category's rule holds; another unlisted name is concatenated on dim 0 as before; copies of other shapes are
+    refused, naming why."""
+    from ckptflow.formats.deepspeed.readers.pipeline import position_note, shard_shapes, split_pieces
+
+    name = "1.position_embeddings.weight"
+    full, pieces, _ = split_pieces(name, [(8, 16), (8, 16)], INFO, 2, "param")
+    assert full == (8, 16) and all(len(p) == 1 and p[0].shape == (8, 16) for p in pieces)
+    assert shard_shapes(name, (8, 16), INFO, 4) == [(8, 16)] * 4
+    assert split_pieces("1.other_embeddings.weight", [(8, 16), (8, 16)], INFO, 2, "param")[0] == (16, 16)
+    rows = {**INFO, "parameter_with_row_parallelism_patterns": [r"\d+\.position_embeddings\.weight"]}
+    assert split_pieces(name, [(8, 16), (8, 16)], rows, 2, "param")[0] == (8, 32)
+    assert position_note(rows, [name]) is None
+    assert position_note(INFO, [name, "2.fc1.weight", "tied_modules.embed.position_embeddings.weight"]) == (
+        "1.position_embeddings.weight, tied_modules.embed.position_embeddings.weight are Megatron's learned position "
+        "embeddings, which every tensor-parallel rank holds whole; the checkpoint's universal_checkpoint_info does "
+        "not list them as replicated, so ckptflow reads them as replicated (the ranks' copies must agree) where "
+        "DeepSpeed's universal converter would concatenate them")
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        split_pieces(name, [(8, 16), (4, 16)], INFO, 2, "param")
+    assert str(refused.value) == ("it is Megatron's learned position embeddings, which every tensor-parallel rank "
+                                  "holds whole, but its tensor-parallel copies have shapes [[8, 16], [4, 16]]")
+
+
+def test_a_replicated_tensor_the_info_leaves_out_reshards_as_if_listed(
+        stage_fixtures: Mapping[str, ParallelFixture], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule end to end on DeepSpeed's files: the fixture's `universal_checkpoint_info` rewritten without its
+    replicated `norm.weight` pattern, and the rule's name pattern pointed at `norm.weight` (the fixture has no
+    position embeddings): pp2 x tp2 -> pp1 x tp1 writes the same tensors as from the source that lists them, and
+    says so; without the rule, the norms are concatenated as if split (2 x 16 elements), the file Megatron refuses."""
+    import re
+    import shutil
+
+    import torch
+
+    from ckptflow.formats.deepspeed.names import UC_INFO
+    from ckptflow.formats.deepspeed.readers import pipeline as reader
+
+    fixture = stage_fixtures[PIPE]
+    src = tmp_path / "src"
+    shutil.copytree(fixture.dir, src)
+    tag = (src / "latest").read_text().strip()
+    for path in sorted((src / tag).glob("mp_rank_*_model_states.pt")):  # the test's own copy: trusted
+        state = torch.load(path, weights_only=False)
+        info = state[UC_INFO]
+        info["tp_replicated_parameter_patterns"] = [p for p in info["tp_replicated_parameter_patterns"]
+                                                    if p != r"\d+\.norm\.weight"]
+        torch.save(state, path)
+    unruled = plan_reshard(load_index(str(src)), Target(world_size=2, pp=1, tp=1))
+    assert dict(unruled.parts[0].flat_shapes[1])["1.norm.weight"] == (32,)
+    monkeypatch.setattr(reader, "POSITION_EMBEDDINGS", re.compile(r"(?:^|\.)norm\.weight$"))
+    index = load_index(str(src))
+    assert any(note.startswith("1.norm.weight, 2.norm.weight, 3.norm.weight are Megatron's") for note in index.notes)
+    ruled = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
+    assert dict(ruled.parts[0].flat_shapes[1])["1.norm.weight"] == (16,)
+    assert ruled.notes[1].startswith("1.norm.weight, 2.norm.weight, 3.norm.weight are Megatron's")
+    reshard(str(src), str(tmp_path / "ruled"), world_size=2, pp=1, tp=1, workers=2)
+    reshard(str(fixture.dir), str(tmp_path / "listed"), world_size=2, pp=1, tp=1, workers=2)
+    for path in sorted((tmp_path / "listed" / tag).iterdir()):
+        ours, theirs = (torch.load(d / tag / path.name, weights_only=False) for d in (tmp_path / "ruled",
+                                                                                       tmp_path / "listed"))
+        for tree in (ours, theirs):
+            if isinstance(tree, dict):
+                tree.pop(UC_INFO, None)
+        differ: dict[str, int] = {}
+        _differences(ours, theirs, path.name, differ)
+        assert differ == {}, path.name
