@@ -54,7 +54,7 @@ from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
 TIED = "tied_modules."
 
 
-def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan:
+def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape` (another tensor-parallel
     degree, the same pipeline stages and ZeRO stage); reads nothing. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
@@ -90,12 +90,9 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     )
 
 
-def _check_source(index: Any, shape: Shape) -> None:
+def _check_source(index: ModelParallelCheckpoint, shape: Shape) -> None:
     where = f"{index.root}/{index.tag}"
-    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "megatron":
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {getattr(index, 'layout', type(index).__name__)} layout, not a "
-            "Megatron-style one", code="unsupported-layout", uri=index.root)
+    assert index.kind == "megatron", "reshard.plan.PLANNERS gives this planner Megatron-style checkpoints only"
     if shape.pp != index.pp or shape.stage != index.stage:
         raise UnsupportedCheckpointError(
             f"{where}: ckptflow changes a Megatron-style checkpoint's tensor-parallel degree at its own number of "

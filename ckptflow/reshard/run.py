@@ -35,10 +35,8 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
 from ckptflow.formats.deepspeed import inspect
-from ckptflow.formats.deepspeed.model import ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Partitioned
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
-from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
-from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.deepspeed.tag import latest_hint, read_latest
 from ckptflow.formats.hf import CONFIG_NAME, find_side_files, read_config
 from ckptflow.formats.torch.pickler import OutStorage, dumps
@@ -351,8 +349,8 @@ def _read_back(plan: ReshardPlan, uri: str) -> str | None:
     """What is wrong with the checkpoint at `uri` as the output of `plan` (its headers read back: tag,
     layout, world size, stage and tensor count), or None."""
     index, problems, _ = inspect(uri, plan.tag or None)
-    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
-        index = index.zero
+    if index is not None:  # an expert-parallel checkpoint is planned over the ZeRO index under it
+        index = index.zero_index() or index
     if problems:
         return f"does not read back as a valid checkpoint: {problems[0].message}"
     if not isinstance(index, type(plan.index)):
@@ -430,8 +428,9 @@ def _file_size(uri: str) -> int:
     return int(fs.size(path))
 
 
-def _tensor_count(index: Any) -> int:
-    return len(index.params) + len(index.buffers) if isinstance(index, ZeroCheckpoint) else len(index.model_tensors())
+def _tensor_count(index: Partitioned) -> int:
+    zero = index.zero_index()
+    return len(zero.params) + len(zero.buffers) if zero is not None else len(index.model_tensors())
 
 
 def abort(staging: Staging | None) -> None:
@@ -455,7 +454,7 @@ def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], l
     files: list[tuple[str, str]] = []
     rng_names: list[str] = []
     source = plan.index
-    skipped = set(source.shard_names()) if isinstance(source, OptimizerShards) else {LATEST, plan.tag}
+    skipped = source.own_entries()
     for entry in src_fs.ls(root, detail=True):
         path = entry["name"].rstrip("/")
         name = posixpath.basename(path)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ckptflow.errors import CheckpointError
 from ckptflow.formats.deepspeed.config import optimizer_kind, zero_section
+from ckptflow.formats.deepspeed.names import LATEST
 from ckptflow.formats.deepspeed.partition import partition_ranks, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.runs import Run, check_coverage, contiguous, whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -162,6 +163,16 @@ class ZeroCheckpoint:
     @property
     def layout(self) -> str:
         return f"ZeRO-{self.stage}, data-parallel {self.world_size}"
+
+    @property
+    def kind(self) -> str:
+        return "zero"
+
+    def zero_index(self) -> ZeroCheckpoint:
+        return self
+
+    def own_entries(self) -> frozenset[str]:
+        return frozenset((LATEST, self.tag))
 
     @property
     def degrees(self) -> Degrees:
@@ -317,6 +328,9 @@ class Partitioned(Protocol):
     def tag(self) -> str: ...
 
     @property
+    def tag_uri(self) -> str: ...
+
+    @property
     def step(self) -> int: ...
 
     @property
@@ -338,7 +352,23 @@ class Partitioned(Protocol):
     def layout(self) -> str: ...
 
     @property
+    def kind(self) -> str:
+        """The layout kind, which names the reshard family (`reshard.plan`) and the shapes it allows:
+        "zero", "zero0", "autotp", "pipeline", "megatron", "autoep", "moe" or "optimizer-shards"."""
+        ...
+
+    @property
     def degrees(self) -> Degrees: ...
+
+    def zero_index(self) -> ZeroCheckpoint | None:
+        """The data-parallel ZeRO index it is made of (itself, or an expert-parallel checkpoint's), None
+        for layouts without one."""
+        ...
+
+    def own_entries(self) -> frozenset[str]:
+        """The names in the checkpoint folder that are this checkpoint's own (`latest` and its tag folder,
+        or a shard folder's rank files): what a reshard writes anew rather than carries."""
+        ...
 
     def model_tensors(self) -> tuple[ModelTensor, ...]: ...
 

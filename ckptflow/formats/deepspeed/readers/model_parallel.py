@@ -27,7 +27,7 @@ from typing import Any
 from ckptflow.errors import CheckpointError, CkptflowError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, StopReading, check_model_fields, open_rank_file
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE, model_file_name
+from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LATEST, LAYER_FILE_RE, model_file_name
 from ckptflow.formats.deepspeed.readers.zero import read_zero
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, read_zero0
 from ckptflow.formats.deepspeed.runs import Run, check_coverage
@@ -323,6 +323,12 @@ class ModelParallelCheckpoint:
     @property
     def degrees(self) -> Degrees:
         return Degrees(self.world_size, tp=self.tp, pp=self.pp)
+
+    def zero_index(self) -> None:
+        return None
+
+    def own_entries(self) -> frozenset[str]:
+        return frozenset((LATEST, self.tag))
 
     @property
     def mp_world_size(self) -> int:
