@@ -57,7 +57,6 @@ from ckptflow.reshard.shape import (
     Shape,
     Target,
     check_world_size,
-    kind_of,
     memory,
     parameter_counts,
     shapes_at,
@@ -81,7 +80,7 @@ def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = N
     An `out` inside the source's tag folder is refused (`OutputError`)."""
     index = _valid_index(src, tag, "reshard", strict_pickle=strict_pickle)
     plan = plan_reshard(index, target, model_config(index.root))
-    if kind_of(index) == "megatron" and plan.shape is not None and plan.source_shape is not None \
+    if index.kind == "megatron" and plan.shape is not None and plan.source_shape is not None \
             and plan.shape.tp != plan.source_shape.tp:
         _check_replicas(src, index)
     _check_not_inside(plan, out)
@@ -100,7 +99,7 @@ def _check_replicas(src: str, index: Any) -> None:
                               file=first.file)
 
 
-def _valid_index(src: str, tag: str | None, doing: str, *, strict_pickle: bool = False) -> Any:
+def _valid_index(src: str, tag: str | None, doing: str, *, strict_pickle: bool = False) -> Partitioned:
     """The index of the checkpoint at `src`, validated first: any problem refuses it (`CheckpointError`
     naming the first one, "refusing to `doing` SRC: ...")."""
     report = validate(src, tag=tag, strict_pickle=strict_pickle)
