@@ -51,7 +51,7 @@ MAX_LEASE_BYTES = 64 << 10
 def _holder() -> dict[str, Any]:
     try:
         user = getpass.getuser()
-    except (OSError, KeyError):  # no user name in some containers (KeyError from pwd before Python 3.13)
+    except (OSError, KeyError, ImportError):  # no user name in some containers (before 3.13: pwd's own errors)
         user = "unknown"
     return {"format": "ckptflow-lease", "id": uuid.uuid4().hex, "user": user, "host": socket.gethostname(),
             "pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
