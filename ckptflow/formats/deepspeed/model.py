@@ -318,8 +318,8 @@ class Degrees:
 class Partitioned(Protocol):
     """What every reader gives the consolidate and reshard steps, whatever the layout: where the
     checkpoint is (`root`, `tag`), what trained it (`stage`, `precision`, `step`, `ds_version`), how it
-    is partitioned (`world_size`, the data-parallel size, and `degrees`), its layout `kind` (which the
-    steps dispatch on, never on the index's type), the ZeRO index under it, the folder entries it owns,
+    is partitioned (`world_size`, the data-parallel size, and `degrees`), its layout `kind` (what the
+    steps pick their planner by), the ZeRO index under it, the folder entries it owns,
     the full model as tensors, the tied aliases left out of them, and a summary for reports. Read-only:
     the indexes are frozen."""
 
