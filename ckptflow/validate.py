@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.errors import CkptflowError
 from ckptflow.formats.casts import count_non_finite
 from ckptflow.formats.deepspeed import read, zero_index
 from ckptflow.formats.deepspeed.client_state import ClientState
@@ -22,8 +21,6 @@ from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
 from ckptflow.formats.deepspeed.output_dir import Choice
 from ckptflow.formats.deepspeed.partition import zero3_real
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Replica
-from ckptflow.formats.deepspeed.readers.zero import optimizer_step
-from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.formats.deepspeed.runs import plain_runs
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.progress import Progress, Tally
@@ -89,34 +86,19 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
     return ValidationReport(source, root, resolved, tuple(problems), index, deep, reading.client_state, reading.choice)
 
 
-def _optimizer_step(index: ZeroCheckpoint | Zero0Checkpoint) -> float | None:
-    """The step one rank's optimizer is at (None when it has not stepped or cannot be read)."""
-    if isinstance(index, Zero0Checkpoint):
-        return float(index.optimizer_step)
-    try:
-        step = optimizer_step(index.partitions[0])
-        return None if step is None else float(step)
-    except (CkptflowError, OSError, ValueError, OverflowError):
-        return None
-
-
 def _check_model_parallel_steps(index: ModelParallelCheckpoint) -> list[Problem]:
     """Every model-parallel rank at the same optimizer step (the reader checks the data-parallel ranks
     within each: `index.read_zero`)."""
     problems = []
-    steps = {mp: _optimizer_step(rank) for mp, rank in enumerate(index.ranks)}
+    steps = {mp: index.rank_step(mp) for mp in range(index.mp_world_size)}
     first = steps[0]
     for mp, step in steps.items():
         if step is not None and first is not None and step != first:
             problems.append(Problem(
                 "ranks-disagree", f"{index.rank_label(mp)}'s optimizer is at step {step:g} but {index.rank_label(0)}'s "
                 f"is at {first:g}; the tag folder mixes files from different saves: re-copy it from one save",
-                _model_file(index.ranks[mp])))
+                index.rank_model_file(mp)))
     return problems
-
-
-def _model_file(rank: ZeroCheckpoint | Zero0Checkpoint) -> str:
-    return rank.model_file if isinstance(rank, Zero0Checkpoint) else rank.model_file(0)
 
 
 def replica_problems(index: ModelParallelCheckpoint, progress: Progress | None = None) -> list[Problem]:

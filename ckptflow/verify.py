@@ -92,7 +92,7 @@ def _verify_local(path: str, out: str, source: str | None, tag: str | None, devi
         # with output_loading_info, (model, info): transformers' annotations give the model alone
         loaded = cls.from_pretrained(path, output_loading_info=True, dtype="auto")
         model, info = cast(tuple[Any, dict[str, Any]], loaded)
-    except Exception as exc:
+    except Exception as exc:  # transformers' loaders raise what their formats raise: each is a model it cannot load
         raise VerificationError(f"transformers cannot load {out} ({describe(exc)})", file=out) from None
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         found = sorted(str(k) for k in (info.get(key) or ()))

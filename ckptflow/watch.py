@@ -225,5 +225,5 @@ def _read_tag(fs: Any, path: str, folder: str) -> str:
         return read_latest(fs, path, where)
     except CkptflowError as exc:
         raise _BadPointer(str(exc)) from None
-    except Exception as exc:
+    except Exception as exc:  # each fsspec backend raises its own errors: one root's bad pointer, cause kept
         raise _BadPointer(f"cannot read {where}: {describe(exc)}") from exc

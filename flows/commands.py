@@ -149,7 +149,7 @@ def run_here(flow: Any, parameters: dict[str, Any]) -> Ran:
     value, error = None, None
     try:
         value = hooked(**parameters)
-    except Exception as exc:
+    except Exception as exc:  # the run's failure, whatever it is: kept with its final state, or raised below
         error = exc
     if not seen:  # the run never reached a final state (it failed before it was created)
         if error is not None:

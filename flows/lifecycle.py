@@ -370,7 +370,7 @@ def _cancel(flow_run_id: Any) -> None:
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run_id, Cancelling(message="the parent lifecycle run stopped waiting"),
                                       force=True)
-    except Exception as exc:
+    except Exception as exc:  # whatever Prefect's client raises: the child times out on its own
         get_run_logger().warning("could not cancel the child run %s: %s", flow_run_id, exc)
 
 
@@ -379,7 +379,7 @@ def _gone(uri: str) -> bool:
     own task then meets the same error and reports it)."""
     try:
         return not paths.exists(uri)
-    except Exception as exc:
+    except Exception as exc:  # each fsspec backend raises its own errors; the step's task meets and reports them
         get_run_logger().warning("cannot check %s (%s); trusting the cached result if there is one", uri, describe(exc))
         return False
 
@@ -390,7 +390,7 @@ def _outcome(future: PrefectFuture[Any] | None, what: str, failures: list[str]) 
         return None
     try:
         return future.result()
-    except Exception as exc:
+    except Exception as exc:  # the task's failure, whatever it raised: one line of the summary
         failures.append(f"{what} failed: {exc}")
         return None
 
@@ -495,7 +495,7 @@ def post_training(
                 source=run, consolidation=consolidation, reshard=reshard, verification=verification,
                 destinations=destinations, publishing=publishing, workspace=workspace, cluster=cluster,
             ))
-        except Exception as exc:
+        except Exception as exc:  # one run's failure, whatever it is, must not stop the others
             failures.append(f"{run}: {exc}")
     if failures:
         raise LifecycleError(f"{len(failures)} of {len(runs)} run(s) failed: " + "; ".join(failures))

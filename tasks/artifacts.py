@@ -128,7 +128,7 @@ def table(rows: Sequence[Mapping[str, Any]], *, key: str | None, description: st
         return
     try:
         create_table_artifact(table=[dict(r) for r in rows], key=key, description=description)
-    except Exception:
+    except Exception:  # whatever Prefect's client raises: an artifact is for people and never fails the step
         logger.warning("could not create table artifact %s", key, exc_info=True)
 
 
@@ -138,7 +138,7 @@ def markdown(text: str, *, key: str | None, description: str) -> None:
         return
     try:
         create_markdown_artifact(markdown=text, key=key, description=description)
-    except Exception:
+    except Exception:  # whatever Prefect's client raises: an artifact is for people and never fails the step
         logger.warning("could not create markdown artifact %s", key, exc_info=True)
 
 
@@ -173,7 +173,7 @@ class ProgressArtifact:
             return
         try:
             self.id = create_progress_artifact(progress=0.0, key=key, description=description)
-        except Exception:
+        except Exception:  # whatever Prefect's client raises: the bar is for people and never fails the step
             logger.warning("could not create progress artifact %s", key or description, exc_info=True)
 
     def __call__(self, done: int, total: int) -> None:
@@ -189,7 +189,7 @@ class ProgressArtifact:
             self._last_sent, self._last_percent = now, percent
             try:
                 self._context.run(update_progress_artifact, artifact_id=self.id, progress=round(percent, 1))
-            except Exception:
+            except Exception:  # whatever Prefect's client raises: a missed update is made good by the next
                 logger.debug("progress artifact update failed", exc_info=True)
 
     def close(self) -> None:
@@ -200,7 +200,7 @@ class ProgressArtifact:
                 return
             try:
                 self._context.run(_delete_artifact, artifact_id)
-            except Exception:
+            except Exception:  # whatever Prefect's client raises: the step's outcome stands
                 logger.warning("could not delete progress artifact %s", artifact_id, exc_info=True)
 
     def __enter__(self) -> ProgressArtifact:

@@ -79,13 +79,13 @@ def unit_executor(cluster: str | None, tasks: Mapping[Callable[..., Any], Any]) 
         return
     try:
         from prefect_dask import DaskTaskRunner
-    except ImportError:
+    except ImportError as error:  # kept as the cause: a package that is there but fails to import says why
         raise ClusterError(
             f"running units on the Dask cluster at {cluster} needs prefect-dask, which is not installed",
             code="cluster-missing",
             uri=cluster,
             hint="install ckptflow[cluster] on the flow's worker",
-        ) from None
+        ) from error
     runner = DaskTaskRunner(address=cluster, client_kwargs={"timeout": "20s", "set_as_default": False})
     try:
         runner.__enter__()

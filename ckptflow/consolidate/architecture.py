@@ -112,7 +112,7 @@ def _build(config: dict[str, Any], where: str) -> Any:
                                "(ckptflow never runs a repo's own code)")
     try:
         settings = CONFIG_MAPPING[model_type].from_dict(config)
-    except Exception as exc:
+    except Exception as exc:  # a config class raises what its own checks raise: each is a config it cannot read
         raise ConfigError(f"transformers {version} cannot read {where} ({describe(exc)})", code="config-mismatch",
                           file=where, hint=_HINT) from None
     last: ConfigError | None = None
@@ -120,7 +120,7 @@ def _build(config: dict[str, Any], where: str) -> Any:
         try:
             with torch.device("meta"):
                 return cls(settings)
-        except Exception as exc:
+        except Exception as exc:  # a model class raises what its own layers raise: the next class may build
             last = ConfigError(f"transformers {version} cannot build {cls.__name__} from {where} ({describe(exc)})",
                                code="config-mismatch", file=where, hint=_HINT)
     assert last is not None

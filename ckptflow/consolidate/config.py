@@ -290,7 +290,7 @@ def _read_hub(source: ConfigSource, policy: RetryPolicy) -> ConfigFiles:
         try:
             return retry_call(fn, policy, on_retry=lambda n, exc, delay: logger.warning(
                 "%s failed (%s); retrying", what, describe(exc, [token])))
-        except Exception as exc:
+        except Exception as exc:  # the Hub client raises its HTTP stack's errors and its own: `_hub_error` sorts them
             raise _hub_error(exc, source, what, token, policy) from None
 
     info = attempt(lambda: api.model_info(repo, revision=source.revision), f"look up {shown}")

@@ -181,7 +181,7 @@ def _write_and_check(uri: str, shard: hf.SafetensorsFile, batches: Sequence[Batc
         checking = pool.submit(check, mark.wait_for)
         try:
             sha256 = _write_shard(uri, shard, batches, progress, stopped, written=mark.advance)
-        except BaseException:
+        except BaseException:  # whatever stops the write, Ctrl-C included, must release the check; re-raised
             mark.abandon()
             raise
         checking.result()
@@ -227,7 +227,7 @@ class _ShardWriter:
         if self.direct >= 0:  # room for the end of the previous batch's last block in front of each
             try:
                 self.buffers = [np.frombuffer(aligned_buffer(BLOCK + out_cap), dtype=np.uint8) for _ in range(count)]
-            except BaseException:
+            except BaseException:  # cleanup, re-raised: the descriptor must not leak, whatever stopped us
                 os.close(self.direct)  # `write` closes it otherwise
                 raise
             self.places = [BlockWriter.place(shard.data_start + b.file_start) for b in batches]

@@ -326,12 +326,12 @@ def _check_header(uri: str, prefix: bytes, expected: hf.SafetensorsFile) -> None
 
 def _check_with_safetensors(path: str, names: list[str]) -> None:
     """The safetensors library itself must accept the file and see the same tensors."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="numpy") as f:  # the header is all that is read: no torch needed
             keys = sorted(f.keys())
-    except Exception as exc:
+    except (SafetensorError, OSError) as exc:
         raise VerificationError(f"safetensors cannot open {path} ({describe(exc)})", file=path,
                                 hint="the shard is damaged; run again") from None
     if keys != sorted(names):

@@ -37,12 +37,12 @@ def cluster(address: str, *, timeout: float | None = None) -> Iterator[Executor]
         timeout = float(os.environ.get(TIMEOUT_ENV) or 20)
     try:
         from distributed import Client
-    except ImportError:
+    except ImportError as error:  # kept as the cause: a package that is there but fails to import says why
         raise ClusterError(
             f"running on the Dask cluster at {address} needs Dask's `distributed` package, which is not installed",
             code="cluster-missing", uri=address,
             hint=f"pip install 'ckptflow[cluster]', or run without {option('cluster')}",
-        ) from None
+        ) from error
     try:
         client = Client(address, timeout=f"{timeout:g}s", set_as_default=False)
     except (OSError, TimeoutError, ValueError, TypeError) as exc:

@@ -126,7 +126,7 @@ def open_regular(uri: str, *, inside: str | None = None, hint: str | None = None
                                    file=uri, hint=hint or "replace it with a regular file or remove it")
         os.set_blocking(fd, True)
         fh = os.fdopen(fd, "rb")
-    except BaseException:
+    except BaseException:  # cleanup, re-raised: the descriptor must not leak, whatever stopped us
         os.close(fd)
         raise
     with fh:
@@ -261,7 +261,7 @@ def write_bytes(dst: str, data: bytes) -> None:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, target)
-        except BaseException:
+        except BaseException:  # cleanup, re-raised: no temporary file is left, whatever stopped us
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise

@@ -98,7 +98,7 @@ def retry_call(
     while True:
         try:
             return fn()
-        except Exception as exc:
+        except Exception as exc:  # `is_transient` judges it; anything else is raised as it is
             if attempt >= policy.attempts or not is_transient(exc):
                 raise
             delay = random.uniform(0.0, min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1)))

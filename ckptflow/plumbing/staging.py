@@ -167,7 +167,7 @@ def commit(staging: Staging, *, first: Sequence[str] = (), last: Sequence[str] =
         for rel in (f for f in last if f in files):
             attempted.append(rel)
             copy(rel)
-    except Exception as exc:
+    except Exception as exc:  # whatever the store raised: the move's failure, what was moved removed, cause kept
         for rel in reversed(attempted):
             try:
                 fs.rm_file(posixpath.join(dst, rel))

@@ -120,7 +120,7 @@ def run_step(step: Step[U, O_co], *, executor: Executor | None = None, workers: 
                            watch=checking)
         checking.result()  # the units finished first: the commit waits for the check
         return step.finalize(results)
-    except BaseException:
+    except BaseException:  # any failure, Ctrl-C included: no partial output; re-raised
         step.abort()
         raise
 

@@ -178,7 +178,7 @@ class _Hub:
         try:
             return retry_call(fn, self.policy, on_retry=lambda n, exc, delay: logger.warning(
                 "%s failed (%s); retrying", what, describe(exc, [self.token])))
-        except Exception as exc:
+        except Exception as exc:  # the Hub client raises its HTTP stack's errors and its own: `_hub_error` sorts them
             raise _hub_error(exc, what=what, dest=self.shown, token=self.token, policy=self.policy) from None
 
     def ensure_repo(self, private: bool) -> None:
@@ -327,7 +327,7 @@ def _local_copy(src: str, policy: RetryPolicy) -> Iterator[Path]:
     try:
         try:
             retry_call(lambda: fs.get(root.rstrip("/") + "/", str(tmp), recursive=True), policy)
-        except Exception as exc:
+        except Exception as exc:  # each fsspec backend raises its own errors: one line naming SRC
             raise PublishError(
                 f"could not download SRC {redact(src)} to stage it for the Hub: {describe(exc)}",
                 uri=redact(src), hint="check SRC and the credentials fsspec uses for it",

@@ -51,7 +51,7 @@ MAX_LEASE_BYTES = 64 << 10
 def _holder() -> dict[str, Any]:
     try:
         user = getpass.getuser()
-    except Exception:  # no user name in some containers
+    except (OSError, KeyError, ImportError):  # no user name in some containers (before 3.13: pwd's own errors)
         user = "unknown"
     return {"format": "ckptflow-lease", "id": uuid.uuid4().hex, "user": user, "host": socket.gethostname(),
             "pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -125,7 +125,7 @@ def hold_lease(fs: fsspec.AbstractFileSystem, root: str, dest: str, *, break_lea
             ) from None
     except PublishError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # each store raises its own errors: one line naming DEST and what to do
         raise PublishError(f"could not take the lease {shown}: {failure_reason(exc, policy)}", uri=dest,
                            file=LEASE_NAME, hint=failure_advice(exc, of_source=False)) from None
     try:

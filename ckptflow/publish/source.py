@@ -72,7 +72,7 @@ def list_source(src: str, *, retry: RetryPolicy | None = None
         found = retry_call(listing, policy)
     except CkptflowError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # each fsspec backend raises its own errors: one line naming SRC and what to do
         raise PublishError(
             f"could not list SRC {shown}: {failure_reason(exc, policy)}", uri=shown,
             hint=failure_advice(exc, of_source=True),

@@ -192,7 +192,7 @@ class _PartialRecord:
                 self._dirty = False
             try:
                 write_bytes(unstrip(self.fs, self.path), data)
-            except Exception as exc:
+            except Exception as exc:  # any store's failure: the record only saves a re-run some checks
                 with self._lock:
                     self._dirty = True
                 logger.warning("could not write the partial record %s (%s); a re-run may check more", self.path,
@@ -349,7 +349,7 @@ class _StorePush:
                         file=f.path, expected=f.size, actual=digests.size, hint="push again once SRC is stable",
                     )
                 target.close()
-            except BaseException as exc:
+            except BaseException as exc:  # any stop, Ctrl-C included, abandons the upload; re-raised
                 if self.store.session_broke(target, exc):
                     target.closed = True  # forgotten, never finalized: an unfinished session makes no object
                     raise UploadSessionError(
@@ -409,13 +409,13 @@ class _StorePush:
                 logger.info("removed %s from %s: not part of this version", rel, self.dest)
             except FileNotFoundError:
                 pass
-            except Exception as exc:
+            except Exception as exc:  # cleanup, any store's failure: the version is written
                 logger.warning("could not remove leftover %s at %s (%s)", rel, self.dest, describe(exc))
         try:
             self.dest_fs.rm_file(self.partial.path)
         except FileNotFoundError:
             pass
-        except Exception as exc:
+        except Exception as exc:  # cleanup, any store's failure: the version is written
             logger.warning("could not remove the partial record at %s (%s)", self.dest, describe(exc))
 
     # Reads, each retried on transient errors.
@@ -536,7 +536,7 @@ class _StorePush:
             if not isinstance(exc, UploadMismatchError):
                 raise
             raise self._publish_error(exc, what=what, path=path, of_source=of_source) from None
-        except Exception as exc:
+        except Exception as exc:  # each store raises its own errors: one line naming DEST and what to do
             raise self._publish_error(exc, what=what, path=path, of_source=of_source) from None
 
     def _publish_error(self, exc: Exception, *, what: str, path: str, of_source: bool) -> PublishError:
@@ -567,7 +567,7 @@ def _abandon(target: Any, fs: fsspec.AbstractFileSystem, path: str) -> None:
     if isinstance(target, AbstractBufferedFile):
         try:
             target.discard()
-        except Exception as exc:
+        except Exception as exc:  # cleanup, any store's failure: the file is marked closed below either way
             logger.debug("cancelling the upload of %s failed (%s); it is never finalized", path, describe(exc))
         target.closed = True
         return
@@ -576,5 +576,5 @@ def _abandon(target: Any, fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm_file(path)
     except FileNotFoundError:
         pass
-    except Exception as exc:
+    except Exception as exc:  # cleanup on a failure path: the error that brought us here is the one raised
         logger.warning("could not remove the partial file %s (%s)", path, describe(exc))

@@ -53,7 +53,6 @@ from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, LOSS_SCALER, RECORDS, UC_INFO, ZERO_STAGE_ENUM
 from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.readers.autoep import PER_EXPERT_FORMAT, ZERO3_FORMAT
-from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.inert import InertRecord
 from ckptflow.formats.torch.pickler import Call, Global, Instance, OutStorage, OutTensor, Rebuilt, Span
@@ -264,7 +263,7 @@ def optim_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     if (plan.optimizer == ZERO and "param_alignment_paddings" not in out
             and any(map(any, plan.param_alignment_paddings))):
         out["param_alignment_paddings"] = [list(p) for p in plan.param_alignment_paddings]
-    if isinstance(ix, OptimizerShards):  # a torch.save'd `optimizer.state_dict()`: the optimizer's dict alone
+    if ix.kind == "optimizer-shards":  # a torch.save'd `optimizer.state_dict()`: the optimizer's dict alone
         return out
     top: dict[str, Any] = {}
     for key, value in source.items():

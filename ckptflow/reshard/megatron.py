@@ -77,7 +77,7 @@ from ckptflow.reshard.units import ModelParallelPlan, TensorFile
 from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
 
 
-def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan:
+def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape` (another tensor-parallel
     degree, the same pipeline stages and ZeRO stage); reads nothing. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
@@ -107,7 +107,7 @@ def plan_megatron_tensor_parallel(index: Any, shape: Shape) -> ModelParallelPlan
     )
 
 
-def plan_megatron_stages(index: Any, shape: Shape, partition_method: str | None = None,
+def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
                          layers: int | None = None) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape`: another number of pipeline
     stages, and the same or another tensor-parallel degree; reads nothing. The two act on different axes
@@ -209,14 +209,11 @@ def _layer_owners(index: ModelParallelCheckpoint, stages: Sequence[TargetStage])
     return out
 
 
-def _check_source(index: Any, shape: Shape, *, stages: bool = False) -> None:
-    """`UnsupportedCheckpointError` unless `index` is a Megatron-style checkpoint ckptflow writes at `shape`:
+def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool = False) -> None:
+    """`UnsupportedCheckpointError` unless ckptflow writes the Megatron-style checkpoint `index` at `shape`:
     another tensor-parallel degree, and another number of pipeline stages where `stages`."""
     where = f"{index.root}/{index.tag}"
-    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "megatron":
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {getattr(index, 'layout', type(index).__name__)} layout, not a "
-            "Megatron-style one", code="unsupported-layout", uri=index.root)
+    assert index.kind == "megatron", "reshard.plan.PLANNERS gives these planners Megatron-style checkpoints only"
     if (shape.pp != index.pp and not stages) or shape.stage != index.stage:
         raise UnsupportedCheckpointError(
             f"{where}: ckptflow changes a Megatron-style checkpoint's tensor-parallel degree at its own number of "

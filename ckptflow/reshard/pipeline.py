@@ -60,19 +60,14 @@ TIED = "tied_modules."
 DEFAULT_METHOD = "parameters"  # PipelineModule's own default
 
 
-def plan_pipeline(index: Any, shape: Shape, partition_method: str | None = None,
+def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
                   layers: int | None = None) -> ModelParallelPlan:
     """The plan that writes the PipelineModule checkpoint `index` at `shape` (pp M x dp E), its layers
     assigned to the M stages as `PipelineModule(partition_method=...)` would (`layers`: the length of its
     layer list, when the user knows it; None: what the files allow); reads nothing.
     `UnsupportedCheckpointError`, in one line saying why and what would work, for anything else."""
     where = f"{index.root}/{index.tag}"
-    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "pipeline":
-        kind = getattr(index, "layout", type(index).__name__)
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {kind} layout; ckptflow changes the number of pipeline stages of plain "
-            "PipelineModule checkpoints only (no tensor parallelism inside the stages)", code="unsupported-layout",
-            uri=index.root, hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
+    assert index.kind == "pipeline", "reshard.plan.PLANNERS gives this planner plain PipelineModule checkpoints only"
     if shape.tp != 1:
         raise UnsupportedCheckpointError(f"cannot write {where} at {shape}: a PipelineModule checkpoint has no "
                                          "tensor parallelism", code="unsupported-shape", uri=index.root)

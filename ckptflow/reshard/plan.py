@@ -8,18 +8,20 @@ parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: mer
 any degree), the pipeline one (`pipeline`: PipelineModule stages merged or cut again), the
 expert-parallel one (`experts`: another expert-parallel degree, at any stage AutoEP trains at), the
 Megatron-style one (`megatron`: another tensor-parallel degree by the client's
-`universal_checkpoint_info`, another number of pipeline stages with it or alone). Every planner returns
-a `ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
+`universal_checkpoint_info`, another number of pipeline stages with it or alone). Which one is one table,
+`PLANNERS`: (the index's layout kind, the first axis that changes) -> planner, each entry naming the
+reader's type its planner takes; a pair not in it is refused in one line. Every planner returns a
+`ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
-from ckptflow.formats.deepspeed.model import ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
@@ -83,7 +85,7 @@ def _is_count(value: Any) -> bool:
 # ---- the dispatcher ----------------------------------------------------------------------------------
 
 
-def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | None = None) -> ReshardPlan:
+def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, Any] | None = None) -> ReshardPlan:
     """The plan that reshards `index` to `target` (a `Target`, or a number of ranks with every degree
     kept); reads nothing. `config`, the model's `config.json` when there is one, says which
     tensor-parallel degrees divide its attention heads.
@@ -103,52 +105,51 @@ def plan_reshard(index: Any, target: Target | int, config: Mapping[str, Any] | N
     return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
-def plan_shape(index: Any, shape: Shape, config: Mapping[str, Any] | None = None, *,
+def plan_shape(index: Partitioned, shape: Shape, config: Mapping[str, Any] | None = None, *,
                partition_method: str | None = None, layers: int | None = None) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
     `config.json`, which a tensor-parallel split needs; `partition_method`: a PipelineModule's, which a
     new number of pipeline stages needs, None for its default; `layers`: its layer list's length, where
-    the files leave it open)."""
-    source = source_shape(index)
-    if isinstance(index, OptimizerShards):
-        if (shape.stage, shape.tp, shape.pp, shape.ep) != (source.stage, source.tp, source.pp, source.ep):
-            raise UnsupportedCheckpointError(
-                f"{index.root} holds ZeRO-{index.stage} optimizer states saved one file per rank; ckptflow writes them "
-                "for another number of ranks at the same ZeRO stage only, not another stage or parallel degree",
-                uri=index.root, hint=f"give {option('world_size')} alone")
-        return plan_shard_folder(index, shape.dp)
-    if shape.pp != source.pp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
-        return plan_megatron_stages(index, shape, partition_method, layers)
-    if shape.pp != source.pp:
-        return plan_pipeline(index, shape, partition_method, layers)
-    if shape.tp != source.tp and isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron":
-        return plan_megatron_tensor_parallel(index, shape)
-    if shape.tp != source.tp and shape.tp == 1:
+    the files leave it open): the planner `PLANNERS` names for the index's kind and the axis that
+    changes (`changed_axis`)."""
+    ask = Ask(source_shape(index), shape, config, partition_method, layers)
+    axis = ask.changed_axis
+    entry = PLANNERS.get((index.kind, axis))
+    if entry is None:
+        raise _refusal(index, axis)
+    index_type, planner = entry
+    if not isinstance(index, index_type):  # the table's edge: each planner takes its reader's own type
+        raise TypeError(f"a {index.kind} index is a {index_type.__name__}, not a {type(index).__name__}")
+    return planner(index, ask)
+
+
+# ---- the table: (layout kind, the axis that changes) -> planner ---------------------------------------------
+
+AXES = ("pp", "tp", "stage", "ep")  # in the order a change is planned by: the first that changes picks the planner
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a planner is asked: the source's shape, the target's, and what a few planners need besides."""
+
+    source: Shape
+    shape: Shape
+    config: Mapping[str, Any] | None = None
+    partition_method: str | None = None
+    layers: int | None = None
+
+    @property
+    def changed_axis(self) -> str:
+        """The first of `AXES` that differs between source and target; "dp" when none does (the
+        data-parallel size alone changes, or nothing)."""
+        return next((axis for axis in AXES if getattr(self.shape, axis) != getattr(self.source, axis)), "dp")
+
+
+def _tensor_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
+    shape = ask.shape
+    if shape.tp == 1:
         return plan_tensor_parallel_merge(index, shape.dp, shape.tp, stage=shape.stage)
-    if shape.tp != source.tp:
-        return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=config)
-    if shape.stage != source.stage and isinstance(index, ZeroCheckpoint):
-        return plan_stage_change(index, shape.dp, shape.stage)
-    if shape.stage != source.stage and isinstance(index, Zero0Checkpoint):
-        return plan_zero0_stage(index, shape.dp, shape.stage)
-    if shape.stage != source.stage and isinstance(index, ModelParallelCheckpoint) and index.kind == "autotp":
-        return plan_model_parallel_stage(index, shape.dp, shape.stage)
-    if isinstance(index, ExpertCheckpoint) and shape.stage == 3 and (source.stage != 3 or shape.ep != source.ep):
-        return plan_expert_zero3(index, shape)
-    if isinstance(index, ExpertCheckpoint) and source.stage == 3 and shape.stage != 3:
-        return plan_expert_from_zero3(index, shape)
-    if isinstance(index, ExpertCheckpoint) and shape.ep != source.ep:
-        return plan_expert_degree(index, shape)
-    if isinstance(index, ExpertCheckpoint):
-        return plan_expert_parallel(index, shape.dp, shape.stage)
-    if isinstance(index, ModelParallelCheckpoint):
-        return plan_model_parallel(index, shape.dp)
-    if not isinstance(index, ZeroCheckpoint):
-        raise UnsupportedCheckpointError(
-            f"{index.root}/{index.tag} is a {index.layout} checkpoint; ckptflow reshards data-parallel ZeRO "
-            "checkpoints only so far", uri=index.root,
-            hint="convert it with DeepSpeed's universal converter (deepspeed.checkpoint.ds_to_universal) instead")
-    return plan_data_parallel(index, shape.dp)
+    return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=ask.config)
 
 
 def why_not_stages(index: Any, shape: Shape) -> str | None:
@@ -167,15 +168,91 @@ def why_not_stages(index: Any, shape: Shape) -> str | None:
     return None
 
 
-def _nothing_to_do(index: Any, target: Target) -> None:
+def _expert_stage(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
+    """The stage changes, and maybe the expert-parallel degree with it."""
+    if ask.shape.stage == 3:
+        return plan_expert_zero3(index, ask.shape)
+    if ask.source.stage == 3:
+        return plan_expert_from_zero3(index, ask.shape)
+    return _expert_degree(index, ask)
+
+
+def _expert_degree(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
+    """The expert-parallel degree changes at the source's stage (ZeRO-3: rewritten at ZeRO-3)."""
+    if ask.shape.ep == ask.source.ep:
+        return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
+    if ask.shape.stage == 3:
+        return plan_expert_zero3(index, ask.shape)
+    return plan_expert_degree(index, ask.shape)
+
+
+Planner = Callable[[Any, Ask], ReshardPlan]
+
+
+def _model_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
+    return plan_model_parallel(index, ask.shape.dp)
+
+
+def _experts(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
+    return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
+
+
+PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
+    ("zero", "dp"): (ZeroCheckpoint, lambda index, ask: plan_data_parallel(index, ask.shape.dp)),
+    ("zero", "stage"): (ZeroCheckpoint, lambda index, ask: plan_stage_change(index, ask.shape.dp, ask.shape.stage)),
+    ("zero0", "stage"): (Zero0Checkpoint, lambda index, ask: plan_zero0_stage(index, ask.shape.dp, ask.shape.stage)),
+    ("optimizer-shards", "dp"): (OptimizerShards, lambda index, ask: plan_shard_folder(index, ask.shape.dp)),
+    ("autotp", "dp"): (ModelParallelCheckpoint, _model_parallel),
+    ("autotp", "tp"): (ModelParallelCheckpoint, _tensor_parallel),
+    ("autotp", "stage"): (ModelParallelCheckpoint,
+                          lambda index, ask: plan_model_parallel_stage(index, ask.shape.dp, ask.shape.stage)),
+    ("pipeline", "dp"): (ModelParallelCheckpoint, _model_parallel),
+    ("pipeline", "pp"): (ModelParallelCheckpoint,
+                         lambda index, ask: plan_pipeline(index, ask.shape, ask.partition_method, ask.layers)),
+    ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
+    ("megatron", "tp"): (ModelParallelCheckpoint, lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape)),
+    ("megatron", "pp"): (ModelParallelCheckpoint,  # the tensor-parallel degree may change with the stages
+                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method, ask.layers)),
+    **{(kind, axis): (ExpertCheckpoint, planner) for kind in ("autoep", "moe")
+       for axis, planner in (("dp", _experts), ("stage", _expert_stage), ("ep", _expert_degree))},
+}
+
+
+def _refusal(index: Partitioned, axis: str) -> UnsupportedCheckpointError:
+    """Why no planner writes `index` with `axis` changed, in one line."""
+    where = f"{index.root}/{index.tag}"
+    if index.kind == "optimizer-shards":
+        return UnsupportedCheckpointError(
+            f"{index.root} holds ZeRO-{index.stage} optimizer states saved one file per rank; ckptflow writes them "
+            "for another number of ranks at the same ZeRO stage only, not another stage or parallel degree",
+            uri=index.root, hint=f"give {option('world_size')} alone")
+    if axis == "pp":
+        return UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the number of pipeline stages of "
+            "PipelineModule checkpoints only (plain, or Megatron-style with universal_checkpoint_info)",
+            code="unsupported-layout", uri=index.root,
+            hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
+    if axis == "tp":
+        return UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the tensor-parallel degree of "
+            "AutoTP checkpoints only", code="unsupported-layout", uri=index.root,
+            hint=f"reshard it to another data-parallel size without {option('tp')}")
+    return UnsupportedCheckpointError(
+        f"{where} is a {index.layout} checkpoint; ckptflow reshards data-parallel ZeRO checkpoints only so far",
+        uri=index.root,
+        hint="convert it with DeepSpeed's universal converter (deepspeed.checkpoint.ds_to_universal) instead")
+
+
+def _nothing_to_do(index: Partitioned, target: Target) -> None:
     """A ZeRO-0 checkpoint loads as it is at any data-parallel size: say so, and how to run it."""
-    if isinstance(index, ExpertCheckpoint):
+    if index.kind in ("autoep", "moe"):
+        ep = index.degrees.ep
         raise UnsupportedCheckpointError(
             f"{index.tag_uri} is a {index.layout} checkpoint; there is nothing to reshard: DeepSpeed loads a "
             "deepspeed.moe ZeRO-0 checkpoint natively at any data-parallel size that keeps its expert-parallel "
-            f"degree ({index.ep}), since every rank reads the whole module, the expert files of its expert-parallel "
+            f"degree ({ep}), since every rank reads the whole module, the expert files of its expert-parallel "
             "rank and that rank's expp_rank optimizer file", code="reshard-not-needed", uri=index.root,
-            hint=f"load it as it is with any multiple of {index.ep} ranks")
+            hint=f"load it as it is with any multiple of {ep} ranks")
     mp = index.degrees.tp * index.degrees.pp
     ranks = (f"any multiple of its {mp} model-parallel ranks" if mp > 1 else
              f"{target.world_size} rank{'s' if target.world_size != 1 else ''}")
@@ -186,4 +263,5 @@ def _nothing_to_do(index: Any, target: Target) -> None:
         hint=f"point the run at {index.root} as it is, with {ranks}")
 
 
-__all__ = ["ReshardOptions", "check_world_size", "plan_reshard", "plan_shape", "why_not_stages"]
+__all__ = ["AXES", "PLANNERS", "Ask", "Planner", "ReshardOptions", "check_world_size", "plan_reshard", "plan_shape",
+           "why_not_stages"]

@@ -35,10 +35,8 @@ from typing import Any
 
 from ckptflow.errors import CheckpointError, OutputError, VerificationError
 from ckptflow.formats.deepspeed import inspect
-from ckptflow.formats.deepspeed.model import ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Partitioned
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
-from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
-from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
 from ckptflow.formats.deepspeed.tag import latest_hint, read_latest
 from ckptflow.formats.hf import CONFIG_NAME, find_side_files, read_config
 from ckptflow.formats.torch.pickler import OutStorage, dumps
@@ -59,7 +57,6 @@ from ckptflow.reshard.shape import (
     Shape,
     Target,
     check_world_size,
-    kind_of,
     memory,
     parameter_counts,
     shapes_at,
@@ -83,7 +80,7 @@ def plan_output(src: str, out: str, *, target: Target | int, tag: str | None = N
     An `out` inside the source's tag folder is refused (`OutputError`)."""
     index = _valid_index(src, tag, "reshard", strict_pickle=strict_pickle)
     plan = plan_reshard(index, target, model_config(index.root))
-    if kind_of(index) == "megatron" and plan.shape is not None and plan.source_shape is not None \
+    if index.kind == "megatron" and plan.shape is not None and plan.source_shape is not None \
             and plan.shape.tp != plan.source_shape.tp:
         _check_replicas(src, index)
     _check_not_inside(plan, out)
@@ -102,7 +99,7 @@ def _check_replicas(src: str, index: Any) -> None:
                               file=first.file)
 
 
-def _valid_index(src: str, tag: str | None, doing: str, *, strict_pickle: bool = False) -> Any:
+def _valid_index(src: str, tag: str | None, doing: str, *, strict_pickle: bool = False) -> Partitioned:
     """The index of the checkpoint at `src`, validated first: any problem refuses it (`CheckpointError`
     naming the first one, "refusing to `doing` SRC: ...")."""
     report = validate(src, tag=tag, strict_pickle=strict_pickle)
@@ -352,8 +349,8 @@ def _read_back(plan: ReshardPlan, uri: str) -> str | None:
     """What is wrong with the checkpoint at `uri` as the output of `plan` (its headers read back: tag,
     layout, world size, stage and tensor count), or None."""
     index, problems, _ = inspect(uri, plan.tag or None)
-    if isinstance(index, ExpertCheckpoint):  # planned over the ZeRO index under it
-        index = index.zero
+    if index is not None:  # an expert-parallel checkpoint is planned over the ZeRO index under it
+        index = index.zero_index() or index
     if problems:
         return f"does not read back as a valid checkpoint: {problems[0].message}"
     if not isinstance(index, type(plan.index)):
@@ -431,8 +428,9 @@ def _file_size(uri: str) -> int:
     return int(fs.size(path))
 
 
-def _tensor_count(index: Any) -> int:
-    return len(index.params) + len(index.buffers) if isinstance(index, ZeroCheckpoint) else len(index.model_tensors())
+def _tensor_count(index: Partitioned) -> int:
+    zero = index.zero_index()
+    return len(zero.params) + len(zero.buffers) if zero is not None else len(index.model_tensors())
 
 
 def abort(staging: Staging | None) -> None:
@@ -456,7 +454,7 @@ def carried_files(plan: ReshardPlan, out: str) -> tuple[list[tuple[str, str]], l
     files: list[tuple[str, str]] = []
     rng_names: list[str] = []
     source = plan.index
-    skipped = set(source.shard_names()) if isinstance(source, OptimizerShards) else {LATEST, plan.tag}
+    skipped = source.own_entries()
     for entry in src_fs.ls(root, detail=True):
         path = entry["name"].rstrip("/")
         name = posixpath.basename(path)

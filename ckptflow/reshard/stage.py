@@ -161,7 +161,7 @@ def _optimizer_order(index: ZeroCheckpoint, group: ParamGroup) -> tuple[str, ...
 def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, stage: int) -> ModelParallelPlan:
     """An AutoTP checkpoint at ZeRO `stage`: each tensor-parallel rank's data-parallel checkpoint changed
     alone (`plan_stage_change`), its `mp_rank_XX` files side by side; the split metadata carried."""
-    parts = tuple(plan_zero0_stage(rank, world_size, stage) if isinstance(rank, Zero0Checkpoint)
+    parts = tuple(plan_zero0_stage(rank, world_size, stage) if rank.kind == "zero0"
                   else plan_stage_change(rank, world_size, stage) for rank in index.ranks)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,

@@ -52,8 +52,8 @@ from ckptflow.reshard.shape import check_world_size
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
 
-def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int, *, stage: int | None = None
-                               ) -> DataParallelPlan:
+def plan_tensor_parallel_merge(index: ModelParallelCheckpoint, world_size: int, tensor_parallel: int, *,
+                               stage: int | None = None) -> DataParallelPlan:
     """The plan that turns the AutoTP checkpoint `index` into a `tensor_parallel` = 1 checkpoint at
     `world_size` data-parallel ranks, at ZeRO `stage` (None: the source's; a ZeRO-1/2 source may go to
     any of 1, 2, 3); reads nothing. `UnsupportedCheckpointError` for anything else."""
@@ -71,8 +71,9 @@ def plan_tensor_parallel_merge(index: Any, world_size: int, tensor_parallel: int
     return replace(plan, stage=stage, source_optimizer=kind)
 
 
-def plan_tensor_parallel_split(index: Any, world_size: int, tensor_parallel: int, *, stage: int | None = None,
-                               config: Mapping[str, Any] | None = None) -> ModelParallelPlan:
+def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, tensor_parallel: int, *,
+                               stage: int | None = None, config: Mapping[str, Any] | None = None
+                               ) -> ModelParallelPlan:
     """The plan that writes the AutoTP checkpoint `index` at `tensor_parallel` > 1 ranks per model
     replica and `world_size` data-parallel ranks, at ZeRO `stage` (None: the source's; a ZeRO-1/2
     source may go to any of 1, 2, 3), split as AutoTP splits the model at that degree. `config` is the
@@ -124,17 +125,13 @@ def plan_tensor_parallel_split(index: Any, world_size: int, tensor_parallel: int
     )
 
 
-def _check_source(index: Any, world_size: int, tensor_parallel: int, stage: int | None
+def _check_source(index: ModelParallelCheckpoint, world_size: int, tensor_parallel: int, stage: int | None
                   ) -> tuple[ZeroCheckpoint, int]:
     """The tensor-parallel ranks' partitions as one data-parallel checkpoint, and the target stage;
     `UnsupportedCheckpointError` for a source or target no tensor-parallel change handles."""
     where = f"{index.root}/{index.tag}"
     check_world_size(world_size)
-    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "autotp":
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {index.layout} layout; ckptflow changes the tensor-parallel degree of "
-            "AutoTP checkpoints only", code="unsupported-layout", uri=index.root,
-            hint=f"reshard it to another data-parallel size without {option('tp')}")
+    assert index.kind == "autotp", "reshard.plan.PLANNERS gives this planner AutoTP checkpoints only"
     check_joinable(index, tensor_parallel)
     source = _merged_source(index)
     stage = index.stage if stage is None else stage

@@ -25,7 +25,6 @@ from ckptflow.formats.deepspeed.names import allowed
 from ckptflow.formats.deepspeed.output_dir import Choice, choose, folders_in
 from ckptflow.formats.deepspeed.readers.autoep import read_autoep
 from ckptflow.formats.deepspeed.readers.autotp import read_autotp
-from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.moe import read_moe
 from ckptflow.formats.deepspeed.readers.optimizer_shards import read_shard_folder
 from ckptflow.formats.deepspeed.readers.pipeline import read_pipeline
@@ -147,11 +146,7 @@ def _newest_complete(output_dir: str, folders: list[str], *, strict_pickle: bool
 def zero_index(source: Partitioned | None) -> ZeroCheckpoint | None:
     """The data-parallel ZeRO index a source is made of (itself, or an expert-parallel checkpoint's),
     None for layouts without one."""
-    if isinstance(source, ZeroCheckpoint):
-        return source
-    if isinstance(source, ExpertCheckpoint):
-        return source.zero
-    return None
+    return None if source is None else source.zero_index()
 
 
 def load_index(uri: str, tag: str | None = None, *, strict_pickle: bool = False) -> Partitioned:

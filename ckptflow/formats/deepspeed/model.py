@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ckptflow.errors import CheckpointError
 from ckptflow.formats.deepspeed.config import optimizer_kind, zero_section
+from ckptflow.formats.deepspeed.names import LATEST
 from ckptflow.formats.deepspeed.partition import partition_ranks, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.runs import Run, check_coverage, contiguous, whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -164,6 +165,16 @@ class ZeroCheckpoint:
         return f"ZeRO-{self.stage}, data-parallel {self.world_size}"
 
     @property
+    def kind(self) -> str:
+        return "zero"
+
+    def zero_index(self) -> ZeroCheckpoint:
+        return self
+
+    def own_entries(self) -> frozenset[str]:
+        return frozenset((LATEST, self.tag))
+
+    @property
     def degrees(self) -> Degrees:
         return Degrees(self.world_size, ep=max((g.ep for g in self.groups), default=1))
 
@@ -307,14 +318,19 @@ class Degrees:
 class Partitioned(Protocol):
     """What every reader gives the consolidate and reshard steps, whatever the layout: where the
     checkpoint is (`root`, `tag`), what trained it (`stage`, `precision`, `step`, `ds_version`), how it
-    is partitioned (`world_size`, the data-parallel size, and `degrees`), the full model as tensors,
-    the tied aliases left out of them, and a summary for reports. Read-only: the indexes are frozen."""
+    is partitioned (`world_size`, the data-parallel size, and `degrees`), its layout `kind` (what the
+    steps pick their planner by), the ZeRO index under it, the folder entries it owns,
+    the full model as tensors, the tied aliases left out of them, and a summary for reports. Read-only:
+    the indexes are frozen."""
 
     @property
     def root(self) -> str: ...
 
     @property
     def tag(self) -> str: ...
+
+    @property
+    def tag_uri(self) -> str: ...
 
     @property
     def step(self) -> int: ...
@@ -338,7 +354,23 @@ class Partitioned(Protocol):
     def layout(self) -> str: ...
 
     @property
+    def kind(self) -> str:
+        """The layout kind, which names the reshard family (`reshard.plan`) and the shapes it allows:
+        "zero", "zero0", "autotp", "pipeline", "megatron", "autoep", "moe" or "optimizer-shards"."""
+        ...
+
+    @property
     def degrees(self) -> Degrees: ...
+
+    def zero_index(self) -> ZeroCheckpoint | None:
+        """The data-parallel ZeRO index it is made of (itself, or an expert-parallel checkpoint's), None
+        for layouts without one."""
+        ...
+
+    def own_entries(self) -> frozenset[str]:
+        """The names in the checkpoint folder that are this checkpoint's own (`latest` and its tag folder,
+        or a shard folder's rank files): what a reshard writes anew rather than carries."""
+        ...
 
     def model_tensors(self) -> tuple[ModelTensor, ...]: ...
 

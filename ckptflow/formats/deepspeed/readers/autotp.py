@@ -202,9 +202,9 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
     try:
         shape = tuple(int(d) for d in entry["logical_shape"])
         ranks = {int(r): v for r, v in entry["ranks"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise UnsupportedCheckpointError(f"its affine map entry in {where} is malformed ({excerpt(entry)})",
-                                         hint=MALFORMED) from None
+                                         hint=MALFORMED) from error
     if sorted(ranks) != list(range(tp)):
         raise UnsupportedCheckpointError(f"its affine map entry in {where} names tensor-parallel ranks "
                                          f"{excerpt(sorted(ranks))}, expected 0..{tp - 1}", hint=MALFORMED)
@@ -214,9 +214,9 @@ def _holdings(name: str, first: ModelTensor, locals_: Sequence[Mapping[str, Mode
         try:
             shard_shape = tuple(int(d) for d in ranks[mp]["shard_shape"])
             pieces = tuple(_piece(p) for p in ranks[mp]["pieces"])
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
             raise UnsupportedCheckpointError(f"its affine map entry for rank {mp} in {where} is malformed",
-                                             hint=MALFORMED) from None
+                                             hint=MALFORMED) from error
         if shard_shape != local.shape:
             raise UnsupportedCheckpointError(
                 f"its affine map gives tensor-parallel rank {mp} a shard of shape {excerpt(list(shard_shape), 120)} "

@@ -18,7 +18,7 @@ from typing import Any
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, check_records
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, expert_file_name
+from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, LATEST, expert_file_name
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.zipdir import open_archive
@@ -59,6 +59,12 @@ class ExpertCheckpoint:
     @property
     def degrees(self) -> Degrees:
         return Degrees(self.world_size, ep=self.ep)
+
+    def zero_index(self) -> ZeroCheckpoint | None:
+        return self.zero
+
+    def own_entries(self) -> frozenset[str]:
+        return frozenset((LATEST, self.tag))
 
     @property
     def numel(self) -> int:

@@ -27,8 +27,8 @@ from typing import Any
 from ckptflow.errors import CheckpointError, CkptflowError
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, StopReading, check_model_fields, open_rank_file
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor, ZeroCheckpoint
-from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE, model_file_name
-from ckptflow.formats.deepspeed.readers.zero import read_zero
+from ckptflow.formats.deepspeed.names import EXPERT_FILE_RE, EXPP_FILE_RE, LATEST, LAYER_FILE_RE, model_file_name
+from ckptflow.formats.deepspeed.readers.zero import optimizer_step, read_zero
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, read_zero0
 from ckptflow.formats.deepspeed.runs import Run, check_coverage
 from ckptflow.plumbing.sizes import element_count
@@ -324,9 +324,32 @@ class ModelParallelCheckpoint:
     def degrees(self) -> Degrees:
         return Degrees(self.world_size, tp=self.tp, pp=self.pp)
 
+    def zero_index(self) -> None:
+        return None
+
+    def own_entries(self) -> frozenset[str]:
+        return frozenset((LATEST, self.tag))
+
     @property
     def mp_world_size(self) -> int:
         return len(self.ranks)
+
+    def rank_step(self, mp_rank: int) -> float | None:
+        """The step model-parallel rank `mp_rank`'s optimizer is at (None when it has not stepped or the
+        step cannot be read): counted when a ZeRO-0 rank is read, recorded in a ZeRO-1/2/3 rank's partitions."""
+        rank = self.ranks[mp_rank]
+        if isinstance(rank, Zero0Checkpoint):
+            return float(rank.optimizer_step)
+        try:
+            step = optimizer_step(rank.partitions[0])
+            return None if step is None else float(step)
+        except (CkptflowError, OSError, ValueError, OverflowError):
+            return None
+
+    def rank_model_file(self, mp_rank: int) -> str:
+        """The model-states file of model-parallel rank `mp_rank` (data-parallel rank 0's)."""
+        rank = self.ranks[mp_rank]
+        return str(rank.model_file if isinstance(rank, Zero0Checkpoint) else rank.model_file(0))
 
     def rank_label(self, mp_rank: int) -> str:
         """Model-parallel rank `mp_rank` in words, e.g. "pipeline stage 1 of 2, tensor-parallel rank 0 of 2"."""

@@ -177,6 +177,9 @@ class OptimizerShards(ZeroCheckpoint):
         """The shard files by rank."""
         return tuple(posixpath.basename(f.optim) for f in self.files)
 
+    def own_entries(self) -> frozenset[str]:
+        return frozenset(self.shard_names())
+
     def summary(self) -> dict[str, Any]:
         out = super().summary()
         out["pattern"] = self.names.pattern if self.names else None

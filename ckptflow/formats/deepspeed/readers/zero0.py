@@ -39,7 +39,7 @@ from typing import Any
 from ckptflow.formats.deepspeed.config import zero_section
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor
-from ckptflow.formats.deepspeed.names import model_file_name
+from ckptflow.formats.deepspeed.names import LATEST, model_file_name
 from ckptflow.formats.deepspeed.readers.zero import model_head
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -86,8 +86,18 @@ class Zero0Checkpoint:
         return f"ZeRO-0, data-parallel {self.world_size}"
 
     @property
+    def kind(self) -> str:
+        return "zero0"
+
+    @property
     def degrees(self) -> Degrees:
         return Degrees(self.world_size)
+
+    def zero_index(self) -> None:
+        return None
+
+    def own_entries(self) -> frozenset[str]:
+        return frozenset((LATEST, self.tag))
 
     @property
     def zero_config(self) -> Mapping[str, Any]:
