@@ -304,11 +304,21 @@ def test_trigger_starts_one_lifecycle_run_per_new_checkpoint(prefect_server: str
         emitted = watch_latest(roots=[f"{gcs.url}/runs"], state=state)["emitted"]
         assert [(e["root"], e["tag"]) for e in emitted] == [(run_root, "global_step40")]
 
-        def mine():  # other tests' events may still be turning into runs of the same deployment
-            return [r for r in runs() if r.id not in before and r.parameters.get("source") == run_root]
+        def mine(root: str = run_root):  # other tests' events may still be turning into runs of the same deployment
+            return [r for r in runs() if r.id not in before and r.parameters.get("source") == root]
 
-        created = _wait_for(mine, timeout=120)
-        time.sleep(2)
+        def settled() -> None:
+            """Wait until the events sent so far have made their runs: announce one more checkpoint, under
+            a root of its own, and wait for its run, which the trigger makes after theirs."""
+            marker = f"{gcs.url}/settle-{uuid.uuid4().hex[:8]}/run"
+            put(f"{marker}/global_step1/zero_pp_rank_0_mp_rank_00_model_states.pt", b"x")
+            put(f"{marker}/latest", b"global_step1")
+            assert watch_latest(roots=[marker.rsplit("/", 1)[0]], state=f"{state}-settle")["emitted"]
+            (sentinel,) = _wait_for(lambda: mine(marker), timeout=120)
+            client.delete_flow_run(sentinel.id)
+
+        assert _wait_for(mine, timeout=120)
+        settled()
         created = mine()
         assert len(created) == 1, "the trigger did not create exactly one lifecycle run"
         (run,) = created
@@ -319,6 +329,6 @@ def test_trigger_starts_one_lifecycle_run_per_new_checkpoint(prefect_server: str
 
         # Running the watcher again announces nothing, and no second run appears.
         assert watch_latest(roots=[f"{gcs.url}/runs"], state=state)["emitted"] == []
-        time.sleep(3)
+        settled()
         assert [r.id for r in mine()] == [run.id]
         client.delete_flow_run(run.id)  # nobody works the pool in tests; keep the server tidy
