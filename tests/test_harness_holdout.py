@@ -206,10 +206,8 @@ def load_shards(fixture: Any, out: Path, work: Path) -> None:
 
 def load_client_state(fixture: Any, out: Path, work: Path) -> None:
     """DeepSpeed's own ``load_checkpoint`` at 2 ranks (the client-state oracle): the client state equal to the
-    source's (``args`` saying the target's shape), the live engine's fp32 weights and Adam moments; and
-    ``ds_to_universal`` of the reshard equal to that of the source in every file it writes."""
+    source's (``args`` saying the target's shape), the live engine's fp32 weights and Adam moments."""
     from tests.fixtures.replay import launch
-    from tests.test_reshard import _load_plain, _universal, _universal_tensor
 
     (work / "jobs.json").write_text(json.dumps([{"spec": str(fixture.root / "spec.json"), "ckpt": str(out),
                                                  "expected": str(fixture.root / "client_state.pkl"),
@@ -222,19 +220,29 @@ def load_client_state(fixture: Any, out: Path, work: Path) -> None:
     expected, loaded = load_file(fixture.expected_path), load_file(work / "load" / "state.safetensors")
     assert loaded.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
+
+
+def check_universal(source: Path, out: Path, work: Path) -> None:
+    """``ds_to_universal`` of ``out`` equals that of ``source`` in every file it writes: each parameter's fp32
+    weight, Adam moments and step (ZeRO-1/2); of ``optimizer_state.pt`` all but what says the world size."""
+    from tests.test_reshard import _load_plain, _universal, _universal_tensor
+
     cache: dict[Path, Path] = {}
-    ours, theirs = (_universal(folder, cache, work) / "zero" for folder in (fixture.dir, out))
+    ours, theirs = (_universal(folder, cache, work) / "zero" for folder in (source, out))
     files = sorted(str(p.relative_to(ours)) for p in ours.rglob("*.pt"))
     assert files and files == sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*.pt"))
-    assert {Path(f).name for f in files} >= {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"}
-    # every parameter's files equal; optimizer_state.pt is rank 0's optimizer state without its tensors, which
-    # says the world size (partition_count, group_paddings): its differences are those alone
+    assert {Path(f).name for f in files} >= {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"}  # and step.pt below ZeRO-3
     params = [f for f in files if f != "optimizer_state.pt"]
     assert [f for f in params if _universal_tensor(_load_plain(ours / f)) != _universal_tensor(_load_plain(theirs / f))
             ] == []
+    # optimizer_state.pt is rank 0's optimizer state: at ZeRO-1/2 without its partitions, so that only what says
+    # the world size differs; at ZeRO-3 whole, its partitions (of another size at another world size) included
     was, now = _load_plain(ours / "optimizer_state.pt"), _load_plain(theirs / "optimizer_state.pt")
-    assert was.keys() == now.keys() and {k for k in was if was[k] != now[k]} <= {"partition_count", "group_paddings"}
-    assert was["param_groups"] == now["param_groups"]
+    assert was.keys() == now.keys() and was["param_groups"] == now["param_groups"]
+    sized = {"partition_count", "group_paddings"}
+    if "fp32_flat_groups" in was:
+        sized |= {"fp32_flat_groups", "optimizer_state_dict"}
+    assert {k for k in was if was[k] != now[k]} <= sized
 
 
 def resume_harness(name: str, fixture: HarnessFixture, out: Path, work: Path) -> None:
@@ -277,5 +285,24 @@ def test_the_harnesses_own_loading_code_resumes_from_the_reshard(name: str, hold
         load_shards(fixture, out, work)
     elif name == CLIENT:
         load_client_state(fixture, out, work)
+        check_universal(fixture.dir, out, work)
     else:
         resume_harness(name, fixture, out, work)
+
+
+# ---- the client-state oracle through ds_to_universal, on the development fixtures too -----------------------
+
+# `tests.fixtures.specs.client_state`'s checkpoints (built for test_client_state.py in the default run anyway)
+DEV_CLIENT = ("client-megatron-z1-fp32-ws2", "client-lightning-z3-bf16-ws2")
+UNIVERSAL = sample((*DEV_CLIENT, CLIENT), keep=DEV_CLIENT)
+
+
+@pytest.mark.parametrize("name", UNIVERSAL)
+def test_ds_to_universal_of_a_client_state_reshard_equals_the_sources(name: str, holdout: Callable[[str], Any],
+                                                                      markers: Path, tmp_path: Path) -> None:
+    """Every fp32 weight, Adam moment and step of a checkpoint with a client state comes through ``reshard``
+    (to 3 ranks from 2, to 2 from 3) as DeepSpeed's own converter reads it."""
+    fixture = SETS["client-state"].build([name])[name] if name in DEV_CLIENT else holdout(name)
+    out = tmp_path / "out"
+    ckptflow("reshard", str(fixture.dir), str(out), "--world-size", str(5 - fixture.world_size), markers=markers)
+    check_universal(fixture.dir, out, tmp_path)
