@@ -186,6 +186,21 @@ def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_
     assert _code(plain) != _code(other)
 
 
+@pytest.mark.parametrize(("holdout", "of"), [("harness-holdout", "harness"), ("client-state-holdout", "client-state"),
+                                             ("optimizer-shards-holdout", "optimizer-shards")])
+def test_a_held_out_set_is_keyed_by_its_writers_and_its_own_specs(holdout: str, of: str) -> None:
+    """Issue 25's held-out checkpoints: each set hashes the rank scripts of the set it is held out of and its own
+    spec module; the set it is held out of does not hash that module (adding a holdout regenerates nothing else)."""
+    from tests.fixtures.cache import keyed_modules
+    from tests.fixtures.sets import SETS
+
+    own = f"tests.fixtures.specs.{holdout.replace('-', '_')}"
+    assert set(keyed_modules(SETS[holdout].sources)) == {*keyed_modules(SETS[of].sources), own}
+    assert own not in keyed_modules(SETS[of].sources)
+    assert set(SETS[holdout].specs).isdisjoint(SETS[of].specs)
+    assert SETS[holdout].cache_dir() != SETS[of].cache_dir()
+
+
 def test_launch_stops_the_other_ranks_and_shows_the_failing_log(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(

@@ -3,8 +3,8 @@
 Run on M ranks by ``launch("tests.oracles.optimizer_shards", M, ["--jobs", FILE])``. ``FILE`` holds a JSON
 list of jobs, run in order; each builds the fixture's model (``"model"``, ``"seed"``) with the model
 weights saved beside the shards (``"shards"/model.safetensors``) loaded first, as the seed's script
-does before it resumes, starts a ZeRO-2 engine at this world size with the fixture's config
-(``"dtype"``), then loads the optimizer the seed's way::
+does before it resumes, starts a ZeRO engine at this world size with the fixture's config
+(``"dtype"``, ``"stage"``: 2 when not given), then loads the optimizer the seed's way::
 
     engine.optimizer.load_state_dict([torch.load(f, weights_only=False) for f in files])
 
@@ -44,7 +44,7 @@ def run_job(job: dict[str, Any]) -> None:
                                                 strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is saved once, as the embedding
         raise RuntimeError(f"the weights beside the shards do not fit the model: {missing} {unexpected}")
-    config = models.ds_config(stage=2, dtype=job["dtype"], world_size=world_size)
+    config = models.ds_config(stage=job.get("stage", 2), dtype=job["dtype"], world_size=world_size)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, job["model"]),
                                            config=config)
     files = [shards / job["pattern"].format(rank=r) for r in range(world_size)]
