@@ -35,15 +35,19 @@ from ckptflow.reshard import reshard, shapes_at
 from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
-from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.sets import ParallelFixture, build_megatron_tied
 from tests.sampling import sample
 from tests.test_megatron_reshard import ARGS, PIPE, SWIGLU, _differences, check_same_universal
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 
+TIED = "megatron-tied-pp2tp2-z1-fp32"  # `specs.megatron_tied`: GPTModelPipe's tied embedding and head
 # (fixture, pp, tp, dp, partition method, layer list's length) at the target.
 ALL_CASES = ((PIPE, 1, 1, 2, None, None), (PIPE, 1, 2, 1, None, None), (SWIGLU, 1, 1, 2, None, None),
-             (PIPE, 4, 1, 1, "uniform", None), (ARGS, 2, 1, 2, "uniform", 6))
-CASES = sample(ALL_CASES, [(PIPE, 1, 1, 2, None, None)])
+             (PIPE, 4, 1, 1, "uniform", None), (ARGS, 2, 1, 2, "uniform", 6),
+             (TIED, 1, 1, 2, None, None), (TIED, 2, 1, 2, None, None), (TIED, 1, 2, 1, None, None),
+             (TIED, 4, 1, 1, "uniform", None))
+# The tied case rides on the launch the first one makes (2 ranks, pp1 x tp1).
+CASES = sample(ALL_CASES, [(PIPE, 1, 1, 2, None, None), (TIED, 1, 1, 2, None, None)])
 
 
 def case_id(case: tuple) -> str:
@@ -53,8 +57,9 @@ def case_id(case: tuple) -> str:
 @pytest.fixture(scope="session")
 def stage_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
                    parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
-    names = {case[0] for case in CASES} | {PIPE}
-    return {name: {**parallel_fixtures, **parallel_extra_fixtures}[name] for name in names}
+    names = {case[0] for case in CASES} | {PIPE, TIED}
+    everything = {**parallel_fixtures, **parallel_extra_fixtures, **build_megatron_tied()}
+    return {name: everything[name] for name in names}
 
 
 @pytest.fixture(scope="session")
@@ -181,6 +186,50 @@ def test_the_plan_lists_the_stage_counts(stage_fixtures: Mapping[str, ParallelFi
         f"cannot tell which layers each of 4 pipeline stages of {pipe}/global_step3 holds: layer lists the files allow")
 
 
+WORD_EMBEDDINGS = "tied_modules.embed.word_embeddings.weight"
+
+
+def test_the_tied_embedding_moves_with_the_stages(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """GPTModelPipe's tied word embedding (pp2 x tp2, 19 of its 38 padded rows per tensor-parallel rank, on both
+    stages): merged to pp1 x tp1 it is the one stage's first parameter (the `tied_modules` come first), whole, every
+    element copied from stage 0's two tensor-parallel ranks, written once, in layer 0's file (the head, a
+    `forward_fn` use, saves none); at pp2 x tp1 both stages hold it first and stage 0 writes the file; cut "uniform"
+    into 4 stages, the last holds it alone and writes no layer file."""
+    index = load_index(str(stage_fixtures[TIED].dir))
+    merged = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
+    (part,) = merged.parts
+    assert part.flat_shapes[0][0] == (WORD_EMBEDDINGS, (38, 16))
+    files = part.units[0].tensor_files
+    assert [f.name for f in files] == [f"layer_{i:02d}-model_00-model_states.pt" for i in range(5)]
+    assert [(t[0], t[1]) for t in files[0].tensors] == [("word_embeddings.weight", (38, 16))]
+    copied = sum(c.numel for u in part.units for f in u.flats for c in f.copies)
+    assert copied == sum(t.numel for t in index.tensors)  # 37 rows of it: the padding row is zeros
+    assert merged.notes[0].startswith("the vocabulary parameters keep the source's 38 padded rows")
+    stages = plan_reshard(index, Target(world_size=4, pp=2, tp=1))
+    assert [part.flat_shapes[0][0] for part in stages.parts] == [(WORD_EMBEDDINGS, (38, 16))] * 2
+    assert [[f.name[:8] for f in part.units[0].tensor_files] for part in stages.parts] == [
+        ["layer_00", "layer_01", "layer_02"], ["layer_03", "layer_04"]]
+    cut = plan_reshard(index, Target(world_size=4, pp=4, tp=1, partition_method="uniform"))
+    assert cut.parts[-1].flat_shapes == (((WORD_EMBEDDINGS, (38, 16)),),)
+    assert cut.parts[-1].units[0].tensor_files == ()
+
+
+def test_the_plan_lists_the_tied_shapes(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """`--plan` of the tied fixture at 4 ranks offers the tensor-parallel and stage changes it writes; pp4 is left
+    open by the default partition method (its head saves no file), tp4 by the padded vocabulary's 38 rows."""
+    from ckptflow.reshard.run import plan_shapes
+
+    options = plan_shapes(str(stage_fixtures[TIED].dir), 4).options
+    assert [str(o.shape) for o in options if o.reason is None] == [
+        "ZeRO-1 dp4 (4 ranks)", "ZeRO-1 pp2 x dp2 (4 ranks)", "ZeRO-1 tp2 x dp2 (4 ranks)",
+        "ZeRO-1 pp2 x tp2 x dp1 (4 ranks)"]
+    reasons = {str(o.shape): o.reason for o in options}
+    assert reasons["ZeRO-1 tp4 x dp1 (4 ranks)"] == (
+        f"{WORD_EMBEDDINGS} does not split at tensor-parallel degree 4: the padded vocabulary's 38 rows do not split "
+        "into 4 equal blocks")
+    assert reasons["ZeRO-1 pp4 x dp1 (4 ranks)"].startswith("cannot tell which layers each of 4 pipeline stages")
+
+
 def _tied(index: Any) -> Any:
     """`index` whose embedding is a tied module (renamed so in memory)."""
     for rank in index.ranks:
@@ -190,15 +239,18 @@ def _tied(index: Any) -> Any:
     return index
 
 
-def test_a_tied_module_is_refused_at_another_shape(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """A Megatron-style tied module (Megatron's GPT ties its embedding and head) is not moved to another
-    tensor-parallel degree or stage count yet: the planners refuse it in one line and `--plan` says why; the
-    source's own degrees are still offered."""
+def test_a_tied_parameter_other_than_a_vocabulary_one_is_refused_at_another_shape(
+        stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """A tied module's parameter that the checkpoint's `universal_checkpoint_info` does not record as a vocabulary
+    parameter (Megatron's GPT ties its learned position embeddings too; here the untied fixture's embedding renamed
+    in memory, which its patterns then no longer name) is not moved to another tensor-parallel degree or stage count
+    yet: the planners refuse it in one line and `--plan` says why; the source's own degrees are still offered."""
     fixture = stage_fixtures[PIPE]
     index = _tied(load_index(str(fixture.dir)))
-    why = ("tied_modules.embed.weight is a tied module (a TiedLayerSpec its pipeline stages share, as Megatron's GPT "
-           "ties its embedding and head), which ckptflow does not move to another tensor-parallel degree or number "
-           "of pipeline stages of a Megatron-style checkpoint yet")
+    why = ("tied_modules.embed.weight is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is "
+           "not a vocabulary parameter: ckptflow moves a tied vocabulary-parallel word embedding (Megatron's GPT ties "
+           "its embedding and head) to another tensor-parallel degree or number of pipeline stages of a Megatron-style "
+           "checkpoint, not other tied parameters (Megatron's GPT ties its learned position embeddings too) yet")
     for target in (Target(world_size=2, pp=1, tp=1), Target(world_size=2, pp=1), Target(world_size=2, tp=1)):
         with pytest.raises(UnsupportedCheckpointError) as refused:
             plan_reshard(index, target)

@@ -36,11 +36,23 @@ virtual checkpoint, its parameters at their shapes at T' and each element copied
 model states at T' x P'; the layer files of its layers cut as above. At the source's own degree the
 shards are the source's own (`splits_at`), whatever the rules say of other degrees.
 
+A tied module (Megatron-DeepSpeed's `GPTModelPipe` ties its embedding and head: `TiedLayerSpec('embed', ...)`
+on the first and the last layer, `tied_modules.embed.word_embeddings.weight` in the files) is trained by
+every stage that uses it, each stage's copy in its own optimizer state (the `tied_modules` first in its
+groups, as `PipelineModule.parameters()` lists them), and saved once, in the layer file of its first use
+(a use with a `forward_fn`, the head, saves none). Its vocabulary-parallel word embedding is joined and cut
+by the vocabulary rules as any vocabulary parameter, read from the lowest stage that trains it (the
+others' copies are its replicas, all-reduced by DeepSpeed), and written into every target stage that uses
+it (`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a use of it, weighed at T'
+at each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those
+stages' optimizer state; its layer file is that of the layer of its first use, cut at T'.
+
 Refused, naming the parameter: a parameter the patterns do not split at T' (averaged ones, which
 `ds_to_universal` averages and ckptflow does not; `parameter_with_sub_params`, whose shard widths at T'
 are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree,
-and a tied module (`tied_modules.*`: Megatron's GPT ties its embedding and head) at any tensor-parallel or
-pipeline change (no fixture of a Megatron-style tied module has been checked against DeepSpeed yet).
+and a tied module's parameter other than a vocabulary one (`tied_modules.*`; Megatron's GPT ties its
+learned position embeddings too) at any tensor-parallel or pipeline change (only a tied word embedding
+has been checked against DeepSpeed).
 Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
 `round_robin_gradients`, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and
 1 only).
@@ -69,7 +81,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
 )
 from ckptflow.formats.deepspeed.runs import Run, whole_run
 from ckptflow.reshard.flats import Copies, ModelRuns
-from ckptflow.reshard.pipeline import Weigh, check_stages, plan_stage, stage_source, stages_at
+from ckptflow.reshard.pipeline import TIED, Weigh, check_stages, plan_stage, stage_source, stages_at
 from ckptflow.reshard.pipeline_layers import Layer, TargetStage
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
@@ -187,13 +199,14 @@ def _splits(index: ModelParallelCheckpoint, tp: int) -> tuple[int | None, list[d
 
 def _weigh(splits: Mapping[str, Split]) -> Weigh:
     """A layer list's weights at the target degree: each layer's parameters' elements on a tensor-parallel
-    rank there (every rank holds equal shards: `shard_shapes`)."""
-    counts: dict[int, int] = {}
+    rank there (every rank holds equal shards: `shard_shapes`), a tied module's at each of its uses."""
+    counts: dict[int | str, int] = {}
     for name, (shapes, _) in splits.items():
-        counts[_layer_of(name)] = counts.get(_layer_of(name), 0) + math.prod(shapes[0])
+        at = _tied_key(name) if name.startswith(TIED) else _layer_of(name)
+        counts[at] = counts.get(at, 0) + math.prod(shapes[0])
 
     def weigh(layers: Sequence[Layer]) -> list[Layer]:
-        return [(key, count if key else counts.get(i, 0)) for i, (key, count) in enumerate(layers)]
+        return [(key, counts.get(key or i, 0)) for i, (key, _) in enumerate(layers)]
 
     return weigh
 
@@ -230,7 +243,7 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
                                          hint=f"keep the tensor-parallel degree ({index.tp}; leave {option('tp')} out)")
     if shape.tp != index.tp:
         check_joinable(index, shape.tp)
-    tied = tied_module(index)
+    tied = tied_module(index) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
     if tied is not None:
         raise UnsupportedCheckpointError(
             f"{where}: {tied} {TIED_WHY}", code="unsupported-shape", uri=index.root, tensor=tied,
@@ -256,10 +269,24 @@ def _layer_of(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
+def _tied_key(name: str) -> str:
+    return name[len(TIED):].partition(".")[0]
+
+
+def _file_of(name: str, files: Mapping[str, int]) -> tuple[int, str]:
+    """The layer whose files hold parameter `name` (a tied module's: `files`, key -> layer) and its name there."""
+    if name.startswith(TIED):
+        key, _, local = name[len(TIED):].partition(".")
+        return files[key], local
+    layer, _, local = name.partition(".")
+    return int(layer), local
+
+
 def _stage_layers(index: ModelParallelCheckpoint, stage: int) -> list[int]:
     """The layers whose files stage `stage` writes: those of its parameters, and a layer without any (its
-    buffers only) after the last one of the stage before it."""
-    firsts = [min(_layer_of(p.name) for p in index.ranks[s * index.tp].params) for s in range(index.pp)]
+    buffers only, or a tied module's file) after the last one of the stage before it."""
+    firsts = [min((_layer_of(p.name) for p in index.ranks[s * index.tp].params if not p.name.startswith(TIED)),
+                  default=math.inf) for s in range(index.pp)]
     layers = sorted({layer for layer, _ in index.layers})
     return [layer for layer in layers if max((s for s in range(index.pp) if firsts[s] <= layer), default=0) == stage]
 
@@ -284,10 +311,11 @@ def _module_runs(index: ModelParallelCheckpoint, stage: int, info: Mapping[str, 
     """Stage `stage`'s full module copy of every trained parameter, joined from its layer files by the
     rules the masters are joined by (vocabulary padding cut): name -> runs."""
     ranks = range(stage * index.tp, (stage + 1) * index.tp)
+    files = {key: layer for key, layer in index.tied_layers}
     out = {}
     for param in index.ranks[stage * index.tp].params:
-        layer, _, local = param.name.partition(".")
-        refs = {mp: index.layers[(int(layer), mp % index.tp)][local] for mp in ranks}
+        layer, local = _file_of(param.name, files)
+        refs = {mp: index.layers[(layer, mp % index.tp)][local] for mp in ranks}
         tensors = {mp: ModelTensor(param.name, ref.shape, ref.dtype, "param", (whole_run(ref, param.name),))
                    for mp, ref in refs.items()}
         full, pieces, rows = split_pieces(param.name, [refs[mp].shape for mp in ranks], info, index.tp, "param")
@@ -300,10 +328,13 @@ def _module_runs(index: ModelParallelCheckpoint, stage: int, info: Mapping[str, 
 def _layer_file(index: ModelParallelCheckpoint, layer: int, t: int, splits: Mapping[str, Split],
                 module: Mapping[str, tuple[Run, ...]]) -> TensorFile:
     """Layer `layer`'s file at tensor-parallel rank `t`: its tensors in the source's order, each trained one
-    cut from the full module copy, the rest (buffers) as tensor-parallel rank 0 holds them."""
+    cut from the full module copy (a tied module's file, under the layer that first uses it, holds the tied
+    module's `tied_modules.{key}.{name}`), the rest (buffers) as tensor-parallel rank 0 holds them."""
+    tied = {at: key for key, at in index.tied_layers}
+    prefix = f"{TIED}{tied[layer]}." if layer in tied else f"{layer}."
     tensors = []
     for local, ref in index.layers[(layer, 0)].items():
-        name = f"{layer}.{local}"
+        name = prefix + local
         if name in splits:
             shapes, pieces = splits[name]
             tensors.append((local, shapes[t], local_runs(module[name], pieces[t])))

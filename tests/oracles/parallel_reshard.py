@@ -1,7 +1,8 @@
 """Rank script for the model-parallel reshard oracle: DeepSpeed itself loads checkpoints natively at a
 new data-parallel size, and everything it then holds is gathered and compared with the fixture's oracle.
 
-The split fixtures (``specs.split``) are built with their own models (``models.split``).
+The split fixtures (``specs.split``) are built with their own models (``models.split``), the tied Megatron-style
+ones (``specs.megatron_tied``) with their writer's job (``writers.megatron_tied``).
 
 Run on N ranks by ``launch("tests.oracles.parallel_reshard", N, ["--jobs", FILE])``. ``FILE`` holds a JSON
 list of jobs of one layout (AutoTP, PipelineModule and Megatron-style each install process-wide
@@ -45,12 +46,14 @@ from safetensors.torch import load_file  # noqa: E402
 
 from tests.fixtures.launch import run_jobs  # noqa: E402
 from tests.fixtures.models.client_state import differences  # noqa: E402
+from tests.fixtures.models.megatron_tied import TIED_FIXTURES  # noqa: E402
 from tests.fixtures.models.parallel_extra import padded_vocab  # noqa: E402
 from tests.fixtures.models.split import mha_models  # noqa: E402
 from tests.fixtures.specs.parallel import MEGATRON, ParallelSpec  # noqa: E402
 from tests.fixtures.specs.split import SPLIT_SPECS  # noqa: E402
 from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
+from tests.fixtures.writers.megatron_tied import MegatronTiedJob  # noqa: E402
 from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 from tests.oracles.client_state import args_at  # noqa: E402
 
@@ -144,6 +147,8 @@ def _job(spec: ParallelSpec) -> writer.Job:
     """The writer's job for ``spec`` (not initialized)."""
     if spec.layout == "autotp" and spec.tp == 1:
         return parallel_extra_writer.DataParallelHFJob(spec)
+    if spec.name in TIED_FIXTURES:
+        return MegatronTiedJob(spec)  # `specs.megatron_tied`'s tied embedding and head
     if spec.layout == MEGATRON:
         return parallel_extra_writer.megatron_job(spec)  # an extra fixture's client state, where it has one
     return writer.JOBS[spec.layout](spec)

@@ -491,15 +491,19 @@ def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
 
 
-TIED_WHY = ("is a tied module (a TiedLayerSpec its pipeline stages share, as Megatron's GPT ties its embedding and "
-            "head), which ckptflow does not move to another tensor-parallel degree or number of pipeline stages of a "
-            "Megatron-style checkpoint yet")
+TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is not a vocabulary "
+            "parameter: ckptflow moves a tied vocabulary-parallel word embedding (Megatron's GPT ties its embedding and "
+            "head) to another tensor-parallel degree or number of pipeline stages of a Megatron-style checkpoint, not "
+            "other tied parameters (Megatron's GPT ties its learned position embeddings too) yet")
 
 
 def tied_module(index: ModelParallelCheckpoint) -> str | None:
     """The first parameter of a tied module (`tied_modules.{key}.{name}`) of the Megatron-style checkpoint
-    `index`, which no tensor-parallel or pipeline change moves yet (`TIED_WHY`); None without one."""
-    return next((p.name for rank in index.ranks for p in rank.params if p.name.startswith(TIED)), None)
+    `index` that no tensor-parallel or pipeline change moves yet (`TIED_WHY`): one its
+    `universal_checkpoint_info` does not record as a vocabulary parameter; None without one."""
+    rules = _Rules(index.ranks[0].model_states[0].get(UC_INFO) or {})
+    return next((p.name for rank in index.ranks for p in rank.params
+                 if p.name.startswith(TIED) and not rules.matches("vocabulary_parameter_patterns", p.name)), None)
 
 
 def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = None) -> list[dict[str, Split]]:
