@@ -90,15 +90,16 @@ def test_megatron_resumes_from_a_dp_change(dp_change: dict[str, Any]) -> None:
 
 
 def test_a_tied_embedding_is_refused_at_another_tp(dp_change: dict[str, Any]) -> None:
-    """Megatron's GPT defaults hold a fused `query_key_value` (refused first) and a tied embedding, refused too
-    once the first guard is lifted."""
+    """Megatron's GPT defaults hold a fused `query_key_value` (refused first) and a tied embedding whose learned
+    position embeddings (a tied parameter other than the vocabulary-parallel word embedding) are refused too once
+    the first guard is lifted."""
     src, out = str(dp_change["work"] / "src"), str(dp_change["work"] / "tp1")
     with pytest.raises(UnsupportedCheckpointError, match="query_key_value.weight is Megatron's fused attention"):
         reshard(src, out, world_size=2, tp=1, workers=2)
     with pytest.MonkeyPatch.context() as patch:
         for module in (megatron, shape):
             patch.setattr(module, "fused_qkv", lambda index: None)
-        with pytest.raises(UnsupportedCheckpointError, match="tied_modules.embed.word_embeddings.weight is a tied module"):
+        with pytest.raises(UnsupportedCheckpointError, match="tied_modules.embed.position_embeddings.weight is a tied module's parameter"):
             reshard(src, out, world_size=2, tp=1, workers=2)
     assert not (dp_change["work"] / "tp1").exists()
 

@@ -492,9 +492,9 @@ def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
 
 
 TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is not a vocabulary "
-            "parameter: ckptflow moves a tied vocabulary-parallel word embedding (Megatron's GPT ties its embedding and "
-            "head) to another tensor-parallel degree or number of pipeline stages of a Megatron-style checkpoint, not "
-            "other tied parameters (Megatron's GPT ties its learned position embeddings too) yet")
+            "parameter: ckptflow moves a tied vocabulary-parallel word embedding (Megatron's GPT ties its embedding "
+            "and head) to another tensor-parallel degree or number of pipeline stages of a Megatron-style checkpoint, "
+            "not other tied parameters (Megatron's GPT ties its learned position embeddings too) yet")
 
 
 def tied_module(index: ModelParallelCheckpoint) -> str | None:
