@@ -693,6 +693,8 @@ def _leaf(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
         return obj
     if type(obj) is InertGlobal:
         return InertRecord(obj.module, obj.name, "global")
+    if obj is _NESTED_NAME:  # getattr itself as a value, never called: what it would be written back as
+        raise refused(archive, "builtins.getattr", "code that runs when the file is loaded")
     if archive.allowed.inert:  # an allowed global named as a value (`defaultdict(set)`): a record, never called
         named = _named_global(obj, archive)
         if named is not None:

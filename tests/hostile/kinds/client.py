@@ -77,10 +77,12 @@ def deep_records(ws: Workspace) -> None:
     _payload(ws, prefix * depth + asm.none() + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
 
 
-@kind(expect=BAD_PICKLE + r".*holds a reference cycle", issue="25.1")
+@kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: an? "}})
 def self_referencing_record(ws: Workspace) -> None:
-    """A Namespace whose state holds itself (a memo reference back to it): a cycle, refused."""
-    how = ws.pick("state", ["state", "args", "setitems", "appends"])
+    """A client state that refers back to itself (a memo reference to an object being built): a
+    Namespace whose state holds it, a record whose arguments hold a list that holds it, a dict and a list
+    subclass holding themselves, a plain list and dict holding themselves: carried with the cycle."""
+    how = ws.pick("state", ["state", "args", "setitems", "appends", "list", "dict"])
     me = asm.get(MEMO)
     ops = {
         "state": asm.build(asm.newobj(NAMESPACE) + asm.put(MEMO), asm.dct((asm.string("me"), me))),
@@ -91,8 +93,95 @@ def self_referencing_record(ws: Workspace) -> None:
         + asm.op("MARK") + asm.string("me") + me + asm.op("SETITEMS"),
         "appends": asm.newobj(asm.glob("collections", "UserList")) + asm.put(MEMO) + asm.op("MARK") + me
         + asm.op("APPENDS"),
+        "list": asm.lst() + asm.put(MEMO) + asm.op("MARK") + me + me + asm.op("APPENDS"),
+        "dict": asm.dct() + asm.put(MEMO) + asm.string("me") + me + asm.op("SETITEM"),
     }[how]
-    _payload(ws, ops)
+    _payload(ws, ops, pin=False)
+
+
+@kind(code=(0, 1))
+def wide_cycles(ws: Workspace) -> None:
+    """2,000 Namespaces each holding the list that holds them all, and a chain of 90 lists each holding the
+    next and the last holding the first: carried (within the depth bound), or refused in one line."""
+    count = ws.param(2000, lambda r: r.choice([1, 100, 2000, 10_000]))
+    chain = ws.param(90, lambda r: r.choice([2, 50, 90, 99, 100, 101, 1000]))
+    members = asm.lst() + asm.put(MEMO) + asm.op("MARK") + asm.build(
+        asm.newobj(NAMESPACE), asm.dct((asm.string("all"), asm.get(MEMO)))) * count + asm.op("APPENDS")
+    # lists MEMO+1 ... MEMO+chain, each appended to the one before, the last holding the first
+    links = b"".join(asm.lst() + asm.put(MEMO + 1 + i) + asm.op("POP") for i in range(chain))
+    links += b"".join(asm.get(MEMO + 1 + i) + asm.get(MEMO + 2 + i) + asm.op("APPEND") + asm.op("POP")
+                      for i in range(chain - 1))
+    links += asm.get(MEMO + chain) + asm.get(MEMO + 1) + asm.op("APPEND")
+    _payload(ws, asm.tup(members, links), pin=False)
+
+
+@kind(expect=BAD_PICKLE + r".*nests containers more than 100 deep", issue="25.1")
+def deep_cycle(ws: Workspace) -> None:
+    """A chain of 1,000 Namespaces, each holding the next in its state, the last holding the first: refused
+    past the depth bound, the cycle no way around it."""
+    depth = ws.param(1000, lambda r: r.choice([102, 1000, 10_000]))
+    prefix = asm.newobj(NAMESPACE) + asm.op("EMPTY_DICT") + asm.op("MARK") + asm.string("child")
+    first = asm.newobj(NAMESPACE) + asm.put(MEMO) + asm.op("EMPTY_DICT") + asm.op("MARK") + asm.string("child")
+    _payload(ws, first + prefix * (depth - 1) + asm.get(MEMO) + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
+
+
+@kind(expect=BAD_PICKLE + r".*holds a reference cycle", issue="25.1")
+def cycle_in_strict_mode(ws: Workspace) -> None:
+    """A list that holds itself, read in strict pickle mode (plain data, no classes): refused as before."""
+    _payload(ws, asm.lst() + asm.put(MEMO) + asm.op("MARK") + asm.get(MEMO) + asm.op("APPENDS"))
+    for command in CHECKPOINT_READERS:
+        ws.extra_args[command] = ["--strict-pickle"]
+
+
+@kind(expect=r"holds an object that refers back to itself in ds_config/self, where DeepSpeed writes tensors and plain "
+             r"data",
+      issue="25.1")
+def cycle_in_a_deepspeed_field(ws: Workspace) -> None:
+    """Rank 0's `ds_config` (a DeepSpeed field) made a dict that holds itself: corrupt, one line naming the field."""
+    def edit(obj: dict) -> None:
+        obj["ds_config"]["self"] = obj["ds_config"]
+
+    resave(ws.model_file(0), edit)
+    ws.pin(f"rank 0: {ws.model_file(0)} holds an object that refers back to itself in ds_config/self")
+
+
+@kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: a list of 3 items, naming argparse\.Namespace\.Inner"}})
+def nested_class(ws: Workspace) -> None:
+    """A class nested in another (`argparse.Namespace.Inner`), as protocol 4 names it (STACK_GLOBAL) and as
+    protocol 2 does (getattr of the outer class and a name), built and named: read as records, carried."""
+    nested = ws.pick("stack-global", ["stack-global", "getattr"])
+    cls = (asm.stack_global("argparse", "Namespace.Inner") if nested == "stack-global"
+           else asm.call(asm.glob("builtins", "getattr"), NAMESPACE, asm.string("Inner")))
+    _payload(ws, asm.lst(asm.build(asm.newobj(cls), asm.dct((asm.string("x"), asm.integer(1)))), cls,
+                         asm.call(cls, asm.integer(2))), pin=False)
+
+
+@kind(expect=REFUSED.format(r"(builtins\.getattr|logging\.Logger\.os\.system|argparse\.Namespace\.__init__)"),
+      issue="25.1")
+def getattr_beyond_a_nested_class(ws: Workspace) -> None:
+    """getattr other than a nested class's name: through a module attribute (`logging`, "os" then "system"), to
+    a class's internals (`__init__`), on a string, or named as a value: refused, nothing run."""
+    how = ws.pick("module", ["module", "dunder", "string", "value"])
+    getattr_ = asm.glob("builtins", "getattr")
+    value = {
+        "module": asm.call(getattr_, asm.call(getattr_, asm.glob("logging", "Logger"), asm.string("os")),
+                           asm.string("system")),
+        "dunder": asm.call(getattr_, NAMESPACE, asm.string("__init__")),
+        "string": asm.call(getattr_, asm.string("posix"), asm.string("system")),
+        "value": getattr_,
+    }[how]
+    _payload(ws, asm.call(value, _touch(ws)) if how != "value" else _namespace(hook=value))
+
+
+@kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: a dict of 3 items, naming argparse\.Namespace, enum\.Enum"}})
+def records_as_keys(ws: Workspace) -> None:
+    """Records as dict keys and set members (an enum member, a user object, a tuple holding a record), as a
+    trainer's state keyed by its enum holds them: carried, each key its own object."""
+    member = asm.call(asm.glob("enum", "Enum"), asm.integer(1)) + asm.put(MEMO)
+    user = asm.build(asm.newobj(NAMESPACE), asm.dct((asm.string("k"), asm.integer(1))))
+    members = asm.call(asm.glob("builtins", "set"), asm.lst(asm.get(MEMO), asm.string("x")))
+    _payload(ws, asm.dct((member, asm.integer(1)), (user, members), (asm.tup(asm.get(MEMO), asm.integer(3)),
+                                                                       asm.integer(2))), pin=False)
 
 
 @kind(expect=BAD_PICKLE + r".*shared references expand to more than", issue="25.1")
