@@ -537,11 +537,21 @@ def test_strict_pickle_refuses_client_state(client: Mapping[str, Any], tmp_path:
 def test_no_command_runs_the_client_state(client: Mapping[str, Any], tmp_path: Path) -> None:
     """validate, validate --deep, consolidate and reshard with the user classes importable from the
     working directory and `$CKPTFLOW_CLIENT_MARKER` set: no marker; `torch.load` of the same file, in
-    the same environment, leaves all three (the marker classes work)."""
+    the same environment, leaves all three (the marker classes work). The Lightning checkpoint's client
+    state also holds `looped_state()` (cycles, records as keys, a nested class): the reshard's files, loaded
+    by `torch.load`, hold the same object graph."""
+    import shutil
+
+    from tests.hostile.torchfile import resave
+
+    looped = tmp_path / LIGHTNING
+    shutil.copytree(client[LIGHTNING].dir, looped)
+    for path in looped.glob("*/*model_states.pt"):
+        resave(path, lambda obj: obj.update(looped=looped_state()))
     markers = tmp_path / "markers"
     env = {MARKER_ENV: str(markers)}
     for name in (MEGATRON, LIGHTNING):
-        src = str(client[name].dir)
+        src = str(client[name].dir if name == MEGATRON else looped)
         for args in (["validate", src], ["validate", src, "--deep"],
                      ["consolidate", src, str(tmp_path / f"{name}-model")],
                      ["reshard", src, str(tmp_path / f"{name}-out"), "--world-size", str(TARGET_WORLD_SIZE)],
@@ -554,6 +564,16 @@ def test_no_command_runs_the_client_state(client: Mapping[str, Any], tmp_path: P
                              cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert control.returncode == 0, control.stderr
     assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)
+    written = sorted((tmp_path / f"{LIGHTNING}-out").glob("*/*model_states.pt"))
+    assert len(written) == TARGET_WORLD_SIZE
+    check = ("import sys, torch\nfrom tests.test_client_state import graph, looped_state\n"
+             "for path in sys.argv[1:]:\n"
+             "    looped = torch.load(path, weights_only=False)['looped']\n"
+             "    assert graph(looped) == graph(looped_state()), path\n"
+             "    assert looped['node'].me is looped['node'] and looped['held'].items[0] is looped['held'], path\n")
+    loaded = subprocess.run([sys.executable, "-c", check, *map(str, written)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
 
 
 @pytest.fixture(scope="module")
