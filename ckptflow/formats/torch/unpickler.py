@@ -508,12 +508,13 @@ def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] |
     would hold more than `MAX_OBJECTS` nodes were every shared reference copied (a cycle counted once
     round): whatever walks it later, remembering what it visited, stays bounded too.
 
-    In three steps: find every container and what it holds, depth first (measuring depth and
-    expansion as each one is finished); make the containers that exist before their contents in the
-    pickle (lists, dicts, sets, records: only they can close a cycle) empty, then the tuples and
-    frozensets from their members, those a tuple holds first; then fill the empty ones."""
-    nodes: dict[int, _Node] = {}
-    containers: list[_Node] = []
+    Depth first: a container that exists before its contents in the pickle (a list, dict, set or
+    record: only they can close a cycle) is made empty when first met, and filled, as a tuple or
+    frozenset is made, once everything under it is made. What refers back to a tuple still being made
+    (a cycle entered at a tuple) waits for the end, where the tuples are made from their members (those
+    a tuple holds first) and then what waited is filled."""
+    nodes: dict[int, _Node] = {}  # containers and leaves other than plain atoms, by id
+    waiting: list[_Node] = []  # containers left to make or fill at the end, in the order they were finished
     path: set[int] = set()  # the containers being read: the ancestors of the one on top of the stack
     seen: set[int] = set()  # tuples and frozensets already checked as keys or set members
     stack: list[tuple[Any, bool]] = [(root, False)]
@@ -521,7 +522,9 @@ def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] |
         obj, ready = stack.pop()
         key = id(obj)
         if ready:
-            _finish(nodes[key], nodes, path, archive, cycles)
+            node = nodes[key]
+            if not _finish(node, nodes, path, archive, cycles):
+                waiting.append(node)
             path.discard(key)
             continue
         if key in nodes:
@@ -532,42 +535,55 @@ def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] |
             continue
         if len(path) >= MAX_DEPTH:
             raise _tree_error(archive, f"it nests containers more than {MAX_DEPTH} deep")
-        node = nodes[key] = _Node(obj, kids, _shell(obj, archive))
-        containers.append(node)
+        nodes[key] = _Node(obj, kids, _shell(obj, archive))
         path.add(key)
         stack.append((obj, True))
-        stack.extend((kid, False) for kid in reversed(kids) if id(kid) not in nodes)
-    for node in containers:
+        stack.extend([(kid, False) for kid in reversed(kids) if type(kid) not in _ATOM_TYPES and id(kid) not in nodes])
+    for node in waiting:
         if node.plain is _UNMADE:
             _make_frozen(node, nodes, archive)
-    for node in reversed(containers):  # what a container holds first: a record's op lists before the record
-        _fill(node, nodes, archive)
+    for node in waiting:
+        if not isinstance(node.obj, tuple | frozenset):
+            _make(node, [_plain_of(kid, nodes) for kid in node.kids or ()], archive)
     if records is not None:
         records.extend(node.plain for node in nodes.values() if type(node.plain) is InertRecord)
-    return nodes[id(root)].plain
+    return _plain_of(root, nodes)
 
 
 _UNMADE: Any = object()  # a tuple's or frozenset's plain copy before its members are made
+_ATOM_TYPES = frozenset({str, bytes, int, float, complex, bool, type(None)})  # plain as they are: no node
 
 
 class _Node:
     """One object of the unpickled tree: its children (None for a leaf), its plain copy (`_UNMADE`
-    until made), how deep it nests containers (-1 until it is finished) and how many nodes it expands to."""
+    until made), whether that copy holds its contents yet, how deep it nests containers (-1 until it is
+    finished) and how many nodes it expands to."""
 
-    __slots__ = ("obj", "kids", "plain", "height", "nodes")
+    __slots__ = ("obj", "kids", "plain", "complete", "height", "nodes")
 
     def __init__(self, obj: Any, kids: list[Any] | None, plain: Any) -> None:
-        self.obj, self.kids, self.plain = obj, kids, plain
+        self.obj, self.kids, self.plain, self.complete = obj, kids, plain, kids is None
         self.height, self.nodes = (-1, 0) if kids is not None else (0, 1)
 
 
+def _plain_of(obj: Any, nodes: dict[int, _Node]) -> Any:
+    node = nodes.get(id(obj))
+    return obj if node is None else node.plain
+
+
 def _finish(node: _Node, nodes: dict[int, _Node], path: set[int], archive: PickleSource,
-            cycles: list[Any] | None) -> None:
-    """Measure a container once everything under it is read: a child not finished yet is one of its
-    ancestors (on `path`), which it refers back to (a cycle: counted as one node, no depth)."""
-    height, count = 0, 1
+            cycles: list[Any] | None) -> bool:
+    """Measure a container once everything under it is read, and make or fill it when all it holds is
+    complete (else False: it waits). A child not finished yet is one of its ancestors (on `path`), which
+    it refers back to (a cycle: counted as one node, no depth; enough that it exists, empty)."""
+    height, count, made = 0, 1, True
+    plains = []
     for kid in node.kids or ():
-        known = nodes[id(kid)]
+        known = nodes.get(id(kid))
+        if known is None:  # a plain atom
+            count += 1
+            plains.append(kid)
+            continue
         if known.height < 0:
             assert id(kid) in path, "a child neither read nor an ancestor"
             if not archive.allowed.inert:  # torch's own data and DeepSpeed's are trees; a client state may not be
@@ -575,18 +591,24 @@ def _finish(node: _Node, nodes: dict[int, _Node], path: set[int], archive: Pickl
             if cycles is not None:
                 cycles.append(known.plain)
             count += 1
-            continue
-        height, count = max(height, known.height), count + known.nodes
+            made = made and known.plain is not _UNMADE
+        else:
+            height, count = max(height, known.height), count + known.nodes
+            made = made and known.complete
+        plains.append(known.plain)
     if height + 1 > MAX_DEPTH:
         raise _tree_error(archive, f"it nests containers more than {MAX_DEPTH} deep")
     if count > MAX_OBJECTS:
         raise _tree_error(archive, f"its shared references expand to more than {MAX_OBJECTS:,} objects")
     node.height, node.nodes = height + 1, count
+    if made:
+        _make(node, plains, archive)
+    return made
 
 
 def _shell(obj: Any, archive: PickleSource) -> Any:
-    """The empty plain copy of a container that exists before its contents (`_fill` fills it), or
-    `_UNMADE` for a tuple or frozenset (made whole by `_make_frozen`)."""
+    """The empty plain copy of a container that exists before its contents (`_make` fills it), or
+    `_UNMADE` for a tuple or frozenset (made whole by `_make`)."""
     if isinstance(obj, dict):
         return OrderedDict() if isinstance(obj, OrderedDict) else {}
     if isinstance(obj, list):
@@ -600,37 +622,20 @@ def _shell(obj: Any, archive: PickleSource) -> Any:
     return _UNMADE
 
 
-def _make_frozen(node: _Node, nodes: dict[int, _Node], archive: PickleSource) -> None:
-    """Make a tuple or frozenset, the ones it holds first. They hold only what existed before them in the
-    pickle, so no tuple is reached again from within itself but through a list, dict, set or record,
-    which exist already (empty): a tuple reached again is a pickle no unpickler could have built."""
-    making: set[int] = set()
-    stack = [(node, False)]
-    while stack:
-        at, ready = stack.pop()
-        if at.plain is not _UNMADE:
-            continue
-        if ready:
-            members = [nodes[id(kid)].plain for kid in at.kids or ()]
-            at.plain = frozenset(members) if isinstance(at.obj, frozenset) else tuple(members)
-            continue
-        if id(at.obj) in making:
-            raise _tree_error(archive, "it holds a tuple that holds itself")
-        making.add(id(at.obj))
-        stack.append((at, True))
-        stack.extend((kid, False) for kid in (nodes[id(k)] for k in at.kids or ()) if kid.plain is _UNMADE)
-
-
-def _fill(node: _Node, nodes: dict[int, _Node], archive: PickleSource) -> None:
-    """Give an empty container (`_shell`) its plain contents, all made by now."""
+def _make(node: _Node, kids: list[Any], archive: PickleSource) -> None:
+    """Make a tuple or frozenset of its members made plain, or fill an empty container (`_shell`)."""
     obj, plain = node.obj, node.plain
-    kids = [nodes[id(kid)].plain for kid in node.kids or ()]
-    if isinstance(obj, dict):
+    node.complete = True
+    if isinstance(obj, tuple):
+        node.plain = tuple(kids)
+    elif isinstance(obj, list):
+        plain.extend(kids)
+    elif isinstance(obj, dict):
         half = len(kids) // 2
         for k, v in zip(kids[:half], kids[half:]):
             plain[k] = v
-    elif isinstance(obj, list):
-        plain.extend(kids)
+    elif isinstance(obj, frozenset):
+        node.plain = frozenset(kids)
     elif isinstance(obj, set):
         plain.update(kids)
     elif type(obj) is InertBuild:
@@ -638,6 +643,27 @@ def _fill(node: _Node, nodes: dict[int, _Node], archive: PickleSource) -> None:
     elif _is_record(obj, archive):
         object.__setattr__(plain, "args", kids[0])  # a frozen dataclass made before its contents (`_shell`)
         object.__setattr__(plain, "state", kids[1])
+
+
+def _make_frozen(node: _Node, nodes: dict[int, _Node], archive: PickleSource) -> None:
+    """Make a tuple or frozenset that waited, the ones it holds first. They hold only what existed before
+    them in the pickle, so no tuple is reached again from within itself but through a list, dict, set
+    or record, which exist already (empty): a tuple reached again is a pickle no unpickler could build."""
+    making: set[int] = set()
+    stack = [(node, False)]
+    while stack:
+        at, ready = stack.pop()
+        if at.plain is not _UNMADE:
+            continue
+        if ready:
+            _make(at, [_plain_of(kid, nodes) for kid in at.kids or ()], archive)
+            continue
+        if id(at.obj) in making:
+            raise _tree_error(archive, "it holds a tuple that holds itself")
+        making.add(id(at.obj))
+        stack.append((at, True))
+        stack.extend((kid, False) for kid in (nodes.get(id(k)) for k in at.kids or ())
+                     if kid is not None and kid.plain is _UNMADE)
 
 
 def _tree_error(archive: PickleSource, why: str) -> CorruptFileError:
