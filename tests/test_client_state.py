@@ -355,6 +355,8 @@ def looped_state() -> dict[str, Any]:
     through a list, an object's constructor arguments), records as dict keys and set members (two equal
     user objects as two keys), and a nested class, built and named."""
     node = Looped("a")
+    node.pair = ([],)  # type: ignore[attr-defined]  # a cycle entered at a tuple, inside a record's state
+    node.pair[0].append(node.pair)  # type: ignore[attr-defined]
     ring: list[Any] = [1]
     ring.append(ring)
     table: dict[str, Any] = {}
@@ -411,6 +413,7 @@ def test_self_referencing_client_state_is_carried(tmp_path: Path, monkeypatch: p
     looped = read["looped"]
     node = looped["node"]
     assert node.qualname == f"{__name__}.Looped" and node.state["me"] is node and node.state["items"][0] is node
+    assert node.state["pair"][0][0] is node.state["pair"]
     assert looped["ring"][1] is looped["ring"] and looped["table"]["table"] is looped["table"]
     assert looped["wrapped"][0][0] is looped["wrapped"] and looped["again"] is node
     assert looped["held"].args[0][0] is looped["held"]
@@ -485,6 +488,21 @@ def test_getattr_is_read_only_as_a_nested_class(tmp_path: Path, value: str, why:
     assert open_archive(str(path), ALLOWED).obj.qualname == f"{__name__}.Outer.Inner"
     with pytest.raises(UnsafePickleError, match="refers to builtins.getattr"):
         open_archive(str(path), ALLOWED_STRICT)
+
+
+def test_writing_a_graph_deeper_than_the_recursion_limit_is_one_error() -> None:
+    """The reader bounds depth along the way it walks; the writer walks recursively: should another way round
+    a cycle be longer than Python's recursion limit, writing fails in one line, never with a RecursionError."""
+    from ckptflow.errors import CheckpointError
+    from ckptflow.formats.torch.pickler import dumps
+
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        deep = [deep]
+    with pytest.raises(CheckpointError, match="recursion limit deep"):
+        _Tree().convert(deep)
+    with pytest.raises(CheckpointError, match="more than Python's recursion limit deep"):
+        dumps(deep)
 
 
 # ---- the real checkpoints --------------------------------------------------------------------------------

@@ -103,6 +103,13 @@ class _Tree:
         record, DeepSpeed object) is made empty and remembered before them, so that what refers back to
         it (a client state's cycle) gets it; a tuple or frozenset is made of its converted items, unless
         converting them made it already (it is in a cycle)."""
+        try:
+            return self._convert(obj)
+        except RecursionError:  # a cycle walked another way round than the reader measured it: a long path
+            raise CheckpointError("cannot write back a client state whose references lead more than Python's "
+                                  "recursion limit deep") from None
+
+    def _convert(self, obj: Any) -> Any:
         if not isinstance(obj, (TensorRef, PickledObject, InertRecord, dict, list, tuple, set, frozenset)):
             return obj  # plain data, and the torch dtypes and devices the pickler names again
         seen = self._converted.get(id(obj))
@@ -114,20 +121,20 @@ class _Tree:
             return _deepspeed_object(obj, self)
         if isinstance(obj, InertRecord):  # a client state's object, written back as its pickle made it
             out = self._keep(obj, Rebuilt(Global(obj.module, obj.name), obj.how))
-            out.args, out.kwargs = self.convert(obj.args), self.convert(obj.kwargs)
-            out.ops = tuple((kind, self.convert(items)) for kind, items in obj.ops)
+            out.args, out.kwargs = self._convert(obj.args), self._convert(obj.kwargs)
+            out.ops = tuple((kind, self._convert(items)) for kind, items in obj.ops)
         elif isinstance(obj, dict):
             out = self._keep(obj, OrderedDict() if isinstance(obj, OrderedDict) else {})
             for k, v in obj.items():
-                out[self.convert(k)] = self.convert(v)
+                out[self._convert(k)] = self._convert(v)
         elif isinstance(obj, list):
             out = self._keep(obj, [])
-            out.extend(self.convert(v) for v in obj)
+            out.extend(self._convert(v) for v in obj)
         elif isinstance(obj, set):
             out = self._keep(obj, set())
-            out.update(self.convert(v) for v in obj)
+            out.update(self._convert(v) for v in obj)
         else:
-            items = [self.convert(v) for v in obj]
+            items = [self._convert(v) for v in obj]
             seen = self._converted.get(id(obj))
             if seen is not None and seen[0] is obj:
                 return seen[1]
