@@ -301,11 +301,13 @@ def test_newobj_ex_and_obj_are_written_back_as_such(tmp_path: Path) -> None:
 
 
 class Looped:
-    """Holds itself (an attribute, and a list of its own); loading it runs `__setstate__` (a marker)."""
+    """Holds itself (an attribute, and a list of its own) and a tuple that holds itself through a list (a cycle
+    entered at a tuple, inside a record's state); loading it runs `__setstate__` (a marker)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.me, self.items = name, self, []
-        self.items.append(self)
+        self.name, self.me, self.items = name, self, [self]
+        self.pair: tuple[list[Any]] = ([],)
+        self.pair[0].append(self.pair)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         leave_marker("setstate")
@@ -355,8 +357,6 @@ def looped_state() -> dict[str, Any]:
     through a list, an object's constructor arguments), records as dict keys and set members (two equal
     user objects as two keys), and a nested class, built and named."""
     node = Looped("a")
-    node.pair = ([],)  # type: ignore[attr-defined]  # a cycle entered at a tuple, inside a record's state
-    node.pair[0].append(node.pair)  # type: ignore[attr-defined]
     ring: list[Any] = [1]
     ring.append(ring)
     table: dict[str, Any] = {}
