@@ -457,6 +457,10 @@ def test_walkers_stop_on_a_self_referencing_client_state(tmp_path: Path) -> None
     ring.append({"back": ring})
     torch.save({"ds_config": {"ring": ring}}, source)
     assert misplaced_cycle(open_archive(str(source), ALLOWED).obj, model_states=True) == "ds_config/ring[0]/back"
+    torch.save({"ds_config": {Tag("a"): 1}}, source)  # a record as a key is a record all the same
+    found = misplaced_record(open_archive(str(source), ALLOWED).obj, model_states=True)
+    assert found is not None and (found[0], found[1].qualname) == (f"ds_config/key {__name__}.make_tag",
+                                                                  f"{__name__}.make_tag")
 
 
 @pytest.mark.parametrize(("value", "why"), [
