@@ -3,7 +3,10 @@
 new world size as the source held it.
 
 - The unpickler (no DeepSpeed): what a record keeps, the rule of what is refused even as a record,
-  strict pickle mode, nothing imported or run, records written back as the source pickled them.
+  strict pickle mode, nothing imported or run, records written back as the source pickled them; a
+  client state that holds itself (cycles through an object's state, a list, a dict, a tuple, an object's
+  constructor arguments), records as dict keys and set members, nested classes (protocols 2 and 4):
+  read, written back and loaded by `torch.load` as the same object graph, markers left only there.
 - Real checkpoints written by DeepSpeed on CPU (`tests.fixtures.specs.client_state`): a Megatron-DeepSpeed
   client state (`args`, an `argparse.Namespace`; numpy RNG state) at ZeRO-1, a Lightning-like one at
   ZeRO-3 with user classes that leave a marker file whenever they are rebuilt. No ckptflow command leaves
