@@ -497,6 +497,34 @@ def test_getattr_is_read_only_as_a_nested_class(tmp_path: Path, value: str, why:
         open_archive(str(path), ALLOWED_STRICT)
 
 
+def test_a_cycle_is_bounded_and_refused_in_strict_mode(tmp_path: Path) -> None:
+    """A chain of 200 lists whose last holds the first: past the depth bound, whichever way round it is walked;
+    in strict pickle mode any cycle is refused, a list holding itself included (carried without it)."""
+    from ckptflow.errors import CorruptFileError
+
+    def refusal_of(path: str, why: str) -> str:
+        return f"{path}: cannot read its pickle ({why}); the file is corrupt or was not written by DeepSpeed; copy it again"
+
+    head: list[Any] = []
+    chain = head
+    for _ in range(199):
+        chain.append([])
+        chain = chain[0]
+    chain.append(head)
+    path = save(tmp_path, {"x": head})
+    with pytest.raises(CorruptFileError) as info:
+        open_archive(path, ALLOWED)
+    assert str(info.value) == refusal_of(path, "it nests containers more than 100 deep")
+    ring: list[Any] = []
+    ring.append(ring)
+    path = save(tmp_path, {"ring": ring}, "ring.pt")
+    with pytest.raises(CorruptFileError) as info:
+        open_archive(path, ALLOWED_STRICT)
+    assert str(info.value) == refusal_of(path, "it holds a reference cycle")
+    read = open_archive(path, ALLOWED).obj["ring"]
+    assert read[0] is read
+
+
 def test_writing_a_graph_deeper_than_the_recursion_limit_is_one_error() -> None:
     """The reader bounds depth along the way it walks; the writer walks recursively: should another way round
     a cycle be longer than Python's recursion limit, writing fails in one line, never with a RecursionError."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tests.hostile import pickleasm as asm
-from tests.hostile.corpus import CHECKPOINT_READERS, DEEP, VALIDATE, Workspace, kind
+from tests.hostile.corpus import CHECKPOINT_READERS, DEEP, RESHARD, VALIDATE, Workspace, kind
 from tests.hostile.torchfile import inject, resave
 
 REFUSED = r"refers to {}, which ckptflow does not load"
@@ -70,11 +70,15 @@ def wide_record(ws: Workspace) -> None:
 
 @kind(expect=BAD_PICKLE + r".*nests containers more than 100 deep", issue="25.1")
 def deep_records(ws: Workspace) -> None:
-    """Records nested 1,000 deep (each Namespace's state holds the next): refused past the depth bound."""
+    """Records nested 1,000 deep (each Namespace's state holds the next; the fuzzer's last may hold the first,
+    a cycle): refused past the depth bound."""
     depth = ws.param(1000, lambda r: r.choice([10, 30, 40, 1000, 10_000]))
+    inner = ws.pick("none", ["none", "cycle"])  # the innermost holds None, or the outermost (a cycle)
     # _namespace(child=...) nested `depth` times, written as its prefixes and suffixes (not rebuilt per level)
     prefix = asm.newobj(NAMESPACE) + asm.op("EMPTY_DICT") + asm.op("MARK") + asm.string("child")
-    _payload(ws, prefix * depth + asm.none() + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
+    first = prefix.replace(asm.newobj(NAMESPACE), asm.newobj(NAMESPACE) + asm.put(MEMO), 1)
+    last = asm.none() if inner == "none" else asm.get(MEMO)
+    _payload(ws, first + prefix * (depth - 1) + last + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
 
 
 @kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: an? "}})
@@ -99,7 +103,7 @@ def self_referencing_record(ws: Workspace) -> None:
     _payload(ws, ops, pin=False)
 
 
-@kind(code=(0, 1))
+@kind(code=(0, 1), commands=(DEEP, RESHARD))
 def wide_cycles(ws: Workspace) -> None:
     """2,000 Namespaces each holding the list that holds them all, and a chain of 90 lists each holding the
     next and the last holding the first: carried (within the depth bound), or refused in one line."""
@@ -115,27 +119,8 @@ def wide_cycles(ws: Workspace) -> None:
     _payload(ws, asm.tup(members, links), pin=False)
 
 
-@kind(expect=BAD_PICKLE + r".*nests containers more than 100 deep", issue="25.1")
-def deep_cycle(ws: Workspace) -> None:
-    """A chain of 1,000 Namespaces, each holding the next in its state, the last holding the first: refused
-    past the depth bound, the cycle no way around it."""
-    depth = ws.param(1000, lambda r: r.choice([102, 1000, 10_000]))
-    prefix = asm.newobj(NAMESPACE) + asm.op("EMPTY_DICT") + asm.op("MARK") + asm.string("child")
-    first = asm.newobj(NAMESPACE) + asm.put(MEMO) + asm.op("EMPTY_DICT") + asm.op("MARK") + asm.string("child")
-    _payload(ws, first + prefix * (depth - 1) + asm.get(MEMO) + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
-
-
-@kind(expect=BAD_PICKLE + r".*holds a reference cycle", issue="25.1")
-def cycle_in_strict_mode(ws: Workspace) -> None:
-    """A list that holds itself, read in strict pickle mode (plain data, no classes): refused as before."""
-    _payload(ws, asm.lst() + asm.put(MEMO) + asm.op("MARK") + asm.get(MEMO) + asm.op("APPENDS"))
-    for command in CHECKPOINT_READERS:
-        ws.extra_args[command] = ["--strict-pickle"]
-
-
 @kind(expect=r"holds an object that refers back to itself in ds_config/self, where DeepSpeed writes tensors and plain "
-             r"data",
-      issue="25.1")
+             r"data", commands=(VALIDATE, RESHARD), issue="25.1")
 def cycle_in_a_deepspeed_field(ws: Workspace) -> None:
     """Rank 0's `ds_config` (a DeepSpeed field) made a dict that holds itself: corrupt, one line naming the field."""
     def edit(obj: dict) -> None:
@@ -154,23 +139,6 @@ def nested_class(ws: Workspace) -> None:
            else asm.call(asm.glob("builtins", "getattr"), NAMESPACE, asm.string("Inner")))
     _payload(ws, asm.lst(asm.build(asm.newobj(cls), asm.dct((asm.string("x"), asm.integer(1)))), cls,
                          asm.call(cls, asm.integer(2))), pin=False)
-
-
-@kind(expect=REFUSED.format(r"(builtins\.getattr|logging\.Logger\.os\.system|argparse\.Namespace\.__init__)"),
-      issue="25.1")
-def getattr_beyond_a_nested_class(ws: Workspace) -> None:
-    """getattr other than a nested class's name: through a module attribute (`logging`, "os" then "system"), to
-    a class's internals (`__init__`), on a string, or named as a value: refused, nothing run."""
-    how = ws.pick("module", ["module", "dunder", "string", "value"])
-    getattr_ = asm.glob("builtins", "getattr")
-    value = {
-        "module": asm.call(getattr_, asm.call(getattr_, asm.glob("logging", "Logger"), asm.string("os")),
-                           asm.string("system")),
-        "dunder": asm.call(getattr_, NAMESPACE, asm.string("__init__")),
-        "string": asm.call(getattr_, asm.string("posix"), asm.string("system")),
-        "value": getattr_,
-    }[how]
-    _payload(ws, asm.call(value, _touch(ws)) if how != "value" else _namespace(hook=value))
 
 
 @kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: a dict of 3 items, naming argparse\.Namespace, enum\.Enum"}})
@@ -233,6 +201,7 @@ def globals_no_module_can_have(ws: Workspace) -> None:
         ("numpy", "load"), ("builtins", "getattr"), ("builtins", "__import__"), ("functools", "reduce"),
         ("operator", "attrgetter"), ("timeit", "timeit"), ("torch.jit", "load"), ("importlib", "import_module"),
         ("arg parse", "Namespace"), ("", "x"), ("argparse", ""), ("torch.fx.graph_module", "reduce_graph_module"),
+        ("logging", "Logger.os.system"), ("argparse", "Namespace.__init__"), ("string", "Formatter.format"),
     ])
     _payload(ws, asm.call(asm.stack_global(module, name), _touch(ws)))
 
@@ -269,8 +238,11 @@ def record_in_a_deepspeed_field(ws: Workspace) -> None:
 
 @kind(expect=REFUSED.format(r"argparse\.Namespace") + r".*strict pickle mode", issue="25.1")
 def strict_pickle(ws: Workspace) -> None:
-    """`--strict-pickle`: the Namespace of a Megatron-DeepSpeed client state is refused, as before."""
-    inject(ws.model_file(0), "args", _namespace(lr=asm.floating(0.1)))
+    """`--strict-pickle`: the Namespace of a Megatron-DeepSpeed client state is refused, as before (and, drawn by
+    the fuzzer, a plain list that holds itself: a cycle, refused in that mode)."""
+    what = ws.pick("namespace", ["namespace", "cycle"])
+    inject(ws.model_file(0), "args", _namespace(lr=asm.floating(0.1)) if what == "namespace"
+           else asm.lst() + asm.put(MEMO) + asm.op("MARK") + asm.get(MEMO) + asm.op("APPENDS"))
     for command in CHECKPOINT_READERS:
         ws.extra_args[command] = ["--strict-pickle"]
     ws.pin("unsafe-pickle", VALIDATE, DEEP)
