@@ -3,7 +3,10 @@
 new world size as the source held it.
 
 - The unpickler (no DeepSpeed): what a record keeps, the rule of what is refused even as a record,
-  strict pickle mode, nothing imported or run, records written back as the source pickled them.
+  strict pickle mode, nothing imported or run, records written back as the source pickled them; a
+  client state that holds itself (cycles through an object's state, a list, a dict, a tuple, an object's
+  constructor arguments), records as dict keys and set members, nested classes (protocols 2 and 4):
+  read, written back and loaded by `torch.load` as the same object graph, markers left only there.
 - Real checkpoints written by DeepSpeed on CPU (`tests.fixtures.specs.client_state`): a Megatron-DeepSpeed
   client state (`args`, an `argparse.Namespace`; numpy RNG state) at ZeRO-1, a Lightning-like one at
   ZeRO-3 with user classes that leave a marker file whenever they are rebuilt. No ckptflow command leaves
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import enum
 import functools
 import json
 import os
@@ -38,6 +42,7 @@ import pytest
 import torch
 
 from ckptflow.errors import UnsafePickleError
+from ckptflow.formats.deepspeed.client_state import client_state, misplaced_cycle, misplaced_record
 from ckptflow.formats.deepspeed.names import ALLOWED, ALLOWED_STRICT, DEEPSPEED_MODEL_KEYS
 from ckptflow.formats.torch.inert import InertRecord, TorchDevice, TorchDtype, refusal
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -45,7 +50,15 @@ from ckptflow.formats.torch.writer import SourceReader, write_archive
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard.files import _Tree
 from tests.fixtures.launch import launch
-from tests.fixtures.models.client_state import MARKER_ENV, MARKERS, AttributeDict, History, Phase, differences
+from tests.fixtures.models.client_state import (
+    MARKER_ENV,
+    MARKERS,
+    AttributeDict,
+    History,
+    Phase,
+    differences,
+    leave_marker,
+)
 from tests.oracles.tensors import read_tensor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,6 +157,7 @@ def test_nothing_is_imported_or_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ("numpy._core.multiarray", "_reconstruct"), ("builtins", "list"), ("functools", "partial"),
     ("pathlib", "PurePosixPath"), ("torch.optim.adamw", "AdamW"), ("__main__", "TrainerState"),
     ("copyreg", "_reconstructor"), ("datetime", "datetime"), ("omegaconf.dictconfig", "DictConfig"),
+    ("mymod", "Outer.Inner"), ("lightning.pytorch.trainer.states", "TrainerFn.Kind.Deep"),
 ])
 def test_state_classes_become_records(module: str, name: str) -> None:
     assert refusal(module, name) is None
@@ -164,7 +178,10 @@ def test_state_classes_become_records(module: str, name: str) -> None:
     ("numpy", "load", "code"), ("functools", "reduce", "code"), ("operator", "attrgetter", "code"),
     ("timeit", "timeit", "code"), ("torch.fx.graph_module", "reduce_graph_module", "code"),
     ("builtins", "__import__", "internals"), ("argparse", "__builtins__", "internals"),
-    ("logging", "os.system", "dotted"), ("argparse", "_os.system", "dotted"),
+    ("logging", "os.system", "dotted"), ("argparse", "_os.system", "dotted"), ("mymod", "np.load", "dotted"),
+    ("logging", "Logger.os.system", "dotted"), ("argparse", "Namespace.__init__", "internals"),
+    ("string", "Formatter.format", "code"), ("builtins", "Exception.with_traceback", "code"),
+    ("os", "PathLike.Inner", "code"), ("mymod", "Outer.", "name"), ("mymod", "Outer.<locals>.f", "name"),
     ("posix\x1b[2J", "system", "name"), ("", "x", "name"), ("x", "", "name"), ("a b", "c", "name"),
     ("argparse", "Name space", "name"), ("ａrgparse", "Namespace", "name"), ("m" * 300, "x", "name"),
 ])
@@ -283,6 +300,246 @@ def test_newobj_ex_and_obj_are_written_back_as_such(tmp_path: Path) -> None:
     assert back["obj"].new == ((3,), {}) and back["obj"].init == ((3,), {})
 
 
+# ---- self-referencing client state, nested classes, records as keys (issue 25) ---------------------------
+
+
+class Looped:
+    """Holds itself (an attribute, and a list of its own) and a tuple that holds itself through a list (a cycle
+    entered at a tuple, inside a record's state); loading it runs `__setstate__` (a marker)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.me, self.items = name, self, [self]
+        self.pair: tuple[list[Any]] = ([],)
+        self.pair[0].append(self.pair)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        leave_marker("setstate")
+        self.__dict__.update(state)
+
+
+class Held:
+    """Pickled as REDUCE of the class with a list that holds the object itself (a cycle through its
+    constructor's arguments, which the pickler writes by building it inside them); loading runs `__init__`."""
+
+    def __init__(self, items: list[Any]) -> None:
+        leave_marker("init")
+        self.items = items
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Held, (self.items,))
+
+
+class Tag:
+    """Hashed by identity, as a user object is; pickled through a function (`make_tag`) that leaves a marker."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (make_tag, (self.name,))
+
+
+def make_tag(name: str) -> Tag:
+    leave_marker("reduce")
+    return Tag(name)
+
+
+class Stage(enum.Enum):
+    FIT = "fit"
+    VALIDATE = "validate"
+
+
+class Outer:
+    class Inner:  # a nested class: protocol 4 names it `Outer.Inner`, protocol 2 `getattr(Outer, "Inner")`
+        def __init__(self, x: int) -> None:
+            self.x = x
+
+
+def looped_state() -> dict[str, Any]:
+    """A client state holding itself in every way a pickle can (an object's state, a list, a dict, a tuple
+    through a list, an object's constructor arguments), records as dict keys and set members (two equal
+    user objects as two keys), and a nested class, built and named."""
+    node = Looped("a")
+    ring: list[Any] = [1]
+    ring.append(ring)
+    table: dict[str, Any] = {}
+    table["table"] = table
+    wrapped: tuple[list[Any]] = ([],)
+    wrapped[0].append(wrapped)
+    held = Held([])
+    held.items.append(held)
+    keyed = {Stage.FIT: 1, Tag("a"): 2, Tag("a"): 3, (Stage.VALIDATE, 1): 4}
+    return {"node": node, "ring": ring, "table": table, "wrapped": wrapped, "held": held, "keyed": keyed,
+            "inner": Outer.Inner(5), "inner_class": Outer.Inner, "members": {Stage.FIT, "x"}, "again": node}
+
+
+def graph(obj: Any) -> Any:
+    """A loaded object graph as data: every object numbered in the order first met, and met again as
+    ("ref", n). Two graphs give the same data when they have the same values, classes, sharing and cycles."""
+    numbers: dict[int, int] = {}
+    kept: list[Any] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, str | bytes | int | float | bool | type(None)):
+            return x
+        if id(x) in numbers:
+            return ("ref", numbers[id(x)])
+        n = numbers[id(x)] = len(numbers)
+        kept.append(x)  # alive, so that no id is reused
+        if isinstance(x, type):
+            return (n, "class", x.__module__, x.__qualname__)
+        if isinstance(x, enum.Enum):
+            return (n, "enum", type(x).__qualname__, x.name)
+        if isinstance(x, dict):
+            return (n, type(x).__qualname__, [(walk(k), walk(v)) for k, v in x.items()])
+        if isinstance(x, list | tuple):
+            return (n, type(x).__qualname__, [walk(v) for v in x])
+        if isinstance(x, set | frozenset):
+            return (n, type(x).__qualname__, sorted((walk(v) for v in x), key=repr))
+        return (n, type(x).__module__, type(x).__qualname__, walk(vars(x)))
+
+    return walk(obj)
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_self_referencing_client_state_is_carried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  protocol: int) -> None:
+    """Read (nothing run: no marker), written back by the reshard writer, and loaded by `torch.load` with
+    the classes importable: the same object graph as the source's (`x.me is x`, the ring, the keys, the
+    nested class), every marker left by the user's own process; read again, the same records."""
+    source = tmp_path / "source.pt"
+    torch.save({"looped": looped_state(), "t": torch.arange(3)}, source, pickle_protocol=protocol)
+    markers = tmp_path / "markers"
+    monkeypatch.setenv(MARKER_ENV, str(markers))  # from here on: `Held.__init__` ran building the source
+    read = open_archive(str(source), ALLOWED).obj
+    assert not markers.exists()
+    looped = read["looped"]
+    node = looped["node"]
+    assert node.qualname == f"{__name__}.Looped" and node.state["me"] is node and node.state["items"][0] is node
+    assert node.state["pair"][0][0] is node.state["pair"]
+    assert looped["ring"][1] is looped["ring"] and looped["table"]["table"] is looped["table"]
+    assert looped["wrapped"][0][0] is looped["wrapped"] and looped["again"] is node
+    assert looped["held"].args[0][0] is looped["held"]
+    assert (looped["inner"].qualname, looped["inner_class"].qualname) == (f"{__name__}.Outer.Inner",) * 2
+    keys = list(looped["keyed"])
+    assert [k.qualname if isinstance(k, InertRecord) else k[0].qualname for k in keys] == [
+        f"{__name__}.Stage", f"{__name__}.make_tag", f"{__name__}.make_tag", f"{__name__}.Stage"]
+    assert keys[1] != keys[2] and hash(keys[1]) != hash(keys[2])  # two objects, two keys: compared by identity
+    assert {m.qualname if isinstance(m, InertRecord) else m for m in looped["members"]} == {f"{__name__}.Stage", "x"}
+    assert keys[0] in looped["members"]  # the one Stage.FIT of the source, a key and a member
+    ours = tmp_path / "ours.pt"
+    write_archive(str(ours), _Tree().convert(read), SourceReader())
+    assert not markers.exists()
+    expected = graph(torch.load(source, weights_only=False)["looped"])
+    for mark in markers.iterdir():
+        mark.unlink()
+    back = torch.load(ours, weights_only=False)
+    assert graph(back["looped"]) == expected
+    assert back["looped"]["node"].me is back["looped"]["node"] and back["looped"]["held"].items[0] is back["looped"]["held"]
+    assert type(back["looped"]["inner"]) is Outer.Inner and len(back["looped"]["keyed"]) == 4
+    assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)
+    again = open_archive(str(ours), ALLOWED).obj["looped"]
+    assert again["node"].state["me"] is again["node"] and again["held"].args[0][0] is again["held"]
+    assert again["inner"].qualname == f"{__name__}.Outer.Inner" and len(again["keyed"]) == 4
+
+
+def test_walkers_stop_on_a_self_referencing_client_state(tmp_path: Path) -> None:
+    """What ckptflow walks a client state with (validate's listing, the misplaced-record and cycle checks,
+    the reshard writer) each visits an object once; a cycle where DeepSpeed's data belongs is named."""
+    source = tmp_path / "source.pt"
+    torch.save({"ds_config": {"train_batch_size": 2}, "looped": looped_state()}, source)
+    archive = open_archive(str(source), ALLOWED)
+    assert archive.has_cycles and archive.has_records
+    [entry] = [e for e in client_state(archive.obj).entries if e.key == "looped"]
+    assert entry.holds == "a dict of 10 items"
+    assert entry.classes == tuple(sorted(f"{__name__}.{c}" for c in ("Held", "Looped", "Outer.Inner", "Stage",
+                                                                     "make_tag")))
+    assert misplaced_record(archive.obj, model_states=True) is None
+    assert misplaced_cycle(archive.obj, model_states=True) is None
+    ring: list[Any] = []
+    ring.append({"back": ring})
+    torch.save({"ds_config": {"ring": ring}}, source)
+    assert misplaced_cycle(open_archive(str(source), ALLOWED).obj, model_states=True) == "ds_config/ring[0]/back"
+    torch.save({"ds_config": {Tag("a"): 1}}, source)  # a record as a key is a record all the same
+    found = misplaced_record(open_archive(str(source), ALLOWED).obj, model_states=True)
+    assert found is not None and (found[0], found[1].qualname) == (f"ds_config/key {__name__}.make_tag",
+                                                                  f"{__name__}.make_tag")
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("module", "refers to logging.Logger.os.system, which ckptflow does not load"),
+    ("dunder", f"refers to {__name__}.Outer.__init__, which ckptflow does not load"),
+    ("string", "refers to builtins.getattr, which ckptflow does not load"),
+    ("value", "refers to builtins.getattr, which ckptflow does not load"),
+])
+def test_getattr_is_read_only_as_a_nested_class(tmp_path: Path, value: str, why: str) -> None:
+    """protocol 2 names a nested class `getattr(Outer, "Inner")`: that is read as `Outer.Inner`; any other
+    getattr is refused (and in strict pickle mode, every getattr), nothing imported or run."""
+    from tests.hostile import pickleasm as asm
+    from tests.hostile.torchfile import set_pickle
+
+    getattr_ = asm.glob("builtins", "getattr")
+    ops = {
+        "module": asm.call(getattr_, asm.call(getattr_, asm.glob("logging", "Logger"), asm.string("os")),
+                           asm.string("system")),
+        "dunder": asm.call(getattr_, asm.glob(__name__, "Outer"), asm.string("__init__")),
+        "string": asm.call(getattr_, asm.string("posix"), asm.string("system")),
+        "value": asm.lst(getattr_),
+    }[value]
+    path = Path(save(tmp_path, {}))
+    set_pickle(path, asm.pickle_of(asm.dct((asm.string("x"), ops))))
+    with pytest.raises(UnsafePickleError) as info:
+        open_archive(str(path), ALLOWED)
+    assert str(info.value).startswith(f"{path} {why}")
+    set_pickle(path, asm.pickle_of(asm.call(getattr_, asm.glob(__name__, "Outer"), asm.string("Inner"))))
+    assert open_archive(str(path), ALLOWED).obj.qualname == f"{__name__}.Outer.Inner"
+    with pytest.raises(UnsafePickleError, match="refers to builtins.getattr"):
+        open_archive(str(path), ALLOWED_STRICT)
+
+
+def test_a_cycle_is_bounded_and_refused_in_strict_mode(tmp_path: Path) -> None:
+    """A chain of 200 lists whose last holds the first: past the depth bound, whichever way round it is walked;
+    in strict pickle mode any cycle is refused, a list holding itself included (carried without it)."""
+    from ckptflow.errors import CorruptFileError
+
+    def refusal_of(path: str, why: str) -> str:
+        return f"{path}: cannot read its pickle ({why}); the file is corrupt or was not written by DeepSpeed; copy it again"
+
+    head: list[Any] = []
+    chain = head
+    for _ in range(199):
+        chain.append([])
+        chain = chain[0]
+    chain.append(head)
+    path = save(tmp_path, {"x": head})
+    with pytest.raises(CorruptFileError) as info:
+        open_archive(path, ALLOWED)
+    assert str(info.value) == refusal_of(path, "it nests containers more than 100 deep")
+    ring: list[Any] = []
+    ring.append(ring)
+    path = save(tmp_path, {"ring": ring}, "ring.pt")
+    with pytest.raises(CorruptFileError) as info:
+        open_archive(path, ALLOWED_STRICT)
+    assert str(info.value) == refusal_of(path, "it holds a reference cycle")
+    read = open_archive(path, ALLOWED).obj["ring"]
+    assert read[0] is read
+
+
+def test_writing_a_graph_deeper_than_the_recursion_limit_is_one_error() -> None:
+    """The reader bounds depth along the way it walks; the writer walks recursively: should another way round
+    a cycle be longer than Python's recursion limit, writing fails in one line, never with a RecursionError."""
+    from ckptflow.errors import CheckpointError
+    from ckptflow.formats.torch.pickler import dumps
+
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        deep = [deep]
+    with pytest.raises(CheckpointError, match="recursion limit deep"):
+        _Tree().convert(deep)
+    with pytest.raises(CheckpointError, match="more than Python's recursion limit deep"):
+        dumps(deep)
+
+
 # ---- the real checkpoints --------------------------------------------------------------------------------
 
 
@@ -333,11 +590,21 @@ def test_strict_pickle_refuses_client_state(client: Mapping[str, Any], tmp_path:
 def test_no_command_runs_the_client_state(client: Mapping[str, Any], tmp_path: Path) -> None:
     """validate, validate --deep, consolidate and reshard with the user classes importable from the
     working directory and `$CKPTFLOW_CLIENT_MARKER` set: no marker; `torch.load` of the same file, in
-    the same environment, leaves all three (the marker classes work)."""
+    the same environment, leaves all three (the marker classes work). The Lightning checkpoint's client
+    state also holds `looped_state()` (cycles, records as keys, a nested class): the reshard's files, loaded
+    by `torch.load`, hold the same object graph."""
+    import shutil
+
+    from tests.hostile.torchfile import resave
+
+    looped = tmp_path / LIGHTNING
+    shutil.copytree(client[LIGHTNING].dir, looped)
+    for path in looped.glob("*/*model_states.pt"):
+        resave(path, lambda obj: obj.update(looped=looped_state()))
     markers = tmp_path / "markers"
     env = {MARKER_ENV: str(markers)}
     for name in (MEGATRON, LIGHTNING):
-        src = str(client[name].dir)
+        src = str(client[name].dir if name == MEGATRON else looped)
         for args in (["validate", src], ["validate", src, "--deep"],
                      ["consolidate", src, str(tmp_path / f"{name}-model")],
                      ["reshard", src, str(tmp_path / f"{name}-out"), "--world-size", str(TARGET_WORLD_SIZE)],
@@ -350,6 +617,16 @@ def test_no_command_runs_the_client_state(client: Mapping[str, Any], tmp_path: P
                              cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert control.returncode == 0, control.stderr
     assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)
+    written = sorted((tmp_path / f"{LIGHTNING}-out").glob("*/*model_states.pt"))
+    assert len(written) == TARGET_WORLD_SIZE
+    check = ("import sys, torch\nfrom tests.test_client_state import graph, looped_state\n"
+             "for path in sys.argv[1:]:\n"
+             "    looped = torch.load(path, weights_only=False)['looped']\n"
+             "    assert graph(looped) == graph(looped_state()), path\n"
+             "    assert looped['node'].me is looped['node'] and looped['held'].items[0] is looped['held'], path\n")
+    loaded = subprocess.run([sys.executable, "-c", check, *map(str, written)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
 
 
 @pytest.fixture(scope="module")

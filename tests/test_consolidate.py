@@ -209,6 +209,37 @@ def test_options_are_validated() -> None:
         ConsolidateOptions(workers=0)
 
 
+@pytest.mark.parametrize("kind", ["megatron", "autotp"])
+def test_megatron_fused_qkv_is_refused_at_tp_above_1(kind: str) -> None:
+    """A Megatron-style index (constructed) at tp 2 holding `query_key_value`: refused in the one line `reshard`
+    gives a tensor-parallel change of it (`readers.pipeline.FUSED_QKV_WHY`), nothing planned; at tp 1, and for
+    an AutoTP checkpoint (whose own maps say how its ranks join), that check passes (the index holds no tensors,
+    which is what is refused next)."""
+    from types import SimpleNamespace
+
+    from ckptflow.errors import UnsupportedCheckpointError
+    from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+
+    qkv = "1.self_attention.query_key_value.weight"
+    rank = SimpleNamespace(params=(SimpleNamespace(name="1.input_layernorm.weight"), SimpleNamespace(name=qkv)))
+    index = ModelParallelCheckpoint(root="/runs/gpt", tag="global_step3", stage=1, world_size=2, precision="fp32",
+                                    step=3, ds_version="0.19.8", kind=kind, description="Megatron-style", tp=2, pp=1,
+                                    ranks=(rank, rank), tensors=(), tied={}, replicas=())
+    if kind == "megatron":
+        with pytest.raises(UnsupportedCheckpointError) as refused:
+            plan_consolidation(index)
+        assert str(refused.value) == (
+            f"/runs/gpt/global_step3: {qkv} is Megatron's fused attention projection, whose rows each "
+            "tensor-parallel rank holds as [q | k | v] of its own heads in Megatron-DeepSpeed since December 2024 and "
+            "key/value group by group before; the checkpoint does not record which, and joined or cut the wrong way "
+            "the model loads and computes something else; join its 2 tensor-parallel ranks with the Megatron-DeepSpeed "
+            "version that saved it (its own checkpoint tools know its layout), or save it at tensor-parallel degree 1")
+        assert (refused.value.code, refused.value.tensor) == ("unsupported-shape", qkv)
+    for joinable in ([replace(index, tp=1, ranks=(rank,))] if kind == "megatron" else [index]):
+        with pytest.raises(CheckpointError, match="has nothing to write"):
+            plan_consolidation(joinable)
+
+
 # ---- every fixture --------------------------------------------------------------------------------
 
 

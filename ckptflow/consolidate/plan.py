@@ -16,6 +16,8 @@ from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError, option
 from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.model import Partitioned
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, fused_qkv
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
@@ -177,6 +179,7 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
     frozen parameters are left out with `exclude_frozen`; buffers keep their dtype.
     """
     options = options or ConsolidateOptions()
+    _check_joinable(index)
     _check_exact(index, options)
     tensors: list[OutputTensor] = []
     excluded: list[str] = []
@@ -207,6 +210,21 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
         tied={a: o for a, o in index.tied.items() if o in written}, excluded=tuple(excluded),
         notes=tuple(index.summary().get("notes") or ()),
     )
+
+
+def _check_joinable(index: Partitioned) -> None:
+    """A Megatron-style checkpoint at tensor-parallel degree 2 or more holding Megatron's fused
+    `query_key_value` is refused, as `reshard` refuses a tensor-parallel change of it: its ranks' rows
+    joined one after the other are right for the older Megatron-DeepSpeed layout only, and the
+    checkpoint does not say which layout it holds (`readers.pipeline.FUSED_QKV_WHY`)."""
+    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "megatron" or index.tp == 1:
+        return
+    fused = fused_qkv(index)
+    if fused is not None:
+        raise UnsupportedCheckpointError(
+            f"{index.root}/{index.tag}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
+            tensor=fused, hint=f"join its {index.tp} tensor-parallel ranks with the Megatron-DeepSpeed version that "
+            "saved it (its own checkpoint tools know its layout), or save it at tensor-parallel degree 1")
 
 
 def _check_exact(index: Partitioned, options: ConsolidateOptions) -> None:

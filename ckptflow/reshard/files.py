@@ -98,27 +98,51 @@ class _Tree:
         return OutTensor(saved, ref.storage_offset, ref.shape, ref.stride)
 
     def convert(self, obj: Any) -> Any:
-        if not isinstance(obj, (TensorRef, PickledObject, InertRecord, dict, list, tuple)):
+        """`obj` as the pickler writes it. What exists before its contents in a pickle (a list, dict, set,
+        record, DeepSpeed object) is made empty and remembered before them, so that what refers back to
+        it (a client state's cycle) gets it; a tuple or frozenset is made of its converted items, unless
+        converting them made it already (it is in a cycle)."""
+        try:
+            return self._convert(obj)
+        except RecursionError:  # a cycle walked another way round than the reader measured it: a long path
+            raise CheckpointError("cannot write back a client state whose references lead more than Python's "
+                                  "recursion limit deep") from None
+
+    def _convert(self, obj: Any) -> Any:
+        if not isinstance(obj, (TensorRef, PickledObject, InertRecord, dict, list, tuple, set, frozenset)):
             return obj  # plain data, and the torch dtypes and devices the pickler names again
         seen = self._converted.get(id(obj))
         if seen is not None and seen[0] is obj:
             return seen[1]
         if isinstance(obj, TensorRef):
-            out: Any = self.tensor(obj)
-        elif isinstance(obj, PickledObject):
-            out = _deepspeed_object(obj, self)
-        elif isinstance(obj, InertRecord):  # a client state's object, written back as its pickle made it
-            out = Rebuilt(Global(obj.module, obj.name), obj.how, self.convert(obj.args), self.convert(obj.kwargs),
-                          tuple((kind, self.convert(items)) for kind, items in obj.ops))
-        elif isinstance(obj, OrderedDict):
-            out = OrderedDict((k, self.convert(v)) for k, v in obj.items())
+            return self._keep(obj, self.tensor(obj))
+        if isinstance(obj, PickledObject):
+            return _deepspeed_object(obj, self)
+        if isinstance(obj, InertRecord):  # a client state's object, written back as its pickle made it
+            out = self._keep(obj, Rebuilt(Global(obj.module, obj.name), obj.how))
+            out.args, out.kwargs = self._convert(obj.args), self._convert(obj.kwargs)
+            out.ops = tuple((kind, self._convert(items)) for kind, items in obj.ops)
         elif isinstance(obj, dict):
-            out = {k: self.convert(v) for k, v in obj.items()}
+            out = self._keep(obj, OrderedDict() if isinstance(obj, OrderedDict) else {})
+            for k, v in obj.items():
+                out[self._convert(k)] = self._convert(v)
         elif isinstance(obj, list):
-            out = [self.convert(v) for v in obj]
+            out = self._keep(obj, [])
+            out.extend(self._convert(v) for v in obj)
+        elif isinstance(obj, set):
+            out = self._keep(obj, set())
+            out.update(self._convert(v) for v in obj)
         else:
-            out = tuple(self.convert(v) for v in obj)
-        self._converted[id(obj)] = (obj, out)  # the source object kept alive: its id is not reused
+            items = [self._convert(v) for v in obj]
+            seen = self._converted.get(id(obj))
+            if seen is not None and seen[0] is obj:
+                return seen[1]
+            out = self._keep(obj, frozenset(items) if isinstance(obj, frozenset) else tuple(items))
+        return out
+
+    def _keep(self, obj: Any, out: Any) -> Any:
+        """Remember `out` as the conversion of `obj` (kept alive with it: its id is not reused)."""
+        self._converted[id(obj)] = (obj, out)
         return out
 
 
@@ -128,9 +152,11 @@ def _global(qualname: str) -> Global:
 
 
 def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
-    """The DeepSpeed object `record` stands for, written back the way pickle wrote it."""
+    """The DeepSpeed object `record` stands for, written back the way pickle wrote it (made, and kept by
+    `tree`, before its state and arguments, which may refer back to it)."""
     if record.qualname not in RECORDS:
         raise CheckpointError(f"cannot write a {record.qualname} back")
+    out: Instance = tree._keep(record, Instance(_global(record.qualname), None))
     state = record.state
     if isinstance(state, dict):
         # The reader keeps torch dtypes (DynamicLossScaler.dtype) as their names.
@@ -138,7 +164,8 @@ def _deepspeed_object(record: PickledObject, tree: _Tree) -> Instance:
                  for k, v in state.items()}
     else:
         state = tree.convert(state)
-    return Instance(_global(record.qualname), state, tree.convert(record.args))
+    out.state, out.args = state, tree.convert(record.args)
+    return out
 
 
 def _zero_stage(value: int) -> Call:

@@ -23,10 +23,10 @@ Families:
 - pickles, records, counts, latest, markup, sidefiles, pushsrc, manifests, checkpoint, splits: the corpus
   kinds of that module with their parameters drawn from the seed;
 - client-records: the corpus kinds of `kinds/client.py` (inert records: deep, wide, self-referencing,
-  exploding, misplaced, code inside) with drawn parameters;
+  exploding, misplaced, nested classes, records as keys, code inside) with drawn parameters;
 - record-ops: op-level mutations whose globals and insertions are classes outside the allow-list
-  (inert records where DeepSpeed's data belongs, built, called, appended to, set into), on any fixture
-  and any rank file.
+  (inert records where DeepSpeed's data belongs, built, called, appended to, set into, holding
+  themselves, used as dict keys, nested classes named through getattr), on any fixture and any rank file.
 
 Replay one case (it prints the workspace and every run's output):
 
@@ -85,7 +85,8 @@ HOSTILE_GLOBALS = [("posix", "system"), ("builtins", "eval"), ("torch", "load"),
 RECORD_GLOBALS = [("argparse", "Namespace"), ("collections", "defaultdict"), ("collections", "UserList"),
                   ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"), ("builtins", "list"),
                   ("functools", "partial"), ("datetime", "datetime"), ("enum", "Enum"), ("torch", "float8_e4m3fn"),
-                  ("__main__", "TrainerState"), ("posix", "system"), ("logging", "os.system")]
+                  ("__main__", "TrainerState"), ("posix", "system"), ("logging", "os.system"),
+                  ("argparse", "Namespace.Inner"), ("argparse", "Namespace.__init__")]
 NO_ARG_OPS = ["POP", "DUP", "MARK", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
               "LIST", "DICT", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "REDUCE", "BUILD", "NEWOBJ", "STOP", "NONE",
               "BINPERSID", "POP_MARK", "STACK_GLOBAL", "MEMOIZE", "NEWTRUE", "EMPTY_SET", "ADDITEMS", "FROZENSET"]
@@ -129,9 +130,21 @@ def _replacement(r: random.Random, opcode: pickletools.OpcodeInfo, arg: object, 
 
 
 def _record_insertion(r: random.Random, marker: Path) -> bytes:
-    """A record built, called, extended, set into or referenced: what a client state's pickle does."""
-    cls = asm.glob(*r.choice(RECORD_GLOBALS))
-    choice = r.randrange(7)
+    """A record built, called, extended, set into or referenced, holding itself (its state, or a list that
+    holds it), used as a dict key, its class named through getattr: what a client state's pickle does."""
+    module, name = r.choice(RECORD_GLOBALS)
+    cls = asm.glob(module, name)
+    me = 900_000 + r.randrange(1000)  # far above the memo indices of the pickle mutated
+    choice = r.randrange(11)
+    if choice == 7:
+        return asm.build(asm.newobj(cls) + asm.put(me), asm.dct((asm.string("me"), asm.get(me))))
+    if choice == 8:
+        return asm.lst() + asm.put(me) + asm.op("MARK") + asm.newobj(cls, asm.get(me)) + asm.get(me) + asm.op("APPENDS")
+    if choice == 9:
+        return asm.dct((asm.newobj(cls), asm.integer(1)))
+    if choice == 10:
+        return asm.call(asm.glob("builtins", "getattr"), asm.glob(module, name.partition(".")[0]),
+                        asm.string(r.choice(["Inner", "__init__", "os"])))
     if choice == 0:
         return asm.newobj(cls)
     if choice == 1:

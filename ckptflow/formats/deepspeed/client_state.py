@@ -135,8 +135,8 @@ def _classes(value: Any) -> set[str]:
 
 
 def _walk(root: Any, path: str) -> Any:
-    """(object, path) for every object under `root`, each once (the tree shares references; it is
-    bounded in depth and size by the unpickler), depth first."""
+    """(object, path) for every object under `root`, each once (the tree shares references and may refer
+    back to itself; the unpickler bounds its depth and size), depth first."""
     seen: set[int] = set()
     stack = [(root, path)]
     while stack:
@@ -145,18 +145,29 @@ def _walk(root: Any, path: str) -> Any:
             continue
         seen.add(id(obj))
         yield obj, where
-        if isinstance(obj, Mapping):
-            stack.extend((v, f"{where}/{_segment(k)}") for k, v in reversed(list(obj.items())))
-        elif isinstance(obj, list | tuple):
-            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(obj))))
-        elif isinstance(obj, PickledObject):
-            stack.extend([(obj.state, f"{where}.state"), (obj.args, f"{where}.args")])
-        elif isinstance(obj, InertRecord):
-            stack.extend((items, f"{where}.{kind}") for kind, items in reversed(obj.ops))
-            stack.extend([(obj.kwargs, f"{where}.kwargs"), (obj.args, f"{where}.args")])
+        stack.extend(reversed(_held(obj, where)))
+
+
+def _held(obj: Any, where: str) -> list[tuple[Any, str]]:
+    """(object, path) for what `obj` holds, in order: a dict's keys that are objects, then its values."""
+    if isinstance(obj, Mapping):
+        keys = [(k, f"{where}/key {_segment(k)}") for k in obj if not isinstance(k, str | bytes | int | float)]
+        return keys + [(v, f"{where}/{_segment(k)}") for k, v in obj.items()]
+    if isinstance(obj, list | tuple):
+        return [(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, set | frozenset):
+        return [(v, f"{where}{{}}") for v in obj]
+    if isinstance(obj, PickledObject):
+        return [(obj.args, f"{where}.args"), (obj.state, f"{where}.state")]
+    if isinstance(obj, InertRecord):
+        return [(obj.args, f"{where}.args"), (obj.kwargs, f"{where}.kwargs"),
+                *((items, f"{where}.{kind}") for kind, items in obj.ops)]
+    return []
 
 
 def _segment(key: Any) -> str:
+    if isinstance(key, InertRecord | PickledObject):  # a record as a key: its class, named
+        return class_name(key.qualname, 60)
     return key if isinstance(key, str) and _is_plain_key(key) and len(key) <= 60 else excerpt(key, 40)
 
 
@@ -172,6 +183,30 @@ def misplaced_record(obj: Mapping[str, Any], *, model_states: bool) -> tuple[str
     return None
 
 
+def misplaced_cycle(obj: Mapping[str, Any], *, model_states: bool) -> str | None:
+    """The path of the first object that refers back to itself (a reference cycle) where ckptflow reads
+    DeepSpeed's data (as `misplaced_record`), or None: ckptflow's readers take DeepSpeed's fields for trees."""
+    keys = [k for k in obj if not model_states or (k in DEEPSPEED_MODEL_KEYS and k not in USER_STATE_KEYS)]
+    done: set[int] = set()
+    for key in keys:
+        path: set[int] = set()
+        stack: list[tuple[Any, str, bool]] = [(obj[key], _segment(key), False)]
+        while stack:
+            item, where, leaving = stack.pop()
+            if leaving:
+                path.discard(id(item))
+                done.add(id(item))
+                continue
+            if id(item) in path:
+                return where
+            if id(item) in done:
+                continue
+            path.add(id(item))
+            stack.append((item, where, True))
+            stack.extend((kid, at, False) for kid, at in reversed(_held(item, where)))
+    return None
+
+
 def namespace_state(value: Any) -> dict[str, Any] | None:
     """The attributes `value` was built with when it is an `argparse.Namespace` record with a dict state
     (Megatron-DeepSpeed's `args`), else None."""
@@ -181,4 +216,4 @@ def namespace_state(value: Any) -> dict[str, Any] | None:
 
 
 __all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "class_name", "misplaced_record",
-           "namespace_state"]
+           "misplaced_cycle", "namespace_state"]

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, option
-from ckptflow.formats.deepspeed.client_state import ClientState, class_name, client_state, misplaced_record
+from ckptflow.formats.deepspeed.client_state import (
+    ClientState,
+    class_name,
+    client_state,
+    misplaced_cycle,
+    misplaced_record,
+)
 from ckptflow.formats.deepspeed.names import (
     ALLOWED,
     MODEL_FILE_RE,
@@ -235,16 +241,24 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
         st.add("corrupt-file", f"rank {rank}: {uri} holds a {type(obj).__name__}, not a DeepSpeed state dict; the "
                "file is not a DeepSpeed checkpoint file", file=uri, rank=rank)
         return {}
-    if archive.has_records and not check_records(st, obj, uri, f"rank {rank}", rank=rank):
+    if (archive.has_records or archive.has_cycles) and not check_records(st, obj, uri, f"rank {rank}", rank=rank):
         return {}
     return obj
 
 
 def check_records(st: Inspection, obj: Mapping[str, Any], uri: str, label: str, *, rank: int | None = None) -> bool:
-    """No inert record (an object of a class outside the allow-list) where ckptflow reads DeepSpeed's
-    data: a model-states file's DeepSpeed keys, every other file whole (`client_state.misplaced_record`).
-    One problem naming the file and the field otherwise; returns whether there was none."""
+    """No inert record (an object of a class outside the allow-list) and no reference cycle where ckptflow
+    reads DeepSpeed's data: a model-states file's DeepSpeed keys, every other file whole
+    (`client_state.misplaced_record`, `misplaced_cycle`). One problem naming the file and the field
+    otherwise; returns whether there was none."""
     is_model = MODEL_FILE_RE.match(posixpath.basename(uri)) is not None
+    cycle = misplaced_cycle(obj, model_states=is_model)
+    if cycle is not None:
+        where = cycle if len(cycle) <= 160 else f"{cycle[:160]}..."
+        st.add("corrupt-file", f"{label}: {uri} holds an object that refers back to itself in {where}, where "
+               "DeepSpeed writes tensors and plain data; the file is damaged or was not written by DeepSpeed",
+               file=uri, rank=rank)
+        return False
     found = misplaced_record(obj, model_states=is_model)
     if found is None:
         return True

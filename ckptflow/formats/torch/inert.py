@@ -27,10 +27,13 @@ The rule for what is refused even as a record (`UnsafePickleError`, nothing impo
 
 1. a module or name that is not a plain dotted ASCII identifier (`os\\x1b[2J`, an empty name): no
    module can be named that, and it could not be imported where the file is loaded;
-2. a dotted name (`path.join`, `Outer.Inner`): the loader resolves it attribute by attribute, which
-   reaches any module another module imports (`logging` + `os.system`). torch saves with protocol 2,
-   which never writes one (a nested class goes through `getattr`, refused by 5); and a dunder name
-   (`__builtins__`, `__dict__`): a module's internals, never a class or function it defines;
+2. a dotted name other than a nested class's: the loader resolves `Outer.Inner` attribute by attribute,
+   which through a module attribute reaches any module another module imports (`logging` + `os.system`,
+   `mymod` + `np.load`). So every part but the last must name a class (start with a capital letter, as
+   classes do); protocol 4 names a nested class so (STACK_GLOBAL `mymod` `Outer.Inner`), protocol 2
+   (torch's) as `getattr(mymod.Outer, "Inner")`, which the unpickler reads as the same name, the one
+   use of `getattr` it admits, and `pickler.Rebuilt` writes back. And a dunder part (`__builtins__`,
+   `__dict__`): a module's or a class's internals, never a class or function it defines;
 3. a module whose dotted prefix is in `CODE_MODULES`: modules that run commands or code, open files
    or sockets, load other pickles or native code, or reach the interpreter (`os`, `posix`, `nt`,
    `subprocess`, `sys`, `shutil`, `socket`, `importlib`, `runpy`, `pty`, `code`, `ctypes`, `pickle`,
@@ -104,19 +107,20 @@ def refusal(module: str, name: str) -> str | None:
     docstring), or None when it may be one."""
     if not (0 < len(module) <= MAX_NAME and 0 < len(name) <= MAX_NAME):
         return "a name no module can have"
-    parts = module.split(".")
-    if not all(_IDENTIFIER.fullmatch(p) for p in parts) or not _IDENTIFIER.fullmatch(name.replace(".", "_")):
+    parts, names = module.split("."), name.split(".")
+    if not all(_IDENTIFIER.fullmatch(p) for p in parts + names):
         return "a name no module can have"
-    if "." in name:
-        return "a dotted name, which a loader resolves attribute by attribute"
-    if name.startswith("__") and name.endswith("__"):
+    if any(n.startswith("__") and n.endswith("__") for n in names):
         return "a module's internals, not a class or function it defines"
+    if not all(n[:1].isupper() for n in names[:-1]):
+        return "a dotted name through a module attribute, which a loader resolves attribute by attribute"
     if module in BUILTINS:
         return None if name in DATA_BUILTINS else "code that runs when the file is loaded"
     prefixes = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     if prefixes & CODE_MODULES:
         return "code that runs when the file is loaded"
-    if f"{module}.{name}" in CODE_NAMES or prefixes & CODE_NAMES:
+    full = parts + names
+    if {".".join(full[:i]) for i in range(1, len(full) + 1)} & CODE_NAMES:
         return "code that runs when the file is loaded"
     return None
 
@@ -180,7 +184,17 @@ class InertRecord:
     """An object of a class outside the allow-list, kept as the pickle built it (see the module
     docstring): `module.name` made `how` from `args` (and `kwargs`, NEWOBJ_EX's), then `ops` applied in order,
     each ("appends", items), ("setitems", ((key, value), ...)) or ("build", state). Nothing of it
-    was imported or run. Compared by identity: two records are equal only when they are one."""
+    was imported or run.
+
+    Compared and hashed by identity: two records are equal only when they are one. So a record can be
+    a dict key or a set member (an enum member, a user object), as the pickle's own object was, and a
+    dict keeps as many keys as the source's: two objects the source held apart stay apart whatever
+    they hold (the source's classes decide their equality, and ckptflow runs none of them). A
+    structural hash could not be one anyway: a record's state may hold lists, dicts and itself.
+
+    A record may refer to itself (its state, items or arguments holding it, directly or through other
+    objects), as the pickle's object did: `unpickler.plain_tree` makes it first (`shell`) and gives it
+    its contents once they are made (`fill`), so whatever walks records must remember what it visited."""
 
     module: str
     name: str
@@ -188,6 +202,18 @@ class InertRecord:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     ops: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def shell(cls, module: str, name: str, how: str) -> InertRecord:
+        """A record without its contents yet, for what refers back to it while they are made (`fill`)."""
+        return cls(module, name, how)
+
+    def fill(self, args: tuple[Any, ...], kwargs: dict[str, Any], ops: tuple[tuple[str, Any], ...]) -> None:
+        """Give a `shell` its contents, once; only the reader that made it calls this."""
+        assert not (self.args or self.kwargs or self.ops), "a record filled twice"
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", kwargs)
+        object.__setattr__(self, "ops", ops)
 
     @property
     def qualname(self) -> str:

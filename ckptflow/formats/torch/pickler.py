@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckptflow.errors import CheckpointError
 from ckptflow.formats.torch.inert import TorchDevice, TorchDtype
 from ckptflow.formats.torch.pure_pickle import PyPickler
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, STORAGE_DTYPES
@@ -193,21 +194,41 @@ class _Pickler(PyPickler):  # the Python implementation: its dispatch table can 
         self.save(obj.state)
         self.write(pickle.BUILD)
 
+    def save_class(self, module: str, name: str) -> None:
+        """The global `module.name` as protocol 2 names it: GLOBAL, or for a nested class (`Outer.Inner`)
+        `getattr(module.Outer, "Inner")`, as pickle writes one below protocol 4 (whose loaders read no
+        dotted GLOBAL)."""
+        outer, _, last = name.rpartition(".")
+        if not outer:
+            module = "__builtin__" if module == "builtins" else module  # as protocol 2 spells it
+            self.write(pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8"))
+            return
+        self.write(pickle.GLOBAL + b"__builtin__\ngetattr\n")
+        self.save_class(module, outer)
+        self.save(last)
+        self.write(pickle.TUPLE2 + pickle.REDUCE)
+
     def save_rebuilt(self, obj: Rebuilt) -> None:
-        module = "__builtin__" if obj.cls.module == "builtins" else obj.cls.module  # as protocol 2 spells it
-        cls = f"{module}\n{obj.cls.name}\n".encode("utf-8")
+        """An object as its source pickle made it. Its arguments may hold it (a list among them that the
+        source filled with it afterwards): saving them then saved it whole, and what is on the stack
+        for this one is dropped for a reference to that one, nothing called twice."""
         if obj.how == "global":
-            self.write(pickle.GLOBAL + cls)
+            self.save_class(obj.cls.module, obj.cls.name)
         elif obj.how == "obj":
-            self.write(pickle.MARK + pickle.GLOBAL + cls)
+            self.write(pickle.MARK)
+            self.save_class(obj.cls.module, obj.cls.name)
             for arg in obj.args:
                 self.save(arg)
+            if self._saved_within(obj, pickle.POP_MARK):
+                return
             self.write(pickle.OBJ)
         else:
-            self.write(pickle.GLOBAL + cls)
+            self.save_class(obj.cls.module, obj.cls.name)
             self.save(obj.args)
             if obj.how == "newobj_ex":
                 self.save(obj.kwargs)
+            if self._saved_within(obj, pickle.POP * (3 if obj.how == "newobj_ex" else 2)):
+                return
             self.write({"reduce": pickle.REDUCE, "newobj": pickle.NEWOBJ, "newobj_ex": pickle.NEWOBJ_EX}[obj.how])
         self.memoize(obj)
         for kind, items in obj.ops:
@@ -223,6 +244,15 @@ class _Pickler(PyPickler):  # the Python implementation: its dispatch table can 
                 else:
                     self.save(item)
             self.write(pickle.SETITEMS if kind == "setitems" else pickle.APPENDS)
+
+    def _saved_within(self, obj: Rebuilt, drop: bytes) -> bool:
+        """Whether saving `obj`'s arguments saved `obj` itself; if so, what they left on the stack dropped
+        (`drop`) for a reference to it."""
+        known = self.memo.get(id(obj))
+        if known is None:
+            return False
+        self.write(drop + self.get(known[0]))
+        return True
 
     def save_dtype(self, obj: TorchDtype) -> None:
         self.save_global_name(Global("torch", str(obj)))
@@ -251,5 +281,9 @@ def dumps(obj: Any) -> tuple[bytes, list[OutStorage]]:
     """
     buf = io.BytesIO()
     pickler = _Pickler(buf)
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except RecursionError:  # a client state whose references back to itself make a path too long to write
+        raise CheckpointError("cannot write an object tree that nests objects more than Python's recursion limit "
+                              "deep (a client state holding long chains of references)") from None
     return buf.getvalue(), pickler.storages

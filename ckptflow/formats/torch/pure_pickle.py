@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
     class PyPickler(pickle._Pickler):
         dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]]
+        memo: dict[int, tuple[int, Any]]  # id(object) -> (memo index, object)
+
+        def get(self, i: int) -> bytes: ...
 
         def write(self, data: bytes) -> Any: ...
         def save(self, obj: Any, save_persistent_id: bool = True) -> None: ...

@@ -11,9 +11,11 @@ the same. Unpickling is bounded: the pickle's size and opcode count, tuples nest
 `MAX_DEPTH` deep while they are built (hashing a deeper one overflows the C stack), BUILD only on the
 objects that take state, and the object tree it yields at most `MAX_DEPTH` deep and `MAX_OBJECTS`
 nodes with shared references counted every time they are reached (so a "billion laughs" of shared
-lists is refused, never expanded); shared references stay shared in the tree; inert records count
-like any container. Tensors come back as `TensorRef`s, made by the archive the pickle belongs to
-(`PickleSource`).
+lists is refused, never expanded); shared references stay shared in the tree, and so do references
+back to an object that holds them (a list holding itself, a record whose state holds it: a cycle,
+which only a list, dict, set or record can close, since they exist before what they hold); inert
+records count like any container, and may be dict keys and set members. Tensors come back as
+`TensorRef`s, made by the archive the pickle belongs to (`PickleSource`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,16 @@ class _Marker:
         self.name = name
 
 
+class _NestedName:
+    """`builtins.getattr` where a record may be made (`Allowed.inert`): only ever called, by REDUCE, with
+    a class named by the pickle and a name (protocol 2's spelling of a nested class, `Outer.Inner`)."""
+
+    name = "builtins.getattr"
+
+
+_NESTED_NAME = _NestedName()
+
+
 class Unpickler(PyUnpickler):  # the Python implementation: its loop and dispatch table can be bounded
     """The allow-list unpickler of one archive's pickle, with the bounds of the module docstring.
 
@@ -260,6 +272,10 @@ class Unpickler(PyUnpickler):  # the Python implementation: its loop and dispatc
         func, args = self.stack[-2:] if len(self.stack) >= 2 else (None, None)
         if not isinstance(args, tuple):
             raise pickle.UnpicklingError("REDUCE without a callable and an argument tuple")
+        if func is _NESTED_NAME:
+            del self.stack[-2:]
+            self.append(nested_class(args, self.archive))
+            return
         if self._inert(func, "reduce", args):
             return
         if func in (set, frozenset, OrderedDict):
@@ -381,7 +397,7 @@ def _what(obj: Any) -> str:
         return "a storage reference"
     if isinstance(obj, _StorageType):
         return "a storage type"
-    if isinstance(obj, _Marker):
+    if isinstance(obj, _Marker | _NestedName):
         return obj.name
     if isinstance(obj, InertGlobal):
         return f"{_qualname(obj.module + '.' + obj.name)} (named, never loaded)"
@@ -478,45 +494,176 @@ _SAFE_GLOBALS: dict[str, Any] = {
 }
 
 
-def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] | None = None) -> Any:
+def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] | None = None,
+               cycles: list[Any] | None = None) -> Any:
     """The unpickled tree as plain data: tensor records become `TensorRef`s, DeepSpeed records
     `PickledObject`s, inert builds and globals `InertRecord`s (each one made is added to `records`,
-    when given), containers are rebuilt around them.
+    when given), containers are rebuilt around them, dict keys and set members included.
 
     Without recursion, each object once: an object reached twice (a shared reference) becomes one
-    plain object reached twice, so a "billion laughs" costs its size in the pickle, not its expansion.
-    The tree is refused (`CorruptFileError`) when it nests more than `MAX_DEPTH` deep, holds a
-    reference cycle, or would hold more than `MAX_OBJECTS` nodes were every shared reference copied:
-    whatever walks it later stays bounded too."""
-    done: dict[int, tuple[Any, int]] = {}  # id -> (plain object, nodes it stands for when expanded)
-    path: set[int] = set()  # the objects being rebuilt: the ancestors of the one on top of the stack
+    plain object reached twice, so a "billion laughs" costs its size in the pickle, not its expansion;
+    an object reached again from within itself (a cycle) is the same plain object too, the object it
+    refers back to added to `cycles` when given. The tree is refused (`CorruptFileError`) when it nests
+    more than `MAX_DEPTH` containers deep along any path (a reference back along a cycle aside), or
+    would hold more than `MAX_OBJECTS` nodes were every shared reference copied (a cycle counted once
+    round): whatever walks it later, remembering what it visited, stays bounded too.
+
+    Depth first: a container that exists before its contents in the pickle (a list, dict, set or
+    record: only they can close a cycle) is made empty when first met, and filled, as a tuple or
+    frozenset is made, once everything under it is made. What refers back to a tuple still being made
+    (a cycle entered at a tuple) waits for the end, where the tuples are made from their members (those
+    a tuple holds first) and then what waited is filled."""
+    nodes: dict[int, _Node] = {}  # containers and leaves other than plain atoms, by id
+    waiting: list[_Node] = []  # containers left to make or fill at the end, in the order they were finished
+    path: set[int] = set()  # the containers being read: the ancestors of the one on top of the stack
     seen: set[int] = set()  # tuples and frozensets already checked as keys or set members
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         obj, ready = stack.pop()
         key = id(obj)
         if ready:
+            node = nodes[key]
+            if not _finish(node, nodes, path, archive, cycles):
+                waiting.append(node)
             path.discard(key)
-            done[key] = _rebuilt(obj, done, archive)
             continue
-        if key in done:
+        if key in nodes:
             continue
         kids = _children(obj, archive, seen)
         if kids is None:
-            done[key] = (_leaf(obj, archive, seen), 1)
+            nodes[key] = _Node(obj, None, _leaf(obj, archive, seen))
             continue
         if len(path) >= MAX_DEPTH:
             raise _tree_error(archive, f"it nests containers more than {MAX_DEPTH} deep")
+        nodes[key] = _Node(obj, kids, _shell(obj, archive))
         path.add(key)
         stack.append((obj, True))
-        for kid in kids:
-            if id(kid) in path:
-                raise _tree_error(archive, "it holds a reference cycle")
-            if id(kid) not in done:
-                stack.append((kid, False))
+        stack.extend([(kid, False) for kid in reversed(kids) if type(kid) not in _ATOM_TYPES and id(kid) not in nodes])
+    for node in waiting:
+        if node.plain is _UNMADE:
+            _make_frozen(node, nodes, archive)
+    for node in waiting:
+        if not isinstance(node.obj, tuple | frozenset):
+            _make(node, [_plain_of(kid, nodes) for kid in node.kids or ()], archive)
     if records is not None:
-        records.extend(made for made, _ in done.values() if type(made) is InertRecord)
-    return done[id(root)][0]
+        records.extend(node.plain for node in nodes.values() if type(node.plain) is InertRecord)
+    return _plain_of(root, nodes)
+
+
+_UNMADE: Any = object()  # a tuple's or frozenset's plain copy before its members are made
+_ATOM_TYPES = frozenset({str, bytes, int, float, complex, bool, type(None)})  # plain as they are: no node
+
+
+class _Node:
+    """One object of the unpickled tree: its children (None for a leaf), its plain copy (`_UNMADE`
+    until made), whether that copy holds its contents yet, how deep it nests containers (-1 until it is
+    finished) and how many nodes it expands to."""
+
+    __slots__ = ("obj", "kids", "plain", "complete", "height", "nodes")
+
+    def __init__(self, obj: Any, kids: list[Any] | None, plain: Any) -> None:
+        self.obj, self.kids, self.plain, self.complete = obj, kids, plain, kids is None
+        self.height, self.nodes = (-1, 0) if kids is not None else (0, 1)
+
+
+def _plain_of(obj: Any, nodes: dict[int, _Node]) -> Any:
+    node = nodes.get(id(obj))
+    return obj if node is None else node.plain
+
+
+def _finish(node: _Node, nodes: dict[int, _Node], path: set[int], archive: PickleSource,
+            cycles: list[Any] | None) -> bool:
+    """Measure a container once everything under it is read, and make or fill it when all it holds is
+    complete (else False: it waits). A child not finished yet is one of its ancestors (on `path`), which
+    it refers back to (a cycle: counted as one node, no depth; enough that it exists, empty)."""
+    height, count, made = 0, 1, True
+    plains = []
+    for kid in node.kids or ():
+        known = nodes.get(id(kid))
+        if known is None:  # a plain atom
+            count += 1
+            plains.append(kid)
+            continue
+        if known.height < 0:
+            assert id(kid) in path, "a child neither read nor an ancestor"
+            if not archive.allowed.inert:  # torch's own data and DeepSpeed's are trees; a client state may not be
+                raise _tree_error(archive, "it holds a reference cycle")
+            if cycles is not None:
+                cycles.append(known.plain)
+            count += 1
+            made = made and known.plain is not _UNMADE
+        else:
+            height, count = max(height, known.height), count + known.nodes
+            made = made and known.complete
+        plains.append(known.plain)
+    if height + 1 > MAX_DEPTH:
+        raise _tree_error(archive, f"it nests containers more than {MAX_DEPTH} deep")
+    if count > MAX_OBJECTS:
+        raise _tree_error(archive, f"its shared references expand to more than {MAX_OBJECTS:,} objects")
+    node.height, node.nodes = height + 1, count
+    if made:
+        _make(node, plains, archive)
+    return made
+
+
+def _shell(obj: Any, archive: PickleSource) -> Any:
+    """The empty plain copy of a container that exists before its contents (`_make` fills it), or
+    `_UNMADE` for a tuple or frozenset (made whole by `_make`)."""
+    if isinstance(obj, dict):
+        return OrderedDict() if isinstance(obj, OrderedDict) else {}
+    if isinstance(obj, list):
+        return []
+    if isinstance(obj, set):
+        return set()
+    if type(obj) is InertBuild:
+        return InertRecord.shell(obj.cls.module, obj.cls.name, obj.how)
+    if _is_record(obj, archive):
+        return PickledObject(type(obj).__name__, (), None)
+    return _UNMADE
+
+
+def _make(node: _Node, kids: list[Any], archive: PickleSource) -> None:
+    """Make a tuple or frozenset of its members made plain, or fill an empty container (`_shell`)."""
+    obj, plain = node.obj, node.plain
+    node.complete = True
+    if isinstance(obj, tuple):
+        node.plain = tuple(kids)
+    elif isinstance(obj, list):
+        plain.extend(kids)
+    elif isinstance(obj, dict):
+        half = len(kids) // 2
+        for k, v in zip(kids[:half], kids[half:]):
+            plain[k] = v
+    elif isinstance(obj, frozenset):
+        node.plain = frozenset(kids)
+    elif isinstance(obj, set):
+        plain.update(kids)
+    elif type(obj) is InertBuild:
+        _fill_record(obj, plain, kids)
+    elif _is_record(obj, archive):
+        object.__setattr__(plain, "args", kids[0])  # a frozen dataclass made before its contents (`_shell`)
+        object.__setattr__(plain, "state", kids[1])
+
+
+def _make_frozen(node: _Node, nodes: dict[int, _Node], archive: PickleSource) -> None:
+    """Make a tuple or frozenset that waited, the ones it holds first. They hold only what existed before
+    them in the pickle, so no tuple is reached again from within itself but through a list, dict, set
+    or record, which exist already (empty): a tuple reached again is a pickle no unpickler could build."""
+    making: set[int] = set()
+    stack = [(node, False)]
+    while stack:
+        at, ready = stack.pop()
+        if at.plain is not _UNMADE:
+            continue
+        if ready:
+            _make(at, [_plain_of(kid, nodes) for kid in at.kids or ()], archive)
+            continue
+        if id(at.obj) in making:
+            raise _tree_error(archive, "it holds a tuple that holds itself")
+        making.add(id(at.obj))
+        stack.append((at, True))
+        stack.extend((kid, False) for kid in (nodes.get(id(k)) for k in at.kids or ())
+                     if kid is not None and kid.plain is _UNMADE)
 
 
 def _tree_error(archive: PickleSource, why: str) -> CorruptFileError:
@@ -528,16 +675,20 @@ def _is_record(obj: Any, archive: PickleSource) -> bool:
     return type(obj).__name__ in archive.records and type(obj) is archive.records[type(obj).__name__]
 
 
-def _children(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
-    """What a container holds (None for a leaf)."""
+def _children(obj: Any, archive: PickleSource, seen: set[int]) -> list[Any] | None:
+    """What a container holds (None for a leaf): a dict's keys, then its values."""
     if isinstance(obj, tuple | list):
-        return obj
+        return list(obj)
     if isinstance(obj, dict):
         for k in obj:
             _check_hashable(k, archive, "a dict key", seen)
-        return list(obj.values())
+        return [*obj, *obj.values()]
+    if isinstance(obj, set | frozenset):
+        for member in obj:
+            _check_hashable(member, archive, "a set member", seen)
+        return list(obj)
     if _is_record(obj, archive):
-        return (obj.args, obj.state)
+        return [obj.args, obj.state]
     if type(obj) is InertBuild:
         return obj.children()
     return None
@@ -547,7 +698,8 @@ _ATOMS = (str, bytes, int, float, complex, bool, type(None))
 
 
 def _check_hashable(value: Any, archive: PickleSource, what: str, seen: set[int]) -> None:
-    """A dict key or set member must be plain data: atoms, and tuples and frozensets of them (each
+    """A dict key or set member must be plain data or an inert record (hashed by identity, as the
+    pickle's object was: `InertRecord`): atoms, records, and tuples and frozensets of them (each
     looked into once, `seen` remembering which)."""
     pending = [value]
     while pending:
@@ -556,7 +708,7 @@ def _check_hashable(value: Any, archive: PickleSource, what: str, seen: set[int]
             if id(item) not in seen:
                 seen.add(id(item))
                 pending.extend(item)
-        elif not isinstance(item, _ATOMS):
+        elif not isinstance(item, _ATOMS) and type(item) not in (InertBuild, InertGlobal):
             raise _tree_error(archive, f"{what} is {_what(item)}, not plain data")
 
 
@@ -567,43 +719,19 @@ def _leaf(obj: Any, archive: PickleSource, seen: set[int]) -> Any:
         return obj
     if type(obj) is InertGlobal:
         return InertRecord(obj.module, obj.name, "global")
+    if obj is _NESTED_NAME:  # getattr itself as a value, never called: what it would be written back as
+        raise refused(archive, "builtins.getattr", "code that runs when the file is loaded")
     if archive.allowed.inert:  # an allowed global named as a value (`defaultdict(set)`): a record, never called
         named = _named_global(obj, archive)
         if named is not None:
             return named
     if isinstance(obj, slice) and all(isinstance(x, _ATOMS) for x in (obj.start, obj.stop, obj.step)):
         return obj
-    if isinstance(obj, set | frozenset):
-        for member in obj:
-            _check_hashable(member, archive, "a set member", seen)
-        return obj
     raise _tree_error(archive, f"it holds {_what(obj)} where data belongs")
 
 
-def _rebuilt(obj: Any, done: dict[int, tuple[Any, int]], archive: PickleSource) -> tuple[Any, int]:
-    """(plain copy of `obj` made of its children's, the nodes it stands for when expanded)."""
-    if isinstance(obj, dict):
-        kids = [done[id(v)] for v in obj.values()]
-        plain: Any = OrderedDict() if isinstance(obj, OrderedDict) else {}
-        for k, kid in zip(obj, kids):
-            plain[k] = kid[0]
-    elif _is_record(obj, archive):
-        kids = [done[id(obj.args)], done[id(obj.state)]]
-        plain = PickledObject(type(obj).__name__, kids[0][0], kids[1][0])
-    elif type(obj) is InertBuild:
-        kids = [done[id(v)] for v in obj.children()]
-        plain = _inert_record(obj, [kid[0] for kid in kids])
-    else:
-        kids = [done[id(v)] for v in obj]
-        plain = [kid[0] for kid in kids] if isinstance(obj, list) else tuple(kid[0] for kid in kids)
-    nodes = 1 + sum(kid[1] for kid in kids)
-    if nodes > MAX_OBJECTS:
-        raise _tree_error(archive, f"its shared references expand to more than {MAX_OBJECTS:,} objects")
-    return plain, nodes
-
-
-def _inert_record(obj: InertBuild, kids: list[Any]) -> InertRecord:
-    """The frozen record of `obj`, from its children made plain (`InertBuild.children` order)."""
+def _fill_record(obj: InertBuild, record: InertRecord, kids: list[Any]) -> None:
+    """Fill the record of `obj` from its children made plain (`InertBuild.children` order)."""
     args, kwargs, *items = kids
     ops: list[tuple[str, Any]] = []
     for (kind, _), got in zip(obj.ops, items):
@@ -613,7 +741,7 @@ def _inert_record(obj: InertBuild, kids: list[Any]) -> InertRecord:
             ops.append((kind, tuple(zip(got[::2], got[1::2]))))
         else:
             ops.append((kind, got[0]))
-    return InertRecord(obj.cls.module, obj.cls.name, obj.how, args, kwargs, tuple(ops))
+    record.fill(args, kwargs, tuple(ops))
 
 
 _GLOBAL_NAMES = {id(value): qual for qual, value in _SAFE_GLOBALS.items() if not isinstance(value, _Marker)}
@@ -656,9 +784,30 @@ def find_class(module: str, name: str, archive: PickleSource) -> Any:
         return _enum_value
     if module == "torch" and name in DTYPE_SIZES:
         return TorchDtype(name)
+    if archive.allowed.inert and qual == "builtins.getattr":
+        return _NESTED_NAME  # refused unless REDUCE calls it with a class and a name (`nested_class`)
     why = refusal(module, name) if archive.allowed.inert else None
     if archive.allowed.inert and why is None:
         return InertGlobal(module, name)
+    raise refused(archive, qual, why)
+
+
+def nested_class(args: tuple[Any, ...], archive: PickleSource) -> InertGlobal:
+    """`getattr(cls, name)` as protocol 2 pickles a nested class (`Outer.Inner`): the `InertGlobal` of that
+    qualified name, refused as `inert.refusal` refuses it, and refused as `getattr` with anything else."""
+    if len(args) == 2 and type(args[0]) is InertGlobal and type(args[1]) is str:
+        cls, attr = args
+        why = refusal(cls.module, f"{cls.name}.{attr}")
+        if why is None:
+            return InertGlobal(cls.module, f"{cls.name}.{attr}")
+        raise refused(archive, f"{cls.module}.{cls.name}.{attr}", why)
+    raise refused(archive, "builtins.getattr", "code that runs when the file is loaded; only a nested class's name "
+                  "(getattr of a class and a name) is read")
+
+
+def refused(archive: PickleSource, qual: str, why: str | None) -> UnsafePickleError:
+    """The refusal of the global `qual`: `why` it is refused even as a record, or (None) that only the
+    allow-list is read."""
     if why is not None:
         hint = (f"refused without running anything ({why}): ckptflow neither loads it nor writes it back; if "
                 "this file is yours, re-save it without that object")
@@ -669,7 +818,7 @@ def find_class(module: str, name: str, archive: PickleSource) -> Any:
     else:
         hint = ("refused without running anything; only torch tensors and DeepSpeed's checkpoint classes are "
                 "allowed; if this file is yours, re-save it without custom objects")
-    raise UnsafePickleError(
+    return UnsafePickleError(
         f"{archive.uri} refers to {_qualname(qual)}, which ckptflow does not load", file=archive.uri, actual=qual,
         hint=hint,
     )

@@ -66,6 +66,7 @@ class Archive:
         self.size = 0
         self.obj: Any = None
         self.has_records = False  # whether its tree holds an `InertRecord` (a global outside the allow-list)
+        self.has_cycles = False  # whether an object of its tree refers back to itself (through what it holds)
 
     # ---- opening ---------------------------------------------------------------------------------
 
@@ -219,9 +220,10 @@ class Archive:
             raise self._pickle_error(exc) from None
         self._resolve_offsets(sorted(unpickler.storages))
         records: list[InertRecord] = []
-        tree = plain_tree(obj, self, records=records)
-        self.has_records = bool(records)
-        if self.cache is not None:
+        cycles: list[Any] = []
+        tree = plain_tree(obj, self, records=records, cycles=cycles)
+        self.has_records, self.has_cycles = bool(records), bool(cycles)
+        if self.cache is not None and not cycles:  # `_rebase` copies trees, not graphs: a cycle is read again
             self.cache.put(data, tree, {k: (s.dtype, s.numel) for k, s in unpickler.storages.items()},
                            self.has_records)
         return tree

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tests.hostile import pickleasm as asm
-from tests.hostile.corpus import CHECKPOINT_READERS, DEEP, VALIDATE, Workspace, kind
+from tests.hostile.corpus import CHECKPOINT_READERS, DEEP, RESHARD, VALIDATE, Workspace, kind
 from tests.hostile.torchfile import inject, resave
 
 REFUSED = r"refers to {}, which ckptflow does not load"
@@ -70,17 +70,23 @@ def wide_record(ws: Workspace) -> None:
 
 @kind(expect=BAD_PICKLE + r".*nests containers more than 100 deep", issue="25.1")
 def deep_records(ws: Workspace) -> None:
-    """Records nested 1,000 deep (each Namespace's state holds the next): refused past the depth bound."""
+    """Records nested 1,000 deep (each Namespace's state holds the next; the fuzzer's last may hold the first,
+    a cycle): refused past the depth bound."""
     depth = ws.param(1000, lambda r: r.choice([10, 30, 40, 1000, 10_000]))
+    inner = ws.pick("none", ["none", "cycle"])  # the innermost holds None, or the outermost (a cycle)
     # _namespace(child=...) nested `depth` times, written as its prefixes and suffixes (not rebuilt per level)
     prefix = asm.newobj(NAMESPACE) + asm.op("EMPTY_DICT") + asm.op("MARK") + asm.string("child")
-    _payload(ws, prefix * depth + asm.none() + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
+    first = prefix.replace(asm.newobj(NAMESPACE), asm.newobj(NAMESPACE) + asm.put(MEMO), 1)
+    last = asm.none() if inner == "none" else asm.get(MEMO)
+    _payload(ws, first + prefix * (depth - 1) + last + (asm.op("SETITEMS") + asm.op("BUILD")) * depth)
 
 
-@kind(expect=BAD_PICKLE + r".*holds a reference cycle", issue="25.1")
+@kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: an? "}})
 def self_referencing_record(ws: Workspace) -> None:
-    """A Namespace whose state holds itself (a memo reference back to it): a cycle, refused."""
-    how = ws.pick("state", ["state", "args", "setitems", "appends"])
+    """A client state that refers back to itself (a memo reference to an object being built): a
+    Namespace whose state holds it, a record whose arguments hold a list that holds it, a dict and a list
+    subclass holding themselves, a plain list and dict holding themselves: carried with the cycle."""
+    how = ws.pick("state", ["state", "args", "setitems", "appends", "list", "dict"])
     me = asm.get(MEMO)
     ops = {
         "state": asm.build(asm.newobj(NAMESPACE) + asm.put(MEMO), asm.dct((asm.string("me"), me))),
@@ -91,8 +97,59 @@ def self_referencing_record(ws: Workspace) -> None:
         + asm.op("MARK") + asm.string("me") + me + asm.op("SETITEMS"),
         "appends": asm.newobj(asm.glob("collections", "UserList")) + asm.put(MEMO) + asm.op("MARK") + me
         + asm.op("APPENDS"),
+        "list": asm.lst() + asm.put(MEMO) + asm.op("MARK") + me + me + asm.op("APPENDS"),
+        "dict": asm.dct() + asm.put(MEMO) + asm.string("me") + me + asm.op("SETITEM"),
     }[how]
-    _payload(ws, ops)
+    _payload(ws, ops, pin=False)
+
+
+@kind(code=(0, 1), commands=(DEEP, RESHARD))
+def wide_cycles(ws: Workspace) -> None:
+    """2,000 Namespaces each holding the list that holds them all, and a chain of 90 lists each holding the
+    next and the last holding the first: carried (within the depth bound), or refused in one line."""
+    count = ws.param(2000, lambda r: r.choice([1, 100, 2000, 10_000]))
+    chain = ws.param(90, lambda r: r.choice([2, 50, 90, 99, 100, 101, 1000]))
+    members = asm.lst() + asm.put(MEMO) + asm.op("MARK") + asm.build(
+        asm.newobj(NAMESPACE), asm.dct((asm.string("all"), asm.get(MEMO)))) * count + asm.op("APPENDS")
+    # lists MEMO+1 ... MEMO+chain, each appended to the one before, the last holding the first
+    links = b"".join(asm.lst() + asm.put(MEMO + 1 + i) + asm.op("POP") for i in range(chain))
+    links += b"".join(asm.get(MEMO + 1 + i) + asm.get(MEMO + 2 + i) + asm.op("APPEND") + asm.op("POP")
+                      for i in range(chain - 1))
+    links += asm.get(MEMO + chain) + asm.get(MEMO + 1) + asm.op("APPEND")
+    _payload(ws, asm.tup(members, links), pin=False)
+
+
+@kind(expect=r"holds an object that refers back to itself in ds_config/self, where DeepSpeed writes tensors and plain "
+             r"data", commands=(VALIDATE, RESHARD), issue="25.1")
+def cycle_in_a_deepspeed_field(ws: Workspace) -> None:
+    """Rank 0's `ds_config` (a DeepSpeed field) made a dict that holds itself: corrupt, one line naming the field."""
+    def edit(obj: dict) -> None:
+        obj["ds_config"]["self"] = obj["ds_config"]
+
+    resave(ws.model_file(0), edit)
+    ws.pin(f"rank 0: {ws.model_file(0)} holds an object that refers back to itself in ds_config/self")
+
+
+@kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: a list of 3 items, naming argparse\.Namespace\.Inner"}})
+def nested_class(ws: Workspace) -> None:
+    """A class nested in another (`argparse.Namespace.Inner`), as protocol 4 names it (STACK_GLOBAL) and as
+    protocol 2 does (getattr of the outer class and a name), built and named: read as records, carried."""
+    nested = ws.pick("stack-global", ["stack-global", "getattr"])
+    cls = (asm.stack_global("argparse", "Namespace.Inner") if nested == "stack-global"
+           else asm.call(asm.glob("builtins", "getattr"), NAMESPACE, asm.string("Inner")))
+    _payload(ws, asm.lst(asm.build(asm.newobj(cls), asm.dct((asm.string("x"), asm.integer(1)))), cls,
+                         asm.call(cls, asm.integer(2))), pin=False)
+
+
+@kind(code=0, overrides={VALIDATE: {"expect": r"client_payload: a dict of 3 items, naming argparse\.Namespace, enum\.Enum"}})
+def records_as_keys(ws: Workspace) -> None:
+    """Records as dict keys and set members (an enum member, a user object, a tuple holding a record), as a
+    trainer's state keyed by its enum holds them: carried, each key its own object."""
+    member = asm.call(asm.glob("enum", "Enum"), asm.integer(1)) + asm.put(MEMO)
+    user = asm.build(asm.newobj(NAMESPACE), asm.dct((asm.string("k"), asm.integer(1))))
+    members = asm.call(asm.glob("builtins", "set"), asm.lst(asm.get(MEMO), asm.string("x")))
+    _payload(ws, asm.dct((member, asm.integer(1)), (user, members), (asm.tup(asm.get(MEMO), asm.integer(3)),
+                                                                       asm.integer(2))), pin=False)
 
 
 @kind(expect=BAD_PICKLE + r".*shared references expand to more than", issue="25.1")
@@ -144,6 +201,7 @@ def globals_no_module_can_have(ws: Workspace) -> None:
         ("numpy", "load"), ("builtins", "getattr"), ("builtins", "__import__"), ("functools", "reduce"),
         ("operator", "attrgetter"), ("timeit", "timeit"), ("torch.jit", "load"), ("importlib", "import_module"),
         ("arg parse", "Namespace"), ("", "x"), ("argparse", ""), ("torch.fx.graph_module", "reduce_graph_module"),
+        ("logging", "Logger.os.system"), ("argparse", "Namespace.__init__"), ("string", "Formatter.format"),
     ])
     _payload(ws, asm.call(asm.stack_global(module, name), _touch(ws)))
 
@@ -180,8 +238,11 @@ def record_in_a_deepspeed_field(ws: Workspace) -> None:
 
 @kind(expect=REFUSED.format(r"argparse\.Namespace") + r".*strict pickle mode", issue="25.1")
 def strict_pickle(ws: Workspace) -> None:
-    """`--strict-pickle`: the Namespace of a Megatron-DeepSpeed client state is refused, as before."""
-    inject(ws.model_file(0), "args", _namespace(lr=asm.floating(0.1)))
+    """`--strict-pickle`: the Namespace of a Megatron-DeepSpeed client state is refused, as before (and, drawn by
+    the fuzzer, a plain list that holds itself: a cycle, refused in that mode)."""
+    what = ws.pick("namespace", ["namespace", "cycle"])
+    inject(ws.model_file(0), "args", _namespace(lr=asm.floating(0.1)) if what == "namespace"
+           else asm.lst() + asm.put(MEMO) + asm.op("MARK") + asm.get(MEMO) + asm.op("APPENDS"))
     for command in CHECKPOINT_READERS:
         ws.extra_args[command] = ["--strict-pickle"]
     ws.pin("unsafe-pickle", VALIDATE, DEEP)

@@ -144,7 +144,7 @@ def open_files(
             st.add("corrupt-file", f"{label(name)}: {uri} holds a {type(obj).__name__}, not a DeepSpeed state dict",
                    file=uri)
             return {}
-        if archive.has_records and not check_records(st, obj, uri, label(name)):
+        if (archive.has_records or archive.has_cycles) and not check_records(st, obj, uri, label(name)):
             return {}
         return obj
 
