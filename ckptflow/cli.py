@@ -40,6 +40,14 @@ class DType(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
 
+
+class QkvLayout(str, Enum):
+    """Megatron's fused query_key_value layouts, as `--qkv-layout` takes them (`reshard.qkv.LAYOUTS`)."""
+
+    blocks = "blocks"
+    groups = "groups"
+
+
 app = typer.Typer(
     name="ckptflow",
     help="Validate, consolidate, reshard and publish DeepSpeed ZeRO checkpoints, safely and fast.\n\n"
@@ -400,8 +408,8 @@ def reshard_command(
     pipeline_layers: Optional[int] = typer.Option(
         None, "--pipeline-layers", min=1, metavar="N",
         help="With --pp: the length of the PipelineModule's layer list, where its files leave it open."),
-    qkv_layout: Optional[str] = typer.Option(
-        None, "--qkv-layout", metavar="LAYOUT",
+    qkv_layout: Optional[QkvLayout] = typer.Option(
+        None, "--qkv-layout",
         help="With --tp, of a Megatron-DeepSpeed checkpoint: how each rank holds query_key_value's rows, which "
              "no file records: blocks ([q | k | v] of its heads; Megatron-DeepSpeed since December 2024) or groups "
              "(key/value group by group; before)."),
@@ -427,23 +435,21 @@ def reshard_command(
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import ReshardOptions, reshard
-    from ckptflow.reshard.qkv import LAYOUTS
     from ckptflow.reshard.rng import describe_families
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
-    if qkv_layout is not None and qkv_layout not in LAYOUTS:
-        raise typer.BadParameter(f"must be {' or '.join(LAYOUTS)}, got {qkv_layout!r}", param_hint="--qkv-layout")
+    layout = qkv_layout.value if qkv_layout is not None else None
     if plan:
         if dest is not None:
             raise typer.BadParameter("--plan writes nothing: leave OUT out", param_hint="OUT")
-        render_shapes(src, world_size, tag, qkv_layout)
+        render_shapes(src, world_size, tag, layout)
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
                              strict_pickle=strict_pickle, partition_method=partition_method,
-                             pipeline_layers=pipeline_layers, qkv_layout=qkv_layout)
+                             pipeline_layers=pipeline_layers, qkv_layout=layout)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)

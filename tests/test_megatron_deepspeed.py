@@ -19,10 +19,14 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
   with each ``query_key_value`` reordered part by part give the source model's logits. So ckptflow
   refuses a tensor-parallel change of a checkpoint with a fused ``query_key_value``
   (``readers.pipeline.fused_qkv``); the tests lift that guard to show what it guards against.
+- the same tp 2 -> 1 with the layout declared (``qkv_layout``, ``--qkv-layout``): "blocks", this
+  Megatron-DeepSpeed's, resumes at iteration 3 with the source model's logits; "groups", the layout before
+  December 2024, writes the same bytes as the guard lifted, and Megatron computes another model's logits
+  (ckptflow takes the user's word).
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
-f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): six launches, two of
-4 ranks and four of 2, about two and a half minutes on two cores. Skipped otherwise.
+f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): eight launches, two of
+4 ranks and six of 2, about three minutes on two cores. Skipped otherwise.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckptflow.cli import app
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.reshard import megatron, reshard, shape
 from ckptflow.reshard.qkv import LAYOUTS
@@ -143,6 +149,22 @@ def test_the_groups_layout_declared_of_a_blocks_checkpoint_loads_another_model(t
     groups = {p.relative_to(work / "tp1-groups"): p.read_bytes() for p in (work / "tp1-groups").rglob("*")
               if p.is_file()}
     assert groups == lifted
+
+
+def test_the_command_line_names_the_option(tp_change: dict[str, Any], tmp_path: Path) -> None:
+    """`ckptflow reshard` refuses the tp change naming `--qkv-layout`; `--plan` with it offers tp 1."""
+    src = str(tp_change["work"] / "src")
+    refused = CliRunner().invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--tp", "1"],
+                                 env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert refused.exit_code != 0 and not (tmp_path / "out").exists()
+    assert "declare the layout the checkpoint's Megatron-DeepSpeed wrote with --qkv-layout" in refused.output
+    for layout, offered in ((None, False), ("blocks", True)):
+        more = ["--qkv-layout", layout] if layout else []
+        plan = CliRunner().invoke(app, ["reshard", src, "--world-size", "2", "--plan", *more],
+                                  env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert plan.exit_code == 0, plan.output
+        row = next(line for line in plan.output.splitlines() if line.strip().startswith("ZeRO-1 dp2 (2 ranks)"))
+        assert ("writes it" in row) is offered, row
 
 
 def test_the_source_args_fail_megatrons_check_at_the_target_tp(tp_change: dict[str, Any]) -> None:

@@ -47,9 +47,18 @@ it (`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a u
 at each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those
 stages' optimizer state; its layer file is that of the layer of its first use, cut at T'.
 
+Megatron's fused attention projection (`...self_attention.query_key_value.weight` and `.bias`, column-parallel)
+holds each rank's rows in an order that depends on the Megatron-DeepSpeed version and that no file records
+(`readers.pipeline.FUSED_QKV_WHY`): at another degree it is joined and cut in the layout the user declares
+(`qkv_layout`: "blocks", [q | k | v] of each rank's heads, since December 2024; "groups", key/value group by
+group, before), its heads from the run's `args` (`reshard.qkv`): each target rank's pieces are other runs of
+the source's ranks joined one after the other, which its masters, Adam moments and layer-file tensor
+follow alike. Checked against Megatron-DeepSpeed's own load (`tests/test_megatron_deepspeed.py`).
+
 Refused, naming the parameter: a parameter the patterns do not split at T' (averaged ones, which
 `ds_to_universal` averages and ckptflow does not; `parameter_with_sub_params`, whose shard widths at T'
-are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree,
+are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree
+without a declared layout (or with heads the run's `args` do not give, or T' does not divide),
 and a tied module's parameter other than a vocabulary one (`tied_modules.*`; Megatron's GPT ties its
 learned position embeddings too) at any tensor-parallel or pipeline change (only a tied word embedding
 has been checked against DeepSpeed).
