@@ -38,7 +38,7 @@ from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.deepspeed.names import UC_INFO
 from ckptflow.formats.deepspeed.runs import plain_runs
 from ckptflow.reshard import reshard, shapes_at
-from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
+from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.vocabulary import padded_vocab_size
 from tests.fixtures.models.parallel import VOCAB as VOCAB_ROWS
@@ -344,6 +344,11 @@ def test_a_fused_attention_projection_in_a_declared_layout(megatron_fixtures: Ma
     assert _elements(copies["blocks"]) == _elements(copies["groups"])
     files = {layout: _file_runs(plan) for layout, plan in plans.items()}
     assert files["blocks"] != files["groups"] and files["groups"] == _file_runs(plain)
+    staged = Shape(world_size=2, stage=1, tp=1, pp=2)  # with another number of stages: the same splits
+    with pytest.raises(UnsupportedCheckpointError, match="query_key_value.weight is Megatron's fused attention"):
+        plan_megatron_stages(index, staged)
+    stages = {layout: _copies(plan_megatron_stages(index, staged, qkv_layout=layout)) for layout in ("blocks", "groups")}
+    assert stages["blocks"] != stages["groups"] and _elements(stages["blocks"]) == _elements(stages["groups"])
 
 
 def _fused(index: Any) -> Any:
