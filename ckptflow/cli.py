@@ -40,6 +40,14 @@ class DType(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
 
+
+class QkvLayout(str, Enum):
+    """Megatron's fused query_key_value layouts, as `--qkv-layout` takes them (`reshard.qkv.LAYOUTS`)."""
+
+    blocks = "blocks"
+    groups = "groups"
+
+
 app = typer.Typer(
     name="ckptflow",
     help="Validate, consolidate, reshard and publish DeepSpeed ZeRO checkpoints, safely and fast.\n\n"
@@ -71,7 +79,7 @@ FLAGS = {
     "tag": "--tag", "dtype": "--dtype", "exclude_frozen": "--exclude-frozen", "verify": "--verify",
     "config": "--config", "config_revision": "--config-revision", "max_shard_size": "--max-shard-size",
     "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
-    "partition_method": "--partition-method", "pipeline_layers": "--pipeline-layers",
+    "partition_method": "--partition-method", "pipeline_layers": "--pipeline-layers", "qkv_layout": "--qkv-layout",
     "strict_pickle": "--strict-pickle", "break_lease": "--break-lease",
     "cluster": "--cluster",
 }
@@ -400,6 +408,11 @@ def reshard_command(
     pipeline_layers: Optional[int] = typer.Option(
         None, "--pipeline-layers", min=1, metavar="N",
         help="With --pp: the length of the PipelineModule's layer list, where its files leave it open."),
+    qkv_layout: Optional[QkvLayout] = typer.Option(
+        None, "--qkv-layout",
+        help="With --tp, of a Megatron-DeepSpeed checkpoint: how each rank holds query_key_value's rows, which "
+             "no file records: blocks ([q | k | v] of its heads; Megatron-DeepSpeed since December 2024) or groups "
+             "(key/value group by group; before)."),
     plan: bool = typer.Option(False, "--plan",
                               help="List the shapes at --world-size ranks with their per-GPU memory; write nothing."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
@@ -426,16 +439,17 @@ def reshard_command(
 
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
+    layout = qkv_layout.value if qkv_layout is not None else None
     if plan:
         if dest is not None:
             raise typer.BadParameter("--plan writes nothing: leave OUT out", param_hint="OUT")
-        render_shapes(src, world_size, tag)
+        render_shapes(src, world_size, tag, layout)
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
                              strict_pickle=strict_pickle, partition_method=partition_method,
-                             pipeline_layers=pipeline_layers)
+                             pipeline_layers=pipeline_layers, qkv_layout=layout)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)
@@ -449,7 +463,7 @@ def reshard_command(
         line(f"  note: {note}")
 
 
-def render_shapes(src: str, world_size: int, tag: str | None) -> None:
+def render_shapes(src: str, world_size: int, tag: str | None, qkv_layout: str | None = None) -> None:
     """`reshard --plan`: the source's shape and the shapes at `world_size` ranks, per-GPU bytes each."""
     from rich.table import Table
 
@@ -457,7 +471,7 @@ def render_shapes(src: str, world_size: int, tag: str | None) -> None:
     from ckptflow.reshard.run import plan_shapes
 
     try:
-        shapes = plan_shapes(src, world_size, tag=tag)
+        shapes = plan_shapes(src, world_size, tag=tag, qkv_layout=qkv_layout)
     except CkptflowError as exc:
         raise fail(exc) from None
     table = Table(box=None, pad_edge=False)

@@ -196,6 +196,14 @@ class ReshardForm(_Form):
         description="With another number of pipeline stages: the length of the PipelineModule's layer list, where "
         "its files leave it open (layers that are functions save none); 0: what the files allow.",
     )
+    qkv_layout: Literal["unknown", "blocks", "groups"] = Field(
+        default="unknown",
+        title="Megatron query_key_value layout",
+        description="With another tensor-parallel degree of a Megatron-DeepSpeed checkpoint: how each rank holds "
+        "its fused query_key_value's rows, which no file records: blocks ([q | k | v] of the rank's heads; "
+        "Megatron-DeepSpeed since December 2024) or groups (key/value group by group; before). Unknown refuses "
+        "such a change.",
+    )
     expert_parallel_degree: Degree = Field(
         default=0,
         title="Expert-parallel degree",
@@ -218,8 +226,10 @@ class ReshardForm(_Form):
         """One target shape per world size."""
         pipeline = {"partition_method": self.partition_method if self.partition_method != "parameters" else None,
                     "pipeline_layers": self.pipeline_layers or None}
+        layout = None if self.qkv_layout == "unknown" else self.qkv_layout
         return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
-                       pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None, **pipeline)
+                       pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None,
+                       qkv_layout=layout, **pipeline)
                 for n in self.world_sizes]
 
     @model_validator(mode="after")

@@ -29,6 +29,7 @@ FORM_FIELDS = {
     "ep": "Expert-parallel degree",
     "partition_method": "Pipeline partition method",
     "pipeline_layers": "Pipeline layers",
+    "qkv_layout": "Megatron query_key_value layout",
     "cluster": "Dask cluster",
 }
 NAMES = {keyword: f'the form\'s "{title}"' for keyword, title in FORM_FIELDS.items()}

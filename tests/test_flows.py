@@ -448,6 +448,10 @@ def test_the_form_names_each_target_by_its_shape() -> None:
     assert pipeline.targets() == [Target(world_size=4, pp=4, partition_method="uniform", pipeline_layers=6)]
     assert paths.reshard_name(pipeline.targets()[0]) == "zero-ws4-pp4"
     assert ReshardForm(world_sizes=[4], pipeline_parallel_degree=4).targets() == [Target(world_size=4, pp=4)]
+    declared = ReshardForm(world_sizes=[2], tensor_parallel_degree=1, qkv_layout="blocks").targets()
+    assert declared == [Target(world_size=2, tp=1, qkv_layout="blocks")]
+    assert paths.reshard_name(declared[0]) == "zero-ws2-tp1"
+    assert ReshardForm(world_sizes=[2], tensor_parallel_degree=1).targets() == [Target(world_size=2, tp=1)]
     with pytest.raises(ValueError, match="merge_tensor_parallel asks for tensor-parallel degree 1, but "
                                          "tensor_parallel_degree is 2"):
         ReshardForm(world_sizes=[2], merge_tensor_parallel=True, tensor_parallel_degree=2)

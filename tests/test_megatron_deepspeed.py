@@ -19,10 +19,14 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
   with each ``query_key_value`` reordered part by part give the source model's logits. So ckptflow
   refuses a tensor-parallel change of a checkpoint with a fused ``query_key_value``
   (``readers.pipeline.fused_qkv``); the tests lift that guard to show what it guards against.
+- the same tp 2 -> 1 with the layout declared (``qkv_layout``, ``--qkv-layout``): "blocks", this
+  Megatron-DeepSpeed's, resumes at iteration 3 with the source model's logits; "groups", the layout before
+  December 2024, writes the same bytes as the guard lifted, and Megatron computes another model's logits
+  (ckptflow takes the user's word).
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
-f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): six launches, two of
-4 ranks and four of 2, about two and a half minutes on two cores. Skipped otherwise.
+f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): eight launches, two of
+4 ranks and six of 2, about three minutes on two cores. Skipped otherwise.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckptflow.cli import app
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.reshard import megatron, reshard, shape
+from ckptflow.reshard.qkv import LAYOUTS
 from tests.fixtures.launch import launch
 from tests.oracles import megatron_deepspeed as oracle
 from tests.sampling import long_mode
@@ -81,7 +88,12 @@ def tp_change(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         reshard(str(work / "src"), str(work / "tp1"), world_size=2, tp=1, workers=2)
     counter = work / "src" / "global_step3" / "mp_rank_00_model_states.pt"
     loaded, logits = _run("load", work / "tp1", 2, 1, work, "llama", "tp1", counter)
-    return {"work": work, "source": source_logits, "loaded": loaded, "logits": logits, "refused": refused.value}
+    layouts = {}
+    for layout in LAYOUTS:  # the user's word, which ckptflow cannot check: Megatron tells
+        reshard(str(work / "src"), str(work / f"tp1-{layout}"), world_size=2, tp=1, workers=2, qkv_layout=layout)
+        layouts[layout] = _run("load", work / f"tp1-{layout}", 2, 1, work, "llama", f"tp1-{layout}")
+    return {"work": work, "source": source_logits, "loaded": loaded, "logits": logits, "refused": refused.value,
+            "layouts": layouts}
 
 
 def test_megatron_resumes_from_a_dp_change(dp_change: dict[str, Any]) -> None:
@@ -107,6 +119,52 @@ def test_a_tied_embedding_is_refused_at_another_tp(dp_change: dict[str, Any]) ->
 def test_megatron_resumes_from_a_tp_change(tp_change: dict[str, Any]) -> None:
     assert tp_change["loaded"]["iteration"] == 3
     assert tp_change["logits"].shape == tp_change["source"].shape
+
+
+def test_megatron_resumes_from_a_tp_change_in_the_blocks_layout(tp_change: dict[str, Any]) -> None:
+    """Declared "blocks" (this Megatron-DeepSpeed's layout), the tp change joins each `query_key_value` part by
+    part: Megatron resumes at iteration 3 (its engine load: the weights from the fp32 masters) and computes the
+    source model's logits; the layer files hold what the part-by-part reorder of the rank-after-rank merge does."""
+    loaded, logits = tp_change["layouts"]["blocks"]
+    assert loaded["iteration"] == 3
+    assert torch.allclose(logits, tp_change["source"], rtol=0, atol=1e-5)
+    work = tp_change["work"]
+    for layer in (2, 3):
+        name = f"layer_0{layer}-model_00-model_states.pt"
+        merged = torch.load(work / "tp1" / "global_step3" / name)["self_attention.query_key_value.weight"]
+        ours = torch.load(work / "tp1-blocks" / "global_step3" / name)["self_attention.query_key_value.weight"]
+        assert torch.equal(ours, merged.view(2, 3, -1, merged.shape[1]).transpose(0, 1).reshape(merged.shape))
+
+
+def test_the_groups_layout_declared_of_a_blocks_checkpoint_loads_another_model(tp_change: dict[str, Any]) -> None:
+    """Declared "groups" (the layout before December 2024), the same checkpoint is joined rank after rank, as
+    with the guard lifted: byte for byte the same files, and Megatron computes other logits. ckptflow takes
+    the user's word for the layout."""
+    loaded, logits = tp_change["layouts"]["groups"]
+    assert loaded["iteration"] == 3
+    assert not torch.allclose(logits, tp_change["source"], rtol=0, atol=1e-2)
+    assert torch.equal(logits, tp_change["logits"])
+    work = tp_change["work"]
+    lifted = {p.relative_to(work / "tp1"): p.read_bytes() for p in (work / "tp1").rglob("*") if p.is_file()}
+    groups = {p.relative_to(work / "tp1-groups"): p.read_bytes() for p in (work / "tp1-groups").rglob("*")
+              if p.is_file()}
+    assert groups == lifted
+
+
+def test_the_command_line_names_the_option(tp_change: dict[str, Any], tmp_path: Path) -> None:
+    """`ckptflow reshard` refuses the tp change naming `--qkv-layout`; `--plan` with it offers tp 1."""
+    src = str(tp_change["work"] / "src")
+    refused = CliRunner().invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "2", "--tp", "1"],
+                                 env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert refused.exit_code != 0 and not (tmp_path / "out").exists()
+    assert "declare the layout the checkpoint's Megatron-DeepSpeed wrote with --qkv-layout" in refused.output
+    for layout, offered in ((None, False), ("blocks", True)):
+        more = ["--qkv-layout", layout] if layout else []
+        plan = CliRunner().invoke(app, ["reshard", src, "--world-size", "2", "--plan", *more],
+                                  env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert plan.exit_code == 0, plan.output
+        row = next(line for line in plan.output.splitlines() if line.strip().startswith("ZeRO-1 dp2 (2 ranks)"))
+        assert ("writes it" in row) is offered, row
 
 
 def test_the_source_args_fail_megatrons_check_at_the_target_tp(tp_change: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.deepspeed.names import UC_INFO
 from ckptflow.formats.deepspeed.runs import plain_runs
 from ckptflow.reshard import reshard, shapes_at
-from ckptflow.reshard.megatron import plan_megatron_tensor_parallel
+from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.vocabulary import padded_vocab_size
 from tests.fixtures.models.parallel import VOCAB as VOCAB_ROWS
@@ -300,11 +300,7 @@ def test_a_fused_attention_projection_is_refused_at_another_degree(
     (the planner and `--plan`); the same degree is still offered. `tests/test_megatron_deepspeed.py` shows a
     merge rank after rank loads in Megatron-DeepSpeed and computes other logits."""
     fixture = megatron_fixtures[ARGS]
-    index = load_index(str(fixture.dir))
-    for rank in index.ranks:
-        params = tuple(dataclasses.replace(p, name=p.name.replace("fc1", "self_attention.query_key_value"))
-                       for p in rank.params)
-        object.__setattr__(rank, "params", params)
+    index = _fused(load_index(str(fixture.dir)))
     with pytest.raises(UnsupportedCheckpointError) as refused:
         plan_megatron_tensor_parallel(index, Shape(world_size=2, stage=1, tp=1))
     assert str(refused.value) == (
@@ -312,19 +308,92 @@ def test_a_fused_attention_projection_is_refused_at_another_degree(
         "projection, whose rows each tensor-parallel rank holds as [q | k | v] of its own heads in Megatron-DeepSpeed "
         "since December 2024 and key/value group by group before; the checkpoint does not record which, and joined "
         "or cut the wrong way the model loads and computes something else; keep the tensor-parallel degree (2; "
-        "leave `tp` out)")
+        "leave `tp` out), or declare the layout the checkpoint's Megatron-DeepSpeed wrote with `qkv_layout` (blocks "
+        "since December 2024, groups before)")
     assert refused.value.tensor == "1.self_attention.query_key_value.weight"
     reasons = {str(s): why for s, why in shapes_at(index, 4)}
     assert reasons["ZeRO-1 dp4 (4 ranks)"].startswith("1.self_attention.query_key_value.weight is Megatron's")
+    assert reasons["ZeRO-1 dp4 (4 ranks)"].endswith("declare the layout the checkpoint's Megatron-DeepSpeed wrote "
+                                                    "with `qkv_layout` (blocks since December 2024, groups before)")
     assert reasons["ZeRO-1 tp2 x dp2 (4 ranks)"] is None
+
+
+def test_a_fused_attention_projection_in_a_declared_layout(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Declared (`qkv_layout`), the fused projection is joined in that layout from the heads the run's `args`
+    record, the fp32 masters and Adam moments by the same row runs as the weight (`tests/test_megatron_qkv.py`
+    checks the runs, `tests/test_megatron_deepspeed.py` the "blocks" layout against Megatron-DeepSpeed); without
+    heads in its `args` it is refused, naming it."""
+    fixture = megatron_fixtures[ARGS]
+    index = _fused(load_index(str(fixture.dir)))
+    _args(index, num_attention_heads=None)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_megatron_tensor_parallel(index, Shape(world_size=2, stage=1, tp=1), "blocks")
+    assert str(refused.value) == (
+        f"{fixture.dir}/global_step3: 1.self_attention.query_key_value.weight cannot be joined and cut in the blocks "
+        "layout: the checkpoint's args record no num_attention_heads, so its rows cannot be told apart by head")
+    reasons = {str(s): why for s, why in shapes_at(index, 4, qkv_layout="groups")}
+    assert reasons["ZeRO-1 dp4 (4 ranks)"] == str(refused.value).split(": ", 1)[1].replace("blocks", "groups")
+    _args(index, num_attention_heads=4, num_key_value_heads=2, kv_channels=4)  # fc1: 32 rows, 16 a rank
+    assert {str(s): why for s, why in shapes_at(index, 4, qkv_layout="groups")}["ZeRO-1 dp4 (4 ranks)"] is None
+    target = Shape(world_size=2, stage=1, tp=1)
+    plans = {layout: plan_megatron_tensor_parallel(index, target, layout) for layout in ("blocks", "groups")}
+    plain = plan_megatron_tensor_parallel(load_index(str(fixture.dir)), target)  # fc1: joined rank after rank
+    copies = {layout: _copies(plan) for layout, plan in plans.items()}
+    assert copies["groups"] == _copies(plain)  # "groups" at tp1: the ranks one after the other
+    assert copies["blocks"] != copies["groups"]  # the same elements, in another order
+    assert _elements(copies["blocks"]) == _elements(copies["groups"])
+    files = {layout: _file_runs(plan) for layout, plan in plans.items()}
+    assert files["blocks"] != files["groups"] and files["groups"] == _file_runs(plain)
+    staged = Shape(world_size=2, stage=1, tp=1, pp=2)  # with another number of stages: the same splits
+    with pytest.raises(UnsupportedCheckpointError, match="query_key_value.weight is Megatron's fused attention"):
+        plan_megatron_stages(index, staged)
+    stages = {layout: _copies(plan_megatron_stages(index, staged, qkv_layout=layout)) for layout in ("blocks", "groups")}
+    assert stages["blocks"] != stages["groups"] and _elements(stages["blocks"]) == _elements(stages["groups"])
+
+
+def _fused(index: Any) -> Any:
+    """`index` with its `fc1` named as Megatron's fused `query_key_value` (in memory: its own copy)."""
+    def name(text: str) -> str:
+        return text.replace("fc1", "self_attention.query_key_value")
+
+    for rank in index.ranks:
+        object.__setattr__(rank, "params", tuple(dataclasses.replace(p, name=name(p.name)) for p in rank.params))
+        object.__setattr__(rank, "groups", tuple(dataclasses.replace(g, params=tuple(map(name, g.params)))
+                                                 for g in rank.groups))
+    object.__setattr__(index, "tensors", tuple(dataclasses.replace(t, name=name(t.name)) for t in index.tensors))
+    object.__setattr__(index, "layers", {key: {name(k): v for k, v in content.items()}
+                                         for key, content in index.layers.items()})
+    return index
+
+
+def _copies(plan: Any) -> list[Any]:
+    """Every copy of the plan's flats (the fp32 masters and each Adam moment copied by them alike)."""
+    return [(unit.rank, flat.group, copy) for part in plan.parts for unit in part.units for flat in unit.flats
+            for copy in flat.copies]
+
+
+def _file_runs(plan: Any) -> list[Any]:
+    """Every layer file's tensors' shapes and runs, their names left out."""
+    return [(f.name, [(shape, runs) for _, shape, runs in f.tensors])
+            for part in plan.parts for unit in part.units for f in unit.tensor_files]
+
+
+def _elements(copies: list[Any]) -> set[tuple[int, ...]]:
+    """The source elements the target's flats copy (a copy's are contiguous in the source's, rows or not)."""
+    return {(copy.src_rank, copy.src_flat, copy.src_offset + i) for _, _, copy in copies for i in range(copy.numel)}
 
 
 def _divisible_by(index: Any, divisor: int) -> Any:
     """`index` whose `args` record `make_vocab_size_divisible_by` `divisor` (in memory: this index's own copy)."""
+    return _args(index, make_vocab_size_divisible_by=divisor)
+
+
+def _args(index: Any, **fields: Any) -> Any:
+    """`index` whose `args` record `fields` (in memory: this index's own copy)."""
     head = index.ranks[0].model_states[0]
     args = head["args"]
     last = max(i for i, (kind, _) in enumerate(args.ops) if kind == "build")
-    state = {**args.state, "make_vocab_size_divisible_by": divisor}
+    state = {**args.state, **fields}
     head["args"] = dataclasses.replace(args, ops=tuple(("build", state) if i == last else op
                                                        for i, op in enumerate(args.ops)))
     return index

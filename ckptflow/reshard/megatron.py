@@ -47,9 +47,18 @@ it (`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a u
 at each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those
 stages' optimizer state; its layer file is that of the layer of its first use, cut at T'.
 
+Megatron's fused attention projection (`...self_attention.query_key_value.weight` and `.bias`, column-parallel)
+holds each rank's rows in an order that depends on the Megatron-DeepSpeed version and that no file records
+(`readers.pipeline.FUSED_QKV_WHY`): at another degree it is joined and cut in the layout the user declares
+(`qkv_layout`: "blocks", [q | k | v] of each rank's heads, since December 2024; "groups", key/value group by
+group, before), its heads from the run's `args` (`reshard.qkv`): each target rank's pieces are other runs of
+the source's ranks joined one after the other, which its masters, Adam moments and layer-file tensor
+follow alike. Checked against Megatron-DeepSpeed's own load (`tests/test_megatron_deepspeed.py`).
+
 Refused, naming the parameter: a parameter the patterns do not split at T' (averaged ones, which
 `ds_to_universal` averages and ckptflow does not; `parameter_with_sub_params`, whose shard widths at T'
-are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree,
+are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree
+without a declared layout (or with heads the run's `args` do not give, or T' does not divide),
 and a tied module's parameter other than a vocabulary one (`tied_modules.*`; Megatron's GPT ties its
 learned position embeddings too) at any tensor-parallel or pipeline change (only a tied word embedding
 has been checked against DeepSpeed).
@@ -83,18 +92,21 @@ from ckptflow.formats.deepspeed.runs import Run, whole_run
 from ckptflow.reshard.flats import Copies, ModelRuns
 from ckptflow.reshard.pipeline import TIED, Weigh, check_stages, plan_stage, stage_source, stages_at
 from ckptflow.reshard.pipeline_layers import Layer, TargetStage
+from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
 from ckptflow.reshard.units import ModelParallelPlan, TensorFile
 from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
 
 
-def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape) -> ModelParallelPlan:
+def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
+                                  qkv_layout: str | None = None) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape` (another tensor-parallel
-    degree, the same pipeline stages and ZeRO stage); reads nothing. `UnsupportedCheckpointError`, in one
+    degree, the same pipeline stages and ZeRO stage; a fused `query_key_value` joined and cut in the
+    `qkv_layout` the user declares, `reshard.qkv`); reads nothing. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
-    _check_source(index, shape)
-    vocab_rows, splits = _splits(index, shape.tp)
+    _check_source(index, shape, qkv_layout=qkv_layout)
+    vocab_rows, splits = _splits(index, shape.tp, qkv_layout)
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
@@ -120,7 +132,7 @@ def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape) 
 
 
 def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
-                         layers: int | None = None) -> ModelParallelPlan:
+                         layers: int | None = None, qkv_layout: str | None = None) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape`: another number of pipeline
     stages, and the same or another tensor-parallel degree; reads nothing. The two act on different axes
     and compose: each target stage's parameters are those `pipeline.stages_at` gives it (weighed at the
@@ -128,9 +140,10 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
     target degree (`splits_at`); the stage's ZeRO-1 files are laid out as `pipeline.plan_stage` lays
     them, each element copied out of the full tensor (`local_copies`) from the source stage and
     tensor-parallel ranks that hold it; the layer files of its layers cut as `plan_megatron_tensor_parallel`
-    cuts them. `UnsupportedCheckpointError`, in one line saying why, for anything else."""
-    _check_source(index, shape, stages=True)
-    vocab_rows, stage_splits = _splits(index, shape.tp)
+    cuts them (a fused `query_key_value` in the `qkv_layout` the user declares). `UnsupportedCheckpointError`,
+    in one line saying why, for anything else."""
+    _check_source(index, shape, stages=True, qkv_layout=qkv_layout)
+    vocab_rows, stage_splits = _splits(index, shape.tp, qkv_layout)
     splits = {name: split for stage in stage_splits for name, split in stage.items()}
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     info_at = _info_at(info, shape.tp, vocab_rows)
@@ -186,12 +199,17 @@ def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_meth
     return stages_at(index, shape.pp, partition_method, layers, _weigh(splits))
 
 
-def _splits(index: ModelParallelCheckpoint, tp: int) -> tuple[int | None, list[dict[str, Split]]]:
+def _splits(index: ModelParallelCheckpoint, tp: int, qkv_layout: str | None = None
+            ) -> tuple[int | None, list[dict[str, Split]]]:
     """The vocabulary's padded rows at degree `tp` (None: the source's, kept at its own degree) and every
-    stage's splits there."""
+    stage's splits there, a fused `query_key_value`'s in `qkv_layout` (None: cut as any column-parallel
+    parameter, which only the weighing of the layers uses)."""
     try:
         vocab_rows = vocab_rows_at(index, tp) if tp != index.tp else None
-        return vocab_rows, splits_at(index, tp, vocab_rows)
+        splits = splits_at(index, tp, vocab_rows)
+        if qkv_layout is not None and tp != index.tp:
+            splits = in_layout(index, splits, tp, qkv_layout)
+        return vocab_rows, splits
     except UnsupportedCheckpointError as exc:
         raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {exc}",
                                          uri=index.root, tensor=exc.tensor) from None
@@ -222,9 +240,11 @@ def _layer_owners(index: ModelParallelCheckpoint, stages: Sequence[TargetStage])
     return out
 
 
-def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool = False) -> None:
+def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool = False,
+                  qkv_layout: str | None = None) -> None:
     """`UnsupportedCheckpointError` unless ckptflow writes the Megatron-style checkpoint `index` at `shape`:
-    another tensor-parallel degree, and another number of pipeline stages where `stages`."""
+    another tensor-parallel degree, and another number of pipeline stages where `stages` (a fused
+    `query_key_value` at another degree only in a `qkv_layout` the user declares)."""
     where = f"{index.root}/{index.tag}"
     assert index.kind == "megatron", "reshard.plan.PLANNERS gives these planners Megatron-style checkpoints only"
     if (shape.pp != index.pp and not stages) or shape.stage != index.stage:
@@ -236,11 +256,10 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} Megatron-style checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones only (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
-    fused = fused_qkv(index) if shape.tp != index.tp else None
+    fused = fused_qkv(index) if shape.tp != index.tp and qkv_layout is None else None
     if fused is not None:
         raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
-                                         tensor=fused,
-                                         hint=f"keep the tensor-parallel degree ({index.tp}; leave {option('tp')} out)")
+                                         tensor=fused, hint=_fused_hint(index.tp))
     if shape.tp != index.tp:
         check_joinable(index, shape.tp)
     tied = tied_module(index) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
@@ -249,6 +268,11 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
             f"{where}: {tied} {TIED_WHY}", code="unsupported-shape", uri=index.root, tensor=tied,
             hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and {option('pp')} "
                  "out) to change the data-parallel size only")
+
+
+def _fused_hint(tp: int) -> str:
+    return (f"keep the tensor-parallel degree ({tp}; leave {option('tp')} out), or declare the layout the checkpoint's "
+            f"Megatron-DeepSpeed wrote with {option('qkv_layout')} (blocks since December 2024, groups before)")
 
 
 def _info_at(info: Mapping[str, Any], tp: int, vocab_rows: int | None) -> dict[str, Any]:

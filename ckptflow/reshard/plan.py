@@ -49,9 +49,10 @@ class ReshardOptions:
 
     `world_size` is the number of ranks DeepSpeed runs the output at (what the launcher starts);
     `stage`, `tp`, `pp` and `ep` the ZeRO stage and parallel degrees that change (None: the source's),
-    the data parallelism being what is left. `workers` threads write at once (one per target rank
-    while there are more ranks than workers, the rest sharing a rank's files:
-    `reshard.run.write_threads`); `durable` flushes every file to disk before the commit;
+    the data parallelism being what is left; `partition_method`, `pipeline_layers` and `qkv_layout` what a
+    new number of pipeline stages or tensor-parallel degree needs of some models (`Target`). `workers`
+    threads write at once (one per target rank while there are more ranks than workers, the rest sharing
+    a rank's files: `reshard.run.write_threads`); `durable` flushes every file to disk before the commit;
     `strict_pickle` refuses a source whose pickles name any class outside DeepSpeed's allow-list
     (without it, a trainer's client state is carried as inert records).
     """
@@ -63,6 +64,7 @@ class ReshardOptions:
     ep: int | None = None
     partition_method: str | None = None
     pipeline_layers: int | None = None
+    qkv_layout: str | None = None
     workers: int = 4
     durable: bool = True
     strict_pickle: bool = False
@@ -75,7 +77,8 @@ class ReshardOptions:
     @property
     def target(self) -> Target:
         return Target(world_size=self.world_size, stage=self.stage, tp=self.tp, pp=self.pp, ep=self.ep,
-                      partition_method=self.partition_method, pipeline_layers=self.pipeline_layers)
+                      partition_method=self.partition_method, pipeline_layers=self.pipeline_layers,
+                      qkv_layout=self.qkv_layout)
 
 
 def _is_count(value: Any) -> bool:
@@ -101,18 +104,21 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
-    plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers)
+    plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers,
+                      qkv_layout=target.qkv_layout)
     return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
 def plan_shape(index: Partitioned, shape: Shape, config: Mapping[str, Any] | None = None, *,
-               partition_method: str | None = None, layers: int | None = None) -> ReshardPlan:
+               partition_method: str | None = None, layers: int | None = None,
+               qkv_layout: str | None = None) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
     `config.json`, which a tensor-parallel split needs; `partition_method`: a PipelineModule's, which a
     new number of pipeline stages needs, None for its default; `layers`: its layer list's length, where
-    the files leave it open): the planner `PLANNERS` names for the index's kind and the axis that
-    changes (`changed_axis`)."""
-    ask = Ask(source_shape(index), shape, config, partition_method, layers)
+    the files leave it open; `qkv_layout`: the layout the user declares of a Megatron fused
+    `query_key_value`, which a new tensor-parallel degree needs, `reshard.qkv`): the planner `PLANNERS`
+    names for the index's kind and the axis that changes (`changed_axis`)."""
+    ask = Ask(source_shape(index), shape, config, partition_method, layers, qkv_layout)
     axis = ask.changed_axis
     entry = PLANNERS.get((index.kind, axis))
     if entry is None:
@@ -137,6 +143,7 @@ class Ask:
     config: Mapping[str, Any] | None = None
     partition_method: str | None = None
     layers: int | None = None
+    qkv_layout: str | None = None
 
     @property
     def changed_axis(self) -> str:
@@ -210,9 +217,11 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
     ("pipeline", "pp"): (ModelParallelCheckpoint,
                          lambda index, ask: plan_pipeline(index, ask.shape, ask.partition_method, ask.layers)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
-    ("megatron", "tp"): (ModelParallelCheckpoint, lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape)),
+    ("megatron", "tp"): (ModelParallelCheckpoint,
+                         lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
     ("megatron", "pp"): (ModelParallelCheckpoint,  # the tensor-parallel degree may change with the stages
-                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method, ask.layers)),
+                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method, ask.layers,
+                                                                 ask.qkv_layout)),
     **{(kind, axis): (ExpertCheckpoint, planner) for kind in ("autoep", "moe")
        for axis, planner in (("dp", _experts), ("stage", _expert_stage), ("ep", _expert_degree))},
 }

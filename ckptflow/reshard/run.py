@@ -51,6 +51,7 @@ from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states, tensor_file
 from ckptflow.reshard.plan import ReshardOptions, plan_reshard, why_not_stages
+from ckptflow.reshard.qkv import check_layout
 from ckptflow.reshard.rng import RngCopy, describe, describe_families, is_rng_file, plan_rng_files
 from ckptflow.reshard.shape import (
     Memory,
@@ -147,15 +148,17 @@ class ShapePlan:
     options: tuple[ShapeOption, ...]
 
 
-def plan_shapes(src: str, world_size: int, *, tag: str | None = None) -> ShapePlan:
+def plan_shapes(src: str, world_size: int, *, tag: str | None = None, qkv_layout: str | None = None) -> ShapePlan:
     """Every shape the checkpoint at `src` runs at on `world_size` ranks, with the per-GPU bytes each
-    implies and whether ckptflow writes it; reads the checkpoint's index, writes nothing."""
+    implies and whether ckptflow writes it (a Megatron fused `query_key_value` in the `qkv_layout` the user
+    declares, `reshard.qkv`); reads the checkpoint's index, writes nothing."""
     check_world_size(world_size)
+    check_layout(qkv_layout)
     index = _valid_index(src, tag, "plan a reshard of")
     source = source_shape(index)
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape),
                                 reason=reason if reason is not None else why_not_stages(index, shape))
-                    for shape, reason in shapes_at(index, world_size, model_config(index.root)))
+                    for shape, reason in shapes_at(index, world_size, model_config(index.root), qkv_layout))
     return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,
                      source_memory=memory(index, source), parameters=sum(parameter_counts(index)), options=options)
 
@@ -574,8 +577,8 @@ class ReshardStep:
 def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | None = None,
             options: ReshardOptions | None = None, workers: int | None = None, durable: bool = True,
             stage: int | None = None, tp: int | None = None, pp: int | None = None, ep: int | None = None,
-            partition_method: str | None = None, pipeline_layers: int | None = None, progress: Progress | None = None,
-            executor: Executor | None = None) -> ReshardResult:
+            partition_method: str | None = None, pipeline_layers: int | None = None, qkv_layout: str | None = None,
+            progress: Progress | None = None, executor: Executor | None = None) -> ReshardResult:
     """Reshard the checkpoint at `src` into the new folder `out` as `options` say: for
     `options.world_size` ranks, at the ZeRO stage and tensor-, pipeline- and expert-parallel degrees
     given (every one not given is the source's; the data parallelism is what is left). The options may
@@ -589,7 +592,7 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     """
     started = time.monotonic()
     asked = {"world_size": world_size, "stage": stage, "tp": tp, "pp": pp, "ep": ep, "workers": workers,
-             "partition_method": partition_method, "pipeline_layers": pipeline_layers}
+             "partition_method": partition_method, "pipeline_layers": pipeline_layers, "qkv_layout": qkv_layout}
     options = _options(options, asked, durable=durable)
     plan = plan_output(src, out, target=options.target, tag=tag, strict_pickle=options.strict_pickle)
     threads = write_threads(options.workers, len(plan.units)) if executor is None else 1

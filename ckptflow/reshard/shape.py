@@ -29,10 +29,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, TIED_WHY, fused_qkv, splits_at, tied_module
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
+from ckptflow.reshard.qkv import check_layout, in_layout
 from ckptflow.reshard.vocabulary import vocab_rows_at
 
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
@@ -93,9 +94,11 @@ class Target:
     ep: int | None = None
     partition_method: str | None = None  # PipelineModule's, for a new stage count (None: its default)
     pipeline_layers: int | None = None  # the length of a PipelineModule's layer list, when the files leave it open
+    qkv_layout: str | None = None  # a fused query_key_value's, for a new tensor-parallel degree (`reshard.qkv`)
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
+        check_layout(self.qkv_layout)
         if self.stage is not None and self.stage not in STAGES:
             raise ValueError(f"the ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         if self.pipeline_layers is not None and not _is_count(self.pipeline_layers):
@@ -193,15 +196,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def shapes_at(index: Any, world_size: int, config: Mapping[str, Any] | None = None) -> list[tuple[Shape, str | None]]:
+def shapes_at(index: Any, world_size: int, config: Mapping[str, Any] | None = None,
+              qkv_layout: str | None = None) -> list[tuple[Shape, str | None]]:
     """Every shape the checkpoint's model runs at on `world_size` ranks, with None where ckptflow can
-    write it from `index` and the reason where it cannot; the source's stage first, then by degrees."""
+    write it from `index` and the reason where it cannot; the source's stage first, then by degrees
+    (`qkv_layout`: the layout the user declares of a fused `query_key_value`, `reshard.qkv`)."""
     kind = kind_of(index)
     source = source_shape(index)
     model = _model(index, config)
     out = []
     for shape in _candidates(kind, source, world_size, model):
-        out.append((shape, why_not(index, source, shape)))
+        out.append((shape, why_not(index, source, shape, qkv_layout)))
     out.sort(key=lambda item: (item[0].stage != source.stage, item[0].stage, item[0].tp, item[0].pp, item[0].ep))
     return out
 
@@ -228,8 +233,8 @@ NAMES = {"zero": "data-parallel ZeRO", "zero0": "ZeRO-0", "autotp": "AutoTP", "p
          "moe": "deepspeed.moe", "optimizer-shards": "optimizer-shard"}
 
 
-def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
-    """Why ckptflow cannot write `index` at `shape` (yet), or None when it can."""
+def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = None) -> str | None:
+    """Why ckptflow cannot write `index` at `shape` (yet), or None when it can (`qkv_layout`: as `shapes_at`)."""
     kind = kind_of(index)
     name = NAMES.get(kind, kind)
     if source.stage == 0:
@@ -249,7 +254,7 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
         return None
     if shape.tp != source.tp:
         if kind == "megatron":
-            why = _why_not_megatron_tp(index, shape.tp)
+            why = _why_not_megatron_tp(index, shape.tp, qkv_layout)
             if why is not None:
                 return why
         elif kind != "autotp":
@@ -282,15 +287,18 @@ def why_not(index: Any, source: Shape, shape: Shape) -> str | None:
     return None
 
 
-def _why_not_megatron_tp(index: Any, tp: int) -> str | None:
+def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None = None) -> str | None:
     """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at degree `tp`
-    (None: they do)."""
-    if tp != index.tp and (fused := fused_qkv(index)) is not None:
-        return f"{fused} {FUSED_QKV_WHY}"
+    (None: they do), a fused `query_key_value` in the `qkv_layout` the user declares (None: refused)."""
+    if tp != index.tp and qkv_layout is None and (fused := fused_qkv(index)) is not None:
+        return (f"{fused} {FUSED_QKV_WHY}; declare the layout the checkpoint's Megatron-DeepSpeed wrote with "
+                f"{option('qkv_layout')} (blocks since December 2024, groups before)")
     if tp != index.tp and (tied := tied_module(index)) is not None:
         return f"{tied} {TIED_WHY}"
     try:
-        splits_at(index, tp, vocab_rows_at(index, tp))
+        splits = splits_at(index, tp, vocab_rows_at(index, tp))
+        if qkv_layout is not None and tp != index.tp:
+            in_layout(index, splits, tp, qkv_layout)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None
@@ -360,9 +368,9 @@ def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None)
                   pp=target.pp if target.pp is not None else source.pp,
                   ep=target.ep if target.ep is not None else source.ep)
     where = f"{index.root}/{index.tag}" if index.tag else index.root  # optimizer shards: no tag
-    allowed = shapes_at(index, target.world_size, config)
+    allowed = shapes_at(index, target.world_size, config, target.qkv_layout)
     writable = [s for s, reason in allowed if reason is None]
-    nearby = [] if writable else _nearby(index, target.world_size, config)
+    nearby = [] if writable else _nearby(index, target.world_size, config, target.qkv_layout)
     problem = _divides(shape, source)
     if problem is None and shape not in [s for s, _ in allowed]:
         problem = _forbidden(index, shape)
@@ -414,10 +422,10 @@ def _forbidden_stage(kind: str, stage: int) -> str:
     return f"DeepSpeed trains {name} models at ZeRO stage {stages} only"
 
 
-def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None) -> list[int]:
+def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None, qkv_layout: str | None) -> list[int]:
     """The world sizes closest to `world_size` (at most twice it) at which ckptflow writes some shape of `index`."""
     sizes = sorted(range(1, 2 * world_size + 1), key=lambda n: (abs(n - world_size), n))
-    found = [n for n in sizes[1:] if any(reason is None for _, reason in shapes_at(index, n, config))]
+    found = [n for n in sizes[1:] if any(reason is None for _, reason in shapes_at(index, n, config, qkv_layout))]
     return sorted(found[:2])
 
 

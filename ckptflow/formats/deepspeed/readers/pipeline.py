@@ -475,7 +475,8 @@ Split = tuple[list[tuple[int, ...]], list[list[Piece]]]
 # each tensor-parallel rank holds its rows as [q | k | v] of that rank's heads, and a model at tp1 reads all the
 # q rows, then all k, then all v; before, each rank's rows went key/value group by group, which rank after rank
 # keeps right. Nothing in the checkpoint says which (`checkpoint_version` is 3.0 in both, and
-# `universal_checkpoint_info` does not name it), and `ds_to_universal` joins it rank after rank.
+# `universal_checkpoint_info` does not name it), and `ds_to_universal` joins it rank after rank; the user says
+# which (`reshard.qkv`).
 FUSED_QKV = "query_key_value"
 
 
@@ -487,7 +488,8 @@ FUSED_QKV_WHY = ("is Megatron's fused attention projection, whose rows each tens
 
 def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     """The first of the Megatron-style checkpoint `index`'s parameters that is a fused attention projection
-    (`FUSED_QKV`), which no tensor-parallel change can join or cut (`FUSED_QKV_WHY`); None without one."""
+    (`FUSED_QKV`), which a tensor-parallel change joins and cuts only in a layout the user declares
+    (`FUSED_QKV_WHY`; `reshard.qkv`); None without one."""
     return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
 
 
