@@ -101,19 +101,31 @@ def test_megatron_resumes_from_a_dp_change(dp_change: dict[str, Any]) -> None:
     assert torch.allclose(dp_change["logits"], dp_change["source"], rtol=0, atol=1e-6)
 
 
-def test_a_tied_embedding_is_refused_at_another_tp(dp_change: dict[str, Any]) -> None:
-    """Megatron's GPT defaults hold a fused `query_key_value` (refused first) and a tied embedding whose learned
-    position embeddings (a tied parameter other than the vocabulary-parallel word embedding) are refused too once
-    the first guard is lifted."""
-    src, out = str(dp_change["work"] / "src"), str(dp_change["work"] / "tp1")
-    with pytest.raises(UnsupportedCheckpointError, match="query_key_value.weight is Megatron's fused attention"):
-        reshard(src, out, world_size=2, tp=1, workers=2)
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (megatron, shape):
-            patch.setattr(module, "fused_qkv", lambda index: None)
-        with pytest.raises(UnsupportedCheckpointError, match="tied_modules.embed.position_embeddings.weight is a tied module's parameter"):
-            reshard(src, out, world_size=2, tp=1, workers=2)
-    assert not (dp_change["work"] / "tp1").exists()
+@pytest.fixture(scope="module")
+def gpt_tp_change(dp_change: dict[str, Any]) -> dict[str, Any]:
+    """The GPT-defaults source at tp 1, as a user types it (`--world-size 2 --tp 1 --qkv-layout blocks`),
+    and Megatron's resume from it."""
+    work = dp_change["work"]
+    done = CliRunner().invoke(app, ["reshard", str(work / "src"), str(work / "gpt-tp1"), "--world-size", "2",
+                                    "--tp", "1", "--qkv-layout", "blocks"], env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert done.exit_code == 0, done.output
+    loaded, logits = _run("load", work / "gpt-tp1", 2, 1, work, "gpt", "gpt-tp1")
+    return {"work": work, "loaded": loaded, "logits": logits}
+
+
+def test_megatron_resumes_from_a_tp_change_of_its_tied_embeddings(dp_change: dict[str, Any],
+                                                                   gpt_tp_change: dict[str, Any]) -> None:
+    """Megatron's GPT defaults (a fused `query_key_value`, declared "blocks"; the embedding tied, its vocabulary-
+    parallel word embedding and its learned position embeddings, replicated over tp, one tied module) at tp 2 ->
+    1: Megatron resumes at iteration 3 (its engine load: the weights from the fp32 masters) and computes the
+    source model's logits; the layer file holds the position embeddings each source rank held, whole."""
+    assert gpt_tp_change["loaded"]["iteration"] == 3
+    assert torch.allclose(gpt_tp_change["logits"], dp_change["source"], rtol=0, atol=1e-5)
+    work, name = dp_change["work"], "layer_01-model_0{}-model_states.pt"
+    positions = "position_embeddings.weight"
+    ours = torch.load(work / "gpt-tp1" / "global_step3" / name.format(0))[positions]
+    for t in range(2):
+        assert torch.equal(torch.load(work / "src" / "global_step3" / name.format(t))[positions], ours)
 
 
 def test_megatron_resumes_from_a_tp_change(tp_change: dict[str, Any]) -> None:

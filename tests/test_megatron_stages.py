@@ -13,10 +13,12 @@ stage and tensor-parallel ranks that hold them; its layer files cut again at the
   step;
 - Megatron-DeepSpeed's `GPTModelPipe` ties its embedding and head (`specs.megatron_tied`: one `TiedLayerSpec`
   on the first and the last layer): the tied word embedding is joined and cut as the vocabulary parameter it
-  is and held by every target stage that uses it, its masters and moments in each one's optimizer state,
-  its layer file written once (layer 0's), as DeepSpeed at the target saves it;
-- what cannot move yet (a tied parameter other than a vocabulary one, another ZeRO stage) is refused in one
-  line, and `--plan` says so.
+  is, the tied learned position embeddings read whole as the replicated parameter they are, and both are
+  held by every target stage that uses them, their masters and moments in each one's optimizer state, their
+  layer file written once (layer 0's), as DeepSpeed at the target saves it;
+- what cannot move yet (a tied parameter neither vocabulary-parallel nor replicated, another ZeRO stage) is
+  refused in one line, and `--plan` says so; tensor-parallel copies of a tied replicated parameter that differ
+  are refused, naming it.
 
 The default run makes one 2-rank launch: pp2 x tp2 x dp1 -> pp1 x tp1 x dp2 (both degrees at once), for the
 untied and the tied model. The long mode adds the pipeline alone (pp2 x tp2 -> pp1 x tp2), fused SwiGLU halves
@@ -204,31 +206,36 @@ def test_the_plan_lists_the_stage_counts(stage_fixtures: Mapping[str, ParallelFi
 
 
 WORD_EMBEDDINGS = "tied_modules.embed.word_embeddings.weight"
+POSITION_EMBEDDINGS = "tied_modules.embed.position_embeddings.weight"
 
 
 def test_the_tied_embedding_moves_with_the_stages(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """GPTModelPipe's tied word embedding (pp2 x tp2, 19 of its 38 padded rows per tensor-parallel rank, on both
-    stages): merged to pp1 x tp1 it is the one stage's first parameter (the `tied_modules` come first), whole, every
-    element copied from stage 0's two tensor-parallel ranks, written once, in layer 0's file (the head, a
-    `forward_fn` use, saves none); at pp2 x tp1 both stages hold it first and stage 0 writes the file; cut "uniform"
-    into 4 stages, the last holds it alone and writes no layer file."""
+    """GPTModelPipe's tied embedding (pp2 x tp2, on both stages: 19 of the word embedding's 38 padded rows per
+    tensor-parallel rank, the 12 x 16 position embeddings whole on each): merged to pp1 x tp1 they are the one
+    stage's first parameters (the `tied_modules` come first), whole, every element copied from stage 0's two
+    tensor-parallel ranks, written once, in layer 0's file (the head, a `forward_fn` use, saves none); at pp2 x tp1
+    both stages hold them first and stage 0 writes the file; cut "uniform" into 4 stages, the last holds them alone,
+    read from stage 0, and writes no layer file."""
     index = load_index(str(stage_fixtures[TIED].dir))
     merged = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
     (part,) = merged.parts
-    assert part.flat_shapes[0][0] == (WORD_EMBEDDINGS, (38, 16))
+    tied = ((WORD_EMBEDDINGS, (38, 16)), (POSITION_EMBEDDINGS, (12, 16)))
+    assert part.flat_shapes[0][:2] == tied
     files = part.units[0].tensor_files
     assert [f.name for f in files] == [f"layer_{i:02d}-model_00-model_states.pt" for i in range(5)]
-    assert [(t[0], t[1]) for t in files[0].tensors] == [("word_embeddings.weight", (38, 16))]
+    assert [(t[0], t[1]) for t in files[0].tensors] == [("word_embeddings.weight", (38, 16)),
+                                                        ("position_embeddings.weight", (12, 16))]
     copied = sum(c.numel for u in part.units for f in u.flats for c in f.copies)
     assert copied == sum(t.numel for t in index.tensors)  # 37 rows of it: the padding row is zeros
     assert merged.notes[0].startswith("the vocabulary parameters keep the source's 38 padded rows")
     stages = plan_reshard(index, Target(world_size=4, pp=2, tp=1))
-    assert [part.flat_shapes[0][0] for part in stages.parts] == [(WORD_EMBEDDINGS, (38, 16))] * 2
+    assert [part.flat_shapes[0][:2] for part in stages.parts] == [tied] * 2
     assert [[f.name[:8] for f in part.units[0].tensor_files] for part in stages.parts] == [
         ["layer_00", "layer_01", "layer_02"], ["layer_03", "layer_04"]]
     cut = plan_reshard(index, Target(world_size=4, pp=4, tp=1, partition_method="uniform"))
-    assert cut.parts[-1].flat_shapes == (((WORD_EMBEDDINGS, (38, 16)),),)
+    assert cut.parts[-1].flat_shapes == (tied,)
     assert cut.parts[-1].units[0].tensor_files == ()
+    assert {c.src_rank for u in cut.parts[-1].units for f in u.flats for c in f.copies} == {0, 1}
 
 
 def test_the_plan_lists_the_tied_shapes(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
@@ -256,18 +263,20 @@ def _tied(index: Any) -> Any:
     return index
 
 
-def test_a_tied_parameter_other_than_a_vocabulary_one_is_refused_at_another_shape(
+def test_a_tied_parameter_neither_vocabulary_nor_replicated_is_refused_at_another_shape(
         stage_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """A tied module's parameter that the checkpoint's `universal_checkpoint_info` does not record as a vocabulary
-    parameter (Megatron's GPT ties its learned position embeddings too; here the untied fixture's embedding renamed
-    in memory, which its patterns then no longer name) is not moved to another tensor-parallel degree or stage count
-    yet: the planners refuse it in one line and `--plan` says why; the source's own degrees are still offered."""
+    """A tied module's parameter that the checkpoint's `universal_checkpoint_info` records neither as a vocabulary
+    parameter nor as replicated (here the untied fixture's embedding renamed in memory, which its patterns then no
+    longer name: split on dim 0 by default) is not moved to another tensor-parallel degree or stage count: the
+    planners refuse it in one line and `--plan` says why; the source's own degrees are still offered."""
     fixture = stage_fixtures[PIPE]
     index = _tied(load_index(str(fixture.dir)))
     why = ("tied_modules.embed.weight is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is "
-           "not a vocabulary parameter: ckptflow moves a tied vocabulary-parallel word embedding (Megatron's GPT ties "
-           "its embedding and head) to another tensor-parallel degree or number of pipeline stages of a Megatron-style "
-           "checkpoint, not other tied parameters (Megatron's GPT ties its learned position embeddings too) yet")
+           "neither a vocabulary parameter nor a replicated one: ckptflow moves a tied vocabulary-parallel word "
+           "embedding and a tied parameter its universal_checkpoint_info records as replicated over the "
+           "tensor-parallel ranks (Megatron's GPT ties its embedding and head, and its learned position embeddings "
+           "with them) to another tensor-parallel degree or number of pipeline stages of a Megatron-style checkpoint, "
+           "not tied parameters split by other rules")
     for target in (Target(world_size=2, pp=1, tp=1), Target(world_size=2, pp=1), Target(world_size=2, tp=1)):
         with pytest.raises(UnsupportedCheckpointError) as refused:
             plan_reshard(index, target)
@@ -285,6 +294,34 @@ def test_a_tied_parameter_other_than_a_vocabulary_one_is_refused_at_another_shap
         f"{fixture.dir}/global_step3: {why}; keep the tensor-parallel degree and the pipeline stages (leave `tp` "
         "and `pp` out) to change the data-parallel size only")
     assert refused.value.tensor == "tied_modules.embed.weight"
+
+
+def test_differing_copies_of_a_tied_replicated_parameter_are_refused(
+        stage_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """The tied position embeddings are read from one tensor-parallel rank of the lowest stage, the other copies
+    checked as its replicas: one element of tensor-parallel rank 1's fp32 master changed, a tensor-parallel change
+    refuses the checkpoint in one line naming the tensor, and writes nothing."""
+    import shutil
+
+    import torch
+
+    from ckptflow.errors import CheckpointError
+
+    src = tmp_path / "src"
+    shutil.copytree(stage_fixtures[TIED].dir, src)
+    optim = src / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    state = torch.load(optim, weights_only=False)  # the test's own copy: trusted
+    flat = state["optimizer_state_dict"]
+    at = flat["param_slice_mappings"][0][POSITION_EMBEDDINGS].start
+    with torch.no_grad():
+        flat["single_partition_of_fp32_groups"][0][at + 3 * 16 + 5] += 1.0
+    torch.save(state, optim)
+    with pytest.raises(CheckpointError) as refused:
+        reshard(str(src), str(tmp_path / "out"), world_size=2, pp=1, tp=1, workers=2)
+    assert str(refused.value).startswith(
+        f"refusing to reshard {src}: tensor {POSITION_EMBEDDINGS}: pipeline stage 0 of 2, tensor-parallel rank 0 of 2 "
+        "and pipeline stage 0 of 2, tensor-parallel rank 1 of 2 hold different values for the same block")
+    assert not (tmp_path / "out").exists()
 
 
 def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[str, ParallelFixture],

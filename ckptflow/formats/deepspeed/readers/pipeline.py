@@ -493,19 +493,23 @@ def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
 
 
-TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is not a vocabulary "
-            "parameter: ckptflow moves a tied vocabulary-parallel word embedding (Megatron's GPT ties its embedding "
-            "and head) to another tensor-parallel degree or number of pipeline stages of a Megatron-style checkpoint, "
-            "not other tied parameters (Megatron's GPT ties its learned position embeddings too) yet")
+TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is neither a vocabulary "
+            "parameter nor a replicated one: ckptflow moves a tied vocabulary-parallel word embedding and a tied "
+            "parameter its universal_checkpoint_info records as replicated over the tensor-parallel ranks (Megatron's "
+            "GPT ties its embedding and head, and its learned position embeddings with them) to another "
+            "tensor-parallel degree or number of pipeline stages of a Megatron-style checkpoint, not tied parameters "
+            "split by other rules")
 
 
 def tied_module(index: ModelParallelCheckpoint) -> str | None:
     """The first parameter of a tied module (`tied_modules.{key}.{name}`) of the Megatron-style checkpoint
-    `index` that no tensor-parallel or pipeline change moves yet (`TIED_WHY`): one its
-    `universal_checkpoint_info` does not record as a vocabulary parameter; None without one."""
+    `index` that no tensor-parallel or pipeline change moves (`TIED_WHY`): one its `universal_checkpoint_info`
+    records neither as a vocabulary parameter nor as replicated (`tp_replicated_parameter_patterns`); None
+    without one."""
     rules = _Rules(index.ranks[0].model_states[0].get(UC_INFO) or {})
     return next((p.name for rank in index.ranks for p in rank.params
-                 if p.name.startswith(TIED) and not rules.matches("vocabulary_parameter_patterns", p.name)), None)
+                 if p.name.startswith(TIED) and not rules.matches("vocabulary_parameter_patterns", p.name)
+                 and not rules.matches("tp_replicated_parameter_patterns", p.name)), None)
 
 
 def splits_at(index: ModelParallelCheckpoint, tp: int, vocab_rows: int | None = None) -> list[dict[str, Split]]:
