@@ -9,6 +9,9 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
 
 - dp 2 -> 1 at tp 2 (Megatron-DeepSpeed's GPT defaults, tied embeddings): resumes at iteration 3, and its
   model's logits on a fixed batch equal those of the model that saved the source.
+- tp 2 -> 1 of the same GPT defaults (``--qkv-layout blocks``; its tied module holds the vocabulary-parallel
+  word embedding and the learned position embeddings, replicated): resumes at iteration 3 with the source
+  model's logits.
 - tp 2 -> 1 (its Llama recipe: untied embeddings, SwiGLU): resumes at iteration 3 (the vocabulary 40
   rows -> 38, as Megatron pads it at tp 1); the source's own ``args`` fail Megatron's check at tp 1,
   on ``padded_vocab_size`` and then on ``tensor_model_parallel_size`` (the counter-check). Its logits are NOT the source model's: Megatron-DeepSpeed's attention holds
@@ -25,8 +28,8 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
   (ckptflow takes the user's word).
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
-f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): eight launches, two of
-4 ranks and six of 2, about three minutes on two cores. Skipped otherwise.
+f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): nine launches, two of
+4 ranks and seven of 2, about three and a half minutes on two cores. Skipped otherwise.
 """
 
 from __future__ import annotations

@@ -41,11 +41,17 @@ on the first and the last layer, `tied_modules.embed.word_embeddings.weight` in 
 every stage that uses it, each stage's copy in its own optimizer state (the `tied_modules` first in its
 groups, as `PipelineModule.parameters()` lists them), and saved once, in the layer file of its first use
 (a use with a `forward_fn`, the head, saves none). Its vocabulary-parallel word embedding is joined and cut
-by the vocabulary rules as any vocabulary parameter, read from the lowest stage that trains it (the
-others' copies are its replicas, all-reduced by DeepSpeed), and written into every target stage that uses
-it (`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a use of it, weighed at T'
-at each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those
-stages' optimizer state; its layer file is that of the layer of its first use, cut at T'.
+by the vocabulary rules as any vocabulary parameter, and a parameter its `universal_checkpoint_info` records
+as replicated (`tp_replicated_parameter_patterns`: Megatron's GPT ties its learned position embeddings,
+`tied_modules.embed.position_embeddings.weight`, with it) read whole from one tensor-parallel rank and
+written whole on every target one, as any replicated parameter. Each is read from the lowest stage that
+trains it (the other tensor-parallel ranks' and stages' copies are its replicas, checked equal at a
+tensor-parallel change, `reshard.run`), and written into every target stage that uses it
+(`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a use of it, weighed at T' at
+each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those stages'
+optimizer state; its layer file is that of the layer of its first use, cut at T'. Checked against
+DeepSpeed's native load at the target (`tests/test_megatron_stages.py`) and, for Megatron-DeepSpeed's GPT
+defaults at tp 2 -> 1, against Megatron's own resume (`tests/test_megatron_deepspeed.py`).
 
 Megatron's fused attention projection (`...self_attention.query_key_value.weight` and `.bias`, column-parallel)
 holds each rank's rows in an order that depends on the Megatron-DeepSpeed version and that no file records
@@ -59,9 +65,9 @@ Refused, naming the parameter: a parameter the patterns do not split at T' (aver
 `ds_to_universal` averages and ckptflow does not; `parameter_with_sub_params`, whose shard widths at T'
 are not recorded; a dimension T' does not divide), Megatron's fused `query_key_value` at another degree
 without a declared layout (or with heads the run's `args` do not give, or T' does not divide),
-and a tied module's parameter other than a vocabulary one (`tied_modules.*`; Megatron's GPT ties its
-learned position embeddings too) at any tensor-parallel or pipeline change (only a tied word embedding
-has been checked against DeepSpeed).
+and a tied module's parameter (`tied_modules.*`) neither vocabulary-parallel nor recorded as replicated
+at any tensor-parallel or pipeline change (`readers.pipeline.TIED_WHY`: only those two rules have been
+checked on a tied module).
 Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
 `round_robin_gradients`, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and
 1 only).
