@@ -20,9 +20,9 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load_file, save
 
 from ckptflow.consolidate import (
+    ByteCopy,
     ConsolidateOptions,
     ConsolidationPlan,
-    Copy,
     OutputTensor,
     Run,
     ShardUnit,
@@ -180,11 +180,11 @@ def test_plan_batches_bounds_merges_and_covers() -> None:
     assert sum(cp.end - cp.start for cp in copies if cp.dtype == "float32") == 400  # 100 fp32 elements
     assert (copies[0].uri, copies[0].start) == ("r0", 1040)  # element 10 of r0
     assert sum(cp.end - cp.start for cp in copies if cp.dtype == "bfloat16") == 100
-    assert copies[-1] == Copy("m", 8, 16, "int64", copies[-1].dest, "int64")
+    assert copies[-1] == ByteCopy("m", 8, 16, "int64", copies[-1].dest, "int64")
     # One big batch: each run is one copy, adjacent pieces merged.
     (whole,) = plan_batches(slots, 1 << 20)
-    assert whole.copies == (Copy("r0", 1040, 1280, "float32", 0, "bfloat16"), Copy("r1", 5000, 5160, "float32", 120,
-                            "bfloat16"), Copy("m", 64, 164, "bfloat16", 200, "bfloat16"), Copy("m", 8, 16, "int64", 300,
+    assert whole.copies == (ByteCopy("r0", 1040, 1280, "float32", 0, "bfloat16"), ByteCopy("r1", 5000, 5160, "float32", 120,
+                            "bfloat16"), ByteCopy("m", 64, 164, "bfloat16", 200, "bfloat16"), ByteCopy("m", 8, 16, "int64", 300,
                             "int64"))
 
 

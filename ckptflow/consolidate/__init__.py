@@ -28,9 +28,9 @@ from ckptflow.consolidate.architecture import check_config
 from ckptflow.consolidate.config import ConfigFiles, ConfigSource, SideFiles, read_config_source, shaped, side_files
 from ckptflow.consolidate.plan import (
     Batch,
+    ByteCopy,
     ConsolidateOptions,
     ConsolidationPlan,
-    Copy,
     OutputTensor,
     ShardUnit,
     plan_batches,
@@ -57,7 +57,7 @@ __all__ = [
     "ConsolidateStep",
     "ConsolidationPlan",
     "ConsolidationResult",
-    "Copy",
+    "ByteCopy",
     "OutputTensor",
     "Run",
     "ShardJob",

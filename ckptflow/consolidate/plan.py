@@ -246,7 +246,7 @@ def _check_exact(index: Partitioned, options: ConsolidateOptions) -> None:
 
 
 @dataclass(frozen=True)
-class Copy:
+class ByteCopy:
     """Bytes [start, end) of `uri`, elements of `dtype`, copied to byte `dest` of the batch's output
     buffer as `out_dtype` (cast when the two differ). With `rows` > 1 the source bytes are that many
     equal rows, landing `stride` bytes apart from `dest` (a row-parallel shard's rows)."""
@@ -274,7 +274,7 @@ class Batch:
     file_start: int
     out_nbytes: int
     src_nbytes: int
-    copies: tuple[Copy, ...]
+    copies: tuple[ByteCopy, ...]
 
 
 def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes: int) -> list[Batch]:
@@ -285,7 +285,7 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
     becomes one strided copy per batch for its whole rows there.
     """
     batches: list[Batch] = []
-    copies: list[Copy] = []
+    copies: list[ByteCopy] = []
     file_start: int | None = None
     out_used = src_used = 0
     for dtype, begin, runs in slots:
@@ -307,7 +307,7 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
             for run in ordered:
                 for part in run.within(pos, end):
                     start, stop = part.byte_range
-                    _append_copy(copies, Copy(run.ref.uri, start, stop, run.ref.dtype,
+                    _append_copy(copies, ByteCopy(run.ref.uri, start, stop, run.ref.dtype,
                                               out_used + (part.offset - pos) * out_size, dtype,
                                               part.rows, part.stride * out_size))
                     src_used += stop - start
@@ -318,11 +318,11 @@ def plan_batches(slots: Sequence[tuple[str, int, tuple[Run, ...]]], chunk_bytes:
     return batches
 
 
-def _append_copy(copies: list[Copy], copy: Copy) -> None:
+def _append_copy(copies: list[ByteCopy], copy: ByteCopy) -> None:
     last = copies[-1] if copies else None
     if last is not None and last.rows == copy.rows == 1 and \
             (last.uri, last.end, last.dtype, last.out_dtype) == (copy.uri, copy.start, copy.dtype, copy.out_dtype) and \
             last.dest + (last.end - last.start) // DTYPE_SIZES[last.dtype] * DTYPE_SIZES[last.out_dtype] == copy.dest:
-        copies[-1] = Copy(last.uri, last.start, copy.end, last.dtype, last.dest, last.out_dtype)
+        copies[-1] = ByteCopy(last.uri, last.start, copy.end, last.dtype, last.dest, last.out_dtype)
     else:
         copies.append(copy)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptflow.consolidate.plan import Batch, ConsolidationPlan, Copy, ShardUnit, plan_batches
+from ckptflow.consolidate.plan import Batch, ByteCopy, ConsolidationPlan, ShardUnit, plan_batches
 from ckptflow.errors import CkptflowError, CorruptFileError, OutputError, SourceReadError
 from ckptflow.formats import hf
 from ckptflow.formats.casts import cast_into, cast_rows_into
@@ -372,7 +372,7 @@ def _fill(batch: Batch, out: np.ndarray) -> None:
         raise _source_error(exc, [c.uri for c in batch.copies]) from exc
 
 
-def _fill_rows(copy: Copy, out: np.ndarray, blob: Any) -> None:
+def _fill_rows(copy: ByteCopy, out: np.ndarray, blob: Any) -> None:
     """A strided copy: its rows, back to back in the source, land `copy.stride` bytes apart in `out`;
     read a few rows at a time through the scratch buffer."""
     dest = out[copy.dest:]
