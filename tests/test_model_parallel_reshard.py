@@ -37,11 +37,11 @@ import pytest
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import inspect
 from ckptflow.formats.deepspeed.autotp_shards import (
-    Layout,
     Meta,
+    ShardRule,
     contiguous_split_map,
-    layout_of,
     replicated_map,
+    shard_rule_of,
     shard_sizes,
     sub_param_map,
 )
@@ -351,9 +351,9 @@ def test_affine_maps_are_deepspeeds() -> None:
     assert contiguous_split_map([64, 96], [24, 24, 24, 24], 1) == \
         affine.contiguous_split_map((64, 96), [24, 24, 24, 24], 1).to_dict()
     assert sub_param_map([96, 64], widths, 0) == affine.sub_param_map((96, 64), [48, 48], widths, 0).to_dict()
-    assert layout_of(sub_param_map([96, 64], widths, 0), 3, widths, 0) == Layout("sub", 0, (48, 48))
-    assert layout_of(contiguous_split_map([64, 96], [30, 66], 1), 2, None, None) == Layout("split", 1, (96,))
-    assert layout_of(replicated_map([64], 2), 2, None, None) == Layout("replicated")
+    assert shard_rule_of(sub_param_map([96, 64], widths, 0), 3, widths, 0) == ShardRule("sub", 0, (48, 48))
+    assert shard_rule_of(contiguous_split_map([64, 96], [30, 66], 1), 2, None, None) == ShardRule("split", 1, (96,))
+    assert shard_rule_of(replicated_map([64], 2), 2, None, None) == ShardRule("replicated")
 
 
 def _llama_tp2(parallel_fixtures: Mapping[str, ParallelFixture]) -> Any:

@@ -12,7 +12,7 @@ fp32 master weights and Adam moments are byte runs into the tensor-parallel rank
   1, `checkpoint_parallel_dimensions` tp 1, and the `tensor_parallel` section left out of the
   recorded config. Load it with the same model and a config without `tensor_parallel` at M ranks.
 - Split to T > 1 (`plan_tensor_parallel_split`): what AutoTP writes at `autotp_size` T. Each
-  parameter's layout is read from its saved map (`autotp_shards.layout_of`: replicated, one block per
+  parameter's layout is read from its saved map (`autotp_shards.shard_rule_of`: replicated, one block per
   rank along a dimension, or sub-parameters each split on their own) and checked against DeepSpeed's
   shard arithmetic at N (`autotp_shards.shard_sizes`, with the key/value heads of the model's
   `config.json` and the recorded `tp_grain_size`); the shards at T come from the same arithmetic.
@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
-from ckptflow.formats.deepspeed.autotp_shards import Layout, Meta, layout_of, meta_of, recorded_widths
+from ckptflow.formats.deepspeed.autotp_shards import Meta, ShardRule, meta_of, recorded_widths, shard_rule_of
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
@@ -228,7 +228,7 @@ def _pattern(name: str) -> str:
     return "^" + re.escape(name) + "$"
 
 
-def _layout(index: ModelParallelCheckpoint, info: Any, meta: Meta, name: str) -> Layout:
+def _layout(index: ModelParallelCheckpoint, info: Any, meta: Meta, name: str) -> ShardRule:
     """How AutoTP split parameter `name` in `index`, read from its saved map and checked against the
     arithmetic at the source's degree; `UnsupportedCheckpointError` (one line, the parameter named) where
     the metadata does not say, or says something else than DeepSpeed's arithmetic."""
@@ -242,7 +242,7 @@ def _layout(index: ModelParallelCheckpoint, info: Any, meta: Meta, name: str) ->
     widths = (info.get("sub_param_shard_widths") or {}).get(_pattern(name))
     dims = [e.get("partition_dim") for e in info.get("parameter_with_sub_params") or []
             if isinstance(e, Mapping) and _pattern(name) in (e.get("patterns") or [])]
-    layout = layout_of(entry, index.tp, widths, dims[0] if dims else None)
+    layout = shard_rule_of(entry, index.tp, widths, dims[0] if dims else None)
     if layout is None:
         raise UnsupportedCheckpointError(
             f"{where}: the affine map of {name} is none of the layouts ckptflow splits again (replicated, one block "
@@ -264,7 +264,7 @@ def _layer(index: ModelParallelCheckpoint, name: str) -> str:
     return (aliases[0] if aliases else name).rpartition(".")[0]
 
 
-def _info_at(info: Mapping[str, Any], layouts: Mapping[str, Layout], meta: Meta, tp: int,
+def _info_at(info: Mapping[str, Any], layouts: Mapping[str, ShardRule], meta: Meta, tp: int,
              index: ModelParallelCheckpoint) -> dict[str, Any]:
     """`universal_checkpoint_info` as AutoTP records it at degree `tp`: the affine maps and sub-parameter
     widths at `tp`, every other field (the pattern lists, the vocabulary) as the source's."""

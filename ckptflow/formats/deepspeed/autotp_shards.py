@@ -10,7 +10,7 @@ Each function mirrors one piece of DeepSpeed 0.19.8 and names it; nothing here r
 - `replicated_map`, `contiguous_split_map`, `sub_param_map` are `checkpoint.affine`'s maps, as the
   plain dicts `ParamAffineMap.to_dict` saves in `universal_checkpoint_info.affine_map.params`.
 
-`layout_of` reads back which of the three a saved map is, and `resplit` gives the same layout at
+`shard_rule_of` reads back which of the three a saved map is, and `resplit` gives the same layout at
 another degree: the sizes always come from `shard_sizes` at the new degree, never from the old map.
 """
 
@@ -125,7 +125,7 @@ def sub_param_map(shape: Sequence[int], widths: Sequence[Sequence[int]], dim: in
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardRule:
     """How AutoTP splits one parameter: "replicated", "split" (one block per rank along `dim`) or
     "sub" (sub-parameters of `sizes` along `dim`, each split on its own)."""
 
@@ -156,8 +156,8 @@ def _plain(entry: Any) -> Any:
     return entry
 
 
-def layout_of(entry: Mapping[str, Any], tp: int, widths: Sequence[Sequence[int]] | None,
-              sub_dim: int | None) -> Layout | None:
+def shard_rule_of(entry: Mapping[str, Any], tp: int, widths: Sequence[Sequence[int]] | None,
+              sub_dim: int | None) -> ShardRule | None:
     """Which layout the saved map `entry` of a degree-`tp` checkpoint is, exactly as DeepSpeed's builders
     write it, or None. `widths`/`sub_dim`: the parameter's `sub_param_shard_widths` and its
     `parameter_with_sub_params` partition dim, when recorded."""
@@ -167,11 +167,11 @@ def layout_of(entry: Mapping[str, Any], tp: int, widths: Sequence[Sequence[int]]
     if not isinstance(shape, list) or not isinstance(ranks, Mapping) or sorted(ranks) != list(range(tp)):
         return None
     if saved == replicated_map(shape, tp):
-        return Layout("replicated")
+        return ShardRule("replicated")
     if widths is not None and sub_dim is not None:
         widths = [list(w) for w in widths]
         if saved == sub_param_map(shape, widths, sub_dim):
-            return Layout("sub", sub_dim, tuple(sum(w) for w in widths))
+            return ShardRule("sub", sub_dim, tuple(sum(w) for w in widths))
         return None
     for dim in range(len(shape)):
         try:
@@ -179,11 +179,11 @@ def layout_of(entry: Mapping[str, Any], tp: int, widths: Sequence[Sequence[int]]
         except (KeyError, IndexError, TypeError):
             return None
         if sum(sizes) == shape[dim] and saved == contiguous_split_map(shape, sizes, dim):
-            return Layout("split", dim, (shape[dim],))
+            return ShardRule("split", dim, (shape[dim],))
     return None
 
 
-def recorded_widths(saved: Mapping[str, Any], layout: Layout) -> list[list[int]]:
+def recorded_widths(saved: Mapping[str, Any], layout: ShardRule) -> list[list[int]]:
     """The per-rank widths the saved map `saved` of `layout` records (what `layout.widths` must give)."""
     ranks = _plain(saved)["ranks"]
     if layout.kind == "split":
@@ -192,5 +192,5 @@ def recorded_widths(saved: Mapping[str, Any], layout: Layout) -> list[list[int]]
     return [list(w) for w in zip(*per_rank)]
 
 
-__all__ = ["Layout", "Meta", "contiguous_split_map", "layout_of", "meta_of", "recorded_widths", "replicated_map",
+__all__ = ["ShardRule", "Meta", "contiguous_split_map", "shard_rule_of", "meta_of", "recorded_widths", "replicated_map",
            "shard_sizes", "sub_param_map"]
