@@ -117,6 +117,14 @@ class ConsolidationForm(_Form):
         title="Config revision",
         description="Branch, tag or commit of the Hub repo named in Config source; empty uses its default branch.",
     )
+    qkv_layout: Literal["unknown", "blocks", "groups"] = Field(
+        default="unknown",
+        title="Megatron query_key_value layout",
+        description="Of a Megatron-DeepSpeed checkpoint at tensor-parallel degree 2 or more: how each rank holds "
+        "its fused query_key_value's rows, which no file records: blocks ([q | k | v] of the rank's heads; "
+        "Megatron-DeepSpeed since December 2024) or groups (key/value group by group; before). Unknown refuses "
+        "such a checkpoint.",
+    )
     deployment: Text = Field(
         default="",
         title="GPU deployment",
@@ -132,6 +140,11 @@ class ConsolidationForm(_Form):
         description="With a GPU deployment: how long to wait for its run, waiting for a worker included, before "
         "cancelling it and failing.",
     )
+
+    @property
+    def layout(self) -> str | None:
+        """The declared query_key_value layout, None for unknown."""
+        return None if self.qkv_layout == "unknown" else self.qkv_layout
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
