@@ -702,4 +702,5 @@ def joined_on_rows(index: ModelParallelCheckpoint, name: str) -> bool:
 
 
 __all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_qkv", "joined_on_rows",
-           "position_note", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]
+           "position_note", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module",
+           "vocabulary_rows"]
