@@ -42,7 +42,7 @@ class DType(str, Enum):
 
 
 class QkvLayout(str, Enum):
-    """Megatron's fused query_key_value layouts, as `--qkv-layout` takes them (`reshard.qkv.LAYOUTS`)."""
+    """Megatron's fused query_key_value layouts, as `--qkv-layout` takes them (`formats.deepspeed.qkv.LAYOUTS`)."""
 
     blocks = "blocks"
     groups = "groups"
@@ -220,6 +220,11 @@ def consolidate_command(
     config_revision: Optional[str] = typer.Option(None, "--config-revision", metavar="REV",
                                                   help="Branch, tag or commit of the --config Hub repo."),
     strict_pickle: bool = typer.Option(False, "--strict-pickle", help=STRICT_PICKLE_HELP),
+    qkv_layout: Optional[QkvLayout] = typer.Option(
+        None, "--qkv-layout",
+        help="Of a Megatron-DeepSpeed checkpoint at tensor-parallel degree 2 or more: how each rank holds "
+             "query_key_value's rows, which no file records: blocks ([q | k | v] of its heads; Megatron-DeepSpeed "
+             "since December 2024) or groups (key/value group by group; before)."),
 ) -> None:
     """Consolidate a ZeRO-1/2/3 checkpoint into a Hugging Face safetensors model folder.
 
@@ -243,7 +248,8 @@ def consolidate_command(
     try:
         options = ConsolidateOptions(dtype=dtype.value, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
                                      workers=workers, verify=verify, config=config, config_revision=config_revision,
-                                     strict_pickle=strict_pickle)
+                                     strict_pickle=strict_pickle,
+                                     qkv_layout=qkv_layout.value if qkv_layout is not None else None)
     except ValueError as exc:  # --dtype and --workers are checked by their option types
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
     started = time.monotonic()  # no torch here: the converter casts with numpy (`ckptflow.formats.casts`)

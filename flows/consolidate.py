@@ -42,6 +42,7 @@ def consolidate_checkpoint(
         checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
         exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers,
         config=consolidation.config or None, config_revision=consolidation.config_revision or None,
+        qkv_layout=consolidation.layout,
     )
     verified = None
     if verification.enabled:

@@ -171,6 +171,7 @@ def checkpoint_lifecycle(
                 checkpoint, out, dtype=consolidation.dtype, max_shard_size=consolidation.max_shard_size,
                 exclude_frozen=consolidation.exclude_frozen, workers=consolidation.workers, cluster=cluster or None,
                 config=consolidation.config or None, config_revision=consolidation.config_revision or None,
+                qkv_layout=consolidation.layout,
             )
             if verification.enabled:
                 verify_future = verify_output.with_options(**built).submit(

@@ -77,6 +77,20 @@ class ValidationForm(_Form):
     )
 
 
+QkvLayout = Literal["unknown", "blocks", "groups"]
+
+
+def _qkv_layout(when: str, refused: str) -> Any:
+    """The form field of Megatron's fused query_key_value layout (`formats.deepspeed.qkv`), "unknown" by default."""
+    return Field(
+        default="unknown",
+        title="Megatron query_key_value layout",
+        description=f"{when}: how each rank holds its fused query_key_value's rows, which no file records: blocks "
+        "([q | k | v] of the rank's heads; Megatron-DeepSpeed since December 2024) or groups (key/value group by "
+        f"group; before). Unknown refuses {refused}.",
+    )
+
+
 class ConsolidationForm(_Form):
     """The Hugging Face model built from the ZeRO checkpoint."""
 
@@ -117,6 +131,8 @@ class ConsolidationForm(_Form):
         title="Config revision",
         description="Branch, tag or commit of the Hub repo named in Config source; empty uses its default branch.",
     )
+    qkv_layout: QkvLayout = _qkv_layout("Of a Megatron-DeepSpeed checkpoint at tensor-parallel degree 2 or more",
+                                        "such a checkpoint")
     deployment: Text = Field(
         default="",
         title="GPU deployment",
@@ -132,6 +148,11 @@ class ConsolidationForm(_Form):
         description="With a GPU deployment: how long to wait for its run, waiting for a worker included, before "
         "cancelling it and failing.",
     )
+
+    @property
+    def layout(self) -> str | None:
+        """The declared query_key_value layout, None for unknown."""
+        return None if self.qkv_layout == "unknown" else self.qkv_layout
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -196,14 +217,8 @@ class ReshardForm(_Form):
         description="With another number of pipeline stages: the length of the PipelineModule's layer list, where "
         "its files leave it open (layers that are functions save none); 0: what the files allow.",
     )
-    qkv_layout: Literal["unknown", "blocks", "groups"] = Field(
-        default="unknown",
-        title="Megatron query_key_value layout",
-        description="With another tensor-parallel degree of a Megatron-DeepSpeed checkpoint: how each rank holds "
-        "its fused query_key_value's rows, which no file records: blocks ([q | k | v] of the rank's heads; "
-        "Megatron-DeepSpeed since December 2024) or groups (key/value group by group; before). Unknown refuses "
-        "such a change.",
-    )
+    qkv_layout: QkvLayout = _qkv_layout("With another tensor-parallel degree of a Megatron-DeepSpeed checkpoint",
+                                        "such a change")
     expert_parallel_degree: Degree = Field(
         default=0,
         title="Expert-parallel degree",

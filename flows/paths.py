@@ -56,6 +56,8 @@ def model_folder(base: str, options: ConsolidationForm) -> str:
     shape: dict[str, object] = {"max_shard_size": options.max_shard_size, "exclude_frozen": options.exclude_frozen}
     if options.config:  # a config source changes the folder's files; no key without one keeps older digests
         shape.update(config=options.config, config_revision=options.config_revision)
+    if options.layout is not None:  # likewise a declared query_key_value layout: its rows' order
+        shape.update(qkv_layout=options.layout)
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:6]
     return join(base, f"model-{options.dtype}-{digest}")
 

@@ -92,14 +92,16 @@ def consolidate_model(
     cluster: str | None = None,
     config: str | None = None,
     config_revision: str | None = None,
+    qkv_layout: str | None = None,
 ) -> Output:
     """Consolidate `checkpoint` into the Hugging Face model folder `out` (which must not exist yet);
     the shards on the Dask cluster at `cluster` (or `$CKPTFLOW_CLUSTER`) when one is given; the config
-    and tokenizer files the checkpoint lacks from the config source `config` (at `config_revision`)."""
+    and tokenizer files the checkpoint lacks from the config source `config` (at `config_revision`); a
+    Megatron-style checkpoint's fused query_key_value joined in the `qkv_layout` the user declares."""
     logger = get_run_logger()
     options = ConsolidateOptions(
         dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, workers=workers, verify=verify,
-        config=config, config_revision=config_revision,
+        config=config, config_revision=config_revision, qkv_layout=qkv_layout,
     )
     index = shaped(load_index(checkpoint.root, checkpoint.tag), config, config_revision)
     plan = plan_consolidation(index, options)

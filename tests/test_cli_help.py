@@ -27,6 +27,7 @@ def test_dtype_shows_its_choices(command: str) -> None:
     assert re.search(r"--dtype\s+\S*fp32\|bf16\|fp16", result.output), result.output
 
 
-def test_qkv_layout_shows_its_choices() -> None:
-    result = CliRunner().invoke(app, ["reshard", "--help"], env={"COLUMNS": "160", "NO_COLOR": "1"})
+@pytest.mark.parametrize("command", ["consolidate", "reshard"])
+def test_qkv_layout_shows_its_choices(command: str) -> None:
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "160", "NO_COLOR": "1"})
     assert re.search(r"--qkv-layout\s+\S*blocks\|groups", result.output), result.output

@@ -211,10 +211,10 @@ def test_options_are_validated() -> None:
 
 @pytest.mark.parametrize("kind", ["megatron", "autotp"])
 def test_megatron_fused_qkv_is_refused_at_tp_above_1(kind: str) -> None:
-    """A Megatron-style index (constructed) at tp 2 holding `query_key_value`: refused in the one line `reshard`
-    gives a tensor-parallel change of it (`readers.pipeline.FUSED_QKV_WHY`), nothing planned; at tp 1, and for
-    an AutoTP checkpoint (whose own maps say how its ranks join), that check passes (the index holds no tensors,
-    which is what is refused next)."""
+    """A Megatron-style index (constructed) at tp 2 holding `query_key_value`: without a declared layout, refused
+    in the one line `reshard` gives a tensor-parallel change of it (`readers.pipeline.FUSED_QKV_WHY`), its hint
+    naming `qkv_layout`, nothing planned; at tp 1, and for an AutoTP checkpoint (whose own maps say how its ranks
+    join), that check passes (the index holds no tensors, which is what is refused next)."""
     from types import SimpleNamespace
 
     from ckptflow.errors import UnsupportedCheckpointError
@@ -232,12 +232,129 @@ def test_megatron_fused_qkv_is_refused_at_tp_above_1(kind: str) -> None:
             f"/runs/gpt/global_step3: {qkv} is Megatron's fused attention projection, whose rows each "
             "tensor-parallel rank holds as [q | k | v] of its own heads in Megatron-DeepSpeed since December 2024 and "
             "key/value group by group before; the checkpoint does not record which, and joined or cut the wrong way "
-            "the model loads and computes something else; join its 2 tensor-parallel ranks with the Megatron-DeepSpeed "
-            "version that saved it (its own checkpoint tools know its layout), or save it at tensor-parallel degree 1")
+            "the model loads and computes something else; declare the layout the checkpoint's Megatron-DeepSpeed "
+            "wrote with `qkv_layout` (blocks since December 2024, groups before), or join its 2 tensor-parallel "
+            "ranks with the Megatron-DeepSpeed version that saved it")
         assert (refused.value.code, refused.value.tensor) == ("unsupported-shape", qkv)
     for joinable in ([replace(index, tp=1, ranks=(rank,))] if kind == "megatron" else [index]):
         with pytest.raises(CheckpointError, match="has nothing to write"):
             plan_consolidation(joinable)
+
+
+QKV = "3.self_attention.query_key_value"
+
+
+def _fused_index(heads: tuple[int, int, int], tp: int, args: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+    """A Megatron-style index (constructed) at tensor-parallel degree `tp` whose one layer holds a fused
+    `query_key_value` weight (3 columns) and bias of `heads` (attention heads, key/value heads, rows each), its
+    run's `args` `args`; each rank's rows saved as fp32 masters cut mid-row into two flat fragments (as a ZeRO
+    partition cuts them), every element a distinct value. With the saved values by uri."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ckptflow.formats.deepspeed.model import ModelTensor
+    from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+    from ckptflow.formats.deepspeed.runs import Run
+    from ckptflow.formats.torch.inert import InertRecord
+
+    q, kv, dim = heads
+    rows = (q + 2 * kv) * dim
+    saved: dict[str, Any] = {}
+    tensors = []
+    for name, shape in ((f"{QKV}.weight", (rows, 3)), (f"{QKV}.bias", (rows,))):
+        local = rows // tp * (shape[1] if len(shape) > 1 else 1)
+        runs = []
+        for r in range(tp):
+            cut = local // 2 + 1
+            for part, (start, count) in enumerate(((0, cut), (cut, local - cut))):
+                uri = f"/runs/gpt/{name}.{r}.{part}"
+                saved[uri] = np.arange(count, dtype=np.float32) + len(saved) * 1000
+                runs.append(Run(ref(uri, count), 0, count, r * local + start))
+        tensors.append(ModelTensor(name, shape, "float32", "param", tuple(runs)))
+    record = InertRecord("argparse", "Namespace", "reduce", ops=(("build", args),)) if args is not None else None
+    ranks = tuple(SimpleNamespace(
+        params=tuple(SimpleNamespace(name=t.name) for t in tensors),
+        param_by_name={t.name: SimpleNamespace(shape=(t.shape[0] // tp, *t.shape[1:])) for t in tensors},
+        model_states=[{"args": record}]) for _ in range(tp))
+    index = ModelParallelCheckpoint(root="/runs/gpt", tag="global_step3", stage=1, world_size=tp, precision="fp32",
+                                    step=3, ds_version="0.19.8", kind="megatron", description="Megatron-style", tp=tp,
+                                    pp=1, ranks=ranks, tensors=tuple(tensors), tied={}, replicas=())
+    return index, saved
+
+
+def _values(t: OutputTensor, saved: Mapping[str, Any]) -> Any:
+    """The output tensor its runs make of the `saved` values (NaN where no run lands)."""
+    import numpy as np
+
+    out = np.full(t.numel, np.nan, dtype=np.float32)
+    for run in t.runs:
+        for i in range(run.rows):
+            at = run.offset + i * run.stride
+            out[at:at + run.row] = saved[run.ref.uri][run.start + i * run.row:run.start + (i + 1) * run.row]
+    return out.reshape(t.shape)
+
+
+@pytest.mark.parametrize("heads, tp", [((4, 4, 2), 2), ((8, 2, 2), 2), ((4, 4, 1), 4)],
+                         ids=["mha-tp2", "gqa-tp2", "mha-tp4"])
+@pytest.mark.parametrize("layout", ["blocks", "groups"])
+def test_a_declared_qkv_layout_joins_the_rows_as_a_tp1_reshard_cuts_them(heads: tuple[int, int, int], tp: int,
+                                                                         layout: str) -> None:
+    """`qkv_layout`: the fused projection's weight and bias, whose fp32 masters are fragments cut mid-row, come
+    out with the rows of the ranks joined one after the other where `reshard --tp 1` puts them in that layout
+    (`reshard.qkv.qkv_rows` applied to the joined rows: the same bytes); for "blocks", all q rows of every rank,
+    then all k, then all v (as Megatron-DeepSpeed's model at tp 1 reads them); for "groups", the ranks one after
+    the other, as without a layout at tp 1."""
+    import numpy as np
+
+    from ckptflow.reshard.qkv import Heads, qkv_rows
+
+    q, kv, dim = heads
+    index, saved = _fused_index(heads, tp, {"num_attention_heads": q, "num_key_value_heads": kv, "kv_channels": dim})
+    plan = plan_consolidation(index, ConsolidateOptions(qkv_layout=layout))
+    made = {t.name: t for u in plan.units for t in u.tensors}
+    assert sorted(made) == [f"{QKV}.bias", f"{QKV}.weight"]
+    for source in index.tensors:
+        check_coverage(source.name, source.numel, made[source.name].runs)
+        joined = _values(OutputTensor(source.name, "float32", source.shape, source.runs, "param"), saved)
+        got = _values(made[source.name], saved)
+        expected = np.empty_like(joined)
+        for start, dest, count in qkv_rows(layout, Heads(q, kv, dim), tp, 1)[0]:
+            expected[dest:dest + count] = joined[start:start + count]
+        assert got.tobytes() == expected.tobytes()
+        ranks = np.split(joined, tp)
+        if layout == "blocks":  # written from Megatron's attention code, not from the mapping
+            qr, kvr = q // tp * dim, kv // tp * dim
+            megatron = np.concatenate([r[:qr] for r in ranks] + [r[qr:qr + kvr] for r in ranks]
+                                      + [r[qr + kvr:] for r in ranks])
+            assert got.tobytes() == megatron.tobytes() and got.tobytes() != joined.tobytes()
+        else:
+            assert got.tobytes() == joined.tobytes()
+    at_tp1 = plan_consolidation(replace(index, tp=1, ranks=index.ranks[:1]), ConsolidateOptions(qkv_layout=layout))
+    assert {t.name: t.runs for u in at_tp1.units for t in u.tensors} == {t.name: t.runs for t in index.tensors}
+
+
+@pytest.mark.parametrize("args, why", [
+    (None, "the checkpoint's args record no num_attention_heads, so its rows cannot be told apart by head"),
+    ({"num_attention_heads": 3}, "its 24 rows are not 3 attention and 6 key/value heads of equal size (args record "
+                                 "no kv_channels)"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 1}, "its 4 attention and 1 key/value heads do not split over "
+                                                           "2 tensor-parallel ranks"),
+])
+def test_a_declared_qkv_layout_without_the_heads_is_refused(args: dict[str, Any] | None, why: str) -> None:
+    from ckptflow.errors import UnsupportedCheckpointError
+
+    index, _ = _fused_index((4, 4, 2), 2, args)
+    if args is not None and args.get("num_key_value_heads") == 1:
+        index, _ = _fused_index((4, 1, 4), 2, args)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_consolidation(index, ConsolidateOptions(qkv_layout="blocks"))
+    assert str(refused.value) == (f"/runs/gpt/global_step3: {QKV}.weight cannot be joined in the blocks layout: "
+                                  f"{why}; join its 2 tensor-parallel ranks with the Megatron-DeepSpeed version that "
+                                  "saved it")
+    assert (refused.value.code, refused.value.tensor) == ("unsupported-shape", f"{QKV}.weight")
+    with pytest.raises(ValueError, match="the query_key_value layout must be blocks or groups; got 'rows'"):
+        ConsolidateOptions(qkv_layout="rows")
 
 
 # ---- every fixture --------------------------------------------------------------------------------

@@ -503,6 +503,16 @@ def test_the_lifecycle_form_has_the_config_source() -> None:
     assert plain == "/w/model-fp32-" + paths.hashlib.sha256(
         json.dumps({"max_shard_size": "5GB", "exclude_frozen": False}, sort_keys=True).encode()).hexdigest()[:6]
     assert paths.model_folder("/w", ConsolidationForm(config="org/base")) != plain
+    # A declared query_key_value layout: a form field beside them, a folder of its own, the same keys without it.
+    assert (fields["qkv_layout"]["default"], fields["qkv_layout"]["title"]) == ("unknown",
+                                                                               "Megatron query_key_value layout")
+    assert ConsolidationForm().layout is None and ConsolidationForm(qkv_layout="blocks").layout == "blocks"
+    assert "qkv_layout" not in _identity(ConsolidationForm()) and "qkv_layout" in _identity(
+        ConsolidationForm(qkv_layout="groups"))
+    folders = {paths.model_folder("/w", ConsolidationForm(qkv_layout=layout)) for layout in ("blocks", "groups")}
+    assert len(folders) == 2 and plain not in folders
+    with pytest.raises(ValidationError, match="qkv_layout"):
+        ConsolidationForm(qkv_layout="rows")
 
 
 def test_the_consolidate_task_takes_a_config_source(tied_llama: tuple[Path, dict], parallel_fixtures,

@@ -25,7 +25,8 @@ own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG res
 - the same tp 2 -> 1 with the layout declared (``qkv_layout``, ``--qkv-layout``): "blocks", this
   Megatron-DeepSpeed's, resumes at iteration 3 with the source model's logits; "groups", the layout before
   December 2024, writes the same bytes as the guard lifted, and Megatron computes another model's logits
-  (ckptflow takes the user's word).
+  (ckptflow takes the user's word); ``consolidate --qkv-layout blocks`` of the source writes exactly the
+  tensors of the "blocks" reshard's layer files.
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
 f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): nine launches, two of
@@ -42,6 +43,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckptflow.cli import app
@@ -149,6 +151,40 @@ def test_megatron_resumes_from_a_tp_change_in_the_blocks_layout(tp_change: dict[
         merged = torch.load(work / "tp1" / "global_step3" / name)["self_attention.query_key_value.weight"]
         ours = torch.load(work / "tp1-blocks" / "global_step3" / name)["self_attention.query_key_value.weight"]
         assert torch.equal(ours, merged.view(2, 3, -1, merged.shape[1]).transpose(0, 1).reshape(merged.shape))
+
+
+def test_consolidate_in_the_blocks_layout_gives_the_tp1_reshards_tensors(tp_change: dict[str, Any],
+                                                                         tmp_path: Path) -> None:
+    """`ckptflow consolidate --qkv-layout blocks` of the same tp 2 source writes, for every tensor, exactly the
+    tensor the tp 1 reshard in that layout holds in its layer files (from which Megatron computes the source
+    model's logits, above): `query_key_value` joined part by part, not rank after rank as the guard lifted
+    joins it; the vocabulary parameters without the padding rows Megatron adds at tp 1 (zeros in the reshard:
+    the model keeps `original_vocab_size` rows). Without the option it refuses, naming it."""
+    src, out = str(tp_change["work"] / "src"), tmp_path / "model"
+    env = {"COLUMNS": "400", "NO_COLOR": "1"}
+    refused = CliRunner().invoke(app, ["consolidate", src, str(out)], env=env)
+    assert refused.exit_code != 0 and not out.exists()
+    assert "query_key_value.weight is Megatron's fused attention projection" in refused.output
+    assert "declare the layout the checkpoint's Megatron-DeepSpeed wrote with --qkv-layout" in refused.output
+    done = CliRunner().invoke(app, ["consolidate", src, str(out), "--qkv-layout", "blocks"], env=env)
+    assert done.exit_code == 0, done.output
+    ours = load_file(out / "model.safetensors")
+    resharded = {}
+    for layer_file in sorted((tp_change["work"] / "tp1-blocks" / "global_step3").glob("layer_*-model_00-*.pt")):
+        layer = int(layer_file.name.split("-")[0].removeprefix("layer_"))
+        resharded.update({f"{layer}.{k}": v for k, v in torch.load(layer_file).items()})
+    assert sorted(ours) == sorted(resharded)
+    for name, tensor in ours.items():
+        theirs = resharded[name]
+        if tensor.shape != theirs.shape:  # the vocabulary (embedding, head), padded at tp 1
+            assert tensor.shape[1:] == theirs.shape[1:] and not theirs[tensor.shape[0]:].any(), name
+            theirs = theirs[:tensor.shape[0]]
+        assert torch.equal(tensor, theirs), name
+    lifted = tp_change["work"] / "tp1" / "global_step3"
+    for layer in (2, 3):
+        name = "self_attention.query_key_value.weight"
+        joined = torch.load(lifted / f"layer_0{layer}-model_00-model_states.pt")[name]
+        assert not torch.equal(ours[f"{layer}.{name}"], joined)
 
 
 def test_the_groups_layout_declared_of_a_blocks_checkpoint_loads_another_model(tp_change: dict[str, Any]) -> None:

@@ -10,14 +10,16 @@ Nothing here reads a byte.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError, option
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.model import Partitioned
+from ckptflow.formats.deepspeed.client_state import namespace_state
+from ckptflow.formats.deepspeed.model import ModelTensor, Partitioned
+from ckptflow.formats.deepspeed.qkv import check_degree, check_layout, heads_from_args, in_rows, qkv_rows
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, fused_qkv
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV, FUSED_QKV_WHY, fused_qkv, joined_on_rows
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
@@ -42,6 +44,10 @@ class ConsolidateOptions:
     checked against the checkpoint's tensors before anything is committed (`consolidate.config`).
     `strict_pickle` refuses a checkpoint whose pickles name any class outside DeepSpeed's allow-list,
     client state included (`formats.deepspeed.names`).
+    `qkv_layout` ("blocks" or "groups") declares how each tensor-parallel rank of a Megatron-style checkpoint
+    holds the rows of Megatron's fused `query_key_value`, which no file records (`formats.deepspeed.qkv`): the
+    ranks are joined into the rows a model at tensor-parallel degree 1 reads in that layout. Without it such a
+    checkpoint at degree 2 or more is refused.
     """
 
     dtype: str = DEFAULT_DTYPE
@@ -53,8 +59,10 @@ class ConsolidateOptions:
     config: str | None = None
     config_revision: str | None = None
     strict_pickle: bool = False
+    qkv_layout: str | None = None
 
     def __post_init__(self) -> None:
+        check_layout(self.qkv_layout)
         names = {**hf.OUTPUT_DTYPES, **{v: v for v in hf.OUTPUT_DTYPES.values()}}
         if self.dtype not in names:
             raise ValueError(f"dtype must be one of fp32, bf16, fp16, got {self.dtype!r}")
@@ -179,11 +187,11 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
     frozen parameters are left out with `exclude_frozen`; buffers keep their dtype.
     """
     options = options or ConsolidateOptions()
-    _check_joinable(index)
+    _check_joinable(index, options.qkv_layout)
     _check_exact(index, options)
     tensors: list[OutputTensor] = []
     excluded: list[str] = []
-    for t in index.model_tensors():
+    for t in _in_layout(index, index.model_tensors(), options.qkv_layout):
         if t.kind == "frozen" and options.exclude_frozen:
             excluded.append(t.name)
             continue
@@ -212,19 +220,57 @@ def plan_consolidation(index: Partitioned, options: ConsolidateOptions | None = 
     )
 
 
-def _check_joinable(index: Partitioned) -> None:
+def _check_joinable(index: Partitioned, qkv_layout: str | None) -> None:
     """A Megatron-style checkpoint at tensor-parallel degree 2 or more holding Megatron's fused
-    `query_key_value` is refused, as `reshard` refuses a tensor-parallel change of it: its ranks' rows
-    joined one after the other are right for the older Megatron-DeepSpeed layout only, and the
-    checkpoint does not say which layout it holds (`readers.pipeline.FUSED_QKV_WHY`)."""
-    if not isinstance(index, ModelParallelCheckpoint) or index.kind != "megatron" or index.tp == 1:
+    `query_key_value` is refused without the `qkv_layout` its ranks hold it in, as `reshard` refuses a
+    tensor-parallel change of it: its ranks' rows joined one after the other are right for the older
+    Megatron-DeepSpeed layout only, and the checkpoint does not say which layout it holds
+    (`readers.pipeline.FUSED_QKV_WHY`)."""
+    if qkv_layout is not None or not _megatron_tp(index):
         return
+    assert isinstance(index, ModelParallelCheckpoint)
     fused = fused_qkv(index)
     if fused is not None:
         raise UnsupportedCheckpointError(
             f"{index.root}/{index.tag}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
-            tensor=fused, hint=f"join its {index.tp} tensor-parallel ranks with the Megatron-DeepSpeed version that "
-            "saved it (its own checkpoint tools know its layout), or save it at tensor-parallel degree 1")
+            tensor=fused, hint=f"declare the layout the checkpoint's Megatron-DeepSpeed wrote with "
+            f"{option('qkv_layout')} (blocks since December 2024, groups before), or join its {index.tp} "
+            "tensor-parallel ranks with the Megatron-DeepSpeed version that saved it")
+
+
+def _megatron_tp(index: Partitioned) -> bool:
+    return isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron" and index.tp > 1
+
+
+def _in_layout(index: Partitioned, tensors: Sequence[ModelTensor], qkv_layout: str | None) -> list[ModelTensor]:
+    """`tensors`, each fused attention projection of the Megatron-style checkpoint `index` (at tensor-parallel
+    degree 2 or more) with its rows, weight and bias alike, where a model at degree 1 reads them in `qkv_layout`
+    (`formats.deepspeed.qkv`), the heads from the run's `args`. `UnsupportedCheckpointError` naming the first
+    that cannot be."""
+    if qkv_layout is None or not _megatron_tp(index):
+        return list(tensors)
+    assert isinstance(index, ModelParallelCheckpoint)
+    args = namespace_state(index.ranks[0].model_states[0].get("args"))
+    out = []
+    for t in tensors:
+        if FUSED_QKV not in t.name:
+            out.append(t)
+            continue
+        try:
+            if not joined_on_rows(index, t.name):
+                raise UnsupportedCheckpointError("the checkpoint does not record it as a column-parallel parameter, "
+                                                 "split on its rows")
+            heads = heads_from_args(args, t.shape[0])
+            check_degree(heads, index.tp)
+        except UnsupportedCheckpointError as exc:
+            raise UnsupportedCheckpointError(
+                f"{index.root}/{index.tag}: {t.name} cannot be joined in the {qkv_layout} layout: {exc}",
+                code="unsupported-shape", uri=index.root, tensor=t.name,
+                hint=f"join its {index.tp} tensor-parallel ranks with the Megatron-DeepSpeed version that saved "
+                     "it") from None
+        row = element_count(t.shape[1:])
+        out.append(replace(t, runs=in_rows(t.runs, row, qkv_rows(qkv_layout, heads, index.tp, 1)[0])))
+    return out
 
 
 def _check_exact(index: Partitioned, options: ConsolidateOptions) -> None:

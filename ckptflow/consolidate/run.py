@@ -114,6 +114,7 @@ def provenance(plan: ConsolidationPlan, shards: Sequence[ShardResult], side: Sid
             "dtype": plan.dtype,
             "max_shard_size": plan.options.max_shard_size,
             "exclude_frozen": plan.options.exclude_frozen,
+            "qkv_layout": plan.options.qkv_layout,  # None (null) where none was declared
             "excluded": list(plan.excluded),
             "tied": dict(plan.tied),
             "total_size": plan.total_size,
@@ -168,8 +169,8 @@ def finalize(plan: ConsolidationPlan, results: Sequence[ShardResult], staging: S
 PROVENANCE_LIMIT = 64 << 20  # the record lists every shard and tied name: a few hundred KiB at 405B
 # What a committed model must have been made with to be taken as this plan's: (record section, key).
 RECORD_KEYS = (("source", "uri"), ("source", "tag"), ("source", "step"), ("output", "dtype"),
-               ("output", "max_shard_size"), ("output", "exclude_frozen"), ("output", "total_size"),
-               ("output", "total_parameters"))
+               ("output", "max_shard_size"), ("output", "exclude_frozen"), ("output", "qkv_layout"),
+               ("output", "total_size"), ("output", "total_parameters"))
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -689,5 +689,22 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_qkv", "position_note",
-           "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]
+def joined_on_rows(index: ModelParallelCheckpoint, name: str) -> bool:
+    """Whether the rules the Megatron-style checkpoint `index` records (`split_pieces`) join its tensor-parallel
+    ranks' shards of parameter `name` one after the other on their rows, as a column-parallel parameter."""
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    for stage in range(index.pp):
+        ranks = index.ranks[stage * index.tp:(stage + 1) * index.tp]
+        if name in ranks[0].param_by_name:
+            local = [rank.param_by_name[name].shape for rank in ranks]
+            try:
+                _, pieces, _ = split_pieces(name, local, info, index.tp, "param")
+                return pieces == [[p] for p in concat_pieces(local, 0)[1]]
+            except (CkptflowError, ValueError, KeyError):
+                return False
+    return False
+
+
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_qkv", "joined_on_rows",
+           "position_note", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module",
+           "vocabulary_rows"]
