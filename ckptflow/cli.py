@@ -314,6 +314,9 @@ def run_command(
     config: Optional[str] = typer.Option(None, "--config", metavar="SOURCE", help=CONFIG_HELP),
     config_revision: Optional[str] = typer.Option(None, "--config-revision", metavar="REV",
                                                   help="Branch, tag or commit of the --config Hub repo."),
+    qkv_layout: Optional[QkvLayout] = typer.Option(
+        None, "--qkv-layout", help="Megatron's query_key_value row layout, for the model and the reshards "
+        "(see `consolidate --help`)."),
 ) -> None:
     """Run the whole pipeline (validate, consolidate + verify, reshard, publish) as a Prefect flow.
 
@@ -330,6 +333,7 @@ def run_command(
             src, tag=tag, dtype=dtype.value, consolidate=consolidate, max_shard_size=max_shard_size, reshard=reshard,
             destinations=to, publish=publish, verify=verify, settle=settle, workspace=workspace,
             gpu_deployment=gpu_deployment, refresh=refresh, config=config, config_revision=config_revision,
+            qkv_layout=qkv_layout.value if qkv_layout is not None else None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -70,8 +70,10 @@ def lifecycle_parameters(
     refresh: bool,
     config: str | None = None,
     config_revision: str | None = None,
+    qkv_layout: str | None = None,
 ) -> dict[str, Any]:
     """The flow's parameters from command-line values; ValueError with a readable message."""
+    layout = qkv_layout or "unknown"  # the forms' word for "not declared"
     try:
         return {
             "source": src,
@@ -79,9 +81,9 @@ def lifecycle_parameters(
             "validation": ValidationForm(settle_seconds=settle, poll_seconds=min(15.0, max(settle / 10, 1.0))),
             "consolidation": ConsolidationForm(
                 enabled=consolidate, dtype=dtype, max_shard_size=max_shard_size, deployment=gpu_deployment,
-                config=config, config_revision=config_revision,
+                config=config, config_revision=config_revision, qkv_layout=layout,
             ),
-            "reshard": ReshardForm(world_sizes=parse_world_sizes(reshard)),
+            "reshard": ReshardForm(world_sizes=parse_world_sizes(reshard), qkv_layout=layout),
             "verification": VerificationForm(enabled=verify and consolidate),
             "destinations": [Destination(uri=d, what=publish) for d in destinations],
             "workspace": workspace,

@@ -496,6 +496,11 @@ def test_the_lifecycle_form_has_the_config_source() -> None:
                                   workspace=None, gpu_deployment=None, refresh=False, config="org/base",
                                   config_revision="v1")
     assert (params["consolidation"].config, params["consolidation"].config_revision) == ("org/base", "v1")
+    assert (params["consolidation"].layout, params["reshard"].qkv_layout) == (None, "unknown")
+    declared = lifecycle_parameters("gs://b/run", tag=None, dtype="bf16", consolidate=True, max_shard_size="5GB",
+                                    reshard="2", destinations=[], publish="model", verify=True, settle=0,
+                                    workspace=None, gpu_deployment=None, refresh=False, qkv_layout="blocks")
+    assert (declared["consolidation"].layout, declared["reshard"].qkv_layout) == ("blocks", "blocks")  # `run --qkv-layout`
     # Without a config source, the folder and the cached results' keys are those of before the field existed.
     assert "config" not in _identity(ConsolidationForm()) and "config_revision" not in _identity(
         ConsolidationForm())
