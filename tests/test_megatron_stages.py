@@ -324,6 +324,77 @@ def test_differing_copies_of_a_tied_replicated_parameter_are_refused(
     assert not (tmp_path / "out").exists()
 
 
+def _drifted(fixture: ParallelFixture, dst: Path) -> Path:
+    """A copy of the tied fixture whose last stage's position embeddings drifted from stage 0's, as a real
+    `GPTModelPipe` at pp >= 2 lets them (its head never reads them: weight decay only): the fp32 master and
+    both Adam moments of stage 1's two tensor-parallel ranks moved alike (the stage saves no layer file of the
+    tied module)."""
+    import shutil
+
+    import torch
+
+    shutil.copytree(fixture.dir, dst)
+    for mp in (2, 3):
+        optim = dst / "global_step3" / f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt"
+        state = torch.load(optim, weights_only=False)  # the test's own copy: trusted
+        flat = state["optimizer_state_dict"]
+        at = flat["param_slice_mappings"][0][POSITION_EMBEDDINGS]
+        moments = flat["base_optimizer_state"]["state"][0]
+        with torch.no_grad():
+            for tensor, by in ((flat["single_partition_of_fp32_groups"][0], 1.0), (moments["exp_avg"], 0.5),
+                               (moments["exp_avg_sq"], 0.25)):
+                tensor[at.start:at.start + at.numel] += by * torch.arange(1, at.numel + 1)
+        torch.save(state, optim)
+    return dst
+
+
+def _tied_state(folder: Path, mp: int, dp: int) -> list[Any]:
+    """Model-parallel rank `mp`'s fp32 master, exp_avg and exp_avg_sq of the tied position embeddings, joined
+    from its `dp` data-parallel ranks' optimizer files (trusted: the test's own copy or ckptflow's output)."""
+    import torch
+
+    pieces: list[list[Any]] = [[], [], []]
+    for d in range(dp):
+        state = torch.load(next(folder.glob(f"global_step3/zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")),
+                           weights_only=False)["optimizer_state_dict"]
+        at = state["param_slice_mappings"][0].get(POSITION_EMBEDDINGS)
+        if at is None:
+            continue
+        moments = state["base_optimizer_state"]["state"][0]
+        for k, tensor in enumerate((state["single_partition_of_fp32_groups"][0], moments["exp_avg"],
+                                    moments["exp_avg_sq"])):
+            pieces[k].append(tensor[at.start:at.start + at.numel])
+    return [torch.cat(p) for p in pieces]
+
+
+def test_each_stage_keeps_its_own_copy_of_tied_position_embeddings(
+        stage_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """Stage 1's copy of the tied position embeddings drifted from stage 0's: the stages' copies are not compared,
+    only each stage's tensor-parallel ranks. At the same stages (pp2 x tp2 -> pp2 x tp1 x dp2) each target stage
+    holds its own source stage's masters and moments, bit for bit, and the output validates deep; merged to one
+    stage (-> pp1 x tp1 x dp2) it holds stage 0's; cut into 4 (planned only) the last stage, which holds the tie
+    alone, reads stage 1's."""
+    import torch
+
+    src = _drifted(stage_fixtures[TIED], tmp_path / "src")
+    source = [_tied_state(src, 0, 1), _tied_state(src, 2, 1)]
+    assert not torch.equal(source[0][0], source[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(source[1], _tied_state(src, 3, 1)))
+    reshard(str(src), str(tmp_path / "pp2"), world_size=4, pp=2, tp=1, workers=2)
+    for stage in range(2):
+        got = _tied_state(tmp_path / "pp2", stage, 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, source[stage])), stage
+    report = validate(str(tmp_path / "pp2"), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    assert (report.index.stage_copies[(POSITION_EMBEDDINGS, 1)].shape, len(report.index.stage_copies)) == ((12, 16), 2)
+    reshard(str(src), str(tmp_path / "pp1"), world_size=2, pp=1, tp=1, workers=2)
+    assert all(torch.equal(a, b) for a, b in zip(_tied_state(tmp_path / "pp1", 0, 2), source[0]))
+    index = load_index(str(src))
+    cut = plan_reshard(index, Target(world_size=4, pp=4, tp=1, partition_method="uniform"))
+    assert {c.src_rank for u in cut.parts[-1].units for f in u.flats for c in f.copies} == {2, 3}
+    assert {c.src_rank for u in cut.parts[0].units for f in u.flats for c in f.copies} == {0, 1}
+
+
 def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[str, ParallelFixture],
                                                       tmp_path: Path) -> None:
     fixture = stage_fixtures[PIPE]

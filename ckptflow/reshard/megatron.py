@@ -114,12 +114,12 @@ def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
     _check_source(index, shape, qkv_layout=qkv_layout)
     vocab_rows, splits = _splits(index, shape.tp, qkv_layout)
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
-    runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
     parts = []
     for stage, stage_splits in enumerate(splits):
         module = _module_runs(index, stage, info)
         layers = _stage_layers(index, stage)
+        runs = ModelRuns(index, _copies_from(index, stage))
         for t in range(shape.tp):
             mp_rank = stage * shape.tp + t
             pieces = {name: split[1][t] for name, split in stage_splits.items()}
@@ -161,6 +161,7 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
     owners = _layer_owners(index, stages)
     parts = []
     for at, stage in enumerate(stages):
+        copy_from = _copies_from(index, at, stages)
         for t in range(shape.tp):
             pieces = {name: split[1][t] for name, split in splits.items()}
             shapes = {name: split[0][t] for name, split in splits.items()}
@@ -172,7 +173,7 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
                 return local_copies(pieces, full)
 
             source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
-            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local)
+            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local, copy_from=copy_from)
             files = tuple(_layer_file(index, layer, t, splits, module)
                           for layer, owner in owners.items() if owner == at)
             first = replace(plan.units[0], tensor_files=files)
@@ -182,6 +183,24 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
         padded_vocab=vocab_rows, notes=_notes(index, shape.tp),
     )
+
+
+def _copies_from(index: ModelParallelCheckpoint, at: int, stages: Sequence[TargetStage] | None = None
+                ) -> dict[str, int]:
+    """The source stage whose copy of each tied parameter target stage `at` of `stages` (None: the source's
+    own stages) takes, where it is not the lowest stage's (`ModelParallelCheckpoint.stage_copies`): at the
+    source's number of stages, its own; at another, the last target stage holding the tie takes the highest
+    source stage's copy (the one that stage's optimizer trained), the first and any middle one the lowest's."""
+    out = {}
+    for name, stage in index.stage_copies:
+        if stages is None or len(stages) == index.pp:
+            if stage == at:
+                out[name] = stage
+            continue
+        holders = [s for s, target in enumerate(stages) if _tied_key(name) in target.tied]
+        if len(holders) > 1 and at == holders[-1]:
+            out[name] = max(stage, out.get(name, stage))
+    return out
 
 
 def _notes(index: ModelParallelCheckpoint, tp: int) -> tuple[str, ...]:
