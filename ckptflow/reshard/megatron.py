@@ -44,12 +44,19 @@ groups, as `PipelineModule.parameters()` lists them), and saved once, in the lay
 by the vocabulary rules as any vocabulary parameter, and a parameter its `universal_checkpoint_info` records
 as replicated (`tp_replicated_parameter_patterns`: Megatron's GPT ties its learned position embeddings,
 `tied_modules.embed.position_embeddings.weight`, with it) read whole from one tensor-parallel rank and
-written whole on every target one, as any replicated parameter. Each is read from the lowest stage that
-trains it (the other tensor-parallel ranks' and stages' copies are its replicas, checked equal at a
-tensor-parallel change, `reshard.run`), and written into every target stage that uses it
-(`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a use of it, weighed at T' at
-each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those stages'
-optimizer state; its layer file is that of the layer of its first use, cut at T'. Checked against
+written whole on every target one, as any replicated parameter. Each stage keeps its own copy: a stage's
+tensor-parallel copies are replicas, checked equal at a tensor-parallel change (`reshard.run`), but the
+stages' copies may differ (Megatron-DeepSpeed's `GPTModelPipe` keeps only `word_embeddings_weight` equal
+over the tie, and its head never reads the positions: at pp >= 2 the last stage's copy of the position
+embeddings gets weight decay only and drifts from stage 0's; `readers.pipeline` keeps each later stage's
+copy in `stage_copies`). It is written into every target stage that uses it (`pipeline.stages_at`: every
+use at P' = 1, else the stages the cut gives a use of it, weighed at T' at each use as `PipelineModule`
+counts a `TiedLayerSpec`), its masters and moments in each of those stages' optimizer state, taken from
+(`_copies_from`): at the source's number of stages, each target stage's own source stage, so that the
+state is exactly the source's; at another, the lowest source stage that trains it for the first target
+stage holding the tie and any middle one, the highest for the last (the copy that stage's optimizer
+trained). Its layer file is that of the layer of its first use, cut at T' (the lowest stage's copy: the
+head's use saves none). Checked against
 DeepSpeed's native load at the target (`tests/test_megatron_stages.py`) and, for Megatron-DeepSpeed's GPT
 defaults at tp 2 -> 1, against Megatron's own resume (`tests/test_megatron_deepspeed.py`).
 
