@@ -48,7 +48,7 @@ from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.sets import ParallelFixture, build_megatron_tied
-from tests.sampling import sample
+from tests.sampling import long_mode, sample
 from tests.test_megatron_reshard import ARGS, PIPE, SWIGLU, _differences, check_same_universal
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 from tests.test_reshard import _universal
@@ -393,6 +393,31 @@ def test_each_stage_keeps_its_own_copy_of_tied_position_embeddings(
     assert (report.index.stage_copies[(POSITION_EMBEDDINGS, 1)].shape, len(report.index.stage_copies)) == ((12, 16), 2)
     reshard(str(src), str(tmp_path / "pp1"), world_size=2, pp=1, tp=1, workers=2)
     assert all(torch.equal(a, b) for a, b in zip(_tied_state(tmp_path / "pp1", 0, 2), source[0]))
+
+
+@pytest.mark.skipif(not long_mode(), reason="a DeepSpeed launch of its own: long mode (CKPTFLOW_LONG=1)")
+def test_deepspeed_loads_each_stage_s_own_copy_natively(stage_fixtures: Mapping[str, ParallelFixture],
+                                                        tmp_path: Path) -> None:
+    """DeepSpeed at pp2 x tp1 x dp2 loads the drifted source resharded there natively (no universal flag) and,
+    saved again, writes exactly ckptflow's files, each stage's optimizer holding its own source stage's masters
+    and moments of the tied position embeddings (the fixture's oracle tensors hold stage 0's only, so nothing is
+    gathered)."""
+    import torch
+
+    fixture = stage_fixtures[TIED]
+    src = _drifted(fixture, tmp_path / "src")
+    case = (TIED, 2, 1, 2, None, None)
+    outs, resaved = {case: tmp_path / "out"}, {case: tmp_path / "resaved"}
+    reshard(str(src), str(outs[case]), world_size=4, pp=2, tp=1, workers=2)
+    spec = dataclasses.replace(fixture.parallel_spec, pp=2, tp=1, world_size=4)
+    result = tmp_path / "result.json"
+    launch_oracle(4, [{"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
+                       "save": str(resaved[case]), "result": str(result)}], tmp_path, "drifted")
+    assert json.loads(result.read_text())["client_state_differ"] == []
+    check_same_files({"outs": outs, "resaved": resaved}, case)
+    for stage in range(2):
+        got, want = _tied_state(resaved[case], stage, 2), _tied_state(src, 2 * stage, 1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), stage
 
 
 def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[str, ParallelFixture],
