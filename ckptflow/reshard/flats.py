@@ -104,7 +104,8 @@ class ModelRuns:
         self.runs = {t.name: t.runs for t in index.tensors}
         for name, stage in (stages or {}).items():
             copy = index.stage_copies.get((name, stage))
-            self.runs[name] = copy.runs if copy is not None else self.runs[name]
+            if copy is not None:
+                self.runs[name] = copy.runs
         # The furthest element each run up to this one reaches: strided runs interleave, so a window
         # [first, last) starts its search at the first run reaching past `first`.
         self.reach = {name: list(itertools.accumulate((r.end for r in runs), max)) for name, runs in self.runs.items()}
