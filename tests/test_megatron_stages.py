@@ -18,7 +18,9 @@ stage and tensor-parallel ranks that hold them; its layer files cut again at the
   layer file written once (layer 0's), as DeepSpeed at the target saves it;
 - what cannot move yet (a tied parameter neither vocabulary-parallel nor replicated, another ZeRO stage) is
   refused in one line, and `--plan` says so; tensor-parallel copies of a tied replicated parameter that differ
-  are refused, naming it.
+  are refused, naming it; the stages' copies may differ (a real `GPTModelPipe` at pp >= 2 lets the last
+  stage's position embeddings drift): each target stage takes its own source stage's at the same stages,
+  stage 0's at pp1, the last of 4 stage 1's.
 
 The default run makes one 2-rank launch: pp2 x tp2 x dp1 -> pp1 x tp1 x dp2 (both degrees at once), for the
 untied and the tied model. The long mode adds the pipeline alone (pp2 x tp2 -> pp1 x tp2), fused SwiGLU halves
@@ -46,7 +48,7 @@ from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.sets import ParallelFixture, build_megatron_tied
-from tests.sampling import sample
+from tests.sampling import long_mode, sample
 from tests.test_megatron_reshard import ARGS, PIPE, SWIGLU, _differences, check_same_universal
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 from tests.test_reshard import _universal
@@ -214,8 +216,9 @@ def test_the_tied_embedding_moves_with_the_stages(stage_fixtures: Mapping[str, P
     tensor-parallel rank, the 12 x 16 position embeddings whole on each): merged to pp1 x tp1 they are the one
     stage's first parameters (the `tied_modules` come first), whole, every element copied from stage 0's two
     tensor-parallel ranks, written once, in layer 0's file (the head, a `forward_fn` use, saves none); at pp2 x tp1
-    both stages hold them first and stage 0 writes the file; cut "uniform" into 4 stages, the last holds them alone,
-    read from stage 0, and writes no layer file."""
+    both stages hold them first and stage 0 writes the file; cut "uniform" into 4 stages, the first holds them read
+    from stage 0, the last holds them alone, read from stage 1 (the copy its optimizer trained), and writes no layer
+    file."""
     index = load_index(str(stage_fixtures[TIED].dir))
     merged = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
     (part,) = merged.parts
@@ -235,7 +238,8 @@ def test_the_tied_embedding_moves_with_the_stages(stage_fixtures: Mapping[str, P
     cut = plan_reshard(index, Target(world_size=4, pp=4, tp=1, partition_method="uniform"))
     assert cut.parts[-1].flat_shapes == (tied,)
     assert cut.parts[-1].units[0].tensor_files == ()
-    assert {c.src_rank for u in cut.parts[-1].units for f in u.flats for c in f.copies} == {0, 1}
+    assert {c.src_rank for u in cut.parts[-1].units for f in u.flats for c in f.copies} == {2, 3}
+    assert {c.src_rank for u in cut.parts[0].units for f in u.flats for c in f.copies} == {0, 1}
 
 
 def test_the_plan_lists_the_tied_shapes(stage_fixtures: Mapping[str, ParallelFixture]) -> None:
@@ -322,6 +326,98 @@ def test_differing_copies_of_a_tied_replicated_parameter_are_refused(
         f"refusing to reshard {src}: tensor {POSITION_EMBEDDINGS}: pipeline stage 0 of 2, tensor-parallel rank 0 of 2 "
         "and pipeline stage 0 of 2, tensor-parallel rank 1 of 2 hold different values for the same block")
     assert not (tmp_path / "out").exists()
+
+
+def _drifted(fixture: ParallelFixture, dst: Path) -> Path:
+    """A copy of the tied fixture whose last stage's position embeddings drifted from stage 0's, as a real
+    `GPTModelPipe` at pp >= 2 lets them (its head never reads them: weight decay only): the fp32 master and
+    both Adam moments of stage 1's two tensor-parallel ranks moved alike (the stage saves no layer file of the
+    tied module)."""
+    import shutil
+
+    import torch
+
+    shutil.copytree(fixture.dir, dst)
+    for mp in (2, 3):
+        optim = dst / "global_step3" / f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt"
+        state = torch.load(optim, weights_only=False)  # the test's own copy: trusted
+        flat = state["optimizer_state_dict"]
+        at = flat["param_slice_mappings"][0][POSITION_EMBEDDINGS]
+        moments = flat["base_optimizer_state"]["state"][0]
+        with torch.no_grad():
+            for tensor, by in ((flat["single_partition_of_fp32_groups"][0], 1.0), (moments["exp_avg"], 0.5),
+                               (moments["exp_avg_sq"], 0.25)):
+                tensor[at.start:at.start + at.numel] += by * torch.arange(1, at.numel + 1)
+        torch.save(state, optim)
+    return dst
+
+
+def _tied_state(folder: Path, mp: int, dp: int) -> list[Any]:
+    """Model-parallel rank `mp`'s fp32 master, exp_avg and exp_avg_sq of the tied position embeddings, joined
+    from its `dp` data-parallel ranks' optimizer files (trusted: the test's own copy or ckptflow's output)."""
+    import torch
+
+    pieces: list[list[Any]] = [[], [], []]
+    for d in range(dp):
+        state = torch.load(next(folder.glob(f"global_step3/zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")),
+                           weights_only=False)["optimizer_state_dict"]
+        at = state["param_slice_mappings"][0].get(POSITION_EMBEDDINGS)
+        if at is None:
+            continue
+        moments = state["base_optimizer_state"]["state"][0]
+        for k, tensor in enumerate((state["single_partition_of_fp32_groups"][0], moments["exp_avg"],
+                                    moments["exp_avg_sq"])):
+            pieces[k].append(tensor[at.start:at.start + at.numel])
+    return [torch.cat(p) for p in pieces]
+
+
+def test_each_stage_keeps_its_own_copy_of_tied_position_embeddings(
+        stage_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """Stage 1's copy of the tied position embeddings drifted from stage 0's: the stages' copies are not compared,
+    only each stage's tensor-parallel ranks. At the same stages (pp2 x tp2 -> pp2 x tp1 x dp2) each target stage
+    holds its own source stage's masters and moments, bit for bit, and the output validates deep; merged to one
+    stage (-> pp1 x tp1 x dp2) it holds stage 0's (cut into 4, the last stage reads stage 1's:
+    `test_the_tied_embedding_moves_with_the_stages`)."""
+    import torch
+
+    src = _drifted(stage_fixtures[TIED], tmp_path / "src")
+    source = [_tied_state(src, 0, 1), _tied_state(src, 2, 1)]
+    assert not torch.equal(source[0][0], source[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(source[1], _tied_state(src, 3, 1)))
+    reshard(str(src), str(tmp_path / "pp2"), world_size=4, pp=2, tp=1, workers=2)
+    for stage in range(2):
+        got = _tied_state(tmp_path / "pp2", stage, 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, source[stage])), stage
+    report = validate(str(tmp_path / "pp2"), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    assert (report.index.stage_copies[(POSITION_EMBEDDINGS, 1)].shape, len(report.index.stage_copies)) == ((12, 16), 2)
+    reshard(str(src), str(tmp_path / "pp1"), world_size=2, pp=1, tp=1, workers=2)
+    assert all(torch.equal(a, b) for a, b in zip(_tied_state(tmp_path / "pp1", 0, 2), source[0]))
+
+
+@pytest.mark.skipif(not long_mode(), reason="a DeepSpeed launch of its own: long mode (CKPTFLOW_LONG=1)")
+def test_deepspeed_loads_each_stage_s_own_copy_natively(stage_fixtures: Mapping[str, ParallelFixture],
+                                                        tmp_path: Path) -> None:
+    """DeepSpeed at pp2 x tp1 x dp2 loads the drifted source resharded there natively (no universal flag) and,
+    saved again, writes exactly ckptflow's files, each stage's optimizer holding its own source stage's masters
+    and moments of the tied position embeddings (the fixture's oracle tensors hold stage 0's only, so nothing is
+    gathered)."""
+    import torch
+
+    fixture = stage_fixtures[TIED]
+    src = _drifted(fixture, tmp_path / "src")
+    case = (TIED, 2, 1, 2, None, None)
+    outs, resaved = {case: tmp_path / "out"}, {case: tmp_path / "resaved"}
+    reshard(str(src), str(outs[case]), world_size=4, pp=2, tp=1, workers=2)
+    spec = dataclasses.replace(fixture.parallel_spec, pp=2, tp=1, world_size=4)
+    result = tmp_path / "result.json"
+    launch_oracle(4, [{"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
+                       "save": str(resaved[case]), "result": str(result)}], tmp_path, "drifted")
+    assert json.loads(result.read_text())["client_state_differ"] == []
+    check_same_files({"outs": outs, "resaved": resaved}, case)
+    for stage in range(2):
+        got, want = _tied_state(resaved[case], stage, 2), _tied_state(src, 2 * stage, 1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), stage
 
 
 def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[str, ParallelFixture],

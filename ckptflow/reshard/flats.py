@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ckptflow.errors import UnsupportedCheckpointError
@@ -95,11 +95,17 @@ def _partitions_of(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int],
 class ModelRuns:
     """A full parameter's fp32 runs, by element, as copies out of the virtual ranks' partitions. A
     row-parallel shard's rows stay one strided run, and become strided copies: the writer reads them
-    as one range and places them a full row apart (`formats.torch.pickler.Span`)."""
+    as one range and places them a full row apart (`formats.torch.pickler.Span`). `stages`: the source
+    stage whose copy of a tied parameter is read (`ModelParallelCheckpoint.stage_copies`; by default, and
+    for any other parameter, the lowest stage's)."""
 
-    def __init__(self, index: ModelParallelCheckpoint) -> None:
+    def __init__(self, index: ModelParallelCheckpoint, stages: Mapping[str, int] | None = None) -> None:
         self.sources = _partitions_of(index)
         self.runs = {t.name: t.runs for t in index.tensors}
+        for name, stage in (stages or {}).items():
+            copy = index.stage_copies.get((name, stage))
+            if copy is not None:
+                self.runs[name] = copy.runs
         # The furthest element each run up to this one reaches: strided runs interleave, so a window
         # [first, last) starts its search at the first run reaching past `first`.
         self.reach = {name: list(itertools.accumulate((r.end for r in runs), max)) for name, runs in self.runs.items()}

@@ -44,12 +44,19 @@ groups, as `PipelineModule.parameters()` lists them), and saved once, in the lay
 by the vocabulary rules as any vocabulary parameter, and a parameter its `universal_checkpoint_info` records
 as replicated (`tp_replicated_parameter_patterns`: Megatron's GPT ties its learned position embeddings,
 `tied_modules.embed.position_embeddings.weight`, with it) read whole from one tensor-parallel rank and
-written whole on every target one, as any replicated parameter. Each is read from the lowest stage that
-trains it (the other tensor-parallel ranks' and stages' copies are its replicas, checked equal at a
-tensor-parallel change, `reshard.run`), and written into every target stage that uses it
-(`pipeline.stages_at`: every use at P' = 1, else the stages the cut gives a use of it, weighed at T' at
-each use as `PipelineModule` counts a `TiedLayerSpec`), its masters and moments in each of those stages'
-optimizer state; its layer file is that of the layer of its first use, cut at T'. Checked against
+written whole on every target one, as any replicated parameter. Each stage keeps its own copy: a stage's
+tensor-parallel copies are replicas, checked equal at a tensor-parallel change (`reshard.run`), but the
+stages' copies may differ (Megatron-DeepSpeed's `GPTModelPipe` keeps only `word_embeddings_weight` equal
+over the tie, and its head never reads the positions: at pp >= 2 the last stage's copy of the position
+embeddings gets weight decay only and drifts from stage 0's; `readers.pipeline` keeps each later stage's
+copy in `stage_copies`). It is written into every target stage that uses it (`pipeline.stages_at`: every
+use at P' = 1, else the stages the cut gives a use of it, weighed at T' at each use as `PipelineModule`
+counts a `TiedLayerSpec`), its masters and moments in each of those stages' optimizer state, taken from
+(`_copies_from`): at the source's number of stages, each target stage's own source stage, so that the
+state is exactly the source's; at another, the lowest source stage that trains it for the first target
+stage holding the tie and any middle one, the highest for the last (the copy that stage's optimizer
+trained). Its layer file is that of the layer of its first use, cut at T' (the lowest stage's copy: the
+head's use saves none). Checked against
 DeepSpeed's native load at the target (`tests/test_megatron_stages.py`) and, for Megatron-DeepSpeed's GPT
 defaults at tp 2 -> 1, against Megatron's own resume (`tests/test_megatron_deepspeed.py`).
 
@@ -114,12 +121,12 @@ def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
     _check_source(index, shape, qkv_layout=qkv_layout)
     vocab_rows, splits = _splits(index, shape.tp, qkv_layout)
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
-    runs = ModelRuns(index)
     kind = index.ranks[0].optimizer_kind
     parts = []
     for stage, stage_splits in enumerate(splits):
         module = _module_runs(index, stage, info)
         layers = _stage_layers(index, stage)
+        runs = ModelRuns(index, _copies_from(index, stage))
         for t in range(shape.tp):
             mp_rank = stage * shape.tp + t
             pieces = {name: split[1][t] for name, split in stage_splits.items()}
@@ -161,6 +168,7 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
     owners = _layer_owners(index, stages)
     parts = []
     for at, stage in enumerate(stages):
+        copy_from = _copies_from(index, at, stages)
         for t in range(shape.tp):
             pieces = {name: split[1][t] for name, split in splits.items()}
             shapes = {name: split[0][t] for name, split in splits.items()}
@@ -172,7 +180,7 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
                 return local_copies(pieces, full)
 
             source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
-            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local)
+            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local, copy_from=copy_from)
             files = tuple(_layer_file(index, layer, t, splits, module)
                           for layer, owner in owners.items() if owner == at)
             first = replace(plan.units[0], tensor_files=files)
@@ -182,6 +190,24 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,
         padded_vocab=vocab_rows, notes=_notes(index, shape.tp),
     )
+
+
+def _copies_from(index: ModelParallelCheckpoint, at: int, stages: Sequence[TargetStage] | None = None
+                ) -> dict[str, int]:
+    """The source stage whose copy of each tied parameter target stage `at` of `stages` (None: the source's
+    own stages) takes, where it is not the lowest stage's (`ModelParallelCheckpoint.stage_copies`): at the
+    source's number of stages, its own; at another, the last target stage holding the tie takes the highest
+    source stage's copy (the one that stage's optimizer trained), the first and any middle one the lowest's."""
+    out = {}
+    for name, stage in index.stage_copies:
+        if stages is None or len(stages) == index.pp:
+            if stage == at:
+                out[name] = stage
+            continue
+        holders = [s for s, target in enumerate(stages) if _tied_key(name) in target.tied]
+        if len(holders) > 1 and at == holders[-1]:
+            out[name] = max(stage, out.get(name, stage))
+    return out
 
 
 def _notes(index: ModelParallelCheckpoint, tp: int) -> tuple[str, ...]:

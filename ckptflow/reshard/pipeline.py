@@ -374,17 +374,22 @@ def stage_source(index: ModelParallelCheckpoint, groups: list[str], stage: Targe
 
 
 def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, *, mp_rank: int,
-               local: Callable[[Copies], Copies] | None = None) -> DataParallelPlan:
+               local: Callable[[Copies], Copies] | None = None,
+               copy_from: Mapping[str, int] | None = None) -> DataParallelPlan:
     """The target stage's ZeRO-1 files (`source`: `stage_source`) at `world_size` data-parallel ranks: each
     group flattened from its parameters in order, partitioned by DeepSpeed's arithmetic, filled by copies
-    from the source stages (of the full tensors; `local` turns those into copies of a target shard's)."""
+    from the source stages (of the full tensors; `local` turns those into copies of a target shard's). A
+    tied parameter is read from the lowest source stage that trains it, or from the one `copy_from` names
+    (a Megatron-style checkpoint's stages keep their own copies: `flats.ModelRuns`)."""
     by_name = source.param_by_name
     optimizer = source.optimizer_kind
     n_tensors = source.tensors_per_partition
-    held: dict[str, int] = {}  # a parameter's group in the source stage it is read from (the lowest that trains it)
+    held: dict[str, int] = {}  # a parameter's group in the source stage it is read from
     for rank in reversed(index.ranks):
         held.update({p.name: p.group for p in rank.params if p.group is not None})
-    runs = ModelRuns(index)
+    for name, at in (copy_from or {}).items():
+        held[name] = index.ranks[at * index.tp].param_by_name[name].group
+    runs = ModelRuns(index, copy_from)
 
     def copies(name: str, _group: int, first: int, last: int, dst: int) -> list[Copy]:
         return runs.copies(name, held[name], first, last, dst)

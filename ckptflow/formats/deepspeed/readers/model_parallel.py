@@ -311,6 +311,9 @@ class ModelParallelCheckpoint:
     notes: tuple[str, ...] = ()
     layers: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict, repr=False, compare=False)
     tied_layers: tuple[tuple[str, int], ...] = ()  # PipelineModule: (tied module key, the layer whose file holds it)
+    # Megatron-style PipelineModule: a tied module's copy on each stage after the lowest that trains it, by
+    # (name, stage) (`readers.pipeline`: they may differ; `tensors` holds the lowest's)
+    stage_copies: Mapping[tuple[str, int], ModelTensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def tag_uri(self) -> str:

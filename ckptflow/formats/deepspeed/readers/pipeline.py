@@ -13,7 +13,9 @@ What DeepSpeed 0.19.8 writes (`tests/fixtures/PARALLEL_LAYOUTS.md`, sections 6 a
 The fp32 master weights come from each stage's optimizer partitions (`index.read_zero`, with the
 stage's layer-file tensors standing in for the `module` it did not save); buffers and frozen
 parameters from the layer files. A tied module is trained on every stage that uses it: the lowest
-stage's copy is read and the others are paired with it as replicas. Output names are the
+stage's copy is read and the others are paired with it as replicas; in a Megatron-style one, each later
+stage's copy is kept apart (`stage_copies`), its tensor-parallel ranks paired with one another only (the
+stages' copies may differ: `_join_all`). Output names are the
 PipelineModule's own (`{layer}.{name}`, `tied_modules.{key}.{name}`): there is no Hugging Face config.
 
 Megatron-style tensor parallelism is split by rules only the client records, as
@@ -121,7 +123,8 @@ def read_pipeline(
         for mp, leftovers in plan.frozen.items():  # layer-file tensors no stage trains: frozen parameters
             mp_locals.setdefault(mp, {}).update(leftovers)
         views = [[s * tp + t for t in range(tp)] for s in range(pp)]
-    tensors, replicas = _join_all(st, listing, mp_locals, views, info, tp, label)
+    tensors, replicas, copies = _join_all(st, listing, mp_locals, views, info, tp, label,
+                                          per_stage=megatron and not zero0)
     st.stop_if_any()
     first = ranks[0]
     notes: tuple[str, ...] = (NAMES_NOTE,)
@@ -137,7 +140,7 @@ def read_pipeline(
         root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
         step=first.step, ds_version=first.ds_version, kind=topology.kind,
         description=Topology(topology.kind, first.stage, topology.dp, tp=topology.tp, pp=pp).description, tp=tp, pp=pp,
-        ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas),
+        ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas), stage_copies=copies,
         carried=tuple(sorted(layer_names.values())), notes=notes, layers=layers,
         tied_layers=tuple(sorted(plan.tied_owner.items())) if plan else (),
     )
@@ -342,21 +345,30 @@ def _layer_views(heads: Sequence[Mapping[str, Any]], layers: Mapping[tuple[int, 
 
 def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[str, ModelTensor]],
               views: Sequence[Sequence[int]], info: Mapping[str, Any], tp: int,
-              label: Callable[[int], str]) -> tuple[list[ModelTensor], list[Replica]]:
+              label: Callable[[int], str], *, per_stage: bool = False
+              ) -> tuple[list[ModelTensor], list[Replica], dict[tuple[str, int], ModelTensor]]:
     """Every full tensor: per view (a stage's tensor-parallel ranks), the pieces each rank holds; a name
-    several stages hold (a tied module) is read from the first and checked against the others."""
+    several stages hold (a tied module) is read from the first and checked against the others. With
+    `per_stage` (Megatron-style), each later stage's copy is joined on its own, its tensor-parallel ranks
+    checked against one another only, and returned by (name, stage): Megatron-DeepSpeed's `GPTModelPipe`
+    keeps only the word embedding of its tied module equal over the stages (`TiedLayerSpec`'s
+    `tied_weight_attr`), and the last stage's copy of the position embeddings, which its head never reads,
+    drifts from the first's under weight decay."""
     order: dict[str, None] = {}
     for view in views:
         for mp in view:
             order.update(dict.fromkeys(mp_locals.get(mp, {})))
-    tensors, replicas = [], []
+    tensors: list[ModelTensor] = []
+    replicas: list[Replica] = []
+    copies: dict[tuple[str, int], ModelTensor] = {}
     for name in order:
         try:
             holdings: list[Holding] = []
+            per_view: dict[int, list[Holding]] = {}
             shape: tuple[int, ...] | None = None
             rows = None
             kind = None
-            for view in views:
+            for at, view in enumerate(views):
                 held = [name in mp_locals.get(mp, {}) for mp in view]
                 if not any(held):
                     continue
@@ -371,15 +383,19 @@ def _join_all(st: Inspection, listing: Listing, mp_locals: Mapping[int, Mapping[
                     raise UnsupportedCheckpointError(f"stages hold it with different shapes {excerpt(list(shape))} and "
                                                      f"{excerpt(list(full))}")
                 shape = full
-                holdings.extend(Holding(mp, name, tuple(p)) for mp, p in zip(view, pieces))
+                per_view[at] = [Holding(mp, name, tuple(p)) for mp, p in zip(view, pieces)]
+                holdings.extend(per_view[at])
             assert shape is not None and kind is not None
-            tensor, pairs = join(name, shape, kind, holdings, lambda mp, n: mp_locals[mp][n], rows=rows)
+            stages = list(per_view.items()) if per_stage else [(min(per_view), holdings)]
+            joined = [(at, *join(name, shape, kind, held, lambda mp, n: mp_locals[mp][n], rows=rows))
+                      for at, held in stages]
         except (CkptflowError, ValueError) as exc:
             st.add(getattr(exc, "code", "unsupported-layout"), about(name, exc), file=listing.model0_uri)
             continue
-        tensors.append(tensor)
-        replicas.extend(pairs)
-    return tensors, replicas
+        tensors.append(joined[0][1])
+        copies.update({(name, at): tensor for at, tensor, _ in joined[1:]})
+        replicas.extend(pair for _, _, pairs in joined for pair in pairs)
+    return tensors, replicas, copies
 
 
 def split_pieces(name: str, shapes: Sequence[tuple[int, ...]], info: Mapping[str, Any], tp: int,
