@@ -80,6 +80,11 @@ class ValidationForm(_Form):
 QkvLayout = Literal["unknown", "blocks", "groups"]
 
 
+def declared(layout: QkvLayout) -> str | None:
+    """The query_key_value layout a form declares, None for unknown (what the core takes)."""
+    return None if layout == "unknown" else layout
+
+
 def _qkv_layout(when: str, refused: str) -> Any:
     """The form field of Megatron's fused query_key_value layout (`formats.deepspeed.qkv`), "unknown" by default."""
     return Field(
@@ -152,7 +157,7 @@ class ConsolidationForm(_Form):
     @property
     def layout(self) -> str | None:
         """The declared query_key_value layout, None for unknown."""
-        return None if self.qkv_layout == "unknown" else self.qkv_layout
+        return declared(self.qkv_layout)
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -241,10 +246,9 @@ class ReshardForm(_Form):
         """One target shape per world size."""
         pipeline = {"partition_method": self.partition_method if self.partition_method != "parameters" else None,
                     "pipeline_layers": self.pipeline_layers or None}
-        layout = None if self.qkv_layout == "unknown" else self.qkv_layout
         return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
                        pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None,
-                       qkv_layout=layout, **pipeline)
+                       qkv_layout=declared(self.qkv_layout), **pipeline)
                 for n in self.world_sizes]
 
     @model_validator(mode="after")
