@@ -540,6 +540,19 @@ def test_writing_a_graph_deeper_than_the_recursion_limit_is_one_error() -> None:
         dumps(deep)
 
 
+def test_a_deepspeed_object_whose_arguments_hold_it_is_written_once() -> None:
+    """An `Instance` (NEWOBJ) whose arguments hold it, as a cycle through a record's arguments can make it:
+    written once, the arguments' reference pointing at it, not a second NEWOBJ."""
+    from ckptflow.formats.torch.pickler import Global, Instance, dumps
+
+    ring: list[Any] = []
+    made = Instance(Global("argparse", "Namespace"), {"name": "x"}, args=(ring,))
+    ring.append(made)
+    data, _ = dumps({"x": made})
+    read = pickle.loads(data)["x"]  # our own bytes, argparse's class: trusted
+    assert isinstance(read, argparse.Namespace) and read.name == "x"
+
+
 # ---- the real checkpoints --------------------------------------------------------------------------------
 
 

@@ -187,8 +187,11 @@ class _Pickler(PyPickler):  # the Python implementation: its dispatch table can 
         self.memoize(obj)
 
     def save_instance(self, obj: Instance) -> None:
+        """A DeepSpeed object made by NEWOBJ; its arguments may hold it, as a rebuilt object's may."""
         self.save(obj.cls)
         self.save(obj.args)
+        if self._saved_within(obj, pickle.POP * 2):
+            return
         self.write(pickle.NEWOBJ)
         self.memoize(obj)
         self.save(obj.state)
@@ -245,7 +248,7 @@ class _Pickler(PyPickler):  # the Python implementation: its dispatch table can 
                     self.save(item)
             self.write(pickle.SETITEMS if kind == "setitems" else pickle.APPENDS)
 
-    def _saved_within(self, obj: Rebuilt, drop: bytes) -> bool:
+    def _saved_within(self, obj: Rebuilt | Instance, drop: bytes) -> bool:
         """Whether saving `obj`'s arguments saved `obj` itself; if so, what they left on the stack dropped
         (`drop`) for a reference to it."""
         known = self.memo.get(id(obj))
