@@ -166,7 +166,7 @@ def _held(obj: Any, where: str) -> list[tuple[Any, str]]:
 
 
 def _segment(key: Any) -> str:
-    if isinstance(key, InertRecord | PickledObject):  # a record as a key: its class, named
+    if isinstance(key, InertRecord):  # a record as a key (the only object a key may be): its class, named
         return class_name(key.qualname, 60)
     return key if isinstance(key, str) and _is_plain_key(key) and len(key) <= 60 else excerpt(key, 40)
 

@@ -551,7 +551,8 @@ def plain_tree(root: Any, archive: PickleSource, *, records: list[InertRecord] |
 
 
 _UNMADE: Any = object()  # a tuple's or frozenset's plain copy before its members are made
-_ATOM_TYPES = frozenset({str, bytes, int, float, complex, bool, type(None)})  # plain as they are: no node
+_ATOMS = (str, bytes, int, float, complex, bool, type(None))
+_ATOM_TYPES = frozenset(_ATOMS)  # plain as they are: no node
 
 
 class _Node:
@@ -694,7 +695,6 @@ def _children(obj: Any, archive: PickleSource, seen: set[int]) -> list[Any] | No
     return None
 
 
-_ATOMS = (str, bytes, int, float, complex, bool, type(None))
 
 
 def _check_hashable(value: Any, archive: PickleSource, what: str, seen: set[int]) -> None:
