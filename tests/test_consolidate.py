@@ -302,12 +302,12 @@ def test_a_declared_qkv_layout_joins_the_rows_as_a_tp1_reshard_cuts_them(heads: 
                                                                          layout: str) -> None:
     """`qkv_layout`: the fused projection's weight and bias, whose fp32 masters are fragments cut mid-row, come
     out with the rows of the ranks joined one after the other where `reshard --tp 1` puts them in that layout
-    (`reshard.qkv.qkv_rows` applied to the joined rows: the same bytes); for "blocks", all q rows of every rank,
+    (`formats.deepspeed.qkv.qkv_rows` applied to the joined rows: the same bytes); for "blocks", all q rows of every rank,
     then all k, then all v (as Megatron-DeepSpeed's model at tp 1 reads them); for "groups", the ranks one after
     the other, as without a layout at tp 1."""
     import numpy as np
 
-    from ckptflow.reshard.qkv import Heads, qkv_rows
+    from ckptflow.formats.deepspeed.qkv import Heads, qkv_rows
 
     q, kv, dim = heads
     index, saved = _fused_index(heads, tp, {"num_attention_heads": q, "num_key_value_heads": kv, "kv_channels": dim})

@@ -48,8 +48,8 @@ from typer.testing import CliRunner
 
 from ckptflow.cli import app
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.qkv import LAYOUTS
 from ckptflow.reshard import megatron, reshard, shape
-from ckptflow.reshard.qkv import LAYOUTS
 from tests.fixtures.launch import launch
 from tests.oracles import megatron_deepspeed as oracle
 from tests.sampling import long_mode

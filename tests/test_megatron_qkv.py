@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.reshard.qkv import Heads, heads_from_args, qkv_pieces, qkv_rows
+from ckptflow.formats.deepspeed.qkv import Heads, heads_from_args, qkv_rows
+from ckptflow.reshard.qkv import qkv_pieces
 from ckptflow.reshard.shape import Target
 
 MHA = Heads(q=4, kv=4, dim=2)

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 from ckptflow import DEFAULT_DTYPE
 from ckptflow.errors import CheckpointError, UnsupportedCheckpointError, option
 from ckptflow.formats import hf
-from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.model import ModelTensor, Partitioned
-from ckptflow.formats.deepspeed.qkv import check_degree, check_layout, heads_from_args, in_rows, qkv_rows
+from ckptflow.formats.deepspeed.qkv import check_layout, in_rows, qkv_rows
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV, FUSED_QKV_WHY, fused_qkv, joined_on_rows
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV, FUSED_QKV_WHY, fused_heads, fused_qkv
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
@@ -250,18 +249,13 @@ def _in_layout(index: Partitioned, tensors: Sequence[ModelTensor], qkv_layout: s
     if qkv_layout is None or not _megatron_tp(index):
         return list(tensors)
     assert isinstance(index, ModelParallelCheckpoint)
-    args = namespace_state(index.ranks[0].model_states[0].get("args"))
     out = []
     for t in tensors:
         if FUSED_QKV not in t.name:
             out.append(t)
             continue
         try:
-            if not joined_on_rows(index, t.name):
-                raise UnsupportedCheckpointError("the checkpoint does not record it as a column-parallel parameter, "
-                                                 "split on its rows")
-            heads = heads_from_args(args, t.shape[0])
-            check_degree(heads, index.tp)
+            heads = fused_heads(index, t.name, t.shape[0])
         except UnsupportedCheckpointError as exc:
             raise UnsupportedCheckpointError(
                 f"{index.root}/{index.tag}: {t.name} cannot be joined in the {qkv_layout} layout: {exc}",

@@ -9,23 +9,12 @@ alike).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.client_state import namespace_state
-from ckptflow.formats.deepspeed.qkv import (
-    KV_HEADS,
-    LAYOUTS,
-    Heads,
-    check_degree,
-    check_layout,
-    heads_from_args,
-    qkv_rows,
-    rank_rows,
-)
+from ckptflow.formats.deepspeed.qkv import Heads, qkv_rows
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Piece, row_major
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV, Split
+from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV, Split, fused_heads
 
 
 def qkv_pieces(layout: str, heads: Heads, source_tp: int, full: Sequence[int], tp: int) -> list[list[Piece]]:
@@ -53,20 +42,13 @@ def _split(index: ModelParallelCheckpoint, name: str, split: Split, tp: int, lay
     """Fused attention projection `name`'s split at degree `tp` (`split`: as a column-parallel parameter)
     with its rows in `layout` (`reshard.qkv`); `UnsupportedCheckpointError` naming it where the rules do
     not split it as a column-parallel parameter or the run's `args` do not give its heads."""
-    shapes, pieces = split
+    shapes, _ = split
     full = (sum(s[0] for s in shapes), *shapes[0][1:])
     try:
-        rows = [[Piece(s, r * math.prod(s), row_major(full), 0, row_major(s))] for r, s in enumerate(shapes)]
-        if pieces != rows:
-            raise UnsupportedCheckpointError("the checkpoint does not record it as a column-parallel parameter, "
-                                             "split on its rows")
-        heads = heads_from_args(namespace_state(index.ranks[0].model_states[0].get("args")), full[0])
-        check_degree(heads, index.tp)
-        return shapes, qkv_pieces(layout, heads, index.tp, full, tp)
+        return shapes, qkv_pieces(layout, fused_heads(index, name, full[0]), index.tp, full, tp)
     except UnsupportedCheckpointError as exc:
         raise UnsupportedCheckpointError(f"{name} cannot be joined and cut in the {layout} layout: {exc}",
                                          tensor=name) from None
 
 
-__all__ = ["KV_HEADS", "LAYOUTS", "Heads", "check_degree", "check_layout", "heads_from_args", "in_layout", "qkv_pieces",
-           "qkv_rows", "rank_rows"]
+__all__ = ["in_layout", "qkv_pieces"]

@@ -37,6 +37,7 @@ from ckptflow.errors import CheckpointError, OutputError, VerificationError
 from ckptflow.formats.deepspeed import inspect
 from ckptflow.formats.deepspeed.model import Partitioned
 from ckptflow.formats.deepspeed.names import LATEST, is_rank_file
+from ckptflow.formats.deepspeed.qkv import check_layout
 from ckptflow.formats.deepspeed.tag import latest_hint, read_latest
 from ckptflow.formats.hf import CONFIG_NAME, find_side_files, read_config
 from ckptflow.formats.torch.pickler import OutStorage, dumps
@@ -51,7 +52,6 @@ from ckptflow.plumbing.stores import digests_for, protocol
 from ckptflow.plumbing.text import and_more, excerpt
 from ckptflow.reshard.files import model_states, optim_states, tensor_file
 from ckptflow.reshard.plan import ReshardOptions, plan_reshard, why_not_stages
-from ckptflow.reshard.qkv import check_layout
 from ckptflow.reshard.rng import RngCopy, describe, describe_families, is_rng_file, plan_rng_files
 from ckptflow.reshard.shape import (
     Memory,

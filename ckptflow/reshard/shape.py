@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.formats.deepspeed.qkv import check_layout
 from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, TIED_WHY, fused_qkv, splits_at, tied_module
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
-from ckptflow.reshard.qkv import check_layout, in_layout
+from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.vocabulary import vocab_rows_at
 
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes

@@ -40,9 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor
 from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, UC_INFO, layer_file_name
+from ckptflow.formats.deepspeed.qkv import Heads, check_degree, heads_from_args
 from ckptflow.formats.deepspeed.readers.model_parallel import (
     MAX_PATTERN,
     Holding,
@@ -721,6 +723,20 @@ def joined_on_rows(index: ModelParallelCheckpoint, name: str) -> bool:
     return False
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_qkv", "joined_on_rows",
+def fused_heads(index: ModelParallelCheckpoint, name: str, rows: int) -> Heads:
+    """The heads of the fused attention projection `name` (`rows` rows, its ranks joined) of the Megatron-style
+    checkpoint `index`, from the run's `args`. `UnsupportedCheckpointError`, saying why without naming it,
+    where its rules do not join it on its rows (`joined_on_rows`), the `args` do not give its heads, or the
+    source's degree does not divide them."""
+    if not joined_on_rows(index, name):
+        raise UnsupportedCheckpointError("the checkpoint does not record it as a column-parallel parameter, split on "
+                                         "its rows")
+    heads = heads_from_args(namespace_state(index.ranks[0].model_states[0].get("args")), rows)
+    check_degree(heads, index.tp)
+    return heads
+
+
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_heads", "fused_qkv",
+           "joined_on_rows",
            "position_note", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module",
            "vocabulary_rows"]
