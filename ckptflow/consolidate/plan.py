@@ -18,7 +18,13 @@ from ckptflow.formats import hf
 from ckptflow.formats.deepspeed.model import ModelTensor, Partitioned
 from ckptflow.formats.deepspeed.qkv import check_layout, in_rows, qkv_rows
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV, FUSED_QKV_WHY, fused_heads, fused_qkv
+from ckptflow.formats.deepspeed.readers.pipeline import (
+    FUSED_QKV,
+    FUSED_QKV_WHY,
+    declare_qkv_layout,
+    fused_heads,
+    fused_qkv,
+)
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.sizes import element_count, parse_size
@@ -232,9 +238,8 @@ def _check_joinable(index: Partitioned, qkv_layout: str | None) -> None:
     if fused is not None:
         raise UnsupportedCheckpointError(
             f"{index.root}/{index.tag}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
-            tensor=fused, hint=f"declare the layout the checkpoint's Megatron-DeepSpeed wrote with "
-            f"{option('qkv_layout')} (blocks since December 2024, groups before), or join its {index.tp} "
-            "tensor-parallel ranks with the Megatron-DeepSpeed version that saved it")
+            tensor=fused, hint=f"{declare_qkv_layout()}, or join its {index.tp} tensor-parallel ranks with the "
+            "Megatron-DeepSpeed version that saved it")
 
 
 def _megatron_tp(index: Partitioned) -> bool:

@@ -95,6 +95,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
     TIED_WHY,
     Split,
+    declare_qkv_layout,
     fused_qkv,
     position_note,
     split_pieces,
@@ -303,8 +304,7 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
 
 
 def _fused_hint(tp: int) -> str:
-    return (f"keep the tensor-parallel degree ({tp}; leave {option('tp')} out), or declare the layout the checkpoint's "
-            f"Megatron-DeepSpeed wrote with {option('qkv_layout')} (blocks since December 2024, groups before)")
+    return f"keep the tensor-parallel degree ({tp}; leave {option('tp')} out), or {declare_qkv_layout()}"
 
 
 def _info_at(info: Mapping[str, Any], tp: int, vocab_rows: int | None) -> dict[str, Any]:

@@ -29,9 +29,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.qkv import check_layout
-from ckptflow.formats.deepspeed.readers.pipeline import FUSED_QKV_WHY, TIED_WHY, fused_qkv, splits_at, tied_module
+from ckptflow.formats.deepspeed.readers.pipeline import (
+    FUSED_QKV_WHY,
+    TIED_WHY,
+    declare_qkv_layout,
+    fused_qkv,
+    splits_at,
+    tied_module,
+)
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.qkv import in_layout
@@ -292,8 +299,7 @@ def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None = None) -> 
     """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at degree `tp`
     (None: they do), a fused `query_key_value` in the `qkv_layout` the user declares (None: refused)."""
     if tp != index.tp and qkv_layout is None and (fused := fused_qkv(index)) is not None:
-        return (f"{fused} {FUSED_QKV_WHY}; declare the layout the checkpoint's Megatron-DeepSpeed wrote with "
-                f"{option('qkv_layout')} (blocks since December 2024, groups before)")
+        return f"{fused} {FUSED_QKV_WHY}; {declare_qkv_layout()}"
     if tp != index.tp and (tied := tied_module(index)) is not None:
         return f"{tied} {TIED_WHY}"
     try:

@@ -39,7 +39,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ckptflow.errors import CkptflowError, UnsupportedCheckpointError
+from ckptflow.errors import CkptflowError, UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import ModelTensor
@@ -504,6 +504,12 @@ FUSED_QKV_WHY = ("is Megatron's fused attention projection, whose rows each tens
                  "something else")
 
 
+def declare_qkv_layout() -> str:
+    """What makes a fused attention projection joinable after all, as the reader of the message names the option."""
+    return (f"declare the layout the checkpoint's Megatron-DeepSpeed wrote with {option('qkv_layout')} (blocks since "
+            "December 2024, groups before)")
+
+
 def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     """The first of the Megatron-style checkpoint `index`'s parameters that is a fused attention projection
     (`FUSED_QKV`), which a tensor-parallel change joins and cuts only in a layout the user declares
@@ -736,7 +742,6 @@ def fused_heads(index: ModelParallelCheckpoint, name: str, rows: int) -> Heads:
     return heads
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "fused_heads", "fused_qkv",
-           "joined_on_rows",
-           "position_note", "read_pipeline", "shard_shapes", "split_pieces", "splits_at", "tied_module",
-           "vocabulary_rows"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "declare_qkv_layout",
+           "fused_heads", "fused_qkv", "joined_on_rows", "position_note", "read_pipeline", "shard_shapes",
+           "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]
