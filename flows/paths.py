@@ -3,7 +3,7 @@
 Workspace (outputs before publishing; a bucket URL when a GPU deployment writes the model)::
 
     <workspace>/<run-slug>/<tag>-<identity>/model-<dtype>-<options digest>/
-    <workspace>/<run-slug>/<tag>-<identity>/zero-ws<N>/
+    <workspace>/<run-slug>/<tag>-<identity>/zero-ws<N>[-<shape and choices>]/  (`reshard_name`)
 
 The content identity in the path means a checkpoint rewritten under the same tag builds into a fresh
 folder, and so does a new `tasks.caching.CACHE_VERSION`. So a folder found there holds this checkpoint's
@@ -64,10 +64,31 @@ def model_folder(base: str, options: ConsolidationForm) -> str:
 
 def reshard_name(target: Target) -> str:
     """'zero-ws4', 'zero-ws4-tp1' for a reshard that also changed the tensor parallelism, 'zero-ws4-pp1-ep2'
-    for pipeline and expert parallelism, 'zero-ws4-z3' for another ZeRO stage: the shape, by what changes."""
+    for pipeline and expert parallelism, 'zero-ws4-z3' for another ZeRO stage: the shape, by what changes.
+    Then every choice that changes the bytes written at that shape, so two of them never share a folder
+    (which `committed_output` could not tell apart: the same files at the same sizes): the pipeline
+    partition method and layer count ('-uniform-L6'), the declared query_key_value layout ('-qkv-blocks')."""
     degrees = "".join(f"-{axis}{degree}" for axis, degree in (("tp", target.tp), ("pp", target.pp), ("ep", target.ep))
                       if degree is not None)
-    return f"zero-ws{target.world_size}{degrees}" + (f"-z{target.stage}" if target.stage is not None else "")
+    name = f"zero-ws{target.world_size}{degrees}" + (f"-z{target.stage}" if target.stage is not None else "")
+    if target.partition_method is not None:
+        name += f"-{_ref_part(target.partition_method)}"
+    if target.pipeline_layers is not None:
+        name += f"-L{target.pipeline_layers}"
+    if target.qkv_layout is not None:
+        name += f"-qkv-{target.qkv_layout}"
+    return name
+
+
+def _ref_part(method: str) -> str:
+    """A partition method as part of a folder and Hub branch name: "type:transformer" as "type-transformer",
+    a regex with characters a git ref or a path cannot hold as "type-" and a digest of it."""
+    kind, _, regex = method.partition(":")
+    if not regex:
+        return kind
+    if re.fullmatch(r"[A-Za-z0-9_]+", regex):
+        return f"{kind}-{regex}"
+    return f"{kind}-{hashlib.sha256(regex.encode()).hexdigest()[:8]}"
 
 
 def reshard_folder(base: str, target: Target) -> str:

@@ -381,7 +381,7 @@ TASK_SHAPES = [
     ("parallel_fixtures", "dsmoe-ep2-z2-fp32", {"world_sizes": [4], "expert_parallel_degree": 4}, "zero-ws4-ep4",
      "reshard global_step3 to 4 ranks, ep 4"),
     ("parallel_fixtures", "pipe-pp2-z1-fp32", {"world_sizes": [4], "pipeline_parallel_degree": 4,
-                                               "partition_method": "uniform"}, "zero-ws4-pp4",
+                                               "partition_method": "uniform"}, "zero-ws4-pp4-uniform",
      "reshard global_step3 to 4 ranks, pp 4"),
 ]
 
@@ -446,11 +446,16 @@ def test_the_form_names_each_target_by_its_shape() -> None:
     assert ReshardForm(world_sizes=[3]).stage is None
     pipeline = ReshardForm(world_sizes=[4], pipeline_parallel_degree=4, partition_method="uniform", pipeline_layers=6)
     assert pipeline.targets() == [Target(world_size=4, pp=4, partition_method="uniform", pipeline_layers=6)]
-    assert paths.reshard_name(pipeline.targets()[0]) == "zero-ws4-pp4"
+    assert paths.reshard_name(pipeline.targets()[0]) == "zero-ws4-pp4-uniform-L6"
+    assert paths.reshard_name(Target(world_size=2, pp=2, partition_method="type:transformer")) == \
+        "zero-ws2-pp2-type-transformer"
+    odd = paths.reshard_name(Target(world_size=2, pp=2, partition_method="type:[Tt]ransformer|Block"))
+    assert re.fullmatch(r"zero-ws2-pp2-type-[0-9a-f]{8}", odd), odd
     assert ReshardForm(world_sizes=[4], pipeline_parallel_degree=4).targets() == [Target(world_size=4, pp=4)]
     declared = ReshardForm(world_sizes=[2], tensor_parallel_degree=1, qkv_layout="blocks").targets()
     assert declared == [Target(world_size=2, tp=1, qkv_layout="blocks")]
-    assert paths.reshard_name(declared[0]) == "zero-ws2-tp1"
+    assert paths.reshard_name(declared[0]) == "zero-ws2-tp1-qkv-blocks"  # never the "groups" reshard's folder
+    assert paths.reshard_name(Target(world_size=2, tp=1, qkv_layout="groups")) == "zero-ws2-tp1-qkv-groups"
     assert ReshardForm(world_sizes=[2], tensor_parallel_degree=1).targets() == [Target(world_size=2, tp=1)]
     with pytest.raises(ValueError, match="merge_tensor_parallel asks for tensor-parallel degree 1, but "
                                          "tensor_parallel_degree is 2"):
