@@ -357,6 +357,27 @@ def test_a_declared_qkv_layout_without_the_heads_is_refused(args: dict[str, Any]
         ConsolidateOptions(qkv_layout="rows")
 
 
+
+@pytest.mark.parametrize("rules, why", [
+    ({"parameter_to_average_patterns": [r".*query_key_value"]},
+     "the checkpoint records it as averaged over the tensor-parallel ranks; ckptflow copies bytes and does not "
+     "average: convert it with deepspeed.checkpoint.ds_to_universal"),
+    ({"parameter_with_row_parallelism_patterns": [r".*query_key_value\.weight"]},
+     "the checkpoint does not record it as a column-parallel parameter, split on its rows"),
+])
+def test_a_fused_projection_the_rules_do_not_join_on_rows_is_refused_with_their_reason(
+        rules: dict[str, Any], why: str) -> None:
+    """The refusal says what the checkpoint's own split rules say of the projection, not a guess."""
+    from ckptflow.errors import UnsupportedCheckpointError
+    from ckptflow.formats.deepspeed.names import UC_INFO
+
+    index, _ = _fused_index((4, 4, 2), 2, {"num_attention_heads": 4, "kv_channels": 2})
+    for rank in index.ranks:
+        rank.model_states[0][UC_INFO] = rules
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_consolidation(index, ConsolidateOptions(qkv_layout="blocks"))
+    assert f"{QKV}.weight cannot be joined in the blocks layout: {why}; " in str(refused.value)
+
 # ---- every fixture --------------------------------------------------------------------------------
 
 

@@ -713,9 +713,10 @@ def _sub_params(name: str, shapes: Sequence[tuple[int, ...]], sub: tuple[str, Ma
     return tuple(full), out
 
 
-def joined_on_rows(index: ModelParallelCheckpoint, name: str) -> bool:
-    """Whether the rules the Megatron-style checkpoint `index` records (`split_pieces`) join its tensor-parallel
-    ranks' shards of parameter `name` one after the other on their rows, as a column-parallel parameter."""
+def row_join_problem(index: ModelParallelCheckpoint, name: str) -> str | None:
+    """Why the rules the Megatron-style checkpoint `index` records (`split_pieces`) do not join its
+    tensor-parallel ranks' shards of parameter `name` one after the other on their rows, as a column-parallel
+    parameter (None: they do), in words that do not name it."""
     info = index.ranks[0].model_states[0].get(UC_INFO) or {}
     for stage in range(index.pp):
         ranks = index.ranks[stage * index.tp:(stage + 1) * index.tp]
@@ -723,25 +724,29 @@ def joined_on_rows(index: ModelParallelCheckpoint, name: str) -> bool:
             local = [rank.param_by_name[name].shape for rank in ranks]
             try:
                 _, pieces, _ = split_pieces(name, local, info, index.tp, "param")
-                return pieces == [[p] for p in concat_pieces(local, 0)[1]]
-            except (CkptflowError, ValueError, KeyError):
-                return False
-    return False
+            except UnsupportedCheckpointError as exc:  # the rules' own reason
+                return str(exc)
+            except (ValueError, KeyError) as exc:  # rules that do not read as DeepSpeed writes them
+                return f"its split rules in {UC_INFO} do not read ({exc})"
+            if pieces != [[p] for p in concat_pieces(local, 0)[1]]:
+                break
+            return None
+    return "the checkpoint does not record it as a column-parallel parameter, split on its rows"
 
 
 def fused_heads(index: ModelParallelCheckpoint, name: str, rows: int) -> Heads:
     """The heads of the fused attention projection `name` (`rows` rows, its ranks joined) of the Megatron-style
     checkpoint `index`, from the run's `args`. `UnsupportedCheckpointError`, saying why without naming it,
-    where its rules do not join it on its rows (`joined_on_rows`), the `args` do not give its heads, or the
+    where its rules do not join it on its rows (`row_join_problem`), the `args` do not give its heads, or the
     source's degree does not divide them."""
-    if not joined_on_rows(index, name):
-        raise UnsupportedCheckpointError("the checkpoint does not record it as a column-parallel parameter, split on "
-                                         "its rows")
+    problem = row_join_problem(index, name)
+    if problem is not None:
+        raise UnsupportedCheckpointError(problem)
     heads = heads_from_args(namespace_state(index.ranks[0].model_states[0].get("args")), rows)
     check_degree(heads, index.tp)
     return heads
 
 
 __all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "declare_qkv_layout",
-           "fused_heads", "fused_qkv", "joined_on_rows", "position_note", "read_pipeline", "shard_shapes",
+           "fused_heads", "fused_qkv", "position_note", "read_pipeline", "row_join_problem", "shard_shapes",
            "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]
