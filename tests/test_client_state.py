@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from ckptflow.errors import UnsafePickleError
-from ckptflow.formats.deepspeed.client_state import client_state, misplaced_cycle, misplaced_record
+from ckptflow.formats.deepspeed.client_state import Misplaced, client_state, misplaced
 from ckptflow.formats.deepspeed.names import ALLOWED, ALLOWED_STRICT, DEEPSPEED_MODEL_KEYS
 from ckptflow.formats.torch.inert import InertRecord, TorchDevice, TorchDtype, refusal
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -454,16 +454,15 @@ def test_walkers_stop_on_a_self_referencing_client_state(tmp_path: Path) -> None
     assert entry.holds == "a dict of 10 items"
     assert entry.classes == tuple(sorted(f"{__name__}.{c}" for c in ("Held", "Looped", "Outer.Inner", "Stage",
                                                                      "make_tag")))
-    assert misplaced_record(archive.obj, model_states=True) is None
-    assert misplaced_cycle(archive.obj, model_states=True) is None
+    assert misplaced(archive.obj, model_states=True) is None
     ring: list[Any] = []
     ring.append({"back": ring})
     torch.save({"ds_config": {"ring": ring}}, source)
-    assert misplaced_cycle(open_archive(str(source), ALLOWED).obj, model_states=True) == "ds_config/ring[0]/back"
+    assert misplaced(open_archive(str(source), ALLOWED).obj, model_states=True) == Misplaced("ds_config/ring[0]/back")
     torch.save({"ds_config": {Tag("a"): 1}}, source)  # a record as a key is a record all the same
-    found = misplaced_record(open_archive(str(source), ALLOWED).obj, model_states=True)
-    assert found is not None and (found[0], found[1].qualname) == (f"ds_config/key {__name__}.make_tag",
-                                                                  f"{__name__}.make_tag")
+    found = misplaced(open_archive(str(source), ALLOWED).obj, model_states=True)
+    assert found is not None and found.record is not None
+    assert (found.where, found.record.qualname) == (f"ds_config/key {__name__}.make_tag", f"{__name__}.make_tag")
 
 
 @pytest.mark.parametrize(("value", "why"), [

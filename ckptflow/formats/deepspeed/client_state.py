@@ -5,8 +5,8 @@ file beside DeepSpeed's (`names.DEEPSPEED_MODEL_KEYS`): Megatron-DeepSpeed's `ar
 `argparse.Namespace`), `iteration` and RNG states; PyTorch Lightning's loops, callbacks and
 hyper-parameters. Their objects are read as inert records (`formats.torch.inert`), never imported or
 run. `client_state(model_states)` says what each key holds and which classes it names, for
-`validate`'s report. `misplaced_record(obj, ...)` finds a record where ckptflow reads DeepSpeed's data
-(a tensor, a DeepSpeed dict field): there it is corrupt input, never carried.
+`validate`'s report. `misplaced(obj, ...)` finds a record or a reference cycle where ckptflow reads
+DeepSpeed's data (a tensor, a DeepSpeed dict field): there it is corrupt input, never carried.
 """
 
 from __future__ import annotations
@@ -171,25 +171,24 @@ def _segment(key: Any) -> str:
     return key if isinstance(key, str) and _is_plain_key(key) and len(key) <= 60 else excerpt(key, 40)
 
 
-def misplaced_record(obj: Mapping[str, Any], *, model_states: bool) -> tuple[str, InertRecord] | None:
-    """The first inert record (its path, itself) where ckptflow reads DeepSpeed's data: anywhere in an
-    optimizer, layer or expert file; in a model-states file, under any key DeepSpeed writes except the
-    user's own scheduler and sampler state (`names.USER_STATE_KEYS`). None when there is none."""
-    keys = [k for k in obj if not model_states or (k in DEEPSPEED_MODEL_KEYS and k not in USER_STATE_KEYS)]
-    for key in keys:
-        for found, where in _walk(obj[key], _segment(key)):
-            if isinstance(found, InertRecord):
-                return where, found
-    return None
+@dataclass(frozen=True)
+class Misplaced:
+    """Where ckptflow reads DeepSpeed's data, the first object that is not plain data: an inert record
+    (`record`), or an object that refers back to itself (`record` None: a cycle), at path `where`."""
+
+    where: str
+    record: InertRecord | None = None
 
 
-def misplaced_cycle(obj: Mapping[str, Any], *, model_states: bool) -> str | None:
-    """The path of the first object that refers back to itself (a reference cycle) where ckptflow reads
-    DeepSpeed's data (as `misplaced_record`), or None: ckptflow's readers take DeepSpeed's fields for trees."""
+def misplaced(obj: Mapping[str, Any], *, model_states: bool) -> Misplaced | None:
+    """The first inert record or reference cycle where ckptflow reads DeepSpeed's data, in one walk:
+    anywhere in an optimizer, layer or expert file; in a model-states file, under any key DeepSpeed writes
+    except the user's own scheduler and sampler state (`names.USER_STATE_KEYS`). None when there is none:
+    ckptflow's readers then take DeepSpeed's fields for trees of plain data."""
     keys = [k for k in obj if not model_states or (k in DEEPSPEED_MODEL_KEYS and k not in USER_STATE_KEYS)]
     done: set[int] = set()
     for key in keys:
-        path: set[int] = set()
+        path: set[int] = set()  # the objects being walked: the ancestors of the one on top of the stack
         stack: list[tuple[Any, str, bool]] = [(obj[key], _segment(key), False)]
         while stack:
             item, where, leaving = stack.pop()
@@ -198,9 +197,11 @@ def misplaced_cycle(obj: Mapping[str, Any], *, model_states: bool) -> str | None
                 done.add(id(item))
                 continue
             if id(item) in path:
-                return where
+                return Misplaced(where)
             if id(item) in done:
                 continue
+            if isinstance(item, InertRecord):
+                return Misplaced(where, item)
             path.add(id(item))
             stack.append((item, where, True))
             stack.extend((kid, at, False) for kid, at in reversed(_held(item, where)))
@@ -215,5 +216,5 @@ def namespace_state(value: Any) -> dict[str, Any] | None:
     return None
 
 
-__all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "class_name", "misplaced_record",
-           "misplaced_cycle", "namespace_state"]
+__all__ = ["ClientEntry", "ClientState", "client_keys", "client_state", "holds", "class_name", "Misplaced",
+           "misplaced", "namespace_state"]

@@ -14,13 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CheckpointNotFoundError, CkptflowError, option
-from ckptflow.formats.deepspeed.client_state import (
-    ClientState,
-    class_name,
-    client_state,
-    misplaced_cycle,
-    misplaced_record,
-)
+from ckptflow.formats.deepspeed.client_state import ClientState, class_name, client_state, misplaced
 from ckptflow.formats.deepspeed.names import (
     ALLOWED,
     MODEL_FILE_RE,
@@ -249,25 +243,16 @@ def open_rank_file(st: Inspection, uri: str, rank: int) -> dict[str, Any]:
 def check_records(st: Inspection, obj: Mapping[str, Any], uri: str, label: str, *, rank: int | None = None) -> bool:
     """No inert record (an object of a class outside the allow-list) and no reference cycle where ckptflow
     reads DeepSpeed's data: a model-states file's DeepSpeed keys, every other file whole
-    (`client_state.misplaced_record`, `misplaced_cycle`). One problem naming the file and the field
-    otherwise; returns whether there was none."""
-    is_model = MODEL_FILE_RE.match(posixpath.basename(uri)) is not None
-    cycle = misplaced_cycle(obj, model_states=is_model)
-    if cycle is not None:
-        where = cycle if len(cycle) <= 160 else f"{cycle[:160]}..."
-        st.add("corrupt-file", f"{label}: {uri} holds an object that refers back to itself in {where}, where "
-               "DeepSpeed writes tensors and plain data; the file is damaged or was not written by DeepSpeed",
-               file=uri, rank=rank)
-        return False
-    found = misplaced_record(obj, model_states=is_model)
+    (`client_state.misplaced`). One problem naming the file and the field otherwise; returns whether
+    there was none."""
+    found = misplaced(obj, model_states=MODEL_FILE_RE.match(posixpath.basename(uri)) is not None)
     if found is None:
         return True
-    where, record = found
-    where = where if len(where) <= 160 else f"{where[:160]}..."
-    name = class_name(record.qualname)
-    st.add("corrupt-file", f"{label}: {uri} holds an object of class {name} (never loaded) in {where}, "
-           "where DeepSpeed writes tensors and plain data; the file is damaged or was not written by DeepSpeed",
-           file=uri, rank=rank)
+    where = found.where if len(found.where) <= 160 else f"{found.where[:160]}..."
+    what = ("an object that refers back to itself" if found.record is None else
+            f"an object of class {class_name(found.record.qualname)} (never loaded)")
+    st.add("corrupt-file", f"{label}: {uri} holds {what} in {where}, where DeepSpeed writes tensors and plain data; "
+           "the file is damaged or was not written by DeepSpeed", file=uri, rank=rank)
     return False
 
 
