@@ -18,6 +18,7 @@ resharded and loaded back by Accelerate with the source's sampler.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections.abc import Mapping
@@ -163,8 +164,12 @@ def test_no_command_unpickles_accelerates_sampler(llama_trainer_ckpt, tmp_path: 
                         raising=False)
     for args in (["validate", str(src), "--deep"], ["consolidate", str(src), str(tmp_path / "hf")],
                  ["reshard", str(src), str(tmp_path / "out"), "--world-size", "3"]):
-        done = CliRunner().invoke(app, args)
+        done = CliRunner().invoke(app, args, env={"COLUMNS": "400", "NO_COLOR": "1"})
         assert done.exit_code == 0, (args, done.output)
+        if args[0] == "validate":  # listed by name
+            assert done.output.splitlines()[1] == (
+                "  Accelerate files: random_states_0.pkl, random_states_1.pkl, sampler.bin, scheduler.bin (pickles: "
+                "named here, never opened; reshard carries them)")
     assert rebuilt == []
     assert (tmp_path / "out" / "sampler.bin").read_bytes() == (src / "sampler.bin").read_bytes()
     torch.load(src / "sampler.bin", weights_only=False)  # trusted: this test's own file; the hook sees a rebuild
@@ -263,11 +268,14 @@ def test_accelerate_loads_a_reshard_with_the_sampler_it_saved(world_size: int, t
     assert _pickled_globals(saved.dir / SAMPLER_FILE) == {"accelerate.data_loader SeedableRandomSampler",
                                                           "__builtin__ xrange"}
     markers, out = tmp_path / "markers", tmp_path / "out"
-    for args in (["validate", str(saved.dir), "--deep"], ["reshard", str(saved.dir), str(out), "--world-size",
-                                                          str(world_size)]):
+    for args in (["validate", str(saved.dir), "--deep", "--json"], ["reshard", str(saved.dir), str(out),
+                                                                    "--world-size", str(world_size)]):
         result = run_cli(*args, env={MARKER_ENV: str(markers)})
         assert result.returncode == 0, (args, result.stdout, result.stderr)
         assert not markers.exists(), args
+        if args[0] == "validate":
+            assert json.loads(result.stdout)["accelerate_files"] == [
+                "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl", SAMPLER_FILE, "scheduler.bin"]
     assert [n for n in (*CARRIED, SAMPLER_FILE) if (out / n).read_bytes() != (saved.dir / n).read_bytes()] == []
     state, reports = resume("accelerate_sampler_resume", saved, out, world_size, tmp_path / "resume",
                             env={MARKER_ENV: str(markers)})
