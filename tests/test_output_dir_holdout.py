@@ -50,26 +50,13 @@ def damaged(held_out: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def ckptflow(*args: str) -> str:
-    """``ckptflow ARGS`` in this process (exit 0 asserted): its output and what it logged, on one line."""
-    handler = _Lines()
-    logger = logging.getLogger("ckptflow")
-    logger.addHandler(handler)
-    try:
+def ckptflow(caplog: pytest.LogCaptureFixture, *args: str) -> str:
+    """``ckptflow ARGS`` in this process (exit 0 asserted): its output and the warnings it logged, on one line."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptflow"):
         result = CliRunner().invoke(app, list(args), env={"COLUMNS": "400", "NO_COLOR": "1"})
-    finally:
-        logger.removeHandler(handler)
     assert result.exit_code == 0, (args, result.output)
-    return " ".join([*result.output.split(), *" ".join(handler.lines).split()])
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+    return " ".join([*result.output.split(), *" ".join(caplog.messages).split()])
 
 
 def logits_of(folder: Path) -> torch.Tensor:
@@ -94,9 +81,10 @@ def test_the_trainer_saved_several_checkpoints(held_out: Any) -> None:
         "global_step2", "global_step4", "global_step6"]
 
 
-def test_validate_takes_the_newest_and_says_so(held_out: Any, damaged: Path) -> None:
+def test_validate_takes_the_newest_and_says_so(held_out: Any, damaged: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
     root = held_out.dir
-    said = ckptflow("validate", str(root))
+    said = ckptflow(caplog, "validate", str(root))
     assert f"taken: {root}/checkpoint-6 (newest complete of 3)" in said
     assert f"valid {root}/checkpoint-6/global_step6: ZeRO-2, data-parallel 2, fp32, step 6, " in said
     report = json.loads(run_cli("validate", str(root), "--json").stdout)
@@ -108,26 +96,28 @@ def test_validate_takes_the_newest_and_says_so(held_out: Any, damaged: Path) -> 
     assert cli.stdout.startswith(f"valid {damaged}/checkpoint-4/global_step4: ZeRO-2, data-parallel 2, fp32, step 4, ")
 
 
-def test_consolidate_takes_the_newest_complete(held_out: Any, damaged: Path, tmp_path: Path) -> None:
-    said = ckptflow("consolidate", str(held_out.dir), str(tmp_path / "newest"))
+def test_consolidate_takes_the_newest_complete(held_out: Any, damaged: Path, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    said = ckptflow(caplog, "consolidate", str(held_out.dir), str(tmp_path / "newest"))
     assert f"taken: {held_out.dir}/checkpoint-6 (newest complete of 3)" in said
     assert torch.equal(logits_of(tmp_path / "newest"), load_file(held_out.root / "logits.safetensors")["logits"])
 
-    said = ckptflow("consolidate", str(damaged), str(tmp_path / "older"))
+    said = ckptflow(caplog, "consolidate", str(damaged), str(tmp_path / "older"))
     assert skipped_note(damaged) in said
     assert torch.equal(logits_of(tmp_path / "older"), logits_of(damaged / "checkpoint-4"))  # the Trainer's own save
 
 
-def test_reshard_takes_the_newest_complete(held_out: Any, damaged: Path, tmp_path: Path) -> None:
+def test_reshard_takes_the_newest_complete(held_out: Any, damaged: Path, tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "out"
-    said = ckptflow("reshard", str(held_out.dir), str(out), "--world-size", "3")
+    said = ckptflow(caplog, "reshard", str(held_out.dir), str(out), "--world-size", "3")
     assert f"taken: {held_out.dir}/checkpoint-6 (newest complete of 3)" in said
     assert (out / "latest").read_text().strip() == "global_step6"
-    assert "ZeRO-2, data-parallel 3, fp32, step 6, " in ckptflow("validate", str(out))
+    assert "ZeRO-2, data-parallel 3, fp32, step 6, " in ckptflow(caplog, "validate", str(out))
     check_universal(held_out.dir / "checkpoint-6", out, tmp_path)
 
     older = tmp_path / "older"
-    said = ckptflow("reshard", str(damaged), str(older), "--world-size", "3")
+    said = ckptflow(caplog, "reshard", str(damaged), str(older), "--world-size", "3")
     assert skipped_note(damaged) in said
     assert (older / "latest").read_text().strip() == "global_step4"
     assert (older / "trainer_state.json").read_bytes() == (damaged / "checkpoint-4" / "trainer_state.json").read_bytes()
