@@ -153,6 +153,9 @@ def render_report(report: "ValidationReport") -> None:
             f"step {s.get('step')}{sizes}{groups}" + (", no NaN/Inf" if report.deep else ""))
         for note in s.get("notes") or ():
             out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
+        if report.accelerate_files:
+            out.print(Text.assemble("  ", ("Accelerate files:", "cyan"), " ", ", ".join(report.accelerate_files),
+                                    " (pickles: named here, never opened; reshard carries them)"), soft_wrap=True)
         render_client_state(report)
         return
     place = f"{report.root}/{report.tag}" if report.tag else report.source

@@ -10,6 +10,7 @@ classes they name, read as inert records, never imported or run (`strict_pickle=
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from ckptflow.formats.deepspeed import read, zero_index
 from ckptflow.formats.deepspeed.client_state import ClientState
 from ckptflow.formats.deepspeed.inspection import Problem
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.names import ACCELERATE_FILE_RE
 from ckptflow.formats.deepspeed.output_dir import Choice
 from ckptflow.formats.deepspeed.partition import zero3_real
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Replica
@@ -25,6 +27,7 @@ from ckptflow.formats.deepspeed.runs import plain_runs
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.progress import Progress, Tally
 from ckptflow.plumbing.ranges import read_ranges
+from ckptflow.plumbing.storage import open_fs
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ValidationReport:
     deep: bool = False
     client_state: ClientState = field(default_factory=ClientState)  # rank 0's, read as inert records
     choice: Choice | None = None  # a Trainer output_dir's checkpoint-N folder taken, and those skipped
+    accelerate_files: tuple[str, ...] = ()  # Accelerate's files beside the tag folder, by name (never opened)
 
     @property
     def ok(self) -> bool:
@@ -58,6 +62,7 @@ class ValidationReport:
             "checkpoint": self.summary(),
             "client_state": self.client_state.to_dict(),
             "output_dir": self.choice.to_dict() if self.choice is not None else None,
+            "accelerate_files": list(self.accelerate_files),
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -83,7 +88,19 @@ def validate(source: str, *, tag: str | None = None, deep: bool = False, progres
             problems = problems + _scan_model(index, progress) + _compare_replicas(index.replicas, index, progress)
     elif index is not None and deep and not problems:
         problems = problems + _scan_model(index, progress)
-    return ValidationReport(source, root, resolved, tuple(problems), index, deep, reading.client_state, reading.choice)
+    return ValidationReport(source, root, resolved, tuple(problems), index, deep, reading.client_state, reading.choice,
+                            accelerate_files(root) if root else ())
+
+
+def accelerate_files(root: str) -> tuple[str, ...]:
+    """The names of Accelerate's own files in `root` (`names.ACCELERATE_FILE_RE`), sorted; listed, not opened."""
+    fs, path = open_fs(root)
+    try:
+        listed = fs.ls(path, detail=False)
+    except OSError:
+        return ()
+    names = (posixpath.basename(str(entry).rstrip("/")) for entry in listed)
+    return tuple(sorted(name for name in names if ACCELERATE_FILE_RE.fullmatch(name)))
 
 
 def _check_model_parallel_steps(index: ModelParallelCheckpoint) -> list[Problem]:

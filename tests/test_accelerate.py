@@ -10,11 +10,15 @@ consolidates with `--config` to the trained logits bit for bit, and after `resha
 `accelerator.load_state(OUT)` in M launched processes gives the engine the source's fp32 weights and Adam
 moments bit for bit, and the source's step, scheduler state and registered object, and process r the
 random states of source process r mod N. ckptflow never opens Accelerate's own pickles (the registered
-object holds classes that leave a marker when rebuilt; only Accelerate's load leaves one).
+object holds classes that leave a marker when rebuilt; only Accelerate's load leaves one; `sampler.bin`, a
+pickled `SeedableRandomSampler` Accelerate writes in-process here, is never rebuilt either). In the long mode,
+a folder whose `sampler_1.bin` Accelerate's `save_state` wrote on 2 ranks (`specs.accelerate_sampler`) is
+resharded and loaded back by Accelerate with the source's sampler.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections.abc import Mapping
@@ -65,11 +69,26 @@ def test_accelerate_rng_files_are_planned_for_the_target_world_size() -> None:
         describe(mixed)
 
 
+def _sampled_loader() -> Any:
+    """A dataloader as Accelerate prepares an iterable one for process 0 of 2 without dispatching batches,
+    given a `SeedableRandomSampler`: the one kind whose sampler `save_accelerator_state` writes
+    (`tests.fixtures.models.accelerate_sampler`)."""
+    from accelerate.data_loader import DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
+
+    from tests.fixtures.models.accelerate_sampler import TokenStream
+
+    loader = DataLoaderShard(IterableDatasetShard(TokenStream(0), batch_size=2, num_processes=2, process_index=0),
+                             batch_size=2)
+    loader.set_sampler(SeedableRandomSampler(data_source=range(16), data_seed=5))
+    return loader
+
+
 def _accelerate_folder(trainer_dir: Path, root: Path) -> dict[int, float]:
     """A folder as `Accelerator.save_state` under DeepSpeed leaves it, 2 processes: the Trainer
     fixture's DeepSpeed files under the tag `pytorch_model`, and Accelerate's own files written by
-    accelerate's `save_accelerator_state` (what `save_state` calls on each process). Returns the first
-    `random.random()` each process's saved state gives."""
+    accelerate's `save_accelerator_state` (what `save_state` calls on each process), `sampler.bin` among
+    them (a pickled `SeedableRandomSampler`). Returns the first `random.random()` each process's saved
+    state gives."""
     import torch
     from accelerate.checkpointing import save_accelerator_state
 
@@ -82,9 +101,8 @@ def _accelerate_folder(trainer_dir: Path, root: Path) -> dict[int, float]:
     first: dict[int, float] = {}
     for process in range(2):
         random.seed(100 + process)  # distinct states, to see which source rank each target got
-        save_accelerator_state(str(root), [], [], [scheduler], [], process_index=process, step=7)
+        save_accelerator_state(str(root), [], [], [scheduler], [_sampled_loader()], process_index=process, step=7)
         first[process] = random.random()
-    (root / "sampler.bin").write_bytes(b"sampler state, carried as bytes")
     return first
 
 
@@ -127,6 +145,35 @@ def test_an_accelerate_save_state_folder_is_resharded(llama_trainer_ckpt, tmp_pa
     cli = CliRunner().invoke(app, ["reshard", str(src), str(tmp_path / "cli"), "--world-size", str(world_size)])
     assert cli.exit_code == 0, cli.output
     assert f"  Accelerate RNG files: {expected}\n" in cli.output and "Trainer RNG files" not in cli.output
+
+
+def test_no_command_unpickles_accelerates_sampler(llama_trainer_ckpt, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sampler.bin` as Accelerate writes it is a pickled `SeedableRandomSampler`: validate, consolidate and
+    reshard never rebuild it (a rebuild would call the class's `__setstate__`, recorded here; torch.load does),
+    and reshard carries it byte for byte."""
+    from accelerate.data_loader import SeedableRandomSampler
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    src = tmp_path / "acc"
+    _accelerate_folder(llama_trainer_ckpt.dir, src)
+    rebuilt: list[object] = []
+    monkeypatch.setattr(SeedableRandomSampler, "__setstate__", lambda self, state: rebuilt.append(state),
+                        raising=False)
+    for args in (["validate", str(src), "--deep"], ["consolidate", str(src), str(tmp_path / "hf")],
+                 ["reshard", str(src), str(tmp_path / "out"), "--world-size", "3"]):
+        done = CliRunner().invoke(app, args, env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert done.exit_code == 0, (args, done.output)
+        if args[0] == "validate":  # listed by name
+            assert done.output.splitlines()[1] == (
+                "  Accelerate files: random_states_0.pkl, random_states_1.pkl, sampler.bin, scheduler.bin (pickles: "
+                "named here, never opened; reshard carries them)")
+    assert rebuilt == []
+    assert (tmp_path / "out" / "sampler.bin").read_bytes() == (src / "sampler.bin").read_bytes()
+    torch.load(src / "sampler.bin", weights_only=False)  # trusted: this test's own file; the hook sees a rebuild
+    assert len(rebuilt) == 1 and rebuilt[0]["initial_seed"] == 5
 
 
 # ---- a folder written by Accelerate's own save_state ------------------------------------------------------
@@ -187,3 +234,58 @@ def test_accelerate_loads_the_resharded_state(saved: HarnessFixture, world_size:
         assert differences(report["user"], source["user"]) == [], rank
         assert report["draws"] == source["draws"][rank % 2], rank  # process r resumes source process r mod N's
     assert sorted(p.name for p in markers.iterdir()) == sorted(MARKERS)  # Accelerate's load rebuilt them
+
+
+# ---- a sampler file written by Accelerate's own save_state (long mode) ------------------------------------
+
+# Each: the `accelerate-sampler` fixture (one launch, once) and an `accelerator.load_state` on M processes.
+SAMPLER_LOADS = sample([1, 3], keep=[])
+
+
+def _pickled_globals(path: Path) -> set[str]:
+    """The globals a torch zip file's pickle names, read with pickletools (nothing rebuilt)."""
+    import pickletools
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    return {str(arg) for op, arg, _ in pickletools.genops(data) if op.name in ("GLOBAL", "STACK_GLOBAL")}
+
+
+@pytest.mark.parametrize("world_size", SAMPLER_LOADS)
+def test_accelerate_loads_a_reshard_with_the_sampler_it_saved(world_size: int, tmp_path: Path) -> None:
+    """`save_state` with a dataloader whose sampler Accelerate saves (`specs.accelerate_sampler`): its
+    `sampler_1.bin` is carried byte for byte by `reshard --world-size M`, no command rebuilds a pickled object,
+    and `accelerator.load_state` at M processes (the sampler's classes allowed, as Accelerate's own load of the
+    source needs) gives the loader the source's sampler, and the engine, step, scheduler, registered object and
+    random states as the other Accelerate resumes. At one process Accelerate reads no sampler file (it loads one
+    only into a loader sharded over processes): the loader keeps the sampler it was prepared with."""
+    from tests.fixtures.sets import SETS
+    from tests.fixtures.specs.accelerate_sampler import DATA_SEED, SAMPLER_FILE, SAMPLER_SPECS
+
+    [name] = SAMPLER_SPECS
+    saved = SETS["accelerate-sampler"].build([name])[name]
+    assert _pickled_globals(saved.dir / SAMPLER_FILE) == {"accelerate.data_loader SeedableRandomSampler",
+                                                          "__builtin__ xrange"}
+    markers, out = tmp_path / "markers", tmp_path / "out"
+    for args in (["validate", str(saved.dir), "--deep", "--json"], ["reshard", str(saved.dir), str(out),
+                                                                    "--world-size", str(world_size)]):
+        result = run_cli(*args, env={MARKER_ENV: str(markers)})
+        assert result.returncode == 0, (args, result.stdout, result.stderr)
+        assert not markers.exists(), args
+        if args[0] == "validate":
+            assert json.loads(result.stdout)["accelerate_files"] == [
+                "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl", SAMPLER_FILE, "scheduler.bin"]
+    assert [n for n in (*CARRIED, SAMPLER_FILE) if (out / n).read_bytes() != (saved.dir / n).read_bytes()] == []
+    state, reports = resume("accelerate_sampler_resume", saved, out, world_size, tmp_path / "resume",
+                            env={MARKER_ENV: str(markers)})
+    assert unequal_tensors(saved, state) == []
+    source = held(saved)
+    for rank, report in enumerate(reports):
+        assert report["sampler"] == {"data_source": list(range(16)), "replacement": False, "_num_samples": None,
+                                     "generator": None, "initial_seed": DATA_SEED if world_size > 1 else DATA_SEED + 1,
+                                     "epoch": 0}, rank
+        assert report["step"] == source["step"] == 3
+        assert differences(report["scheduler"], source["scheduler"]) == [], rank
+        assert differences(report["user"], source["user"]) == [], rank
+        assert report["draws"] == source["draws"][rank % 2], rank

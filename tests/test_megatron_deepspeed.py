@@ -5,7 +5,10 @@ steps, ``megatron.checkpointing.save_checkpoint`` at tp 2 x dp 2, ZeRO-1), ckptf
 Megatron-DeepSpeed resumes from the reshard as ``pretrain_gpt.py`` does (``load_checkpoint``, called by
 ``setup_model_and_optimizer``: DeepSpeed's engine load, ``check_checkpoint_args`` against the run's
 own arguments, ``padded_vocab_size`` among them, the iteration read, the RNG restore). See
-``tests.oracles.megatron_deepspeed`` for the runs and what they set aside.
+``tests.oracles.megatron_deepspeed`` for the runs and what they set aside. The GPT-defaults source is the
+checkpoint committed under ``tests/data`` (what the default run tests without a checkout:
+``tests/test_megatron_deepspeed_data.py``); this run's own save of it is checked to write the same files, tensors
+and shapes.
 
 - dp 2 -> 1 at tp 2 (Megatron-DeepSpeed's GPT defaults, tied embeddings): resumes at iteration 3, and its
   model's logits on a fixed batch equal those of the model that saved the source.
@@ -53,6 +56,7 @@ from ckptflow.reshard import megatron, reshard, shape
 from tests.fixtures.launch import launch
 from tests.oracles import megatron_deepspeed as oracle
 from tests.sampling import long_mode
+from tests.test_megatron_deepspeed_data import DATA
 from tests.test_reshard import _universal
 
 CHECKOUT = os.environ.get(oracle.MDS_ENV, "")
@@ -74,7 +78,9 @@ def _run(mode: str, ckpt: Path, world: int, tp: int, work: Path, recipe: str, ta
 @pytest.fixture(scope="module")
 def dp_change(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("mds-gpt")
-    _, source_logits = _run("save", work / "src", 4, 2, work, "gpt", "source")
+    _run("save", work / "fresh", 4, 2, work, "gpt", "source")  # today's save: the committed layout (below)
+    shutil.copytree(DATA / "ckpt", work / "src")  # the source: the committed files the default run tests
+    source_logits = torch.load(DATA / "source.logits.pt")
     reshard(str(work / "src"), str(work / "dp1"), world_size=2, workers=2)
     loaded, logits = _run("load", work / "dp1", 2, 2, work, "gpt", "dp1")
     return {"work": work, "source": source_logits, "loaded": loaded, "logits": logits}
@@ -104,6 +110,38 @@ def tp_change(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_megatron_resumes_from_a_dp_change(dp_change: dict[str, Any]) -> None:
     assert dp_change["loaded"]["iteration"] == 3
     assert torch.allclose(dp_change["logits"], dp_change["source"], rtol=0, atol=1e-6)
+
+
+def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor in a file written by Megatron-DeepSpeed (trusted: this run's or the committed one), by where
+    it sits."""
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def walk(value: Any, at: str) -> None:
+        if torch.is_tensor(value):
+            shapes[at] = tuple(value.shape)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{at}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{at}/{i}")
+
+    walk(torch.load(path, map_location="cpu", weights_only=False), "")
+    return shapes
+
+
+def test_megatron_deepspeed_writes_the_committed_layout(dp_change: dict[str, Any],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Today's Megatron-DeepSpeed save, from the same command, writes the files of `tests/data`'s (what the
+    default run tests and the resumes above start from): the same names, each with the same tensors and shapes."""
+    monkeypatch.syspath_prepend(CHECKOUT)  # the model-states files pickle Megatron's own classes
+    fresh, committed = dp_change["work"] / "fresh", DATA / "ckpt"
+    names = sorted(str(p.relative_to(committed)) for p in committed.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file()) == names
+    for name in names:
+        if name.endswith(".pt"):
+            assert _tensor_shapes(fresh / name) == _tensor_shapes(committed / name), name
 
 
 @pytest.fixture(scope="module")

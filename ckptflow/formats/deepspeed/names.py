@@ -108,3 +108,10 @@ def expert_group_degree(group: Any) -> int | None:
 def is_rank_file(name: str) -> bool:
     """Whether `name` is one of the files DeepSpeed saves into a tag folder."""
     return any(p.match(name) for p in (MODEL_FILE_RE, OPTIM_FILE_RE, EXPERT_FILE_RE, EXPP_FILE_RE, LAYER_FILE_RE))
+
+# Accelerate's own files beside its DeepSpeed tag folder (`accelerate.checkpointing.save_accelerator_state`): each
+# process's random states, and per object a scheduler's, a sampler's (a pickled `SeedableRandomSampler`) and a
+# stateful dataloader's state and each object passed to `register_for_checkpointing`. Pickles all: listed by name,
+# carried by reshard as bytes, never opened.
+ACCELERATE_FILE_RE = re.compile(r"random_states_\d+\.pkl|(scheduler|sampler|dl_state_dict)(_\d+)?\.bin|"
+                                r"custom_checkpoint_\d+\.pkl")
