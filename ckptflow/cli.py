@@ -97,6 +97,7 @@ def fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(1)
 
 
+MAX_NAMED = 12  # Accelerate files named in the report line; the rest counted (a run may keep thousands)
 STRICT_PICKLE_HELP = ("Refuse any object of a class outside DeepSpeed's allow-list, the trainer's client state "
                      "included (by default it is read as inert records, never imported or run, and carried).")
 CLUSTER_HELP = ("Run the units on the Dask scheduler at this address (tcp://HOST:PORT), read and written by its "
@@ -154,7 +155,10 @@ def render_report(report: "ValidationReport") -> None:
         for note in s.get("notes") or ():
             out.print(Text.assemble("  ", ("note:", "yellow"), " ", one_line(note)), soft_wrap=True)
         if report.accelerate_files:
-            out.print(Text.assemble("  ", ("Accelerate files:", "cyan"), " ", ", ".join(report.accelerate_files),
+            named = report.accelerate_files
+            more = f" and {len(named) - MAX_NAMED} more" if len(named) > MAX_NAMED else ""
+            shown = ", ".join(named[:MAX_NAMED]) + more
+            out.print(Text.assemble("  ", ("Accelerate files:", "cyan"), " ", shown,
                                     " (pickles: named here, never opened; reshard carries them)"), soft_wrap=True)
         render_client_state(report)
         return

@@ -176,6 +176,25 @@ def test_no_command_unpickles_accelerates_sampler(llama_trainer_ckpt, tmp_path: 
     assert len(rebuilt) == 1 and rebuilt[0]["initial_seed"] == 5
 
 
+
+def test_many_accelerate_files_are_named_in_one_bounded_line(llama_trainer_ckpt, tmp_path: Path) -> None:
+    """A run at many processes keeps one random-states file each: the report names the first few and
+    counts the rest."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import MAX_NAMED, app
+
+    src = tmp_path / "acc"
+    _accelerate_folder(llama_trainer_ckpt.dir, src)
+    for rank in range(2, 40):
+        (src / f"random_states_{rank}.pkl").write_bytes(b"")
+    done = CliRunner().invoke(app, ["validate", str(src)], env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert done.exit_code == 0, done.output
+    line = done.output.splitlines()[1]
+    assert line.startswith("  Accelerate files: random_states_0.pkl, random_states_1.pkl, random_states_10.pkl")
+    named, _, rest = line.partition(" and 30 more ")
+    assert named.count(", ") == MAX_NAMED - 1 and rest.startswith("(pickles: named here, never opened")
+
 # ---- a folder written by Accelerate's own save_state ------------------------------------------------------
 
 
