@@ -88,16 +88,20 @@ ALL_STAGES = (
     ("autotp-glm-tp2-z3-fp32", 2, None, 1), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
     # three axes at once: the stage, the tensor parallelism merged, the data-parallel size
     ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z1-fp32", 3, 1, 3), ("autotp-tp2-z1-bf16", 1, 1, 2),
+    # from ZeRO-3: merged with the stage, the ZeRO-1/2 module cast from the fp32 masters (bf16 too)
+    ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1), ("autotp-glm-tp2-z3-fp32", 1, 1, 2),
     # ZeRO-0 to ZeRO-1/2/3 (issue 24): the optimizer state named, the masters the fp32 module's or
     # FP16_Optimizer's flat ones (bf16); data-parallel and AutoTP, a tied embedding
     ("autotp-tp2-z0-fp32", 1, None, 3), ("autotp-tp2-z0-bf16", 1, None, 2), ("zero-dp2-z0-fp32", 3, None, 1),
     ("zero-dp2-z0-bf16", 2, None, 3), ("zero-llama-tied-dp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-fp32", 1, None, 2),
 )
 # The ZeRO-0 cases ride on launches the others make already: (2 ranks, tp2) and (2 ranks, tp1); by default
-# AutoTP fp32 and data-parallel bf16 (FP16_Optimizer's flat masters), both to ZeRO-3.
+# AutoTP fp32 and data-parallel bf16 (FP16_Optimizer's flat masters), both to ZeRO-3. So do the merges from
+# ZeRO-3 with the stage: (2 ranks, tp1) and (3 ranks, tp1).
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
                              ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
-                             ("autotp-tp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-bf16", 2, None, 3)])
+                             ("autotp-tp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-bf16", 2, None, 3),
+                             ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1)])
 RESHARDS = CASES + MERGES + STAGES
 # AutoTP split to another degree above 1 (fixture of `specs.split`, dp, tp[, stage]). The default run makes
 # one 4-rank launch at tp4: tp2 x dp2 -> tp4 x dp1, with ZeRO-1 -> 3, and GLM's sub-parameters at ZeRO-3.
@@ -107,8 +111,11 @@ ALL_SPLITS = (
     ("autotp-llama-tied-mha-tp2-z1-fp32", 1, 4, 3),
     # tp4 x dp2 -> tp2: the vocabulary's 10 + 9 + 9 + 9 rows become 19 + 18; at dp2, or at dp1 with ZeRO-2 -> 3
     ("autotp-mha-tp4dp2-z2-fp32", 2, 2), ("autotp-mha-tp4dp2-z2-fp32", 1, 2, 3),
+    # from ZeRO-3 with the stage: GLM's sub-parameters split again, the module cast from the masters
+    ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 1), ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 2),
 )
-SPLITS = sample(ALL_SPLITS, ALL_SPLITS[:3])
+# By default, the 4-rank tp4 launch loads the first three and ZeRO-3 -> ZeRO-1 with the split.
+SPLITS = sample(ALL_SPLITS, (*ALL_SPLITS[:3], ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 1)))
 
 
 def case_id(case: tuple) -> str:
