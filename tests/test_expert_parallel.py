@@ -43,7 +43,8 @@ from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
-from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.sets import ParallelFixture, build_bf16_optimizer
+from tests.fixtures.specs.bf16_optimizer import BF16_MATRIX, BF16_SPECS
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
 from tests.oracles.tensors import read_tensor
@@ -52,16 +53,20 @@ from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
-SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX)}
+SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX)}
 WRONG = ("damaged", "another model", "corrupt")
 
 
 @pytest.fixture(scope="session")
 def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
-    """The matrix's expert-parallel fixtures, and the held-out ones only when a test asks for them."""
+    """The matrix's expert-parallel fixtures, and the held-out and BF16_Optimizer ones only when a test asks for
+    them."""
 
     class Lazy(dict):
         def __missing__(self, name: str) -> ParallelFixture:
+            if name in BF16_SPECS:
+                self.update(build_bf16_optimizer([n for n in BF16_SPECS if SPECS[n].layout in (AUTOEP, DSMOE)]))
+                return self[name]
             group = "parallel_holdout_fixtures" if name in HOLDOUT else "parallel_fixtures"
             self.update(request.getfixturevalue(group))
             return self[name]
@@ -539,6 +544,10 @@ ALL_STAGE_RESHARDS = (
     ("autoep-mixtral-ep2dp2-z3-fp32", 4, 4, 2), ("autoep-qwen3-moe-ep2-z3-fp32", 2, 1, 3),
     ("autoep-qwen3-moe-ep2-z2-fp32", 2, 1, 3), ("autoep-mixtral-ep2-z3-fp32", 4, 1, 2),
     ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 4, 1), ("autoep-qwen3-moe-ep2dp3-z3-bf16-s1", 4, 4, 3),
+    # From BF16_Optimizer (bf16 ZeRO-1, fp32 gradient accumulation, `specs.bf16_optimizer`; the target runs the
+    # same config): deepspeed.moe to ZeRO-2 at its degree and at ep1, AutoEP to ZeRO-2 and ZeRO-3.
+    ("dsmoe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("dsmoe-ep2-z1-bf16-fp32accum", 2, 1, 2),
+    ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 3),
 )
 # By default one launch for AutoEP ZeRO-3 at another degree: ep4 at ZeRO-3 from ZeRO-2 ep2 x edp2 and from
 # ZeRO-3 ep2 x edp2 (ZeRO-3 -> ZeRO-2 ep4 is checked against DeepSpeed's own ep4 save without a launch).
@@ -586,7 +595,9 @@ class EpOracle:
             fixture = self.fixtures[case[0]]
             paths = self.paths(case)
             reshard(str(fixture.dir), str(paths["out"]), world_size=world_size, ep=ep, stage=stage)
-            shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage}
+            section = (fixture.spec.get("ds_config") or {}).get("data_types")  # the source's, as its user runs it
+            shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage,
+                     **({"data_types": section} if section else {})}
             items.append({**shape, "load": str(paths["out"]), "save": str(paths["resaved"]),
                           "state": str(paths["state"]), "hang_after": 300})
             items.append({**shape, "write": str(paths["written"])})

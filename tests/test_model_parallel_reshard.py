@@ -51,7 +51,7 @@ from ckptflow.reshard import reshard
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_split
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
-from tests.fixtures.sets import ParallelFixture, build_split
+from tests.fixtures.sets import ParallelFixture, build_bf16_optimizer, build_split
 from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
 from tests.test_reshard import _differences, _load_plain, _plain, _universal, _universal_tensor
@@ -88,16 +88,20 @@ ALL_STAGES = (
     ("autotp-glm-tp2-z3-fp32", 2, None, 1), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
     # three axes at once: the stage, the tensor parallelism merged, the data-parallel size
     ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z1-fp32", 3, 1, 3), ("autotp-tp2-z1-bf16", 1, 1, 2),
+    # from ZeRO-3: merged with the stage, the ZeRO-1/2 module cast from the fp32 masters (bf16 too)
+    ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1), ("autotp-glm-tp2-z3-fp32", 1, 1, 2),
     # ZeRO-0 to ZeRO-1/2/3 (issue 24): the optimizer state named, the masters the fp32 module's or
     # FP16_Optimizer's flat ones (bf16); data-parallel and AutoTP, a tied embedding
     ("autotp-tp2-z0-fp32", 1, None, 3), ("autotp-tp2-z0-bf16", 1, None, 2), ("zero-dp2-z0-fp32", 3, None, 1),
     ("zero-dp2-z0-bf16", 2, None, 3), ("zero-llama-tied-dp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-fp32", 1, None, 2),
 )
 # The ZeRO-0 cases ride on launches the others make already: (2 ranks, tp2) and (2 ranks, tp1); by default
-# AutoTP fp32 and data-parallel bf16 (FP16_Optimizer's flat masters), both to ZeRO-3.
+# AutoTP fp32 and data-parallel bf16 (FP16_Optimizer's flat masters), both to ZeRO-3. So do the merges from
+# ZeRO-3 with the stage: (2 ranks, tp1) and (3 ranks, tp1).
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
                              ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
-                             ("autotp-tp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-bf16", 2, None, 3)])
+                             ("autotp-tp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-bf16", 2, None, 3),
+                             ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1)])
 RESHARDS = CASES + MERGES + STAGES
 # AutoTP split to another degree above 1 (fixture of `specs.split`, dp, tp[, stage]). The default run makes
 # one 4-rank launch at tp4: tp2 x dp2 -> tp4 x dp1, with ZeRO-1 -> 3, and GLM's sub-parameters at ZeRO-3.
@@ -107,8 +111,20 @@ ALL_SPLITS = (
     ("autotp-llama-tied-mha-tp2-z1-fp32", 1, 4, 3),
     # tp4 x dp2 -> tp2: the vocabulary's 10 + 9 + 9 + 9 rows become 19 + 18; at dp2, or at dp1 with ZeRO-2 -> 3
     ("autotp-mha-tp4dp2-z2-fp32", 2, 2), ("autotp-mha-tp4dp2-z2-fp32", 1, 2, 3),
+    # from ZeRO-3 with the stage: GLM's sub-parameters split again, the module cast from the masters
+    ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 1), ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 2),
 )
-SPLITS = sample(ALL_SPLITS, ALL_SPLITS[:3])
+# By default, the 4-rank tp4 launch loads the first three and ZeRO-3 -> ZeRO-1 with the split.
+SPLITS = sample(ALL_SPLITS, (*ALL_SPLITS[:3], ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 1)))
+
+
+# From BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation, `specs.bf16_optimizer`): merged to tp1 at
+# ZeRO-2 and ZeRO-3, and ZeRO-3 per tensor-parallel rank. Its fixtures are launches of their own: long mode.
+ALL_BF16_RESHARDS = (
+    ("autotp-tp2-z1-bf16-fp32accum", 2, 1, 2), ("autotp-tp2-z1-bf16-fp32accum", 2, 1, 3),
+    ("autotp-tp2-z1-bf16-fp32accum", 1, None, 3),
+)
+BF16_RESHARDS = sample(ALL_BF16_RESHARDS, [])
 
 
 def case_id(case: tuple) -> str:
@@ -141,9 +157,12 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
             resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
+        # A source's fp32 gradient accumulation (BF16_Optimizer's) is its user's config at the target too.
+        section = (fixture.spec.get("ds_config") or {}).get("data_types")
         launches.setdefault((spec.world_size, spec.layout, spec.tp), []).append({
             "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
+            **({"data_types": section} if section else {}),
         })
     for (world_size, layout, tp), jobs in sorted(launches.items()):
         launch_oracle(world_size, jobs, root, f"{world_size}-{layout}-tp{tp}")
@@ -210,6 +229,24 @@ def split_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixtu
 def split_oracle(split_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
                  ) -> dict[str, Any]:
     return run_reshard_oracle(split_fixtures, SPLITS, (), tmp_path_factory.mktemp("tp-split-oracle"))
+
+
+@pytest.fixture(scope="session")
+def bf16_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Mapping[str, ParallelFixture], dict[str, Any]]:
+    fixtures = build_bf16_optimizer(sorted({case[0] for case in BF16_RESHARDS}))
+    return fixtures, run_reshard_oracle(fixtures, BF16_RESHARDS, (), tmp_path_factory.mktemp("bf16-oracle"))
+
+
+@pytest.mark.parametrize("case", BF16_RESHARDS, ids=case_id)
+def test_a_bf16_optimizer_checkpoint_changes_its_degree_and_stage_at_once(
+        bf16_oracle: tuple[Mapping[str, ParallelFixture], dict[str, Any]], case: tuple) -> None:
+    """AutoTP trained by BF16_Optimizer at tp2: DeepSpeed at the target (tp1 or tp2, ZeRO-2 or ZeRO-3, the
+    source's config: DeepSpeedZeroOptimizer or the ZeRO-3 optimizer there) loads the reshard natively,
+    holding the source's state bit for bit, and saves exactly ckptflow's files again."""
+    fixtures, oracle = bf16_oracle
+    check_loaded_state(oracle, case, fixtures[case[0]])
+    check_same_files(oracle, case)
+    check_validates(oracle, case, fixtures[case[0]])
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=case_id)

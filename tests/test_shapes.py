@@ -230,3 +230,52 @@ def test_the_cli_plan_of_an_autoep_zero3_checkpoint_offers_every_degree_at_every
     assert all(row.rstrip().endswith("writes it") for row in rows)
     assert result.output.splitlines()[-1].startswith("9 of 9 shape(s) at 4 rank(s) can be written.")
     assert {s.ep for s, why in shapes_at(load_index(src), 6) if why is None} == {1, 2}
+
+
+def test_an_autotp_zero3_checkpoint_changes_its_degree_and_stage_at_once(parallel_fixtures: Mapping[str, Any]) -> None:
+    """AutoTP ZeRO-3 tp2 x dp2 in bf16 (issue 24): every shape at 4 ranks is one ckptflow writes, the degree
+    and the stage changing together among them. Merged to ZeRO-1 it is DeepSpeedZeroOptimizer's, written from
+    the ZeRO-3 partitions, rank 0's module the fp32 masters read as bf16 (ZeRO-3 saves no 16-bit weights)."""
+    from ckptflow.formats.deepspeed.partition import ZERO, ZERO3
+    from ckptflow.formats.torch.tensorref import parse_cast
+    from ckptflow.reshard import plan_reshard
+    from ckptflow.reshard.run import model_config
+
+    fixture = parallel_fixtures["autotp-tp2dp2-z3-bf16"]
+    index = load_index(str(fixture.dir))
+    config = model_config(str(fixture.dir))
+    assert [(str(s), reason) for s, reason in shapes_at(index, 4, config)] == [
+        ("ZeRO-3 dp4 (4 ranks)", None), ("ZeRO-3 tp2 x dp2 (4 ranks)", None), ("ZeRO-1 dp4 (4 ranks)", None),
+        ("ZeRO-1 tp2 x dp2 (4 ranks)", None), ("ZeRO-2 dp4 (4 ranks)", None), ("ZeRO-2 tp2 x dp2 (4 ranks)", None)]
+    plan = plan_reshard(index, Target(world_size=2, tp=1, stage=1), config)
+    assert (plan.stage, plan.optimizer, plan.src_optimizer, plan.world_size) == (1, ZERO, ZERO3, 2)
+    assert [u.model_file for u in plan.units] == ["mp_rank_00_model_states.pt", None]
+    casts = {(r.ref.dtype, parse_cast(r.ref.uri) is not None) for runs in plan.module_runs.values() for r in runs}
+    assert casts == {("bfloat16", True)}
+
+
+@pytest.mark.parametrize(("source", "source_stage", "stage", "optimizer"), [
+    ("bf16", 1, 1, "bf16"), ("bf16", 1, 2, "zero"), ("bf16", 1, 3, "zero3"), ("zero", 1, 2, "zero"),
+    ("zero", 2, 3, "zero3"), ("zero3", 3, 1, "zero"), ("zero3", 3, 3, "zero3")])
+def test_the_target_optimizer_is_the_one_deepspeed_builds_at_the_stage(source: str, source_stage: int, stage: int,
+                                                                      optimizer: str) -> None:
+    """The same config at another stage: BF16_Optimizer only at bf16 ZeRO-1 (DeepSpeed's sanity check), else
+    DeepSpeedZeroOptimizer at ZeRO-1/2 and the ZeRO-3 optimizer at ZeRO-3."""
+    from ckptflow.reshard.flats import target_optimizer
+
+    assert target_optimizer(source, source_stage, stage) == optimizer
+
+
+def test_an_expert_parallel_bf16_optimizer_checkpoint_changes_stage_where_deepspeed_trains_it() -> None:
+    """DeepSpeed builds BF16_Optimizer for MoE models (bf16 ZeRO-1, fp32 accumulation; `has_moe_layers`), and
+    runs the same config at ZeRO-2 (deepspeed.moe and AutoEP) and ZeRO-3 (AutoEP): ckptflow writes each.
+    deepspeed.moe at ZeRO-3 is refused as DeepSpeed refuses it."""
+    from ckptflow.reshard.shape import why_not_expert_stage
+
+    assert why_not_expert_stage("moe", 1, 2, "bf16") is None
+    assert why_not_expert_stage("autoep", 1, 2, "bf16") is None
+    assert why_not_expert_stage("autoep", 1, 3, "bf16") is None
+    assert why_not_expert_stage("moe", 1, 3, "bf16") == (
+        "DeepSpeed refuses deepspeed.moe layers at ZeRO-3 (\"Native DeepSpeed MoE is not supported with ZeRO Stage "
+        "3. Use AutoEP or choose ZeRO stage 1/2.\"), so a deepspeed.moe checkpoint is written at ZeRO-1 or ZeRO-2 "
+        "only")

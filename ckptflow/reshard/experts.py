@@ -49,13 +49,13 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.partition import BF16, Copy, param_alignment, zero12_layout
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies
+from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies, target_optimizer
 from ckptflow.reshard.moe_cut import DSMOE_EXPERT, expert_runs, is_expert, plan_recut
 from ckptflow.reshard.shape import Shape, expert_counts
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
@@ -337,7 +337,7 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     degree) on `shape.world_size` ranks, each filled from the source fragments its parameters name;
     rank 0 writes the model states."""
     world_size = shape.world_size
-    optimizer = ZERO if zero.optimizer_kind == ZERO3 else zero.optimizer_kind  # from ZeRO-3: DeepSpeedZeroOptimizer
+    optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage)
     bf16 = optimizer == BF16
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]

@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.model import Fragment, Param
 from ckptflow.formats.deepspeed.partition import (
+    ZERO,
+    ZERO3,
     Copy,
     original_order,
     param_alignment,
@@ -39,6 +41,17 @@ from ckptflow.reshard.units import TargetFlat
 # The copies that bring elements [first, last) of parameter `name` (of source param group `group`) to
 # `dst` onwards of a target partition.
 Copies = Callable[[str, int, int, int, int], Iterable[Copy]]
+
+
+def target_optimizer(source: str, source_stage: int, stage: int) -> str:
+    """The optimizer DeepSpeed builds at ZeRO `stage` from the config of a run whose optimizer `source`
+    (`partition.ZERO`, `BF16`, `ZERO3`) saved it at ZeRO `source_stage`: the same at the same stage
+    (BF16_Optimizer stays one at ZeRO-1), `DeepSpeedZeroOptimizer` at ZeRO-1/2 otherwise
+    (`engine._do_optimizer_sanity_check` builds BF16_Optimizer at ZeRO-1 only), the ZeRO-3 optimizer at
+    ZeRO-3."""
+    if stage == 3:
+        return ZERO3
+    return source if stage == source_stage and source != ZERO3 else ZERO
 
 
 def append_copy(copies: list[Copy], c: Copy) -> None:

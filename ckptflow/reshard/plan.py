@@ -22,6 +22,7 @@ from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.model import Partitioned, ZeroCheckpoint
+from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
@@ -185,8 +186,10 @@ def _expert_stage(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
 
 
 def _expert_degree(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
-    """The expert-parallel degree changes at the source's stage (ZeRO-3: rewritten at ZeRO-3)."""
-    if ask.shape.ep == ask.source.ep:
+    """The expert-parallel degree changes at the source's stage (ZeRO-3: rewritten at ZeRO-3), or the
+    stage between ZeRO-1 and ZeRO-2 (BF16_Optimizer's flat groups laid out again: `plan_expert_degree`)."""
+    relaid = ask.shape.stage != ask.source.stage and index.zero is not None and index.zero.optimizer_kind == BF16
+    if ask.shape.ep == ask.source.ep and not relaid:
         return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
     if ask.shape.stage == 3:
         return plan_expert_zero3(index, ask.shape)

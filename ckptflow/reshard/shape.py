@@ -289,9 +289,6 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             return why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
         if kind not in ("zero", "autotp"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
-        if shape.tp != source.tp and (source.stage == 3 or getattr(index.ranks[0], "optimizer_kind", "") != "zero"):
-            return ("ckptflow changes the ZeRO stage together with the tensor-parallel degree from ZeRO-1/2 only "
-                    "(not from BF16_Optimizer or ZeRO-3) yet")
     return None
 
 
@@ -352,15 +349,13 @@ def _expert_optimizer(index: Any) -> str:
 
 def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) -> str | None:
     """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") saved at ZeRO
-    `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: between
-    ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` (the same flat partitions, only the recorded stage
-    changes), and AutoEP between either and ZeRO-3 (`stage.plan_expert_zero3`,
-    `experts.plan_expert_from_zero3`)."""
+    `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: at any
+    stage DeepSpeed trains the layout at. Between ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` the
+    flat partitions stay and only the recorded stage changes; BF16_Optimizer's (bf16 ZeRO-1, fp32
+    gradient accumulation) are laid out again as DeepSpeedZeroOptimizer's (`experts.plan_expert_degree`);
+    AutoEP moves between those and ZeRO-3 (`stage.plan_expert_zero3`, `experts.plan_expert_from_zero3`)."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
-    if optimizer == "bf16":
-        return ("ckptflow does not move BF16_Optimizer state (bf16 ZeRO-1, fp32 gradient accumulation) to another "
-                "stage yet")
     return None
 
 

@@ -26,17 +26,22 @@ ranks: ZeRO-3 takes the parameters in the optimizer's own order (the round-robin
 ZeRO-1/2 target flattens them round-robin at its own world size (`flats.zero12_flats`).
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
-parameter-relative ranges of both sides intersected, so each source element is read once. Sources
-with ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
+parameter-relative ranges of both sides intersected, so each source element is read once. Sources with
+ZeRO-3 sub-groups are refused, as are expert-parallel, pipeline and Megatron-style checkpoints. An
 AutoTP checkpoint changes stage per tensor-parallel rank (`plan_model_parallel_stage`): each rank's
-files are a data-parallel checkpoint of its shards. AutoEP and deepspeed.moe checkpoints change
-between ZeRO-1 and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`,
-`experts.plan_expert_degree`), by the first rule; AutoEP moves from ZeRO-1/2 to ZeRO-3 by the second,
-each expert-parallel rank's experts cut over its expert data-parallel group (`plan_expert_zero3`), and
-back by the third with its per-expert files (`experts.plan_expert_from_zero3`), at its own
-expert-parallel degree or another (`experts.at_degree`: the source's index at the new degree, which
-ZeRO-3 -> ZeRO-3 at another degree goes through too); `shape.why_not_expert_stage` says why not
-otherwise.
+files are a data-parallel checkpoint of its shards; with another tensor-parallel degree too, from any
+stage (BF16_Optimizer included), the tensor-parallel planner lays the target stage's flat groups out by
+these rules over its shards (`tensor_parallel`: each target shard's elements copied from the source
+fragments that hold them, the ZeRO-1/2 module from a ZeRO-3 source cast from the masters as above, the
+target's optimizer `flats.target_optimizer`). AutoEP and deepspeed.moe checkpoints change between ZeRO-1
+and ZeRO-2 in their own planners (`data_parallel.plan_expert_parallel`, `experts.plan_expert_degree`),
+by the first rule, and from BF16_Optimizer (DeepSpeed builds it for MoE models too) to ZeRO-2 with the
+flat groups laid out again (`experts.plan_expert_degree`); AutoEP moves from ZeRO-1/2 to ZeRO-3 by the
+second, each expert-parallel rank's experts cut over its expert data-parallel group
+(`plan_expert_zero3`), and back by the third with its per-expert files
+(`experts.plan_expert_from_zero3`), at its own expert-parallel degree or another (`experts.at_degree`:
+the source's index at the new degree, which ZeRO-3 -> ZeRO-3 at another degree goes through too);
+`shape.why_not_expert_stage` says why not otherwise.
 """
 
 from __future__ import annotations

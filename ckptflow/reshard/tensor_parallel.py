@@ -22,8 +22,11 @@ fp32 master weights and Adam moments are byte runs into the tensor-parallel rank
   `tensor_parallel.autotp_size` T in the recorded config. A parameter whose map is none of those
   layouts, or disagrees with the arithmetic at N, is refused.
 
-Both go from ZeRO-1/2 (DeepSpeedZeroOptimizer) to any of ZeRO-1, 2, 3, and otherwise at the source's
-stage. Refused: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
+Both go from any of ZeRO-1, 2, 3 (and BF16_Optimizer's bf16 ZeRO-1) to any of ZeRO-1, 2, 3, the stage
+changing with the degree as `stage` changes it alone: the target's optimizer the one DeepSpeed builds
+at its stage (`target_optimizer`), its flat groups filled from the same source fragments, and a ZeRO-1/2
+target's 16-bit module joined from the source's, or cast from the fp32 masters where a ZeRO-3 source
+saved none (`_module_runs`). Refused: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
 `round_robin_gradients`, scaled pieces (the reader refuses those already), and every layout but AutoTP.
 """
 
@@ -41,13 +44,13 @@ from ckptflow.formats.deepspeed.autotp_shards import Meta, ShardRule, meta_of, r
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy
+from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Piece, stretches
 from ckptflow.formats.deepspeed.runs import Run
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.plumbing.text import excerpt
-from ckptflow.reshard.flats import Copies, ModelRuns, append_copy, zero3_flats, zero12_flats
+from ckptflow.reshard.flats import Copies, ModelRuns, append_copy, target_optimizer, zero3_flats, zero12_flats
 from ckptflow.reshard.shape import check_world_size
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
@@ -67,7 +70,8 @@ def plan_tensor_parallel_merge(index: ModelParallelCheckpoint, world_size: int, 
     if stage == 3:
         plan = _plan_zero3(index, source, world_size, runs.copies)
     else:
-        plan = plan_zero12(index, source, world_size, kind, runs.copies, module_runs(index))
+        plan = plan_zero12(index, source, world_size, target_optimizer(kind, index.stage, stage), runs.copies,
+                           _module_runs(index, source), stage=stage)
     return replace(plan, stage=stage, source_optimizer=kind)
 
 
@@ -100,7 +104,7 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
     target_info = _info_at(info, layouts, meta, tensor_parallel, index)
     kind = merged.optimizer_kind
     runs = ModelRuns(index)
-    full_module = module_runs(index) if stage != 3 else {}
+    full_module = _module_runs(index, merged) if stage != 3 else {}
     parts = []
     for t in range(tensor_parallel):
         maps = target_info["affine_map"]["params"]
@@ -116,8 +120,8 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
         if stage == 3:
             plan = _plan_zero3(index, source, world_size, copies, mp_rank=t)
         else:
-            plan = plan_zero12(index, source, world_size, kind, copies,
-                                {n: local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t)
+            plan = plan_zero12(index, source, world_size, target_optimizer(kind, index.stage, stage), copies,
+                               {n: local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t, stage=stage)
         parts.append(replace(plan, stage=stage, source_optimizer=kind))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
@@ -129,18 +133,23 @@ def _check_source(index: ModelParallelCheckpoint, world_size: int, tensor_parall
                   ) -> tuple[ZeroCheckpoint, int]:
     """The tensor-parallel ranks' partitions as one data-parallel checkpoint, and the target stage;
     `UnsupportedCheckpointError` for a source or target no tensor-parallel change handles."""
-    where = f"{index.root}/{index.tag}"
     check_world_size(world_size)
     assert index.kind == "autotp", "reshard.plan.PLANNERS gives this planner AutoTP checkpoints only"
     check_joinable(index, tensor_parallel)
-    source = _merged_source(index)
-    stage = index.stage if stage is None else stage
-    if stage != index.stage and source.optimizer_kind != ZERO:
-        raise UnsupportedCheckpointError(
-            f"{where}: ckptflow changes a ZeRO-{index.stage} AutoTP checkpoint's tensor-parallel degree at ZeRO-1, 2 "
-            f"or 3 from ZeRO-1/2 only, not from this one to ZeRO-{stage}", uri=index.root,
-            hint="change the degree at its own stage, then change the stage")
-    return source, stage
+    return _merged_source(index), index.stage if stage is None else stage
+
+
+def _module_runs(index: ModelParallelCheckpoint, merged: ZeroCheckpoint) -> dict[str, tuple[Run, ...]]:
+    """The full 16-bit (module dtype) copy of every trained parameter for a ZeRO-1/2 target: the source
+    module's (ZeRO-1/2, BF16_Optimizer), or, where ZeRO-3 saved none, the fp32 masters cast to the
+    module's dtype as DeepSpeed casts them after every step (round to nearest even; fp32 training: the
+    masters themselves), as `stage` writes ZeRO-3 at ZeRO-1/2."""
+    if index.stage != 3:
+        return module_runs(index)
+    dtypes = {p.name: p.dtype for p in merged.params}
+    return {t.name: tuple(r if dtypes[t.name] == "float32" else replace(r, ref=cast_view(r.ref, dtypes[t.name]))
+                          for r in t.runs)
+            for t in index.tensors if t.name in dtypes}
 
 
 def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None:
@@ -350,13 +359,15 @@ def local_runs(runs: Sequence[Run], pieces: Sequence[Piece]) -> tuple[Run, ...]:
 
 
 def plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, optimizer: str,
-                copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0, meta_base: int = 0
-                ) -> DataParallelPlan:
-    """Model-parallel rank `mp_rank`'s ZeRO-1/2 files at `world_size` data-parallel ranks: `source`'s param
-    groups (the virtual checkpoint whose rank `mp * D + d` is model-parallel rank mp's data-parallel rank
-    d) laid out by DeepSpeed's arithmetic, filled by `copies`; the 16-bit module from `module`'s runs. Each
-    target rank copies its per-rank scalars from virtual rank `meta_base` + its own (the source's last
-    data-parallel rank beyond them)."""
+                copies: Copies, module: Mapping[str, tuple[Run, ...]], *, mp_rank: int = 0, meta_base: int = 0,
+                stage: int | None = None) -> DataParallelPlan:
+    """Model-parallel rank `mp_rank`'s ZeRO-1/2 files at `world_size` data-parallel ranks, written by
+    `optimizer` at ZeRO `stage` (None: the source's): `source`'s param groups (the virtual checkpoint
+    whose rank `mp * D + d` is model-parallel rank mp's data-parallel rank d) laid out by DeepSpeed's
+    arithmetic, filled by `copies`; the 16-bit module from `module`'s runs. Each target rank copies its
+    per-rank scalars from virtual rank `meta_base` + its own (the source's last data-parallel rank
+    beyond them)."""
+    stage = source.stage if stage is None else stage
     by_name = source.param_by_name
     n_tensors = source.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size, copies,
@@ -368,13 +379,13 @@ def plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
         moved = sum(c.numel for f in flats[r] for c in f.copies)
         units.append(RankUnit(
             rank=r, meta_rank=meta_base + _meta(index, r), optim_file=optim_file_name(source.precision, r, mp_rank),
-            model_file=model_file_name(source.stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
+            model_file=model_file_name(stage, 0, mp_rank) if r == 0 else None, flats=tuple(flats[r]),
             group_paddings=tuple(paddings[r]), slice_mappings=tuple(slices[r]), mp_rank=mp_rank,
             read_bytes=4 * n_tensors * moved + (module_bytes if r == 0 else 0),
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
         ))
     return DataParallelPlan(
-        root=index.root, tag=index.tag, stage=source.stage, precision=source.precision, optimizer=optimizer,
+        root=index.root, tag=index.tag, stage=stage, precision=source.precision, optimizer=optimizer,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=laid.shapes,
         param_alignment_paddings=laid.param_paddings, module=laid.module, units=tuple(units), index=source,
         module_runs=module,

@@ -11,6 +11,8 @@ job for its ``spec`` (a ``ParallelSpec`` whose ``world_size`` is N: the same ten
 degrees, another data-parallel size), then
 
 - with ``"partition_method"``: the PipelineModule built with it instead of the writer's "uniform";
+- with ``"data_types"``: every config built with that section (``writers.parallel_bf16.data_types``: a
+  BF16_Optimizer source's fp32 gradient accumulation);
 - ``engine.load_checkpoint(job["load"])``, no universal-checkpoint flag;
 - gathers the fp32 weights, Adam moments and buffers exactly as the writer did for the oracle
   (``job.gather``), and rank 0 compares them bit for bit with ``job["expected"]`` /
@@ -55,6 +57,7 @@ from tests.fixtures.specs.split import SPLIT_SPECS  # noqa: E402
 from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
 from tests.fixtures.writers.megatron_tied import MegatronTiedJob  # noqa: E402
+from tests.fixtures.writers.parallel_bf16 import data_types  # noqa: E402
 from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 from tests.oracles.client_state import args_at  # noqa: E402
 
@@ -69,7 +72,7 @@ def run_job(job: dict[str, Any]) -> None:
     work = _job(spec)
     method = job.get("partition_method")
     with (mha_models() if spec.name in SPLIT_SPECS else contextlib.nullcontext(),  # `specs.split`'s models
-          _partitioned(method) if method else contextlib.nullcontext()):
+          _partitioned(method) if method else contextlib.nullcontext(), data_types(job.get("data_types"))):
         engine, _ = work.initialize()
     tag = Path(job["load"], "latest").read_text().strip()
     path, client_state = engine.load_checkpoint(job["load"], tag=tag)
