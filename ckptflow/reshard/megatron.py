@@ -348,7 +348,7 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
                                          tensor=fused, hint=_fused_hint(index.tp))
     if shape.tp != index.tp:
         check_joinable(index, shape.tp)
-    tied = tied_module(index) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
+    tied = tied_module(index, shape.tp) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
     if tied is not None:
         raise UnsupportedCheckpointError(
             f"{where}: {tied} {TIED_WHY}", code="unsupported-shape", uri=index.root, tensor=tied,

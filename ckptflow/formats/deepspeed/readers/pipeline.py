@@ -546,11 +546,15 @@ TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages s
             "split by other rules")
 
 
-def tied_module(index: ModelParallelCheckpoint) -> str | None:
+def tied_module(index: ModelParallelCheckpoint, tp: int | None = None) -> str | None:
     """The first parameter of a tied module (`tied_modules.{key}.{name}`) of the Megatron-style checkpoint
     `index` that no tensor-parallel or pipeline change moves (`TIED_WHY`): one its `universal_checkpoint_info`
     records neither as a vocabulary parameter nor as replicated (`tp_replicated_parameter_patterns`); None
-    without one."""
+    without one, or where `index` and the target (`tp`) are both at tensor-parallel degree 1: each tied parameter
+    is then whole in both and no rule splits it (Megatron-DeepSpeed records `tp_replicated_parameter_patterns`
+    only above tp 1)."""
+    if index.tp == 1 and tp == 1:
+        return None
     rules = _Rules(index.ranks[0].model_states[0].get(UC_INFO) or {})
     return next((p.name for rank in index.ranks for p in rank.params
                  if p.name.startswith(TIED) and not rules.matches("vocabulary_parameter_patterns", p.name)
