@@ -77,7 +77,7 @@ are not recorded; a dimension T' does not divide), Megatron's fused `query_key_v
 without a declared layout (or with heads the run's `args` do not give, or T' does not divide),
 and a tied module's parameter (`tied_modules.*`) neither vocabulary-parallel nor recorded as replicated
 at any tensor-parallel or pipeline change (`readers.pipeline.TIED_WHY`: only those two rules have been
-checked on a tied module).
+checked on a tied module), but a pipeline change from and to tp 1, where no rule splits a whole tensor.
 Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
 `round_robin_gradients`, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and
 1 only).
