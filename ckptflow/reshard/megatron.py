@@ -120,7 +120,7 @@ from ckptflow.reshard.pipeline import (
     stage_source,
     stages_at,
 )
-from ckptflow.reshard.pipeline_layers import TYPE, Layer, TargetStage
+from ckptflow.reshard.pipeline_layers import Layer, TargetStage
 from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
@@ -246,7 +246,7 @@ def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_meth
     `partition_method` (None: the one its own run uses, `default_partition_method`)."""
     method = partition_method or default_partition_method(index)
     facts = layer_facts(index)
-    if shape.tp == index.tp or method.startswith(TYPE):
+    if shape.tp == index.tp:
         return stages_at(index, shape.pp, method, layers, facts=facts)
     if splits is None:
         splits = {name: split for stage in _splits(index, shape.tp)[1] for name, split in stage.items()}

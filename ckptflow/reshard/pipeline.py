@@ -239,6 +239,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     where = f"{index.root}/{index.tag}"
     hint = f"give the {option('partition_method')} the model was trained with"
     methods = METHODS + ((facts.method,) if facts is not None else ())
+    computable = [m for m in methods if facts is None or m != facts.method or facts.typed]
     if method not in methods:
         if not method.startswith(TYPE):
             what = "is not one of PipelineModule's partition methods"
@@ -258,7 +259,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
             code="unsupported-shape", uri=index.root, hint=hint)
     found = _fitting(index, method, count, facts)
     if not found:
-        other = [m for m in methods if m != method and _fitting(index, m, count, facts)]
+        other = [m for m in computable if m != method and _fitting(index, m, count, facts)]
         of = f" of {count} layers" if count is not None else ""
         raise UnsupportedCheckpointError(
             f"{where}: no layer list{of} the files allow gives its {index.pp} pipeline stages the layers they hold "
