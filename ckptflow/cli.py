@@ -421,7 +421,8 @@ def reshard_command(
     ep: Optional[int] = typer.Option(None, "--ep", min=1, help="Expert-parallel degree; default: the source's."),
     partition_method: Optional[str] = typer.Option(
         None, "--partition-method", metavar="METHOD",
-        help="With --pp: the PipelineModule's partition_method (parameters, its default, or uniform)."),
+        help="With --pp: the PipelineModule's partition_method (parameters, its default, or uniform; "
+             "type:transformer for a Megatron-style one, Megatron-DeepSpeed GPT's default)."),
     pipeline_layers: Optional[int] = typer.Option(
         None, "--pipeline-layers", min=1, metavar="N",
         help="With --pp: the length of the PipelineModule's layer list, where its files leave it open."),

@@ -30,10 +30,16 @@ and shapes.
   December 2024, writes the same bytes as the guard lifted, and Megatron computes another model's logits
   (ckptflow takes the user's word); ``consolidate --qkv-layout blocks`` of the source writes exactly the
   tensors of the "blocks" reshard's layer files.
+- pp 2 x tp 1 (``GPTModelPipe`` cut by its own ``type:transformer``) -> pp 1 x dp 2: resumes at iteration 3 with the
+  source model's logits; that output cut again to pp 2 by ckptflow's default partition method for it
+  (``type:transformer``, its layer list from the run's ``args``): each stage holds the parameters Megatron's own pp 2
+  run gave it, and Megatron resumes at iteration 3 with the source model's logits (at pp 2 through DeepSpeed's
+  pipeline forward). The stages' copies of the tied position embeddings, as Megatron's own save and resume at
+  pp 2 hold them, are pinned beside ckptflow's.
 
 Needs a Megatron-DeepSpeed checkout in ``CKPTFLOW_MEGATRON_DEEPSPEED`` (tested at microsoft/Megatron-DeepSpeed
-f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): nine launches, two of
-4 ranks and seven of 2, about three and a half minutes on two cores. Skipped otherwise.
+f4157bea69f3df8c6cb66f2ebcda66ba03d1288e) and the long mode (``CKPTFLOW_LONG=1``): thirteen launches, two of
+4 ranks and eleven of 2, about five minutes on two cores. Skipped otherwise.
 """
 
 from __future__ import annotations
@@ -68,10 +74,10 @@ TIMEOUT = 900.0
 
 
 def _run(mode: str, ckpt: Path, world: int, tp: int, work: Path, recipe: str, tag: str, *counter: Path,
-         module_only: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
+         module_only: bool = False, pp: int = 1) -> tuple[dict[str, Any], torch.Tensor]:
     launch(oracle.__file__, world, [mode, str(ckpt), str(tp), str(work), recipe, tag, *map(str, counter)],
-           env={oracle.MDS_ENV: CHECKOUT, oracle.MODULE_ONLY_ENV: "1" if module_only else "0"}, timeout=TIMEOUT,
-           log_dir=work / f"logs-{tag}")
+           env={oracle.MDS_ENV: CHECKOUT, oracle.MODULE_ONLY_ENV: "1" if module_only else "0", oracle.PP_ENV: str(pp)},
+           timeout=TIMEOUT, log_dir=work / f"logs-{tag}")
     return json.loads((work / f"{tag}.json").read_text()), torch.load(work / f"{tag}.logits.pt")
 
 
@@ -307,3 +313,105 @@ def test_ds_to_universal_merges_query_key_value_as_ckptflow_does(tp_change: dict
         universal = torch.load(converted / f"{layer}.self_attention.query_key_value.weight" / "fp32.pt")
         ours = torch.load(work / "tp1" / "global_step3" / f"layer_0{layer}-model_00-model_states.pt")
         assert torch.equal(universal["param"], ours["self_attention.query_key_value.weight"])
+
+
+@pytest.fixture(scope="module")
+def pp_change(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Megatron-DeepSpeed's GPT defaults saved at pp 2 x tp 1 x dp 1 (`GPTModelPipe` cut by its own
+    `type:transformer`), merged to pp 1 x dp 2 and resumed there; that output cut again to pp 2 x dp 1 as a user
+    types it (`--world-size 2 --pp 2`: the default partition method, the run's own) and resumed at pp 2."""
+    work = tmp_path_factory.mktemp("mds-gpt-pp")
+    env = {"COLUMNS": "400", "NO_COLOR": "1"}
+    _, source_logits = _run("save", work / "src", 2, 1, work, "gpt", "source", pp=2)
+    native = _run("load", work / "src", 2, 1, work, "gpt", "native", pp=2)  # Megatron's own resume, the control
+    reshard(str(work / "src"), str(work / "pp1"), world_size=2, pp=1, workers=2)
+    merged = _run("load", work / "pp1", 2, 1, work, "gpt", "pp1")
+    plan = CliRunner().invoke(app, ["reshard", str(work / "pp1"), "--world-size", "2", "--plan"], env=env)
+    done = CliRunner().invoke(app, ["reshard", str(work / "pp1"), str(work / "pp2"), "--world-size", "2", "--pp", "2"],
+                              env=env)
+    assert done.exit_code == 0, done.output
+    cut = _run("load", work / "pp2", 2, 1, work, "gpt", "pp2", pp=2)
+    return {"work": work, "source": source_logits, "native": native, "merged": merged, "cut": cut,
+            "plan": plan.output}
+
+
+def _tied(work: Path, tag: str, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(work / f"{tag}.tied.{rank}.pt")
+
+
+def _master(folder: Path, stage: int, name: str) -> torch.Tensor:
+    """Stage `stage`'s fp32 master of `name` in a dp 1 ZeRO-1 save: its group's one flat partition, laid out in
+    `param_shapes` order."""
+    step = folder / "global_step3"
+    shapes = torch.load(step / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)["param_shapes"]
+    optim = torch.load(step / f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt", weights_only=False)
+    flats = optim["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    for group, flat in zip(shapes, flats):
+        offset = 0
+        for param, size in group.items():
+            if param == name:
+                return flat[offset:offset + size.numel()].view(size).detach()
+            offset += size.numel()
+    raise KeyError(name)
+
+
+def test_megatron_resumes_from_merged_stages(pp_change: dict[str, Any]) -> None:
+    """pp 2 -> pp 1 x dp 2: Megatron resumes at iteration 3 with the source model's logits."""
+    loaded, logits = pp_change["merged"]
+    assert loaded["iteration"] == 3
+    assert torch.allclose(logits, pp_change["source"], rtol=0, atol=1e-6)
+
+
+def test_megatron_resumes_from_stages_cut_by_its_own_partition_method(pp_change: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """pp 1 -> pp 2 by the default partition method (`type:transformer`, from the transformer layers and the run's
+    `args`): each stage holds the parameters Megatron-DeepSpeed's own pp 2 run gave it, and Megatron resumes at
+    iteration 3 with the source model's logits."""
+    loaded, logits = pp_change["cut"]
+    assert loaded["iteration"] == 3
+    assert torch.allclose(logits, pp_change["source"], rtol=0, atol=1e-6)
+    work = pp_change["work"]
+    monkeypatch.syspath_prepend(CHECKOUT)  # the model-states files pickle Megatron's own classes
+    for stage in range(2):
+        name = f"global_step3/mp_rank_{stage:02d}_model_states.pt"
+        theirs = torch.load(work / "src" / name, weights_only=False)["param_shapes"]
+        ours = torch.load(work / "pp2" / name, weights_only=False)["param_shapes"]
+        assert [list(group) for group in ours] == [list(group) for group in theirs], stage
+
+
+def test_the_plan_offers_two_stages(pp_change: dict[str, Any]) -> None:
+    plan = pp_change["plan"]
+    row = next(line for line in plan.splitlines() if line.strip().startswith("ZeRO-1 pp2 x dp1 (2 ranks)"))
+    assert "writes it" in row, plan
+
+
+def test_the_stages_copies_of_the_tied_position_embeddings(pp_change: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a real GPT at pp 2 does to its tied module's copies: the word embeddings stay equal over the tie; the
+    last stage's learned position embeddings, which its head never reads, differ from stage 0's (DeepSpeed
+    synchronises `word_embeddings_weight` alone over the tie). Merged, the model takes stage 0's; cut again, both
+    stages' masters hold that copy, where Megatron's own save kept the last stage's other one (gone at pp 1). At
+    load the last stage's module holds neither master (it has no layer file of its own: the tied module's is
+    layer 1's), and the same value after ckptflow's reshard as after Megatron's own save; the logits equal. The
+    word embedding's padding row, trained by no token, is written as zeros, as DeepSpeed's universal route pads a
+    vocabulary."""
+    work = pp_change["work"]
+    words, positions = "tied_modules.embed.word_embeddings.weight", "tied_modules.embed.position_embeddings.weight"
+    first, last = _tied(work, "source", 0), _tied(work, "source", 1)
+    assert torch.equal(first[words], last[words])
+    assert not torch.equal(first[positions], last[positions])
+    for tag, rank in (("pp1", 0), ("pp1", 1), ("pp2", 0), ("pp2", 1)):
+        ours = _tied(work, tag, rank)
+        if (tag, rank) != ("pp2", 1):  # the last stage's module copy: below
+            assert torch.equal(ours[positions], first[positions]), (tag, rank)
+        assert torch.equal(ours[words][:oracle.VOCAB], first[words][:oracle.VOCAB]), (tag, rank)
+        assert first[words][oracle.VOCAB:].any() and not ours[words][oracle.VOCAB:].any(), (tag, rank)
+    native, logits = pp_change["native"]
+    assert native["iteration"] == 3 and torch.allclose(logits, pp_change["source"], rtol=0, atol=1e-6)
+    assert torch.equal(_tied(work, "native", 1)[positions], _tied(work, "pp2", 1)[positions])
+    assert not torch.equal(_tied(work, "native", 1)[positions], last[positions])
+    monkeypatch.syspath_prepend(CHECKOUT)  # the model-states files pickle Megatron's own classes
+    assert torch.equal(_master(work / "src", 1, positions), last[positions])
+    assert torch.equal(_master(work / "src", 0, positions), first[positions])
+    for stage in range(2):
+        assert torch.equal(_master(work / "pp2", stage, positions), first[positions]), stage

@@ -508,3 +508,186 @@ def test_a_replicated_tensor_the_info_leaves_out_reshards_as_if_listed(
         differ: dict[str, int] = {}
         _differences(ours, theirs, path.name, differ)
         assert differ == {}, path.name
+
+
+# ---- Megatron-DeepSpeed's own partition method (pure) -----------------------------------------------------------
+
+# A GPTModelPipe-like layer list, as `megatron/model/gpt_model.py` builds it: "fn" a function (`_to_float16`,
+# `float16_to_fp32`), "embed" the tied `EmbeddingPipe`, "T" a `ParallelTransformerLayerPipe`, "norm" the final
+# norm, "head" the tied embedding's `forward_fn` use, "lmhead" an untied `LMHeadPipe`.
+T_PARAMS = ("input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.dense.weight",
+            "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight")
+
+
+def gpt_layers(blocks: int, *, tied: bool = True, half: bool = False) -> list[str]:
+    return ["fn", "embed" if tied else "lmembed", *["T"] * blocks, "norm", "head" if tied else "lmhead",
+            *(["fn"] if half else [])]
+
+
+def deepspeed_parts(kinds: list[str], stages: int, method: str = "type:transformer") -> list[int]:
+    """DeepSpeed 0.19.8's own `PipelineModule._partition_layers` over `LayerSpec`s of classes named as
+    Megatron-DeepSpeed's, driven without a process group (the attributes it reads set by hand)."""
+    import types
+
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    from torch import nn
+
+    classes = {name: type(name, (nn.Module,), {}) for name in
+               ("EmbeddingPipe", "ParallelTransformerLayerPipe", "RMSNorm", "LMHeadPipe")}
+
+    def _to_float16(inputs: Any) -> Any:
+        return inputs
+
+    def logits(embedding: Any, hidden: Any) -> Any:
+        return hidden
+
+    specs = {"fn": lambda: _to_float16, "embed": lambda: TiedLayerSpec("embed", classes["EmbeddingPipe"]),
+             "lmembed": lambda: LayerSpec(classes["EmbeddingPipe"]),
+             "T": lambda: LayerSpec(classes["ParallelTransformerLayerPipe"]), "norm": lambda: LayerSpec(classes["RMSNorm"]),
+             "head": lambda: TiedLayerSpec("embed", classes["EmbeddingPipe"], forward_fn=logits),
+             "lmhead": lambda: LayerSpec(classes["LMHeadPipe"])}
+    module = types.SimpleNamespace(_layer_specs=[specs[kind]() for kind in kinds], num_stages=stages, global_rank=1,
+                                   _topo=PipeDataParallelTopology(num_pp=stages, num_dp=2))
+    module._find_layer_type = lambda name: PipelineModule._find_layer_type(module, name)
+    module._set_bounds = lambda start, stop: None
+    PipelineModule._partition_layers(module, method=method)
+    return [int(p) for p in module.parts]
+
+
+def megatron_index(kinds: list[str], stages: int, args: dict[str, Any] | None = None,
+                   method: str = "type:transformer") -> Any:
+    """What ckptflow reads of a Megatron-style checkpoint of `kinds` saved at `stages` stages (as DeepSpeed's
+    `method` cuts them), tp 1: each stage's parameters, the layer files, the tied module's file."""
+    import types
+
+    from ckptflow.formats.deepspeed.model import Param
+    from ckptflow.formats.torch.inert import InertRecord
+
+    parts = deepspeed_parts(kinds, stages, method)
+    embed = ("word_embeddings.weight", "position_embeddings.weight")
+    ranks, files = [], []
+    first_embed = kinds.index("embed") if "embed" in kinds else None
+    for s in range(stages):
+        names: list[str] = []
+        span = range(parts[s], parts[s + 1])
+        if any(kinds[i] in ("embed", "head") for i in span):
+            names += [f"tied_modules.embed.{n}" for n in embed]
+        for i in span:
+            local = {"T": T_PARAMS, "norm": ("weight",), "lmembed": embed, "lmhead": ("weight",)}.get(kinds[i], ())
+            names += [f"{i}.{n}" for n in local]
+        state = {"buffer_names": []}
+        if args is not None:
+            state["args"] = InertRecord("argparse", "Namespace", "NEWOBJ", ops=(("build", dict(args)),))
+        ranks.append(types.SimpleNamespace(params=tuple(Param(n, (4, 4), "float32", 0) for n in names),
+                                           model_states=(state,)))
+    files = [f"layer_{i:02d}-model_00-model_states.pt" for i, kind in enumerate(kinds)
+             if kind in ("T", "norm", "lmembed", "lmhead") or i == first_embed]
+    return types.SimpleNamespace(ranks=ranks, tp=1, pp=stages, root="mem://gpt", tag="global_step3", kind="megatron",
+                                 carried=tuple(files), tied_layers=(("embed", first_embed),) if first_embed else ())
+
+
+def deepspeed_stages(kinds: list[str], stages: int) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Each stage's modules with parameters and tied modules, as DeepSpeed's `type:transformer` cuts `kinds`."""
+    parts = deepspeed_parts(kinds, stages)
+    return [(tuple(i for i in range(a, b) if kinds[i] in ("T", "norm", "lmembed", "lmhead")),
+             ("embed",) if any(kinds[i] in ("embed", "head") for i in range(a, b)) else ()) for a, b in zip(parts, parts[1:])]
+
+
+GPT_ARGS = {"num_layers": 0, "untie_embeddings_and_output_weights": False, "fp16": False, "bf16": False,
+            "num_experts": [1]}
+
+
+# (transformer layers, tied embedding, fp16, source stages); the long mode takes them all.
+ALL_GPT_CUTS = tuple((blocks, tied, half, source) for blocks, tied, half in (
+    (2, True, False), (4, True, False), (6, True, True), (5, False, False), (8, True, False), (3, False, True))
+    for source in (2, 3) if source <= blocks)
+GPT_CUTS = sample(ALL_GPT_CUTS, [(4, True, False, 2), (3, False, True, 3)])
+
+
+@pytest.mark.parametrize(("blocks", "tied", "half", "source"), GPT_CUTS)
+def test_type_transformer_cuts_the_stages_as_deepspeed_does(blocks: int, tied: bool, half: bool, source: int) -> None:
+    """Pure: a GPTModelPipe-like model saved at `source` stages by DeepSpeed's `type:transformer` (its
+    `ParallelTransformerLayerPipe` layers weighing 1, the rest 0, functions 0) is cut again at 2, 3 and 4 stages as
+    DeepSpeed's own `PipelineModule._partition_layers` cuts the same `LayerSpec`s: ckptflow knows its transformer
+    layers by their parameters, its layer list by its `args` or, from two stages or more, by its files alone."""
+    from ckptflow.reshard import megatron
+    from ckptflow.reshard.shape import Shape
+
+    kinds = gpt_layers(blocks, tied=tied, half=half)
+    index = megatron_index(kinds, source, {**GPT_ARGS, "num_layers": blocks, "untie_embeddings_and_output_weights":
+                                           not tied, "fp16": half})
+    assert megatron.default_partition_method(index) == "type:transformer"
+    bare = megatron_index(kinds, source, method="type:transformer")  # no args: the files alone
+    for target in (2, 3, 4):
+        if target > blocks:
+            continue
+        shape = Shape(world_size=target, stage=1, tp=1, pp=target)
+        expected = deepspeed_stages(kinds, target)
+        assert [(s.layers, s.tied) for s in megatron.megatron_stages(index, shape)] == expected, (source, target)
+        assert [(s.layers, s.tied) for s in megatron.megatron_stages(bare, shape)] == expected, (source, target)
+
+
+@pytest.mark.parametrize("blocks", sample((3, 4, 7), [4]))
+def test_type_transformer_from_one_stage(blocks: int) -> None:
+    """Pure: from one stage (nothing in the files says where the tied head sits), the run's `args` give the layer
+    list, and the stages are DeepSpeed's; without them, the files leave the tied head open and ckptflow refuses."""
+    from ckptflow.reshard import megatron
+    from ckptflow.reshard.shape import Shape
+
+    kinds = gpt_layers(blocks)
+    index = megatron_index(kinds, 1, {**GPT_ARGS, "num_layers": blocks})
+    for target in (2, 3, 4):
+        stages = megatron.megatron_stages(index, Shape(world_size=target, stage=1, tp=1, pp=target))
+        assert [(s.layers, s.tied) for s in stages] == deepspeed_stages(kinds, target)
+    bare = megatron_index(kinds, 1)
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"cannot tell which layers each of 2 pipeline stages of mem://gpt/global_step3 holds: layer lists the files "
+            r"allow .* under partition method 'type:transformer'")):
+        megatron.megatron_stages(bare, Shape(world_size=2, stage=1, tp=1, pp=2))
+
+
+def test_the_default_partition_method_is_the_runs_own() -> None:
+    """Pure: `pp_partition_method` in the run's `args` where set (BigScience's Megatron-DeepSpeed), else GPTModelPipe's
+    `type:transformer` for a model with Megatron's transformer layers, else PipelineModule's `parameters`; the user's
+    `--partition-method` wins."""
+    from ckptflow.reshard import megatron
+    from ckptflow.reshard.shape import Shape
+
+    kinds = gpt_layers(4)
+    assert megatron.default_partition_method(megatron_index(kinds, 2, {**GPT_ARGS, "num_layers": 4})) == \
+        "type:transformer"
+    assert megatron.default_partition_method(megatron_index(kinds, 2, {**GPT_ARGS, "pp_partition_method": None})) == \
+        "type:transformer"
+    index = megatron_index(kinds, 2, {**GPT_ARGS, "num_layers": 4, "pp_partition_method": "uniform"})
+    assert megatron.default_partition_method(index) == "uniform"
+    toy = megatron_index(["lmembed", "norm", "norm", "lmhead"], 2, method="uniform")
+    assert megatron.default_partition_method(toy) == "parameters"
+    shape = Shape(world_size=4, stage=1, tp=1, pp=4)
+    by_uniform = [(s.layers, s.tied) for s in megatron.megatron_stages(index, shape)]
+    assert by_uniform != deepspeed_stages(kinds, 4)
+    assert [(s.layers, s.tied) for s in megatron.megatron_stages(index, shape, "type:transformer")] == \
+        deepspeed_stages(kinds, 4)
+
+
+def test_other_type_methods_are_refused() -> None:
+    """Pure: another `type:REGEX` is refused, naming the one ckptflow computes; `type:transformer` of a model without
+    Megatron's transformer layers is refused as DeepSpeed refuses it."""
+    from ckptflow.reshard import megatron
+    from ckptflow.reshard.shape import Shape
+
+    shape = Shape(world_size=2, stage=1, tp=1, pp=2)
+    index = megatron_index(gpt_layers(4), 2, {**GPT_ARGS, "num_layers": 4})
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"^cannot tell which layers each of 2 pipeline stages of mem://gpt/global_step3 holds: partition method "
+            r"'type:embedding' weighs the layers whose class name matches, and ckptflow knows one class of its layers, "
+            r"ParallelTransformerLayerPipe \(partition method 'type:transformer'\); "
+            r"use `parameters`, `uniform` or `type:transformer`$")):
+        megatron.megatron_stages(index, shape, "type:embedding")
+    toy = megatron_index(["lmembed", "norm", "norm", "lmhead"], 2, method="uniform")
+    with pytest.raises(RuntimeError, match="Partitioning 'transformer' found no valid layers to partition"):
+        deepspeed_parts(["lmembed", "norm", "norm", "lmhead"], 2)
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"partition method 'type:transformer' weighs its ParallelTransformerLayerPipe layers, and it has none "
+            r"\(DeepSpeed finds no layer to partition\); give the `partition_method` the model was trained with$")):
+        megatron.megatron_stages(toy, shape, "type:transformer")

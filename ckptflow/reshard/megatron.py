@@ -29,7 +29,10 @@ Each target model-parallel rank (stage s, tensor-parallel rank t', `mp_rank_{s *
 Another number of pipeline stages, P -> P', the degree changing with it or not (`plan_megatron_stages`):
 the two act on different axes and compose. Which layers each target stage holds is what `PipelineModule`
 decides at P' (`pipeline.stages_at`: merged to one, or cut by its partition method, each layer weighed
-by its shards' elements at T', as `PipelineModule` counts the layers it builds); each target stage s'
+by its shards' elements at T', as `PipelineModule` counts the layers it builds; by default the method the run
+itself uses, `default_partition_method`: Megatron-DeepSpeed's `GPTModelPipe` passes `type:transformer`, computed
+from its transformer layers known by their parameters, `readers.pipeline.transformer_layers`, and its layer list
+from its `args`, `layer_facts`); each target stage s'
 and tensor-parallel rank t' is then a pipeline stage as `pipeline.plan_stage` writes it, over the same
 virtual checkpoint, its parameters at their shapes at T' and each element copied out of the full tensor
 (`local_copies` over `ModelRuns`) from whichever source stage and tensor-parallel rank trained it; its
@@ -74,7 +77,7 @@ are not recorded; a dimension T' does not divide), Megatron's fused `query_key_v
 without a declared layout (or with heads the run's `args` do not give, or T' does not divide),
 and a tied module's parameter (`tied_modules.*`) neither vocabulary-parallel nor recorded as replicated
 at any tensor-parallel or pipeline change (`readers.pipeline.TIED_WHY`: only those two rules have been
-checked on a tied module).
+checked on a tied module), but a pipeline change from and to tp 1, where no rule splits a whole tensor.
 Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
 `round_robin_gradients`, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0 and
 1 only).
@@ -88,12 +91,14 @@ from dataclasses import replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.model import ModelTensor, Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, join
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
     TIED_WHY,
+    TRANSFORMER_LAYER,
     Split,
     declare_qkv_layout,
     fused_qkv,
@@ -101,16 +106,29 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
     split_pieces,
     splits_at,
     tied_module,
+    transformer_layers,
 )
 from ckptflow.formats.deepspeed.runs import Run, whole_run
 from ckptflow.reshard.flats import Copies, ModelRuns
-from ckptflow.reshard.pipeline import TIED, Weigh, check_stages, plan_stage, stage_source, stages_at
+from ckptflow.reshard.pipeline import (
+    DEFAULT_METHOD,
+    TIED,
+    LayerFacts,
+    Weigh,
+    check_stages,
+    plan_stage,
+    stage_source,
+    stages_at,
+)
 from ckptflow.reshard.pipeline_layers import Layer, TargetStage
 from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.tensor_parallel import at_degree, check_joinable, local_copies, local_runs, plan_zero12
 from ckptflow.reshard.units import ModelParallelPlan, TensorFile
 from ckptflow.reshard.vocabulary import PADDED_VOCAB, keep_note, vocab_rows_at
+
+GPT_METHOD = "type:transformer"  # GPTModelPipe's partition_method (megatron/model/gpt_model.py)
+PP_PARTITION_METHOD = "pp_partition_method"  # in BigScience Megatron-DeepSpeed's args: the method, None for GPT's
 
 
 def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
@@ -224,12 +242,47 @@ def _notes(index: ModelParallelCheckpoint, tp: int) -> tuple[str, ...]:
 def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
                     layers: int | None = None, splits: Mapping[str, Split] | None = None) -> tuple[TargetStage, ...]:
     """What each of `shape.pp` target stages of the Megatron-style checkpoint `index` holds at `shape.tp`
-    (`pipeline.stages_at`, the layers weighed at that degree; `splits`: every parameter's there)."""
+    (`pipeline.stages_at`, the layers weighed at that degree; `splits`: every parameter's there), cut by
+    `partition_method` (None: the one its own run uses, `default_partition_method`)."""
+    method = partition_method or default_partition_method(index)
+    facts = layer_facts(index)
     if shape.tp == index.tp:
-        return stages_at(index, shape.pp, partition_method, layers)
+        return stages_at(index, shape.pp, method, layers, facts=facts)
     if splits is None:
         splits = {name: split for stage in _splits(index, shape.tp)[1] for name, split in stage.items()}
-    return stages_at(index, shape.pp, partition_method, layers, _weigh(splits))
+    return stages_at(index, shape.pp, method, layers, _weigh(splits), facts)
+
+
+def default_partition_method(index: ModelParallelCheckpoint) -> str:
+    """The partition method the Megatron-style checkpoint `index`'s own run cuts its stages by: `pp_partition_method`
+    in its `args` where set (BigScience's Megatron-DeepSpeed reads it; microsoft/Megatron-DeepSpeed has none), else
+    `GPTModelPipe`'s `type:transformer` where it has Megatron's transformer layers, else `PipelineModule`'s own
+    default."""
+    args = namespace_state(index.ranks[0].model_states[0].get("args")) or {}
+    method = args.get(PP_PARTITION_METHOD)
+    if isinstance(method, str) and method:
+        return method
+    return GPT_METHOD if transformer_layers(index) else DEFAULT_METHOD
+
+
+def layer_facts(index: ModelParallelCheckpoint) -> LayerFacts:
+    """What Megatron-DeepSpeed's code says of `index`'s layer list: its transformer layers (`type:transformer`), and
+    where its run's `args` build `GPTModelPipe` (as many transformer layers as `num_layers`, no experts), each
+    layer's tied key as `GPTModelPipe.__init__` lists the layers: `_to_float16`, the embedding (`TiedLayerSpec('embed')`
+    unless `untie_embeddings_and_output_weights`), the transformer layers, the final norm, the head (the tied
+    embedding's `forward_fn`, or `LMHeadPipe`), `float16_to_fp32` under fp16 or bf16."""
+    typed = transformer_layers(index)
+    args = namespace_state(index.ranks[0].model_states[0].get("args")) or {}
+    num_layers, untied, experts = (args.get(k) for k in ("num_layers", "untie_embeddings_and_output_weights",
+                                                          "num_experts"))
+    half = [args.get(k) for k in ("fp16", "bf16")]
+    keys = None
+    plain = experts is None or (isinstance(experts, list) and all(e == 1 for e in experts))
+    if (typed and type(num_layers) is int and num_layers == len(typed) and type(untied) is bool and plain
+            and all(type(h) is bool for h in half)):
+        embed = "" if untied else "embed"
+        keys = ("", embed, *[""] * num_layers, "", embed, *[""] * any(half))
+    return LayerFacts(method=GPT_METHOD, cls=TRANSFORMER_LAYER, typed=typed, keys=keys)
 
 
 def _splits(index: ModelParallelCheckpoint, tp: int, qkv_layout: str | None = None
@@ -295,7 +348,7 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
                                          tensor=fused, hint=_fused_hint(index.tp))
     if shape.tp != index.tp:
         check_joinable(index, shape.tp)
-    tied = tied_module(index) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
+    tied = tied_module(index, shape.tp) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
     if tied is not None:
         raise UnsupportedCheckpointError(
             f"{where}: {tied} {TIED_WHY}", code="unsupported-shape", uri=index.root, tensor=tied,
@@ -399,4 +452,5 @@ def _layer_file(index: ModelParallelCheckpoint, layer: int, t: int, splits: Mapp
     return TensorFile(name=layer_file_name(layer, t), tensors=tuple(tensors))
 
 
-__all__ = ["megatron_stages", "plan_megatron_stages", "plan_megatron_tensor_parallel"]
+__all__ = ["GPT_METHOD", "default_partition_method", "layer_facts", "megatron_stages", "plan_megatron_stages",
+           "plan_megatron_tensor_parallel"]

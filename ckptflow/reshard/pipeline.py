@@ -12,8 +12,9 @@ group left with no parameter on a stage is dropped there (DeepSpeed's optimizer 
 Which layers a target stage holds is what `PipelineModule._partition_layers` decides at M from the layer
 list, which no file records; `pipeline_layers` rebuilds the lists the files allow, keeps those whose
 partition at N gives each source stage what it holds (`--partition-method`, DeepSpeed's default
-"parameters", or "uniform"), and answers only when all give every target stage the same layers and
-tied modules. Merging every stage into one (pp1) needs none of it.
+"parameters", or "uniform"; a "type:" one where the caller knows the layers of its class, `LayerFacts`),
+and answers only when all give every target stage the same layers and tied modules. Merging every stage
+into one (pp1) needs none of it.
 
 A target stage's groups are rebuilt from the parameters it owns in that order (a parameter keeps the
 group it had in the source, groups known by their hyper-parameters), laid out by DeepSpeed's ZeRO-1
@@ -32,7 +33,7 @@ time (`megatron.plan_megatron_stages`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
@@ -45,6 +46,7 @@ from ckptflow.reshard.data_parallel import plan_data_parallel
 from ckptflow.reshard.flats import Copies, ModelRuns, zero12_flats
 from ckptflow.reshard.pipeline_layers import (
     METHODS,
+    TYPE,
     Evidence,
     Layer,
     TargetStage,
@@ -169,9 +171,10 @@ def _named_layers(rank: ZeroCheckpoint) -> set[int]:
 # ---- which layers each target stage holds --------------------------------------------------------------
 
 
-def evidence(index: ModelParallelCheckpoint) -> Evidence:
+def evidence(index: ModelParallelCheckpoint, typed: frozenset[int] | None = None) -> Evidence:
     """What `index`'s files say about its layer list (`pipeline_layers.Evidence`), at its own
-    tensor-parallel degree (each stage's first tensor-parallel rank)."""
+    tensor-parallel degree (each stage's first tensor-parallel rank); with `typed`, the layers a "type:"
+    method's class matches, each layer weighing 1 if it is one of them, else 0, as that method weighs them."""
     ranks: Sequence[ZeroCheckpoint] = index.ranks[::index.tp]
     tied = dict(index.tied_layers)
     counts: dict[int, int] = {}
@@ -187,6 +190,9 @@ def evidence(index: ModelParallelCheckpoint) -> Evidence:
         first = next(r for r in ranks if any(q.name.startswith(TIED) and _tied_key(q.name) == key for q in r.params))
         sizes[key] = sum(p.numel for p in first.params if p.name.startswith(TIED) and _tied_key(p.name) == key)
     files = {int(m.group(1)) for name in index.carried if (m := LAYER_FILE_RE.match(name))}
+    if typed is not None:
+        counts = {layer: int(layer in typed) for layer in files}
+        sizes = dict.fromkeys(sizes, 0)
     known = {layer: ("", counts.get(layer, 0)) for layer in files}
     for key, layer in tied.items():
         known[layer] = (key, sizes.get(key, 0))
@@ -201,31 +207,59 @@ def evidence(index: ModelParallelCheckpoint) -> Evidence:
 Weigh = Callable[[Sequence[Layer]], list[Layer]]
 
 
+@dataclass(frozen=True)
+class LayerFacts:
+    """What the model's own code says of its layer list where no file does: the one "type:" partition method
+    ckptflow computes for it (`method`, as the model passes it, matching class `cls`; `typed`, the layers of
+    that class), and each layer's tied module key, or "" for any other, as its own arguments build the list
+    (`keys`; None: the files alone decide)."""
+
+    method: str
+    cls: str
+    typed: frozenset[int]
+    keys: tuple[str, ...] | None = None
+
+
 def stages_at(index: ModelParallelCheckpoint, pp: int, partition_method: str | None = None,
-              count: int | None = None, weigh: Weigh | None = None) -> tuple[TargetStage, ...]:
+              count: int | None = None, weigh: Weigh | None = None,
+              facts: LayerFacts | None = None) -> tuple[TargetStage, ...]:
     """What each of `pp` target stages of `index` holds: every layer and tied module at pp1, else as
     `PipelineModule(partition_method=...)` (None: its default) cuts the layer lists the files allow
-    (`count` layers, when given), weighed at the target by `weigh` (None: as the source weighs them);
+    (`count` layers, when given; `facts`: what the model's code adds), weighed at the target by `weigh`
+    (None: as the source weighs them; a "type:" method weighs the same at any degree);
     `UnsupportedCheckpointError` where that is not one answer."""
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     if pp == 1:
         return (_merged(ranks),)
-    return _split(index, ranks, pp, partition_method or DEFAULT_METHOD, count, weigh)
+    return _split(index, ranks, pp, partition_method or DEFAULT_METHOD, count, weigh, facts)
 
 
 def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: int, method: str,
-           count: int | None, weigh: Weigh | None = None) -> tuple[TargetStage, ...]:
+           count: int | None, weigh: Weigh | None = None, facts: LayerFacts | None = None) -> tuple[TargetStage, ...]:
     where = f"{index.root}/{index.tag}"
     hint = f"give the {option('partition_method')} the model was trained with"
-    if method not in METHODS:
-        what = ("weighs the layers whose class name matches, and no file records a layer's class" if
-                method.startswith("type:") else "is not one of PipelineModule's partition methods")
+    methods = METHODS + ((facts.method,) if facts is not None else ())
+    computable = [m for m in methods if facts is None or m != facts.method or facts.typed]
+    if method not in methods:
+        if not method.startswith(TYPE):
+            what = "is not one of PipelineModule's partition methods"
+        elif facts is None:
+            what = "weighs the layers whose class name matches, and no file records a layer's class"
+        else:
+            what = (f"weighs the layers whose class name matches, and ckptflow knows one class of its layers, "
+                    f"{facts.cls} (partition method {facts.method!r})")
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method {method!r} "
-            f"{what}", code="unsupported-shape", uri=index.root, hint="use `parameters` or `uniform`")
-    found = _fitting(index, method, count)
+            f"{what}", code="unsupported-shape", uri=index.root,
+            hint="use " + ", ".join(f"`{m}`" for m in methods[:-1]) + f" or `{methods[-1]}`")
+    if facts is not None and method == facts.method and not facts.typed:
+        raise UnsupportedCheckpointError(
+            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method {method!r} "
+            f"weighs its {facts.cls} layers, and it has none (DeepSpeed finds no layer to partition)",
+            code="unsupported-shape", uri=index.root, hint=hint)
+    found = _fitting(index, method, count, facts)
     if not found:
-        other = [m for m in METHODS if m != method and _fitting(index, m, count)]
+        other = [m for m in computable if m != method and _fitting(index, m, count, facts)]
         of = f" of {count} layers" if count is not None else ""
         raise UnsupportedCheckpointError(
             f"{where}: no layer list{of} the files allow gives its {index.pp} pipeline stages the layers they hold "
@@ -235,7 +269,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     modules = frozenset().union(*(_named_layers(r) for r in ranks))
     outcomes: dict[tuple[TargetStage, ...], list[Any]] = {}
     for layers in found:
-        weights = weigh(layers) if weigh is not None else layers
+        weights = weigh(layers) if weigh is not None and not method.startswith(TYPE) else layers
         outcomes.setdefault(target_stages(layers, partition(method, weights, pp), modules), layers)
     if len(outcomes) > 1:
         (a, one), (b, two) = list(outcomes.items())[:2]
@@ -255,9 +289,16 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     return stages
 
 
-def _fitting(index: ModelParallelCheckpoint, method: str, count: int | None) -> list[Any]:
+def _fitting(index: ModelParallelCheckpoint, method: str, count: int | None,
+             facts: LayerFacts | None = None) -> list[Any]:
+    """The layer lists the files allow under `method` (of `count` layers, when given), those whose tied
+    modules sit where the model's arguments put them where `facts` says (and `count` does not say otherwise)."""
+    keys = facts.keys if facts is not None and (count is None or facts.keys is None or count == len(facts.keys)) \
+        else None
+    typed = facts.typed if facts is not None and method == facts.method else None
     try:
-        return list(layer_lists(evidence(index), method, count))
+        lists = layer_lists(evidence(index, typed), method, len(keys) if keys is not None else count)
+        return [layers for layers in lists if keys is None or tuple(key for key, _ in layers) == keys]
     except ValueError as exc:
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each pipeline stage of {index.root}/{index.tag} holds: {exc}",
@@ -417,4 +458,5 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
     )
 
 
-__all__ = ["TIED", "Weigh", "check_stages", "evidence", "plan_pipeline", "plan_stage", "stage_source", "stages_at"]
+__all__ = ["TIED", "LayerFacts", "Weigh", "check_stages", "evidence", "plan_pipeline", "plan_stage", "stage_source",
+           "stages_at"]

@@ -3,8 +3,11 @@
 DeepSpeed 0.19.8's `PipelineModule._partition_layers` cuts the layer list into `num_stages` runs by
 `partition_method`: "parameters" (the default: `ds_utils.partition_balanced` over each layer's
 trainable elements, a `TiedLayerSpec` counted at every use, a function as 0), "uniform"
-(`partition_uniform` over the number of layers) or "type:REGEX" (balanced over the layers whose class
-name matches). `partition_uniform` and `partition_balanced` below are ports of DeepSpeed's.
+(`partition_uniform` over the number of layers) or "type:REGEX" (balanced over weights 1 for the layers
+whose class name matches, case-insensitively, 0 for the others and for functions). `partition_uniform`
+and `partition_balanced` below are ports of DeepSpeed's. No file records a layer's class: a "type:"
+method is computed where the caller knows which layers match (`Layer`'s count is then that 0 or 1;
+`megatron`: Megatron-DeepSpeed's transformer layers, known by their parameters).
 
 No file records the layer list. What the files say (`Evidence`): each layer that is a module saved
 `layer_XX-model_states.pt` under its global index; each stage's `param_shapes` and `buffer_names` name
@@ -25,11 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("parameters", "uniform")  # and "type:REGEX", which ckptflow cannot compute (no class names)
+METHODS = ("parameters", "uniform")  # and "type:REGEX" where the caller knows the layers it matches
+TYPE = "type:"
 SPAN = 8  # layers without files tried after the last layer file
 MAX_LISTS = 4096  # layer lists tried at most
 
-Layer = tuple[str, int]  # (tied module key, or "" for a module or a function; trainable elements)
+Layer = tuple[str, int]  # (tied module key, or "" for a module or a function; trainable elements, or a
+# "type:" method's weight)
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -68,7 +73,8 @@ def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
 
 
 def partition(method: str, layers: Sequence[Layer], num_stages: int) -> list[int]:
-    """`PipelineModule._partition_layers`' `parts` for `layers` (methods of `METHODS`)."""
+    """`PipelineModule._partition_layers`' `parts` for `layers` (methods of `METHODS`, and a "type:" one over
+    `layers` that carry its weights)."""
     if method == "uniform":
         return partition_uniform(len(layers), num_stages)
     return partition_balanced([count for _, count in layers], num_stages)
@@ -154,5 +160,5 @@ def describe(layers: Sequence[Layer]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["Evidence", "METHODS", "TargetStage", "describe", "layer_lists", "partition", "partition_balanced",
+__all__ = ["Evidence", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists", "partition", "partition_balanced",
            "partition_uniform", "target_stages"]

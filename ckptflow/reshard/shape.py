@@ -274,7 +274,7 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
                     f"not of {name} ones")
         if source.stage != 1:
             return "ckptflow changes the number of pipeline stages of ZeRO-1 PipelineModule checkpoints only"
-        if kind == "megatron" and (tied := tied_module(index)) is not None:
+        if kind == "megatron" and (tied := tied_module(index, shape.tp)) is not None:
             return f"{tied} {TIED_WHY}"
         layers = pipeline_layers(index)
         if layers and shape.pp > layers:

@@ -2,8 +2,8 @@
 
 Run on N ranks by ``launch(__file__, N, [MODE, CKPT, TP, WORK, RECIPE, TAG, *COUNTER])`` with
 ``CKPTFLOW_MEGATRON_DEEPSPEED`` naming a Megatron-DeepSpeed checkout (its root, holding ``megatron/`` and
-``pretrain_gpt.py``). Every rank parses Megatron's own command line (``pretrain_gpt.py``'s arguments at
-tp ``TP`` x pp 1 x dp N/TP, ZeRO-1, fp32, a GPT-2 BPE tokenizer over a 37-token vocabulary written to
+``pretrain_gpt.py``), and ``CKPTFLOW_MEGATRON_PP`` the number of pipeline stages (1 when unset). Every rank
+parses Megatron's own command line (``pretrain_gpt.py``'s arguments at tp ``TP`` x pp PP x dp N/(TP x PP), ZeRO-1, fp32, a GPT-2 BPE tokenizer over a 37-token vocabulary written to
 ``WORK``, ``--make-vocab-size-divisible-by 2``), runs ``initialize_megatron`` and builds the model with
 ``setup_model_and_optimizer(pretrain_gpt.model_provider, ...)``: a ``GPTModelPipe`` under DeepSpeed's
 PipelineEngine, the run ``pretrain_gpt.py`` makes.
@@ -20,7 +20,10 @@ PipelineEngine, the run ``pretrain_gpt.py`` makes.
 
 Both modes write ``WORK/{TAG}.json`` (rank 0: the iteration Megatron resumes at, the counter-check's
 message) and ``WORK/{TAG}.logits.pt``: the model's own forward of one fixed batch (eval mode), logits
-gathered over the tensor-parallel group, the 37 columns of the real vocabulary.
+gathered over the tensor-parallel group, the 37 columns of the real vocabulary. At one stage that is the
+module's forward; at more, DeepSpeed's pipeline forward (``eval_batch(return_logits=True)``, one micro-batch),
+whose last stage writes them. Every rank also writes ``WORK/{TAG}.tied.{RANK}.pt``: its stage's own
+copy of each tied module's parameters (``tied_modules.*``), as its engine holds them after the save or load.
 
 ``RECIPE`` is ``gpt`` (Megatron-DeepSpeed's defaults: tied embeddings, learned positions) or ``llama``
 (its Llama recipe, ``examples_deepspeed/pretrain_llama*.sh``: untied embeddings, SwiGLU, no linear
@@ -48,6 +51,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 MDS_ENV = "CKPTFLOW_MEGATRON_DEEPSPEED"
+PP_ENV = "CKPTFLOW_MEGATRON_PP"  # the pipeline stages, 1 when unset
 MODULE_ONLY_ENV = "CKPTFLOW_MEGATRON_MODULE_ONLY"  # "1": load with --finetune, the layer files' weights only
 VOCAB = 37  # the tokenizer's own tokens; Megatron pads them to 38 at tp 1, 40 at tp 2
 GLOBAL_BATCH = 2
@@ -76,15 +80,15 @@ def _tokenizer(work: Path) -> tuple[Path, Path]:
 
 
 def _argv(ckpt: str, tp: int, work: Path, recipe: str, vocab: Path, merges: Path) -> list[str]:
-    world = int(os.environ["WORLD_SIZE"])
+    world, pp = int(os.environ["WORLD_SIZE"]), int(os.environ.get(PP_ENV, "1"))
     config = work / f"ds_config_{os.environ['RANK']}.json"
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 1, "train_batch_size": GLOBAL_BATCH,
-        "gradient_accumulation_steps": GLOBAL_BATCH // (world // tp),
+        "gradient_accumulation_steps": GLOBAL_BATCH // (world // (tp * pp)),
         "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
     }))
     return [
-        "pretrain_gpt.py", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
+        "pretrain_gpt.py", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH),
         "--train-iters", "10", "--lr", "1e-2", "--min-lr", "1e-3", "--seed", "1234",
@@ -144,15 +148,22 @@ def main(argv: list[str]) -> None:
             if field is not None:  # this run's value, to reach the next comparison
                 setattr(source, field, getattr(args, field))
 
-    inputs, _ = pretrain_gpt.get_batch_pipe({"text": torch.arange(9).remainder(VOCAB).view(1, 9)})
-    module = model[0].module
-    module.eval()
-    with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(module(inputs))
-    if int(os.environ["RANK"]) == 0:
-        assert mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+    batch = {"text": torch.arange(9).remainder(VOCAB).view(1, 9)}
+    engine = model[0]
+    if engine.num_stages == 1:
+        inputs, _ = pretrain_gpt.get_batch_pipe(batch)
+        engine.module.eval()
+        with torch.no_grad():
+            output = engine.module(inputs)
+    else:
+        _, output = engine.eval_batch(iter([batch]), return_logits=True, num_micro_batches=1)
+    if engine.is_last_stage():
+        logits = gather_from_tensor_model_parallel_region(output)
+    if engine.is_last_stage() and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         torch.save(logits[..., :VOCAB].clone(), work_dir / f"{tag}.logits.pt")
         (work_dir / f"{tag}.json").write_text(json.dumps(result))
+    tied = {name: p.detach().clone() for name, p in engine.module.named_parameters() if name.startswith("tied_modules.")}
+    torch.save(tied, work_dir / f"{tag}.tied.{os.environ['RANK']}.pt")
     torch.distributed.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

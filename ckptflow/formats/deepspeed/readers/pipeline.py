@@ -517,6 +517,27 @@ def fused_qkv(index: ModelParallelCheckpoint) -> str | None:
     return next((p.name for p in index.ranks[0].params if FUSED_QKV in p.name), None)
 
 
+# Megatron-DeepSpeed's transformer layer (`ParallelTransformerLayerPipe`, `megatron/model/transformer.py`), the class
+# `GPTModelPipe`'s `partition_method='type:transformer'` weighs: known in a checkpoint by what it trains,
+# Megatron's `self_attention.*` and `mlp.*` (with `input_layernorm` and `post_attention_layernorm`). Its embedding
+# (`EmbeddingPipe`), final norm, head (`LMHeadPipe`, or the tied embedding's `forward_fn`) and functions train
+# neither.
+TRANSFORMER_LAYER = "ParallelTransformerLayerPipe"
+TRANSFORMER_PARTS = ("self_attention", "mlp")
+
+
+def transformer_layers(index: ModelParallelCheckpoint) -> frozenset[int]:
+    """The layers of the Megatron-style checkpoint `index` that Megatron-DeepSpeed built as its transformer layer
+    (`TRANSFORMER_LAYER`): those whose own parameters (`{layer}.{name}`) include `TRANSFORMER_PARTS`."""
+    parts: dict[int, set[str]] = {}
+    for rank in index.ranks:
+        for p in rank.params:
+            head, _, local = p.name.partition(".")
+            if head.isdigit():
+                parts.setdefault(int(head), set()).add(local.partition(".")[0])
+    return frozenset(layer for layer, held in parts.items() if held.issuperset(TRANSFORMER_PARTS))
+
+
 TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages share) that is neither a vocabulary "
             "parameter nor a replicated one: ckptflow moves a tied vocabulary-parallel word embedding and a tied "
             "parameter its universal_checkpoint_info records as replicated over the tensor-parallel ranks (Megatron's "
@@ -525,11 +546,15 @@ TIED_WHY = ("is a tied module's parameter (a TiedLayerSpec its pipeline stages s
             "split by other rules")
 
 
-def tied_module(index: ModelParallelCheckpoint) -> str | None:
+def tied_module(index: ModelParallelCheckpoint, tp: int | None = None) -> str | None:
     """The first parameter of a tied module (`tied_modules.{key}.{name}`) of the Megatron-style checkpoint
     `index` that no tensor-parallel or pipeline change moves (`TIED_WHY`): one its `universal_checkpoint_info`
     records neither as a vocabulary parameter nor as replicated (`tp_replicated_parameter_patterns`); None
-    without one."""
+    without one, or where `index` and the target (`tp`) are both at tensor-parallel degree 1: each tied parameter
+    is then whole in both and no rule splits it (Megatron-DeepSpeed records `tp_replicated_parameter_patterns`
+    only above tp 1)."""
+    if index.tp == 1 and tp == 1:
+        return None
     rules = _Rules(index.ranks[0].model_states[0].get(UC_INFO) or {})
     return next((p.name for rank in index.ranks for p in rank.params
                  if p.name.startswith(TIED) and not rules.matches("vocabulary_parameter_patterns", p.name)
@@ -747,6 +772,6 @@ def fused_heads(index: ModelParallelCheckpoint, name: str, rows: int) -> Heads:
     return heads
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "declare_qkv_layout",
-           "fused_heads", "fused_qkv", "position_note", "read_pipeline", "row_join_problem", "shard_shapes",
-           "split_pieces", "splits_at", "tied_module", "vocabulary_rows"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "TRANSFORMER_LAYER",
+           "declare_qkv_layout", "fused_heads", "fused_qkv", "position_note", "read_pipeline", "row_join_problem",
+           "shard_shapes", "split_pieces", "splits_at", "tied_module", "transformer_layers", "vocabulary_rows"]
