@@ -691,3 +691,7 @@ def test_other_type_methods_are_refused() -> None:
             r"partition method 'type:transformer' weighs its ParallelTransformerLayerPipe layers, and it has none "
             r"\(DeepSpeed finds no layer to partition\); give the `partition_method` the model was trained with$")):
         megatron.megatron_stages(toy, shape, "type:transformer")
+    hostile = megatron_index(gpt_layers(4), 2, {**GPT_ARGS, "num_layers": 4, "pp_partition_method": "type:" + "x" * 5000})
+    with pytest.raises(UnsupportedCheckpointError) as refused:  # a method from the checkpoint's args, quoted short
+        megatron.megatron_stages(hostile, shape)
+    assert "partition method 'type:xxx" in str(refused.value) and len(str(refused.value)) < 600

@@ -42,6 +42,7 @@ from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.plumbing.text import excerpt
 from ckptflow.reshard.data_parallel import plan_data_parallel
 from ckptflow.reshard.flats import Copies, ModelRuns, zero12_flats
 from ckptflow.reshard.pipeline_layers import (
@@ -249,13 +250,13 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
             what = (f"weighs the layers whose class name matches, and ckptflow knows one class of its layers, "
                     f"{facts.cls} (partition method {facts.method!r})")
         raise UnsupportedCheckpointError(
-            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method {method!r} "
-            f"{what}", code="unsupported-shape", uri=index.root,
+            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
+            f"{excerpt(method)} {what}", code="unsupported-shape", uri=index.root,
             hint="use " + ", ".join(f"`{m}`" for m in methods[:-1]) + f" or `{methods[-1]}`")
     if facts is not None and method == facts.method and not facts.typed:
         raise UnsupportedCheckpointError(
-            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method {method!r} "
-            f"weighs its {facts.cls} layers, and it has none (DeepSpeed finds no layer to partition)",
+            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
+            f"{excerpt(method)} weighs its {facts.cls} layers, and it has none (DeepSpeed finds no layer to partition)",
             code="unsupported-shape", uri=index.root, hint=hint)
     found = _fitting(index, method, count, facts)
     if not found:
@@ -263,7 +264,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
         of = f" of {count} layers" if count is not None else ""
         raise UnsupportedCheckpointError(
             f"{where}: no layer list{of} the files allow gives its {index.pp} pipeline stages the layers they hold "
-            f"under partition method {method!r}" + (f"; {other[0]!r} does" if other else ""),
+            f"under partition method {excerpt(method)}" + (f"; {other[0]!r} does" if other else ""),
             code="unsupported-shape", uri=index.root,
             hint=f"pass {option('partition_method')} {other[0]}" if other else hint)
     modules = frozenset().union(*(_named_layers(r) for r in ranks))
