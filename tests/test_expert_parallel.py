@@ -43,27 +43,31 @@ from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
-from tests.fixtures.sets import ParallelFixture, build_bf16_optimizer
+from tests.fixtures.sets import SETS, ParallelFixture, build_bf16_optimizer
 from tests.fixtures.specs.bf16_optimizer import BF16_MATRIX, BF16_SPECS
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.fixtures.specs.round_robin import RR_MATRIX, RR_SPECS
 from tests.oracles.tensors import read_tensor
 from tests.sampling import long_mode, sample
 from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
-SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX)}
+SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX, *RR_MATRIX)}
 WRONG = ("damaged", "another model", "corrupt")
 
 
 @pytest.fixture(scope="session")
 def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
-    """The matrix's expert-parallel fixtures, and the held-out and BF16_Optimizer ones only when a test asks for
-    them."""
+    """The matrix's expert-parallel fixtures, and the held-out, BF16_Optimizer and round-robin ones only when a
+    test asks for them (the round-robin ones one launch at a time)."""
 
     class Lazy(dict):
         def __missing__(self, name: str) -> ParallelFixture:
+            if name in RR_SPECS:
+                self.update(SETS["round-robin"].build([name]))
+                return self[name]
             if name in BF16_SPECS:
                 self.update(build_bf16_optimizer([n for n in BF16_SPECS if SPECS[n].layout in (AUTOEP, DSMOE)]))
                 return self[name]
@@ -527,6 +531,12 @@ EP_RESHARDS = sample(ALL_EP_RESHARDS, [])
 # AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, ZeRO-3 on more ranks (ep2 x edp2) and fewer
 # (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks,
 # the held-out bf16 ep2 x edp3).
+RR_RESHARDS = (
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 4, 2), ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 1, 1),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 2, 3), ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 4, 3),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 2, 2, 2),
+    ("dsmoe-ep2dp2-z1-fp32-rr", 4, 4, 1), ("dsmoe-ep2dp2-z1-fp32-rr", 4, 1, 2), ("dsmoe-ep2dp2-z1-fp32-rr", 2, 1, 1),
+)
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
@@ -548,6 +558,11 @@ ALL_STAGE_RESHARDS = (
     # same config): deepspeed.moe to ZeRO-2 at its degree and at ep1, AutoEP to ZeRO-2 and ZeRO-3.
     ("dsmoe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("dsmoe-ep2-z1-bf16-fp32accum", 2, 1, 2),
     ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 3),
+    # Trained with round_robin_gradients (`specs.round_robin`; the target runs the same config): each group's
+    # saved order undone over its own ranks (an expert group's expert data-parallel group of 2) and redone
+    # over the target's. AutoEP ZeRO-2 ep2 x edp2 -> ep4 and ep1 (ZeRO-1), -> ZeRO-3 at ep2 and ep4, -> ep2
+    # x edp1 on 2 ranks; deepspeed.moe ZeRO-1 ep2 x edp2 -> ep4, -> ZeRO-2 ep1, -> ep1 on 2 ranks.
+    *RR_RESHARDS,
 )
 # By default one launch for AutoEP ZeRO-3 at another degree: ep4 at ZeRO-3 from ZeRO-2 ep2 x edp2 and from
 # ZeRO-3 ep2 x edp2 (ZeRO-3 -> ZeRO-2 ep4 is checked against DeepSpeed's own ep4 save without a launch).
@@ -595,9 +610,11 @@ class EpOracle:
             fixture = self.fixtures[case[0]]
             paths = self.paths(case)
             reshard(str(fixture.dir), str(paths["out"]), world_size=world_size, ep=ep, stage=stage)
-            section = (fixture.spec.get("ds_config") or {}).get("data_types")  # the source's, as its user runs it
+            config = fixture.spec.get("ds_config") or {}  # the source's sections, as its user runs it
+            section = config.get("data_types")
+            rr = bool((config.get("zero_optimization") or {}).get("round_robin_gradients"))
             shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage,
-                     **({"data_types": section} if section else {})}
+                     **({"data_types": section} if section else {}), **({"round_robin": True} if rr else {})}
             items.append({**shape, "load": str(paths["out"]), "save": str(paths["resaved"]),
                           "state": str(paths["state"]), "hang_after": 300})
             items.append({**shape, "write": str(paths["written"])})

@@ -49,13 +49,22 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.partition import (
+    BF16,
+    ZERO,
+    Copy,
+    original_order,
+    param_alignment,
+    recorded_slices,
+    round_robin_order,
+    zero12_layout,
+)
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies, target_optimizer
+from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies, in_optimizer_order, target_optimizer
 from ckptflow.reshard.moe_cut import DSMOE_EXPERT, expert_runs, is_expert, plan_recut
 from ckptflow.reshard.shape import Shape, expert_counts
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
@@ -214,8 +223,8 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
     planner of the stage, `_plan` here or `stage.plan_expert_zero3`, copies them as from any
     source), and the metadata `reshard.files` copies into the new files; its partitions stay the
     source's. Refused in one line where DeepSpeed's layout at `shape.ep` is not one ckptflow builds."""
-    zero = source.zero
-    assert zero is not None, "a ZeRO-0 source has nothing to reshard"
+    assert source.zero is not None, "a ZeRO-0 source has nothing to reshard"
+    zero = in_optimizer_order(source.zero)  # round-robin undone: each group as the optimizer lists it
     if shape.ep == source.ep:
         return zero
     counts = expert_counts(source)
@@ -224,9 +233,6 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
         raise _refuse(source, shape, f"its MoE layers have {list(counts) or 'an unrecorded number of'} experts, which "
                       f"{shape.ep} expert-parallel ranks do not split evenly",
                       "choose a degree that divides every layer's experts")
-    if zero.stage != 3 and is_set(zero.zero_config, "round_robin_gradients"):
-        raise _refuse(source, shape, "it was trained with zero_optimization.round_robin_gradients, whose order "
-                      "ckptflow does not rebuild across expert-parallel degrees", "keep its expert-parallel degree")
     if source.kind == "autoep":
         _check_uniform_placement(source, shape)
     runs = expert_runs(zero)
@@ -339,6 +345,7 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     world_size = shape.world_size
     optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage)
     bf16 = optimizer == BF16
+    rr = optimizer == ZERO and is_set(zero.zero_config, "round_robin_gradients")
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]
     slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
@@ -347,31 +354,29 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     ordered = {key: sorted(p.fragments, key=lambda f: f.param_offset) for key, p in by_key.items()}
     starts = {key: [f.param_offset for f in frags] for key, frags in ordered.items()}
     for g, group in enumerate(virtual.groups):
-        params = [by_key[(0, n)] for n in group.params]
+        parts = world_size // group.ep
+        # `virtual` lists each group in the optimizer's order; round-robin flattens it over the group's ranks
+        order = round_robin_order(len(group.params), parts) if rr else range(len(group.params))
+        names = [group.params[i] for i in order]
+        params = [by_key[(0, n)] for n in names]
         numels = [p.numel for p in params]
         align = 1 if bf16 or not numels else param_alignment(DTYPE_SIZES[params[0].dtype],
                                                              is_set(zero.zero_config, "parameter_alignment"))
-        parts = world_size // group.ep
         dst = zero12_layout(numels, parts, alignment=align, bf16_optimizer=bf16)
-        cumulative = not any(dst.param_paddings)
+        original = original_order(len(names), parts, rr)
         for r in range(world_size):
             e, part = r % group.ep, r // group.ep
             lo, hi = part * dst.partition, (part + 1) * dst.partition
             copies: list[Copy] = []
-            mine, pos = [], 0
-            for name, off, numel in zip(group.params, dst.offsets, numels):
+            for name, off, numel in zip(names, dst.offsets, numels):
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
                     for c in fragment_copies(ordered[(e, name)], a - off, b - off, a - lo, starts[(e, name)]):
                         append_copy(copies, c)
-                mapped = pos if cumulative else off
-                ma, mb = max(mapped, lo), min(mapped + numel, hi)
-                if ma < mb:
-                    mine.append((name, ma - lo, mb - ma))
-                pos += numel
             flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=tuple(copies)))
             paddings[r].append(dst.group_paddings[part])
-            slices[r].append(tuple(mine))
+            slices[r].append(tuple((names[i], start, k) for i, start, k in
+                                   recorded_slices(numels, dst.offsets, dst.partition, part, original)))
         flat_shapes.append(tuple((p.name, p.shape) for p in params))
         param_paddings.append(dst.param_paddings)
     n_tensors = zero.tensors_per_partition
