@@ -940,6 +940,56 @@ def test_autoep_zero3_at_another_degree_is_what_deepspeed_writes_at_zero2_there(
         assert torch.equal(weights[key], tensor), key
 
 
+RR = "autoep-qwen3-moe-ep2dp2-z2-fp32-rr"
+
+
+def _deepspeed_round_robin(items: Sequence[str], ranks: int) -> list[str]:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return list(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(items), ranks)[0])
+
+
+def test_a_round_robin_source_is_laid_out_again_over_each_group_s_target_ranks(expert_fixtures) -> None:
+    """AutoEP ZeRO-2 ep2 x edp2 trained with round_robin_gradients: DeepSpeed flattened its expert group
+    round-robin over the 2 ranks of its expert data-parallel group and its dense groups over all 4
+    (`_configure_moe_settings` sets the expert group's ranks before the groups are flattened). At the
+    target each group is flattened as DeepSpeed's `_round_robin_reorder` orders the optimizer's list over
+    the group's ranks there: over 4 at ep1 (ZeRO-1), over 1 at ep4; ZeRO-3 takes the optimizer's list."""
+    index = load_index(str(expert_fixtures[RR].dir))
+    saved = [list(g.params) for g in index.zero.groups]
+    # The optimizer's list: the one whose round-robin over the source's ranks is what the source saved.
+    listed = []
+    for names, ranks in zip(saved, (4, 4, 2)):
+        where = _deepspeed_round_robin([str(i) for i in range(len(names))], ranks)
+        order = {int(i): name for i, name in zip(where, names)}
+        listed.append([order[i] for i in range(len(names))])
+    # The expert group undone over its 2 ranks is the model's order (each layer's w1, w2, w3); saved, it is not.
+    assert listed[2] == [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
+    assert saved[2] != listed[2]
+    for target, ranks in ((Target(world_size=4, ep=1, stage=1), (4, 4, 4)), (Target(world_size=4, ep=4), (4, 4, 1)),
+                          (Target(world_size=2), (2, 2, 1))):
+        plan = plan_reshard(index, target)
+        assert [[n for n, _ in g] for g in plan.flat_shapes] == [
+            _deepspeed_round_robin(names, n) for names, n in zip(listed, ranks)], target
+    for target in (Target(world_size=4, stage=3), Target(world_size=4, ep=4, stage=3)):
+        assert [[n for n, _ in g] for g in plan_reshard(index, target).flat_shapes] == listed, target
+
+
+@pytest.mark.parametrize(("stage", "world_size", "ep"), [(1, 4, 1), (2, 4, 4), (3, 4, 4), (3, 2, 2)])
+def test_a_round_robin_source_to_another_degree_and_stage_and_back_gives_its_files(expert_fixtures, stage: int,
+                                                                                   world_size: int, ep: int,
+                                                                                   tmp_path: Path) -> None:
+    """The round-robin source out to ZeRO-`stage` ep`ep` on `world_size` ranks and back: DeepSpeed's files of
+    the source field for field and byte for byte (flat partitions in its round-robin order, moments,
+    param_slice_mappings, the module, every expert's own file)."""
+    source = expert_fixtures[RR]
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=stage, ep=ep)
+    there = load_index(str(tmp_path / "out"))
+    assert (there.stage, there.ep, there.world_size) == (stage, ep, world_size)
+    reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=4, stage=2, ep=2)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
+
+
 def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:
     """ep2 x edp1 ZeRO-2 -> ep2 x edp2 ZeRO-3: rank r holds half (piece r // 2) of expert-parallel rank r % 2's
     stacked expert weights, copied from the source rank that held them; the dense groups are cut over all 4."""

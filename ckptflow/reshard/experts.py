@@ -22,6 +22,15 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
   scalars (`ParamGroup.index` names that group), its flat partitions, paddings and partition counts
   laid out by the stage's planner as for any group.
 
+- Both, trained with `round_robin_gradients`: DeepSpeedZeroOptimizer flattens each group round-robin
+  over the ranks that partition it, an expert group's over its expert data-parallel group (M / N; its
+  `_configure_moe_settings` sets that group before the groups are flattened), a dense group's over all
+  M. `at_degree` starts from the source with that order undone per group over the group's own source
+  ranks (`flats.in_optimizer_order`); `_plan` flattens each group round-robin again over its target
+  ranks, its `param_slice_mappings` in the optimizer's order (`partition.recorded_slices`), and ZeRO-3
+  (which ignores the setting) takes the optimizer's order. A ZeRO-3 or BF16_Optimizer source, which
+  ignore it, is flattened round-robin at a ZeRO-1/2 target whose config asks for it, as DeepSpeed does.
+
 The plan is an ordinary plan of the target stage over a virtual source (`at_degree`): the source's
 ZeRO index at N', its expert parameters at their new shapes, each with the fragments of the source
 ranks' fp32 partitions that hold its elements (`Param.fragments`, composed through the source
@@ -32,8 +41,8 @@ arithmetic predicts (`data_parallel.plan_expert_parallel` at its own size). The 
 only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to ZeRO-1/2 (each
 expert's own file written again, by the target expert-parallel rank holding it) and
 `stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
-in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), `round_robin_gradients`, a placement
-other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and a source
+in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), a placement other than DeepSpeed's
+uniform one, degrees that do not divide every layer's experts, and a source
 whose cuts leave the size limit open where the limits they allow cut the target differently.
 """
 
@@ -222,7 +231,9 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
     parameter's fragments composed of the source ranks' fragments that hold its elements (so a
     planner of the stage, `_plan` here or `stage.plan_expert_zero3`, copies them as from any
     source), and the metadata `reshard.files` copies into the new files; its partitions stay the
-    source's. Refused in one line where DeepSpeed's layout at `shape.ep` is not one ckptflow builds."""
+    source's. Each group lists its parameters in the optimizer's order (round-robin undone,
+    `flats.in_optimizer_order`), at the source's degree too. Refused in one line where DeepSpeed's layout
+    at `shape.ep` is not one ckptflow builds."""
     assert source.zero is not None, "a ZeRO-0 source has nothing to reshard"
     zero = in_optimizer_order(source.zero)  # round-robin undone: each group as the optimizer lists it
     if shape.ep == source.ep:
@@ -340,8 +351,9 @@ def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
 
 def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoint, shape: Shape) -> DataParallelPlan:
     """`DeepSpeedZeroOptimizer`'s flat groups of `virtual` (`at_degree`: the source's index at the target
-    degree) on `shape.world_size` ranks, each filled from the source fragments its parameters name;
-    rank 0 writes the model states."""
+    degree, each group in the optimizer's order) on `shape.world_size` ranks, each flattened round-robin
+    over the group's ranks where the config sets `round_robin_gradients` and filled from the source
+    fragments its parameters name; rank 0 writes the model states."""
     world_size = shape.world_size
     optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage)
     bf16 = optimizer == BF16
