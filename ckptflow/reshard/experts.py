@@ -25,11 +25,12 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
 - Both, trained with `round_robin_gradients`: DeepSpeedZeroOptimizer flattens each group round-robin
   over the ranks that partition it, an expert group's over its expert data-parallel group (M / N; its
   `_configure_moe_settings` sets that group before the groups are flattened), a dense group's over all
-  M. `at_degree` starts from the source with that order undone per group over the group's own source
-  ranks (`flats.in_optimizer_order`); `_plan` flattens each group round-robin again over its target
-  ranks, its `param_slice_mappings` in the optimizer's order (`partition.recorded_slices`), and ZeRO-3
-  (which ignores the setting) takes the optimizer's order. A ZeRO-3 or BF16_Optimizer source, which
-  ignore it, is flattened round-robin at a ZeRO-1/2 target whose config asks for it, as DeepSpeed does.
+  M. `at_degree` starts from the source with that order undone per group over the group's own
+  source ranks (`ZeroCheckpoint.in_optimizer_order`); `_plan` flattens each group round-robin again
+  over its target ranks, its `param_slice_mappings` in the optimizer's order
+  (`partition.recorded_slices`), and ZeRO-3 (which ignores the setting) takes the optimizer's order.
+  A ZeRO-3 or BF16_Optimizer source, which ignore it, is flattened round-robin at a ZeRO-1/2 target
+  whose config asks for it, as DeepSpeed does.
 
 The plan is an ordinary plan of the target stage over a virtual source (`at_degree`): the source's
 ZeRO index at N', its expert parameters at their new shapes, each with the fragments of the source
@@ -73,7 +74,7 @@ from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies, in_optimizer_order, target_optimizer
+from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies, target_optimizer
 from ckptflow.reshard.moe_cut import DSMOE_EXPERT, expert_runs, is_expert, plan_recut
 from ckptflow.reshard.shape import Shape, expert_counts
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
@@ -232,10 +233,10 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
     planner of the stage, `_plan` here or `stage.plan_expert_zero3`, copies them as from any
     source), and the metadata `reshard.files` copies into the new files; its partitions stay the
     source's. Each group lists its parameters in the optimizer's order (round-robin undone,
-    `flats.in_optimizer_order`), at the source's degree too. Refused in one line where DeepSpeed's layout
-    at `shape.ep` is not one ckptflow builds."""
+    `ZeroCheckpoint.in_optimizer_order`), at the source's degree too. Refused in one line where
+    DeepSpeed's layout at `shape.ep` is not one ckptflow builds."""
     assert source.zero is not None, "a ZeRO-0 source has nothing to reshard"
-    zero = in_optimizer_order(source.zero)  # round-robin undone: each group as the optimizer lists it
+    zero = source.zero.in_optimizer_order()  # round-robin undone: each group as the optimizer lists it
     if shape.ep == source.ep:
         return zero
     counts = expert_counts(source)

@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.config import is_set
-from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import Fragment, Param
 from ckptflow.formats.deepspeed.partition import (
     ZERO,
     ZERO3,
@@ -53,28 +52,6 @@ def target_optimizer(source: str, source_stage: int, stage: int) -> str:
     if stage == 3:
         return ZERO3
     return source if stage == source_stage and source != ZERO3 else ZERO
-
-
-def is_round_robin(index: ZeroCheckpoint) -> bool:
-    """Whether `index`'s param groups were flattened round-robin: `DeepSpeedZeroOptimizer` (ZeRO-1/2, not
-    BF16_Optimizer, not ZeRO-3, which ignore the setting) with `zero_optimization.round_robin_gradients`."""
-    return index.stage in (1, 2) and index.optimizer_kind == ZERO and is_set(index.zero_config, "round_robin_gradients")
-
-
-def optimizer_order(index: ZeroCheckpoint, group: ParamGroup) -> tuple[str, ...]:
-    """`group`'s parameters in the optimizer's own order: as flattened, except that round-robin
-    (`is_round_robin`) flattens each group round-robin over the ranks that partition it, an expert group's
-    over its expert data-parallel group (`partition.original_order` undoes it)."""
-    rr = is_round_robin(index)
-    return tuple(group.params[pos] for pos in original_order(len(group.params), index.world_size // group.ep, rr))
-
-
-def in_optimizer_order(index: ZeroCheckpoint) -> ZeroCheckpoint:
-    """`index` with each param group's parameters in the optimizer's own order (`optimizer_order`): what a
-    planner that lays the groups out again starts from."""
-    if not is_round_robin(index):
-        return index
-    return replace(index, groups=tuple(replace(g, params=optimizer_order(index, g)) for g in index.groups))
 
 
 def append_copy(copies: list[Copy], c: Copy) -> None:
@@ -242,5 +219,4 @@ def zero3_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Copi
     return tuple(map(tuple, flats)), tuple(shapes)
 
 
-__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "in_optimizer_order",
-           "is_round_robin", "optimizer_order", "zero3_flats", "zero12_flats"]
+__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "zero3_flats", "zero12_flats"]

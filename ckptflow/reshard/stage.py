@@ -23,8 +23,8 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
 
 With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
 ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
-optimizer's own order (the round-robin undone, `flats.optimizer_order`), and a ZeRO-1/2 target
-flattens them round-robin at its own world size (`flats.zero12_flats`; expert checkpoints in
+optimizer's own order (the round-robin undone, `ZeroCheckpoint.optimizer_order`), and a ZeRO-1/2
+target flattens them round-robin at its own world size (`flats.zero12_flats`; expert checkpoints in
 `experts._plan`, over each group's target ranks).
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
@@ -64,7 +64,7 @@ from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
 from ckptflow.reshard.experts import at_degree
-from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, optimizer_order, zero3_flats, zero12_flats
+from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, zero3_flats, zero12_flats
 from ckptflow.reshard.shape import Shape, why_not_zero0
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
@@ -182,7 +182,7 @@ def _copies_of(params: Sequence[Param]) -> Copies:
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     by_name = index.param_by_name
-    groups = [[by_name[n] for n in optimizer_order(index, group)] for group in index.groups]
+    groups = [[by_name[n] for n in index.optimizer_order(group)] for group in index.groups]
     per_rank, flat_shapes = zero3_flats(groups, world_size, _copies(index),
                                         sub_group_size=sub_group_size(index.zero_config))
     return _zero3_plan(index, world_size, per_rank, flat_shapes)
