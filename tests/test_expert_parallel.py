@@ -43,27 +43,31 @@ from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
-from tests.fixtures.sets import ParallelFixture, build_bf16_optimizer
+from tests.fixtures.sets import SETS, ParallelFixture, build_bf16_optimizer
 from tests.fixtures.specs.bf16_optimizer import BF16_MATRIX, BF16_SPECS
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
+from tests.fixtures.specs.round_robin import RR_MATRIX, RR_SPECS
 from tests.oracles.tensors import read_tensor
 from tests.sampling import long_mode, sample
 from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
-SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX)}
+SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX, *RR_MATRIX)}
 WRONG = ("damaged", "another model", "corrupt")
 
 
 @pytest.fixture(scope="session")
 def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
-    """The matrix's expert-parallel fixtures, and the held-out and BF16_Optimizer ones only when a test asks for
-    them."""
+    """The matrix's expert-parallel fixtures, and the held-out, BF16_Optimizer and round-robin ones only when a
+    test asks for them (the round-robin ones one launch at a time)."""
 
     class Lazy(dict):
         def __missing__(self, name: str) -> ParallelFixture:
+            if name in RR_SPECS:
+                self.update(SETS["round-robin"].build([name]))
+                return self[name]
             if name in BF16_SPECS:
                 self.update(build_bf16_optimizer([n for n in BF16_SPECS if SPECS[n].layout in (AUTOEP, DSMOE)]))
                 return self[name]
@@ -527,6 +531,12 @@ EP_RESHARDS = sample(ALL_EP_RESHARDS, [])
 # AutoEP (Qwen3-MoE and Mixtral presets) at ZeRO-1, ZeRO-3 on more ranks (ep2 x edp2) and fewer
 # (ep2 x edp2 -> ep2 x edp1), Mixtral and bf16, and ZeRO-3 -> ZeRO-2 and ZeRO-1 (fewer ranks, more ranks,
 # the held-out bf16 ep2 x edp3).
+RR_RESHARDS = (
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 4, 2), ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 1, 1),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 2, 3), ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 4, 4, 3),
+    ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 2, 2, 2),
+    ("dsmoe-ep2dp2-z1-fp32-rr", 4, 4, 1), ("dsmoe-ep2dp2-z1-fp32-rr", 4, 1, 2), ("dsmoe-ep2dp2-z1-fp32-rr", 2, 1, 1),
+)
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
@@ -548,6 +558,11 @@ ALL_STAGE_RESHARDS = (
     # same config): deepspeed.moe to ZeRO-2 at its degree and at ep1, AutoEP to ZeRO-2 and ZeRO-3.
     ("dsmoe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("dsmoe-ep2-z1-bf16-fp32accum", 2, 1, 2),
     ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 3),
+    # Trained with round_robin_gradients (`specs.round_robin`; the target runs the same config): each group's
+    # saved order undone over its own ranks (an expert group's expert data-parallel group of 2) and redone
+    # over the target's. AutoEP ZeRO-2 ep2 x edp2 -> ep4 and ep1 (ZeRO-1), -> ZeRO-3 at ep2 and ep4, -> ep2
+    # x edp1 on 2 ranks; deepspeed.moe ZeRO-1 ep2 x edp2 -> ep4, -> ZeRO-2 ep1, -> ep1 on 2 ranks.
+    *RR_RESHARDS,
 )
 # By default one launch for AutoEP ZeRO-3 at another degree: ep4 at ZeRO-3 from ZeRO-2 ep2 x edp2 and from
 # ZeRO-3 ep2 x edp2 (ZeRO-3 -> ZeRO-2 ep4 is checked against DeepSpeed's own ep4 save without a launch).
@@ -595,9 +610,11 @@ class EpOracle:
             fixture = self.fixtures[case[0]]
             paths = self.paths(case)
             reshard(str(fixture.dir), str(paths["out"]), world_size=world_size, ep=ep, stage=stage)
-            section = (fixture.spec.get("ds_config") or {}).get("data_types")  # the source's, as its user runs it
+            config = fixture.spec.get("ds_config") or {}  # the source's sections, as its user runs it
+            section = config.get("data_types")
+            rr = bool((config.get("zero_optimization") or {}).get("round_robin_gradients"))
             shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage,
-                     **({"data_types": section} if section else {})}
+                     **({"data_types": section} if section else {}), **({"round_robin": True} if rr else {})}
             items.append({**shape, "load": str(paths["out"]), "save": str(paths["resaved"]),
                           "state": str(paths["state"]), "hang_after": 300})
             items.append({**shape, "write": str(paths["written"])})
@@ -921,6 +938,56 @@ def test_autoep_zero3_at_another_degree_is_what_deepspeed_writes_at_zero2_there(
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for key, tensor in _fp32(source).items():
         assert torch.equal(weights[key], tensor), key
+
+
+RR = "autoep-qwen3-moe-ep2dp2-z2-fp32-rr"
+
+
+def _deepspeed_round_robin(items: Sequence[str], ranks: int) -> list[str]:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return list(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(items), ranks)[0])
+
+
+def test_a_round_robin_source_is_laid_out_again_over_each_group_s_target_ranks(expert_fixtures) -> None:
+    """AutoEP ZeRO-2 ep2 x edp2 trained with round_robin_gradients: DeepSpeed flattened its expert group
+    round-robin over the 2 ranks of its expert data-parallel group and its dense groups over all 4
+    (`_configure_moe_settings` sets the expert group's ranks before the groups are flattened). At the
+    target each group is flattened as DeepSpeed's `_round_robin_reorder` orders the optimizer's list over
+    the group's ranks there: over 4 at ep1 (ZeRO-1), over 1 at ep4; ZeRO-3 takes the optimizer's list."""
+    index = load_index(str(expert_fixtures[RR].dir))
+    saved = [list(g.params) for g in index.zero.groups]
+    # The optimizer's list: the one whose round-robin over the source's ranks is what the source saved.
+    listed = []
+    for names, ranks in zip(saved, (4, 4, 2)):
+        where = _deepspeed_round_robin([str(i) for i in range(len(names))], ranks)
+        order = {int(i): name for i, name in zip(where, names)}
+        listed.append([order[i] for i in range(len(names))])
+    # The expert group undone over its 2 ranks is the model's order (each layer's w1, w2, w3); saved, it is not.
+    assert listed[2] == [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
+    assert saved[2] != listed[2]
+    for target, ranks in ((Target(world_size=4, ep=1, stage=1), (4, 4, 4)), (Target(world_size=4, ep=4), (4, 4, 1)),
+                          (Target(world_size=2), (2, 2, 1))):
+        plan = plan_reshard(index, target)
+        assert [[n for n, _ in g] for g in plan.flat_shapes] == [
+            _deepspeed_round_robin(names, n) for names, n in zip(listed, ranks)], target
+    for target in (Target(world_size=4, stage=3), Target(world_size=4, ep=4, stage=3)):
+        assert [[n for n, _ in g] for g in plan_reshard(index, target).flat_shapes] == listed, target
+
+
+@pytest.mark.parametrize(("stage", "world_size", "ep"), [(1, 4, 1), (2, 4, 4), (3, 4, 4), (3, 2, 2)])
+def test_a_round_robin_source_to_another_degree_and_stage_and_back_gives_its_files(expert_fixtures, stage: int,
+                                                                                   world_size: int, ep: int,
+                                                                                   tmp_path: Path) -> None:
+    """The round-robin source out to ZeRO-`stage` ep`ep` on `world_size` ranks and back: DeepSpeed's files of
+    the source field for field and byte for byte (flat partitions in its round-robin order, moments,
+    param_slice_mappings, the module, every expert's own file)."""
+    source = expert_fixtures[RR]
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=stage, ep=ep)
+    there = load_index(str(tmp_path / "out"))
+    assert (there.stage, there.ep, there.world_size) == (stage, ep, world_size)
+    reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=4, stage=2, ep=2)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
 
 
 def test_the_zero3_plan_cuts_each_expert_rank_s_experts_over_its_expert_data_parallel_group(expert_fixtures) -> None:

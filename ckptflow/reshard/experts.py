@@ -22,6 +22,16 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
   scalars (`ParamGroup.index` names that group), its flat partitions, paddings and partition counts
   laid out by the stage's planner as for any group.
 
+- Both, trained with `round_robin_gradients`: DeepSpeedZeroOptimizer flattens each group round-robin
+  over the ranks that partition it, an expert group's over its expert data-parallel group (M / N; its
+  `_configure_moe_settings` sets that group before the groups are flattened), a dense group's over all
+  M. `at_degree` starts from the source with that order undone per group over the group's own
+  source ranks (`ZeroCheckpoint.in_optimizer_order`); `_plan` flattens each group round-robin again
+  over its target ranks, its `param_slice_mappings` in the optimizer's order
+  (`partition.recorded_slices`), and ZeRO-3 (which ignores the setting) takes the optimizer's order.
+  A ZeRO-3 or BF16_Optimizer source, which ignore it, is flattened round-robin at a ZeRO-1/2 target
+  whose config asks for it, as DeepSpeed does.
+
 The plan is an ordinary plan of the target stage over a virtual source (`at_degree`): the source's
 ZeRO index at N', its expert parameters at their new shapes, each with the fragments of the source
 ranks' fp32 partitions that hold its elements (`Param.fragments`, composed through the source
@@ -32,8 +42,8 @@ arithmetic predicts (`data_parallel.plan_expert_parallel` at its own size). The 
 only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to ZeRO-1/2 (each
 expert's own file written again, by the target expert-parallel rank holding it) and
 `stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
-in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), `round_robin_gradients`, a placement
-other than DeepSpeed's uniform one, degrees that do not divide every layer's experts, and a source
+in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), a placement other than DeepSpeed's
+uniform one, degrees that do not divide every layer's experts, and a source
 whose cuts leave the size limit open where the limits they allow cut the target differently.
 """
 
@@ -49,7 +59,16 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, Copy, param_alignment, zero12_layout
+from ckptflow.formats.deepspeed.partition import (
+    BF16,
+    ZERO,
+    Copy,
+    original_order,
+    param_alignment,
+    recorded_slices,
+    round_robin_order,
+    zero12_layout,
+)
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
@@ -213,9 +232,11 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
     parameter's fragments composed of the source ranks' fragments that hold its elements (so a
     planner of the stage, `_plan` here or `stage.plan_expert_zero3`, copies them as from any
     source), and the metadata `reshard.files` copies into the new files; its partitions stay the
-    source's. Refused in one line where DeepSpeed's layout at `shape.ep` is not one ckptflow builds."""
-    zero = source.zero
-    assert zero is not None, "a ZeRO-0 source has nothing to reshard"
+    source's. Each group lists its parameters in the optimizer's order (round-robin undone,
+    `ZeroCheckpoint.in_optimizer_order`), at the source's degree too. Refused in one line where
+    DeepSpeed's layout at `shape.ep` is not one ckptflow builds."""
+    assert source.zero is not None, "a ZeRO-0 source has nothing to reshard"
+    zero = source.zero.in_optimizer_order()  # round-robin undone: each group as the optimizer lists it
     if shape.ep == source.ep:
         return zero
     counts = expert_counts(source)
@@ -224,9 +245,6 @@ def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
         raise _refuse(source, shape, f"its MoE layers have {list(counts) or 'an unrecorded number of'} experts, which "
                       f"{shape.ep} expert-parallel ranks do not split evenly",
                       "choose a degree that divides every layer's experts")
-    if zero.stage != 3 and is_set(zero.zero_config, "round_robin_gradients"):
-        raise _refuse(source, shape, "it was trained with zero_optimization.round_robin_gradients, whose order "
-                      "ckptflow does not rebuild across expert-parallel degrees", "keep its expert-parallel degree")
     if source.kind == "autoep":
         _check_uniform_placement(source, shape)
     runs = expert_runs(zero)
@@ -334,11 +352,13 @@ def _check_uniform_placement(source: ExpertCheckpoint, shape: Shape) -> None:
 
 def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoint, shape: Shape) -> DataParallelPlan:
     """`DeepSpeedZeroOptimizer`'s flat groups of `virtual` (`at_degree`: the source's index at the target
-    degree) on `shape.world_size` ranks, each filled from the source fragments its parameters name;
-    rank 0 writes the model states."""
+    degree, each group in the optimizer's order) on `shape.world_size` ranks, each flattened round-robin
+    over the group's ranks where the config sets `round_robin_gradients` and filled from the source
+    fragments its parameters name; rank 0 writes the model states."""
     world_size = shape.world_size
     optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage)
     bf16 = optimizer == BF16
+    rr = optimizer == ZERO and is_set(zero.zero_config, "round_robin_gradients")
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]
     slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
@@ -347,31 +367,29 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     ordered = {key: sorted(p.fragments, key=lambda f: f.param_offset) for key, p in by_key.items()}
     starts = {key: [f.param_offset for f in frags] for key, frags in ordered.items()}
     for g, group in enumerate(virtual.groups):
-        params = [by_key[(0, n)] for n in group.params]
+        parts = world_size // group.ep
+        # `virtual` lists each group in the optimizer's order; round-robin flattens it over the group's ranks
+        order = round_robin_order(len(group.params), parts) if rr else range(len(group.params))
+        names = [group.params[i] for i in order]
+        params = [by_key[(0, n)] for n in names]
         numels = [p.numel for p in params]
         align = 1 if bf16 or not numels else param_alignment(DTYPE_SIZES[params[0].dtype],
                                                              is_set(zero.zero_config, "parameter_alignment"))
-        parts = world_size // group.ep
         dst = zero12_layout(numels, parts, alignment=align, bf16_optimizer=bf16)
-        cumulative = not any(dst.param_paddings)
+        original = original_order(len(names), parts, rr)
         for r in range(world_size):
             e, part = r % group.ep, r // group.ep
             lo, hi = part * dst.partition, (part + 1) * dst.partition
             copies: list[Copy] = []
-            mine, pos = [], 0
-            for name, off, numel in zip(group.params, dst.offsets, numels):
+            for name, off, numel in zip(names, dst.offsets, numels):
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
                     for c in fragment_copies(ordered[(e, name)], a - off, b - off, a - lo, starts[(e, name)]):
                         append_copy(copies, c)
-                mapped = pos if cumulative else off
-                ma, mb = max(mapped, lo), min(mapped + numel, hi)
-                if ma < mb:
-                    mine.append((name, ma - lo, mb - ma))
-                pos += numel
             flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=tuple(copies)))
             paddings[r].append(dst.group_paddings[part])
-            slices[r].append(tuple(mine))
+            slices[r].append(tuple((names[i], start, k) for i, start, k in
+                                   recorded_slices(numels, dst.offsets, dst.partition, part, original)))
         flat_shapes.append(tuple((p.name, p.shape) for p in params))
         param_paddings.append(dst.param_paddings)
     n_tensors = zero.tensors_per_partition

@@ -154,7 +154,7 @@ def expert_group_cut(index: Any, ep: int) -> str | None:
     """Why ckptflow cannot tell how DeepSpeed cuts `index`'s expert param groups by size at degree `ep`
     (None: it can, and `experts.at_degree` cuts them so; `moe_cut`)."""
     zero = getattr(index, "zero", None)
-    return None if zero is None else plan_recut(zero, ep).why
+    return None if zero is None else plan_recut(zero.in_optimizer_order(), ep).why
 
 
 def source_shape(index: Any) -> Shape:

@@ -22,8 +22,10 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   apply, the ZeRO-1/2 module copy the source module's own weights.
 
 With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
-ranks: ZeRO-3 takes the parameters in the optimizer's own order (the round-robin undone), and a
-ZeRO-1/2 target flattens them round-robin at its own world size (`flats.zero12_flats`).
+ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
+optimizer's own order (the round-robin undone, `ZeroCheckpoint.optimizer_order`), and a ZeRO-1/2
+target flattens them round-robin at its own world size (`flats.zero12_flats`; expert checkpoints in
+`experts._plan`, over each group's target ranks).
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources with
@@ -54,7 +56,7 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, original_order, zero3_piece, zero3_real
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
@@ -155,14 +157,6 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     )
 
 
-def _optimizer_order(index: ZeroCheckpoint, group: ParamGroup) -> tuple[str, ...]:
-    """`group`'s parameters in the optimizer's own order: as flattened, except that
-    DeepSpeedZeroOptimizer with `round_robin_gradients` flattens them round-robin over the group's
-    ranks (`partition.original_order` undoes it)."""
-    rr = index.stage in (1, 2) and index.optimizer_kind == ZERO and is_set(index.zero_config, "round_robin_gradients")
-    return tuple(group.params[pos] for pos in original_order(len(group.params), index.world_size // group.ep, rr))
-
-
 def plan_model_parallel_stage(index: ModelParallelCheckpoint, world_size: int, stage: int) -> ModelParallelPlan:
     """An AutoTP checkpoint at ZeRO `stage`: each tensor-parallel rank's data-parallel checkpoint changed
     alone (`plan_stage_change`), its `mp_rank_XX` files side by side; the split metadata carried."""
@@ -188,7 +182,7 @@ def _copies_of(params: Sequence[Param]) -> Copies:
 
 def _to_zero3(index: ZeroCheckpoint, world_size: int) -> DataParallelPlan:
     by_name = index.param_by_name
-    groups = [[by_name[n] for n in _optimizer_order(index, group)] for group in index.groups]
+    groups = [[by_name[n] for n in index.optimizer_order(group)] for group in index.groups]
     per_rank, flat_shapes = zero3_flats(groups, world_size, _copies(index),
                                         sub_group_size=sub_group_size(index.zero_config))
     return _zero3_plan(index, world_size, per_rank, flat_shapes)
@@ -206,11 +200,6 @@ def plan_expert_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParallelPla
     assert zero is not None and source.kind == "autoep", "the shape check refuses other sources"
     assert zero.stage in (1, 2) or shape.ep != source.ep, "a ZeRO-3 source at its own degree is a data-parallel reshard"
     check_expert_stage(source, 3)
-    if zero.stage != 3 and is_set(zero.zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(
-            f"{zero.tag_uri} was trained with zero_optimization.round_robin_gradients, whose order ckptflow does not "
-            "carry to ZeRO-3 for expert-parallel checkpoints yet", uri=zero.tag_uri,
-            hint="reshard it at its own stage")
     plan_expert_parallel(source, zero.world_size)  # the source checked against DeepSpeed's arithmetic
     index = at_degree(source, shape)
     world_size = shape.world_size

@@ -28,6 +28,9 @@ they mean DeepSpeed's default, and leave it where ckptflow must infer the limit)
 ``"data_types"`` (a config section) builds every config with it (``writers.parallel_bf16.data_types``): a
 source's fp32 gradient accumulation, which makes it BF16_Optimizer's at bf16 ZeRO-1.
 
+``"round_robin"`` (true) builds every config with ``zero_optimization.round_robin_gradients`` and gathers the
+state from the flat partitions (``writers.parallel_rr.round_robin``): a source trained so.
+
 ``"hang_after"`` (seconds) dumps every rank's Python stack to its log if the job is still running
 then, which is how a load that never returns shows where it waits.
 """
@@ -55,6 +58,7 @@ from tests.fixtures.specs.parallel import ParallelSpec  # noqa: E402
 from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers.parallel import JOBS  # noqa: E402
 from tests.fixtures.writers.parallel_bf16 import data_types  # noqa: E402
+from tests.fixtures.writers.parallel_rr import round_robin  # noqa: E402
 from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 
 
@@ -105,8 +109,8 @@ def moe_group_limit(limit: int | None) -> Iterator[None]:
 
 
 def run_job(job: dict[str, Any]) -> None:
-    with (frozen_parameters(frozenset(job.get("frozen") or ())), moe_group_limit(job.get("max_group_size")),
-          data_types(job.get("data_types"))):
+    with (round_robin(bool(job.get("round_robin"))), frozen_parameters(frozenset(job.get("frozen") or ())),
+          moe_group_limit(job.get("max_group_size")), data_types(job.get("data_types"))):
         _run_job(job)
 
 

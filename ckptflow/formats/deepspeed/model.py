@@ -11,13 +11,13 @@ types alone, so a new layout needs a reader and nothing else.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ckptflow.errors import CheckpointError
-from ckptflow.formats.deepspeed.config import optimizer_kind, zero_section
+from ckptflow.formats.deepspeed.config import is_set, optimizer_kind, zero_section
 from ckptflow.formats.deepspeed.names import LATEST
-from ckptflow.formats.deepspeed.partition import partition_ranks, zero3_piece, zero3_real
+from ckptflow.formats.deepspeed.partition import ZERO, original_order, partition_ranks, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.runs import Run, check_coverage, contiguous, whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.plumbing.sizes import element_count
@@ -187,6 +187,27 @@ class ZeroCheckpoint:
     def optimizer_kind(self) -> str:
         """The DeepSpeed optimizer that laid its partitions out (`partition.ZERO`, `BF16`, `ZERO3`)."""
         return optimizer_kind(self.stage, self.optim_states[0]["optimizer_state_dict"])
+
+    @property
+    def round_robin(self) -> bool:
+        """Whether its param groups were flattened round-robin: `DeepSpeedZeroOptimizer` (ZeRO-1/2; not
+        BF16_Optimizer nor ZeRO-3, which ignore the setting) with `zero_optimization.round_robin_gradients`."""
+        return self.stage in (1, 2) and self.optimizer_kind == ZERO and is_set(self.zero_config,
+                                                                                "round_robin_gradients")
+
+    def optimizer_order(self, group: ParamGroup) -> tuple[str, ...]:
+        """`group`'s parameters in the optimizer's own order: as flattened, except that round-robin
+        (`round_robin`) flattens each group over the ranks that partition it, an expert group's over its
+        expert data-parallel group (`partition.original_order` undoes it)."""
+        order = original_order(len(group.params), self.world_size // group.ep, self.round_robin)
+        return tuple(group.params[pos] for pos in order)
+
+    def in_optimizer_order(self) -> ZeroCheckpoint:
+        """This index with each param group's parameters in the optimizer's own order (`optimizer_order`):
+        what a planner that lays the groups out again starts from."""
+        if not self.round_robin:
+            return self
+        return replace(self, groups=tuple(replace(g, params=self.optimizer_order(g)) for g in self.groups))
 
     @property
     def buffer_bytes(self) -> int:
