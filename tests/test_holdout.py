@@ -47,6 +47,7 @@ ALL_RESHARDS = (
     # another ZeRO stage (fixture, dp, tp or None, stage), with the tensor parallelism merged too
     ("holdout-autotp-tp2dp2-z2-bf16-s1", 1, None, 3), ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 2, None, 1),
     ("holdout-autotp-tp2dp2-z2-bf16-s1", 3, 1, 3),
+    ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 2, 1, 2),  # from ZeRO-3 with the degree: the module cast from masters
     # ZeRO-0 at ZeRO-2 and ZeRO-3 (issue 24): its optimizer state named
     ("holdout-zero-dp3-z0-fp32-s1", 2, None, 2), ("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 1, None, 3),
 )
