@@ -453,6 +453,7 @@ def reshard_command(
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import ReshardOptions, reshard
+    from ckptflow.reshard.pipeline_layers import check_method
     from ckptflow.reshard.rng import describe_families
 
     if tag is not None and check_tag(tag, "--tag"):
@@ -465,6 +466,11 @@ def reshard_command(
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
+    if partition_method is not None:
+        try:
+            check_method(partition_method)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--partition-method") from None
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
                              strict_pickle=strict_pickle, partition_method=partition_method,
                              pipeline_layers=pipeline_layers, qkv_layout=layout)

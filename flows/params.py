@@ -22,6 +22,7 @@ from prefect.blocks.system import Secret
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from ckptflow import DEFAULT_DTYPE
+from ckptflow.reshard.pipeline_layers import check_method
 from ckptflow.reshard.shape import Target
 
 # A size such as '5GB', '500MB', '2GiB' or a byte count, as a JSON-schema pattern (no regex flags there).
@@ -210,10 +211,12 @@ class ReshardForm(_Form):
         "Written to zero-wsN-ppP.",
     )
     partition_method: str = Field(
-        default="parameters",
+        default="",
         title="Pipeline partition method",
         description="With another number of pipeline stages: the PipelineModule's partition_method, as in "
-        "training (parameters, its default, or uniform); the layers are assigned to the stages as it assigns them.",
+        "training (parameters, uniform, or type:transformer for a Megatron-DeepSpeed GPT); the layers are assigned "
+        "to the stages as it assigns them. Empty: the one the model's own run uses (PipelineModule's parameters; "
+        "a Megatron-DeepSpeed GPT's type:transformer, or the pp_partition_method its args record).",
         max_length=200,
     )
     pipeline_layers: Degree = Field(
@@ -244,8 +247,7 @@ class ReshardForm(_Form):
 
     def targets(self) -> list[Target]:
         """One target shape per world size."""
-        pipeline = {"partition_method": self.partition_method if self.partition_method != "parameters" else None,
-                    "pipeline_layers": self.pipeline_layers or None}
+        pipeline = {"partition_method": self.partition_method or None, "pipeline_layers": self.pipeline_layers or None}
         return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
                        pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None,
                        qkv_layout=declared(self.qkv_layout), **pipeline)
@@ -257,6 +259,13 @@ class ReshardForm(_Form):
             raise ValueError(f"merge_tensor_parallel asks for tensor-parallel degree 1, but "
                              f"tensor_parallel_degree is {self.tensor_parallel_degree}: set one of them")
         return self
+
+    @field_validator("partition_method")
+    @classmethod
+    def _a_partition_method(cls, value: str) -> str:
+        if value:
+            check_method(value)
+        return value
 
     @field_validator("world_sizes")
     @classmethod

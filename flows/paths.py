@@ -65,30 +65,29 @@ def model_folder(base: str, options: ConsolidationForm) -> str:
 def reshard_name(target: Target) -> str:
     """'zero-ws4', 'zero-ws4-tp1' for a reshard that also changed the tensor parallelism, 'zero-ws4-pp1-ep2'
     for pipeline and expert parallelism, 'zero-ws4-z3' for another ZeRO stage: the shape, by what changes.
-    Then every choice that changes the bytes written at that shape, so two of them never share a folder
-    (which `committed_output` could not tell apart: the same files at the same sizes): the pipeline
-    partition method and layer count ('-uniform-L6'), the declared query_key_value layout ('-qkv-blocks')."""
+    Then the choices that change the bytes written along an axis that changes, so two of them never share
+    a folder (which `committed_output` could not tell apart: the same files at the same sizes): with the
+    pipeline stages, the partition method and layer count ('-uniform-L6'); with the tensor-parallel
+    degree, the declared query_key_value layout ('-qkv-blocks'). Only characters a path part and a git
+    ref take: a method that is not one word is named by a digest."""
     degrees = "".join(f"-{axis}{degree}" for axis, degree in (("tp", target.tp), ("pp", target.pp), ("ep", target.ep))
                       if degree is not None)
     name = f"zero-ws{target.world_size}{degrees}" + (f"-z{target.stage}" if target.stage is not None else "")
-    if target.partition_method is not None:
-        name += f"-{_ref_part(target.partition_method)}"
-    if target.pipeline_layers is not None:
+    if target.pp is not None and target.partition_method is not None:
+        name += f"-{_method_part(target.partition_method)}"
+    if target.pp is not None and target.pipeline_layers is not None:
         name += f"-L{target.pipeline_layers}"
-    if target.qkv_layout is not None:
+    if target.tp is not None and target.qkv_layout is not None:
         name += f"-qkv-{target.qkv_layout}"
     return name
 
 
-def _ref_part(method: str) -> str:
-    """A partition method as part of a folder and Hub branch name: "type:transformer" as "type-transformer",
-    a regex with characters a git ref or a path cannot hold as "type-" and a digest of it."""
-    kind, _, regex = method.partition(":")
-    if not regex:
-        return kind
-    if re.fullmatch(r"[A-Za-z0-9_]+", regex):
-        return f"{kind}-{regex}"
-    return f"{kind}-{hashlib.sha256(regex.encode()).hexdigest()[:8]}"
+def _method_part(method: str) -> str:
+    """A partition method as part of a folder and Hub branch name: "uniform", "type:transformer" as
+    "type-transformer", anything else as "method-" and a digest of it."""
+    if re.fullmatch(r"(type:)?[A-Za-z0-9_]+", method):
+        return method.replace(":", "-")
+    return f"method-{hashlib.sha256(method.encode()).hexdigest()[:8]}"
 
 
 def reshard_folder(base: str, target: Target) -> str:

@@ -449,8 +449,19 @@ def test_the_form_names_each_target_by_its_shape() -> None:
     assert paths.reshard_name(pipeline.targets()[0]) == "zero-ws4-pp4-uniform-L6"
     assert paths.reshard_name(Target(world_size=2, pp=2, partition_method="type:transformer")) == \
         "zero-ws2-pp2-type-transformer"
-    odd = paths.reshard_name(Target(world_size=2, pp=2, partition_method="type:[Tt]ransformer|Block"))
-    assert re.fullmatch(r"zero-ws2-pp2-type-[0-9a-f]{8}", odd), odd
+    odd = paths.reshard_name(Target(world_size=2, pp=2, partition_method="type:../../[Tt]ransformer|Block"))
+    assert re.fullmatch(r"zero-ws2-pp2-method-[0-9a-f]{8}", odd), odd  # one path part, one git ref part
+    # a choice along an axis that does not change changes no byte, and names nothing
+    assert paths.reshard_name(Target(world_size=2, partition_method="uniform", qkv_layout="blocks")) == "zero-ws2"
+    for bad in ("../../escaped", "type:", "type:(", "x" * 300):
+        with pytest.raises(ValueError, match="partition method"):
+            Target(world_size=2, pp=2, partition_method=bad)
+        with pytest.raises(ValueError, match="partition[ _]method"):
+            ReshardForm(world_sizes=[2], pipeline_parallel_degree=2, partition_method=bad)
+    # empty is the run's own method (a Megatron-DeepSpeed GPT's type:transformer); "parameters" is asked for
+    assert ReshardForm(world_sizes=[4], pipeline_parallel_degree=2).targets() == [Target(world_size=4, pp=2)]
+    assert ReshardForm(world_sizes=[4], pipeline_parallel_degree=2, partition_method="parameters").targets() == [
+        Target(world_size=4, pp=2, partition_method="parameters")]
     assert ReshardForm(world_sizes=[4], pipeline_parallel_degree=4).targets() == [Target(world_size=4, pp=4)]
     declared = ReshardForm(world_sizes=[2], tensor_parallel_degree=1, qkv_layout="blocks").targets()
     assert declared == [Target(world_size=2, tp=1, qkv_layout="blocks")]

@@ -695,3 +695,9 @@ def test_other_type_methods_are_refused() -> None:
     with pytest.raises(UnsupportedCheckpointError) as refused:  # a method from the checkpoint's args, quoted short
         megatron.megatron_stages(hostile, shape)
     assert "partition method 'type:xxx" in str(refused.value) and len(str(refused.value)) < 600
+    # DeepSpeed matches class names ignoring case; the hint names only methods ckptflow then computes
+    assert megatron.megatron_stages(index, shape, "type:Transformer") == megatron.megatron_stages(index, shape,
+                                                                                                 "type:transformer")
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        megatron.megatron_stages(toy, shape, "type:embedding")
+    assert refused.value.hint == "use `parameters` or `uniform`"

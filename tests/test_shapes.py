@@ -177,6 +177,10 @@ def test_the_cli_plan_lists_shapes_and_writes_nothing(ds_fixtures: Mapping[str, 
     assert not (tmp_path / "out").exists()
     without = runner.invoke(app, ["reshard", src, "--world-size", "4"], env={"COLUMNS": "200"})
     assert without.exit_code == 2 and "give the folder to write (or --plan to list the shapes)" in without.output
+    odd = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--pp", "2",
+                              "--partition-method", "type:("], env={"COLUMNS": "200"})
+    assert odd.exit_code == 2 and "the partition method's regular expression does not compile" in odd.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_cli_refuses_a_shape_in_one_line(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:

@@ -241,6 +241,8 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     hint = f"give the {option('partition_method')} the model was trained with"
     methods = METHODS + ((facts.method,) if facts is not None else ())
     computable = [m for m in methods if facts is None or m != facts.method or facts.typed]
+    if facts is not None and method.lower() == facts.method.lower():  # DeepSpeed matches class names ignoring case
+        method = facts.method
     if method not in methods:
         if not method.startswith(TYPE):
             what = "is not one of PipelineModule's partition methods"
@@ -252,7 +254,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
             f"{excerpt(method)} {what}", code="unsupported-shape", uri=index.root,
-            hint="use " + ", ".join(f"`{m}`" for m in methods[:-1]) + f" or `{methods[-1]}`")
+            hint="use " + ", ".join(f"`{m}`" for m in computable[:-1]) + f" or `{computable[-1]}`")
     if facts is not None and method == facts.method and not facts.typed:
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "

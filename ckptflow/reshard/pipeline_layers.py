@@ -23,6 +23,7 @@ target count, and answers only when every kept list gives every target stage the
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,21 @@ import numpy as np
 
 METHODS = ("parameters", "uniform")  # and "type:REGEX" where the caller knows the layers it matches
 TYPE = "type:"
+MAX_METHOD = 200  # characters of a partition method
+
+
+def check_method(method: str) -> None:
+    """`ValueError` unless `method` is one of PipelineModule's partition methods: `METHODS`, or "type:"
+    and a regular expression (of at most `MAX_METHOD` characters in all)."""
+    if method in METHODS:
+        return
+    if not method.startswith(TYPE) or len(method) == len(TYPE) or len(method) > MAX_METHOD:
+        raise ValueError(f"the partition method must be {', '.join(METHODS)} or type:REGEX (at most {MAX_METHOD} "
+                         f"characters); got {method[:60]!r}")
+    try:
+        re.compile(method[len(TYPE):], re.IGNORECASE)
+    except re.error as exc:
+        raise ValueError(f"the partition method's regular expression does not compile: {exc}") from None
 SPAN = 8  # layers without files tried after the last layer file
 MAX_LISTS = 4096  # layer lists tried at most
 

@@ -41,6 +41,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
 )
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.reshard.moe_cut import plan_recut
+from ckptflow.reshard.pipeline_layers import check_method
 from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.vocabulary import vocab_rows_at
 
@@ -107,6 +108,8 @@ class Target:
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
         check_layout(self.qkv_layout)
+        if self.partition_method is not None:
+            check_method(self.partition_method)
         if self.stage is not None and self.stage not in STAGES:
             raise ValueError(f"the ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         if self.pipeline_layers is not None and not _is_count(self.pipeline_layers):
