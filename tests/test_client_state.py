@@ -465,6 +465,49 @@ def test_walkers_stop_on_a_self_referencing_client_state(tmp_path: Path) -> None
     assert (found.where, found.record.qualname) == (f"ds_config/key {__name__}.make_tag", f"{__name__}.make_tag")
 
 
+SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size",
+         "padded_vocab_size")
+
+
+def self_holding(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` holding itself: directly, through a list, and through a dict in a list."""
+    args.me, args.items, args.table = args, [args, 1], [{"args": args}]
+    return args
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_args_that_hold_themselves_are_rewritten_everywhere(tmp_path: Path, protocol: int) -> None:
+    """Megatron's `args` set to a target shape (`reshard.files.args_at`) and written as `reshard.files.model_states`
+    writes it (`_Tree.write_as`): loaded by `torch.load`, `args` holds itself as it did, directly, through a list
+    and a dict, and so does the file's other reference to it, all with the target's sizes; a list `args` shares
+    with the file stays one list, and the source record is left as it was read."""
+    from ckptflow.reshard.files import args_at
+    from ckptflow.reshard.shape import Shape
+
+    shared = [1, 2]
+    args = self_holding(argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                           data_parallel_size=2, world_size=4, padded_vocab_size=40, lr=0.5,
+                                           shared=shared))
+    source = tmp_path / "source.pt"
+    torch.save({"args": args, "again": [args], "shared": shared}, source, pickle_protocol=protocol)
+    read = open_archive(str(source), ALLOWED).obj
+    new = args_at(read["args"], Shape(world_size=6, stage=1, tp=1, pp=3), padded_vocab=38)
+    assert new is not read["args"] and read["args"].state["world_size"] == 4
+    tree = _Tree()
+    tree.write_as(read["args"], new)
+    ours = tmp_path / "ours.pt"
+    write_archive(str(ours), tree.convert(read), SourceReader())
+    back = torch.load(ours, weights_only=False)  # our own file: trusted
+    args = back["args"]
+    assert args.me is args and args.items[0] is args and args.table[0]["args"] is args and back["again"][0] is args
+    assert args.shared is back["shared"] and args.shared == [1, 2]
+    assert {k: getattr(args, k) for k in SIZES} == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 3,
+                                                   "data_parallel_size": 2, "world_size": 6, "padded_vocab_size": 38}
+    expected = torch.load(source, weights_only=False)
+    vars(expected["args"]).update({k: getattr(args, k) for k in SIZES})
+    assert graph(back) == graph(expected)  # the source's graph, sharing and cycles, at the target's sizes
+
+
 @pytest.mark.parametrize(("value", "why"), [
     ("module", "refers to logging.Logger.os.system, which ckptflow does not load"),
     ("dunder", f"refers to {__name__}.Outer.__init__, which ckptflow does not load"),
@@ -794,6 +837,33 @@ def test_megatron_deepspeed_reshard_writes_the_client_state_back(megatron_pipe: 
         changed = {k: (before[k], state[k]) for k in before if state[k] != before[k]}
         assert changed == {"data_parallel_size": (2, 1), "world_size": (4, 2)}, path
         assert list(state) == list(before), path
+
+
+def test_megatron_deepspeed_args_that_hold_themselves_say_the_target_shape(megatron_pipe: Any, tmp_path: Path) -> None:
+    """The Megatron-style checkpoint with `args` made to hold itself (`self_holding`) and held by a second client
+    key: `reshard --world-size 2` (dp2 -> dp1) writes model-states files where, loaded by `torch.load`, every
+    reference is to one `args` with the target's sizes."""
+    import shutil
+
+    from tests.hostile.torchfile import resave
+
+    src = tmp_path / "src"
+    shutil.copytree(megatron_pipe.dir, src)
+    for path in model_states(src / megatron_pipe.tag):
+        resave(path, lambda obj: obj.update(args=self_holding(obj["args"]), again={"args": obj["args"]}))
+    out = tmp_path / "out"
+    result = run_cli("reshard", str(src), str(out), "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    written = model_states(out / megatron_pipe.tag)
+    assert len(written) == 2
+    for path in written:
+        obj = torch.load(path, weights_only=False)  # our own file: trusted
+        args = obj["args"]
+        assert args.me is args and args.items[0] is args and args.table[0]["args"] is args, path
+        assert obj["again"]["args"] is args, path
+        assert {k: getattr(args, k) for k in SIZES[:4]} == {
+            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+            "world_size": 2}, path
 
 
 def test_megatron_deepspeed_loads_the_reshard_with_its_client_state(megatron_pipe: Any, tmp_path: Path) -> None:

@@ -318,6 +318,26 @@ def test_a_fused_attention_projection_is_refused_at_another_degree(
     assert reasons["ZeRO-1 tp2 x dp2 (4 ranks)"] is None
 
 
+def test_one_listing_splits_each_tensor_parallel_degree_once(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """`reshard --plan` asks every shape at a tensor-parallel degree for that degree's splits: one listing keeps them
+    (`shape.tensor_splits`), once per other degree it asks, and `plan.why_not_stages` reads them there; each shape's
+    reason is the one it gets asked alone."""
+    from ckptflow.reshard.plan import why_not_stages
+    from ckptflow.reshard.shape import SplitsByDegree
+
+    index = load_index(str(megatron_fixtures[PIPE].dir))
+    known: SplitsByDegree = {}
+    listed = shapes_at(index, 8, splits=known)
+    assert listed == shapes_at(index, 8)
+    assert set(known) == {s.tp for s, _ in listed if s.tp != index.tp} == {1, 4, 8}
+    kept = dict(known)
+    staged = [s for s, why in listed if why is None and s.pp not in (1, index.pp)]
+    assert {s.tp for s in staged} - {index.tp}, listed  # some shape reads a listed degree's splits
+    for shape in staged:
+        assert why_not_stages(index, shape, splits=known) == why_not_stages(index, shape), shape
+    assert all(known[tp] is kept[tp] for tp in kept) and known.keys() == kept.keys()
+
+
 def test_a_fused_attention_projection_in_a_declared_layout(megatron_fixtures: Mapping[str, ParallelFixture]) -> None:
     """Declared (`qkv_layout`), the fused projection is joined in that layout from the heads the run's `args`
     record, the fp32 masters and Adam moments by the same row runs as the weight (`tests/test_megatron_qkv.py`

@@ -80,6 +80,14 @@ class _Tree:
         self.remap = dict(remap or {})
         self.remapped_keys = {(uri, key) for uri, key, _ in self.remap}
         self._converted: dict[int, tuple[Any, Any]] = {}  # id(source object) -> (source object, converted)
+        self._written_as: dict[int, tuple[Any, Any]] = {}  # id(source object) -> (source object, what is written)
+
+    def write_as(self, source: Any, new: Any) -> None:
+        """Write `new` wherever the tree holds `source` (a record the file rewrites, as `args_at` does), `new`'s
+        own contents included: a record that held itself holds `new`, shared and cycles kept as they were.
+        Before any `convert` of this tree, so that no reference to `source` is written as it was."""
+        assert not self._converted, "write_as after convert"
+        self._written_as[id(source)] = (source, new)
 
     def tensor(self, ref: TensorRef) -> OutTensor:
         hit = self.remap.get((ref.uri, ref.key, ref.storage_offset))
@@ -111,6 +119,9 @@ class _Tree:
     def _convert(self, obj: Any) -> Any:
         if not isinstance(obj, (TensorRef, PickledObject, InertRecord, dict, list, tuple, set, frozenset)):
             return obj  # plain data, and the torch dtypes and devices the pickler names again
+        swap = self._written_as.get(id(obj))
+        if swap is not None and swap[0] is obj:
+            obj = swap[1]
         seen = self._converted.get(id(obj))
         if seen is not None and seen[0] is obj:
             return seen[1]
@@ -366,6 +377,10 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
     # copies of their own, not the module's storages.
     frozen_records = _whole_frozen(plan, unit) if frozen and moe else frozen
     shape = _plain_shape if moe else _torch_size
+    args = source.get("args")
+    if whole.shape is not None and args is not None:  # the shape's fields set, wherever the file holds `args`
+        padded = whole.padded_vocab if isinstance(whole, ModelParallelPlan) else None
+        tree.write_as(args, args_at(args, whole.shape, padded_vocab=padded))
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "param_shapes":
@@ -399,9 +414,6 @@ def model_states(whole: ReshardPlan, unit: RankUnit) -> dict[str, Any]:
                         for k, v in value.items()}
         elif key == "ds_config":
             out[key] = _target_config(value, plan.source_world_size, plan.world_size, plan.stage)
-        elif key == "args" and whole.shape is not None:
-            padded = whole.padded_vocab if isinstance(whole, ModelParallelPlan) else None
-            out[key] = tree.convert(args_at(value, whole.shape, padded_vocab=padded))
         else:
             out[key] = tree.convert(value)
     return out
@@ -420,7 +432,8 @@ ARGS_SHAPE = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size"
 def args_at(value: Any, shape: Any, *, padded_vocab: int | None = None) -> Any:
     """`value`, when it is an `argparse.Namespace` record whose state holds the `ARGS_SHAPE` fields as
     ints, with those fields set to `shape`'s, and `padded_vocab_size` (an int there too) to `padded_vocab`
-    when given; else `value` itself."""
+    when given; else `value` itself. The new record's state holds what `value`'s held, `value` too where
+    it held itself: `_Tree.write_as` writes the new record in its place."""
     state = namespace_state(value)
     if state is None:
         return value

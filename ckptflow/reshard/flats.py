@@ -113,6 +113,7 @@ class ModelRuns:
     for any other parameter, the lowest stage's)."""
 
     def __init__(self, index: ModelParallelCheckpoint, stages: Mapping[str, int] | None = None) -> None:
+        self.stages: Mapping[str, int] = dict(stages or {})
         self.sources = _partitions_of(index)
         self.runs = {t.name: t.runs for t in index.tensors}
         for name, stage in (stages or {}).items():

@@ -186,8 +186,12 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
         module.update(_module_runs(index, source_stage, info))
     owners = _layer_owners(index, stages)
     parts = []
+    runs: dict[tuple[tuple[str, int], ...], ModelRuns] = {}  # one per tied copies read: the same for every rank t
     for at, stage in enumerate(stages):
         copy_from = _copies_from(index, at, stages)
+        key = tuple(sorted(copy_from.items()))
+        if key not in runs:
+            runs[key] = ModelRuns(index, copy_from)
         for t in range(shape.tp):
             pieces = {name: split[1][t] for name, split in splits.items()}
             shapes = {name: split[0][t] for name, split in splits.items()}
@@ -199,7 +203,7 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
                 return local_copies(pieces, full)
 
             source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
-            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local, copy_from=copy_from)
+            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local, runs=runs[key])
             files = tuple(_layer_file(index, layer, t, splits, module)
                           for layer, owner in owners.items() if owner == at)
             first = replace(plan.units[0], tensor_files=files)

@@ -80,7 +80,8 @@ def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method
             "ones between stages (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
     groups = check_stages(index)
     stages = stages_at(index, shape.pp, partition_method, layers)
-    parts = tuple(plan_stage(index, stage_source(index, groups, stage, shape), shape.dp, mp_rank=t)
+    runs = ModelRuns(index)
+    parts = tuple(plan_stage(index, stage_source(index, groups, stage, shape), shape.dp, mp_rank=t, runs=runs)
                   for t, stage in enumerate(stages))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
@@ -418,22 +419,22 @@ def stage_source(index: ModelParallelCheckpoint, groups: list[str], stage: Targe
 
 
 def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, *, mp_rank: int,
-               local: Callable[[Copies], Copies] | None = None,
-               copy_from: Mapping[str, int] | None = None) -> DataParallelPlan:
+               local: Callable[[Copies], Copies] | None = None, runs: ModelRuns | None = None) -> DataParallelPlan:
     """The target stage's ZeRO-1 files (`source`: `stage_source`) at `world_size` data-parallel ranks: each
     group flattened from its parameters in order, partitioned by DeepSpeed's arithmetic, filled by copies
     from the source stages (of the full tensors; `local` turns those into copies of a target shard's). A
-    tied parameter is read from the lowest source stage that trains it, or from the one `copy_from` names
-    (a Megatron-style checkpoint's stages keep their own copies: `flats.ModelRuns`)."""
+    tied parameter is read from the lowest source stage that trains it, or from the one `runs.stages` names
+    (a Megatron-style checkpoint's stages keep their own copies: `flats.ModelRuns`; None: `ModelRuns(index)`,
+    which its caller builds once for every stage and tensor-parallel rank that reads alike)."""
     by_name = source.param_by_name
     optimizer = source.optimizer_kind
     n_tensors = source.tensors_per_partition
+    runs = ModelRuns(index) if runs is None else runs
     held: dict[str, int] = {}  # a parameter's group in the source stage it is read from
     for rank in reversed(index.ranks):
         held.update({p.name: p.group for p in rank.params if p.group is not None})
-    for name, at in (copy_from or {}).items():
+    for name, at in runs.stages.items():
         held[name] = index.ranks[at * index.tp].param_by_name[name].group
-    runs = ModelRuns(index, copy_from)
 
     def copies(name: str, _group: int, first: int, last: int, dst: int) -> list[Copy]:
         return runs.copies(name, held[name], first, last, dst)

@@ -26,6 +26,7 @@ from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
+from ckptflow.formats.deepspeed.readers.pipeline import Split
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.reshard.data_parallel import (
     plan_data_parallel,
@@ -36,7 +37,7 @@ from ckptflow.reshard.data_parallel import (
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
-from ckptflow.reshard.shape import Shape, Target, check_world_size, resolve, source_shape
+from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
 from ckptflow.reshard.units import ReshardPlan
@@ -160,20 +161,28 @@ def _tensor_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=ask.config)
 
 
-def why_not_stages(index: Any, shape: Shape) -> str | None:
+def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None) -> str | None:
     """Why PipelineModule's default partition method does not say which layers each of `shape.pp` stages of
     `index` holds (the message of the planner's refusal, which says what would), or None: it does, or the
-    number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts."""
+    number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts, with
+    the `splits` it computed for them (`shape.tensor_splits`)."""
     if not isinstance(index, ModelParallelCheckpoint) or shape.pp in (1, index.pp):
         return None
     try:
         if index.kind == "megatron":
-            megatron_stages(index, shape)
+            megatron_stages(index, shape, splits=_named_splits(index, shape.tp, splits))
         else:
             stages_at(index, shape.pp)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None
+
+
+def _named_splits(index: ModelParallelCheckpoint, tp: int, known: SplitsByDegree | None) -> dict[str, Split] | None:
+    """Every parameter's split at another degree `tp`, from `known` (`shape.tensor_splits`), or None: the
+    degree is the source's, or its rules do not split it there (`megatron_stages` then says why)."""
+    stages = tensor_splits(index, tp, known) if tp != index.tp and known is not None else None
+    return None if stages is None or isinstance(stages, str) else {n: s for stage in stages for n, s in stage.items()}
 
 
 def _expert_stage(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:

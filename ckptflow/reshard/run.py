@@ -56,6 +56,7 @@ from ckptflow.reshard.rng import RngCopy, describe, describe_families, is_rng_fi
 from ckptflow.reshard.shape import (
     Memory,
     Shape,
+    SplitsByDegree,
     Target,
     check_world_size,
     memory,
@@ -156,9 +157,11 @@ def plan_shapes(src: str, world_size: int, *, tag: str | None = None, qkv_layout
     check_layout(qkv_layout)
     index = _valid_index(src, tag, "plan a reshard of")
     source = source_shape(index)
+    splits: SplitsByDegree = {}  # this listing's, each tensor-parallel degree's computed once
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape),
-                                reason=reason if reason is not None else why_not_stages(index, shape))
-                    for shape, reason in shapes_at(index, world_size, model_config(index.root), qkv_layout))
+                                reason=reason if reason is not None else why_not_stages(index, shape, splits=splits))
+                    for shape, reason in shapes_at(index, world_size, model_config(index.root), qkv_layout,
+                                                   splits=splits))
     return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,
                      source_memory=memory(index, source), parameters=sum(parameter_counts(index)), options=options)
 

@@ -34,6 +34,7 @@ from ckptflow.formats.deepspeed.qkv import check_layout
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
     TIED_WHY,
+    Split,
     declare_qkv_layout,
     fused_qkv,
     splits_at,
@@ -207,17 +208,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# A Megatron-style checkpoint's splits at each tensor-parallel degree asked (`tensor_splits`), or why its rules
+# do not split it there: one listing of shapes asks them of every shape at a degree, and computes them once.
+SplitsByDegree = dict[int, list[dict[str, Split]] | str]
+
+
+def tensor_splits(index: Any, tp: int, known: SplitsByDegree) -> list[dict[str, Split]] | str:
+    """Every stage's splits of the Megatron-style checkpoint `index` at another tensor-parallel degree `tp`
+    (`readers.pipeline.splits_at`, the vocabulary padded again as Megatron pads it there), or the message of
+    the first parameter its rules do not split; from `known` (one listing's) where asked before, and kept there."""
+    if tp not in known:
+        try:
+            known[tp] = splits_at(index, tp, vocab_rows_at(index, tp))
+        except UnsupportedCheckpointError as exc:
+            known[tp] = str(exc)
+    return known[tp]
+
+
 def shapes_at(index: Any, world_size: int, config: Mapping[str, Any] | None = None,
-              qkv_layout: str | None = None) -> list[tuple[Shape, str | None]]:
+              qkv_layout: str | None = None, *, splits: SplitsByDegree | None = None) -> list[tuple[Shape, str | None]]:
     """Every shape the checkpoint's model runs at on `world_size` ranks, with None where ckptflow can
     write it from `index` and the reason where it cannot; the source's stage first, then by degrees
-    (`qkv_layout`: the layout the user declares of a fused `query_key_value`, `reshard.qkv`)."""
+    (`qkv_layout`: the layout the user declares of a fused `query_key_value`, `reshard.qkv`; `splits`: the
+    listing's `tensor_splits`, where its caller asks them again, else this call's own)."""
     kind = kind_of(index)
     source = source_shape(index)
     model = _model(index, config)
+    known: SplitsByDegree = {} if splits is None else splits
     out = []
     for shape in _candidates(kind, source, world_size, model):
-        out.append((shape, why_not(index, source, shape, qkv_layout)))
+        out.append((shape, why_not(index, source, shape, qkv_layout, splits=known)))
     out.sort(key=lambda item: (item[0].stage != source.stage, item[0].stage, item[0].tp, item[0].pp, item[0].ep))
     return out
 
@@ -244,8 +264,10 @@ NAMES = {"zero": "data-parallel ZeRO", "zero0": "ZeRO-0", "autotp": "AutoTP", "p
          "moe": "deepspeed.moe", "optimizer-shards": "optimizer-shard"}
 
 
-def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = None) -> str | None:
-    """Why ckptflow cannot write `index` at `shape` (yet), or None when it can (`qkv_layout`: as `shapes_at`)."""
+def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = None, *,
+            splits: SplitsByDegree | None = None) -> str | None:
+    """Why ckptflow cannot write `index` at `shape` (yet), or None when it can (`qkv_layout`, `splits`: as
+    `shapes_at`)."""
     kind = kind_of(index)
     name = NAMES.get(kind, kind)
     if source.stage == 0:
@@ -265,7 +287,7 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         return None
     if shape.tp != source.tp:
         if kind == "megatron":
-            why = _why_not_megatron_tp(index, shape.tp, qkv_layout)
+            why = _why_not_megatron_tp(index, shape.tp, qkv_layout, {} if splits is None else splits)
             if why is not None:
                 return why
         elif kind != "autotp":
@@ -295,19 +317,21 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
     return None
 
 
-def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None = None) -> str | None:
-    """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at degree `tp`
+def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None, known: SplitsByDegree) -> str | None:
+    """Why the Megatron-style checkpoint `index`'s recorded split rules do not split it at another degree `tp`
     (None: they do), a fused `query_key_value` in the `qkv_layout` the user declares (None: refused)."""
-    if tp != index.tp and qkv_layout is None and (fused := fused_qkv(index)) is not None:
+    if qkv_layout is None and (fused := fused_qkv(index)) is not None:
         return f"{fused} {FUSED_QKV_WHY}; {declare_qkv_layout()}"
-    if tp != index.tp and (tied := tied_module(index)) is not None:
+    if (tied := tied_module(index)) is not None:
         return f"{tied} {TIED_WHY}"
-    try:
-        splits = splits_at(index, tp, vocab_rows_at(index, tp))
-        if qkv_layout is not None and tp != index.tp:
+    splits = tensor_splits(index, tp, known)
+    if isinstance(splits, str):
+        return splits
+    if qkv_layout is not None:
+        try:
             in_layout(index, splits, tp, qkv_layout)
-    except UnsupportedCheckpointError as exc:
-        return str(exc)
+        except UnsupportedCheckpointError as exc:
+            return str(exc)
     return None
 
 
@@ -509,4 +533,4 @@ def _moments(index: Any) -> int:
 
 __all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "expert_counts", "kind_of", "memory",
            "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not",
-           "why_not_expert_stage", "why_not_zero0"]
+           "why_not_expert_stage", "why_not_zero0", "SplitsByDegree", "tensor_splits"]
