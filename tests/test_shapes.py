@@ -270,16 +270,33 @@ def test_the_target_optimizer_is_the_one_deepspeed_builds_at_the_stage(source: s
     assert target_optimizer(source, source_stage, stage) == optimizer
 
 
-def test_an_expert_parallel_bf16_optimizer_checkpoint_changes_stage_where_deepspeed_trains_it() -> None:
-    """DeepSpeed builds BF16_Optimizer for MoE models (bf16 ZeRO-1, fp32 accumulation; `has_moe_layers`), and
-    runs the same config at ZeRO-2 (deepspeed.moe and AutoEP) and ZeRO-3 (AutoEP): ckptflow writes each.
-    deepspeed.moe at ZeRO-3 is refused as DeepSpeed refuses it."""
+def test_an_expert_parallel_checkpoint_changes_stage_where_deepspeed_trains_it() -> None:
+    """deepspeed.moe trains at ZeRO-1 and 2, AutoEP at 1, 2 and 3 (whichever optimizer saved it: a
+    BF16_Optimizer source's groups are laid out again, `plan._expert_degree`); deepspeed.moe at ZeRO-3 is
+    refused as DeepSpeed refuses it."""
     from ckptflow.reshard.shape import why_not_expert_stage
 
-    assert why_not_expert_stage("moe", 1, 2, "bf16") is None
-    assert why_not_expert_stage("autoep", 1, 2, "bf16") is None
-    assert why_not_expert_stage("autoep", 1, 3, "bf16") is None
-    assert why_not_expert_stage("moe", 1, 3, "bf16") == (
+    assert why_not_expert_stage("moe", 2) is None
+    assert why_not_expert_stage("autoep", 2) is None
+    assert why_not_expert_stage("autoep", 3) is None
+    assert why_not_expert_stage("moe", 3) == (
         "DeepSpeed refuses deepspeed.moe layers at ZeRO-3 (\"Native DeepSpeed MoE is not supported with ZeRO Stage "
         "3. Use AutoEP or choose ZeRO stage 1/2.\"), so a deepspeed.moe checkpoint is written at ZeRO-1 or ZeRO-2 "
         "only")
+
+
+def test_zero1_where_the_config_gets_bf16_optimizer_is_refused(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    """A bf16 run with fp32 gradient accumulation gets BF16_Optimizer at ZeRO-1 and DeepSpeedZeroOptimizer at
+    ZeRO-2/3 (`engine._do_optimizer_sanity_check`): its ZeRO-2 checkpoint back at ZeRO-1 would need
+    BF16_Optimizer's files, which ckptflow writes from BF16_Optimizer's own only. Refused, not written in
+    DeepSpeedZeroOptimizer's layout; ZeRO-1 from BF16_Optimizer's own files stays written."""
+    from ckptflow.reshard import reshard
+
+    source = ds_fixtures["z1-bf16-ws2-fp32accum"]
+    reshard(str(source.dir), str(tmp_path / "z2"), world_size=2, stage=2)
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"at ZeRO-1 its recorded config \(bf16 weights, data_types.grad_accum_dtype fp32\) gets DeepSpeed's "
+            r"BF16_Optimizer, whose files ckptflow writes from a BF16_Optimizer checkpoint only; write it at ZeRO-2")):
+        reshard(str(tmp_path / "z2"), str(tmp_path / "back"), world_size=2, stage=1)
+    assert not (tmp_path / "back").exists()
+    reshard(str(source.dir), str(tmp_path / "z1"), world_size=3)

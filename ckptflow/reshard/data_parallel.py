@@ -30,6 +30,7 @@ from ckptflow.formats.deepspeed.model import ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import (
     BF16,
+    ZERO,
     ZERO3,
     Extent,
     moves,
@@ -63,8 +64,8 @@ def plan_model_parallel(index: ModelParallelCheckpoint, world_size: int) -> Mode
 def plan_expert_parallel(source: ExpertCheckpoint, world_size: int, stage: int | None = None) -> DataParallelPlan:
     """The data-parallel plan of the ZeRO index under an AutoEP or deepspeed.moe checkpoint, its expert
     groups over the new expert data-parallel groups; the per-expert files carried as they are. With
-    `stage`, at ZeRO-1 or ZeRO-2 from the other (`DeepSpeedZeroOptimizer` both: the same flat
-    partitions, only the recorded stage changes)."""
+    `stage`, at ZeRO-1 or ZeRO-2 from the other, for `DeepSpeedZeroOptimizer` sources (the same flat
+    partitions, only the recorded stage changes; `plan._expert_degree` sends BF16_Optimizer's elsewhere)."""
     index = source.zero
     if index is None:  # ZeRO-0: `plan.plan_reshard` says there is nothing to reshard
         raise UnsupportedCheckpointError(f"{source.tag_uri} is a ZeRO-0 {source.layout} checkpoint", uri=source.root)
@@ -77,17 +78,15 @@ def plan_expert_parallel(source: ExpertCheckpoint, world_size: int, stage: int |
     plan = plan_data_parallel(index, world_size, expert_parallel=True)
     if stage is not None and stage != index.stage:
         check_expert_stage(source, stage)
+        assert index.optimizer_kind == ZERO, "plan._expert_degree lays other optimizers' groups out again"
         plan = replace(plan, stage=stage)
     return replace(plan, carried=source.expert_files, group_ep=tuple(g.ep for g in index.groups))
 
 
 def check_expert_stage(source: ExpertCheckpoint, stage: int) -> None:
-    """Refuse a ZeRO stage change of an expert-parallel checkpoint other than between ZeRO-1 and ZeRO-2
-    of `DeepSpeedZeroOptimizer`, or AutoEP between those and ZeRO-3 (`reshard.shape.why_not_expert_stage`
-    says why)."""
-    index = source.zero
-    why = why_not_expert_stage(source.kind, index.stage if index is not None else 0, stage,
-                               index.optimizer_kind if index is not None else "")
+    """Refuse a ZeRO stage the expert-parallel checkpoint's layout does not train at
+    (`reshard.shape.why_not_expert_stage` says why)."""
+    why = why_not_expert_stage(source.kind, stage)
     if why is not None:
         raise UnsupportedCheckpointError(f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{stage}: {why}",
                                          code="unsupported-shape", uri=source.root,

@@ -44,11 +44,11 @@ Copies = Callable[[str, int, int, int, int], Iterable[Copy]]
 
 
 def target_optimizer(source: str, source_stage: int, stage: int) -> str:
-    """The optimizer DeepSpeed builds at ZeRO `stage` from the config of a run whose optimizer `source`
-    (`partition.ZERO`, `BF16`, `ZERO3`) saved it at ZeRO `source_stage`: the same at the same stage
-    (BF16_Optimizer stays one at ZeRO-1), `DeepSpeedZeroOptimizer` at ZeRO-1/2 otherwise
-    (`engine._do_optimizer_sanity_check` builds BF16_Optimizer at ZeRO-1 only), the ZeRO-3 optimizer at
-    ZeRO-3."""
+    """The optimizer DeepSpeed builds at ZeRO `stage` for the run whose optimizer `source` (`partition.ZERO`,
+    `BF16`, `ZERO3`) saved it at ZeRO `source_stage`: the same at the same stage (BF16_Optimizer stays one
+    at ZeRO-1), `DeepSpeedZeroOptimizer` at ZeRO-1/2 otherwise, the ZeRO-3 optimizer at ZeRO-3. (A ZeRO-1
+    target whose recorded config gets BF16_Optimizer there, from another optimizer's files, is refused
+    before any plan: `shape.why_not`.)"""
     if stage == 3:
         return ZERO3
     return source if stage == source_stage and source != ZERO3 else ZERO

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.config import builds_bf16_optimizer
+from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.deepspeed.qkv import check_layout
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
@@ -310,10 +312,11 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if kind == "optimizer-shards":
             return ("optimizer shards are written for the same loading code at the same ZeRO stage only; another "
                     "stage loads through engine.load_checkpoint, and these files are not such a checkpoint")
-        if kind in ("moe", "autoep"):
-            return why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
-        if kind not in ("zero", "autotp"):
+        if kind in ("moe", "autoep") and (why := why_not_expert_stage(kind, shape.stage)) is not None:
+            return why
+        if kind not in ("zero", "autotp", "moe", "autoep"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
+        return _why_not_bf16_target(index, kind, shape.stage)
     return None
 
 
@@ -351,7 +354,7 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
     degree changes at any stage AutoEP trains at, together with the stage (`experts.at_degree`, then
     the stage's planner)."""
     if shape.stage != source.stage:
-        why = why_not_expert_stage(kind, source.stage, shape.stage, _expert_optimizer(index))
+        why = why_not_expert_stage(kind, shape.stage)
         if why is not None:
             return why
     counts = expert_counts(index)
@@ -369,21 +372,30 @@ def pipeline_layers(index: Any) -> int:
     return len(getattr(index, "carried", ()) or ()) // getattr(index, "tp", 1)
 
 
-def _expert_optimizer(index: Any) -> str:
-    zero = getattr(index, "zero", None)
-    return str(getattr(zero, "optimizer_kind", ""))
-
-
-def why_not_expert_stage(kind: str, source: int, target: int, optimizer: str) -> str | None:
-    """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") saved at ZeRO
-    `source` by `optimizer` ("zero", "bf16", "zero3") at ZeRO `target`, or None when it can: at any
-    stage DeepSpeed trains the layout at. Between ZeRO-1 and ZeRO-2 of `DeepSpeedZeroOptimizer` the
-    flat partitions stay and only the recorded stage changes; BF16_Optimizer's (bf16 ZeRO-1, fp32
-    gradient accumulation) are laid out again as DeepSpeedZeroOptimizer's (`experts.plan_expert_degree`);
-    AutoEP moves between those and ZeRO-3 (`stage.plan_expert_zero3`, `experts.plan_expert_from_zero3`)."""
+def why_not_expert_stage(kind: str, target: int) -> str | None:
+    """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") at ZeRO `target`,
+    or None when it can: at any stage DeepSpeed trains the layout at. Between ZeRO-1 and ZeRO-2 of
+    `DeepSpeedZeroOptimizer` the flat partitions stay and only the recorded stage changes; BF16_Optimizer's
+    (bf16 ZeRO-1, fp32 gradient accumulation) are laid out again as DeepSpeedZeroOptimizer's
+    (`experts.plan_expert_degree`); AutoEP moves between those and ZeRO-3 (`stage.plan_expert_zero3`,
+    `experts.plan_expert_from_zero3`). A target DeepSpeed would give BF16_Optimizer: `why_not`."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
     return None
+
+
+def _why_not_bf16_target(index: Any, kind: str, stage: int) -> str | None:
+    """Why ckptflow cannot write `index` at ZeRO `stage` where its recorded config gets DeepSpeed's
+    BF16_Optimizer there (ZeRO-1, bf16 weights, fp32 gradient accumulation: `config.builds_bf16_optimizer`)
+    and it was not trained by one: ckptflow lays BF16_Optimizer's flat groups out only from its own files."""
+    first = index.ranks[0] if kind == "autotp" else (index.zero_index() or index)
+    states = first.model_states
+    config = (states if isinstance(states, Mapping) else states[0]).get("ds_config")
+    if stage != 1 or not builds_bf16_optimizer(config) or getattr(first, "optimizer_kind", "") == BF16:
+        return None
+    return ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
+            "BF16_Optimizer, whose files ckptflow writes from a BF16_Optimizer checkpoint only; write it at ZeRO-2, "
+            "where the same config gets DeepSpeedZeroOptimizer")
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:

@@ -56,3 +56,17 @@ def sub_group_size(zero: Mapping[str, Any]) -> int:
         return int(float(value)) if value is not None else DEFAULT_SUB_GROUP_SIZE
     except (TypeError, ValueError):
         return DEFAULT_SUB_GROUP_SIZE
+
+
+FP32_NAMES = frozenset({"fp32", "float32", "float", "torch.float32"})  # DeepSpeed's DtypeEnum.fp32
+
+
+def builds_bf16_optimizer(config: Any) -> bool:
+    """Whether DeepSpeed 0.19.8 builds BF16_Optimizer at ZeRO-1 for the recorded `ds_config` `config`: bf16
+    weights, fp32 gradient accumulation (`data_types.grad_accum_dtype`) and no optimizer offload to the CPU
+    (`engine._do_optimizer_sanity_check`)."""
+    accum = section(config, "data_types").get("grad_accum_dtype")
+    offload = section(zero_section(config), "offload_optimizer")
+    return (precision_of(config) == "bf16" and isinstance(accum, str) and accum in FP32_NAMES
+            and offload.get("device") != "cpu")
+
