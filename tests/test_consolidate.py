@@ -364,6 +364,8 @@ def test_a_declared_qkv_layout_without_the_heads_is_refused(args: dict[str, Any]
      "average: convert it with deepspeed.checkpoint.ds_to_universal"),
     ({"parameter_with_row_parallelism_patterns": [r".*query_key_value\.weight"]},
      "the checkpoint does not record it as a column-parallel parameter, split on its rows"),
+    ({"parameter_with_row_parallelism_patterns": ["("]},
+     "the recorded pattern '(' is not a regular expression (missing ), unterminated subpattern at position 0)"),
 ])
 def test_a_fused_projection_the_rules_do_not_join_on_rows_is_refused_with_their_reason(
         rules: dict[str, Any], why: str) -> None:

@@ -701,3 +701,15 @@ def test_other_type_methods_are_refused() -> None:
     with pytest.raises(UnsupportedCheckpointError) as refused:
         megatron.megatron_stages(toy, shape, "type:embedding")
     assert refused.value.hint == "use `parameters` or `uniform`"
+
+
+def test_a_tied_module_without_split_rules_moves_between_stages_at_tp1_only() -> None:
+    """Pure: Megatron-DeepSpeed records `tp_replicated_parameter_patterns` above tp 1 only, so a tp 1 GPT's tied
+    position embeddings have no rule; between tp 1 checkpoints every tied parameter is whole and moves as it is,
+    while a change to another degree (whose split needs the rule) is refused naming it."""
+    from ckptflow.formats.deepspeed.readers.pipeline import tied_module
+
+    index = megatron_index(gpt_layers(4), 2, {**GPT_ARGS, "num_layers": 4})
+    assert tied_module(index, 1) is None
+    assert tied_module(index, 2) == "tied_modules.embed.word_embeddings.weight"
+    assert tied_module(index) == "tied_modules.embed.word_embeddings.weight"  # the degree not said: refused

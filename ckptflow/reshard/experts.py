@@ -72,9 +72,9 @@ from ckptflow.formats.deepspeed.partition import (
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy, fragment_copies, frozen_copies, target_optimizer
+from ckptflow.reshard.flats import append_copy, cast_runs, fragment_copies, frozen_copies, target_optimizer
 from ckptflow.reshard.moe_cut import DSMOE_EXPERT, expert_runs, is_expert, plan_recut
 from ckptflow.reshard.shape import Shape, expert_counts
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
@@ -297,16 +297,11 @@ def plan_expert_from_zero3(source: ExpertCheckpoint, shape: Shape) -> DataParall
                    index=replace(plan.index, tied={**zero.tied, **copies}))
 
 
-def _cast(runs: Sequence[Run], dtype: str) -> tuple[Run, ...]:
-    """fp32 master runs read as `dtype`, cast on the way as DeepSpeed casts the masters into the module."""
-    return tuple(runs) if dtype == "float32" else tuple(replace(r, ref=cast_view(r.ref, dtype)) for r in runs)
-
-
 def _module_runs(zero: ZeroCheckpoint) -> tuple[dict[str, tuple[Run, ...]], dict[str, str]]:
     """Each module tensor's runs over the fp32 masters, in its dtype, and AutoEP's second copy of each
     router (the module key by the presets' name `gate`) -> its router, whose runs it reads. The experts
     are not in the module."""
-    out = {p.name: _cast(zero.trainable_runs(p), p.dtype) for p in zero.params
+    out = {p.name: cast_runs(zero.trainable_runs(p), p.dtype) for p in zero.params
            if not p.frozen and p.group is not None and not _is_expert(zero.groups[p.group])}
     copies = {}
     for name in zero.model_states[0].get("module") or {}:
@@ -325,7 +320,7 @@ def _expert_files(zero: ZeroCheckpoint) -> dict[int, tuple[TensorFile, ...]]:
         prefix, local, ep = entry["expert_key_prefix"], entry["num_local_experts"], entry["ep_size"]
         for e in range(ep):
             stacked = {w: zero.param_by_key[(e, f"{prefix}.{w}")] for w in WEIGHTS}
-            runs = {w: _cast(zero.trainable_runs(p), p.dtype) for w, p in stacked.items()}
+            runs = {w: cast_runs(zero.trainable_runs(p), p.dtype) for w, p in stacked.items()}
             for j in range(local):
                 expert = e * local + j
                 tensors = []

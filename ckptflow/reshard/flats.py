@@ -35,7 +35,8 @@ from ckptflow.formats.deepspeed.partition import (
     zero12_layout,
 )
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES
+from ckptflow.formats.deepspeed.runs import Run
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
 from ckptflow.reshard.units import TargetFlat
 
 # The copies that bring elements [first, last) of parameter `name` (of source param group `group`) to
@@ -52,6 +53,12 @@ def target_optimizer(source: str, source_stage: int, stage: int) -> str:
     if stage == 3:
         return ZERO3
     return source if stage == source_stage and source != ZERO3 else ZERO
+
+
+def cast_runs(runs: Sequence[Run], dtype: str) -> tuple[Run, ...]:
+    """fp32 master runs read as the module's `dtype`, cast on the way as DeepSpeed casts the masters into
+    the module after every step (round to nearest even; fp32 training: the masters themselves)."""
+    return tuple(runs) if dtype == "float32" else tuple(replace(r, ref=cast_view(r.ref, dtype)) for r in runs)
 
 
 def append_copy(copies: list[Copy], c: Copy) -> None:

@@ -48,9 +48,17 @@ from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Piece, stretches
 from ckptflow.formats.deepspeed.runs import Run
-from ckptflow.formats.torch.tensorref import DTYPE_SIZES, cast_view
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.plumbing.text import excerpt
-from ckptflow.reshard.flats import Copies, ModelRuns, append_copy, target_optimizer, zero3_flats, zero12_flats
+from ckptflow.reshard.flats import (
+    Copies,
+    ModelRuns,
+    append_copy,
+    cast_runs,
+    target_optimizer,
+    zero3_flats,
+    zero12_flats,
+)
 from ckptflow.reshard.shape import check_world_size
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
@@ -147,9 +155,7 @@ def _module_runs(index: ModelParallelCheckpoint, merged: ZeroCheckpoint) -> dict
     if index.stage != 3:
         return module_runs(index)
     dtypes = {p.name: p.dtype for p in merged.params}
-    return {t.name: tuple(r if dtypes[t.name] == "float32" else replace(r, ref=cast_view(r.ref, dtypes[t.name]))
-                          for r in t.runs)
-            for t in index.tensors if t.name in dtypes}
+    return {t.name: cast_runs(t.runs, dtypes[t.name]) for t in index.tensors if t.name in dtypes}
 
 
 def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None:
