@@ -220,11 +220,9 @@ def _zero12_group(index: ZeroCheckpoint, g: int, world_size: int, optimizer: str
     src_ws, dst_ws = index.world_size // group.ep, world_size // group.ep  # partitions per shard
     align = 1 if bf16_opt or not params else param_alignment(DTYPE_SIZES[params[0].dtype],
                                                              is_set(zero, "parameter_alignment"))
-    if is_set(zero, "round_robin_gradients") and not bf16_opt:
+    if index.is_round_robin:
         # The saved order is the round-robin order for the source world size: undo it, redo it for M.
-        original = [""] * len(src_names)
-        for pos, i in enumerate(round_robin_order(len(src_names), src_ws)):
-            original[i] = src_names[pos]
+        original = list(index.optimizer_order(group))
         dst_names = [original[i] for i in round_robin_order(len(original), dst_ws)]
     else:
         original = dst_names = src_names

@@ -189,7 +189,7 @@ class ZeroCheckpoint:
         return optimizer_kind(self.stage, self.optim_states[0]["optimizer_state_dict"])
 
     @property
-    def round_robin(self) -> bool:
+    def is_round_robin(self) -> bool:
         """Whether its param groups were flattened round-robin: `DeepSpeedZeroOptimizer` (ZeRO-1/2; not
         BF16_Optimizer nor ZeRO-3, which ignore the setting) with `zero_optimization.round_robin_gradients`."""
         return self.stage in (1, 2) and self.optimizer_kind == ZERO and is_set(self.zero_config,
@@ -197,15 +197,15 @@ class ZeroCheckpoint:
 
     def optimizer_order(self, group: ParamGroup) -> tuple[str, ...]:
         """`group`'s parameters in the optimizer's own order: as flattened, except that round-robin
-        (`round_robin`) flattens each group over the ranks that partition it, an expert group's over its
+        (`is_round_robin`) flattens each group over the ranks that partition it, an expert group's over its
         expert data-parallel group (`partition.original_order` undoes it)."""
-        order = original_order(len(group.params), self.world_size // group.ep, self.round_robin)
+        order = original_order(len(group.params), self.world_size // group.ep, self.is_round_robin)
         return tuple(group.params[pos] for pos in order)
 
     def in_optimizer_order(self) -> ZeroCheckpoint:
         """This index with each param group's parameters in the optimizer's own order (`optimizer_order`):
         what a planner that lays the groups out again starts from."""
-        if not self.round_robin:
+        if not self.is_round_robin:
             return self
         return replace(self, groups=tuple(replace(g, params=self.optimizer_order(g)) for g in self.groups))
 
