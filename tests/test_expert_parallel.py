@@ -1241,3 +1241,18 @@ def test_a_source_deepspeed_cut_is_recut_at_the_limit_its_cuts_imply(cut_source_
     tag = (root / "out" / name / "latest").read_text()
     _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
     _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False, ignore=("global_samples",))
+
+
+@pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's bf16-optimizer set")
+@pytest.mark.parametrize("name", ["dsmoe-ep2-z1-bf16-fp32accum", "autoep-qwen3-moe-ep2-z1-bf16-fp32accum"])
+def test_zero1_with_another_expert_degree_where_the_config_gets_bf16_optimizer_is_refused(
+        name: str, tmp_path: Path) -> None:
+    """BF16_Optimizer's run written at ZeRO-2 (DeepSpeedZeroOptimizer's files), then asked back at ZeRO-1 with
+    another expert-parallel degree: the same config gets BF16_Optimizer there, whose files ckptflow writes from
+    its own only, so refused as at the same degree; nothing written."""
+    [fixture] = build_bf16_optimizer([name]).values()
+    reshard(str(fixture.dir), str(tmp_path / "z2"), world_size=2, stage=2)
+    for ep in (1, 2):
+        with pytest.raises(UnsupportedCheckpointError, match="gets DeepSpeed's BF16_Optimizer"):
+            reshard(str(tmp_path / "z2"), str(tmp_path / f"back{ep}"), world_size=2, stage=1, ep=ep)
+        assert not (tmp_path / f"back{ep}").exists()

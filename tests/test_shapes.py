@@ -300,3 +300,29 @@ def test_zero1_where_the_config_gets_bf16_optimizer_is_refused(ds_fixtures: Mapp
         reshard(str(tmp_path / "z2"), str(tmp_path / "back"), world_size=2, stage=1)
     assert not (tmp_path / "back").exists()
     reshard(str(source.dir), str(tmp_path / "z1"), world_size=3)
+
+
+def test_which_configs_get_bf16_optimizer_at_zero1() -> None:
+    """`engine._do_optimizer_sanity_check`: bf16, fp32 gradient accumulation and no optimizer offload to the CPU,
+    the older `cpu_offload` key counted as DeepSpeed still counts it."""
+    from ckptflow.formats.deepspeed.config import builds_bf16_optimizer
+
+    run = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 2}}
+    assert builds_bf16_optimizer(run)
+    assert builds_bf16_optimizer({**run, "data_types": {"grad_accum_dtype": "float32"}})
+    assert not builds_bf16_optimizer({**run, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert not builds_bf16_optimizer({**run, "data_types": {"grad_accum_dtype": ["fp32"]}})
+    assert not builds_bf16_optimizer({**run, "bf16": {"enabled": False}})
+    assert not builds_bf16_optimizer({**run, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert not builds_bf16_optimizer({**run, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert builds_bf16_optimizer({**run, "zero_optimization": {"offload_optimizer": {"device": "none"}}})
+
+
+def test_partition_methods_are_checked_as_deepspeed_reads_them() -> None:
+    """Any case, as `PipelineModule` lowers the method; anything but a string or a known method is a one-line
+    `ValueError`."""
+    Target(world_size=2, pp=2, partition_method="Uniform")
+    Target(world_size=2, pp=2, partition_method="TYPE:Transformer")
+    for bad in (123, "balanced", "type:"):
+        with pytest.raises(ValueError, match="the partition method must be"):
+            Target(world_size=2, pp=2, partition_method=bad)  # type: ignore[arg-type]

@@ -242,8 +242,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     hint = f"give the {option('partition_method')} the model was trained with"
     methods = METHODS + ((facts.method,) if facts is not None else ())
     computable = [m for m in methods if facts is None or m != facts.method or facts.typed]
-    if facts is not None and method.lower() == facts.method.lower():  # DeepSpeed matches class names ignoring case
-        method = facts.method
+    method = method.lower()  # as PipelineModule lowers it (a "type:" regex then matches ignoring case)
     if method not in methods:
         if not method.startswith(TYPE):
             what = "is not one of PipelineModule's partition methods"

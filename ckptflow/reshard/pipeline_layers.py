@@ -35,11 +35,14 @@ MAX_METHOD = 200  # characters of a partition method
 
 
 def check_method(method: str) -> None:
-    """`ValueError` unless `method` is one of PipelineModule's partition methods: `METHODS`, or "type:"
-    and a regular expression (of at most `MAX_METHOD` characters in all)."""
-    if method in METHODS:
+    """`ValueError` unless `method` is one of PipelineModule's partition methods, in any case as DeepSpeed
+    lowers it: `METHODS`, or "type:" and a regular expression (of at most `MAX_METHOD` characters in all)."""
+    if not isinstance(method, str):
+        raise ValueError(f"the partition method must be a string; got a {type(method).__name__}")
+    lowered = method.lower()
+    if lowered in METHODS:
         return
-    if not method.startswith(TYPE) or len(method) == len(TYPE) or len(method) > MAX_METHOD:
+    if not lowered.startswith(TYPE) or len(method) == len(TYPE) or len(method) > MAX_METHOD:
         raise ValueError(f"the partition method must be {', '.join(METHODS)} or type:REGEX (at most {MAX_METHOD} "
                          f"characters); got {method[:60]!r}")
     try:

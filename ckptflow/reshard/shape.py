@@ -307,7 +307,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if layers and shape.pp > layers:
             return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages"
     if shape.ep != source.ep:
-        return _why_not_ep(index, kind, source, shape)
+        why = _why_not_ep(index, kind, source, shape)
+        return why if why is not None or shape.stage == source.stage else _why_not_bf16_target(index, kind, shape.stage)
     if shape.stage != source.stage:
         if kind == "optimizer-shards":
             return ("optimizer shards are written for the same loading code at the same ZeRO stage only; another "

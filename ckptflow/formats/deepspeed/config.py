@@ -64,9 +64,11 @@ FP32_NAMES = frozenset({"fp32", "float32", "float", "torch.float32"})  # DeepSpe
 def builds_bf16_optimizer(config: Any) -> bool:
     """Whether DeepSpeed 0.19.8 builds BF16_Optimizer at ZeRO-1 for the recorded `ds_config` `config`: bf16
     weights, fp32 gradient accumulation (`data_types.grad_accum_dtype`) and no optimizer offload to the CPU
-    (`engine._do_optimizer_sanity_check`)."""
+    (`offload_optimizer.device`, or the older `cpu_offload` DeepSpeed still reads);
+    `engine._do_optimizer_sanity_check`."""
     accum = section(config, "data_types").get("grad_accum_dtype")
-    offload = section(zero_section(config), "offload_optimizer")
-    return (precision_of(config) == "bf16" and isinstance(accum, str) and accum in FP32_NAMES
-            and offload.get("device") != "cpu")
+    zero = zero_section(config)
+    offload = section(zero, "offload_optimizer")
+    to_cpu = offload.get("device") == "cpu" if offload else is_set(zero, "cpu_offload")  # the older key
+    return precision_of(config) == "bf16" and isinstance(accum, str) and accum in FP32_NAMES and not to_cpu
 
