@@ -242,7 +242,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
     hint = f"give the {option('partition_method')} the model was trained with"
     methods = METHODS + ((facts.method,) if facts is not None else ())
     computable = [m for m in methods if facts is None or m != facts.method or facts.typed]
-    method = method.lower()  # as PipelineModule lowers it (a "type:" regex then matches ignoring case)
+    given, method = method, method.lower()  # as PipelineModule lowers it (a "type:" regex matches ignoring case)
     if method not in methods:
         if not method.startswith(TYPE):
             what = "is not one of PipelineModule's partition methods"
@@ -253,12 +253,12 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
                     f"{facts.cls} (partition method {facts.method!r})")
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
-            f"{excerpt(method)} {what}", code="unsupported-shape", uri=index.root,
+            f"{excerpt(given)} {what}", code="unsupported-shape", uri=index.root,
             hint="use " + ", ".join(f"`{m}`" for m in computable[:-1]) + f" or `{computable[-1]}`")
     if facts is not None and method == facts.method and not facts.typed:
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
-            f"{excerpt(method)} weighs its {facts.cls} layers, and it has none (DeepSpeed finds no layer to partition)",
+            f"{excerpt(given)} weighs its {facts.cls} layers, and it has none (DeepSpeed finds no layer to partition)",
             code="unsupported-shape", uri=index.root, hint=hint)
     found = _fitting(index, method, count, facts)
     if not found:
@@ -266,7 +266,7 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
         of = f" of {count} layers" if count is not None else ""
         raise UnsupportedCheckpointError(
             f"{where}: no layer list{of} the files allow gives its {index.pp} pipeline stages the layers they hold "
-            f"under partition method {excerpt(method)}" + (f"; {other[0]!r} does" if other else ""),
+            f"under partition method {excerpt(given)}" + (f"; {other[0]!r} does" if other else ""),
             code="unsupported-shape", uri=index.root,
             hint=f"pass {option('partition_method')} {other[0]}" if other else hint)
     modules = frozenset().union(*(_named_layers(r) for r in ranks))
