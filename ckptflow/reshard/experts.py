@@ -27,8 +27,9 @@ deepspeed.moe's `global = ep_rank * num_local_experts + local`). What that means
   `_configure_moe_settings` sets that group before the groups are flattened), a dense group's over all
   M. `at_degree` starts from the source with that order undone per group over the group's own
   source ranks (`ZeroCheckpoint.in_optimizer_order`); `_plan` flattens each group round-robin again
-  over its target ranks, its `param_slice_mappings` in the optimizer's order
-  (`partition.recorded_slices`), and ZeRO-3 (which ignores the setting) takes the optimizer's order.
+  over its target ranks (`flats.sharded_zero12_flats`), its `param_slice_mappings` in the optimizer's
+  order (`partition.recorded_slices`), and ZeRO-3 (which ignores the setting) takes the optimizer's
+  order.
   A ZeRO-3 or BF16_Optimizer source, which ignore it, is flattened round-robin at a ZeRO-1/2 target
   whose config asks for it, as DeepSpeed does.
 
@@ -59,25 +60,23 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import (
-    BF16,
-    ZERO,
-    Copy,
-    original_order,
-    param_alignment,
-    recorded_slices,
-    round_robin_order,
-    zero12_layout,
-)
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, Copy
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
-from ckptflow.reshard.flats import append_copy, cast_runs, fragment_copies, frozen_copies, target_optimizer
+from ckptflow.reshard.flats import (
+    Copies,
+    cast_runs,
+    fragment_copies,
+    frozen_copies,
+    sharded_zero12_flats,
+    target_optimizer,
+)
 from ckptflow.reshard.moe_cut import DSMOE_EXPERT, expert_runs, is_expert, plan_recut
 from ckptflow.reshard.shape import Shape, expert_counts
-from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TargetFlat, TensorFile
+from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, RankUnit, TensorFile
 
 _AUTOEP_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<w>w[123])$")
 _ROUTER_ALIAS = re.compile(r"^(?P<path>.+)\.gate\.gate\.(?P<rest>weight|bias)$")  # the presets' router name, "gate"
@@ -352,41 +351,21 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     fragments its parameters name; rank 0 writes the model states."""
     world_size = shape.world_size
     optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage)
-    bf16 = optimizer == BF16
-    rr = optimizer == ZERO and is_set(zero.zero_config, "round_robin_gradients")
-    flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
-    paddings: list[list[int]] = [[] for _ in range(world_size)]
-    slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
-    flat_shapes, param_paddings = [], []
     by_key = virtual.param_by_key
     ordered = {key: sorted(p.fragments, key=lambda f: f.param_offset) for key, p in by_key.items()}
     starts = {key: [f.param_offset for f in frags] for key, frags in ordered.items()}
-    for g, group in enumerate(virtual.groups):
-        parts = world_size // group.ep
-        # `virtual` lists each group in the optimizer's order; round-robin flattens it over the group's ranks
-        order = round_robin_order(len(group.params), parts) if rr else range(len(group.params))
-        names = [group.params[i] for i in order]
-        params = [by_key[(0, n)] for n in names]
-        numels = [p.numel for p in params]
-        align = 1 if bf16 or not numels else param_alignment(DTYPE_SIZES[params[0].dtype],
-                                                             is_set(zero.zero_config, "parameter_alignment"))
-        dst = zero12_layout(numels, parts, alignment=align, bf16_optimizer=bf16)
-        original = original_order(len(names), parts, rr)
-        for r in range(world_size):
-            e, part = r % group.ep, r // group.ep
-            lo, hi = part * dst.partition, (part + 1) * dst.partition
-            copies: list[Copy] = []
-            for name, off, numel in zip(names, dst.offsets, numels):
-                a, b = max(off, lo), min(off + numel, hi)
-                if a < b:
-                    for c in fragment_copies(ordered[(e, name)], a - off, b - off, a - lo, starts[(e, name)]):
-                        append_copy(copies, c)
-            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=tuple(copies)))
-            paddings[r].append(dst.group_paddings[part])
-            slices[r].append(tuple((names[i], start, k) for i, start, k in
-                                   recorded_slices(numels, dst.offsets, dst.partition, part, original)))
-        flat_shapes.append(tuple((p.name, p.shape) for p in params))
-        param_paddings.append(dst.param_paddings)
+
+    def copies(e: int) -> Copies:
+        def of(name: str, _group: int, first: int, last: int, dst: int) -> list[Copy]:
+            return fragment_copies(ordered[(e, name)], first, last, dst, starts[(e, name)])
+        return of
+
+    # `virtual` lists each group in the optimizer's order; round-robin flattens it over the group's ranks
+    laid = sharded_zero12_flats([[by_key[(0, n)] for n in group.params] for group in virtual.groups],
+                                [group.ep for group in virtual.groups], world_size, copies,
+                                aligned=is_set(zero.zero_config, "parameter_alignment"), bf16=optimizer == BF16,
+                                round_robin=optimizer == ZERO and is_set(zero.zero_config, "round_robin_gradients"))
+    flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     n_tensors = zero.tensors_per_partition
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in zero.params if p.group is None or
                        not _is_expert(zero.groups[p.group])) + zero.buffer_bytes
@@ -402,8 +381,8 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
         ))
     return DataParallelPlan(
         root=zero.root, tag=zero.tag, stage=shape.stage, precision=zero.precision, optimizer=optimizer,
-        source_world_size=zero.world_size, world_size=world_size, flat_shapes=tuple(flat_shapes),
-        param_alignment_paddings=tuple(param_paddings), module=(), units=tuple(units),
+        source_world_size=zero.world_size, world_size=world_size, flat_shapes=laid.shapes,
+        param_alignment_paddings=laid.param_paddings, module=(), units=tuple(units),
         index=virtual, carried=source.expert_files, group_ep=tuple(group.ep for group in virtual.groups),
         source_optimizer=zero.optimizer_kind,
     )

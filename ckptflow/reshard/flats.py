@@ -7,8 +7,10 @@ ZeRO-3 pieces): a `Copies` function. `zero12_flats` lays the target's param grou
 (`formats.deepspeed.partition.zero12_layout`) and asks that function for the copies of every target
 partition; `fragment_copies` is such a function over a data-parallel index's fragments, `ModelRuns`
 one over a model-parallel checkpoint's full tensors (every tensor-parallel rank or pipeline stage as
-virtual data-parallel ranks). `frozen_copies` says where a frozen parameter's elements are (rank 0's
-whole tensor at ZeRO-1/2, the ranks' pieces at ZeRO-3).
+virtual data-parallel ranks). `sharded_zero12_flats` is the same layout with groups held apart by
+expert-parallel ranks (`experts._plan`), each over its expert data-parallel group. `frozen_copies`
+says where a frozen parameter's elements are (rank 0's whole tensor at ZeRO-1/2, the ranks' pieces at
+ZeRO-3).
 """
 
 from __future__ import annotations
@@ -171,29 +173,44 @@ def zero12_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Cop
     the layout of `BF16_Optimizer` (no per-parameter padding); `round_robin`:
     `zero_optimization.round_robin_gradients`, each group flattened in `round_robin_order` (not with
     BF16_Optimizer, which ignores it), its `param_slice_mappings` still in the optimizer's order."""
+    return sharded_zero12_flats(groups, [1] * len(groups), world_size, lambda _shard: copies, aligned=aligned,
+                                bf16=bf16, round_robin=round_robin)
+
+
+def sharded_zero12_flats(groups: Sequence[Sequence[Param]], group_ep: Sequence[int], world_size: int,
+                         copies: Callable[[int], Copies], *, aligned: bool, bf16: bool,
+                         round_robin: bool = False) -> Zero12Flats:
+    """`zero12_flats` where group g is held apart by `group_ep[g]` expert-parallel ranks (1: a dense
+    group): partitioned, and flattened round-robin, over the `world_size // group_ep[g]` ranks of an
+    expert data-parallel group, target rank r partition `r // group_ep[g]` of shard `r % group_ep[g]`
+    (DeepSpeed's default topology), filled by `copies(shard)`. `groups` lists each group's parameters
+    as one shard holds them (every shard the same names and shapes)."""
     flats: list[list[TargetFlat]] = [[] for _ in range(world_size)]
     paddings: list[list[int]] = [[] for _ in range(world_size)]
     slices: list[list[tuple[tuple[str, int, int], ...]]] = [[] for _ in range(world_size)]
     shapes, param_paddings, module = [], [], []
-    for g, given in enumerate(groups):
-        rr = round_robin and not bf16
-        params = [given[i] for i in round_robin_order(len(given), world_size)] if rr else list(given)
-        order = original_order(len(given), world_size, rr)
+    rr = round_robin and not bf16
+    for g, (given, ep) in enumerate(zip(groups, group_ep)):
+        parts = world_size // ep
+        params = [given[i] for i in round_robin_order(len(given), parts)] if rr else list(given)
+        order = original_order(len(given), parts, rr)
         align = 1 if bf16 or not params else param_alignment(DTYPE_SIZES[params[0].dtype], aligned)
         numels = [p.numel for p in params]
-        dst = zero12_layout(numels, world_size, alignment=align, bf16_optimizer=bf16)
+        dst = zero12_layout(numels, parts, alignment=align, bf16_optimizer=bf16)
         for r in range(world_size):
-            lo, hi = r * dst.partition, (r + 1) * dst.partition
+            shard, part = r % ep, r // ep
+            fill = copies(shard)
+            lo, hi = part * dst.partition, (part + 1) * dst.partition
             out: list[Copy] = []
             for p, off in zip(params, dst.offsets):
                 a, b = max(off, lo), min(off + p.numel, hi)
                 if a < b:
-                    for c in copies(p.name, g, a - off, b - off, a - lo):
+                    for c in fill(p.name, g, a - off, b - off, a - lo):
                         append_copy(out, c)
-            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[r], copies=tuple(out)))
-            paddings[r].append(dst.group_paddings[r])
+            flats[r].append(TargetFlat(group=g, numel=dst.partition, saved=dst.saved[part], copies=tuple(out)))
+            paddings[r].append(dst.group_paddings[part])
             slices[r].append(tuple((params[i].name, start, k)
-                                   for i, start, k in recorded_slices(numels, dst.offsets, dst.partition, r, order)))
+                                   for i, start, k in recorded_slices(numels, dst.offsets, dst.partition, part, order)))
         shapes.append(tuple((p.name, p.shape) for p in params))
         param_paddings.append(dst.param_paddings)
         module.append((dst.flat_numel, tuple((p.name, off) for p, off in zip(params, dst.offsets))))
@@ -227,4 +244,5 @@ def zero3_flats(groups: Sequence[Sequence[Param]], world_size: int, copies: Copi
     return tuple(map(tuple, flats)), tuple(shapes)
 
 
-__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "zero3_flats", "zero12_flats"]
+__all__ = ["Copies", "ModelRuns", "Zero12Flats", "append_copy", "fragment_copies", "sharded_zero12_flats",
+           "zero3_flats", "zero12_flats"]

@@ -24,8 +24,8 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
 With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
 ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
 optimizer's own order (the round-robin undone, `ZeroCheckpoint.optimizer_order`), and a ZeRO-1/2
-target flattens them round-robin at its own world size (`flats.zero12_flats`; expert checkpoints in
-`experts._plan`, over each group's target ranks).
+target flattens them round-robin at its own world size (`flats.zero12_flats`; an expert checkpoint's
+groups each over its own target ranks, `flats.sharded_zero12_flats`).
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources with
