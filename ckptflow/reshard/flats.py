@@ -125,7 +125,7 @@ class ModelRuns:
         self.stages: Mapping[str, int] = dict(stages or {})
         self.sources = _partitions_of(index)
         self.runs = {t.name: t.runs for t in index.tensors}
-        for name, stage in (stages or {}).items():
+        for name, stage in self.stages.items():
             copy = index.stage_copies.get((name, stage))
             if copy is not None:
                 self.runs[name] = copy.runs

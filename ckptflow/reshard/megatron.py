@@ -248,8 +248,8 @@ def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_meth
     """What each of `shape.pp` target stages of the Megatron-style checkpoint `index` holds at `shape.tp`
     (`pipeline.stages_at`, the layers weighed at that degree; `splits`: every parameter's there), cut by
     `partition_method` (None: the one its own run uses, `default_partition_method`)."""
-    method = partition_method or default_partition_method(index)
     facts = layer_facts(index)
+    method = partition_method or default_partition_method(index, facts)
     if shape.tp == index.tp:
         return stages_at(index, shape.pp, method, layers, facts=facts)
     if splits is None:
@@ -257,16 +257,20 @@ def megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_meth
     return stages_at(index, shape.pp, method, layers, _weigh(splits), facts)
 
 
-def default_partition_method(index: ModelParallelCheckpoint) -> str:
+def default_partition_method(index: ModelParallelCheckpoint, facts: LayerFacts | None = None) -> str:
     """The partition method the Megatron-style checkpoint `index`'s own run cuts its stages by: `pp_partition_method`
     in its `args` where set (BigScience's Megatron-DeepSpeed reads it; microsoft/Megatron-DeepSpeed has none), else
     `GPTModelPipe`'s `type:transformer` where it has Megatron's transformer layers, else `PipelineModule`'s own
-    default."""
-    args = namespace_state(index.ranks[0].model_states[0].get("args")) or {}
-    method = args.get(PP_PARTITION_METHOD)
+    default (`facts`: its `layer_facts`, where the caller has them)."""
+    method = _args(index).get(PP_PARTITION_METHOD)
     if isinstance(method, str) and method:
         return method
-    return GPT_METHOD if transformer_layers(index) else DEFAULT_METHOD
+    return GPT_METHOD if (facts or layer_facts(index)).typed else DEFAULT_METHOD
+
+
+def _args(index: ModelParallelCheckpoint) -> Mapping[str, Any]:
+    """The attributes of the run's Megatron `args` (an `argparse.Namespace` record), {} without them."""
+    return namespace_state(index.ranks[0].model_states[0].get("args")) or {}
 
 
 def layer_facts(index: ModelParallelCheckpoint) -> LayerFacts:
@@ -276,7 +280,7 @@ def layer_facts(index: ModelParallelCheckpoint) -> LayerFacts:
     unless `untie_embeddings_and_output_weights`), the transformer layers, the final norm, the head (the tied
     embedding's `forward_fn`, or `LMHeadPipe`), `float16_to_fp32` under fp16 or bf16."""
     typed = transformer_layers(index)
-    args = namespace_state(index.ranks[0].model_states[0].get("args")) or {}
+    args = _args(index)
     num_layers, untied, experts = (args.get(k) for k in ("num_layers", "untie_embeddings_and_output_weights",
                                                           "num_experts"))
     half = [args.get(k) for k in ("fp16", "bf16")]

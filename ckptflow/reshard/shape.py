@@ -307,9 +307,9 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if layers and shape.pp > layers:
             return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages"
     if shape.ep != source.ep:
-        why = _why_not_ep(index, kind, source, shape)
-        return why if why is not None or shape.stage == source.stage else _why_not_bf16_target(index, kind, shape.stage)
-    if shape.stage != source.stage:
+        if (why := _why_not_ep(index, kind, source, shape)) is not None:  # the stage with it too
+            return why
+    elif shape.stage != source.stage:
         if kind == "optimizer-shards":
             return ("optimizer shards are written for the same loading code at the same ZeRO stage only; another "
                     "stage loads through engine.load_checkpoint, and these files are not such a checkpoint")
@@ -317,8 +317,7 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             return why
         if kind not in ("zero", "autotp", "moe", "autoep"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
-        return _why_not_bf16_target(index, kind, shape.stage)
-    return None
+    return _why_not_bf16_target(index, kind, shape.stage) if shape.stage != source.stage else None
 
 
 def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None, known: SplitsByDegree) -> str | None:
@@ -544,6 +543,6 @@ def _moments(index: Any) -> int:
     return 2
 
 
-__all__ = ["Memory", "STAGES", "Shape", "Target", "check_world_size", "expert_counts", "kind_of", "memory",
-           "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "why_not",
-           "why_not_expert_stage", "why_not_zero0", "SplitsByDegree", "tensor_splits"]
+__all__ = ["STAGES", "Memory", "Shape", "SplitsByDegree", "Target", "check_world_size", "expert_counts", "kind_of",
+           "memory", "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "tensor_splits",
+           "why_not", "why_not_expert_stage", "why_not_zero0"]
