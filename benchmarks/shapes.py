@@ -207,16 +207,23 @@ class Measure:
     load_seconds: float | None = None  # load_checkpoint alone, for the engine launches
 
 
-def cases(names: list[str]) -> list[Case]:
+# Layers of each model by `--size`: the large checkpoint, then the small one resharded beside it for memory.
+LAYERS = {"0.5b": {"zero": (32, 16), "tp": (8, 4), "ep": (8, 4)},
+          "1b": {"zero": (64, 32), "tp": (20, 8), "ep": (18, 8)}}
+
+
+def cases(names: list[str], size: str = "0.5b") -> list[Case]:
     from benchmarks.ckpt_builder import BenchSpec
     from benchmarks.moe import MoESpec
 
+    layers = LAYERS[size]
     every = [
-        Case("zero", "ZeRO-2 on 2 ranks -> ZeRO-3 on 4 ranks, dense", BenchSpec(stage=2, layers=32),
-             BenchSpec(stage=2, layers=16), 4, {"zero_stage": 3}, inject=True),
-        Case("tp", "AutoTP tp 2 (ZeRO-1, 2 ranks) -> tp 1 x dp 2", TPSpec(layers=8), TPSpec(layers=4), 2, {"tp": 1}),
-        Case("ep", "AutoEP ep 2 (ZeRO-2, 2 ranks) -> ep 4 on 4 ranks", MoESpec(stage=2, layers=8),
-             MoESpec(stage=2, layers=4), 4, {"ep": 4}),
+        Case("zero", "ZeRO-2 on 2 ranks -> ZeRO-3 on 4 ranks, dense", BenchSpec(stage=2, layers=layers["zero"][0]),
+             BenchSpec(stage=2, layers=layers["zero"][1]), 4, {"zero_stage": 3}, inject=True),
+        Case("tp", "AutoTP tp 2 (ZeRO-1, 2 ranks) -> tp 1 x dp 2", TPSpec(layers=layers["tp"][0]),
+             TPSpec(layers=layers["tp"][1]), 2, {"tp": 1}),
+        Case("ep", "AutoEP ep 2 (ZeRO-2, 2 ranks) -> ep 4 on 4 ranks", MoESpec(stage=2, layers=layers["ep"][0]),
+             MoESpec(stage=2, layers=layers["ep"][1]), 4, {"ep": 4}),
     ]
     return [case for case in every if case.key in names]
 
@@ -230,7 +237,7 @@ def build(spec: Any) -> Path:
     if isinstance(spec, MoESpec):
         return build_moe(spec)
     if isinstance(spec, BenchSpec):
-        return build_with(spec)
+        return build_with(spec, timeout=3600.0)
     return build_with(spec, writer="benchmarks.shapes", keep_logs=True, timeout=3600.0)
 
 
@@ -279,7 +286,7 @@ def engine_start(case: Case, ckpt: Path, universal: bool, scratch: Path, repeat:
         logs = scratch / f"logs-{len(label)}-{attempt}"
         os.sync()
         try:
-            result = launch("benchmarks.shapes", case.world_size, ["--load", json.dumps(job)], timeout=1500.0,
+            result = launch("benchmarks.shapes", case.world_size, ["--load", json.dumps(job)], timeout=3600.0,
                             env={"OMP_NUM_THREADS": "1"}, log_dir=logs)
         except LaunchError as error:
             return str(error).splitlines()[0] + "\n" + "\n".join(str(error).splitlines()[-8:])
@@ -392,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-repeat", type=int, default=1)
     parser.add_argument("--cases", default="zero,tp,ep", help="any of zero, tp, ep, comma-separated")
     parser.add_argument("--no-small", action="store_true", help="skip the half-size checkpoints")
+    parser.add_argument("--size", choices=sorted(LAYERS), default="0.5b",
+                        help="the large checkpoints' size (1b: about 1B parameters; 15 GB each on disk, and "
+                             "DeepSpeed's writers and engine starts need about 30 GB of RAM and swap)")
     parser.add_argument("--no-deepspeed", action="store_true", help="ckptflow and the floor only")
     parser.add_argument("--build-only", action="store_true", help="build the checkpoints and stop")
     parser.add_argument("--write-results", action="store_true", help="replace this benchmark's RESULTS.md section")
@@ -410,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.reshard import machine
     from benchmarks.results import write_section
 
-    chosen = cases(args.cases.split(","))
+    chosen = cases(args.cases.split(","), args.size)
     specs = [s for case in chosen for s in ([case.spec] if args.no_small else [case.spec, case.small])]
     ckpts = {}
     for spec in specs:
@@ -419,8 +429,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{spec.name}: {ckpts[spec]} ({time.monotonic() - started:.0f} s)", flush=True)
     if args.build_only:
         return
-    lines = [SECTION, "", f"Machine: {machine()}. Command: `.venv/bin/python -m benchmarks.shapes --repeat "
+    # The 1B checkpoints do not fit this machine's disk together: one section per run of them.
+    section = SECTION if args.size == "0.5b" else f"## Reshard across shapes at 1B, {args.cases} (issue 24)"
+    lines = [section, "", f"Machine: {machine()}. Command: `.venv/bin/python -m benchmarks.shapes --repeat "
              f"{args.repeat} --ds-repeat {args.ds_repeat} --load-repeat {args.load_repeat} --cases {args.cases}"
+             f"{' --size ' + args.size if args.size != '0.5b' else ''}"
              f"{' --no-small' if args.no_small else ''}{' --no-deepspeed' if args.no_deepspeed else ''} --write-results`. Single-process runs: median of "
              f"{args.repeat} rounds (ds_to_universal: {args.ds_repeat}, minutes each here), each in a new shuffled order, "
              "page cache warm, `sync` before each; engine "
@@ -454,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
             lines += block
     lines += targets(chosen, results, args.no_small)
     if args.write_results:
-        write_section(SECTION, lines)
+        write_section(section, lines)
 
 
 def targets(chosen: list[Case], results: dict[Any, dict[str, Measure]], no_small: bool) -> list[str]:
