@@ -261,7 +261,7 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_modul
     n_tensors = index.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
                         aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False,
-                        round_robin=is_set(index.zero_config, "round_robin_gradients"))
+                        round_robin=index.flattens_round_robin(ZERO))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     # The module's copy of every trainable parameter: the fp32 masters from the ranks' partitions, cast to
     # the training dtype on the way as DeepSpeed copies them after each step (`tensorref.cast_view`).
