@@ -21,6 +21,11 @@ And it can be split to another degree above 1 (``--tp 4``, issue 24), on models 
 ways (``specs.split``: 4 key/value heads): DeepSpeed builds the model with AutoTP at the new degree, and
 besides the checks above, ``ds_to_universal`` of its re-save equals ``ds_to_universal`` of the source in
 every fp32 weight, Adam moment and step, bit for bit.
+
+An AutoTP checkpoint trained with ``round_robin_gradients`` (``specs.autotp_round_robin``) changes its degree
+(and stage) under the same oracle, which runs the target with the source's config and gathers the state
+from DeepSpeed's flat partitions (its accessors read the wrong elements of such a run, so no
+``ds_to_universal`` comparison there).
 """
 
 from __future__ import annotations

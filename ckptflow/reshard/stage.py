@@ -25,7 +25,9 @@ With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in roun
 ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
 optimizer's own order (the round-robin undone, `ZeroCheckpoint.optimizer_order`), and a ZeRO-1/2
 target flattens them round-robin at its own world size (`flats.zero12_flats`; an expert checkpoint's
-groups each over its own target ranks, `flats.sharded_zero12_flats`).
+groups each over its own target ranks, `flats.sharded_zero12_flats`; an AutoTP checkpoint's at another
+tensor-parallel degree over the target's data-parallel ranks, each tensor-parallel rank's order undone
+over its own, `tensor_parallel`).
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources with
