@@ -21,6 +21,11 @@ And it can be split to another degree above 1 (``--tp 4``, issue 24), on models 
 ways (``specs.split``: 4 key/value heads): DeepSpeed builds the model with AutoTP at the new degree, and
 besides the checks above, ``ds_to_universal`` of its re-save equals ``ds_to_universal`` of the source in
 every fp32 weight, Adam moment and step, bit for bit.
+
+An AutoTP checkpoint trained with ``round_robin_gradients`` (``specs.autotp_round_robin``) changes its degree
+(and stage) under the same oracle, which runs the target with the source's config and gathers the state
+from DeepSpeed's flat partitions (its accessors read the wrong elements of such a run, so no
+``ds_to_universal`` comparison there).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 import pytest
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed import inspect
+from ckptflow.formats.deepspeed import inspect, load_index
 from ckptflow.formats.deepspeed.autotp_shards import (
     Meta,
     ShardRule,
@@ -47,11 +52,12 @@ from ckptflow.formats.deepspeed.autotp_shards import (
 )
 from ckptflow.formats.deepspeed.names import ALLOWED, UC_INFO
 from ckptflow.formats.torch.zipdir import open_archive
-from ckptflow.reshard import reshard
+from ckptflow.reshard import plan_reshard, reshard
+from ckptflow.reshard.shape import Target
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_split
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
-from tests.fixtures.sets import ParallelFixture, build_bf16_optimizer, build_split
+from tests.fixtures.sets import SETS, ParallelFixture, build_bf16_optimizer, build_split
 from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
 from tests.test_reshard import _differences, _load_plain, _plain, _universal, _universal_tensor
@@ -102,7 +108,18 @@ STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3
                              ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
                              ("autotp-tp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-bf16", 2, None, 3),
                              ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1)])
-RESHARDS = CASES + MERGES + STAGES
+# AutoTP trained with round_robin_gradients (`specs.autotp_round_robin`: tp2 x dp2 ZeRO-2, each tensor-parallel
+# rank's groups flattened round-robin over its 2 data-parallel ranks): merged to tp1 at the same dp and others,
+# at ZeRO-2, 1 and 3 (fixture, dp, 1[, stage]), and at tp2 (a dp change, a stage change). The oracle runs the
+# target with the source's config and gathers the state from the flat partitions at DeepSpeed's own offsets
+# (`writers.parallel_rr`: DeepSpeed's accessors, and so ds_to_universal, read the wrong elements of such a run).
+# By default two, riding the (3 ranks, tp1) and (2 ranks, tp1) launches: the order undone over 2 ranks and
+# redone over 3, and ZeRO-2 -> ZeRO-3 in the optimizer's order.
+RR = "autotp-tp2dp2-z2-fp32-rr"
+ALL_RR_RESHARDS = ((RR, 3, 1), (RR, 2, 1, 3), (RR, 2, 1), (RR, 2, 1, 1), (RR, 3, 1, 1), (RR, 1, 1, 3), (RR, 1),
+                   (RR, 2, None, 3))
+RR_RESHARDS = sample(ALL_RR_RESHARDS, ALL_RR_RESHARDS[:2])
+RESHARDS = CASES + MERGES + STAGES + RR_RESHARDS
 # AutoTP split to another degree above 1 (fixture of `specs.split`, dp, tp[, stage]). The default run makes
 # one 4-rank launch at tp4: tp2 x dp2 -> tp4 x dp1, with ZeRO-1 -> 3, and GLM's sub-parameters at ZeRO-3.
 ALL_SPLITS = (
@@ -157,12 +174,14 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
             resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
-        # A source's fp32 gradient accumulation (BF16_Optimizer's) is its user's config at the target too.
+        # A source's fp32 gradient accumulation (BF16_Optimizer's) and round-robin gradients are its user's
+        # config at the target too.
         section = (fixture.spec.get("ds_config") or {}).get("data_types")
+        rr = bool(((fixture.spec.get("ds_config") or {}).get("zero_optimization") or {}).get("round_robin_gradients"))
         launches.setdefault((spec.world_size, spec.layout, spec.tp), []).append({
             "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
-            **({"data_types": section} if section else {}),
+            **({"data_types": section} if section else {}), **({"round_robin": True} if rr else {}),
         })
     for (world_size, layout, tp), jobs in sorted(launches.items()):
         launch_oracle(world_size, jobs, root, f"{world_size}-{layout}-tp{tp}")
@@ -212,7 +231,8 @@ def check_validates(oracle: Mapping[str, Any], case: tuple, fixture: ParallelFix
 @pytest.fixture(scope="session")
 def both_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
                   parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
-    return {**parallel_fixtures, **parallel_extra_fixtures}
+    """The matrix's and the extra fixtures, and the round-robin one (`specs.autotp_round_robin`)."""
+    return {**parallel_fixtures, **parallel_extra_fixtures, **SETS["autotp-round-robin"].build([RR])}
 
 
 @pytest.fixture(scope="session")
@@ -458,3 +478,46 @@ def test_a_split_without_the_models_config_is_refused(tmp_path: Path) -> None:
         "layers as AutoTP does at tensor-parallel degree 4, and the checkpoint folder has none; copy the model's "
         "config.json into the checkpoint folder")
     assert not (tmp_path / "out").exists()
+
+
+# ---- round-robin gradients ------------------------------------------------------------------------------
+
+
+def test_a_round_robin_source_is_laid_out_again_at_the_target_s_data_parallel_size(
+        both_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """AutoTP tp2 x dp2 ZeRO-2 trained with round_robin_gradients: DeepSpeed flattened each tensor-parallel
+    rank's groups round-robin over its 2 data-parallel ranks (`real_dp_process_group`: world / tp), so the
+    saved order is not the model's. Merged to tp1, a ZeRO-1/2 target flattens the optimizer's list as
+    DeepSpeed's `_round_robin_reorder` orders it over the target's data-parallel ranks; ZeRO-3 takes the list."""
+    from tests.test_expert_parallel import _deepspeed_round_robin
+
+    index = load_index(str(both_fixtures[RR].dir))
+    saved = [list(g.params) for g in index.ranks[0].groups]
+    assert [[list(g.params) for g in rank.groups] for rank in index.ranks] == [saved] * 2
+    listed = []  # the optimizer's list: the one whose round-robin over 2 ranks is what each rank saved
+    for names in saved:
+        where = _deepspeed_round_robin([str(i) for i in range(len(names))], 2)
+        order = {int(i): name for i, name in zip(where, names)}
+        listed.append([order[i] for i in range(len(names))])
+    module = index.ranks[0].module_order
+    assert listed == [sorted(names, key=module.index) for names in saved] != saved  # the model's order, undone
+    for target, ranks in ((Target(world_size=3, tp=1), 3), (Target(world_size=2, tp=1, stage=1), 2)):
+        plan = plan_reshard(index, target)
+        assert [[n for n, _ in g] for g in plan.flat_shapes] == [_deepspeed_round_robin(n, ranks) for n in listed]
+    assert [[n for n, _ in g] for g in plan_reshard(index, Target(world_size=2, tp=1, stage=3)).flat_shapes] == listed
+
+
+def test_a_megatron_style_round_robin_source_keeps_its_tensor_parallel_degree(
+        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """A Megatron-style checkpoint trained with round_robin_gradients (its recorded config set so here) is
+    refused at another tensor-parallel degree, in one line."""
+    index = load_index(str(parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"].dir))
+    head = index.ranks[0].model_states[0]
+    config = head["ds_config"]
+    head["ds_config"] = {**config, "zero_optimization": {**config["zero_optimization"], "round_robin_gradients": True}}
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        plan_reshard(index, Target(world_size=4, tp=1))
+    assert str(info.value) == (
+        f"{index.root}/{index.tag} was trained with zero_optimization.round_robin_gradients, whose flattening order "
+        "ckptflow does not rebuild for a Megatron-style checkpoint at another tensor-parallel degree; keep the "
+        "tensor-parallel degree (leave `tp` out)")

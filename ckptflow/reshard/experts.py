@@ -60,7 +60,7 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO, Copy
+from ckptflow.formats.deepspeed.partition import BF16, Copy
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
@@ -364,7 +364,7 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     laid = sharded_zero12_flats([[by_key[(0, n)] for n in group.params] for group in virtual.groups],
                                 [group.ep for group in virtual.groups], world_size, copies,
                                 aligned=is_set(zero.zero_config, "parameter_alignment"), bf16=optimizer == BF16,
-                                round_robin=optimizer == ZERO and is_set(zero.zero_config, "round_robin_gradients"))
+                                round_robin=zero.flattens_round_robin(optimizer))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     n_tensors = zero.tensors_per_partition
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in zero.params if p.group is None or

@@ -356,6 +356,11 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
                                          tensor=fused, hint=_fused_hint(index.tp))
     if shape.tp != index.tp:
         check_joinable(index, shape.tp)
+        if index.ranks[0].is_round_robin:
+            raise UnsupportedCheckpointError(
+                f"{where} was trained with zero_optimization.round_robin_gradients, whose flattening order ckptflow "
+                "does not rebuild for a Megatron-style checkpoint at another tensor-parallel degree", uri=index.root,
+                hint=f"keep the tensor-parallel degree (leave {option('tp')} out)")
     tied = tied_module(index, shape.tp) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
     if tied is not None:
         raise UnsupportedCheckpointError(

@@ -25,7 +25,9 @@ With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in roun
 ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
 optimizer's own order (the round-robin undone, `ZeroCheckpoint.optimizer_order`), and a ZeRO-1/2
 target flattens them round-robin at its own world size (`flats.zero12_flats`; an expert checkpoint's
-groups each over its own target ranks, `flats.sharded_zero12_flats`).
+groups each over its own target ranks, `flats.sharded_zero12_flats`; an AutoTP checkpoint's at another
+tensor-parallel degree over the target's data-parallel ranks, each tensor-parallel rank's order undone
+over its own, `tensor_parallel`).
 
 Every target element is copied from the source fragments that hold it (`flats.fragment_copies`): the
 parameter-relative ranges of both sides intersected, so each source element is read once. Sources with
@@ -261,7 +263,7 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_modul
     n_tensors = index.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
                         aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False,
-                        round_robin=is_set(index.zero_config, "round_robin_gradients"))
+                        round_robin=index.flattens_round_robin(ZERO))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     # The module's copy of every trainable parameter: the fp32 masters from the ranks' partitions, cast to
     # the training dtype on the way as DeepSpeed copies them after each step (`tensorref.cast_view`).

@@ -26,8 +26,18 @@ Both go from any of ZeRO-1, 2, 3 (and BF16_Optimizer's bf16 ZeRO-1) to any of Ze
 changing with the degree as `stage` changes it alone: the target's optimizer the one DeepSpeed builds
 at its stage (`target_optimizer`), its flat groups filled from the same source fragments, and a ZeRO-1/2
 target's 16-bit module joined from the source's, or cast from the fp32 masters where a ZeRO-3 source
-saved none (`_module_runs`). Refused: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
-`round_robin_gradients`, scaled pieces (the reader refuses those already), and every layout but AutoTP.
+saved none (`_module_runs`).
+
+With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each tensor-parallel rank's param groups
+round-robin over that rank's data-parallel group (`real_dp_process_group`: D ranks). The joined source
+lists each group in the optimizer's own order (`ZeroCheckpoint.optimizer_order` of tensor-parallel rank
+0, the round-robin undone over its D ranks; the fragments say where each element is, whatever the
+order); a ZeRO-1/2 target whose optimizer flattens round-robin with the recorded config
+(`ZeroCheckpoint.flattens_round_robin`: not BF16_Optimizer) is flattened round-robin at its own M ranks
+(`flats.zero12_flats`), a ZeRO-3 one takes the optimizer's order.
+
+Refused: ZeRO-0 (its optimizer state names no parameter), frozen parameters, scaled pieces (the reader
+refuses those already), and every layout but AutoTP.
 """
 
 from __future__ import annotations
@@ -160,8 +170,7 @@ def _module_runs(index: ModelParallelCheckpoint, merged: ZeroCheckpoint) -> dict
 
 def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None:
     """`UnsupportedCheckpointError` unless the tensor-parallel ranks' optimizer state of `index` can be joined
-    and cut again at degree `tensor_parallel`: another degree, ZeRO-1/2/3, no frozen parameters, no
-    `round_robin_gradients`."""
+    and cut again at degree `tensor_parallel`: another degree, ZeRO-1/2/3, no frozen parameters."""
     where = f"{index.root}/{index.tag}"
     if tensor_parallel == index.tp:
         raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {index.tp}", uri=index.root,
@@ -176,9 +185,6 @@ def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None
     if frozen:
         raise UnsupportedCheckpointError(f"{where} has frozen parameters ({frozen[:3]}), whose tensor-parallel split "
                                          "ckptflow has not verified", uri=index.root, tensor=frozen[0])
-    if is_set(index.ranks[0].zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, which "
-                                         "a tensor-parallel change does not handle", uri=index.root)
 
 
 # ---- the source: every tensor-parallel rank's partitions as one data-parallel checkpoint -------------
@@ -213,12 +219,15 @@ def at_degree(state: Mapping[str, Any], tp: int, info: Mapping[str, Any] | None 
 
 def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
     """A `ZeroCheckpoint` whose rank `mp * D + d` is tensor-parallel rank mp's data-parallel rank d, with
-    the full parameters (names, shapes, groups) and tensor-parallel-free metadata."""
+    the full parameters (names, shapes, groups) and tensor-parallel-free metadata. Each group lists its
+    parameters in the optimizer's own order (`ZeroCheckpoint.optimizer_order`: a round-robin source's
+    order undone over a tensor-parallel rank's own D data-parallel ranks), what the target's layout starts
+    from; its fragments stay where they are."""
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     first = ranks[0]
     full = {t.name: t for t in index.tensors}
     params = tuple(Param(p.name, full[p.name].shape, p.dtype, p.group) for p in first.params)
-    groups = tuple(ParamGroup(g.index, g.hyper, g.params) for g in first.groups)
+    groups = tuple(ParamGroup(g.index, g.hyper, first.optimizer_order(g)) for g in first.groups)
     return replace(
         first, params=params, groups=groups,
         partitions=tuple(part for rank in ranks for part in rank.partitions),
@@ -369,15 +378,18 @@ def plan_zero12(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_si
                 stage: int | None = None) -> DataParallelPlan:
     """Model-parallel rank `mp_rank`'s ZeRO-1/2 files at `world_size` data-parallel ranks, written by
     `optimizer` at ZeRO `stage` (None: the source's): `source`'s param groups (the virtual checkpoint
-    whose rank `mp * D + d` is model-parallel rank mp's data-parallel rank d) laid out by DeepSpeed's
-    arithmetic, filled by `copies`; the 16-bit module from `module`'s runs. Each target rank copies its
+    whose rank `mp * D + d` is model-parallel rank mp's data-parallel rank d; each group in the optimizer's
+    order) laid out by DeepSpeed's arithmetic, flattened round-robin at `world_size` where `optimizer` does
+    so with the recorded config (`ZeroCheckpoint.flattens_round_robin`), filled by `copies`; the 16-bit
+    module from `module`'s runs. Each target rank copies its
     per-rank scalars from virtual rank `meta_base` + its own (the source's last data-parallel rank
     beyond them)."""
     stage = source.stage if stage is None else stage
     by_name = source.param_by_name
     n_tensors = source.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size, copies,
-                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16)
+                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16,
+                        round_robin=source.flattens_round_robin(optimizer))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     module_bytes = sum(p.numel * DTYPE_SIZES[p.dtype] for p in source.params) + source.buffer_bytes
     units = []

@@ -190,10 +190,16 @@ class ZeroCheckpoint:
 
     @property
     def is_round_robin(self) -> bool:
-        """Whether its param groups were flattened round-robin: `DeepSpeedZeroOptimizer` (ZeRO-1/2; not
-        BF16_Optimizer nor ZeRO-3, which ignore the setting) with `zero_optimization.round_robin_gradients`."""
-        return self.stage in (1, 2) and self.optimizer_kind == ZERO and is_set(self.zero_config,
-                                                                                "round_robin_gradients")
+        """Whether its param groups were flattened round-robin: saved at ZeRO-1/2 by an optimizer that
+        flattens them so (`flattens_round_robin`)."""
+        return self.stage in (1, 2) and self.flattens_round_robin(self.optimizer_kind)
+
+    def flattens_round_robin(self, optimizer: str) -> bool:
+        """Whether `optimizer` (`partition.ZERO`, `BF16`, `ZERO3`), built at ZeRO-1/2 from the config this
+        run recorded, flattens each param group round-robin: `DeepSpeedZeroOptimizer` with
+        `zero_optimization.round_robin_gradients` (BF16_Optimizer and ZeRO-3 ignore the setting). A
+        planner asks it of the optimizer DeepSpeed builds at the target (`reshard.flats.target_optimizer`)."""
+        return optimizer == ZERO and is_set(self.zero_config, "round_robin_gradients")
 
     def optimizer_order(self, group: ParamGroup) -> tuple[str, ...]:
         """`group`'s parameters in the optimizer's own order: as flattened, except that round-robin
