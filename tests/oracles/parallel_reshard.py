@@ -13,6 +13,9 @@ degrees, another data-parallel size), then
 - with ``"partition_method"``: the PipelineModule built with it instead of the writer's "uniform";
 - with ``"data_types"``: every config built with that section (``writers.parallel_bf16.data_types``: a
   BF16_Optimizer source's fp32 gradient accumulation);
+- with ``"round_robin"`` (true): every config built with ``zero_optimization.round_robin_gradients`` and the
+  state gathered from the flat partitions at DeepSpeed's own offsets (``writers.parallel_rr.round_robin``:
+  DeepSpeed's accessors read the wrong elements of such a run), as the source was trained and gathered;
 - ``engine.load_checkpoint(job["load"])``, no universal-checkpoint flag;
 - gathers the fp32 weights, Adam moments and buffers exactly as the writer did for the oracle
   (``job.gather``), and rank 0 compares them bit for bit with ``job["expected"]`` /
@@ -58,6 +61,7 @@ from tests.fixtures.writers import parallel as writer  # noqa: E402
 from tests.fixtures.writers import parallel_extra as parallel_extra_writer  # noqa: E402
 from tests.fixtures.writers.megatron_tied import MegatronTiedJob  # noqa: E402
 from tests.fixtures.writers.parallel_bf16 import data_types  # noqa: E402
+from tests.fixtures.writers.parallel_rr import round_robin  # noqa: E402
 from tests.fixtures.writers.rank import relink_optimizer_state  # noqa: E402
 from tests.oracles.client_state import args_at  # noqa: E402
 
@@ -66,6 +70,11 @@ writer._local_states = parallel_extra_writer._local_states
 
 
 def run_job(job: dict[str, Any]) -> None:
+    with round_robin(bool(job.get("round_robin"))):
+        _run_job(job)
+
+
+def _run_job(job: dict[str, Any]) -> None:
     spec = ParallelSpec.from_json(job["spec"])
     if spec.world_size != dist.get_world_size():
         raise SystemExit(f"{spec.name} wants {spec.world_size} ranks, this launch has {dist.get_world_size()}")
