@@ -157,13 +157,14 @@ def _tied_key(name: str) -> str:
 
 def _merged(ranks: Sequence[ZeroCheckpoint]) -> TargetStage:
     """One stage holding every layer and tied module, the tied modules in the order the stages first use
-    them (the first stage holding a key, its place in that stage's groups as the optimizer lists them)."""
+    them (the first stage holding a key, its place in that stage's parameters, in module order whatever
+    order the optimizer flattened them in)."""
     first_use: dict[str, tuple[int, int]] = {}
     layers: set[int] = set()
     for s, rank in enumerate(ranks):
-        for pos, name in enumerate(n for g in rank.in_optimizer_order().groups for n in g.params):
-            if name.startswith(TIED):
-                first_use.setdefault(_tied_key(name), (s, pos))
+        for pos, p in enumerate(rank.params):
+            if p.name.startswith(TIED):
+                first_use.setdefault(_tied_key(p.name), (s, pos))
         layers.update(_named_layers(rank))
     return TargetStage(tuple(sorted(layers)), tuple(sorted(first_use, key=first_use.__getitem__)))
 
@@ -330,11 +331,12 @@ def _group_names(ranks: Sequence[ZeroCheckpoint], groups: list[str], stage: Targ
     ranks, `ZeroCheckpoint.in_optimizer_order`)."""
     tied = {key: i for i, key in enumerate(stage.tied)}
     layers = set(stage.layers)
+    listed = [rank.in_optimizer_order() for rank in ranks]
     out = []
     for key in groups:
         names: dict[str, None] = {}
-        for rank in ranks:
-            for g in rank.in_optimizer_order().groups:
+        for rank in listed:
+            for g in rank.groups:
                 if _group_key(g) == key:
                     names.update(dict.fromkeys(n for n in g.params if (
                         _tied_key(n) in tied if n.startswith(TIED) else _layer_of(n) in layers)))
