@@ -432,6 +432,35 @@ def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[s
     assert not (tmp_path / "out").exists()
 
 
+def test_round_robin_gradients_at_another_stage_count_is_refused(
+        stage_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Pure: a Megatron-style checkpoint whose config says round_robin_gradients is refused at another stage
+    count (the PipelineModule route regroups such stages, `test_pipeline_reshard`; no Megatron-style one trained so
+    is checked), naming the setting."""
+    from dataclasses import replace
+
+    from ckptflow.reshard.megatron import plan_megatron_stages
+    from ckptflow.reshard.shape import Shape
+
+    fixture = stage_fixtures[PIPE]
+    index = load_index(str(fixture.dir))
+
+    def round_robin(state: Mapping[str, Any]) -> dict[str, Any]:
+        config = dict(state["ds_config"])
+        return {**state, "ds_config": {**config, "zero_optimization": {**config["zero_optimization"],
+                                                                       "round_robin_gradients": True}}}
+
+    index = replace(index, ranks=tuple(replace(r, model_states=tuple(map(round_robin, r.model_states)))
+                                       for r in index.ranks))
+    assert index.ranks[0].is_round_robin
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        plan_megatron_stages(index, Shape(world_size=4, stage=1, pp=1, tp=2))
+    assert str(refused.value) == (
+        f"{fixture.dir}/global_step3 was trained with zero_optimization.round_robin_gradients, whose flattening "
+        "order ckptflow rebuilds for new stages of a PipelineModule checkpoint, not yet of a Megatron-style one; keep "
+        "the number of pipeline stages (leave `pp` out)")
+
+
 # ---- Megatron's learned position embeddings ------------------------------------------------------------
 
 INFO = {"original_vocab_size": 37, "tp_replicated_parameter_patterns": [r"\d+\.norm\.weight"],

@@ -37,12 +37,16 @@ from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
-from tests.fixtures.sets import ParallelFixture
+from tests.fixtures.sets import SETS, ParallelFixture
+from tests.sampling import sample
 from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
 from tests.test_parallel_fixtures import STATES, universal_tensor
 
-# (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16.
-CASES = (("pipe-pp2-z1-fp32", 2), ("pipe-pp2dp2-z1-fp32", 3), ("pipe-pp2-z1-bf16", 2))
+# (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16; and
+# pp2 x dp2 trained with round_robin_gradients (`specs.pipe_round_robin`) -> dp3 (by default) and -> dp2.
+RR = "pipe-pp2dp2-z1-fp32-rr"
+CASES = sample((("pipe-pp2-z1-fp32", 2), ("pipe-pp2dp2-z1-fp32", 3), ("pipe-pp2-z1-bf16", 2), (RR, 3), (RR, 2)),
+               keep=[("pipe-pp2-z1-fp32", 2), ("pipe-pp2dp2-z1-fp32", 3), ("pipe-pp2-z1-bf16", 2), (RR, 3)])
 
 
 def case_id(case: tuple[str, int]) -> str:
@@ -50,7 +54,20 @@ def case_id(case: tuple[str, int]) -> str:
 
 
 @pytest.fixture(scope="session")
-def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
+def pipe_rr_fixtures() -> Mapping[str, ParallelFixture]:
+    """`specs.pipe_round_robin`'s checkpoint (its own set: one 4-rank launch)."""
+    return SETS["pipe-round-robin"].build()
+
+
+def _round_robin(fixture: ParallelFixture) -> dict[str, bool]:
+    """The oracle job's key for a source trained with round_robin_gradients: the target runs its config and
+    its state is gathered from the flat partitions (`oracles.parallel_reshard`)."""
+    zero = (fixture.spec.get("ds_config") or {}).get("zero_optimization") or {}
+    return {"round_robin": True} if zero.get("round_robin_gradients") else {}
+
+
+@pytest.fixture(scope="session")
+def pipe_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Reshard every case to pp1; one DeepSpeed launch per world size loads and re-saves them. The 2-rank
     launch also trains one step from `pipe-pp2-z1-fp32` as DeepSpeed saved it (`test_the_next_loss_at_four_
@@ -60,7 +77,7 @@ def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
     launches: dict[int, list[dict[str, Any]]] = {}
     for case in CASES:
         name, dp = case
-        fixture = parallel_fixtures[name]
+        fixture = pipe_fixtures[name]
         spec = dataclasses.replace(fixture.parallel_spec, pp=1, world_size=dp)
         outs[case] = root / "out" / case_id(case)
         reshard(str(fixture.dir), str(outs[case]), world_size=dp, pp=1, workers=2)
@@ -70,8 +87,8 @@ def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
         launches.setdefault(dp, []).append({
             "spec": spec.to_json(), "load": str(outs[case]), "save": str(resaved[case]),
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
-        })
-    source = parallel_fixtures[PP2_SOURCE]
+            **_round_robin(fixture)})
+    source = pipe_fixtures[PP2_SOURCE]
     source_result = root / "results" / f"{PP2_SOURCE}.json"
     launches[source.parallel_spec.world_size].append({
         "spec": source.parallel_spec.to_json(), "load": str(source.dir), "save": None, "expected": None,
@@ -83,8 +100,8 @@ def pipe_oracle(parallel_fixtures: Mapping[str, ParallelFixture],
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_deepspeed_loads_the_merged_stages_holding_the_source_state(
-        pipe_oracle: dict[str, Any], case: tuple[str, int], parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    check_loaded_state(pipe_oracle, case, parallel_fixtures[case[0]])
+        pipe_oracle: dict[str, Any], case: tuple[str, int], pipe_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_loaded_state(pipe_oracle, case, pipe_fixtures[case[0]])
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -94,10 +111,10 @@ def test_deepspeed_writes_the_same_files_at_one_stage(pipe_oracle: dict[str, Any
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_the_merged_stages_validate(pipe_oracle: dict[str, Any], case: tuple[str, int],
-                                    parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+                                    pipe_fixtures: Mapping[str, ParallelFixture]) -> None:
     report = validate(str(pipe_oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
-    summary, source = report.summary(), validate(str(parallel_fixtures[case[0]].dir)).summary()
+    summary, source = report.summary(), validate(str(pipe_fixtures[case[0]].dir)).summary()
     assert (summary["pp"], summary["world_size"]) == (1, case[1])
     assert {k: summary[k] for k in ("stage", "step", "params", "numel", "buffers", "param_groups")} == \
         {k: source[k] for k in ("stage", "step", "params", "numel", "buffers", "param_groups")}
@@ -123,6 +140,35 @@ def test_the_merged_stage_flattens_in_parameters_order(parallel_fixtures: Mappin
     assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
 
 
+def _deepspeed_round_robin(items: list[str], ranks: int) -> list[str]:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return list(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(items), ranks)[0])
+
+
+def test_a_round_robin_source_s_stages_are_laid_out_again_round_robin(
+        parallel_fixtures: Mapping[str, ParallelFixture], pipe_rr_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """pipe-toy at pp2 x dp2 trained with round_robin_gradients: DeepSpeed flattened each stage's groups
+    round-robin over the stage's 2 data-parallel ranks, so undone over 2 they are the stage module's order
+    (the same run without the setting, `pipe-pp2dp2-z1-fp32`, saves that order), and saved they are not. At
+    the target each stage's groups are DeepSpeed's `_round_robin_reorder` of that order over the target's
+    data-parallel ranks: over 3 at pp1 x dp3, over 1 (none) at pp4 x dp1 (pure: no byte read)."""
+    index = load_index(str(pipe_rr_fixtures[RR].dir))
+    plain = load_index(str(parallel_fixtures["pipe-pp2dp2-z1-fp32"].dir))
+    moved = 0
+    for rank, module in zip(index.ranks, plain.ranks):
+        for group, listed in zip(rank.groups, module.groups):
+            where = _deepspeed_round_robin([str(i) for i in range(len(group.params))], 2)
+            order = {int(i): name for i, name in zip(where, group.params)}
+            assert [order[i] for i in range(len(group.params))] == list(listed.params)
+            moved += list(group.params) != list(listed.params)
+    assert moved  # the setting changed some stage's saved order
+    for target, ranks in ((Target(world_size=3, pp=1), 3), (Target(world_size=4, pp=4, partition_method="uniform"), 1)):
+        ours, theirs = plan_reshard(index, target), plan_reshard(plain, target)
+        assert [[[n for n, _ in g] for g in part.flat_shapes] for part in ours.parts] == [
+            [_deepspeed_round_robin([n for n, _ in g], ranks) for g in part.flat_shapes] for part in theirs.parts]
+
+
 def test_other_stage_counts_are_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path: Path) -> None:
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
@@ -142,8 +188,10 @@ def test_tied_modules_come_first_in_the_order_the_stages_first_use_them() -> Non
 
     def stage(*groups: list[str]) -> Any:
         out = [SimpleNamespace(index=g, hyper={"name": f"g{g}"}, params=tuple(names)) for g, names in enumerate(groups)]
-        return SimpleNamespace(groups=out, params=[SimpleNamespace(name=n) for g in groups for n in g],
+        rank = SimpleNamespace(groups=out, params=[SimpleNamespace(name=n) for g in groups for n in g],
                                model_states=[{}])
+        rank.in_optimizer_order = lambda: rank  # not round-robin: the saved order is the optimizer's
+        return rank
 
     ranks = [stage(["tied_modules.a.weight", "1.fc.weight"], ["1.fc.bias"]),
              stage(["tied_modules.b.weight", "tied_modules.a.weight", "3.fc.weight", "10.fc.weight"],
@@ -191,11 +239,16 @@ def test_a_holdout_merged_to_one_stage_converts_to_the_source_state(
 # (BF16_Optimizer) pp2 -> pp4; and pp2 -> pp4 by "parameters" (DeepSpeed's default, which the source's stages
 # fit too) with the layer list's length given, since the files leave it open there; and the holdout (bf16,
 # pp2 x dp2, seed 1) to pp4. One 4-rank launch, which also trains one step from each regroup and from its
-# source as DeepSpeed saved it, and from the pp4 split by "parameters" (`NEXT_LOSS_AT_PP4`).
-SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None, "uniform", None), ("pipe-pp2dp2-z1-fp32", 4, 1, None, "uniform", None),
-          ("pipe-pp2dp2-z1-fp32", 2, 2, 3, "uniform", None), ("pipe-pp2dp2-z1-fp32", 2, 2, 4, "uniform", 6),
-          ("pipe-pp2-z1-bf16", 4, 1, None, "uniform", None), ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6),
-          ("holdout-pipe-pp2dp2-z1-bf16-s1", 4, 1, None, "uniform", None))
+# source as DeepSpeed saved it, and from the pp4 split by "parameters" (`NEXT_LOSS_AT_PP4`). In the long mode
+# also the round-robin source (`RR`) to pp4 x dp1, and through ckptflow's pp3 x dp1 back to pp2 x dp2 (each
+# target stage flattened round-robin over its 2 ranks again), both loaded, not trained (a step from the
+# regroup is the source's: the non-round-robin regroups' check).
+ALL_SPLITS = (("pipe-pp2-z1-fp32", 4, 1, None, "uniform", None), ("pipe-pp2dp2-z1-fp32", 4, 1, None, "uniform", None),
+              ("pipe-pp2dp2-z1-fp32", 2, 2, 3, "uniform", None), ("pipe-pp2dp2-z1-fp32", 2, 2, 4, "uniform", 6),
+              ("pipe-pp2-z1-bf16", 4, 1, None, "uniform", None), ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6),
+              ("holdout-pipe-pp2dp2-z1-bf16-s1", 4, 1, None, "uniform", None), (RR, 4, 1, None, "uniform", None),
+              (RR, 2, 2, 3, "uniform", None))
+SPLITS = sample(ALL_SPLITS, keep=[case for case in ALL_SPLITS if case[0] != RR])
 # The pp4 split DeepSpeed trains a step from: by "parameters" its stages hold layers 0-1 | 2 | 3 | 4-5, each
 # both param groups (decayed matrices; biases and norms). By "uniform" (0-1 | 2-3 | 4 | 5) stage 2 holds
 # only the norm's and stage 3 only the tied head's, and DeepSpeed 0.19.8 hangs in that step: it drops empty
@@ -213,9 +266,9 @@ def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
 
 
 @pytest.fixture(scope="session")
-def pipe_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
-                  holdout_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
-    return {**parallel_fixtures, **holdout_fixtures}
+def pipe_fixtures(parallel_fixtures: Mapping[str, ParallelFixture], holdout_fixtures: Mapping[str, ParallelFixture],
+                  pipe_rr_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
+    return {**parallel_fixtures, **holdout_fixtures, **pipe_rr_fixtures}
 
 
 @pytest.fixture(scope="session")
@@ -240,7 +293,7 @@ def split_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
         jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
                      "save": str(resaved[case]), "expected": str(fixture.expected_path),
                      "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": method,
-                     "next_loss": bool(via) or case == NEXT_LOSS_AT_PP4})
+                     "next_loss": (bool(via) and name != RR) or case == NEXT_LOSS_AT_PP4, **_round_robin(fixture)})
     regrouped = pipe_fixtures["pipe-pp2dp2-z1-fp32"]  # the source of the regroup, as DeepSpeed saved it
     jobs.append({"spec": regrouped.parallel_spec.to_json(), "load": str(regrouped.dir), "save": None,
                  "expected": str(regrouped.expected_path), "buffers": str(regrouped.buffers_path),
@@ -264,7 +317,7 @@ def test_deepspeed_loads_the_new_stages_holding_the_source_state(
     assert (report.summary()["pp"], report.summary()["world_size"]) == (case[1], case[2])
 
 
-@pytest.mark.parametrize("case", [case for case in SPLITS if case[3]], ids=split_id)
+@pytest.mark.parametrize("case", [case for case in SPLITS if case[3] and case[0] != RR], ids=split_id)
 def test_the_next_loss_after_regrouped_stages_is_the_sources(
         split_oracle: dict[str, Any], case: tuple[str, int, int, int | None, str, int | None]) -> None:
     """DeepSpeed trains one more step from pipe-toy at pp2 x dp2 (its own checkpoint) and from ckptflow's

@@ -25,9 +25,16 @@ source stage s's data-parallel rank d, and whose ranks `N * D + d` hold the opti
 re-indexed to the target stage's groups (what `reshard.files` copies from a unit's `meta_rank`), so
 `reshard.files` writes it unchanged. The model file of each stage records its own `buffer_names`,
 `param_shapes`, `mp_world_size` (tp x pp) and `checkpoint_parallel_dimensions`.
-ZeRO-0, frozen parameters and `round_robin_gradients` are refused. A Megatron-style checkpoint (tensor
-parallelism inside the stages) is regrouped by the same functions, one target tensor-parallel rank at a
-time (`megatron.plan_megatron_stages`).
+
+Trained with `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each stage's groups round-robin over
+the stage's data-parallel group (`_round_robin_reorder` at the size of `real_dp_process_group`, the stage's
+D ranks): each source stage's saved order is undone over its own D ranks (`ZeroCheckpoint.in_optimizer_order`)
+before the target stages' parameters are listed, and each target stage's groups are flattened round-robin
+again over its E ranks (`flats.zero12_flats`), where the target runs the optimizer that does so
+(`ZeroCheckpoint.is_round_robin` of the stage's virtual source: BF16_Optimizer ignores the setting).
+ZeRO-0 and frozen parameters are refused. A Megatron-style checkpoint (tensor parallelism inside the
+stages) is regrouped by the same functions, one target tensor-parallel rank at a time
+(`megatron.plan_megatron_stages`; trained with `round_robin_gradients` it is refused there, untested).
 """
 
 from __future__ import annotations
@@ -99,7 +106,7 @@ def _group_key(group: Any) -> str:
 def check_stages(index: ModelParallelCheckpoint) -> list[str]:
     """Every param group of `index`'s model-parallel ranks (known by their hyper-parameters), in the
     client's order; `UnsupportedCheckpointError` where its stages' optimizer state cannot be regrouped
-    (frozen parameters, `round_robin_gradients`, ZeRO-3, groups in another order or a parameter in two)."""
+    (frozen parameters, ZeRO-3, groups in another order or a parameter in two)."""
     where = f"{index.root}/{index.tag}"
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     for rank in ranks:  # the source's layout must be DeepSpeed's arithmetic at its size (refused otherwise)
@@ -110,9 +117,6 @@ def check_stages(index: ModelParallelCheckpoint) -> list[str]:
         raise UnsupportedCheckpointError(f"{where} has frozen parameters ({', '.join(frozen[:3])}), which ckptflow "
                                          "does not move between pipeline stages", uri=index.root,
                                          hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
-    if is_set(first.zero_config, "round_robin_gradients"):
-        raise UnsupportedCheckpointError(f"{where} was trained with zero_optimization.round_robin_gradients, whose "
-                                         "flattening order ckptflow does not rebuild for new stages", uri=index.root)
     if first.optimizer_kind == ZERO3:
         raise UnsupportedCheckpointError(f"{where}: a PipelineModule does not train at ZeRO-3", uri=index.root)
     order: list[str] = []
@@ -153,7 +157,8 @@ def _tied_key(name: str) -> str:
 
 def _merged(ranks: Sequence[ZeroCheckpoint]) -> TargetStage:
     """One stage holding every layer and tied module, the tied modules in the order the stages first use
-    them (the first stage holding a key, its place in that stage's parameters)."""
+    them (the first stage holding a key, its place in that stage's parameters, in module order whatever
+    order the optimizer flattened them in)."""
     first_use: dict[str, tuple[int, int]] = {}
     layers: set[int] = set()
     for s, rank in enumerate(ranks):
@@ -322,13 +327,15 @@ def _stages_text(stages: Sequence[TargetStage]) -> str:
 def _group_names(ranks: Sequence[ZeroCheckpoint], groups: list[str], stage: TargetStage) -> list[list[str]]:
     """Per group (of `groups`), the target stage's parameters in `PipelineModule.parameters()` order: its
     tied modules first, in `stage.tied` order, then its layers in layer order, a module's parameters in
-    the order its source stage had them."""
+    the order its source stage's optimizer lists them (round-robin undone over that stage's data-parallel
+    ranks, `ZeroCheckpoint.in_optimizer_order`)."""
     tied = {key: i for i, key in enumerate(stage.tied)}
     layers = set(stage.layers)
+    listed = [rank.in_optimizer_order() for rank in ranks]
     out = []
     for key in groups:
         names: dict[str, None] = {}
-        for rank in ranks:
+        for rank in listed:
             for g in rank.groups:
                 if _group_key(g) == key:
                     names.update(dict.fromkeys(n for n in g.params if (
@@ -440,7 +447,8 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
 
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
                         local(copies) if local is not None else copies,
-                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16)
+                        aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16,
+                        round_robin=source.is_round_robin)
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     flat_shapes, param_paddings = laid.shapes, laid.param_paddings
     meta = len(index.ranks) * index.world_size  # the virtual ranks holding the stage's optimizer fields

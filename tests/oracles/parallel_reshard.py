@@ -15,7 +15,7 @@ degrees, another data-parallel size), then
   BF16_Optimizer source's fp32 gradient accumulation);
 - with ``"round_robin"`` (true): every config built with ``zero_optimization.round_robin_gradients`` and the
   state gathered from the flat partitions at DeepSpeed's own offsets (``writers.parallel_rr.round_robin``:
-  DeepSpeed's accessors read the wrong elements of such a run), for a source trained so;
+  DeepSpeed's accessors read the wrong elements of such a run), as the source was trained and gathered;
 - ``engine.load_checkpoint(job["load"])``, no universal-checkpoint flag;
 - gathers the fp32 weights, Adam moments and buffers exactly as the writer did for the oracle
   (``job.gather``), and rank 0 compares them bit for bit with ``job["expected"]`` /
