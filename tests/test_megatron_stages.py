@@ -456,9 +456,10 @@ def test_round_robin_gradients_at_another_stage_count_is_refused(
     with pytest.raises(UnsupportedCheckpointError) as refused:
         plan_megatron_stages(index, Shape(world_size=4, stage=1, pp=1, tp=2))
     assert str(refused.value) == (
-        f"{fixture.dir}/global_step3 was trained with zero_optimization.round_robin_gradients, whose flattening "
-        "order ckptflow rebuilds for new stages of a PipelineModule checkpoint, not yet of a Megatron-style one; keep "
-        "the number of pipeline stages (leave `pp` out)")
+        f"{fixture.dir}/global_step3 was trained with zero_optimization.round_robin_gradients, whose flattening order "
+        "ckptflow rebuilds for a PipelineModule's new stages and an AutoTP checkpoint's new degree, not yet for a "
+        "Megatron-style checkpoint's (no such checkpoint tested); keep the tensor-parallel degree and the pipeline "
+        "stages (leave `tp` and `pp` out) to change the data-parallel size only")
 
 
 # ---- Megatron's learned position embeddings ------------------------------------------------------------

@@ -519,5 +519,6 @@ def test_a_megatron_style_round_robin_source_keeps_its_tensor_parallel_degree(
         plan_reshard(index, Target(world_size=4, tp=1))
     assert str(info.value) == (
         f"{index.root}/{index.tag} was trained with zero_optimization.round_robin_gradients, whose flattening order "
-        "ckptflow does not rebuild for a Megatron-style checkpoint at another tensor-parallel degree; keep the "
-        "tensor-parallel degree (leave `tp` out)")
+        "ckptflow rebuilds for a PipelineModule's new stages and an AutoTP checkpoint's new degree, not yet for a "
+        "Megatron-style checkpoint's (no such checkpoint tested); keep the tensor-parallel degree and the pipeline "
+        "stages (leave `tp` and `pp` out) to change the data-parallel size only")

@@ -79,10 +79,10 @@ and a tied module's parameter (`tied_modules.*`) neither vocabulary-parallel nor
 at any tensor-parallel or pipeline change (`readers.pipeline.TIED_WHY`: only those two rules have been
 checked on a tied module), but a pipeline change from and to tp 1, where no rule splits a whole tensor.
 Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
-`round_robin_gradients` (the PipelineModule route, `pipeline.plan_stage`, flattens such stages again, but no
-Megatron-style checkpoint trained so has been checked against DeepSpeed; at another tensor-parallel degree
-`tensor_parallel.check_joinable` refuses it too), and another ZeRO stage at the same time (a PipelineModule
-trains at ZeRO-0 and 1 only).
+`round_robin_gradients` at another degree or stage count (the PipelineModule and AutoTP routes,
+`pipeline.plan_stage` and `tensor_parallel.plan_zero12`, flatten such groups again, but no Megatron-style
+checkpoint trained so has been checked against DeepSpeed), and another ZeRO stage at the same time (a
+PipelineModule trains at ZeRO-0 and 1 only).
 """
 
 from __future__ import annotations
@@ -352,22 +352,19 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} Megatron-style checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones only (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
-    if shape.pp != index.pp and index.ranks[0].is_round_robin:
+    if (shape.tp, shape.pp) != (index.tp, index.pp) and index.ranks[0].is_round_robin:
         raise UnsupportedCheckpointError(
             f"{where} was trained with zero_optimization.round_robin_gradients, whose flattening order ckptflow "
-            "rebuilds for new stages of a PipelineModule checkpoint, not yet of a Megatron-style one", uri=index.root,
-            hint=f"keep the number of pipeline stages (leave {option('pp')} out)")
+            "rebuilds for a PipelineModule's new stages and an AutoTP checkpoint's new degree, not yet for a "
+            "Megatron-style checkpoint's (no such checkpoint tested)", uri=index.root,
+            hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and "
+                 f"{option('pp')} out) to change the data-parallel size only")
     fused = fused_qkv(index) if shape.tp != index.tp and qkv_layout is None else None
     if fused is not None:
         raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
                                          tensor=fused, hint=_fused_hint(index.tp))
     if shape.tp != index.tp:
         check_joinable(index, shape.tp)
-        if index.ranks[0].is_round_robin:
-            raise UnsupportedCheckpointError(
-                f"{where} was trained with zero_optimization.round_robin_gradients, whose flattening order ckptflow "
-                "does not rebuild for a Megatron-style checkpoint at another tensor-parallel degree", uri=index.root,
-                hint=f"keep the tensor-parallel degree (leave {option('tp')} out)")
     tied = tied_module(index, shape.tp) if (shape.tp, shape.pp) != (index.tp, index.pp) else None
     if tied is not None:
         raise UnsupportedCheckpointError(
