@@ -48,13 +48,15 @@ from tests.fixtures.specs.bf16_optimizer import BF16_MATRIX, BF16_SPECS
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
 from tests.fixtures.specs.round_robin import RR_MATRIX, RR_SPECS
+from tests.fixtures.specs.round_robin_ignored import RR_IGNORED_MATRIX, RR_IGNORED_SPECS
 from tests.oracles.tensors import read_tensor
 from tests.sampling import long_mode, sample
 from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
-SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX, *RR_MATRIX)}
+SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX, *RR_MATRIX,
+                                     *RR_IGNORED_MATRIX)}
 WRONG = ("damaged", "another model", "corrupt")
 
 
@@ -65,9 +67,10 @@ def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixt
 
     class Lazy(dict):
         def __missing__(self, name: str) -> ParallelFixture:
-            if name in RR_SPECS:
-                self.update(SETS["round-robin"].build([name]))
-                return self[name]
+            for set_name, specs in (("round-robin", RR_SPECS), ("round-robin-ignored", RR_IGNORED_SPECS)):
+                if name in specs:
+                    self.update(SETS[set_name].build([name]))
+                    return self[name]
             if name in BF16_SPECS:
                 self.update(build_bf16_optimizer([n for n in BF16_SPECS if SPECS[n].layout in (AUTOEP, DSMOE)]))
                 return self[name]
@@ -537,6 +540,10 @@ RR_RESHARDS = (
     ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 2, 2, 2),
     ("dsmoe-ep2dp2-z1-fp32-rr", 4, 4, 1), ("dsmoe-ep2dp2-z1-fp32-rr", 4, 1, 2), ("dsmoe-ep2dp2-z1-fp32-rr", 2, 1, 1),
 )
+RR_IGNORED_RESHARDS = (
+    ("autoep-qwen3-moe-ep2-z3-fp32-rr", 2, 1, 2), ("autoep-qwen3-moe-ep2-z3-fp32-rr", 4, 2, 2),
+    ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum-rr", 2, 1, 2), ("dsmoe-ep2-z1-bf16-fp32accum-rr", 4, 1, 2),
+)
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
@@ -563,6 +570,11 @@ ALL_STAGE_RESHARDS = (
     # over the target's. AutoEP ZeRO-2 ep2 x edp2 -> ep4 and ep1 (ZeRO-1), -> ZeRO-3 at ep2 and ep4, -> ep2
     # x edp1 on 2 ranks; deepspeed.moe ZeRO-1 ep2 x edp2 -> ep4, -> ZeRO-2 ep1, -> ep1 on 2 ranks.
     *RR_RESHARDS,
+    # Whose config sets round_robin_gradients that its optimizer ignores (`specs.round_robin_ignored`: AutoEP
+    # ZeRO-3, BF16_Optimizer), to a ZeRO-2 target built from that config, which DeepSpeed flattens round-robin:
+    # AutoEP ZeRO-3 ep2 -> ep1 on 2 ranks and ep2 x edp2 on 4; AutoEP BF16_Optimizer -> ep1; deepspeed.moe
+    # BF16_Optimizer -> ep1 on 4 ranks.
+    *RR_IGNORED_RESHARDS,
 )
 # By default one launch for AutoEP ZeRO-3 at another degree: ep4 at ZeRO-3 from ZeRO-2 ep2 x edp2 and from
 # ZeRO-3 ep2 x edp2 (ZeRO-3 -> ZeRO-2 ep4 is checked against DeepSpeed's own ep4 save without a launch).
@@ -706,15 +718,17 @@ FROZEN_TARGETS = [(2, 2), (1, 1), (3, 1)]
 
 
 class SourceOracle:
-    """Launches DeepSpeed once on 2 ranks to train and save the model of fixture `name` with the oracle's
-    job `options` (and gather its state), reshards it to every (stage, degree) of `targets`, then launches
-    DeepSpeed once at 2 ranks with the same options to load each target natively at its stage and degree,
-    gather its state and save it again, and to train the same model from scratch there and save it."""
+    """Launches DeepSpeed once on `world_size` ranks to train and save the model of fixture `name` with the
+    oracle's job `options` (and gather its state), reshards it to every (stage, degree) of `targets` on as
+    many ranks, then launches DeepSpeed once there with the same options to load each target natively at
+    its stage and degree, gather its state and save it again, and to train the same model from scratch
+    there and save it."""
 
     def __init__(self, fixtures: Mapping[str, ParallelFixture], root: Path, name: str, options: Mapping[str, Any],
-                 targets: Sequence[tuple[int, int]]) -> None:
+                 targets: Sequence[tuple[int, int]], world_size: int = 2) -> None:
         self.fixtures, self.root, self.ran = fixtures, root, False
         self.name, self.options, self.targets = name, dict(options), tuple(targets)
+        self.world_size = world_size
 
     def __call__(self) -> Path:
         if not self.ran:
@@ -728,18 +742,19 @@ class SourceOracle:
         source = {"spec": spec, **self.options, "write": str(self.root / "source"),
                   "state": str(self.root / "state" / "source.safetensors")}
         (self.root / "source.json").write_text(json.dumps([source]))
-        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "source.json")],
+        launch("tests.oracles.expert_reshard", self.world_size, ["--jobs", str(self.root / "source.json")],
                log_dir=self.root / "logs-source", timeout=900)
         items: list[dict[str, Any]] = []
         for stage, ep in self.targets:
             name = f"z{stage}-ep{ep}"
-            reshard(str(self.root / "source"), str(self.root / "out" / name), world_size=2, stage=stage, ep=ep)
+            reshard(str(self.root / "source"), str(self.root / "out" / name), world_size=self.world_size, stage=stage,
+                    ep=ep)
             shape = {"spec": spec, **self.options, "stage": stage, "ep": ep}
             items.append({**shape, "load": str(self.root / "out" / name), "save": str(self.root / "resaved" / name),
                           "state": str(self.root / "state" / f"{name}.safetensors"), "hang_after": 300})
             items.append({**shape, "write": str(self.root / "written" / name)})
         (self.root / "targets.json").write_text(json.dumps(items))
-        launch("tests.oracles.expert_reshard", 2, ["--jobs", str(self.root / "targets.json")],
+        launch("tests.oracles.expert_reshard", self.world_size, ["--jobs", str(self.root / "targets.json")],
                log_dir=self.root / "logs-targets", timeout=900)
 
 
@@ -987,6 +1002,48 @@ def test_a_round_robin_source_to_another_degree_and_stage_and_back_gives_its_fil
     there = load_index(str(tmp_path / "out"))
     assert (there.stage, there.ep, there.world_size) == (stage, ep, world_size)
     reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=4, stage=2, ep=2)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
+
+
+@pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's round-robin-ignored set")
+@pytest.mark.parametrize(("name", "target", "ranks"), [
+    ("autoep-qwen3-moe-ep2-z3-fp32-rr", Target(world_size=2, ep=1, stage=2), (2, 2, 2)),
+    ("autoep-qwen3-moe-ep2-z3-fp32-rr", Target(world_size=4, stage=2), (4, 4, 2)),
+    ("autoep-qwen3-moe-ep2-z3-fp32-rr", Target(world_size=4, stage=1), (4, 4, 2)),
+    ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum-rr", Target(world_size=2, ep=1, stage=2), (2, 2, 2)),
+    ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum-rr", Target(world_size=2, stage=2), (2, 2, 1)),
+    ("dsmoe-ep2-z1-bf16-fp32accum-rr", Target(world_size=4, ep=1, stage=2), (4, 4, 4, 4)),
+])
+def test_a_source_that_ignored_round_robin_is_laid_out_round_robin_at_a_zero12_target(
+        expert_fixtures, name: str, target: Target, ranks: tuple[int, ...]) -> None:
+    """AutoEP ZeRO-3 and BF16_Optimizer ignore the round_robin_gradients their config sets: the source is
+    saved in the optimizer's own order (`is_round_robin` false), and at a ZeRO-1/2 target, which DeepSpeed
+    builds from that config with DeepSpeedZeroOptimizer, each group is flattened as `_round_robin_reorder`
+    orders the optimizer's list over the group's target ranks."""
+    index = load_index(str(expert_fixtures[name].dir))
+    assert index.zero.zero_config.get("round_robin_gradients") is True and not index.zero.is_round_robin
+    listed = [list(g.params) for g in index.zero.groups]
+    plan = plan_reshard(index, target)
+    assert plan.optimizer == "zero" and plan.stage == target.stage
+    # at ep1 the expert group holds both expert-parallel ranks' experts, listed in the optimizer's order
+    order = listed if target.ep is None else [list(g.params) for g in plan.index.groups]
+    assert [[n for n, _ in g] for g in plan.flat_shapes] == [
+        _deepspeed_round_robin(names, n) for names, n in zip(order, ranks)]
+    assert any(_deepspeed_round_robin(names, n) != names for names, n in zip(order, ranks))
+
+
+@pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's round-robin-ignored set")
+@pytest.mark.parametrize(("world_size", "ep"), [(2, 1), (4, 2), (4, 4)])
+def test_a_zero3_source_that_ignored_round_robin_to_a_round_robin_zero2_and_back_gives_its_files(
+        expert_fixtures, world_size: int, ep: int, tmp_path: Path) -> None:
+    """AutoEP ZeRO-3 (round_robin_gradients set, ignored) out to a round-robin ZeRO-2 at ep`ep` on
+    `world_size` ranks and back to ZeRO-3 ep2 on 2 ranks: DeepSpeed's files of the source field for field
+    and byte for byte, so the round-robin order written is the one read back."""
+    source = expert_fixtures["autoep-qwen3-moe-ep2-z3-fp32-rr"]
+    reshard(str(source.dir), str(tmp_path / "out"), world_size=world_size, stage=2, ep=ep)
+    there = load_index(str(tmp_path / "out"))
+    assert (there.stage, there.ep, there.world_size, there.zero.is_round_robin) == (2, ep, world_size, True)
+    reshard(str(tmp_path / "out"), str(tmp_path / "back"), world_size=2, stage=3, ep=2)
     _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
 
 
@@ -1241,6 +1298,72 @@ def test_a_source_deepspeed_cut_is_recut_at_the_limit_its_cuts_imply(cut_source_
     tag = (root / "out" / name / "latest").read_text()
     _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
     _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False, ignore=("global_samples",))
+
+
+# A round-robin source DeepSpeed cut (deepspeed.moe ZeRO-1 ep2 x edp2 on 4 ranks, round_robin_gradients, limit
+# 2,000: the expert weight group's 8 x 384 in 5 + 3, each piece flattened round-robin over its 2 expert
+# data-parallel ranks), written in the test; ckptflow infers the limit (1,920 to 2,303), undoes each piece's
+# order over its source ranks and writes ep4 (one uncut group of 4, over 1 rank) at ZeRO-2 and ep1 (16 in
+# 5 + 5 + 5 + 1, each piece round-robin over 4 ranks) at ZeRO-1, and DeepSpeed at that limit loads both.
+# Long mode only: two launches on 4 ranks.
+RR_CUT_LIMIT = 2000
+RR_CUT_TARGETS = [(2, 4), (1, 1)]
+
+
+@pytest.fixture(scope="session")
+def rr_cut_oracle(expert_fixtures, tmp_path_factory) -> SourceOracle:
+    """deepspeed.moe ZeRO-1 ep2 x edp2 trained with round-robin gradients and its expert groups cut at 2,000
+    elements, and its targets."""
+    return SourceOracle(expert_fixtures, tmp_path_factory.mktemp("expert-rr-cut-oracle"), "dsmoe-ep2dp2-z1-fp32-rr",
+                        {"round_robin": True, "max_group_size": RR_CUT_LIMIT}, RR_CUT_TARGETS, world_size=4)
+
+
+def _cut_groups(index: Any) -> list[tuple[int, ...]]:
+    """Per expert param group: (parameters, ranks it is flattened over, whether that order is not the
+    optimizer's)."""
+    zero = index.zero
+    listed = zero.in_optimizer_order()
+    return [(len(g.params), zero.world_size // g.ep, int(g.params != o.params))
+            for g, o in zip(zero.groups, listed.groups) if g.ep > 1 or g.hyper.get("moe")]
+
+
+@pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
+@pytest.mark.parametrize(("stage", "ep"), RR_CUT_TARGETS)
+def test_a_round_robin_source_cut_otherwise_is_laid_out_per_cut_group(rr_cut_oracle, stage: int, ep: int) -> None:
+    """Each cut group flattened round-robin on its own: undone per source piece, the groups cut again at the
+    target's degree and each flattened round-robin over its target ranks. DeepSpeed at that degree and limit
+    holds the source's state bit for bit, saves exactly our files again, and trained there writes the same
+    files, groups and metadata."""
+    root = rr_cut_oracle()
+    name = f"z{stage}-ep{ep}"
+    state, expected = load_file(root / "state" / f"{name}.safetensors"), load_file(root / "state" / "source.safetensors")
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    # the source: weights 5 + 3 (each reordered over 2 ranks), biases 8 uncut (reordered)
+    assert _cut_groups(load_index(str(root / "source"))) == [(5, 2, 1), (3, 2, 1), (8, 2, 1)]
+    assert _cut_groups(load_index(str(root / "out" / name))) == {
+        4: [(4, 1, 0), (4, 1, 0)], 1: [(5, 4, 1), (5, 4, 1), (5, 4, 1), (1, 4, 0), (16, 4, 1)]}[ep]
+    tag = (root / "out" / name / "latest").read_text()
+    _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
+    _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False, ignore=("global_samples",))
+
+
+@pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
+@pytest.mark.parametrize(("stage", "ep", "limit"), [(2, 4, RR_CUT_LIMIT), (1, 1, None)])
+def test_a_round_robin_source_cut_otherwise_and_back_gives_its_files(rr_cut_oracle, monkeypatch, stage: int, ep: int,
+                                                                     limit: int | None, tmp_path: Path) -> None:
+    """The targets of the round-robin cut source back to ep2 x edp2 at ZeRO-1: its files field for field and
+    byte for byte, each piece flattened round-robin over its 2 ranks again. From ep4 (uncut, so the limit is
+    not in it) ckptflow assumes 2,000 as DeepSpeed's default; from ep1 it infers it from the cut."""
+    from ckptflow.reshard import moe_cut
+
+    root = rr_cut_oracle()
+    if limit is not None:
+        monkeypatch.setattr(moe_cut, "MAX_MOE_GROUP_SIZE", limit)
+    reshard(str(root / "out" / f"z{stage}-ep{ep}"), str(tmp_path / "back"), world_size=4, stage=1, ep=2)
+    tag = (root / "source" / "latest").read_text()
+    _compare_folders(tmp_path / "back" / tag, root / "source" / tag)
 
 
 @pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's bf16-optimizer set")
