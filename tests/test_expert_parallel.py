@@ -757,6 +757,21 @@ class SourceOracle:
         launch("tests.oracles.expert_reshard", self.world_size, ["--jobs", str(self.root / "targets.json")],
                log_dir=self.root / "logs-targets", timeout=900)
 
+    def check(self, stage: int, ep: int) -> tuple[dict[str, torch.Tensor], Path]:
+        """DeepSpeed at ZeRO-`stage` and degree `ep` holds the source's gathered state bit for bit, saves our
+        files again exactly, and trained there writes the same files, keys, shapes and metadata. The source's
+        state and the target's tag folder."""
+        root, name = self(), f"z{stage}-ep{ep}"
+        state, source = (load_file(root / "state" / f"{n}.safetensors") for n in (name, "source"))
+        assert set(state) == set(source)
+        for key, tensor in source.items():
+            assert torch.equal(state[key], tensor), key
+        tag = (root / "out" / name / "latest").read_text()
+        _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
+        _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False,
+                         ignore=("global_samples",))
+        return source, root / "out" / name / tag
+
 
 @pytest.fixture(scope="session")
 def frozen_oracle(expert_fixtures, tmp_path_factory) -> SourceOracle:
@@ -773,18 +788,11 @@ def test_autoep_zero3_with_frozen_parameters_moves_to_any_stage_and_degree(froze
     for bit (every trainable parameter's fp32 weights and moments, each frozen one's value), saves exactly
     our files again, and trained there from scratch writes the same files, keys, shapes and metadata
     (frozen records: the whole tensors at ZeRO-2, each its own copy; None at ZeRO-1; pieces at ZeRO-3)."""
-    root = frozen_oracle()
-    name = f"z{stage}-ep{ep}"
-    state, source = (load_file(root / "state" / f"{n}.safetensors") for n in (name, "source"))
-    assert set(state) == set(source) and {f"fp32/{n}" for n in FROZEN} <= set(source)
-    for key, tensor in source.items():
-        assert torch.equal(state[key], tensor), key
-    tag = (root / "out" / name / "latest").read_text()
-    _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
-    _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False,
-                     ignore=("global_samples",))
-    assert _shape_types(root / "out" / name / tag) == _shape_types(root / "written" / name / tag)
-    assert _frozen_storages(root / "out" / name / tag) == _frozen_storages(root / "written" / name / tag)
+    source, out = frozen_oracle.check(stage, ep)
+    assert {f"fp32/{n}" for n in FROZEN} <= set(source)
+    written = frozen_oracle() / "written" / f"z{stage}-ep{ep}" / out.name
+    assert _shape_types(out) == _shape_types(written)
+    assert _frozen_storages(out) == _frozen_storages(written)
 
 
 def _frozen_storages(folder: Path) -> dict[str, bool]:
@@ -1287,17 +1295,9 @@ def test_a_source_deepspeed_cut_is_recut_at_the_limit_its_cuts_imply(cut_source_
     """The source's group, cut in two (3 + 3 weights), becomes six at ep1, the limit inferred from the cut
     (not DeepSpeed's default, which would cut nothing); DeepSpeed holds the source's state bit for bit,
     saves exactly our files again, and trained there writes the same files and metadata."""
-    root = cut_source_oracle()
-    name = f"z{stage}-ep{ep}"
-    state, expected = load_file(root / "state" / f"{name}.safetensors"), load_file(root / "state" / "source.safetensors")
-    assert set(state) == set(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(state[key], tensor), key
-    assert len(load_index(str(root / "source")).zero.groups) == 4
-    assert len(load_index(str(root / "out" / name)).zero.groups) == 8
-    tag = (root / "out" / name / "latest").read_text()
-    _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
-    _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False, ignore=("global_samples",))
+    _, out = cut_source_oracle.check(stage, ep)
+    assert len(load_index(str(cut_source_oracle() / "source")).zero.groups) == 4
+    assert len(load_index(str(out.parent)).zero.groups) == 8
 
 
 # A round-robin source DeepSpeed cut (deepspeed.moe ZeRO-1 ep2 x edp2 on 4 ranks, round_robin_gradients, limit
@@ -1334,19 +1334,11 @@ def test_a_round_robin_source_cut_otherwise_is_laid_out_per_cut_group(rr_cut_ora
     target's degree and each flattened round-robin over its target ranks. DeepSpeed at that degree and limit
     holds the source's state bit for bit, saves exactly our files again, and trained there writes the same
     files, groups and metadata."""
-    root = rr_cut_oracle()
-    name = f"z{stage}-ep{ep}"
-    state, expected = load_file(root / "state" / f"{name}.safetensors"), load_file(root / "state" / "source.safetensors")
-    assert set(state) == set(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(state[key], tensor), key
+    _, out = rr_cut_oracle.check(stage, ep)
     # the source: weights 5 + 3 (each reordered over 2 ranks), biases 8 uncut (reordered)
-    assert _cut_groups(load_index(str(root / "source"))) == [(5, 2, 1), (3, 2, 1), (8, 2, 1)]
-    assert _cut_groups(load_index(str(root / "out" / name))) == {
+    assert _cut_groups(load_index(str(rr_cut_oracle() / "source"))) == [(5, 2, 1), (3, 2, 1), (8, 2, 1)]
+    assert _cut_groups(load_index(str(out.parent))) == {
         4: [(4, 1, 0), (4, 1, 0)], 1: [(5, 4, 1), (5, 4, 1), (5, 4, 1), (1, 4, 0), (16, 4, 1)]}[ep]
-    tag = (root / "out" / name / "latest").read_text()
-    _compare_folders(root / "out" / name / tag, root / "resaved" / name / tag)
-    _compare_folders(root / "out" / name / tag, root / "written" / name / tag, values=False, ignore=("global_samples",))
 
 
 @pytest.mark.skipif(not long_mode(), reason="two DeepSpeed launches of their own: long mode (CKPTFLOW_LONG=1)")
