@@ -23,7 +23,9 @@ Contenders, each a fresh process (imports included) under `/usr/bin/time` (wall,
   the target engine with `"checkpoint": {"load_universal": true}` and call `engine.load_checkpoint`.
   The launch's wall time, the `load_checkpoint` call alone (slowest rank) and the sum of the ranks'
   peak RSS are reported. For comparison the same launch loads ckptflow's output natively (no
-  `load_universal`): the step both routes share.
+  `load_universal`): the step both routes share. Both starts run after the timed rounds, the universal
+  one first (earlier runs started the native one first, right after the checkpoint's build, and it
+  came out the slower one both times).
 
 `--repeat` rounds of the single-process runs (ds_to_universal in the first `--ds-repeat` of them,
 default one: it takes minutes here), each round in a new (seeded) shuffled order, with a `sync` before
@@ -321,10 +323,6 @@ def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, ds_repeat: int,
     subprocess.run(reshard + ["--no-fsync"], check=True, env={**os.environ, **env}, capture_output=True)
     sizes = {"source": sum(Path(p).stat().st_size for p in sources), CKPTFLOW: folder_bytes(out)}
     failures: dict[str, str] = {}
-    measures: list[Measure] = []
-    if with_ds:  # the target engine loads ckptflow's output natively: the step both routes share
-        native = engine_start(case, out, False, scratch, load_repeat, LOAD_NATIVE)
-        measures.append(native) if isinstance(native, Measure) else failures.setdefault(LOAD_NATIVE, native)
     shutil.rmtree(out, ignore_errors=True)
     spec = scratch / "floor.json"
     spec.write_text(json.dumps({"ranges": ranges_of(sources), "out_bytes": sizes[CKPTFLOW], "fsync": True}))
@@ -337,14 +335,19 @@ def bench(case: Case, ckpt: Path, scratch: Path, *, repeat: int, ds_repeat: int,
     warm(ckpt)
     runs = timed_rounds(commands, max(repeat, ds_repeat), out, env, sizes, ds_repeat=ds_repeat, keep=universal)
     measures = [Measure(label, statistics.median(s for s, _ in r), int(statistics.median(m for _, m in r)))
-                for label, r in runs.items()] + measures
-    if with_ds:
+                for label, r in runs.items()]
+    if with_ds:  # both starts after the timed rounds, from the same page-cache state; one output on disk at a time
         loaded = engine_start(case, universal, True, scratch, load_repeat, LOAD_UNIVERSAL)
         measures.append(loaded) if isinstance(loaded, Measure) else failures.setdefault(LOAD_UNIVERSAL, loaded)
         if not isinstance(loaded, Measure) and case.target.get("zero_stage") == 3 and zero3_model_states(universal / tag):
             loaded = engine_start(case, universal, True, scratch, load_repeat, LOAD_RENAMED)
             measures.append(loaded) if isinstance(loaded, Measure) else failures.setdefault(LOAD_RENAMED, loaded)
         shutil.rmtree(universal, ignore_errors=True)
+        # The target engine loads ckptflow's output natively: the step both routes share.
+        subprocess.run(reshard + ["--no-fsync"], check=True, env={**os.environ, **env}, capture_output=True)
+        native = engine_start(case, out, False, scratch, load_repeat, LOAD_NATIVE)
+        measures.append(native) if isinstance(native, Measure) else failures.setdefault(LOAD_NATIVE, native)
+        shutil.rmtree(out, ignore_errors=True)
     return measures, sizes, failures
 
 
