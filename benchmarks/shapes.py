@@ -34,9 +34,16 @@ loads; the engine launches run `--load-repeat` times (default once); medians. A 
 model is resharded too (ckptflow and floor only) to show whether peak memory stays flat as the model
 grows.
 
-    .venv/bin/python -m benchmarks.shapes [--repeat 3] [--ds-repeat 1] [--load-repeat 1] [--cases zero,tp,ep] [--write-results]
+    .venv/bin/python -m benchmarks.shapes [--repeat 3] [--ds-repeat 1] [--load-repeat 1] [--cases zero,tp,ep]
+        [--size 0.5b|1b] [--write-results]
 
-`--write-results` replaces the "Reshard across shapes (issue 24)" section of `benchmarks/RESULTS.md`.
+`--size 1b` takes the issue's ~1B models (dense 64 layers, AutoTP 20, AutoEP 18; 1.02 to 1.07B parameters),
+each with the 0.5B one beside it for memory. Each 1B checkpoint is about 15 GB, and DeepSpeed's writer
+and the target engine's start hold about 21 GB over their ranks: on a machine of 24 GiB, add swap and run
+one case at a time, removing `benchmarks/.data/` between them.
+
+`--write-results` replaces the "Reshard across shapes (issue 24)" section of `benchmarks/RESULTS.md`
+(with `--size 1b`, "Reshard across shapes at 1B, <cases> (issue 24)", one per set of cases).
 """
 
 from __future__ import annotations
@@ -433,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.build_only:
         return
     # The 1B checkpoints do not fit this machine's disk together: one section per run of them.
-    section = SECTION if args.size == "0.5b" else f"## Reshard across shapes at 1B, {args.cases} (issue 24)"
+    section = SECTION if args.size == "0.5b" else \
+        f"## Reshard across shapes at 1B, {','.join(case.key for case in chosen)} (issue 24)"
     lines = [section, "", f"Machine: {machine()}. Command: `.venv/bin/python -m benchmarks.shapes --repeat "
              f"{args.repeat} --ds-repeat {args.ds_repeat} --load-repeat {args.load_repeat} --cases {args.cases}"
              f"{' --size ' + args.size if args.size != '0.5b' else ''}"

@@ -51,6 +51,7 @@ from tests.fixtures.specs.round_robin import RR_MATRIX, RR_SPECS
 from tests.fixtures.specs.round_robin_ignored import RR_IGNORED_MATRIX, RR_IGNORED_SPECS
 from tests.oracles.tensors import read_tensor
 from tests.sampling import long_mode, sample
+from tests.test_model_parallel_reshard import deepspeed_round_robin, deepspeed_undone, source_sections
 from tests.test_reshard import _differences
 
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
@@ -622,11 +623,7 @@ class EpOracle:
             fixture = self.fixtures[case[0]]
             paths = self.paths(case)
             reshard(str(fixture.dir), str(paths["out"]), world_size=world_size, ep=ep, stage=stage)
-            config = fixture.spec.get("ds_config") or {}  # the source's sections, as its user runs it
-            section = config.get("data_types")
-            rr = bool((config.get("zero_optimization") or {}).get("round_robin_gradients"))
-            shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage,
-                     **({"data_types": section} if section else {}), **({"round_robin": True} if rr else {})}
+            shape = {"spec": str(fixture.root / "spec.json"), "ep": ep, "stage": stage, **source_sections(fixture)}
             items.append({**shape, "load": str(paths["out"]), "save": str(paths["resaved"]),
                           "state": str(paths["state"]), "hang_after": 300})
             items.append({**shape, "write": str(paths["written"])})
@@ -966,12 +963,6 @@ def test_autoep_zero3_at_another_degree_is_what_deepspeed_writes_at_zero2_there(
 RR = "autoep-qwen3-moe-ep2dp2-z2-fp32-rr"
 
 
-def _deepspeed_round_robin(items: Sequence[str], ranks: int) -> list[str]:
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    return list(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(items), ranks)[0])
-
-
 def test_a_round_robin_source_is_laid_out_again_over_each_group_s_target_ranks(expert_fixtures) -> None:
     """AutoEP ZeRO-2 ep2 x edp2 trained with round_robin_gradients: DeepSpeed flattened its expert group
     round-robin over the 2 ranks of its expert data-parallel group and its dense groups over all 4
@@ -981,11 +972,7 @@ def test_a_round_robin_source_is_laid_out_again_over_each_group_s_target_ranks(e
     index = load_index(str(expert_fixtures[RR].dir))
     saved = [list(g.params) for g in index.zero.groups]
     # The optimizer's list: the one whose round-robin over the source's ranks is what the source saved.
-    listed = []
-    for names, ranks in zip(saved, (4, 4, 2)):
-        where = _deepspeed_round_robin([str(i) for i in range(len(names))], ranks)
-        order = {int(i): name for i, name in zip(where, names)}
-        listed.append([order[i] for i in range(len(names))])
+    listed = [deepspeed_undone(names, ranks) for names, ranks in zip(saved, (4, 4, 2))]
     # The expert group undone over its 2 ranks is the model's order (each layer's w1, w2, w3); saved, it is not.
     assert listed[2] == [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
     assert saved[2] != listed[2]
@@ -993,7 +980,7 @@ def test_a_round_robin_source_is_laid_out_again_over_each_group_s_target_ranks(e
                           (Target(world_size=2), (2, 2, 1))):
         plan = plan_reshard(index, target)
         assert [[n for n, _ in g] for g in plan.flat_shapes] == [
-            _deepspeed_round_robin(names, n) for names, n in zip(listed, ranks)], target
+            deepspeed_round_robin(names, n) for names, n in zip(listed, ranks)], target
     for target in (Target(world_size=4, stage=3), Target(world_size=4, ep=4, stage=3)):
         assert [[n for n, _ in g] for g in plan_reshard(index, target).flat_shapes] == listed, target
 
@@ -1036,8 +1023,8 @@ def test_a_source_that_ignored_round_robin_is_laid_out_round_robin_at_a_zero12_t
     # at ep1 the expert group holds both expert-parallel ranks' experts, listed in the optimizer's order
     order = listed if target.ep is None else [list(g.params) for g in plan.index.groups]
     assert [[n for n, _ in g] for g in plan.flat_shapes] == [
-        _deepspeed_round_robin(names, n) for names, n in zip(order, ranks)]
-    assert any(_deepspeed_round_robin(names, n) != names for names, n in zip(order, ranks))
+        deepspeed_round_robin(names, n) for names, n in zip(order, ranks)]
+    assert any(deepspeed_round_robin(names, n) != names for names, n in zip(order, ranks))
 
 
 @pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's round-robin-ignored set")

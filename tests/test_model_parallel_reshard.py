@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from ckptflow.formats.deepspeed.autotp_shards import (
     sub_param_map,
 )
 from ckptflow.formats.deepspeed.names import ALLOWED, UC_INFO
+from ckptflow.formats.deepspeed.partition import ZERO
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.reshard.shape import Target
@@ -174,18 +175,37 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
             resaved[case] = root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
-        # A source's fp32 gradient accumulation (BF16_Optimizer's) and round-robin gradients are its user's
-        # config at the target too.
-        section = (fixture.spec.get("ds_config") or {}).get("data_types")
-        rr = bool(((fixture.spec.get("ds_config") or {}).get("zero_optimization") or {}).get("round_robin_gradients"))
         launches.setdefault((spec.world_size, spec.layout, spec.tp), []).append({
             "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(load), "save": str(resaved[case]) if case in resaved else None,
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
-            **({"data_types": section} if section else {}), **({"round_robin": True} if rr else {}),
+            **source_sections(fixture),
         })
     for (world_size, layout, tp), jobs in sorted(launches.items()):
         launch_oracle(world_size, jobs, root, f"{world_size}-{layout}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
+
+
+def source_sections(fixture: ParallelFixture) -> dict[str, Any]:
+    """The oracle job's keys for what of the source's config its user runs at the target too: a
+    BF16_Optimizer source's fp32 gradient accumulation (`data_types`) and round-robin gradients."""
+    config = fixture.spec.get("ds_config") or {}
+    section = config.get("data_types")
+    rr = bool((config.get("zero_optimization") or {}).get("round_robin_gradients"))
+    return {**({"data_types": section} if section else {}), **({"round_robin": True} if rr else {})}
+
+
+def deepspeed_round_robin(items: Sequence[str], ranks: int) -> list[str]:
+    """`items` as DeepSpeed's `_round_robin_reorder` flattens them over `ranks` ranks."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return list(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(items), ranks)[0])
+
+
+def deepspeed_undone(saved: Sequence[str], ranks: int) -> list[str]:
+    """The list whose `deepspeed_round_robin` over `ranks` ranks is `saved`: the optimizer's own."""
+    where = deepspeed_round_robin([str(i) for i in range(len(saved))], ranks)
+    order = {int(i): name for i, name in zip(where, saved)}
+    return [order[i] for i in range(len(saved))]
 
 
 def launch_oracle(world_size: int, jobs: list[dict[str, Any]], root: Path, label: str) -> None:
@@ -489,22 +509,58 @@ def test_a_round_robin_source_is_laid_out_again_at_the_target_s_data_parallel_si
     rank's groups round-robin over its 2 data-parallel ranks (`real_dp_process_group`: world / tp), so the
     saved order is not the model's. Merged to tp1, a ZeRO-1/2 target flattens the optimizer's list as
     DeepSpeed's `_round_robin_reorder` orders it over the target's data-parallel ranks; ZeRO-3 takes the list."""
-    from tests.test_expert_parallel import _deepspeed_round_robin
-
     index = load_index(str(both_fixtures[RR].dir))
     saved = [list(g.params) for g in index.ranks[0].groups]
     assert [[list(g.params) for g in rank.groups] for rank in index.ranks] == [saved] * 2
-    listed = []  # the optimizer's list: the one whose round-robin over 2 ranks is what each rank saved
-    for names in saved:
-        where = _deepspeed_round_robin([str(i) for i in range(len(names))], 2)
-        order = {int(i): name for i, name in zip(where, names)}
-        listed.append([order[i] for i in range(len(names))])
+    listed = [deepspeed_undone(names, 2) for names in saved]  # the optimizer's list
     module = index.ranks[0].module_order
     assert listed == [sorted(names, key=module.index) for names in saved] != saved  # the model's order, undone
     for target, ranks in ((Target(world_size=3, tp=1), 3), (Target(world_size=2, tp=1, stage=1), 2)):
         plan = plan_reshard(index, target)
-        assert [[n for n, _ in g] for g in plan.flat_shapes] == [_deepspeed_round_robin(n, ranks) for n in listed]
+        assert [[n for n, _ in g] for g in plan.flat_shapes] == [deepspeed_round_robin(n, ranks) for n in listed]
     assert [[n for n, _ in g] for g in plan_reshard(index, Target(world_size=2, tp=1, stage=3)).flat_shapes] == listed
+
+
+def test_a_round_robin_source_split_again_is_laid_out_round_robin(both_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """The same source split to tp4 (the plan only: its toy's 2 key/value heads do not split four ways, so
+    the config given claims 4): each target tensor-parallel rank's groups are the optimizer's list
+    flattened over the target's data-parallel ranks as DeepSpeed's `_round_robin_reorder` does (ZeRO-1/2),
+    or that list (ZeRO-3)."""
+    index = load_index(str(both_fixtures[RR].dir))
+    listed = [deepspeed_undone(g.params, 2) for g in index.ranks[0].groups]
+    for dp, stage in ((2, None), (3, 1), (2, 3)):
+        plan = plan_tensor_parallel_split(index, dp, 4, stage=stage, config={"num_key_value_heads": 4})
+        # The split renames nothing: each rank's groups list the same parameters, shards of them.
+        expected = listed if stage == 3 else [deepspeed_round_robin(names, dp) for names in listed]
+        assert [[[n for n, _ in g] for g in part.flat_shapes] for part in plan.parts] == [expected] * 4, (dp, stage)
+
+
+def _round_robin_config(index: Any) -> Any:
+    """`index` as if its recorded config set round_robin_gradients."""
+    def with_it(state: Mapping[str, Any]) -> dict[str, Any]:
+        config = dict(state["ds_config"])
+        return {**state, "ds_config": {**config, "zero_optimization": {**config["zero_optimization"],
+                                                                       "round_robin_gradients": True}}}
+
+    return dataclasses.replace(index, ranks=tuple(dataclasses.replace(r, model_states=tuple(map(with_it, r.model_states)))
+                                                  for r in index.ranks))
+
+
+def test_a_zero3_source_that_ignored_round_robin_is_flattened_round_robin_at_zero2(
+        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """A ZeRO-3 AutoTP run whose config sets round_robin_gradients (ZeRO-3 ignores it: its files are in the
+    optimizer's order): merged to tp1 at ZeRO-3 the plan is the one without the setting; at ZeRO-2 over
+    3 ranks, whose DeepSpeedZeroOptimizer honours it, each group is that plan's flattened round-robin."""
+    plain = load_index(str(parallel_fixtures["autotp-tp2-z3-fp32"].dir))
+    index = _round_robin_config(plain)
+    assert not index.ranks[0].is_round_robin and index.ranks[0].flattens_round_robin(ZERO)
+
+    def names(i: Any, target: Target) -> list[list[str]]:
+        return [[n for n, _ in g] for g in plan_reshard(i, target).flat_shapes]
+
+    assert names(index, Target(world_size=2, tp=1)) == names(plain, Target(world_size=2, tp=1))
+    target = Target(world_size=3, tp=1, stage=2)
+    assert names(index, target) == [deepspeed_round_robin(g, 3) for g in names(plain, target)] != names(plain, target)
 
 
 def test_a_megatron_style_round_robin_source_keeps_its_tensor_parallel_degree(

@@ -39,7 +39,14 @@ from ckptflow.validate import validate
 from tests.fixtures.replay import launch
 from tests.fixtures.sets import SETS, ParallelFixture
 from tests.sampling import sample
-from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
+from tests.test_model_parallel_reshard import (
+    check_loaded_state,
+    check_same_files,
+    deepspeed_round_robin,
+    deepspeed_undone,
+    launch_oracle,
+    source_sections,
+)
 from tests.test_parallel_fixtures import STATES, universal_tensor
 
 # (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16; and
@@ -57,13 +64,6 @@ def case_id(case: tuple[str, int]) -> str:
 def pipe_rr_fixtures() -> Mapping[str, ParallelFixture]:
     """`specs.pipe_round_robin`'s checkpoint (its own set: one 4-rank launch)."""
     return SETS["pipe-round-robin"].build()
-
-
-def _round_robin(fixture: ParallelFixture) -> dict[str, bool]:
-    """The oracle job's key for a source trained with round_robin_gradients: the target runs its config and
-    its state is gathered from the flat partitions (`oracles.parallel_reshard`)."""
-    zero = (fixture.spec.get("ds_config") or {}).get("zero_optimization") or {}
-    return {"round_robin": True} if zero.get("round_robin_gradients") else {}
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +87,7 @@ def pipe_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
         launches.setdefault(dp, []).append({
             "spec": spec.to_json(), "load": str(outs[case]), "save": str(resaved[case]),
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
-            **_round_robin(fixture)})
+            **source_sections(fixture)})
     source = pipe_fixtures[PP2_SOURCE]
     source_result = root / "results" / f"{PP2_SOURCE}.json"
     launches[source.parallel_spec.world_size].append({
@@ -140,33 +140,27 @@ def test_the_merged_stage_flattens_in_parameters_order(parallel_fixtures: Mappin
     assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
 
 
-def _deepspeed_round_robin(items: list[str], ranks: int) -> list[str]:
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    return list(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(items), ranks)[0])
-
-
 def test_a_round_robin_source_s_stages_are_laid_out_again_round_robin(
         parallel_fixtures: Mapping[str, ParallelFixture], pipe_rr_fixtures: Mapping[str, ParallelFixture]) -> None:
     """pipe-toy at pp2 x dp2 trained with round_robin_gradients: DeepSpeed flattened each stage's groups
     round-robin over the stage's 2 data-parallel ranks, so undone over 2 they are the stage module's order
     (the same run without the setting, `pipe-pp2dp2-z1-fp32`, saves that order), and saved they are not. At
     the target each stage's groups are DeepSpeed's `_round_robin_reorder` of that order over the target's
-    data-parallel ranks: over 3 at pp1 x dp3, over 1 (none) at pp4 x dp1 (pure: no byte read)."""
+    data-parallel ranks: over 3 at pp1 x dp3, over 1 (none) at pp4 x dp1, over 2 at pp3 x dp2 (pure: no byte
+    read)."""
     index = load_index(str(pipe_rr_fixtures[RR].dir))
     plain = load_index(str(parallel_fixtures["pipe-pp2dp2-z1-fp32"].dir))
     moved = 0
     for rank, module in zip(index.ranks, plain.ranks):
         for group, listed in zip(rank.groups, module.groups):
-            where = _deepspeed_round_robin([str(i) for i in range(len(group.params))], 2)
-            order = {int(i): name for i, name in zip(where, group.params)}
-            assert [order[i] for i in range(len(group.params))] == list(listed.params)
+            assert deepspeed_undone(group.params, 2) == list(listed.params)
             moved += list(group.params) != list(listed.params)
     assert moved  # the setting changed some stage's saved order
-    for target, ranks in ((Target(world_size=3, pp=1), 3), (Target(world_size=4, pp=4, partition_method="uniform"), 1)):
+    for target, ranks in ((Target(world_size=3, pp=1), 3), (Target(world_size=4, pp=4, partition_method="uniform"), 1),
+                          (Target(world_size=6, pp=3, partition_method="uniform"), 2)):
         ours, theirs = plan_reshard(index, target), plan_reshard(plain, target)
         assert [[[n for n, _ in g] for g in part.flat_shapes] for part in ours.parts] == [
-            [_deepspeed_round_robin([n for n, _ in g], ranks) for g in part.flat_shapes] for part in theirs.parts]
+            [deepspeed_round_robin([n for n, _ in g], ranks) for g in part.flat_shapes] for part in theirs.parts]
 
 
 def test_other_stage_counts_are_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture],
@@ -293,7 +287,7 @@ def split_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
         jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
                      "save": str(resaved[case]), "expected": str(fixture.expected_path),
                      "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": method,
-                     "next_loss": (bool(via) and name != RR) or case == NEXT_LOSS_AT_PP4, **_round_robin(fixture)})
+                     "next_loss": (bool(via) and name != RR) or case == NEXT_LOSS_AT_PP4, **source_sections(fixture)})
     regrouped = pipe_fixtures["pipe-pp2dp2-z1-fp32"]  # the source of the regroup, as DeepSpeed saved it
     jobs.append({"spec": regrouped.parallel_spec.to_json(), "load": str(regrouped.dir), "save": None,
                  "expected": str(regrouped.expected_path), "buffers": str(regrouped.buffers_path),

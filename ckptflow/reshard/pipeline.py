@@ -31,7 +31,8 @@ the stage's data-parallel group (`_round_robin_reorder` at the size of `real_dp_
 D ranks): each source stage's saved order is undone over its own D ranks (`ZeroCheckpoint.in_optimizer_order`)
 before the target stages' parameters are listed, and each target stage's groups are flattened round-robin
 again over its E ranks (`flats.zero12_flats`), where the target runs the optimizer that does so
-(`ZeroCheckpoint.is_round_robin` of the stage's virtual source: BF16_Optimizer ignores the setting).
+(`ZeroCheckpoint.flattens_round_robin` of the optimizer the stage keeps: BF16_Optimizer ignores the
+setting). The stage's virtual source lists its groups in the optimizer's order (`optimizer_ordered`).
 ZeRO-0 and frozen parameters are refused. A Megatron-style checkpoint (tensor parallelism inside the
 stages) is regrouped by the same functions, one target tensor-parallel rank at a time
 (`megatron.plan_megatron_stages`; trained with `round_robin_gradients` it is refused there, untested).
@@ -410,7 +411,7 @@ def stage_source(index: ModelParallelCheckpoint, groups: list[str], stage: Targe
     metas = [_meta(ranks, [key for key, _ in kept], d) for d in range(first.world_size)]
     states = restate or dict
     return replace(
-        first, params=params, groups=out_groups, tied={},
+        first, params=params, groups=out_groups, tied={}, optimizer_ordered=True,
         buffers=tuple(b for rank in ranks for b in rank.buffers if b.name in buffers),
         partitions=tuple(part for rank in ranks for part in rank.partitions) + tuple(m[1] for m in metas),
         files=tuple(f for rank in ranks for f in rank.files) + tuple(m[2] for m in metas),
@@ -448,7 +449,7 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
     laid = zero12_flats([[by_name[n] for n in group.params] for group in source.groups], world_size,
                         local(copies) if local is not None else copies,
                         aligned=is_set(source.zero_config, "parameter_alignment"), bf16=optimizer == BF16,
-                        round_robin=source.is_round_robin)
+                        round_robin=source.flattens_round_robin(optimizer))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     flat_shapes, param_paddings = laid.shapes, laid.param_paddings
     meta = len(index.ranks) * index.world_size  # the virtual ranks holding the stage's optimizer fields

@@ -221,15 +221,15 @@ def _merged_source(index: ModelParallelCheckpoint) -> ZeroCheckpoint:
     """A `ZeroCheckpoint` whose rank `mp * D + d` is tensor-parallel rank mp's data-parallel rank d, with
     the full parameters (names, shapes, groups) and tensor-parallel-free metadata. Each group lists its
     parameters in the optimizer's own order (`ZeroCheckpoint.optimizer_order`: a round-robin source's
-    order undone over a tensor-parallel rank's own D data-parallel ranks), what the target's layout starts
-    from; its fragments stay where they are."""
+    order undone over a tensor-parallel rank's own D data-parallel ranks; `optimizer_ordered`: nothing left
+    to undo), what the target's layout starts from; its fragments stay where they are."""
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     first = ranks[0]
     full = {t.name: t for t in index.tensors}
     params = tuple(Param(p.name, full[p.name].shape, p.dtype, p.group) for p in first.params)
     groups = tuple(ParamGroup(g.index, g.hyper, first.optimizer_order(g)) for g in first.groups)
     return replace(
-        first, params=params, groups=groups,
+        first, params=params, groups=groups, optimizer_ordered=True,
         partitions=tuple(part for rank in ranks for part in rank.partitions),
         files=tuple(f for rank in ranks for f in rank.files),
         model_states=tuple(at_degree(m, 1) for rank in ranks for m in rank.model_states),

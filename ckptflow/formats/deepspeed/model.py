@@ -133,6 +133,9 @@ class ZeroCheckpoint:
     model_states: tuple[Mapping[str, Any], ...]
     optim_states: tuple[Mapping[str, Any], ...]
     mp_rank: int = 0  # the model-parallel rank this data-parallel checkpoint belongs to (`mp_rank_XX`)
+    # Its groups list their parameters in the optimizer's own order already (`in_optimizer_order`, a
+    # planner's virtual source): whatever round-robin flattened is undone, nothing left to undo.
+    optimizer_ordered: bool = False
 
     @property
     def tag_uri(self) -> str:
@@ -190,9 +193,10 @@ class ZeroCheckpoint:
 
     @property
     def is_round_robin(self) -> bool:
-        """Whether its param groups were flattened round-robin: saved at ZeRO-1/2 by an optimizer that
-        flattens them so (`flattens_round_robin`)."""
-        return self.stage in (1, 2) and self.flattens_round_robin(self.optimizer_kind)
+        """Whether its param groups are listed as flattened round-robin: saved at ZeRO-1/2 by an optimizer
+        that flattens them so (`flattens_round_robin`), and not yet put back in the optimizer's order
+        (`optimizer_ordered`)."""
+        return not self.optimizer_ordered and self.stage in (1, 2) and self.flattens_round_robin(self.optimizer_kind)
 
     def flattens_round_robin(self, optimizer: str) -> bool:
         """Whether `optimizer` (`partition.ZERO`, `BF16`, `ZERO3`), built at ZeRO-1/2 from the config this
@@ -210,10 +214,11 @@ class ZeroCheckpoint:
 
     def in_optimizer_order(self) -> ZeroCheckpoint:
         """This index with each param group's parameters in the optimizer's own order (`optimizer_order`):
-        what a planner that lays the groups out again starts from."""
+        what a planner that lays the groups out again starts from (asked again, it has nothing to undo)."""
         if not self.is_round_robin:
             return self
-        return replace(self, groups=tuple(replace(g, params=self.optimizer_order(g)) for g in self.groups))
+        return replace(self, groups=tuple(replace(g, params=self.optimizer_order(g)) for g in self.groups),
+                       optimizer_ordered=True)
 
     @property
     def buffer_bytes(self) -> int:
