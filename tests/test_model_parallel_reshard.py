@@ -513,6 +513,9 @@ def test_a_round_robin_source_is_laid_out_again_at_the_target_s_data_parallel_si
     saved = [list(g.params) for g in index.ranks[0].groups]
     assert [[list(g.params) for g in rank.groups] for rank in index.ranks] == [saved] * 2
     listed = [deepspeed_undone(names, 2) for names in saved]  # the optimizer's list
+    ordered = index.ranks[0].in_optimizer_order()
+    assert [list(g.params) for g in ordered.groups] == listed
+    assert ordered.in_optimizer_order() is ordered and not ordered.is_round_robin  # nothing left to undo
     module = index.ranks[0].module_order
     assert listed == [sorted(names, key=module.index) for names in saved] != saved  # the model's order, undone
     for target, ranks in ((Target(world_size=3, tp=1), 3), (Target(world_size=2, tp=1, stage=1), 2)):
