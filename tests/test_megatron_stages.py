@@ -47,10 +47,16 @@ from ckptflow.reshard import reshard, shapes_at
 from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
-from tests.fixtures.sets import ParallelFixture, build_megatron_tied
+from tests.fixtures.sets import SETS, ParallelFixture, build_megatron_tied
 from tests.sampling import long_mode, sample
 from tests.test_megatron_reshard import ARGS, PIPE, SWIGLU, _differences, check_same_universal
-from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle
+from tests.test_model_parallel_reshard import (
+    check_loaded_state,
+    check_same_files,
+    deepspeed_round_robin,
+    launch_oracle,
+    source_sections,
+)
 from tests.test_reshard import _universal
 
 TIED = "megatron-tied-pp2tp2-z1-fp32"  # `specs.megatron_tied`: GPTModelPipe's tied embedding and head
@@ -82,13 +88,17 @@ def stage_fixtures(parallel_fixtures: Mapping[str, ParallelFixture],
 @pytest.fixture(scope="session")
 def stage_oracle(stage_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
                  ) -> dict[str, Any]:
-    """Reshard every case; one DeepSpeed launch per target (world size, pp, tp) loads, checks and saves them."""
-    root = tmp_path_factory.mktemp("megatron-stages-oracle")
+    return run_stage_oracle(stage_fixtures, CASES, tmp_path_factory.mktemp("megatron-stages-oracle"))
+
+
+def run_stage_oracle(fixtures: Mapping[str, ParallelFixture], cases: tuple, root: Path) -> dict[str, Any]:
+    """Reshard every case; one DeepSpeed launch per target (world size, pp, tp) loads, checks and saves them (a
+    source trained with round-robin gradients run so at the target, as its user would)."""
     outs, resaved, results = {}, {}, {}
     launches: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
-    for case in CASES:
+    for case in cases:
         name, pp, tp, dp, method, layers = case
-        fixture = stage_fixtures[name]
+        fixture = fixtures[name]
         spec = dataclasses.replace(fixture.parallel_spec, pp=pp, tp=tp, world_size=pp * tp * dp)
         outs[case] = root / "out" / case_id(case)
         reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, pp=pp, tp=tp, partition_method=method,
@@ -99,11 +109,25 @@ def stage_oracle(stage_fixtures: Mapping[str, ParallelFixture], tmp_path_factory
         launches.setdefault((spec.world_size, pp, tp), []).append({
             "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
             "save": str(resaved[case]), "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path),
-            "result": str(results[case]),
+            "result": str(results[case]), **source_sections(fixture),
         })
     for (world_size, pp, tp), jobs in sorted(launches.items()):
         launch_oracle(world_size, jobs, root, f"{world_size}-pp{pp}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
+
+
+def check_stage_output(oracle: dict[str, Any], case: tuple, fixture: ParallelFixture) -> None:
+    """DeepSpeed at the target held the source's state and client state and saved ckptflow's files again;
+    ckptflow's output validates at the target shape with the source's step, parameters and groups."""
+    check_loaded_state(oracle, case, fixture)
+    assert json.loads(oracle["results"][case].read_text())["client_state_differ"] == []
+    check_same_files(oracle, case)
+    report = validate(str(oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    summary, source = report.summary(), validate(str(fixture.dir)).summary()
+    assert (summary["pp"], summary.get("tp", 1), summary["world_size"]) == case[1:4]
+    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "param_groups")} == \
+        {k: source[k] for k in ("stage", "step", "params", "numel", "param_groups")}
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -111,15 +135,7 @@ def test_deepspeed_loads_the_stages_at_the_target_shape(stage_oracle: dict[str, 
                                                        stage_fixtures: Mapping[str, ParallelFixture],
                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     fixture = stage_fixtures[case[0]]
-    check_loaded_state(stage_oracle, case, fixture)
-    assert json.loads(stage_oracle["results"][case].read_text())["client_state_differ"] == []
-    check_same_files(stage_oracle, case)
-    report = validate(str(stage_oracle["outs"][case]), deep=True)
-    assert report.ok, [p.message for p in report.problems]
-    summary, source = report.summary(), validate(str(fixture.dir)).summary()
-    assert (summary["pp"], summary.get("tp", 1), summary["world_size"]) == case[1:4]
-    assert {k: summary[k] for k in ("stage", "step", "params", "numel", "param_groups")} == \
-        {k: source[k] for k in ("stage", "step", "params", "numel", "param_groups")}
+    check_stage_output(stage_oracle, case, fixture)
     if case in UNCONVERTIBLE:
         with pytest.raises(ZeroDivisionError):
             _universal(stage_oracle["resaved"][case], {}, tmp_path_factory.mktemp("universal"))
@@ -432,11 +448,70 @@ def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[s
     assert not (tmp_path / "out").exists()
 
 
-def test_round_robin_gradients_at_another_stage_count_is_refused(
-        stage_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """Pure: a Megatron-style checkpoint whose config says round_robin_gradients is refused at another stage
-    count (the PipelineModule route regroups such stages, `test_pipeline_reshard`; no Megatron-style one trained so
-    is checked), naming the setting."""
+# ---- round-robin gradients ----------------------------------------------------------------------------
+
+# `specs.megatron_round_robin`: megatron-toy pp1 x tp2 x dp2, ZeRO-1, each tensor-parallel rank's groups flattened
+# round-robin over its 2 data-parallel ranks. (fixture, pp, tp, dp, partition method, layer list's length) at the
+# target: the degree alone (tp1 x dp2), the stages alone (pp2 x tp2 x dp1) and both (pp2 x tp1 x dp2), "uniform" as
+# the writer builds it, of its 6 layers (one stage's files leave a trailing layer without parameters open). The oracle runs the target with the source's config and gathers the state from the flat
+# partitions at DeepSpeed's own offsets (`writers.parallel_rr`: DeepSpeed's accessors, and so `ds_to_universal`,
+# which fails on this source, read the wrong elements of such a run). Three launches of their own: long mode.
+MEGATRON_RR = "megatron-tp2dp2-z1-fp32-rr"
+ALL_RR_CASES = ((MEGATRON_RR, 1, 1, 2, None, None), (MEGATRON_RR, 2, 2, 1, "uniform", 6),
+                (MEGATRON_RR, 2, 1, 2, "uniform", 6))
+RR_CASES = sample(ALL_RR_CASES, [])
+
+
+@pytest.fixture(scope="session")
+def rr_fixtures() -> Mapping[str, ParallelFixture]:
+    return SETS["megatron-round-robin"].build([MEGATRON_RR])
+
+
+@pytest.fixture(scope="session")
+def rr_oracle(rr_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, Any]:
+    return run_stage_oracle(rr_fixtures, RR_CASES, tmp_path_factory.mktemp("megatron-rr-oracle"))
+
+
+@pytest.mark.parametrize("case", RR_CASES, ids=case_id)
+def test_deepspeed_loads_a_round_robin_source_at_another_shape(rr_oracle: dict[str, Any], case: tuple,
+                                                               rr_fixtures: Mapping[str, ParallelFixture]) -> None:
+    check_stage_output(rr_oracle, case, rr_fixtures[case[0]])
+
+
+@pytest.mark.skipif(not long_mode(), reason="a DeepSpeed launch of its own (the fixture): long mode (CKPTFLOW_LONG=1)")
+def test_a_round_robin_source_is_flattened_again_per_target_rank(rr_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Each tensor-parallel rank of the source saved its groups round-robin over its 2 data-parallel ranks, the
+    same order on both, not the module's. Undone, a group is the module's order; at tp1 x dp2 each group is that
+    order flattened round-robin over 2 ranks again, at pp2 x tp2 x dp1 each stage's share of it as it is (over one
+    rank, round-robin is the identity), at pp2 x tp1 x dp2 each stage's share flattened round-robin over 2."""
+    index = load_index(str(rr_fixtures[MEGATRON_RR].dir))
+    saved = [[list(g.params) for g in rank.groups] for rank in index.ranks]
+    assert saved[0] == saved[1]
+    listed = [list(index.ranks[0].optimizer_order(g)) for g in index.ranks[0].groups]
+    assert [deepspeed_round_robin(names, 2) for names in listed] == saved[0] != listed
+    assert listed[0] == ["0.weight", *[f"{layer}.{w}.weight" for layer in (1, 2, 3) for w in ("fc1", "fc2")],
+                         "5.weight"]
+    layers = {1: (0, 1, 2), 2: (3, 4, 5)}  # "uniform" at pp2
+
+    def share(stage: int, names: list[str]) -> list[str]:
+        return [n for n in names if int(n.split(".")[0]) in layers[stage]]
+
+    merged = plan_reshard(index, Target(world_size=2, pp=1, tp=1))
+    assert [[n for n, _ in g] for g in merged.parts[0].flat_shapes] == [deepspeed_round_robin(n, 2) for n in listed]
+    for tp, dp in ((2, 1), (1, 2)):
+        plan = plan_reshard(index, Target(world_size=2 * tp * dp, pp=2, tp=tp, partition_method="uniform",
+                                          pipeline_layers=6))
+        assert [[[n for n, _ in g] for g in part.flat_shapes] for part in plan.parts] == [
+            [deepspeed_round_robin(share(stage, names), dp) for names in listed]
+            for stage in (1, 2) for _ in range(tp)]
+
+
+def test_a_round_robin_source_of_several_stages_keeps_its_shape(stage_fixtures: Mapping[str, ParallelFixture]
+                                                                 ) -> None:
+    """Pure: a Megatron-style checkpoint of several pipeline stages whose config says round_robin_gradients (the
+    matrix's pp2 x tp2, its recorded config set so) is refused at another stage count and at another
+    tensor-parallel degree (only a one-stage source trained so is checked against DeepSpeed), naming the setting."""
     from dataclasses import replace
 
     from ckptflow.reshard.megatron import plan_megatron_stages
@@ -453,13 +528,16 @@ def test_round_robin_gradients_at_another_stage_count_is_refused(
     index = replace(index, ranks=tuple(replace(r, model_states=tuple(map(round_robin, r.model_states)))
                                        for r in index.ranks))
     assert index.ranks[0].is_round_robin
-    with pytest.raises(UnsupportedCheckpointError) as refused:
-        plan_megatron_stages(index, Shape(world_size=4, stage=1, pp=1, tp=2))
-    assert str(refused.value) == (
-        f"{fixture.dir}/global_step3 was trained with zero_optimization.round_robin_gradients, whose flattening order "
-        "ckptflow rebuilds for a PipelineModule's new stages and an AutoTP checkpoint's new degree, not yet for a "
-        "Megatron-style checkpoint's (no such checkpoint tested); keep the tensor-parallel degree and the pipeline "
-        "stages (leave `tp` and `pp` out) to change the data-parallel size only")
+    for refused_at in (lambda: plan_megatron_stages(index, Shape(world_size=4, stage=1, pp=1, tp=2)),
+                       lambda: plan_reshard(index, Target(world_size=4, tp=1))):
+        with pytest.raises(UnsupportedCheckpointError) as refused:
+            refused_at()
+        assert str(refused.value) == (
+            f"{fixture.dir}/global_step3 was trained with zero_optimization.round_robin_gradients over 2 pipeline "
+            "stages; ckptflow rebuilds that flattening order for a Megatron-style checkpoint of one stage at another "
+            "tensor-parallel degree or number of stages, not yet for one of several stages (no such checkpoint "
+            "tested); keep the tensor-parallel degree and the pipeline stages (leave `tp` and `pp` out) to change "
+            "the data-parallel size only")
 
 
 # ---- Megatron's learned position embeddings ------------------------------------------------------------

@@ -565,19 +565,3 @@ def test_a_zero3_source_that_ignored_round_robin_is_flattened_round_robin_at_zer
     target = Target(world_size=3, tp=1, stage=2)
     assert names(index, target) == [deepspeed_round_robin(g, 3) for g in names(plain, target)] != names(plain, target)
 
-
-def test_a_megatron_style_round_robin_source_keeps_its_tensor_parallel_degree(
-        parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """A Megatron-style checkpoint trained with round_robin_gradients (its recorded config set so here) is
-    refused at another tensor-parallel degree, in one line."""
-    index = load_index(str(parallel_fixtures["megatron-pp2tp2-z1-fp32-ucinfo"].dir))
-    head = index.ranks[0].model_states[0]
-    config = head["ds_config"]
-    head["ds_config"] = {**config, "zero_optimization": {**config["zero_optimization"], "round_robin_gradients": True}}
-    with pytest.raises(UnsupportedCheckpointError) as info:
-        plan_reshard(index, Target(world_size=4, tp=1))
-    assert str(info.value) == (
-        f"{index.root}/{index.tag} was trained with zero_optimization.round_robin_gradients, whose flattening order "
-        "ckptflow rebuilds for a PipelineModule's new stages and an AutoTP checkpoint's new degree, not yet for a "
-        "Megatron-style checkpoint's (no such checkpoint tested); keep the tensor-parallel degree and the pipeline "
-        "stages (leave `tp` and `pp` out) to change the data-parallel size only")

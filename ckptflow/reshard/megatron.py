@@ -352,13 +352,13 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} Megatron-style checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones only (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
-    if (shape.tp, shape.pp) != (index.tp, index.pp) and index.ranks[0].is_round_robin:
+    if (shape.tp, shape.pp) != (index.tp, index.pp) and index.pp > 1 and index.ranks[0].is_round_robin:
         raise UnsupportedCheckpointError(
-            f"{where} was trained with zero_optimization.round_robin_gradients, whose flattening order ckptflow "
-            "rebuilds for a PipelineModule's new stages and an AutoTP checkpoint's new degree, not yet for a "
-            "Megatron-style checkpoint's (no such checkpoint tested)", uri=index.root,
-            hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and "
-                 f"{option('pp')} out) to change the data-parallel size only")
+            f"{where} was trained with zero_optimization.round_robin_gradients over {index.pp} pipeline stages; "
+            "ckptflow rebuilds that flattening order for a Megatron-style checkpoint of one stage at another "
+            "tensor-parallel degree or number of stages, not yet for one of several stages (no such checkpoint tested)",
+            uri=index.root, hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and "
+                                 f"{option('pp')} out) to change the data-parallel size only")
     fused = fused_qkv(index) if shape.tp != index.tp and qkv_layout is None else None
     if fused is not None:
         raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
@@ -422,7 +422,7 @@ def _stage_source(index: ModelParallelCheckpoint, stage: int, splits: Mapping[st
     """Stage `stage`'s data-parallel checkpoint at tensor-parallel rank `t` of `shape.tp`: its parameters at
     their local shapes there, its model states at that degree (ZeRO-1 saves rank 0's only), every source
     rank's partitions and optimizer states (the virtual ranks `mp * D + d`)."""
-    first: ZeroCheckpoint = index.ranks[stage * index.tp]
+    first: ZeroCheckpoint = index.ranks[stage * index.tp].in_optimizer_order()
     states = [at_degree(m, shape.tp, info, tp_rank=t, mp_world_size=shape.tp * shape.pp) for m in first.model_states]
     return replace(
         first, params=tuple(Param(p.name, splits[p.name][0][t], p.dtype, p.group) for p in first.params),
