@@ -450,21 +450,24 @@ def test_another_zero_stage_with_the_stages_is_refused(stage_fixtures: Mapping[s
 
 # ---- round-robin gradients ----------------------------------------------------------------------------
 
-# `specs.megatron_round_robin`: megatron-toy pp1 x tp2 x dp2, ZeRO-1, each tensor-parallel rank's groups flattened
-# round-robin over its 2 data-parallel ranks. (fixture, pp, tp, dp, partition method, layer list's length) at the
-# target: the degree alone (tp1 x dp2), the stages alone (pp2 x tp2 x dp1) and both (pp2 x tp1 x dp2), "uniform" as
-# the writer builds it, of its 6 layers (one stage's files leave a trailing layer without parameters open). The oracle runs the target with the source's config and gathers the state from the flat
-# partitions at DeepSpeed's own offsets (`writers.parallel_rr`: DeepSpeed's accessors, and so `ds_to_universal`,
-# which fails on this source, read the wrong elements of such a run). Three launches of their own: long mode.
-MEGATRON_RR = "megatron-tp2dp2-z1-fp32-rr"
+# `specs.megatron_round_robin`: megatron-toy pp1 x tp2 x dp2 and pp2 x tp2 x dp2, ZeRO-1, each model-parallel rank's
+# groups flattened round-robin over its 2 data-parallel ranks. (fixture, pp, tp, dp, partition method, layer list's
+# length) at the target: from one stage, the degree alone (tp1 x dp2), the stages alone (pp2 x tp2 x dp1) and both
+# (pp2 x tp1 x dp2), "uniform" as the writer builds it, of its 6 layers (one stage's files leave a trailing layer
+# without parameters open); from two stages, both (pp1 x tp1 x dp2), the stages alone (pp1 x tp2 x dp2) and the
+# degree alone (pp2 x tp1 x dp2). The oracle runs the target with the source's config and gathers the state from the
+# flat partitions at DeepSpeed's own offsets (`writers.parallel_rr`: DeepSpeed's accessors, and so `ds_to_universal`,
+# which fails on these sources, read the wrong elements of such a run). Four launches of their own: long mode.
+MEGATRON_RR, STAGES_RR = "megatron-tp2dp2-z1-fp32-rr", "megatron-pp2tp2dp2-z1-fp32-rr"
 ALL_RR_CASES = ((MEGATRON_RR, 1, 1, 2, None, None), (MEGATRON_RR, 2, 2, 1, "uniform", 6),
-                (MEGATRON_RR, 2, 1, 2, "uniform", 6))
+                (MEGATRON_RR, 2, 1, 2, "uniform", 6),
+                (STAGES_RR, 1, 1, 2, None, None), (STAGES_RR, 1, 2, 2, None, None), (STAGES_RR, 2, 1, 2, None, None))
 RR_CASES = sample(ALL_RR_CASES, [])
 
 
 @pytest.fixture(scope="session")
 def rr_fixtures() -> Mapping[str, ParallelFixture]:
-    return SETS["megatron-round-robin"].build([MEGATRON_RR])
+    return SETS["megatron-round-robin"].build([MEGATRON_RR, STAGES_RR])
 
 
 @pytest.fixture(scope="session")
@@ -481,10 +484,11 @@ def test_deepspeed_loads_a_round_robin_source_at_another_shape(rr_oracle: dict[s
 
 @pytest.mark.skipif(not long_mode(), reason="a DeepSpeed launch of its own (the fixture): long mode (CKPTFLOW_LONG=1)")
 def test_a_round_robin_source_is_flattened_again_per_target_rank(rr_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """Each tensor-parallel rank of the source saved its groups round-robin over its 2 data-parallel ranks, the
-    same order on both, not the module's. Undone, a group is the module's order; at tp1 x dp2 each group is that
-    order flattened round-robin over 2 ranks again, at pp2 x tp2 x dp1 each stage's share of it as it is (over one
-    rank, round-robin is the identity), at pp2 x tp1 x dp2 each stage's share flattened round-robin over 2."""
+    """Each model-parallel rank of the sources saved its groups round-robin over its 2 data-parallel ranks, the
+    same order on both tensor-parallel ranks, not the module's. Undone (per stage of the pp2 source, whose stages'
+    orders undone make the pp1 source's), a group is the module's order; at tp1 x dp2 each group is that order
+    flattened round-robin over 2 ranks again, at pp2 x tp2 x dp1 each stage's share of it as it is (over one rank,
+    round-robin is the identity), at pp2 x tp1 x dp2 each stage's share flattened round-robin over 2."""
     index = load_index(str(rr_fixtures[MEGATRON_RR].dir))
     saved = [[list(g.params) for g in rank.groups] for rank in index.ranks]
     assert saved[0] == saved[1]
@@ -505,39 +509,13 @@ def test_a_round_robin_source_is_flattened_again_per_target_rank(rr_fixtures: Ma
         assert [[[n for n, _ in g] for g in part.flat_shapes] for part in plan.parts] == [
             [deepspeed_round_robin(share(stage, names), dp) for names in listed]
             for stage in (1, 2) for _ in range(tp)]
-
-
-def test_a_round_robin_source_of_several_stages_keeps_its_shape(stage_fixtures: Mapping[str, ParallelFixture]
-                                                                 ) -> None:
-    """Pure: a Megatron-style checkpoint of several pipeline stages whose config says round_robin_gradients (the
-    matrix's pp2 x tp2, its recorded config set so) is refused at another stage count and at another
-    tensor-parallel degree (only a one-stage source trained so is checked against DeepSpeed), naming the setting."""
-    from dataclasses import replace
-
-    from ckptflow.reshard.megatron import plan_megatron_stages
-    from ckptflow.reshard.shape import Shape
-
-    fixture = stage_fixtures[PIPE]
-    index = load_index(str(fixture.dir))
-
-    def round_robin(state: Mapping[str, Any]) -> dict[str, Any]:
-        config = dict(state["ds_config"])
-        return {**state, "ds_config": {**config, "zero_optimization": {**config["zero_optimization"],
-                                                                       "round_robin_gradients": True}}}
-
-    index = replace(index, ranks=tuple(replace(r, model_states=tuple(map(round_robin, r.model_states)))
-                                       for r in index.ranks))
-    assert index.ranks[0].is_round_robin
-    for refused_at in (lambda: plan_megatron_stages(index, Shape(world_size=4, stage=1, pp=1, tp=2)),
-                       lambda: plan_reshard(index, Target(world_size=4, tp=1))):
-        with pytest.raises(UnsupportedCheckpointError) as refused:
-            refused_at()
-        assert str(refused.value) == (
-            f"{fixture.dir}/global_step3 was trained with zero_optimization.round_robin_gradients over 2 pipeline "
-            "stages; ckptflow rebuilds that flattening order for a Megatron-style checkpoint of one stage at another "
-            "tensor-parallel degree or number of stages, not yet for one of several stages (no such checkpoint "
-            "tested); keep the tensor-parallel degree and the pipeline stages (leave `tp` and `pp` out) to change "
-            "the data-parallel size only")
+    stages = load_index(str(rr_fixtures[STAGES_RR].dir))
+    per_stage = [[list(stages.ranks[s * 2].optimizer_order(g)) for g in stages.ranks[s * 2].groups] for s in (0, 1)]
+    assert [[list(g.params) for g in stages.ranks[s * 2].groups] for s in (0, 1)] == [
+        [deepspeed_round_robin(names, 2) for names in groups] for groups in per_stage] != per_stage
+    assert [first + second for first, second in zip(*per_stage)] == listed
+    merged = plan_reshard(stages, Target(world_size=2, pp=1, tp=1))
+    assert [[n for n, _ in g] for g in merged.parts[0].flat_shapes] == [deepspeed_round_robin(n, 2) for n in listed]
 
 
 # ---- Megatron's learned position embeddings ------------------------------------------------------------

@@ -352,13 +352,6 @@ def _check_source(index: ModelParallelCheckpoint, shape: Shape, *, stages: bool 
         raise UnsupportedCheckpointError(
             f"{where} is a ZeRO-{index.stage} Megatron-style checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones only (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
-    if (shape.tp, shape.pp) != (index.tp, index.pp) and index.pp > 1 and index.ranks[0].is_round_robin:
-        raise UnsupportedCheckpointError(
-            f"{where} was trained with zero_optimization.round_robin_gradients over {index.pp} pipeline stages; "
-            "ckptflow rebuilds that flattening order for a Megatron-style checkpoint of one stage at another "
-            "tensor-parallel degree or number of stages, not yet for one of several stages (no such checkpoint tested)",
-            uri=index.root, hint=f"keep the tensor-parallel degree and the pipeline stages (leave {option('tp')} and "
-                                 f"{option('pp')} out) to change the data-parallel size only")
     fused = fused_qkv(index) if shape.tp != index.tp and qkv_layout is None else None
     if fused is not None:
         raise UnsupportedCheckpointError(f"{where}: {fused} {FUSED_QKV_WHY}", code="unsupported-shape", uri=index.root,
