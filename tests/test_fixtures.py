@@ -189,9 +189,10 @@ def test_each_cache_key_hashes_the_code_its_writers_import_and_nothing_else(tmp_
 @pytest.mark.parametrize(("holdout", "of"), [("harness-holdout", "harness"), ("client-state-holdout", "client-state"),
                                              ("optimizer-shards-holdout", "optimizer-shards"),
                                              ("pipe-round-robin", "round-robin"),
-                                             ("autotp-round-robin", "round-robin")])
+                                             ("autotp-round-robin", "round-robin"),
+                                             ("megatron-round-robin", "round-robin")])
 def test_a_held_out_set_is_keyed_by_its_writers_and_its_own_specs(holdout: str, of: str) -> None:
-    """Issue 25's held-out checkpoints (and the round-robin PipelineModule and AutoTP ones, written by the
+    """Issue 25's held-out checkpoints (and the round-robin PipelineModule, AutoTP and Megatron-style ones, written by the
     round-robin set's rank script): each set hashes the rank scripts of the set it is held out of and its own spec module; the set
     it is held out of does not hash that module (adding a holdout regenerates nothing else)."""
     from tests.fixtures.cache import keyed_modules

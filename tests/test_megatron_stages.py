@@ -16,6 +16,10 @@ stage and tensor-parallel ranks that hold them; its layer files cut again at the
   is, the tied learned position embeddings read whole as the replicated parameter they are, and both are
   held by every target stage that uses them, their masters and moments in each one's optimizer state, their
   layer file written once (layer 0's), as DeepSpeed at the target saves it;
+- trained with `round_robin_gradients` (`specs.megatron_round_robin`: pp1 x tp2 x dp2 and pp2 x tp2 x dp2, each
+  model-parallel rank's groups flattened round-robin over its data-parallel ranks), the order is undone per source
+  rank and redone per target rank, each axis changing alone and both at once, under the same oracle run with the
+  source's config (no `ds_to_universal` comparison: DeepSpeed's accessors read the wrong elements of such a run);
 - what cannot move yet (a tied parameter neither vocabulary-parallel nor replicated, another ZeRO stage) is
   refused in one line, and `--plan` says so; tensor-parallel copies of a tied replicated parameter that differ
   are refused, naming it; the stages' copies may differ (a real `GPTModelPipe` at pp >= 2 lets the last
@@ -28,7 +32,8 @@ merged the same way, and 4-rank launches cutting the stages again (pp2 x tp2 -> 
 writer builds it) and growing them (pp1 x tp2 x dp2 -> pp2 x tp1 x dp2, with Megatron-DeepSpeed's `args` and
 its sizes); and for the tied model the degree alone (pp2 x tp2 -> pp2 x tp1 x dp2), the stages alone
 (-> pp1 x tp2) and pp4 x tp1 (whose last stage holds the tied module alone; DeepSpeed's universal converter
-cannot read that shape, DeepSpeed's own save included: the test pins that failure instead of comparing).
+cannot read that shape, DeepSpeed's own save included: the test pins that failure instead of comparing); and the
+round-robin sources' six changes (four launches).
 """
 
 from __future__ import annotations

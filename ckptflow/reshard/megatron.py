@@ -78,11 +78,16 @@ without a declared layout (or with heads the run's `args` do not give, or T' doe
 and a tied module's parameter (`tied_modules.*`) neither vocabulary-parallel nor recorded as replicated
 at any tensor-parallel or pipeline change (`readers.pipeline.TIED_WHY`: only those two rules have been
 checked on a tied module), but a pipeline change from and to tp 1, where no rule splits a whole tensor.
-Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters,
-`round_robin_gradients` at another degree or stage count (the PipelineModule and AutoTP routes,
-`pipeline.plan_stage` and `tensor_parallel.plan_zero12`, flatten such groups again, but no Megatron-style
-checkpoint trained so has been checked against DeepSpeed), and another ZeRO stage at the same time (a
-PipelineModule trains at ZeRO-0 and 1 only).
+Trained with `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each model-parallel rank's groups
+round-robin over that rank's data-parallel group (`real_dp_process_group`: D ranks). Each source rank's
+groups are read in the optimizer's own order (`ZeroCheckpoint.in_optimizer_order`, the round-robin undone
+over its D ranks: `_stage_source`, and `pipeline.stage_source` per source stage), and each target rank's
+groups flattened round-robin again at its own data-parallel size (`tensor_parallel.plan_zero12`,
+`pipeline.plan_stage`). Checked against DeepSpeed's native load at the target, from pp1 x tp2 x dp2 and
+pp2 x tp2 x dp2 sources, each axis changing alone and both at once (`tests/test_megatron_stages.py`).
+
+Refused as well: ZeRO-0 (its optimizer state names no parameter), frozen parameters, and another ZeRO stage
+at the same time (a PipelineModule trains at ZeRO-0 and 1 only).
 """
 
 from __future__ import annotations

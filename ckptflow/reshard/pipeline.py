@@ -35,7 +35,7 @@ again over its E ranks (`flats.zero12_flats`), where the target runs the optimiz
 setting). The stage's virtual source lists its groups in the optimizer's order (`optimizer_ordered`).
 ZeRO-0 and frozen parameters are refused. A Megatron-style checkpoint (tensor parallelism inside the
 stages) is regrouped by the same functions, one target tensor-parallel rank at a time
-(`megatron.plan_megatron_stages`; trained with `round_robin_gradients` it is refused there, untested).
+(`megatron.plan_megatron_stages`, round-robin sources included).
 """
 
 from __future__ import annotations
