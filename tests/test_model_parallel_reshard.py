@@ -25,7 +25,8 @@ every fp32 weight, Adam moment and step, bit for bit.
 An AutoTP checkpoint trained with ``round_robin_gradients`` (``specs.autotp_round_robin``) changes its degree
 (and stage) under the same oracle, which runs the target with the source's config and gathers the state
 from DeepSpeed's flat partitions (its accessors read the wrong elements of such a run, so no
-``ds_to_universal`` comparison there).
+``ds_to_universal`` comparison there); so does one that AutoTP runs four ways (``specs.autotp_round_robin_split``),
+split to tp4 (long mode).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from tests.fixtures.specs.parallel import ParallelSpec
 from tests.sampling import sample
 from tests.test_reshard import _differences, _load_plain, _plain, _universal, _universal_tensor
 
+ORACLE = "tests.oracles.parallel_reshard"
 # (fixture, new data-parallel size)
 ALL_CASES = (
     ("autotp-tp2-z2-fp32", 2), ("autotp-tp2-z3-fp32", 2), ("autotp-llama-tied-tp2-z1-fp32", 2),
@@ -136,6 +138,14 @@ ALL_SPLITS = (
 SPLITS = sample(ALL_SPLITS, (*ALL_SPLITS[:3], ("autotp-glm-mha-tp2-z3-fp32", 1, 4, 1)))
 
 
+# AutoTP with 4 key/value heads trained with round_robin_gradients (`specs.autotp_round_robin_split`: tp2 x dp2
+# ZeRO-2) split to tp4 at dp1 (at ZeRO-2 and 3) and at dp2 (ZeRO-2 and 1: each target rank's groups flattened
+# round-robin over its 2 data-parallel ranks again). Two launches of their own (4 and 8 ranks, the oracle with
+# `models.split`'s models: `oracles.parallel_reshard_mha`): long mode.
+RR_SPLIT = "autotp-mha-tp2dp2-z2-fp32-rr"
+RR_SPLITS = sample(((RR_SPLIT, 1, 4), (RR_SPLIT, 1, 4, 3), (RR_SPLIT, 2, 4), (RR_SPLIT, 2, 4, 1)), [])
+
+
 # From BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation, `specs.bf16_optimizer`): merged to tp1 at
 # ZeRO-2 and ZeRO-3, and ZeRO-3 per tensor-parallel rank. Its fixtures are launches of their own: long mode.
 ALL_BF16_RESHARDS = (
@@ -157,7 +167,7 @@ def target_spec(fixture: ParallelFixture, dp: int, tp: int | None = None, stage:
 
 
 def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple, native: tuple,
-                       root: Path) -> dict[str, Any]:
+                       root: Path, script: str = ORACLE) -> dict[str, Any]:
     """Reshard every case of `reshards` ((fixture, dp) or (fixture, dp, tp)); then one DeepSpeed launch per
     (world size, layout, tp degree) loads each reshard (and each `native` source as it is), checks what it
     holds against the fixture's oracle and saves it again."""
@@ -181,7 +191,7 @@ def run_reshard_oracle(fixtures: Mapping[str, ParallelFixture], reshards: tuple,
             **source_sections(fixture),
         })
     for (world_size, layout, tp), jobs in sorted(launches.items()):
-        launch_oracle(world_size, jobs, root, f"{world_size}-{layout}-tp{tp}")
+        launch_oracle(world_size, jobs, root, f"{world_size}-{layout}-tp{tp}", script)
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
@@ -208,12 +218,12 @@ def deepspeed_undone(saved: Sequence[str], ranks: int) -> list[str]:
     return [order[i] for i in range(len(saved))]
 
 
-def launch_oracle(world_size: int, jobs: list[dict[str, Any]], root: Path, label: str) -> None:
-    """One DeepSpeed launch of `tests.oracles.parallel_reshard` on `world_size` ranks running `jobs` (its
-    jobs file and logs under `root`, named by `label`)."""
+def launch_oracle(world_size: int, jobs: list[dict[str, Any]], root: Path, label: str, script: str = ORACLE) -> None:
+    """One DeepSpeed launch of `script` (`tests.oracles.parallel_reshard`, or a rank script that runs its jobs) on
+    `world_size` ranks running `jobs` (its jobs file and logs under `root`, named by `label`)."""
     jobs_file = root / f"jobs-{label}.json"
     jobs_file.write_text(json.dumps(jobs, indent=1))
-    launch("tests.oracles.parallel_reshard", world_size, ["--jobs", str(jobs_file)], timeout=900,
+    launch(script, world_size, ["--jobs", str(jobs_file)], timeout=900,
            log_dir=root / f"logs-{label}")
 
 
@@ -287,6 +297,29 @@ def test_a_bf16_optimizer_checkpoint_changes_its_degree_and_stage_at_once(
     check_loaded_state(oracle, case, fixtures[case[0]])
     check_same_files(oracle, case)
     check_validates(oracle, case, fixtures[case[0]])
+
+
+@pytest.fixture(scope="session")
+def rr_split_fixtures() -> Mapping[str, ParallelFixture]:
+    return SETS["autotp-round-robin-split"].build([RR_SPLIT])
+
+
+@pytest.fixture(scope="session")
+def rr_split_oracle(rr_split_fixtures: Mapping[str, ParallelFixture], tmp_path_factory: pytest.TempPathFactory
+                    ) -> dict[str, Any]:
+    return run_reshard_oracle(rr_split_fixtures, RR_SPLITS, (), tmp_path_factory.mktemp("rr-split-oracle"),
+                              "tests.oracles.parallel_reshard_mha")
+
+
+@pytest.mark.parametrize("case", RR_SPLITS, ids=case_id)
+def test_a_round_robin_source_splits_to_another_degree(rr_split_oracle: dict[str, Any], case: tuple,
+                                                       rr_split_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """AutoTP tp2 x dp2 trained with round_robin_gradients, split to tp4: DeepSpeed with AutoTP at tp4 and the
+    source's config loads the split natively, holding the source's state (gathered from the flat partitions),
+    and saves exactly ckptflow's files."""
+    check_loaded_state(rr_split_oracle, case, rr_split_fixtures[case[0]])
+    check_same_files(rr_split_oracle, case)
+    check_validates(rr_split_oracle, case, rr_split_fixtures[case[0]])
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=case_id)
