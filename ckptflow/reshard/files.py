@@ -324,7 +324,9 @@ _ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "p
 
 def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
     """The source optimizer's state dict re-keyed as the target stage's optimizer saves it: the loss
-    scaler's fields carried (a static scale of 1 where the source keeps none: BF16_Optimizer, ZeRO-0), the
+    scaler's fields carried (an fp16 ZeRO-0 source's FP16_Optimizer scale among them, which
+    `stage._zero0_source` puts there; a static scale of 1 where the source keeps none: BF16_Optimizer,
+    ZeRO-0 in fp32 or bf16), the
     base state under its new key, placeholders for what `optim_states` rewrites anyway; `clip_grad`
     (which ZeRO-3 does not save) from the recorded `gradient_clipping`."""
     base = osd.get("optimizer_state_dict" if plan.src_optimizer == ZERO3 else "base_optimizer_state")
@@ -332,7 +334,7 @@ def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Map
     config = source.get("ds_config")
     clip = config.get("gradient_clipping", 0.0) if isinstance(config, Mapping) else 0.0
     carried = {"clip_grad": osd.get("clip_grad", clip), "ds_version": osd.get("ds_version", source.get("ds_version")),
-               # BF16_Optimizer and ZeRO-0 keep none: what DeepSpeed's ZeRO optimizers build without fp16
+               # BF16_Optimizer and fp32/bf16 ZeRO-0 keep none: what DeepSpeed's ZeRO optimizers build without fp16
                "loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": 1.0, "dynamic": False}),
                "dynamic_loss_scale": False, "overflow": False}
     out: dict[str, Any] = {}

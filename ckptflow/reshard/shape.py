@@ -42,7 +42,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
     splits_at,
     tied_module,
 )
-from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups, zero_loss_scaler
 from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.pipeline_layers import check_method
 from ckptflow.reshard.qkv import in_layout
@@ -340,11 +340,11 @@ def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None, known: Spl
 
 def why_not_zero0(index: Zero0Checkpoint) -> str | None:
     """Why ckptflow cannot write the ZeRO-0 checkpoint (or model-parallel rank) `index` at ZeRO-1, 2 or 3,
-    or None: its optimizer state must be named (`readers.zero0.named_groups`), and the target's loss
-    scaler written."""
-    if index.precision == "fp16":
-        return ("it was trained in fp16, and ckptflow does not carry FP16_Optimizer's dynamic loss scaler to another "
-                "stage yet")
+    or None: its optimizer state must be named (`readers.zero0.named_groups`), and in fp16 its
+    FP16_Optimizer's loss scale state be what DeepSpeed saves (`readers.zero0.zero_loss_scaler`)."""
+    scaler = zero_loss_scaler(index)
+    if isinstance(scaler, str):
+        return scaler
     named = named_groups(index)
     return named if isinstance(named, str) else None
 

@@ -61,7 +61,7 @@ from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, zero3_piece, zero3_real
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups, zero_loss_scaler
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
@@ -110,7 +110,8 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
     masters are the partitions, virtual rank k's partition of group g the group's k-th master (a group
     with fewer repeats its last, which no copy reads), each parameter one fragment of its master
     (16-bit: of the group's flat master, end to end). The optimizer file is what DeepSpeedZeroOptimizer
-    would save over it, less what `reshard.files` adds for any source that lacks it (the loss scaler):
+    would save over it, less what `reshard.files` adds for any source that lacks it (the loss scaler, but
+    for fp16: FP16_Optimizer's scale carried, `readers.zero0.zero_loss_scaler`):
     its base state's moments rank 0's, for their dtype, the step the group's; the model states
     ZeRO-1's (no `optimizer`, the tied aliases in model-parallel rank 0's `shared_params`)."""
     tensors = {t.name: t for t in index.tensors}
@@ -141,6 +142,9 @@ def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: 
                                  "param_groups": [{**g.hyper, "params": [gi]} for gi, g in enumerate(groups)]},
         "ds_version": model0.get("ds_version"),
     }
+    scaler = zero_loss_scaler(index)  # fp16: FP16_Optimizer's scale carried; else `files` writes a static 1
+    assert not isinstance(scaler, str), "why_not_zero0 checks it"
+    osd.update(scaler or {})
     optimizer = model0.get("optimizer")
     if isinstance(optimizer, Mapping) and "clip_grad" in optimizer:  # FP16_Optimizer's; else the recorded config's
         osd["clip_grad"] = optimizer["clip_grad"]

@@ -36,13 +36,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptflow.formats.deepspeed.config import zero_section
+from ckptflow.formats.deepspeed.config import is_set, section, zero_section
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor
-from ckptflow.formats.deepspeed.names import LATEST, model_file_name
+from ckptflow.formats.deepspeed.names import DYNAMIC_LOSS_SCALER, LATEST, LOSS_SCALER, model_file_name
 from ckptflow.formats.deepspeed.readers.zero import model_head
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join
 
@@ -386,5 +387,70 @@ def _assign(items: Sequence[Any], groups: int, fits: Callable[[tuple[int, ...], 
     return out[::-1]
 
 
-__all__ = ["MAX_ASSIGNMENTS", "UNNAMED_OPTIMIZER", "Zero0Checkpoint", "Zero0Group", "masters_note", "named_groups",
-           "read_zero0"]
+# ---- the fp16 loss scaler ---------------------------------------------------------------------------------
+
+# DeepSpeed 0.19.8's defaults for the `fp16` section's loss-scale settings (`DeepSpeedFP16Config`), which a
+# saved config leaves out where the user did.
+FP16_DEFAULTS = {"hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
+
+
+def _count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _scale(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def zero_loss_scaler(index: Zero0Checkpoint) -> dict[str, Any] | str | None:
+    """What DeepSpeed's ZeRO optimizers save of their loss scaler (`loss_scaler`, `dynamic_loss_scale`,
+    `overflow`), carried from the fp16 ZeRO-0 checkpoint `index`'s FP16_Optimizer; None for a run that
+    keeps no loss scale (fp32, bf16); or why its saved scale state is not what DeepSpeed 0.19.8 saves.
+
+    FP16_Optimizer saves `dynamic_loss_scale`, `cur_scale` and `cur_iter`, and with a dynamic scale
+    `last_overflow_iter`, `scale_factor` and `scale_window`: the target's `DynamicLossScaler` takes them
+    as they are. The rest of it FP16_Optimizer does not keep, and the ZeRO optimizer builds it from the
+    recorded config's `fp16` section as it would for this run (DeepSpeed's defaults where the section
+    leaves a setting out): `min_scale` (`min_loss_scale`), `delayed_shift` and `cur_hysteresis`
+    (`hysteresis`: FP16_Optimizer has none, so the target starts with its whole hysteresis),
+    `consecutive_hysteresis`, `raise_error_at_min_scale` (always True) and the dtype (float16).
+    `overflow` is whether the last step overflowed (`last_overflow_iter` is the step before `cur_iter`).
+    A static scale is a `LossScaler` with FP16_Optimizer's `cur_scale`."""
+    if index.precision != "fp16":
+        return None
+    saved = index.model_states.get("optimizer")
+    saved = saved if isinstance(saved, Mapping) else {}
+    fields: tuple[str, ...] = ("dynamic_loss_scale", "cur_scale", "cur_iter")
+    dynamic = saved.get("dynamic_loss_scale")
+    if dynamic is True:
+        fields += ("last_overflow_iter", "scale_factor", "scale_window")
+    values: dict[str, Any] = {k: saved.get(k) for k in fields}
+    checks = {"dynamic_loss_scale": isinstance(dynamic, bool), "cur_scale": _scale(values["cur_scale"]),
+              "cur_iter": _count(values["cur_iter"], 0),
+              "last_overflow_iter": _count(values.get("last_overflow_iter"), -1),
+              "scale_factor": _scale(values.get("scale_factor")),
+              "scale_window": _count(values.get("scale_window"), 1)}
+    bad = [k for k in fields if not checks[k]]
+    if bad:
+        shown = ", ".join(f"{k}={saved.get(k)!r}" for k in bad)
+        return (f"its FP16_Optimizer's loss scale state is not what DeepSpeed 0.19.8 saves ({shown}), so the target's "
+                "loss scaler cannot be carried")
+    if not dynamic:
+        return {"loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": values["cur_scale"], "dynamic": False}),
+                "dynamic_loss_scale": False, "overflow": False}
+    fp16 = {**FP16_DEFAULTS, **section(index.model_states.get("ds_config"), "fp16")}
+    hysteresis, least = fp16["hysteresis"], fp16["min_loss_scale"]
+    if not _count(hysteresis, 1) or not _scale(least):
+        return (f"its recorded config's fp16 section sets hysteresis={hysteresis!r}, min_loss_scale={least!r}, which "
+                "DeepSpeed 0.19.8 would not build a loss scaler from")
+    state = {"cur_scale": values["cur_scale"], "dynamic": True, "cur_iter": values["cur_iter"],
+             "last_overflow_iter": values["last_overflow_iter"], "scale_factor": values["scale_factor"],
+             "scale_window": values["scale_window"], "min_scale": least, "delayed_shift": hysteresis,
+             "cur_hysteresis": hysteresis, "consecutive_hysteresis": is_set(fp16, "consecutive_hysteresis"),
+             "raise_error_at_min_scale": True, "dtype": "float16"}
+    return {"loss_scaler": PickledObject(DYNAMIC_LOSS_SCALER, (), state), "dynamic_loss_scale": True,
+            "overflow": values["last_overflow_iter"] == values["cur_iter"] - 1}
+
+
+__all__ = ["FP16_DEFAULTS", "MAX_ASSIGNMENTS", "UNNAMED_OPTIMIZER", "Zero0Checkpoint", "Zero0Group", "masters_note",
+           "named_groups", "read_zero0", "zero_loss_scaler"]
