@@ -2,10 +2,12 @@
 
 ZeRO-0 saves its optimizer state by index; `readers.zero0.named_groups` names it by the one way the
 module's parameters, in order, fit the param groups (by the shapes of the Adam moments in an fp32 run,
-by the sizes of FP16_Optimizer's flat masters in bf16). Pure tests over made-up indexes here, and over
+by the sizes of FP16_Optimizer's flat masters in 16 bits), and in fp16 the target's loss scaler carried
+from FP16_Optimizer's (`readers.zero0.zero_loss_scaler`). Pure tests over made-up indexes here, and over
 the extra fixtures' ZeRO-0 checkpoints without a DeepSpeed launch: the step each target group carries.
 That DeepSpeed loads the output natively, holding the source's fp32 masters and moments bit for bit,
-and saves the same files again, is `tests/test_model_parallel_reshard.py`'s (its ZeRO-0 stage cases).
+and saves the same files again, is `tests/test_model_parallel_reshard.py`'s (its ZeRO-0 stage cases), in fp16
+with the loss scale too `tests/test_fp16_zero0.py`'s.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import pytest
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.deepspeed.model import ModelTensor, ZeroCheckpoint
+from ckptflow.formats.deepspeed.names import DYNAMIC_LOSS_SCALER, LOSS_SCALER
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.reshard import Target, reshard, shapes_at
 from ckptflow.reshard.plan import plan_reshard
 
@@ -36,10 +40,12 @@ def _ref(key: str, shape: tuple[int, ...], dtype: str = "float32") -> TensorRef:
 
 def _zero0(weights: Sequence[tuple[str, tuple[int, ...]]], groups: Sequence[Sequence[str]], *,
            moments: Mapping[int, tuple[int, ...]] | None = None, precision: str = "fp32",
-           config: Mapping[str, Any] | None = None) -> Zero0Checkpoint:
+           config: Mapping[str, Any] | None = None, scale: Mapping[str, Any] | None = None,
+           fp16: Mapping[str, Any] | None = None) -> Zero0Checkpoint:
     """A ZeRO-0 index of `weights` whose optimizer's param groups held the weights named in `groups`.
     fp32: one state per index, numbered as torch numbers them (group by group), its moments of the
-    weight's shape unless `moments` says otherwise; 16-bit: one flat master per group (FP16_Optimizer)."""
+    weight's shape unless `moments` says otherwise; 16-bit: one flat master per group (FP16_Optimizer),
+    with the loss scale state `scale` (fp16; default `SCALE`) and the config's `fp16` section."""
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
     module = {name: _ref(f"w{i}", shape, dtype) for i, (name, shape) in enumerate(weights)}
     shape_of = dict(weights)
@@ -56,8 +62,11 @@ def _zero0(weights: Sequence[tuple[str, tuple[int, ...]]], groups: Sequence[Sequ
         optimizer = {"optimizer_state_dict": {"state": state, "param_groups": [{"lr": 0.1, "params": [g]}
                                                                              for g in range(len(flat))]},
                      "fp32_groups_flat": [_ref(f"flat{g}", (n,)) for g, n in enumerate(flat)], "clip_grad": 1.0}
-    model_states = {"module": module, "optimizer": optimizer,
-                    "ds_config": {"zero_optimization": {"stage": 0, **(config or {})}}, "ds_version": "0.19.8"}
+        optimizer = {**(SCALE if scale is None else scale), **optimizer} if precision == "fp16" else optimizer
+    ds_config: dict[str, Any] = {"zero_optimization": {"stage": 0, **(config or {})}}
+    if precision != "fp32":
+        ds_config[{"bf16": "bf16", "fp16": "fp16"}[precision]] = {"enabled": True, **(fp16 or {})}
+    model_states = {"module": module, "optimizer": optimizer, "ds_config": ds_config, "ds_version": "0.19.8"}
     tensors = tuple(ModelTensor(n, ref.shape, ref.dtype, "param", (whole_run(ref, n),)) for n, ref in module.items())
     return Zero0Checkpoint(root="mem://ckpt", tag="global_step1", world_size=2, precision=precision, step=1,
                            ds_version="0.19.8", model_file="mem://ckpt/global_step1/mp_rank_00_model_states.pt",
@@ -116,10 +125,65 @@ def test_a_parameter_left_out_of_every_group_is_frozen() -> None:
     assert named[1] == ("head",)
 
 
-def test_fp16_zero0_is_refused() -> None:
+# FP16_Optimizer's loss scale state as DeepSpeed 0.19.8 saves it: an overflow at step 8, the last one.
+SCALE = {"dynamic_loss_scale": True, "cur_scale": 128.0, "cur_iter": 9, "last_overflow_iter": 8, "scale_factor": 2.0,
+         "scale_window": 4}
+
+
+def _target_scaler(index: Zero0Checkpoint, stage: int) -> dict[str, Any]:
+    """What the target optimizer files of `index` at ZeRO `stage` hold of the loss scaler."""
+    plan = plan_reshard(index, Target(world_size=2, stage=stage))
+    osd = plan.index.optim_states[0]["optimizer_state_dict"]
+    return {k: osd[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow") if k in osd}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_carries_its_dynamic_loss_scale(stage: int) -> None:
+    """The target's DynamicLossScaler: FP16_Optimizer's saved fields as they are, the rest from the recorded
+    fp16 section (DeepSpeed's defaults where it leaves them out), a whole hysteresis, `overflow` whether
+    the last step overflowed."""
     index = _zero0(BLOCK, DECAY, precision="fp16")
-    why = ("it was trained in fp16, and ckptflow does not carry FP16_Optimizer's dynamic loss scaler to another stage "
-           "yet")
+    assert all(reason is None for s, reason in shapes_at(index, 2) if s.stage in (1, 2, 3))
+    assert _target_scaler(index, stage) == {
+        "loss_scaler": PickledObject(DYNAMIC_LOSS_SCALER, (), {
+            "cur_scale": 128.0, "dynamic": True, "cur_iter": 9, "last_overflow_iter": 8, "scale_factor": 2.0,
+            "scale_window": 4, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 2,
+            "consecutive_hysteresis": False, "raise_error_at_min_scale": True, "dtype": "float16"}),
+        "dynamic_loss_scale": True, "overflow": True}
+    configured = _zero0(BLOCK, DECAY, precision="fp16", scale={**SCALE, "last_overflow_iter": 3},
+                        fp16={"hysteresis": 3, "min_loss_scale": 0.5, "consecutive_hysteresis": True})
+    carried = _target_scaler(configured, stage)
+    assert {k: carried["loss_scaler"].state[k] for k in ("last_overflow_iter", "min_scale", "delayed_shift",
+                                                          "cur_hysteresis", "consecutive_hysteresis")} == {
+        "last_overflow_iter": 3, "min_scale": 0.5, "delayed_shift": 3, "cur_hysteresis": 3,
+        "consecutive_hysteresis": True}
+    assert carried["overflow"] is False
+
+
+def test_a_static_fp16_scale_is_a_loss_scaler_with_its_scale() -> None:
+    index = _zero0(BLOCK, DECAY, precision="fp16", scale={"dynamic_loss_scale": False, "cur_scale": 64.0,
+                                                           "cur_iter": 9})
+    assert _target_scaler(index, 2) == {"loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": 64.0,
+                                                                                       "dynamic": False}),
+                                        "dynamic_loss_scale": False, "overflow": False}
+
+
+def test_bf16_keeps_no_loss_scale() -> None:
+    """bf16 FP16_Optimizer saves no scale: `files` writes the static scale of 1 DeepSpeed builds without fp16."""
+    assert _target_scaler(_zero0(BLOCK, DECAY, precision="bf16"), 2) == {}
+
+
+@pytest.mark.parametrize("scale,fp16,why", [
+    ({}, None, "its FP16_Optimizer's loss scale state is not what DeepSpeed 0.19.8 saves (dynamic_loss_scale=None, "
+               "cur_scale=None, cur_iter=None), so the target's loss scaler cannot be carried"),
+    ({**SCALE, "scale_window": 0, "last_overflow_iter": None}, None,
+     "its FP16_Optimizer's loss scale state is not what DeepSpeed 0.19.8 saves (last_overflow_iter=None, "
+     "scale_window=0), so the target's loss scaler cannot be carried"),
+    (SCALE, {"hysteresis": 0}, "its recorded config's fp16 section sets hysteresis=0, min_loss_scale=1, which "
+                               "DeepSpeed 0.19.8 would not build a loss scaler from"),
+])
+def test_an_fp16_scale_state_that_is_not_deepspeeds_is_refused(scale: Any, fp16: Any, why: str) -> None:
+    index = _zero0(BLOCK, DECAY, precision="fp16", scale=scale, fp16=fp16)
     listed = dict(shapes_at(index, 2))
     assert [listed[s] for s in listed if s.stage in (1, 2, 3)] == [why] * 3
     with pytest.raises(UnsupportedCheckpointError) as info:

@@ -20,7 +20,12 @@ Which shapes a layout allows follows DeepSpeed 0.19.8: PipelineModule trains at 
 degree divides the number of experts and the data-parallel ranks; a tensor-parallel degree divides
 the attention heads (when the model's `config.json` says how many). A Megatron-style checkpoint is
 written at the tensor-parallel degrees its `universal_checkpoint_info` rules cut every parameter at
-(`readers.pipeline.splits_at`; `why_not` names the first one they do not).
+(`readers.pipeline.splits_at`; `why_not` names the first one they do not). A data-parallel or AutoTP
+ZeRO-0 checkpoint goes to ZeRO-1/2/3 at its own tensor-parallel degree where its optimizer state can be
+named (`readers.zero0.named_groups`), in fp32, bf16 and fp16, fp16's FP16_Optimizer loss scale carried
+into the target's loss scaler (`readers.zero0.zero_loss_scaler`; checked against DeepSpeed on an fp16
+ZeRO-0 checkpoint written by DeepSpeed's own fp16 code on CPU ranks with the CPU accelerator's fp16
+check lifted, `tests/test_fp16_zero0.py`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ every training script that builds its param groups by walking the model (DeepSpe
 `model.parameters()`, the usual decay / no-decay split): each group holds its parameters in the
 module's order. Then the parameters are the module's, in order, each in one group (or in none: frozen),
 and what the file records pins down which: per index the shape of its Adam moments (fp32), or per group
-the size of its flat masters (16-bit). The assignment is used only where exactly one fits.
+the size of its flat masters (16-bit). The assignment is used only where exactly one fits. In fp16 the
+target's loss scaler is FP16_Optimizer's carried (`zero_loss_scaler`).
 """
 
 from __future__ import annotations
