@@ -37,6 +37,7 @@ from ckptflow.errors import CheckpointError, OutputError, UnsupportedCheckpointE
 from ckptflow.formats.deepspeed import load_index
 from ckptflow.formats.deepspeed.names import ALLOWED
 from ckptflow.formats.deepspeed.partition import (
+    BF16,
     Extent,
     moves,
     original_order,
@@ -859,6 +860,9 @@ ALL_CASES = (
     # BF16_Optimizer (bf16 ZeRO-1, fp32 gradient accumulation): the same config at ZeRO-2/3 gets DeepSpeed's
     # ZeRO optimizers
     ("z1-bf16-ws2-fp32accum", 3, 3), ("z1-bf16-ws2-fp32accum", 1, 2),
+    # ... and back at ZeRO-1 it gets BF16_Optimizer again, whichever optimizer wrote the source: ZeRO-2
+    # (DeepSpeed's own save of the case above) and ZeRO-3, both with fp32 gradient accumulation
+    ("z2-bf16-fp32accum-ws1*", 3, 1), ("z3-bf16-fp32accum-ws2*", 3, 1),
 )
 # Sampled by default (`tests.sampling`; every launch size stays): ZeRO-1/2/3 in fp32, bf16 and fp16,
 # offload, alignment, sub-groups, no step yet, a chained reshard, in every direction. All with
@@ -872,7 +876,8 @@ CASES = sample(ALL_CASES, [
     ("z2-fp32-ws2", 3, 3), ("z1-bf16-ws2", 1, 3), ("z3-fp32-ws2", 3, 2), ("z3-bf16-ws2", 3, 2), ("z3-fp16-ws2*", 1, 2),
     ("z2-rr-ws2*", 1, 3), ("z1-bf16-ws2-fp32accum", 3, 3),
 ])
-CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1)}
+# Sources that are DeepSpeed's own re-save of a case (resharded by an earlier launch).
+CHAINED = {"z2-bf16-ws1*": ("z2-bf16-ws2", 1), "z2-bf16-fp32accum-ws1*": ("z1-bf16-ws2-fp32accum", 1, 2)}
 ROUND_ROBIN = {"round_robin_gradients": True}
 WRITTEN = {
     **{f"z{stage}-fp16-ws2*": {"stage": stage, "dtype": "fp16"} for stage in (1, 2, 3)},
@@ -882,6 +887,7 @@ WRITTEN = {
     **{f"z{stage}-nostep-ws2*": {"stage": stage, "dtype": "bf16", "steps": 0} for stage in (2, 3)},
     "z2-rr-ws2*": {"stage": 2, "dtype": "fp32", "zero": ROUND_ROBIN},
     "llama-z3-rr-ws2*": {"model": "tiny-llama", "stage": 3, "dtype": "fp32", "zero": ROUND_ROBIN},
+    "z3-bf16-fp32accum-ws2*": {"stage": 3, "dtype": "bf16", "grad_accum_dtype": "fp32"},
 }
 LAUNCH_ORDER = (2, 1, 3, 4)  # 2 writes the WRITTEN sources; 4 reshards a checkpoint the 1-rank launch wrote
 # Loss curves: k steps at the source's world size from the source against k steps at the new one.
@@ -916,9 +922,10 @@ def oracle(ds_fixtures, tmp_path_factory) -> dict[str, Any]:
     (root / "curve").mkdir()
     specs: dict[str, Mapping[str, Any]] = {name: fixture.spec for name, fixture in ds_fixtures.items()}
     sources: dict[str, Path] = {name: fixture.dir for name, fixture in ds_fixtures.items()}
-    for alias, (name, _) in CHAINED.items():
-        specs[alias] = specs[name]
-        sources[alias] = root / "resaved" / _case_id((name, 1))
+    for alias, case in CHAINED.items():
+        at = {"stage": case[2], "optimizer": "DeepSpeedZeroOptimizer"} if _stage(case) else {}  # ZeRO-2/3
+        specs[alias] = {**specs[case[0]], **at}
+        sources[alias] = root / "resaved" / _case_id(case)
     for alias, settings in WRITTEN.items():
         specs[alias] = {"model": "toy", "offload": False, "grad_accum_dtype": None, "seed": 0, "world_size": 2,
                         "optimizer": "DeepSpeedZeroOptimizer", **settings}
@@ -1147,8 +1154,8 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
             left, right = _universal_tensor(left), _universal_tensor(right)
         assert left == right, name
     # 2. DeepSpeed's fp32 state dict (trained, frozen and tied parameters; buffers cast to fp32).
-    # DeepSpeed's reader does not know BF16_Optimizer checkpoints ("is not a zero checkpoint").
-    if spec["optimizer"] != "BF16_Optimizer":
+    # DeepSpeed's reader does not know BF16_Optimizer checkpoints ("is not a zero checkpoint"), on either side.
+    if spec["optimizer"] != "BF16_Optimizer" and load_index(str(resaved)).optimizer_kind != BF16:
         with contextlib.redirect_stdout(io.StringIO()):
             sd_a = get_fp32_state_dict_from_zero_checkpoint(str(source))
             sd_b = get_fp32_state_dict_from_zero_checkpoint(str(resaved))
@@ -1197,8 +1204,13 @@ def test_deepspeed_holds_exactly_the_source_state(oracle, case, universal_cache,
         osd_mine = _plain(out_ix.optim_states[rank]["optimizer_state_dict"], storage=False)
         osd_theirs = _plain(src_ix.optim_states[min(rank, src_ix.world_size - 1)]["optimizer_state_dict"],
                             storage=False)
-        for key in set(osd_theirs) - _PER_WORLD_SIZE - ({"zero_stage", "clip_grad", "ds_version", "base_optimizer_state",
-                                                          "optimizer_state_dict"} if _stage(case) else set()):
+        keys = set(osd_theirs) - _PER_WORLD_SIZE - ({"zero_stage", "clip_grad", "ds_version", "base_optimizer_state",
+                                                      "optimizer_state_dict"} if _stage(case) else set())
+        if _stage(case) and out_ix.optimizer_kind == BF16:  # BF16_Optimizer saves no loss scaler
+            assert set(osd_mine) == {"clip_grad", "base_optimizer_state", "single_partition_of_fp32_groups",
+                                     "group_paddings", "partition_count", "ds_version", "param_slice_mappings"}
+            keys &= set(osd_mine)
+        for key in keys:
             if key in ("base_optimizer_state", "optimizer_state_dict"):
                 assert _hyper(osd_mine[key]["param_groups"]) == _hyper(osd_theirs[key]["param_groups"])
                 assert _scalars(osd_mine[key]["state"]) == _scalars(osd_theirs[key]["state"])

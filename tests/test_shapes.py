@@ -258,16 +258,26 @@ def test_an_autotp_zero3_checkpoint_changes_its_degree_and_stage_at_once(paralle
     assert casts == {("bfloat16", True)}
 
 
-@pytest.mark.parametrize(("source", "source_stage", "stage", "optimizer"), [
-    ("bf16", 1, 1, "bf16"), ("bf16", 1, 2, "zero"), ("bf16", 1, 3, "zero3"), ("zero", 1, 2, "zero"),
-    ("zero", 2, 3, "zero3"), ("zero3", 3, 1, "zero"), ("zero3", 3, 3, "zero3")])
+# A bf16 run's recorded config, without and with fp32 gradient accumulation (BF16_Optimizer at ZeRO-1).
+_BF16_RUN = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+_FP32_ACCUM = {**_BF16_RUN, "data_types": {"grad_accum_dtype": "fp32"}}
+
+
+@pytest.mark.parametrize(("source", "source_stage", "stage", "config", "optimizer"), [
+    ("bf16", 1, 1, _FP32_ACCUM, "bf16"), ("bf16", 1, 2, _FP32_ACCUM, "zero"), ("bf16", 1, 3, _FP32_ACCUM, "zero3"),
+    ("zero", 1, 2, _BF16_RUN, "zero"), ("zero", 2, 3, _BF16_RUN, "zero3"), ("zero3", 3, 1, _BF16_RUN, "zero"),
+    ("zero3", 3, 3, _BF16_RUN, "zero3"), ("zero", 2, 1, _BF16_RUN, "zero"),
+    # whichever optimizer wrote the source, ZeRO-1 with fp32 gradient accumulation gets BF16_Optimizer
+    ("zero", 2, 1, _FP32_ACCUM, "bf16"), ("zero3", 3, 1, _FP32_ACCUM, "bf16"), ("zero", 2, 2, _FP32_ACCUM, "zero"),
+    ("bf16", 1, 1, None, "bf16")])
 def test_the_target_optimizer_is_the_one_deepspeed_builds_at_the_stage(source: str, source_stage: int, stage: int,
-                                                                      optimizer: str) -> None:
-    """The same config at another stage: BF16_Optimizer only at bf16 ZeRO-1 (DeepSpeed's sanity check), else
-    DeepSpeedZeroOptimizer at ZeRO-1/2 and the ZeRO-3 optimizer at ZeRO-3."""
+                                                                      config: Any, optimizer: str) -> None:
+    """The recorded config at the target stage: BF16_Optimizer at bf16 ZeRO-1 with fp32 gradient accumulation
+    (DeepSpeed's sanity check), whichever optimizer saved the source (and a BF16_Optimizer source's own at
+    ZeRO-1), else DeepSpeedZeroOptimizer at ZeRO-1/2 and the ZeRO-3 optimizer at ZeRO-3."""
     from ckptflow.reshard.flats import target_optimizer
 
-    assert target_optimizer(source, source_stage, stage) == optimizer
+    assert target_optimizer(source, source_stage, stage, config) == optimizer
 
 
 def test_an_expert_parallel_checkpoint_changes_stage_where_deepspeed_trains_it() -> None:
@@ -285,21 +295,76 @@ def test_an_expert_parallel_checkpoint_changes_stage_where_deepspeed_trains_it()
         "only")
 
 
-def test_zero1_where_the_config_gets_bf16_optimizer_is_refused(ds_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+def test_zero1_where_the_config_gets_bf16_optimizer_is_bf16_optimizers(ds_fixtures: Mapping[str, Any],
+                                                                        tmp_path: Path) -> None:
     """A bf16 run with fp32 gradient accumulation gets BF16_Optimizer at ZeRO-1 and DeepSpeedZeroOptimizer at
-    ZeRO-2/3 (`engine._do_optimizer_sanity_check`): its ZeRO-2 checkpoint back at ZeRO-1 would need
-    BF16_Optimizer's files, which ckptflow writes from BF16_Optimizer's own only. Refused, not written in
-    DeepSpeedZeroOptimizer's layout; ZeRO-1 from BF16_Optimizer's own files stays written."""
+    ZeRO-2/3 (`engine._do_optimizer_sanity_check`): its ZeRO-2 and ZeRO-3 checkpoints back at ZeRO-1 are
+    written in BF16_Optimizer's files, the very files the BF16_Optimizer source resharded at ZeRO-1 gives
+    (DeepSpeed's load of them: `test_reshard`'s oracle, long mode)."""
+    from ckptflow.formats.deepspeed.partition import BF16
     from ckptflow.reshard import reshard
 
-    source = ds_fixtures["z1-bf16-ws2-fp32accum"]
-    reshard(str(source.dir), str(tmp_path / "z2"), world_size=2, stage=2)
-    with pytest.raises(UnsupportedCheckpointError, match=(
-            r"at ZeRO-1 its recorded config \(bf16 weights, data_types.grad_accum_dtype fp32\) gets DeepSpeed's "
-            r"BF16_Optimizer, whose files ckptflow writes from a BF16_Optimizer checkpoint only; write it at ZeRO-2")):
-        reshard(str(tmp_path / "z2"), str(tmp_path / "back"), world_size=2, stage=1)
-    assert not (tmp_path / "back").exists()
-    reshard(str(source.dir), str(tmp_path / "z1"), world_size=3)
+    source = str(ds_fixtures["z1-bf16-ws2-fp32accum"].dir)
+    reshard(source, str(tmp_path / "same"), world_size=3)
+    want = _files(tmp_path / "same")
+    for stage in (2, 3):
+        reshard(source, str(tmp_path / f"z{stage}"), world_size=2, stage=stage)
+        assert load_index(str(tmp_path / f"z{stage}")).optimizer_kind != BF16
+        reshard(str(tmp_path / f"z{stage}"), str(tmp_path / f"back{stage}"), world_size=3, stage=1)
+        back = _files(tmp_path / f"back{stage}")
+        assert list(back) == list(want)
+        for name, obj in back.items():
+            assert _same(obj, want[name]), (stage, name)
+    assert load_index(str(tmp_path / "back3")).optimizer_kind == BF16
+
+
+def _files(checkpoint: Path) -> dict[str, Any]:
+    """Every file of a checkpoint's tag folder, loaded (trusted: ckptflow's own output)."""
+    import torch
+
+    tag = (checkpoint / "latest").read_text().strip()
+    return {p.name: torch.load(p, map_location="cpu", weights_only=False) for p in sorted((checkpoint / tag).iterdir())}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal object trees, tensors bit for bit in dtype and shape."""
+    import torch
+
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Mapping):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(-1).view(torch.uint8),
+                                                                               b.view(-1).view(torch.uint8)))
+    return bool(a == b)
+
+
+def test_zero1_where_the_config_gets_bf16_optimizer_is_refused_beyond_data_parallel() -> None:
+    """An AutoTP or expert-parallel checkpoint DeepSpeedZeroOptimizer saved, whose config gets BF16_Optimizer
+    at ZeRO-1, is refused there (no oracle yet); a data-parallel one, or one BF16_Optimizer saved, is not."""
+    from ckptflow.reshard.shape import _why_not_bf16_target
+
+    @dataclass
+    class Rank:
+        model_states: Any
+        optimizer_kind: str
+
+    @dataclass
+    class Index:
+        ranks: tuple[Rank, ...]
+
+    zero = Index((Rank([{"ds_config": _FP32_ACCUM}], "zero"),))
+    assert _why_not_bf16_target(zero, "autotp", 1) == (
+        "at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
+        "BF16_Optimizer, whose files ckptflow writes for AutoTP checkpoints from a BF16_Optimizer checkpoint only "
+        "(for data-parallel ZeRO ones from any); write it at ZeRO-2, where the same config gets DeepSpeedZeroOptimizer")
+    assert _why_not_bf16_target(zero, "autotp", 2) is None
+    assert _why_not_bf16_target(zero, "zero", 1) is None
+    assert _why_not_bf16_target(Index((Rank([{"ds_config": _FP32_ACCUM}], "bf16"),)), "autotp", 1) is None
+    assert _why_not_bf16_target(Index((Rank([{"ds_config": _BF16_RUN}], "zero"),)), "autotp", 1) is None
 
 
 def test_which_configs_get_bf16_optimizer_at_zero1() -> None:

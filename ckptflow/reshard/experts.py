@@ -350,7 +350,7 @@ def _plan(source: ExpertCheckpoint, zero: ZeroCheckpoint, virtual: ZeroCheckpoin
     over the group's ranks where the config sets `round_robin_gradients` and filled from the source
     fragments its parameters name; rank 0 writes the model states."""
     world_size = shape.world_size
-    optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage)
+    optimizer = target_optimizer(zero.optimizer_kind, zero.stage, shape.stage, zero.ds_config)
     by_key = virtual.param_by_key
     ordered = {key: sorted(p.fragments, key=lambda f: f.param_offset) for key, p in by_key.items()}
     starts = {key: [f.param_offset for f in frags] for key, frags in ordered.items()}

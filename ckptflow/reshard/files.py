@@ -51,7 +51,7 @@ from ckptflow.errors import CheckpointError, UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.client_state import namespace_state
 from ckptflow.formats.deepspeed.model import Param, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import FRAGMENT_ADDRESS, LOSS_SCALER, RECORDS, UC_INFO, ZERO_STAGE_ENUM
-from ckptflow.formats.deepspeed.partition import ZERO, ZERO3, Copy, partition_ranks
+from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO3, Copy, partition_ranks
 from ckptflow.formats.deepspeed.readers.autoep import PER_EXPERT_FORMAT, ZERO3_FORMAT
 from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.inert import InertRecord
@@ -320,17 +320,20 @@ _ZERO12_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "b
                 "partition_count", "ds_version", "param_slice_mappings")
 _ZERO3_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count",
                "ds_zero_partition_groups", "optimizer_state_dict", "fp32_flat_groups")
+_BF16_KEYS = ("clip_grad", "base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings",
+              "partition_count", "ds_version", "param_slice_mappings", UC_INFO)  # AutoTP's split info, if any
+_KEYS = {ZERO: _ZERO12_KEYS, ZERO3: _ZERO3_KEYS, BF16: _BF16_KEYS}
 
 
 def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
-    """The source optimizer's state dict re-keyed as the target stage's optimizer saves it: the loss
-    scaler's fields carried (an fp16 ZeRO-0 source's FP16_Optimizer scale among them, which
-    `stage._zero0_source` puts there; a static scale of 1 where the source keeps none: BF16_Optimizer,
-    ZeRO-0 in fp32 or bf16), the
-    base state under its new key, placeholders for what `optim_states` rewrites anyway; `clip_grad`
-    (which ZeRO-3 does not save) from the recorded `gradient_clipping`."""
+    """The source optimizer's state dict re-keyed as the target stage's optimizer saves it (`_KEYS`;
+    BF16_Optimizer's holds no loss scaler and no ZeRO stage): the loss scaler's fields carried (an fp16
+    ZeRO-0 source's FP16_Optimizer scale among them, which `stage._zero0_source` puts there; a static
+    scale of 1 where the source keeps none: BF16_Optimizer, ZeRO-0 in fp32 or bf16), the base state
+    under its new key, placeholders for what `optim_states` rewrites anyway; `clip_grad` (which ZeRO-3
+    does not save) from the recorded `gradient_clipping`."""
     base = osd.get("optimizer_state_dict" if plan.src_optimizer == ZERO3 else "base_optimizer_state")
-    keys = _ZERO3_KEYS if plan.optimizer == ZERO3 else _ZERO12_KEYS
+    keys = _KEYS[plan.optimizer]
     config = source.get("ds_config")
     clip = config.get("gradient_clipping", 0.0) if isinstance(config, Mapping) else 0.0
     carried = {"clip_grad": osd.get("clip_grad", clip), "ds_version": osd.get("ds_version", source.get("ds_version")),
@@ -343,6 +346,8 @@ def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Map
             out[key] = base
         elif key in osd:
             out[key] = osd[key]
+        elif key == UC_INFO:  # saved by AutoTP runs only
+            continue
         elif key == "ds_zero_partition_groups":
             if "ds_autoep_layers" in plan.index.model_states[0]:  # DeepSpeed records them with AutoEP experts only
                 out[key] = _placement_families(plan)

@@ -19,10 +19,13 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
+from ckptflow.formats.deepspeed.config import builds_bf16_optimizer
 from ckptflow.formats.deepspeed.model import Fragment, Param
 from ckptflow.formats.deepspeed.partition import (
+    BF16,
     ZERO,
     ZERO3,
     Copy,
@@ -46,15 +49,17 @@ from ckptflow.reshard.units import TargetFlat
 Copies = Callable[[str, int, int, int, int], Iterable[Copy]]
 
 
-def target_optimizer(source: str, source_stage: int, stage: int) -> str:
+def target_optimizer(source: str, source_stage: int, stage: int, config: Any) -> str:
     """The optimizer DeepSpeed builds at ZeRO `stage` for the run whose optimizer `source` (`partition.ZERO`,
-    `BF16`, `ZERO3`) saved it at ZeRO `source_stage`: the same at the same stage (BF16_Optimizer stays one
-    at ZeRO-1), `DeepSpeedZeroOptimizer` at ZeRO-1/2 otherwise, the ZeRO-3 optimizer at ZeRO-3. (A ZeRO-1
-    target whose recorded config gets BF16_Optimizer there, from another optimizer's files, is refused
-    before any plan: `shape.why_not`.)"""
+    `BF16`, `ZERO3`) saved it at ZeRO `source_stage` with the recorded `ds_config` `config`: the ZeRO-3
+    optimizer at ZeRO-3; at ZeRO-1 `BF16_Optimizer` where the config gets it there (bf16 weights, fp32
+    gradient accumulation: `config.builds_bf16_optimizer`), whichever optimizer wrote the source, and
+    where the source's own was one at ZeRO-1; `DeepSpeedZeroOptimizer` otherwise."""
     if stage == 3:
         return ZERO3
-    return source if stage == source_stage and source != ZERO3 else ZERO
+    if stage == 1 and (builds_bf16_optimizer(config) or (source == BF16 and source_stage == 1)):
+        return BF16
+    return ZERO
 
 
 def cast_runs(runs: Sequence[Run], dtype: str) -> tuple[Run, ...]:

@@ -391,16 +391,21 @@ def why_not_expert_stage(kind: str, target: int) -> str | None:
 
 def _why_not_bf16_target(index: Any, kind: str, stage: int) -> str | None:
     """Why ckptflow cannot write `index` at ZeRO `stage` where its recorded config gets DeepSpeed's
-    BF16_Optimizer there (ZeRO-1, bf16 weights, fp32 gradient accumulation: `config.builds_bf16_optimizer`)
-    and it was not trained by one: ckptflow lays BF16_Optimizer's flat groups out only from its own files."""
+    BF16_Optimizer there (ZeRO-1, bf16 weights, fp32 gradient accumulation: `config.builds_bf16_optimizer`,
+    the target optimizer `flats.target_optimizer`) and it was not trained by one: a data-parallel
+    checkpoint's flat groups are laid out as BF16_Optimizer's from any source (`stage.plan_stage_change`);
+    a model- or expert-parallel one's only from BF16_Optimizer's own files."""
+    if kind == "zero":
+        return None
     first = index.ranks[0] if kind == "autotp" else (index.zero_index() or index)
     states = first.model_states
     config = (states if isinstance(states, Mapping) else states[0]).get("ds_config")
     if stage != 1 or not builds_bf16_optimizer(config) or getattr(first, "optimizer_kind", "") == BF16:
         return None
     return ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
-            "BF16_Optimizer, whose files ckptflow writes from a BF16_Optimizer checkpoint only; write it at ZeRO-2, "
-            "where the same config gets DeepSpeedZeroOptimizer")
+            f"BF16_Optimizer, whose files ckptflow writes for {NAMES.get(kind, kind)} checkpoints from a "
+            "BF16_Optimizer checkpoint only (for data-parallel ZeRO ones from any); write it at ZeRO-2, where the "
+            "same config gets DeepSpeedZeroOptimizer")
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:

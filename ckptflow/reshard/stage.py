@@ -16,7 +16,11 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
 
 - BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) -> ZeRO-2/3: the same config gets
   DeepSpeed's ZeRO optimizers there; its flat groups (no alignment, padding on the last rank) are read
-  through their fragments like any source, by the rules above, the module's bf16 copy its own.
+  through their fragments like any source, by the rules above, the module's bf16 copy its own. And
+  back: ZeRO-2/3 -> ZeRO-1 where the recorded config gets BF16_Optimizer there
+  (`flats.target_optimizer`), whichever optimizer wrote the source: its flat groups laid out as
+  BF16_Optimizer's from the fragments, the module's bf16 copy the source's own (from ZeRO-3, cast from
+  the masters), the optimizer state re-keyed as BF16_Optimizer saves it (`files._other_optimizer`).
 - ZeRO-0 -> ZeRO-1/2/3 (`plan_zero0_stage`): the optimizer state, saved by position, named first
   (`readers.zero0.named_groups`); then each master is a partition of its own and the rules above
   apply, the ZeRO-1/2 module copy the source module's own weights.
@@ -66,7 +70,7 @@ from ckptflow.formats.deepspeed.runs import Run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef, cast_view
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_data_parallel, plan_expert_parallel
 from ckptflow.reshard.experts import at_degree
-from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, zero3_flats, zero12_flats
+from ckptflow.reshard.flats import Copies, fragment_copies, frozen_copies, target_optimizer, zero3_flats, zero12_flats
 from ckptflow.reshard.shape import Shape, why_not_zero0
 from ckptflow.reshard.units import DataParallelPlan, FrozenPiece, ModelParallelPlan, RankUnit, TargetFlat
 
@@ -75,15 +79,15 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
     """The plan that writes the data-parallel ZeRO checkpoint `index` at ZeRO `stage` on `world_size`
     ranks; `UnsupportedCheckpointError` for what it does not convert (see the module's docstring)."""
     source = plan_data_parallel(index, index.world_size)  # the source checked against DeepSpeed's arithmetic
-    if source.optimizer == BF16:  # at ZeRO-2/3 the same config gets DeepSpeed's ZeRO optimizers
-        moved = _to_zero3(index, world_size) if stage == 3 else _to_zero12(index, world_size, stage, from_module=True)
-        return replace(moved, source_optimizer=BF16)
-    if source.optimizer == ZERO and stage in (1, 2):
-        same = plan_data_parallel(index, world_size)
-        return replace(same, stage=stage)
+    optimizer = target_optimizer(source.optimizer, index.stage, stage, index.ds_config)
     if stage == 3:
         return _to_zero3(index, world_size)
-    return _to_zero12(index, world_size, stage)
+    if source.optimizer == optimizer == ZERO:
+        same = plan_data_parallel(index, world_size)
+        return replace(same, stage=stage)
+    # Laid out again from the fragments: the module's 16-bit copy the source's own, cast from the masters
+    # from ZeRO-3 (which saves none).
+    return _to_zero12(index, world_size, stage, from_module=index.stage != 3, optimizer=optimizer)
 
 
 def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> DataParallelPlan:
@@ -259,15 +263,17 @@ def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Seque
     )
 
 
-def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_module: bool = False) -> DataParallelPlan:
-    """ZeRO-3 (fp32) to `DeepSpeedZeroOptimizer`'s flat groups at `world_size`; rank 0 writes the module,
-    its trainable parameters cast from the masters, or (`from_module`: ZeRO-0) the source module's own."""
+def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_module: bool = False,
+               optimizer: str = ZERO) -> DataParallelPlan:
+    """`index`'s fragments to `optimizer`'s flat groups at `world_size` (`DeepSpeedZeroOptimizer`, or
+    `BF16_Optimizer` at ZeRO-1: `flats.target_optimizer`); rank 0 writes the module, its trainable
+    parameters cast from the masters (ZeRO-3), or (`from_module`: ZeRO-0/1/2) the source module's own."""
     copies_of = _copies(index)
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
     laid = zero12_flats([[by_name[n] for n in group.params] for group in index.groups], world_size, copies_of,
-                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=False,
-                        round_robin=index.flattens_round_robin(ZERO))
+                        aligned=is_set(index.zero_config, "parameter_alignment"), bf16=optimizer == BF16,
+                        round_robin=index.flattens_round_robin(optimizer))
     flats, paddings, slices = laid.flats, laid.paddings, laid.slices
     # The module's copy of every trainable parameter: the fp32 masters from the ranks' partitions, cast to
     # the training dtype on the way as DeepSpeed copies them after each step (`tensorref.cast_view`).
@@ -298,10 +304,10 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_modul
             write_bytes=4 * n_tensors * sum(f.numel for f in flats[r]) + (module_bytes if r == 0 else 0),
         ))
     return DataParallelPlan(
-        root=index.root, tag=index.tag, stage=stage, precision=index.precision, optimizer=ZERO,
+        root=index.root, tag=index.tag, stage=stage, precision=index.precision, optimizer=optimizer,
         source_world_size=index.world_size, world_size=world_size, flat_shapes=laid.shapes,
         param_alignment_paddings=laid.param_paddings, module=laid.module, units=tuple(units), index=index,
-        module_runs=module_runs, source_optimizer=ZERO3,
+        module_runs=module_runs, source_optimizer=index.optimizer_kind,
     )
 
 

@@ -88,8 +88,8 @@ def plan_tensor_parallel_merge(index: ModelParallelCheckpoint, world_size: int, 
     if stage == 3:
         plan = _plan_zero3(index, source, world_size, runs.copies)
     else:
-        plan = plan_zero12(index, source, world_size, target_optimizer(kind, index.stage, stage), runs.copies,
-                           _module_runs(index, source), stage=stage)
+        optimizer = target_optimizer(kind, index.stage, stage, source.ds_config)
+        plan = plan_zero12(index, source, world_size, optimizer, runs.copies, _module_runs(index, source), stage=stage)
     return replace(plan, stage=stage, source_optimizer=kind)
 
 
@@ -121,6 +121,7 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
     layouts = {p.name: _layout(index, info, meta, p.name) for p in first.params}
     target_info = _info_at(info, layouts, meta, tensor_parallel, index)
     kind = merged.optimizer_kind
+    optimizer = target_optimizer(kind, index.stage, stage, merged.ds_config)
     runs = ModelRuns(index)
     full_module = _module_runs(index, merged) if stage != 3 else {}
     parts = []
@@ -138,7 +139,7 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
         if stage == 3:
             plan = _plan_zero3(index, source, world_size, copies, mp_rank=t)
         else:
-            plan = plan_zero12(index, source, world_size, target_optimizer(kind, index.stage, stage), copies,
+            plan = plan_zero12(index, source, world_size, optimizer, copies,
                                {n: local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t, stage=stage)
         parts.append(replace(plan, stage=stage, source_optimizer=kind))
     return ModelParallelPlan(

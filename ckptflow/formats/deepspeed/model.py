@@ -182,9 +182,14 @@ class ZeroCheckpoint:
         return Degrees(self.world_size, ep=max((g.ep for g in self.groups), default=1))
 
     @property
+    def ds_config(self) -> Any:
+        """The config it was trained with, as rank 0 recorded it (`ds_config`; None where it did not)."""
+        return self.model_states[0].get("ds_config")
+
+    @property
     def zero_config(self) -> Mapping[str, Any]:
         """The `zero_optimization` section of the config it was trained with."""
-        return zero_section(self.model_states[0].get("ds_config"))
+        return zero_section(self.ds_config)
 
     @property
     def optimizer_kind(self) -> str:
