@@ -52,7 +52,7 @@ from ckptflow.formats.deepspeed.autotp_shards import (
     sub_param_map,
 )
 from ckptflow.formats.deepspeed.names import ALLOWED, UC_INFO
-from ckptflow.formats.deepspeed.partition import ZERO
+from ckptflow.formats.deepspeed.partition import BF16, ZERO
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import plan_reshard, reshard
 from ckptflow.reshard.shape import Target
@@ -150,13 +150,20 @@ RR_SPLITS = sample(((RR_SPLIT, 1, 4), (RR_SPLIT, 1, 4, 3), (RR_SPLIT, 2, 4), (RR
 # ZeRO-2 and ZeRO-3, and ZeRO-3 per tensor-parallel rank. Its fixtures are launches of their own: long mode.
 ALL_BF16_RESHARDS = (
     ("autotp-tp2-z1-bf16-fp32accum", 2, 1, 2), ("autotp-tp2-z1-bf16-fp32accum", 2, 1, 3),
-    ("autotp-tp2-z1-bf16-fp32accum", 1, None, 3),
+    ("autotp-tp2-z1-bf16-fp32accum", 1, None, 3), ("autotp-tp2-z1-bf16-fp32accum", 1, None, 2),
 )
 BF16_RESHARDS = sample(ALL_BF16_RESHARDS, [])
+# ... and back: DeepSpeed's own ZeRO-2 and ZeRO-3 re-saves of those at tp2 (DeepSpeedZeroOptimizer's and the
+# ZeRO-3 optimizer's files of a run whose config gets BF16_Optimizer at ZeRO-1) written at ZeRO-1 at tp2, at
+# their own and another data-parallel size: BF16_Optimizer's files. Two more launches: long mode.
+BF16_CHAINED = {"autotp-tp2-z2-bf16-fp32accum*": ("autotp-tp2-z1-bf16-fp32accum", 1, None, 2),
+                "autotp-tp2-z3-bf16-fp32accum*": ("autotp-tp2-z1-bf16-fp32accum", 1, None, 3)}
+ALL_BF16_BACK = (("autotp-tp2-z2-bf16-fp32accum*", 1, None, 1), ("autotp-tp2-z3-bf16-fp32accum*", 2, None, 1))
+BF16_BACK = sample(ALL_BF16_BACK, [])
 
 
 def case_id(case: tuple) -> str:
-    return (f"{case[0]}-to-dp{case[1]}" + (f"-tp{case[2]}" if len(case) > 2 and case[2] else "")
+    return (f"{case[0].rstrip('*')}-to-dp{case[1]}" + (f"-tp{case[2]}" if len(case) > 2 and case[2] else "")
             + (f"-z{case[3]}" if len(case) > 3 else ""))
 
 
@@ -285,6 +292,43 @@ def split_oracle(split_fixtures: Mapping[str, ParallelFixture], tmp_path_factory
 def bf16_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Mapping[str, ParallelFixture], dict[str, Any]]:
     fixtures = build_bf16_optimizer(sorted({case[0] for case in BF16_RESHARDS}))
     return fixtures, run_reshard_oracle(fixtures, BF16_RESHARDS, (), tmp_path_factory.mktemp("bf16-oracle"))
+
+
+def resaved_fixture(fixture: ParallelFixture, case: tuple, resaved: Path, root: Path) -> ParallelFixture:
+    """DeepSpeed's re-save `resaved` of `case` (a reshard of `fixture`) as a fixture of its own under `root`:
+    the same trained state (`fixture`'s oracle files), its spec at the case's shape and stage."""
+    root.mkdir(parents=True)
+    for item in fixture.root.iterdir():
+        if item.name not in ("ckpt", "spec.json"):
+            (root / item.name).symlink_to(item)
+    (root / "ckpt").symlink_to(resaved)
+    spec = target_spec(fixture, *case[1:])
+    (root / "spec.json").write_text(json.dumps({**fixture.spec, **spec.to_json()}))
+    return ParallelFixture.load(root)
+
+
+@pytest.fixture(scope="session")
+def bf16_back_oracle(bf16_oracle: tuple[Mapping[str, ParallelFixture], dict[str, Any]],
+                     tmp_path_factory: pytest.TempPathFactory) -> tuple[Mapping[str, ParallelFixture], dict[str, Any]]:
+    fixtures, first = bf16_oracle
+    root = tmp_path_factory.mktemp("bf16-back-oracle")
+    chained = {alias: resaved_fixture(fixtures[case[0]], case, first["resaved"][case], root / "sources" / alias.rstrip("*"))
+               for alias, case in BF16_CHAINED.items() if any(back[0] == alias for back in BF16_BACK)}
+    return chained, run_reshard_oracle(chained, BF16_BACK, (), root)
+
+
+@pytest.mark.parametrize("case", BF16_BACK, ids=case_id)
+def test_a_zero23_checkpoint_whose_config_gets_bf16_optimizer_is_written_as_its_files_at_zero1(
+        bf16_back_oracle: tuple[Mapping[str, ParallelFixture], dict[str, Any]], case: tuple) -> None:
+    """AutoTP tp2 saved by DeepSpeedZeroOptimizer (ZeRO-2) or the ZeRO-3 optimizer from a config that gets
+    BF16_Optimizer at ZeRO-1: at ZeRO-1 DeepSpeed builds BF16_Optimizer from that config, loads ckptflow's
+    BF16_Optimizer files natively holding the trained state bit for bit, and saves exactly ckptflow's files."""
+    fixtures, oracle = bf16_back_oracle
+    check_loaded_state(oracle, case, fixtures[case[0]])
+    check_same_files(oracle, case)
+    check_validates(oracle, case, fixtures[case[0]])
+    assert load_index(str(fixtures[case[0]].dir)).ranks[0].optimizer_kind != BF16
+    assert load_index(str(oracle["outs"][case])).ranks[0].optimizer_kind == BF16
 
 
 @pytest.mark.parametrize("case", BF16_RESHARDS, ids=case_id)

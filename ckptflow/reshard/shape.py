@@ -322,7 +322,9 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             return why
         if kind not in ("zero", "autotp", "moe", "autoep"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
-    return _why_not_bf16_target(index, kind, shape.stage) if shape.stage != source.stage else None
+    if shape.stage == source.stage:
+        return None
+    return _why_not_bf16_target(index, kind, shape.stage, shape.tp != source.tp)
 
 
 def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None, known: SplitsByDegree) -> str | None:
@@ -389,13 +391,14 @@ def why_not_expert_stage(kind: str, target: int) -> str | None:
     return None
 
 
-def _why_not_bf16_target(index: Any, kind: str, stage: int) -> str | None:
+def _why_not_bf16_target(index: Any, kind: str, stage: int, tp_changes: bool = False) -> str | None:
     """Why ckptflow cannot write `index` at ZeRO `stage` where its recorded config gets DeepSpeed's
     BF16_Optimizer there (ZeRO-1, bf16 weights, fp32 gradient accumulation: `config.builds_bf16_optimizer`,
-    the target optimizer `flats.target_optimizer`) and it was not trained by one: a data-parallel
-    checkpoint's flat groups are laid out as BF16_Optimizer's from any source (`stage.plan_stage_change`);
-    a model- or expert-parallel one's only from BF16_Optimizer's own files."""
-    if kind == "zero":
+    the target optimizer `flats.target_optimizer`) and it was not trained by one: the flat groups of a
+    data-parallel checkpoint, and of an AutoTP one at its own tensor-parallel degree, are laid out as
+    BF16_Optimizer's from any source (`stage.plan_stage_change`); those of an AutoTP checkpoint at another
+    degree (`tp_changes`) and of an expert-parallel one only from BF16_Optimizer's own files."""
+    if kind == "zero" or (kind == "autotp" and not tp_changes):
         return None
     first = index.ranks[0] if kind == "autotp" else (index.zero_index() or index)
     states = first.model_states
@@ -403,9 +406,10 @@ def _why_not_bf16_target(index: Any, kind: str, stage: int) -> str | None:
     if stage != 1 or not builds_bf16_optimizer(config) or getattr(first, "optimizer_kind", "") == BF16:
         return None
     return ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
-            f"BF16_Optimizer, whose files ckptflow writes for {NAMES.get(kind, kind)} checkpoints from a "
-            "BF16_Optimizer checkpoint only (for data-parallel ZeRO ones from any); write it at ZeRO-2, where the "
-            "same config gets DeepSpeedZeroOptimizer")
+            f"BF16_Optimizer, whose files ckptflow writes for {NAMES.get(kind, kind)} checkpoints"
+            f"{' at another tensor-parallel degree' if kind == 'autotp' else ''} from a BF16_Optimizer checkpoint "
+            "only (for data-parallel ones, and AutoTP ones at their own degree, from any); write it at ZeRO-2, "
+            "where the same config gets DeepSpeedZeroOptimizer")
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:
