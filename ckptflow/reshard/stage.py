@@ -89,7 +89,7 @@ def plan_stage_change(index: ZeroCheckpoint, world_size: int, stage: int) -> Dat
         return replace(same, stage=stage)
     # Laid out again from the fragments: the module's 16-bit copy the source's own, cast from the masters
     # from ZeRO-3 (which saves none).
-    return _to_zero12(index, world_size, stage, from_module=index.stage != 3, optimizer=optimizer)
+    return _to_zero12(index, world_size, stage, optimizer=optimizer)
 
 
 def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> DataParallelPlan:
@@ -107,7 +107,7 @@ def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> Dat
     named = named_groups(index)
     assert not isinstance(named, str), "why_not_zero0 names them"
     source = _zero0_source(index, *named)
-    plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage, from_module=True)
+    plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage)
     return replace(plan, source_world_size=index.world_size, source_optimizer=ZERO0)
 
 
@@ -265,11 +265,10 @@ def _zero3_plan(index: ZeroCheckpoint, world_size: int, per_rank: Sequence[Seque
     )
 
 
-def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_module: bool = False,
-               optimizer: str = ZERO) -> DataParallelPlan:
+def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, optimizer: str = ZERO) -> DataParallelPlan:
     """`index`'s fragments to `optimizer`'s flat groups at `world_size` (`DeepSpeedZeroOptimizer`, or
     `BF16_Optimizer` at ZeRO-1: `flats.target_optimizer`); rank 0 writes the module, its trainable
-    parameters cast from the masters (ZeRO-3), or (`from_module`: ZeRO-0/1/2) the source module's own."""
+    parameters cast from the masters from ZeRO-3 (which saves none), else the source module's own."""
     copies_of = _copies(index)
     by_name = index.param_by_name
     n_tensors = index.tensors_per_partition
@@ -283,7 +282,7 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, from_modul
         ref = index.partitions[c.src_rank][c.src_flat].fp32
         return ref if param.dtype == "float32" else cast_view(ref, param.dtype)
 
-    module_runs = {} if from_module else {
+    module_runs = {} if index.stage != 3 else {
         p.name: tuple(Run(ref=master(p, c), start=c.src_offset, numel=c.numel, offset=c.dst_offset)
                       for c in copies_of(p.name, g, 0, p.numel, 0))
         for g, group in enumerate(index.groups) for p in (by_name[n] for n in group.params)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.formats.deepspeed.config import is_set, section, zero_section
-from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing, is_count, shown
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor
 from ckptflow.formats.deepspeed.names import DYNAMIC_LOSS_SCALER, LATEST, LOSS_SCALER, model_file_name
 from ckptflow.formats.deepspeed.readers.zero import model_head
@@ -395,8 +395,9 @@ def _assign(items: Sequence[Any], groups: int, fits: Callable[[tuple[int, ...], 
 FP16_DEFAULTS = {"hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
 
 
-def _count(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+def _at_least(value: Any, least: int) -> bool:
+    """An int (not a bool) of at least `least`, as bounded as the counts `inspection.is_count` takes."""
+    return type(value) is int and is_count(value - least)
 
 
 def _scale(value: Any) -> bool:
@@ -427,23 +428,23 @@ def zero_loss_scaler(index: Zero0Checkpoint) -> dict[str, Any] | str | None:
         fields += ("last_overflow_iter", "scale_factor", "scale_window")
     values: dict[str, Any] = {k: saved.get(k) for k in fields}
     checks = {"dynamic_loss_scale": isinstance(dynamic, bool), "cur_scale": _scale(values["cur_scale"]),
-              "cur_iter": _count(values["cur_iter"], 0),
-              "last_overflow_iter": _count(values.get("last_overflow_iter"), -1),
+              "cur_iter": _at_least(values["cur_iter"], 0),
+              "last_overflow_iter": _at_least(values.get("last_overflow_iter"), -1),
               "scale_factor": _scale(values.get("scale_factor")),
-              "scale_window": _count(values.get("scale_window"), 1)}
+              "scale_window": _at_least(values.get("scale_window"), 1)}
     bad = [k for k in fields if not checks[k]]
     if bad:
-        shown = ", ".join(f"{k}={saved.get(k)!r}" for k in bad)
-        return (f"its FP16_Optimizer's loss scale state is not what DeepSpeed 0.19.8 saves ({shown}), so the target's "
-                "loss scaler cannot be carried")
+        found = ", ".join(f"{k}={shown(saved.get(k))}" for k in bad)
+        return (f"its FP16_Optimizer's loss scale state is not what DeepSpeed 0.19.8 saves ({found}), so the "
+                "target's loss scaler cannot be carried")
     if not dynamic:
         return {"loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": values["cur_scale"], "dynamic": False}),
                 "dynamic_loss_scale": False, "overflow": False}
     fp16 = {**FP16_DEFAULTS, **section(index.model_states.get("ds_config"), "fp16")}
     hysteresis, least = fp16["hysteresis"], fp16["min_loss_scale"]
-    if not _count(hysteresis, 1) or not _scale(least):
-        return (f"its recorded config's fp16 section sets hysteresis={hysteresis!r}, min_loss_scale={least!r}, which "
-                "DeepSpeed 0.19.8 would not build a loss scaler from")
+    if not _at_least(hysteresis, 1) or not _scale(least):
+        return (f"its recorded config's fp16 section sets hysteresis={shown(hysteresis)}, "
+                f"min_loss_scale={shown(least)}, which DeepSpeed 0.19.8 would not build a loss scaler from")
     state = {"cur_scale": values["cur_scale"], "dynamic": True, "cur_iter": values["cur_iter"],
              "last_overflow_iter": values["last_overflow_iter"], "scale_factor": values["scale_factor"],
              "scale_window": values["scale_window"], "min_scale": least, "delayed_shift": hysteresis,
