@@ -13,7 +13,9 @@ loads the reshard natively (``engine.load_checkpoint``, no universal checkpoint)
 
 ZeRO-0 needs no reshard: DeepSpeed loads it as it is at another data-parallel size (checked here
 too), and ckptflow says so. At another ZeRO stage it does (issue 24): its optimizer state named
-(`readers.zero0.named_groups`), data-parallel and AutoTP, fp32 and bf16, with the same oracle.
+(`readers.zero0.named_groups`), data-parallel and AutoTP, fp32 and bf16, with the same oracle; an AutoTP one
+with another tensor-parallel degree too (merged to tp1 by default, split to tp4 from ``specs.zero0_split`` in
+the long mode).
 
 The tensor-parallel degree itself can be merged away for AutoTP (``--tensor-parallel 1``): the same
 oracle, with DeepSpeed building the model without tensor parallelism at the new data-parallel size.
@@ -103,6 +105,10 @@ ALL_STAGES = (
     # FP16_Optimizer's flat ones (bf16); data-parallel and AutoTP, a tied embedding
     ("autotp-tp2-z0-fp32", 1, None, 3), ("autotp-tp2-z0-bf16", 1, None, 2), ("zero-dp2-z0-fp32", 3, None, 1),
     ("zero-dp2-z0-bf16", 2, None, 3), ("zero-llama-tied-dp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-fp32", 1, None, 2),
+    # ZeRO-0 AutoTP merged to tp1 with the stage: each tensor-parallel rank's optimizer state named, the ranks'
+    # masters joined by the affine maps (fp32: the module's weights; bf16: FP16_Optimizer's flat masters)
+    ("autotp-tp2-z0-fp32", 2, 1, 1), ("autotp-tp2-z0-bf16", 3, 1, 2), ("autotp-tp2dp2-z0-fp32", 1, 1, 3),
+    ("autotp-tp2-z0-bf16", 2, 1, 3),
 )
 # The ZeRO-0 cases ride on launches the others make already: (2 ranks, tp2) and (2 ranks, tp1); by default
 # AutoTP fp32 and data-parallel bf16 (FP16_Optimizer's flat masters), both to ZeRO-3. So do the merges from
@@ -110,7 +116,8 @@ ALL_STAGES = (
 STAGES = sample(ALL_STAGES, [("autotp-tp2-z1-fp32", 2, None, 3), ("autotp-tp2-z3-fp32", 1, None, 2),
                              ("autotp-tp2-z2-fp32", 3, 1, 3), ("autotp-tp2dp2-z3-bf16", 1, None, 2),
                              ("autotp-tp2-z0-fp32", 1, None, 3), ("zero-dp2-z0-bf16", 2, None, 3),
-                             ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1)])
+                             ("autotp-tp2-z3-fp32", 2, 1, 2), ("autotp-tp2dp2-z3-bf16", 3, 1, 1),
+                             ("autotp-tp2-z0-fp32", 2, 1, 1), ("autotp-tp2-z0-bf16", 3, 1, 2)])
 # AutoTP trained with round_robin_gradients (`specs.autotp_round_robin`: tp2 x dp2 ZeRO-2, each tensor-parallel
 # rank's groups flattened round-robin over its 2 data-parallel ranks): merged to tp1 at the same dp and others,
 # at ZeRO-2, 1 and 3 (fixture, dp, 1[, stage]), and at tp2 (a dp change, a stage change). The oracle runs the
@@ -144,6 +151,11 @@ SPLITS = sample(ALL_SPLITS, (*ALL_SPLITS[:3], ("autotp-glm-mha-tp2-z3-fp32", 1, 
 # `models.split`'s models: `oracles.parallel_reshard_mha`): long mode.
 RR_SPLIT = "autotp-mha-tp2dp2-z2-fp32-rr"
 RR_SPLITS = sample(((RR_SPLIT, 1, 4), (RR_SPLIT, 1, 4, 3), (RR_SPLIT, 2, 4), (RR_SPLIT, 2, 4, 1)), [])
+# ZeRO-0 AutoTP with 4 key/value heads (`specs.zero0_split`: tp2) split to tp4 with the stage: each tensor-parallel
+# rank's optimizer state named, the masters joined and cut again at tp4. A fixture launch and a 4-rank oracle
+# launch of their own: long mode.
+Z0_SPLIT = "autotp-mha-tp2-z0-fp32"
+Z0_SPLITS = sample(((Z0_SPLIT, 1, 4, 1), (Z0_SPLIT, 1, 4, 3), (Z0_SPLIT, 1, 4, 2)), [])
 
 
 # From BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation, `specs.bf16_optimizer`): merged to tp1 at
@@ -370,6 +382,25 @@ def test_a_round_robin_source_splits_to_another_degree(rr_split_oracle: dict[str
     check_validates(rr_split_oracle, case, rr_split_fixtures[case[0]])
 
 
+@pytest.fixture(scope="session")
+def zero0_split_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Mapping[str, ParallelFixture], dict[str, Any]]:
+    fixtures = SETS["zero0-split"].build([Z0_SPLIT])
+    return fixtures, run_reshard_oracle(fixtures, Z0_SPLITS, (), tmp_path_factory.mktemp("zero0-split-oracle"),
+                                        "tests.oracles.parallel_reshard_mha")
+
+
+@pytest.mark.parametrize("case", Z0_SPLITS, ids=case_id)
+def test_a_zero0_source_splits_to_another_degree_at_another_stage(
+        zero0_split_oracle: tuple[Mapping[str, ParallelFixture], dict[str, Any]], case: tuple) -> None:
+    """AutoTP tp2 at ZeRO-0 split to tp4 at ZeRO-1, 2 or 3: DeepSpeed with AutoTP at tp4 loads the split
+    natively, holding the source's fp32 weights and Adam moments bit for bit, and saves exactly ckptflow's
+    files."""
+    fixtures, oracle = zero0_split_oracle
+    check_loaded_state(oracle, case, fixtures[case[0]])
+    check_same_files(oracle, case)
+    check_validates(oracle, case, fixtures[case[0]])
+
+
 @pytest.mark.parametrize("case", SPLITS, ids=case_id)
 def test_a_split_loads_in_deepspeed_at_the_new_degree(split_oracle: dict[str, Any], case: tuple,
                                                       split_fixtures: Mapping[str, ParallelFixture]) -> None:
@@ -435,8 +466,10 @@ def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures:
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, tp=2)
     zero0 = parallel_fixtures["autotp-tp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=r"to 1 rank, tp1: a ZeRO-0 checkpoint's optimizer state is "
-                                                         r"saved by position and names no parameter, so it cannot be "
-                                                         r"moved to another shape"):
+                                                         r"saved by position, and ckptflow writes it at another shape "
+                                                         r"at ZeRO-1, 2 or 3 only \(its weights can still be "
+                                                         r"consolidated\); shapes it can write at 1 rank: ZeRO-1 dp1 "
+                                                         r"\(1 rank\), ZeRO-2 dp1 \(1 rank\), ZeRO-3 dp1 \(1 rank\)$"):
         reshard(str(zero0.dir), str(tmp_path / "out"), world_size=1, tp=1)
     assert not (tmp_path / "out").exists()
 

@@ -229,3 +229,26 @@ def test_the_shapes_of_a_zero0_checkpoint(parallel_extra_fixtures: Mapping[str, 
         ("ZeRO-0 dp4 (4 ranks)", "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any "
                                  "data-parallel size"),
         ("ZeRO-1 dp4 (4 ranks)", None), ("ZeRO-2 dp4 (4 ranks)", None), ("ZeRO-3 dp4 (4 ranks)", None)]
+
+
+def test_an_autotp_zero0_checkpoint_changes_its_degree_with_the_stage(
+        parallel_fixtures: Mapping[str, Any], tmp_path: Path) -> None:
+    """AutoTP at ZeRO-0 goes to another tensor-parallel degree at ZeRO-1, 2 or 3 (each rank's optimizer
+    state named, the ranks' masters joined), not at ZeRO-0, whose files would be a torch optimizer's by
+    position: `--plan` lists both, the refusal says so in one line and writes nothing. (DeepSpeed's load
+    of the output: `tests/test_model_parallel_reshard.py`'s ZeRO-0 merges and splits.)"""
+    fixture = parallel_fixtures["autotp-tp2-z0-fp32"]
+    index = load_index(str(fixture.dir))
+    assert [(str(s), reason) for s, reason in shapes_at(index, 2) if s.tp == 1] == [
+        ("ZeRO-0 dp2 (2 ranks)", "a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it "
+                                 "at another shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)"),
+        ("ZeRO-1 dp2 (2 ranks)", None), ("ZeRO-2 dp2 (2 ranks)", None), ("ZeRO-3 dp2 (2 ranks)", None)]
+    plan = plan_reshard(load_index(str(parallel_fixtures["autotp-tp2dp2-z0-fp32"].dir)),
+                        Target(world_size=3, tp=1, stage=2))
+    assert (str(plan.source_shape), str(plan.shape)) == ("ZeRO-0 tp2 x dp2 (4 ranks)", "ZeRO-2 dp3 (3 ranks)")
+    assert plan.source_world_size == 2 and plan.src_optimizer == "zero0"  # the source's own, not the named view's
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, tp1: a ZeRO-0 checkpoint's optimizer state is "
+                                                         r"saved by position, .*; shapes it can write at 2 ranks: "
+                                                         r"ZeRO-1 dp2 \(2 ranks\), ZeRO-1 tp2 x dp1 \(2 ranks\), "):
+        reshard(str(fixture.dir), str(tmp_path / "out"), world_size=2, tp=1)
+    assert not (tmp_path / "out").exists()

@@ -110,12 +110,16 @@ def frozen_copies(param: Param, source_stage: int, source_ws: int, lo: int, hi: 
 
 
 def _partitions_of(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple[int, int]]:
-    """Each fp32 partition tensor -> (virtual rank, param group)."""
-    out = {}
-    for mp, rank in enumerate(index.ranks):
+    """Each fp32 partition tensor -> (virtual rank, param group): the ranks' partitions numbered on, as
+    `tensor_parallel` joins them (a ZeRO-0 rank's, `stage.zero0_partitioned`, may repeat a tensor: the
+    first holds it)."""
+    out: dict[tuple[str, str, int], tuple[int, int]] = {}
+    base = 0
+    for rank in index.ranks:
         for d, parts in enumerate(rank.partitions):
             for part in parts:
-                out[(part.fp32.uri, part.fp32.key, part.fp32.storage_offset)] = (mp * rank.world_size + d, part.group)
+                out.setdefault((part.fp32.uri, part.fp32.key, part.fp32.storage_offset), (base + d, part.group))
+        base += len(rank.partitions)
     return out
 
 

@@ -280,10 +280,13 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
     if source.stage == 0:
         if (shape.stage, shape.tp, shape.pp, shape.ep) == (source.stage, source.tp, source.pp, source.ep):
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
-        if shape.stage == 0 or (shape.tp, shape.pp, shape.ep) != (source.tp, source.pp, source.ep):
-            return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot "
-                    "be moved to another shape, except to another ZeRO stage at the same tensor-, pipeline- and "
-                    "expert-parallel degrees (its weights can still be consolidated)")
+        if shape.stage == 0:
+            return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
+                    "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
+        if (shape.pp, shape.ep) != (source.pp, source.ep) or (shape.tp != source.tp and kind != "autotp"):
+            return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter; ckptflow "
+                    "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones, not with "
+                    "another pipeline- or expert-parallel degree (its weights can still be consolidated)")
         if kind not in ("zero0", "autotp"):
             return (f"ckptflow changes the ZeRO stage of data-parallel and AutoTP ZeRO-0 checkpoints only, not of "
                     f"{name} ones yet")
@@ -291,7 +294,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             why = why_not_zero0(rank)
             if why is not None:
                 return why
-        return None
+        if shape.tp == source.tp:
+            return None
     if shape.tp != source.tp:
         if kind == "megatron":
             why = _why_not_megatron_tp(index, shape.tp, qkv_layout, {} if splits is None else splits)

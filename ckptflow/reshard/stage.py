@@ -25,7 +25,9 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   degree 1 (`tensor_parallel`; split to another degree: refused, `shape.why_not`).
 - ZeRO-0 -> ZeRO-1/2/3 (`plan_zero0_stage`): the optimizer state, saved by position, named first
   (`readers.zero0.named_groups`); then each master is a partition of its own and the rules above
-  apply, the ZeRO-1/2 module copy the source module's own weights.
+  apply, the ZeRO-1/2 module copy the source module's own weights. An AutoTP one with another
+  tensor-parallel degree too: each rank so named and read as partitions (`zero0_partitioned`), then
+  split or merged by `tensor_parallel`.
 
 With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
 ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
@@ -65,6 +67,7 @@ from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Buffer, Fragment, Param, ParamGroup, Partition, RankFiles, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import model_file_name, optim_file_name
 from ckptflow.formats.deepspeed.partition import BF16, ZERO, ZERO0, ZERO3, Copy, zero3_piece, zero3_real
+from ckptflow.formats.deepspeed.readers.autotp import rejoined
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups, zero_loss_scaler
@@ -99,16 +102,36 @@ def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> Dat
     (`_zero0_source`): the fp32 masters the module's weights (an fp32 run) or FP16_Optimizer's flat
     masters (bf16), the moments and each group's step the optimizer's. The module's own weights are
     the ZeRO-1/2 target's 16-bit (or fp32) copies."""
-    why = why_not_zero0(index)
-    if why is not None:
-        raise UnsupportedCheckpointError(f"{index.tag_uri}: {why}", uri=index.root,
-                                         hint="consolidate its weights (`ckptflow consolidate`) and start the "
-                                              "optimizer afresh, or resume it at ZeRO-0")
+    _check_zero0(index)
     named = named_groups(index)
     assert not isinstance(named, str), "why_not_zero0 names them"
     source = _zero0_source(index, *named)
     plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage)
     return replace(plan, source_world_size=index.world_size, source_optimizer=ZERO0)
+
+
+def zero0_partitioned(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint:
+    """The ZeRO-0 AutoTP checkpoint `index` as the tensor-parallel planners read a ZeRO-1/2/3 one: each
+    tensor-parallel rank's optimizer state named (`UnsupportedCheckpointError` where it cannot be, as
+    `plan_zero0_stage`), the rank the partitioned checkpoint `_zero0_source` makes of it (one copy of
+    the state: data-parallel size 1), the full tensors joined again from its masters
+    (`readers.autotp.rejoined`). A plan made from it records the source's own data-parallel size and
+    optimizer (`partition.ZERO0`)."""
+    ranks = []
+    for rank in index.ranks:
+        _check_zero0(rank)
+        named = named_groups(rank)
+        assert not isinstance(named, str), "why_not_zero0 names them"
+        ranks.append(_zero0_source(rank, *named))
+    return replace(rejoined(index, ranks), world_size=1)
+
+
+def _check_zero0(index: Zero0Checkpoint) -> None:
+    why = why_not_zero0(index)
+    if why is not None:
+        raise UnsupportedCheckpointError(f"{index.tag_uri}: {why}", uri=index.root,
+                                         hint="consolidate its weights (`ckptflow consolidate`) and start the "
+                                              "optimizer afresh, or resume it at ZeRO-0")
 
 
 def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: Sequence[str]) -> ZeroCheckpoint:
@@ -312,4 +335,5 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, optimizer:
     )
 
 
-__all__ = ["plan_expert_zero3", "plan_model_parallel_stage", "plan_stage_change", "plan_zero0_stage"]
+__all__ = ["plan_expert_zero3", "plan_model_parallel_stage", "plan_stage_change", "plan_zero0_stage",
+           "zero0_partitioned"]

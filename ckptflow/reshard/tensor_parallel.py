@@ -36,8 +36,13 @@ order); a ZeRO-1/2 target whose optimizer flattens round-robin with the recorded
 (`ZeroCheckpoint.flattens_round_robin`: not BF16_Optimizer) is flattened round-robin at its own M ranks
 (`flats.zero12_flats`), a ZeRO-3 one takes the optimizer's order.
 
-Refused: ZeRO-0 (its optimizer state names no parameter), frozen parameters, scaled pieces (the reader
-refuses those already), and every layout but AutoTP.
+A ZeRO-0 source goes to ZeRO-1, 2 or 3 with the degree: each tensor-parallel rank's optimizer state,
+saved by position, named on its own and read as partitions (`stage.zero0_partitioned`: fp32, the
+module's weights as masters; bf16 and fp16, FP16_Optimizer's flat masters), the ranks' masters joined
+by the same affine maps, the ZeRO-1/2 module joined from the ranks' own weights.
+
+Refused: ZeRO-0 kept at ZeRO-0 (its files at another degree would be a torch optimizer's by position),
+frozen parameters, scaled pieces (the reader refuses those already), and every layout but AutoTP.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from ckptflow.formats.deepspeed.autotp_shards import Meta, ShardRule, meta_of, r
 from ckptflow.formats.deepspeed.config import is_set, sub_group_size
 from ckptflow.formats.deepspeed.model import Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, ZERO3, Copy
+from ckptflow.formats.deepspeed.partition import BF16, ZERO0, ZERO3, Copy
 from ckptflow.formats.deepspeed.readers.autotp import module_runs
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint, Piece, stretches
 from ckptflow.formats.deepspeed.runs import Run
@@ -70,6 +75,7 @@ from ckptflow.reshard.flats import (
     zero12_flats,
 )
 from ckptflow.reshard.shape import check_world_size
+from ckptflow.reshard.stage import zero0_partitioned
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
 
 
@@ -82,15 +88,16 @@ def plan_tensor_parallel_merge(index: ModelParallelCheckpoint, world_size: int, 
         raise UnsupportedCheckpointError(
             f"{index.root}/{index.tag}: a merge writes tensor-parallel degree 1, not {tensor_parallel}",
             uri=index.root, hint="split it with plan_tensor_parallel_split")
-    source, stage = _check_source(index, world_size, tensor_parallel, stage)
-    kind = source.optimizer_kind
-    runs = ModelRuns(index)
+    joined, source, stage = _check_source(index, world_size, tensor_parallel, stage)
+    kind = _source_optimizer(index, source)
+    runs = ModelRuns(joined)
     if stage == 3:
-        plan = _plan_zero3(index, source, world_size, runs.copies)
+        plan = _plan_zero3(joined, source, world_size, runs.copies)
     else:
         optimizer = target_optimizer(kind, index.stage, stage, source.ds_config)
-        plan = plan_zero12(index, source, world_size, optimizer, runs.copies, _module_runs(index, source), stage=stage)
-    return replace(plan, stage=stage, source_optimizer=kind)
+        plan = plan_zero12(joined, source, world_size, optimizer, runs.copies, _module_runs(joined, source),
+                           stage=stage)
+    return replace(plan, stage=stage, source_optimizer=kind, source_world_size=index.world_size)
 
 
 def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, tensor_parallel: int, *,
@@ -101,9 +108,9 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
     source may go to any of 1, 2, 3), split as AutoTP splits the model at that degree. `config` is the
     model's `config.json` (its key/value heads decide the attention layers' split). Reads nothing;
     `UnsupportedCheckpointError` for anything it does not split (see the module's docstring)."""
-    merged, stage = _check_source(index, world_size, tensor_parallel, stage)
+    joined, merged, stage = _check_source(index, world_size, tensor_parallel, stage)
     where = f"{index.root}/{index.tag}"
-    first = index.ranks[0]
+    first = joined.ranks[0]
     head = first.model_states[0]
     info = head.get(UC_INFO)
     meta = meta_of(config, head.get("ds_config"))
@@ -118,12 +125,12 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
         raise UnsupportedCheckpointError(
             f"{where}: AutoTP recorded no split for {excerpt(pattern)} ({excerpt(reason)}); ckptflow does not guess "
             "one", uri=index.root)
-    layouts = {p.name: _layout(index, info, meta, p.name) for p in first.params}
-    target_info = _info_at(info, layouts, meta, tensor_parallel, index)
-    kind = merged.optimizer_kind
+    layouts = {p.name: _layout(joined, info, meta, p.name) for p in first.params}
+    target_info = _info_at(info, layouts, meta, tensor_parallel, joined)
+    kind = _source_optimizer(index, merged)
     optimizer = target_optimizer(kind, index.stage, stage, merged.ds_config)
-    runs = ModelRuns(index)
-    full_module = _module_runs(index, merged) if stage != 3 else {}
+    runs = ModelRuns(joined)
+    full_module = _module_runs(joined, merged) if stage != 3 else {}
     parts = []
     for t in range(tensor_parallel):
         maps = target_info["affine_map"]["params"]
@@ -131,17 +138,17 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
         shapes = {name: tuple(maps[_pattern(name)]["ranks"][t]["shard_shape"]) for name in pieces}
         source = replace(
             merged, params=tuple(Param(p.name, shapes[p.name], p.dtype, p.group) for p in first.params),
-            model_states=tuple(at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in index.ranks
+            model_states=tuple(at_degree(m, tensor_parallel, target_info, tp_rank=t) for rank in joined.ranks
                                for m in rank.model_states),
-            optim_states=tuple(at_degree(o, tensor_parallel, target_info) for rank in index.ranks
+            optim_states=tuple(at_degree(o, tensor_parallel, target_info) for rank in joined.ranks
                                for o in rank.optim_states))
         copies = local_copies(pieces, runs.copies)
         if stage == 3:
-            plan = _plan_zero3(index, source, world_size, copies, mp_rank=t)
+            plan = _plan_zero3(joined, source, world_size, copies, mp_rank=t)
         else:
-            plan = plan_zero12(index, source, world_size, optimizer, copies,
+            plan = plan_zero12(joined, source, world_size, optimizer, copies,
                                {n: local_runs(r, pieces[n]) for n, r in full_module.items()}, mp_rank=t, stage=stage)
-        parts.append(replace(plan, stage=stage, source_optimizer=kind))
+        parts.append(replace(plan, stage=stage, source_optimizer=kind, source_world_size=index.world_size))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=stage, precision=index.precision, source_world_size=index.world_size,
         world_size=world_size, parts=tuple(parts), carried=index.carried, index=index,
@@ -149,13 +156,22 @@ def plan_tensor_parallel_split(index: ModelParallelCheckpoint, world_size: int, 
 
 
 def _check_source(index: ModelParallelCheckpoint, world_size: int, tensor_parallel: int, stage: int | None
-                  ) -> tuple[ZeroCheckpoint, int]:
-    """The tensor-parallel ranks' partitions as one data-parallel checkpoint, and the target stage;
+                  ) -> tuple[ModelParallelCheckpoint, ZeroCheckpoint, int]:
+    """`index` with its tensor-parallel ranks' partitions (a ZeRO-0 one's named first, for another stage:
+    `stage.zero0_partitioned`), those partitions as one data-parallel checkpoint, and the target stage;
     `UnsupportedCheckpointError` for a source or target no tensor-parallel change handles."""
     check_world_size(world_size)
     assert index.kind == "autotp", "reshard.plan.PLANNERS gives this planner AutoTP checkpoints only"
-    check_joinable(index, tensor_parallel)
-    return _merged_source(index), index.stage if stage is None else stage
+    stage = index.stage if stage is None else stage
+    joined = zero0_partitioned(index) if index.stage == 0 and stage != 0 else index
+    check_joinable(joined, tensor_parallel)
+    return joined, _merged_source(joined), stage
+
+
+def _source_optimizer(index: ModelParallelCheckpoint, merged: ZeroCheckpoint) -> str:
+    """The optimizer that wrote `index` (`partition.ZERO0` for a ZeRO-0 one: a torch optimizer or
+    FP16_Optimizer), as a plan records it."""
+    return ZERO0 if index.stage == 0 else merged.optimizer_kind
 
 
 def _module_runs(index: ModelParallelCheckpoint, merged: ZeroCheckpoint) -> dict[str, tuple[Run, ...]]:
@@ -176,11 +192,11 @@ def check_joinable(index: ModelParallelCheckpoint, tensor_parallel: int) -> None
     if tensor_parallel == index.tp:
         raise UnsupportedCheckpointError(f"{where} already has tensor-parallel degree {index.tp}", uri=index.root,
                                          hint=f"leave {option('tp')} out to change the data-parallel size only")
-    if index.stage == 0:
+    if index.stage == 0 and not isinstance(index.ranks[0], ZeroCheckpoint):  # not named (`zero0_partitioned`)
         raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index and names no "
-            "parameter, so the tensor-parallel ranks' Adam moments cannot be joined", uri=index.root,
-            hint="ZeRO-0 weights can still be consolidated (ckptflow consolidate)")
+            f"{where} is a checkpoint in the {index.layout} layout: its optimizer state is saved by index, and "
+            "ckptflow writes it at another tensor-parallel degree at ZeRO-1, 2 or 3 only, not at ZeRO-0",
+            uri=index.root, hint=f"give {option('stage')} 1, 2 or 3 with it")
     frozen = [p.name for rank in index.ranks for p in rank.params if p.frozen]
     frozen += [t.name for t in index.tensors if t.kind == "frozen" and t.name not in frozen]
     if frozen:

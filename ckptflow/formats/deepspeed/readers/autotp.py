@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from posixpath import basename
 from typing import Any
 
@@ -100,25 +101,38 @@ def read_autotp(
 
 def module_runs(index: ModelParallelCheckpoint) -> dict[str, tuple[Run, ...]]:
     """The full 16-bit (module dtype) copy of every trained parameter, joined from each tensor-parallel
-    rank's `module` by the same affine maps as the fp32 masters: name -> runs. ZeRO-1/2 only (ZeRO-3
+    rank's `module` by the same affine maps as the fp32 masters: name -> runs. ZeRO-0/1/2 only (ZeRO-3
     saves empty placeholders there); `UnsupportedCheckpointError` otherwise."""
-    if index.kind != "autotp" or index.stage not in (1, 2):
+    if index.kind != "autotp" or index.stage not in (0, 1, 2):
         raise UnsupportedCheckpointError(f"{index.layout}: no module weights to join")
-    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
-    maps = _MapLookup(info)
     locals_: list[dict[str, ModelTensor]] = []
     for rank in index.ranks:
         module = rank.model_states[0].get("module") or {}
         params = {p.name for p in rank.params if not p.frozen}
         locals_.append({n: ModelTensor(n, ref.shape, ref.dtype, "param", (whole_run(ref, n),))
                         for n, ref in module.items() if n in params and isinstance(ref, TensorRef)})
-    out = {}
+    return {t.name: t.runs for t in _joined(index, locals_)}
+
+
+def rejoined(index: ModelParallelCheckpoint, ranks: Sequence[Any]) -> ModelParallelCheckpoint:
+    """`index` with `ranks` (a `ZeroCheckpoint` per tensor-parallel rank: its files read another way,
+    e.g. a ZeRO-0 rank's named optimizer state as partitions, `reshard.stage.zero0_partitioned`) in place
+    of its own, the full tensors joined again from theirs by the same affine maps."""
+    joined = replace(index, ranks=tuple(ranks))
+    return replace(joined, tensors=_joined(joined, [{t.name: t for t in rank.model_tensors()} for rank in ranks]))
+
+
+def _joined(index: ModelParallelCheckpoint, locals_: Sequence[Mapping[str, ModelTensor]]) -> tuple[ModelTensor, ...]:
+    """The full tensors the tensor-parallel ranks' `locals_` make by `index`'s affine maps."""
+    info = index.ranks[0].model_states[0].get(UC_INFO) or {}
+    maps = _MapLookup(info)
+    out = []
     for name, first in locals_[0].items():
         holdings, shape, rows = _holdings(name, first, locals_, maps, info, index.tp,
                                           basename(index.ranks[0].model_file(0)))
-        tensor, _ = join(name, shape, "param", holdings, lambda mp, n: locals_[mp][n], rows=rows)
-        out[name] = tensor.runs
-    return out
+        tensor, _ = join(name, shape, first.kind, holdings, lambda mp, n: locals_[mp][n], rows=rows)
+        out.append(tensor)
+    return tuple(out)
 
 
 def _describe(topology: Topology, stage: int) -> str:
@@ -258,4 +272,4 @@ def _tied(st: Inspection, ranks: Sequence[Any], label: Any) -> dict[str, str]:
     return tied
 
 
-__all__ = ["module_runs", "read_autotp"]
+__all__ = ["module_runs", "read_autotp", "rejoined"]
