@@ -50,6 +50,8 @@ ALL_RESHARDS = (
     ("holdout-autotp-glm-tp2dp2-z3-fp32-s1", 2, 1, 2),  # from ZeRO-3 with the degree: the module cast from masters
     # ZeRO-0 at ZeRO-2 and ZeRO-3 (issue 24): its optimizer state named
     ("holdout-zero-dp3-z0-fp32-s1", 2, None, 2), ("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 1, None, 3),
+    # ... and merged to tp1 with it: each tensor-parallel rank's state named, a tied embedding
+    ("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 3, 1, 1),
 )
 ALL_NATIVE = (("holdout-autotp-llama-tied-tp2dp2-z0-fp32-s1", 1), ("holdout-zero-dp3-z0-fp32-s1", 2))
 # Sampled by default (`tests.sampling`): every held-out layout still validates and consolidates above;
