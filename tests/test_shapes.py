@@ -343,9 +343,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def test_zero1_where_the_config_gets_bf16_optimizer_is_refused_where_no_oracle_checks_it() -> None:
-    """An AutoTP checkpoint split to another tensor-parallel degree, or an expert-parallel one, that
-    DeepSpeedZeroOptimizer saved from a config that gets BF16_Optimizer at ZeRO-1, is refused there; a
-    data-parallel one, an AutoTP one at its own degree or merged to 1, or one BF16_Optimizer saved, is not."""
+    """An expert-parallel checkpoint that DeepSpeedZeroOptimizer saved from a config that gets BF16_Optimizer at
+    ZeRO-1 is refused there; a data-parallel or AutoTP one (at any tensor-parallel degree), or one
+    BF16_Optimizer saved, is not."""
     from ckptflow.reshard.shape import _why_not_bf16_target
 
     @dataclass
@@ -361,17 +361,17 @@ def test_zero1_where_the_config_gets_bf16_optimizer_is_refused_where_no_oracle_c
             return self.ranks[0]
 
     zero = Index((Rank([{"ds_config": _FP32_ACCUM}], "zero"),))
-    tail = ("from a BF16_Optimizer checkpoint only (for data-parallel ones, and AutoTP ones at their own degree or "
-            "merged to 1, from any); write it at ZeRO-2, where the same config gets DeepSpeedZeroOptimizer")
-    head = ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
-            "BF16_Optimizer, whose files ckptflow writes for ")
-    assert _why_not_bf16_target(zero, "autotp", 1, True) == f"{head}AutoTP checkpoints split to another tensor-parallel degree {tail}"
-    assert _why_not_bf16_target(zero, "autoep", 1) == f"{head}AutoEP checkpoints {tail}"
-    assert _why_not_bf16_target(zero, "autotp", 1, False) is None
-    assert _why_not_bf16_target(zero, "autotp", 2, True) is None
+    for kind, name in (("autoep", "AutoEP"), ("moe", "deepspeed.moe")):
+        assert _why_not_bf16_target(zero, kind, 1) == (
+            "at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
+            f"BF16_Optimizer, whose files ckptflow writes for {name} checkpoints from a BF16_Optimizer checkpoint "
+            "only (for data-parallel and AutoTP ones from any); write it at ZeRO-2, where the same config gets "
+            "DeepSpeedZeroOptimizer")
+        assert _why_not_bf16_target(zero, kind, 2) is None
+        assert _why_not_bf16_target(Index((Rank([{"ds_config": _FP32_ACCUM}], "bf16"),)), kind, 1) is None
+        assert _why_not_bf16_target(Index((Rank([{"ds_config": _BF16_RUN}], "zero"),)), kind, 1) is None
+    assert _why_not_bf16_target(zero, "autotp", 1) is None
     assert _why_not_bf16_target(zero, "zero", 1) is None
-    assert _why_not_bf16_target(Index((Rank([{"ds_config": _FP32_ACCUM}], "bf16"),)), "autotp", 1, True) is None
-    assert _why_not_bf16_target(Index((Rank([{"ds_config": _BF16_RUN}], "zero"),)), "autotp", 1, True) is None
 
 
 def test_which_configs_get_bf16_optimizer_at_zero1() -> None:

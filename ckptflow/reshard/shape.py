@@ -324,7 +324,7 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
     if shape.stage == source.stage:
         return None
-    return _why_not_bf16_target(index, kind, shape.stage, shape.tp not in (source.tp, 1))
+    return _why_not_bf16_target(index, kind, shape.stage)
 
 
 def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None, known: SplitsByDegree) -> str | None:
@@ -391,26 +391,24 @@ def why_not_expert_stage(kind: str, target: int) -> str | None:
     return None
 
 
-def _why_not_bf16_target(index: Any, kind: str, stage: int, splits: bool = False) -> str | None:
+def _why_not_bf16_target(index: Any, kind: str, stage: int) -> str | None:
     """Why ckptflow cannot write `index` at ZeRO `stage` where its recorded config gets DeepSpeed's
     BF16_Optimizer there (ZeRO-1, bf16 weights, fp32 gradient accumulation: `config.builds_bf16_optimizer`,
     the target optimizer `flats.target_optimizer`) and it was not trained by one: the flat groups of a
-    data-parallel checkpoint, and of an AutoTP one at its own tensor-parallel degree or merged to 1, are
-    laid out as BF16_Optimizer's from any source (`stage.plan_stage_change`, `tensor_parallel`); those of
-    an AutoTP checkpoint split to another degree (`splits`) and of an expert-parallel one only from
-    BF16_Optimizer's own files."""
-    if kind == "zero" or (kind == "autotp" and not splits):
+    data-parallel checkpoint, and of an AutoTP one at any tensor-parallel degree, are laid out as
+    BF16_Optimizer's from any source (`stage.plan_stage_change`, `tensor_parallel`); those of an
+    expert-parallel one only from BF16_Optimizer's own files."""
+    if kind in ("zero", "autotp"):
         return None
-    first = index.ranks[0] if kind == "autotp" else (index.zero_index() or index)
+    first = index.zero_index() or index
     states = first.model_states
     config = (states if isinstance(states, Mapping) else states[0]).get("ds_config")
     if stage != 1 or not builds_bf16_optimizer(config) or getattr(first, "optimizer_kind", "") == BF16:
         return None
     return ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
-            f"BF16_Optimizer, whose files ckptflow writes for {NAMES.get(kind, kind)} checkpoints"
-            f"{' split to another tensor-parallel degree' if kind == 'autotp' else ''} from a BF16_Optimizer "
-            "checkpoint only (for data-parallel ones, and AutoTP ones at their own degree or merged to 1, from any); "
-            "write it at ZeRO-2, where the same config gets DeepSpeedZeroOptimizer")
+            f"BF16_Optimizer, whose files ckptflow writes for {NAMES.get(kind, kind)} checkpoints from a "
+            "BF16_Optimizer checkpoint only (for data-parallel and AutoTP ones from any); write it at ZeRO-2, "
+            "where the same config gets DeepSpeedZeroOptimizer")
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:
