@@ -36,6 +36,7 @@ from ckptflow.consolidate import ConsolidateOptions, consolidate
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import inspect, load_index
 from ckptflow.formats.deepspeed.names import ALLOWED
+from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
@@ -44,6 +45,7 @@ from ckptflow.reshard.shape import Target
 from ckptflow.validate import validate
 from tests.fixtures.replay import launch
 from tests.fixtures.sets import SETS, ParallelFixture, build_bf16_optimizer
+from tests.fixtures.specs.bf16_experts import BF16_EXPERTS_MATRIX, BF16_EXPERTS_SPECS
 from tests.fixtures.specs.bf16_optimizer import BF16_MATRIX, BF16_SPECS
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
@@ -57,18 +59,20 @@ from tests.test_reshard import _differences
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
 SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX, *RR_MATRIX,
-                                     *RR_IGNORED_MATRIX)}
+                                     *RR_IGNORED_MATRIX, *BF16_EXPERTS_MATRIX)}
 WRONG = ("damaged", "another model", "corrupt")
 
 
 @pytest.fixture(scope="session")
 def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixture]:
-    """The matrix's expert-parallel fixtures, and the held-out, BF16_Optimizer and round-robin ones only when a
-    test asks for them (the round-robin ones one launch at a time)."""
+    """The matrix's expert-parallel fixtures, and the held-out, BF16_Optimizer, round-robin and ZeRO-2/3
+    fp32-accumulation ones only when a test asks for them (the round-robin and fp32-accumulation ones one
+    launch at a time)."""
 
     class Lazy(dict):
         def __missing__(self, name: str) -> ParallelFixture:
-            for set_name, specs in (("round-robin", RR_SPECS), ("round-robin-ignored", RR_IGNORED_SPECS)):
+            for set_name, specs in (("round-robin", RR_SPECS), ("round-robin-ignored", RR_IGNORED_SPECS),
+                                    ("bf16-experts", BF16_EXPERTS_SPECS)):
                 if name in specs:
                     self.update(SETS[set_name].build([name]))
                     return self[name]
@@ -545,6 +549,11 @@ RR_IGNORED_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z3-fp32-rr", 2, 1, 2), ("autoep-qwen3-moe-ep2-z3-fp32-rr", 4, 2, 2),
     ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum-rr", 2, 1, 2), ("dsmoe-ep2-z1-bf16-fp32accum-rr", 4, 1, 2),
 )
+BF16_BACK = (
+    ("dsmoe-ep2-z2-bf16-fp32accum", 2, 2, 1), ("dsmoe-ep2-z2-bf16-fp32accum", 4, 4, 1),
+    ("autoep-qwen3-moe-ep2-z2-bf16-fp32accum", 2, 2, 1), ("autoep-qwen3-moe-ep2-z3-bf16-fp32accum", 2, 2, 1),
+    ("autoep-qwen3-moe-ep2-z3-bf16-fp32accum", 4, 2, 1),
+)
 ALL_STAGE_RESHARDS = (
     ("dsmoe-ep2-z2-fp32", 2, 2, 1), ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z2-fp32", 4, 2, 1),
     ("dsmoe-ep2-z2-bf16", 2, 2, 1), ("dsmoe-ep2dp3-z1-bf16-s1", 4, 2, 2), ("dsmoe-ep2dp3-z1-bf16-s1", 2, 1, 2),
@@ -566,6 +575,11 @@ ALL_STAGE_RESHARDS = (
     # same config): deepspeed.moe to ZeRO-2 at its degree and at ep1, AutoEP to ZeRO-2 and ZeRO-3.
     ("dsmoe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("dsmoe-ep2-z1-bf16-fp32accum", 2, 1, 2),
     ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 3),
+    # ... and back: saved at ZeRO-2 (DeepSpeedZeroOptimizer) and ZeRO-3 from that config (`specs.bf16_experts`),
+    # to ZeRO-1, where DeepSpeed builds BF16_Optimizer from it (each expert group over its expert data-parallel
+    # group): BF16_Optimizer's files. deepspeed.moe at its degree and to ep4 on 4 ranks; AutoEP from ZeRO-2 and
+    # ZeRO-3 at its degree, and from ZeRO-3 to ep2 x edp2 on 4 ranks.
+    *BF16_BACK,
     # Trained with round_robin_gradients (`specs.round_robin`; the target runs the same config): each group's
     # saved order undone over its own ranks (an expert group's expert data-parallel group of 2) and redone
     # over the target's. AutoEP ZeRO-2 ep2 x edp2 -> ep4 and ep1 (ZeRO-1), -> ZeRO-3 at ep2 and ep4, -> ep2
@@ -670,6 +684,17 @@ def test_deepspeed_training_at_the_new_degree_writes_the_same_metadata(ep_oracle
     tag = (paths["out"] / "latest").read_text()
     _compare_folders(paths["out"] / tag, paths["written"] / tag, values=False, ignore=("global_samples",))
     assert _shape_types(paths["out"] / tag) == _shape_types(paths["written"] / tag)
+
+
+@pytest.mark.parametrize("case", [case for case in STAGE_RESHARDS if case in BF16_BACK], ids=_ep_case_id)
+def test_a_zero23_source_whose_config_gets_bf16_optimizer_is_written_as_its_files_at_zero1(
+        expert_fixtures, ep_oracle, case) -> None:
+    """The sources are DeepSpeedZeroOptimizer's and the ZeRO-3 optimizer's files; ckptflow's at ZeRO-1 are
+    BF16_Optimizer's (DeepSpeed's load of them, its re-save and its own training there: the tests above)."""
+    paths = ep_oracle(case)
+    assert expert_fixtures[case[0]].spec["optimizer"] != "BF16_Optimizer"
+    assert load_index(str(expert_fixtures[case[0]].dir)).zero.optimizer_kind != BF16
+    assert load_index(str(paths["out"])).zero.optimizer_kind == BF16
 
 
 def test_the_expert_degree_plan_moves_each_expert_to_its_new_rank(expert_fixtures) -> None:
@@ -826,6 +851,24 @@ def test_zero2_to_zero1_and_back_gives_the_source_s_files(expert_fixtures, name:
     assert load_index(str(tmp_path / "z1")).stage == 1
     reshard(str(tmp_path / "z1"), str(tmp_path / "z2"), world_size=2, stage=2)
     _compare_folders(tmp_path / "z2" / "global_step3", source.tag_dir)
+
+
+@pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's bf16-optimizer set")
+@pytest.mark.parametrize(("name", "world_size", "ep", "stage"), [
+    ("dsmoe-ep2-z1-bf16-fp32accum", 2, 2, 2), ("dsmoe-ep2-z1-bf16-fp32accum", 2, 1, 2),
+    ("dsmoe-ep2-z1-bf16-fp32accum", 4, 4, 2), ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 2, 2),
+    ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 4, 4, 2), ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum", 2, 1, 3),
+])
+def test_bf16_optimizer_to_zero23_and_back_at_zero1_gives_its_files(expert_fixtures, name: str, world_size: int,
+                                                                     ep: int, stage: int, tmp_path: Path) -> None:
+    """BF16_Optimizer's expert checkpoint written at ZeRO-2 or 3 (another degree too), and that written back
+    at ZeRO-1 at the source's shape, where its config gets BF16_Optimizer again: the source's files, field for
+    field and byte for byte."""
+    source = expert_fixtures[name]
+    reshard(str(source.dir), str(tmp_path / "other"), world_size=world_size, ep=ep, stage=stage)
+    assert load_index(str(tmp_path / "other")).zero.optimizer_kind != BF16
+    reshard(str(tmp_path / "other"), str(tmp_path / "back"), world_size=2, ep=2, stage=1)
+    _compare_folders(tmp_path / "back" / "global_step3", source.tag_dir)
 
 
 def test_expert_stage_refusals(expert_fixtures) -> None:
@@ -1347,14 +1390,14 @@ def test_a_round_robin_source_cut_otherwise_and_back_gives_its_files(rr_cut_orac
 
 @pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's bf16-optimizer set")
 @pytest.mark.parametrize("name", ["dsmoe-ep2-z1-bf16-fp32accum", "autoep-qwen3-moe-ep2-z1-bf16-fp32accum"])
-def test_zero1_with_another_expert_degree_where_the_config_gets_bf16_optimizer_is_refused(
+def test_zero1_with_another_expert_degree_where_the_config_gets_bf16_optimizer_is_its_files(
         name: str, tmp_path: Path) -> None:
     """BF16_Optimizer's run written at ZeRO-2 (DeepSpeedZeroOptimizer's files), then asked back at ZeRO-1 with
-    another expert-parallel degree: the same config gets BF16_Optimizer there, whose files ckptflow writes from
-    its own only, so refused as at the same degree; nothing written."""
+    another expert-parallel degree, where the same config gets BF16_Optimizer: the files ckptflow writes from
+    the BF16_Optimizer source at that degree, field for field and byte for byte."""
     [fixture] = build_bf16_optimizer([name]).values()
     reshard(str(fixture.dir), str(tmp_path / "z2"), world_size=2, stage=2)
-    for ep in (1, 2):
-        with pytest.raises(UnsupportedCheckpointError, match="gets DeepSpeed's BF16_Optimizer"):
-            reshard(str(tmp_path / "z2"), str(tmp_path / f"back{ep}"), world_size=2, stage=1, ep=ep)
-        assert not (tmp_path / f"back{ep}").exists()
+    reshard(str(tmp_path / "z2"), str(tmp_path / "back"), world_size=2, stage=1, ep=1)
+    reshard(str(fixture.dir), str(tmp_path / "direct"), world_size=2, ep=1)
+    assert load_index(str(tmp_path / "back")).zero.optimizer_kind == BF16
+    _compare_folders(tmp_path / "back" / "global_step3", tmp_path / "direct" / "global_step3")

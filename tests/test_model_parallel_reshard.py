@@ -28,7 +28,9 @@ An AutoTP checkpoint trained with ``round_robin_gradients`` (``specs.autotp_roun
 (and stage) under the same oracle, which runs the target with the source's config and gathers the state
 from DeepSpeed's flat partitions (its accessors read the wrong elements of such a run, so no
 ``ds_to_universal`` comparison there); so does one that AutoTP runs four ways (``specs.autotp_round_robin_split``),
-split to tp4 (long mode).
+split to tp4 (long mode). So does one saved at ZeRO-2/3 from a config that gets BF16_Optimizer at ZeRO-1,
+written there as BF16_Optimizer's files: at its degree, merged to tp1, and split to tp4 (``specs.bf16_split``;
+long mode).
 """
 
 from __future__ import annotations
@@ -174,6 +176,11 @@ BF16_CHAINED = {"autotp-tp2-z2-bf16-fp32accum*": ("autotp-tp2-z1-bf16-fp32accum"
 ALL_BF16_BACK = (("autotp-tp2-z2-bf16-fp32accum*", 1, None, 1), ("autotp-tp2-z3-bf16-fp32accum*", 2, None, 1),
                  ("autotp-tp2-z3-bf16-fp32accum*", 2, 1, 1))
 BF16_BACK = sample(ALL_BF16_BACK, [])
+# ... and split: AutoTP with 4 key/value heads saved by DeepSpeedZeroOptimizer (ZeRO-2) and the ZeRO-3 optimizer
+# from a config that gets BF16_Optimizer at ZeRO-1 (`specs.bf16_split`), split tp2 -> tp4 at ZeRO-1:
+# BF16_Optimizer's files. A fixture launch and a 4-rank oracle launch of their own: long mode.
+ALL_BF16_SPLITS = (("autotp-mha-tp2-z2-bf16-fp32accum", 1, 4, 1), ("autotp-mha-tp2-z3-bf16-fp32accum", 1, 4, 1))
+BF16_SPLITS = sample(ALL_BF16_SPLITS, [])
 
 
 def case_id(case: tuple) -> str:
@@ -345,6 +352,29 @@ def test_a_zero23_checkpoint_whose_config_gets_bf16_optimizer_is_written_as_its_
     written = load_index(str(oracle["outs"][case]))  # merged to tp1: a data-parallel checkpoint
     assert load_index(str(fixtures[case[0]].dir)).ranks[0].optimizer_kind != BF16
     assert getattr(written, "ranks", (written,))[0].optimizer_kind == BF16
+
+
+@pytest.fixture(scope="session")
+def bf16_split_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Mapping[str, ParallelFixture], dict[str, Any]]:
+    fixtures = SETS["bf16-split"].build(sorted({case[0] for case in BF16_SPLITS}))
+    return fixtures, run_reshard_oracle(fixtures, BF16_SPLITS, (), tmp_path_factory.mktemp("bf16-split-oracle"),
+                                        "tests.oracles.parallel_reshard_mha")
+
+
+@pytest.mark.parametrize("case", BF16_SPLITS, ids=case_id)
+def test_a_zero23_checkpoint_whose_config_gets_bf16_optimizer_splits_to_its_files_at_zero1(
+        bf16_split_oracle: tuple[Mapping[str, ParallelFixture], dict[str, Any]], case: tuple) -> None:
+    """AutoTP tp2 saved by DeepSpeedZeroOptimizer (ZeRO-2) or the ZeRO-3 optimizer from a config that gets
+    BF16_Optimizer at ZeRO-1, split to tp4 at ZeRO-1: DeepSpeed with AutoTP at tp4 builds BF16_Optimizer from
+    that config, loads ckptflow's BF16_Optimizer files natively holding the trained state bit for bit, and
+    saves exactly ckptflow's files."""
+    fixtures, oracle = bf16_split_oracle
+    check_loaded_state(oracle, case, fixtures[case[0]])
+    check_same_files(oracle, case)
+    check_validates(oracle, case, fixtures[case[0]])
+    assert fixtures[case[0]].spec["optimizer"] != "BF16_Optimizer"
+    assert load_index(str(fixtures[case[0]].dir)).ranks[0].optimizer_kind != BF16
+    assert load_index(str(oracle["outs"][case])).ranks[0].optimizer_kind == BF16
 
 
 @pytest.mark.parametrize("case", BF16_RESHARDS, ids=case_id)

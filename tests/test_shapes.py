@@ -342,38 +342,6 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def test_zero1_where_the_config_gets_bf16_optimizer_is_refused_where_no_oracle_checks_it() -> None:
-    """An AutoTP checkpoint split to another tensor-parallel degree, or an expert-parallel one, that
-    DeepSpeedZeroOptimizer saved from a config that gets BF16_Optimizer at ZeRO-1, is refused there; a
-    data-parallel one, an AutoTP one at its own degree or merged to 1, or one BF16_Optimizer saved, is not."""
-    from ckptflow.reshard.shape import _why_not_bf16_target
-
-    @dataclass
-    class Rank:
-        model_states: Any
-        optimizer_kind: str
-
-    @dataclass
-    class Index:
-        ranks: tuple[Rank, ...]
-
-        def zero_index(self) -> Rank:
-            return self.ranks[0]
-
-    zero = Index((Rank([{"ds_config": _FP32_ACCUM}], "zero"),))
-    tail = ("from a BF16_Optimizer checkpoint only (for data-parallel ones, and AutoTP ones at their own degree or "
-            "merged to 1, from any); write it at ZeRO-2, where the same config gets DeepSpeedZeroOptimizer")
-    head = ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
-            "BF16_Optimizer, whose files ckptflow writes for ")
-    assert _why_not_bf16_target(zero, "autotp", 1, True) == f"{head}AutoTP checkpoints split to another tensor-parallel degree {tail}"
-    assert _why_not_bf16_target(zero, "autoep", 1) == f"{head}AutoEP checkpoints {tail}"
-    assert _why_not_bf16_target(zero, "autotp", 1, False) is None
-    assert _why_not_bf16_target(zero, "autotp", 2, True) is None
-    assert _why_not_bf16_target(zero, "zero", 1) is None
-    assert _why_not_bf16_target(Index((Rank([{"ds_config": _FP32_ACCUM}], "bf16"),)), "autotp", 1, True) is None
-    assert _why_not_bf16_target(Index((Rank([{"ds_config": _BF16_RUN}], "zero"),)), "autotp", 1, True) is None
-
-
 def test_which_configs_get_bf16_optimizer_at_zero1() -> None:
     """`engine._do_optimizer_sanity_check`: bf16, fp32 gradient accumulation and no optimizer offload to the CPU,
     the older `cpu_offload` key counted as DeepSpeed still counts it."""

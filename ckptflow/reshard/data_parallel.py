@@ -65,7 +65,8 @@ def plan_expert_parallel(source: ExpertCheckpoint, world_size: int, stage: int |
     """The data-parallel plan of the ZeRO index under an AutoEP or deepspeed.moe checkpoint, its expert
     groups over the new expert data-parallel groups; the per-expert files carried as they are. With
     `stage`, at ZeRO-1 or ZeRO-2 from the other, for `DeepSpeedZeroOptimizer` sources (the same flat
-    partitions, only the recorded stage changes; `plan._expert_degree` sends BF16_Optimizer's elsewhere)."""
+    partitions, only the recorded stage changes; `plan._expert_degree` sends a stage change from or to
+    BF16_Optimizer elsewhere)."""
     index = source.zero
     if index is None:  # ZeRO-0: `plan.plan_reshard` says there is nothing to reshard
         raise UnsupportedCheckpointError(f"{source.tag_uri} is a ZeRO-0 {source.layout} checkpoint", uri=source.root)

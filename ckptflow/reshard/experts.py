@@ -40,8 +40,11 @@ parameters its rows come from), and that metadata rewritten for N', so the stage
 `reshard.files` use it as any source. Before that the source is checked to be laid out as DeepSpeed's
 arithmetic predicts (`data_parallel.plan_expert_parallel` at its own size). The stage planners:
 `plan_expert_degree` here for ZeRO-1/2 (and the other of ZeRO-1 and ZeRO-2: the same flat partitions,
-only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to ZeRO-1/2 (each
-expert's own file written again, by the target expert-parallel rank holding it) and
+only the recorded stage differs, or laid out again where BF16_Optimizer saved the source or DeepSpeed
+builds it at the target from the recorded config, `flats.target_optimizer`: it partitions each expert
+group over its expert data-parallel group, as DeepSpeedZeroOptimizer does), `plan_expert_from_zero3`
+from AutoEP ZeRO-3 to ZeRO-1/2 (each expert's own file written again, by the target expert-parallel rank
+holding it; BF16_Optimizer's at ZeRO-1 where the recorded config gets it) and
 `stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
 in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), a placement other than DeepSpeed's
 uniform one, degrees that do not divide every layer's experts, and a source

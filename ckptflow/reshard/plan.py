@@ -35,6 +35,7 @@ from ckptflow.reshard.data_parallel import (
     plan_shard_folder,
 )
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
+from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
@@ -196,8 +197,11 @@ def _expert_stage(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
 
 def _expert_degree(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
     """The expert-parallel degree changes at the source's stage (ZeRO-3: rewritten at ZeRO-3), or the
-    stage between ZeRO-1 and ZeRO-2 (BF16_Optimizer's flat groups laid out again: `plan_expert_degree`)."""
-    relaid = ask.shape.stage != ask.source.stage and index.zero is not None and index.zero.optimizer_kind == BF16
+    stage between ZeRO-1 and ZeRO-2: the same flat partitions where DeepSpeedZeroOptimizer saves both,
+    laid out again (`plan_expert_degree`) where BF16_Optimizer is on either side (`flats.target_optimizer`)."""
+    zero = index.zero
+    relaid = (ask.shape.stage != ask.source.stage and zero is not None and BF16 in (
+        zero.optimizer_kind, target_optimizer(zero.optimizer_kind, zero.stage, ask.shape.stage, zero.ds_config)))
     if ask.shape.ep == ask.source.ep and not relaid:
         return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
     if ask.shape.stage == 3:

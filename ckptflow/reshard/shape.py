@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
-from ckptflow.formats.deepspeed.config import builds_bf16_optimizer
-from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.deepspeed.qkv import check_layout
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
@@ -326,9 +324,7 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             return why
         if kind not in ("zero", "autotp", "moe", "autoep"):
             return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
-    if shape.stage == source.stage:
-        return None
-    return _why_not_bf16_target(index, kind, shape.stage, shape.tp not in (source.tp, 1))
+    return None
 
 
 def _why_not_megatron_tp(index: Any, tp: int, qkv_layout: str | None, known: SplitsByDegree) -> str | None:
@@ -387,34 +383,14 @@ def why_not_expert_stage(kind: str, target: int) -> str | None:
     """Why ckptflow cannot write an expert-parallel checkpoint (`kind` "moe" or "autoep") at ZeRO `target`,
     or None when it can: at any stage DeepSpeed trains the layout at. Between ZeRO-1 and ZeRO-2 of
     `DeepSpeedZeroOptimizer` the flat partitions stay and only the recorded stage changes; BF16_Optimizer's
-    (bf16 ZeRO-1, fp32 gradient accumulation) are laid out again as DeepSpeedZeroOptimizer's
-    (`experts.plan_expert_degree`); AutoEP moves between those and ZeRO-3 (`stage.plan_expert_zero3`,
-    `experts.plan_expert_from_zero3`). A target DeepSpeed would give BF16_Optimizer: `why_not`."""
+    (bf16 ZeRO-1, fp32 gradient accumulation) are laid out again as DeepSpeedZeroOptimizer's, and
+    DeepSpeedZeroOptimizer's and ZeRO-3's as BF16_Optimizer's at a ZeRO-1 target whose recorded config gets
+    it (`flats.target_optimizer`: each expert group over its expert data-parallel group, as BF16_Optimizer's
+    `real_dp_process_group` partitions it; `experts.plan_expert_degree`, `experts.plan_expert_from_zero3`);
+    AutoEP moves between those and ZeRO-3 (`stage.plan_expert_zero3`)."""
     if target not in stages_allowed(kind):
         return _forbidden_stage(kind, target)
     return None
-
-
-def _why_not_bf16_target(index: Any, kind: str, stage: int, splits: bool = False) -> str | None:
-    """Why ckptflow cannot write `index` at ZeRO `stage` where its recorded config gets DeepSpeed's
-    BF16_Optimizer there (ZeRO-1, bf16 weights, fp32 gradient accumulation: `config.builds_bf16_optimizer`,
-    the target optimizer `flats.target_optimizer`) and it was not trained by one: the flat groups of a
-    data-parallel checkpoint, and of an AutoTP one at its own tensor-parallel degree or merged to 1, are
-    laid out as BF16_Optimizer's from any source (`stage.plan_stage_change`, `tensor_parallel`); those of
-    an AutoTP checkpoint split to another degree (`splits`) and of an expert-parallel one only from
-    BF16_Optimizer's own files."""
-    if kind == "zero" or (kind == "autotp" and not splits):
-        return None
-    first = index.ranks[0] if kind == "autotp" else (index.zero_index() or index)
-    states = first.model_states
-    config = (states if isinstance(states, Mapping) else states[0]).get("ds_config")
-    if stage != 1 or not builds_bf16_optimizer(config) or getattr(first, "optimizer_kind", "") == BF16:
-        return None
-    return ("at ZeRO-1 its recorded config (bf16 weights, data_types.grad_accum_dtype fp32) gets DeepSpeed's "
-            f"BF16_Optimizer, whose files ckptflow writes for {NAMES.get(kind, kind)} checkpoints"
-            f"{' split to another tensor-parallel degree' if kind == 'autotp' else ''} from a BF16_Optimizer "
-            "checkpoint only (for data-parallel ones, and AutoTP ones at their own degree or merged to 1, from any); "
-            "write it at ZeRO-2, where the same config gets DeepSpeedZeroOptimizer")
 
 
 def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:

@@ -22,7 +22,7 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   BF16_Optimizer's from the fragments, the module's bf16 copy the source's own (from ZeRO-3, cast from
   the masters), the optimizer state re-keyed as BF16_Optimizer saves it (`files._other_optimizer`);
   AutoTP per tensor-parallel rank too (`plan_model_parallel_stage`), and merged to tensor-parallel
-  degree 1 (`tensor_parallel`; split to another degree: refused, `shape.why_not`).
+  degree 1 or split to another (`tensor_parallel`).
 - ZeRO-0 -> ZeRO-1/2/3 (`plan_zero0_stage`): the optimizer state, saved by position, named first
   (`readers.zero0.named_groups`); then each master is a partition of its own and the rules above
   apply, the ZeRO-1/2 module copy the source module's own weights. An AutoTP one with another
