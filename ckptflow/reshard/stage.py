@@ -106,7 +106,8 @@ def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> Dat
     named = named_groups(index)
     assert not isinstance(named, str), "why_not_zero0 names them"
     source = _zero0_source(index, *named)
-    plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage)
+    optimizer = target_optimizer(ZERO0, 0, stage, source.ds_config)  # the one the recorded config gets there
+    plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage, optimizer=optimizer)
     return replace(plan, source_world_size=index.world_size, source_optimizer=ZERO0)
 
 
