@@ -31,13 +31,14 @@ check lifted, `tests/test_fp16_zero0.py`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import builds_bf16_optimizer
 from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.deepspeed.qkv import check_layout
+from ckptflow.formats.deepspeed.readers.moe import zero0_index
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
     TIED_WHY,
@@ -280,6 +281,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
     if source.stage == 0:
         if (shape.stage, shape.tp, shape.pp, shape.ep) == (source.stage, source.tp, source.pp, source.ep):
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
+        if kind == "moe" and (shape.tp, shape.pp) == (source.tp, source.pp):
+            return _why_not_moe_zero0(index, source, shape)
         if shape.stage == 0 or (shape.tp, shape.pp, shape.ep) != (source.tp, source.pp, source.ep):
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, so it cannot "
                     "be moved to another shape, except to another ZeRO stage at the same tensor-, pipeline- and "
@@ -354,6 +357,21 @@ def why_not_zero0(index: Zero0Checkpoint) -> str | None:
         return scaler
     named = named_groups(index)
     return named if isinstance(named, str) else None
+
+
+def _why_not_moe_zero0(index: Any, source: Shape, shape: Shape) -> str | None:
+    """Why ckptflow cannot write the deepspeed.moe ZeRO-0 checkpoint `index` at `shape` (ZeRO-1 or 2, its own
+    expert-parallel degree or another), or None: its optimizer state named (`readers.moe.zero0_index`),
+    then as a ZeRO-1/2 source's (`experts.plan_moe_zero0`)."""
+    if shape.stage == 0:
+        return ("ckptflow writes a deepspeed.moe ZeRO-0 checkpoint at ZeRO-1 or ZeRO-2 at another expert-parallel "
+                "degree, not at ZeRO-0, whose expp_rank files it does not write")
+    if (why := why_not_expert_stage("moe", shape.stage)) is not None:
+        return why
+    zero = zero0_index(index)
+    if isinstance(zero, str):
+        return zero
+    return _why_not_ep(replace(index, zero=zero), "moe", source, shape) if shape.ep != source.ep else None
 
 
 def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | None:

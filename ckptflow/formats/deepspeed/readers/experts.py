@@ -47,6 +47,10 @@ class ExpertCheckpoint:
     zero: ZeroCheckpoint | None = field(repr=False, compare=False)
     expert_files: tuple[str, ...] = ()
     experts: int = 0  # experts over all MoE layers
+    # deepspeed.moe at ZeRO-0: rank 0's model states (the whole non-expert module, the recorded config) and
+    # each expert-parallel rank's `expp_rank` optimizer, by position (`readers.moe.zero0_index` names it).
+    model0: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    expp: tuple[Mapping[str, Any], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def tag_uri(self) -> str:
