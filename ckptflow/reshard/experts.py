@@ -42,7 +42,9 @@ arithmetic predicts (`data_parallel.plan_expert_parallel` at its own size). The 
 `plan_expert_degree` here for ZeRO-1/2 (and the other of ZeRO-1 and ZeRO-2: the same flat partitions,
 only the recorded stage differs), `plan_expert_from_zero3` from AutoEP ZeRO-3 to ZeRO-1/2 (each
 expert's own file written again, by the target expert-parallel rank holding it) and
-`stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
+`stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree), and
+`plan_moe_zero0` from deepspeed.moe ZeRO-0 to ZeRO-1/2 (its optimizer state named first,
+`readers.moe.zero0_index`: the virtual source whose partitions are its masters). Refused
 in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), a placement other than DeepSpeed's
 uniform one, degrees that do not divide every layer's experts, and a source
 whose cuts leave the size limit open where the limits they allow cut the target differently.

@@ -186,7 +186,8 @@ def _named_splits(index: ModelParallelCheckpoint, tp: int, known: SplitsByDegree
 
 
 def _expert_stage(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
-    """The stage changes, and maybe the expert-parallel degree with it."""
+    """The stage changes, and maybe the expert-parallel degree with it (from deepspeed.moe ZeRO-0 too: its
+    optimizer state named first, `experts.plan_moe_zero0`)."""
     if ask.source.stage == 0:
         return plan_moe_zero0(index, ask.shape)
     if ask.shape.stage == 3:

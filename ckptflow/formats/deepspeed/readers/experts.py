@@ -30,8 +30,9 @@ LAYOUT_NAMES = {"autoep": "AutoEP", "moe": "deepspeed.moe"}
 @dataclass(frozen=True)
 class ExpertCheckpoint:
     """The index of an AutoEP or deepspeed.moe checkpoint: the model's tensors under the model's own
-    names (`model_tensors`), and what a reshard needs: the ZeRO index (`zero`, None at ZeRO-0) and the
-    per-expert files, which are the same at any data-parallel size (`expert_files`, tag-relative)."""
+    names (`model_tensors`), and what a reshard needs: the ZeRO index (`zero`; None at ZeRO-0, whose
+    deepspeed.moe model states and optimizers `model0` and `expp` hold) and the per-expert files, which are
+    the same at any data-parallel size (`expert_files`, tag-relative)."""
 
     root: str
     tag: str

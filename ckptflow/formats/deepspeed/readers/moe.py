@@ -40,6 +40,7 @@ from ckptflow.formats.deepspeed.names import (
     expert_file_name,
     expert_group_degree,
     expp_file_name,
+    model_file_name,
 )
 from ckptflow.formats.deepspeed.readers.experts import (
     ExpertCheckpoint,
@@ -338,7 +339,7 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
 
     partitions = tuple(tuple(partition(k, g) for g in range(len(masters))) for k in range(width))
     shapes = {t.name: t.shape for t in source.tensors}
-    local = _local_shapes(source)
+    local = {t.name: t.shape for t in _local_experts(source, 0)}
     params = []
     for g, m in enumerate(masters):
         for k, (e, group, j) in enumerate(m):
@@ -358,7 +359,7 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     uri = join(source.tag_uri, expp_file_name(0))
     return ZeroCheckpoint(
         root=source.root, tag=source.tag, stage=0, world_size=1, precision=source.precision, step=source.step,
-        ds_version=source.ds_version, files=(RankFiles(0, uri, join(source.tag_uri, "mp_rank_00_model_states.pt")),),
+        ds_version=source.ds_version, files=(RankFiles(0, uri, join(source.tag_uri, model_file_name(0, 0))),),
         params=tuple(params), buffers=tuple(Buffer(n, r) for n, r in model0["module"].items() if n in buffers),
         tied={}, groups=tuple(ParamGroup(g, group.hyper, group.params, ep=source.ep if group.hyper.get("moe") else 1)
                               for g, group in enumerate(first)),
@@ -369,28 +370,11 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     )
 
 
-def _local_shapes(source: ExpertCheckpoint) -> dict[str, tuple[int, ...]]:
-    """Expert-parallel rank 0's local expert parameters' shapes, under their local names (the same on every rank)."""
+def _local_experts(source: ExpertCheckpoint, e: int) -> list[ModelTensor]:
+    """Expert-parallel rank e's experts' tensors under their local names (`deepspeed_experts.{i}`), in order."""
     experts = source.model0["num_experts"]
     layers = [m.group("layer") for name in source.model0["module"] if (m := GATE_RE.match(name))]
-    out = {}
-    for t in source.tensors:
-        m = EXPERT_RE.match(t.name)
-        if m and int(m.group("id")) < experts[layers.index(m.group("layer"))] // source.ep:
-            out[t.name] = t.shape
-    return out
-
-
-def _named_rank(source: ExpertCheckpoint, e: int) -> tuple[Zero0Group, ...] | str:
-    """Expert-parallel rank e's param groups named, in the optimizer's order (`zero0_index`)."""
-    model0 = source.model0
-    optimizer = source.expp[e]
-    groups = optimizer["param_groups"]
-    buffers = set(model0.get("buffer_names") or [])
-    dense = [t for t in source.tensors if t.name in model0["module"] and t.name not in buffers]
-    experts = model0["num_experts"]
-    layers = [m.group("layer") for name in model0["module"] if (m := GATE_RE.match(name))]
-    mine = []
+    out = []
     for t in source.tensors:
         m = EXPERT_RE.match(t.name)
         if m is None:
@@ -399,7 +383,22 @@ def _named_rank(source: ExpertCheckpoint, e: int) -> tuple[Zero0Group, ...] | st
         expert = int(m.group("id"))
         if e * count <= expert < (e + 1) * count:
             name = f"{m.group('layer')}.deepspeed_moe.experts.deepspeed_experts.{expert - e * count}.{m.group('rest')}"
-            mine.append(ModelTensor(name, t.shape, t.dtype, "param", t.runs))
+            out.append(ModelTensor(name, t.shape, t.dtype, "param", t.runs))
+    return out
+
+
+def _named_rank(source: ExpertCheckpoint, e: int) -> tuple[Zero0Group, ...] | str:
+    """Expert-parallel rank e's param groups named, in the optimizer's order (`zero0_index`)."""
+    model0 = source.model0
+    optimizer = source.expp[e]
+    groups = optimizer["param_groups"]
+    state = optimizer.get("state") or {}
+    if not isinstance(state, Mapping) or not all(isinstance(g.get("params"), list) for g in groups):
+        return (f"{expp_file_name(e)} holds no torch optimizer state dict (`state` by position, param groups listing "
+                "their positions); the file is damaged or was written by another tool")
+    buffers = set(model0.get("buffer_names") or [])
+    dense = [t for t in source.tensors if t.name in model0["module"] and t.name not in buffers]
+    mine = _local_experts(source, e)
     out: dict[int, Zero0Group] = {}
     for moe, tensors in ((False, dense), (True, mine)):
         picked = [g for g, group in enumerate(groups) if bool(group.get("moe")) == moe]
@@ -409,8 +408,7 @@ def _named_rank(source: ExpertCheckpoint, e: int) -> tuple[Zero0Group, ...] | st
             tensors=tuple(tensors), tied={}, optimizer_params=sum(len(groups[g]["params"]) for g in picked),
             optimizer_groups=len(picked), optimizer_step=0,
             model_states={"module": {t.name: t.runs[0].ref for t in tensors},
-                          "optimizer": {"state": optimizer.get("state") or {},
-                                        "param_groups": [groups[g] for g in picked]}})
+                          "optimizer": {"state": state, "param_groups": [groups[g] for g in picked]}})
         named = named_groups(view)
         what = "expert" if moe else "dense"
         if isinstance(named, str):
