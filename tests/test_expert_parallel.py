@@ -22,6 +22,7 @@ Every test runs on the matrix's expert-parallel fixtures and on the held-out one
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -545,6 +546,10 @@ RR_RESHARDS = (
     ("autoep-qwen3-moe-ep2dp2-z2-fp32-rr", 2, 2, 2),
     ("dsmoe-ep2dp2-z1-fp32-rr", 4, 4, 1), ("dsmoe-ep2dp2-z1-fp32-rr", 4, 1, 2), ("dsmoe-ep2dp2-z1-fp32-rr", 2, 1, 1),
 )
+ZERO0_RESHARDS = (
+    ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2-z0-fp32", 2, 2, 2), ("dsmoe-ep2dp2-z0-fp32", 4, 2, 1),
+    ("dsmoe-ep2dp2-z0-fp32", 2, 1, 2), ("dsmoe-ep2dp3-z0-fp32-s1", 2, 2, 1),
+)
 RR_IGNORED_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z3-fp32-rr", 2, 1, 2), ("autoep-qwen3-moe-ep2-z3-fp32-rr", 4, 2, 2),
     ("autoep-qwen3-moe-ep2-z1-bf16-fp32accum-rr", 2, 1, 2), ("dsmoe-ep2-z1-bf16-fp32accum-rr", 4, 1, 2),
@@ -590,11 +595,16 @@ ALL_STAGE_RESHARDS = (
     # AutoEP ZeRO-3 ep2 -> ep1 on 2 ranks and ep2 x edp2 on 4; AutoEP BF16_Optimizer -> ep1; deepspeed.moe
     # BF16_Optimizer -> ep1 on 4 ranks.
     *RR_IGNORED_RESHARDS,
+    # deepspeed.moe ZeRO-0 (its expp_rank optimizers named by position, `readers.moe.zero0_index`) to ZeRO-1/2: ep2 ->
+    # ZeRO-1 ep4 on 4 ranks, ZeRO-2 at its own shape, ep2 x edp2 -> ZeRO-1 ep2 x edp2 and -> ZeRO-2 ep1 on 2 ranks,
+    # the held-out ep2 x edp3 -> ZeRO-1 ep2 on 2 ranks.
+    *ZERO0_RESHARDS,
 )
 # By default one launch for AutoEP ZeRO-3 at another degree: ep4 at ZeRO-3 from ZeRO-2 ep2 x edp2 and from
 # ZeRO-3 ep2 x edp2 (ZeRO-3 -> ZeRO-2 ep4 is checked against DeepSpeed's own ep4 save without a launch).
+# deepspeed.moe ZeRO-0 -> ZeRO-1 ep4 rides the launch of deepspeed.moe ZeRO-2 -> ZeRO-1 ep4 (the same shape).
 STAGE_RESHARDS = sample(ALL_STAGE_RESHARDS, [
-    ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3),
+    ("dsmoe-ep2-z2-fp32", 4, 4, 1), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("autoep-qwen3-moe-ep2-z2-fp32", 2, 2, 3),
     ("autoep-qwen3-moe-ep2dp2-z2-fp32", 4, 4, 3), ("autoep-mixtral-ep2dp2-z3-fp32", 4, 4, 3),
 ])
 
@@ -1401,3 +1411,89 @@ def test_zero1_with_another_expert_degree_where_the_config_gets_bf16_optimizer_i
     reshard(str(fixture.dir), str(tmp_path / "direct"), world_size=2, ep=1)
     assert load_index(str(tmp_path / "back")).zero.optimizer_kind == BF16
     _compare_folders(tmp_path / "back" / "global_step3", tmp_path / "direct" / "global_step3")
+
+
+# ---- deepspeed.moe ZeRO-0 -> ZeRO-1/2 (issue 24): pure checks; DeepSpeed's load is ZERO0_RESHARDS above -----------
+
+DSMOE_EXPERT_NAME = re.compile(r"^(moe\d+)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.+)$")
+
+
+def _gathered_state(folder: Path, world_size: int, ep: int) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master and Adam moments out of a ZeRO-1/2 deepspeed.moe folder written at `world_size`
+    ranks and degree `ep`, read with torch (our output: trusted) and joined by DeepSpeed's own records: each rank's
+    `param_slice_mappings`, in rank order, over the ranks of its group (an expert group's: those of its
+    expert-parallel rank `r % ep`, its experts' local ids made global)."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    experts = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["num_experts"]
+    for r in range(world_size):
+        osd = torch.load(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", map_location="cpu",
+                         weights_only=False)["optimizer_state_dict"]
+        base = osd["base_optimizer_state"]
+        for g, mapping in enumerate(osd["param_slice_mappings"]):
+            moe = base["param_groups"][g].get("moe")
+            flats = {"fp32": osd["single_partition_of_fp32_groups"][g],
+                     **{k: v for k, v in base["state"][g].items() if k != "step"}}
+            for name, where in mapping.items():
+                if moe:
+                    layer, local, rest = DSMOE_EXPERT_NAME.match(name).groups()
+                    count = experts[int(layer[len("moe"):])] // ep
+                    name = f"{layer}.deepspeed_moe.experts.deepspeed_experts.{(r % ep) * count + int(local)}.{rest}"
+                for kind, flat in flats.items():
+                    pieces.setdefault(f"{kind}/{name}", []).append(flat.narrow(0, where.start, where.numel))
+    return {key: torch.cat(parts) for key, parts in pieces.items()}
+
+
+
+@pytest.mark.parametrize(("name", "world_size", "ep", "stage"), [
+    ("dsmoe-ep2-z0-fp32", 4, 2, 2), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z0-fp32", 2, 1, 1)])
+def test_a_deepspeed_moe_zero0_reshard_holds_each_parameter_s_master_and_moments(
+        expert_fixtures, name: str, world_size: int, ep: int, stage: int, tmp_path: Path) -> None:
+    """Every parameter's fp32 master and Adam moments in the ZeRO-1/2 files, joined by DeepSpeed's own
+    `param_slice_mappings`, are the live engine's the writer gathered (each expert-parallel rank's named from its
+    expp_rank optimizer by position), at the source's degree and another."""
+    fixture = expert_fixtures[name]
+    reshard(str(fixture.dir), str(tmp_path / "out"), world_size=world_size, ep=ep, stage=stage)
+    state = _gathered_state(tmp_path / "out" / "global_step3", world_size, ep)
+    expected = load_file(fixture.expected_path)
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor.reshape(-1)), key
+
+
+def test_a_deepspeed_moe_zero0_reshard_is_what_deepspeed_writes_at_zero2(expert_fixtures, tmp_path: Path) -> None:
+    """ZeRO-0 -> ZeRO-2 at the source's shape has the files, keys, shapes and metadata of DeepSpeed's own ZeRO-2
+    save of the same model at that shape (every field but the tensors' values and the samples seen)."""
+    reshard(str(expert_fixtures["dsmoe-ep2-z0-fp32"].dir), str(tmp_path / "out"), world_size=2, stage=2)
+    _compare_folders(tmp_path / "out" / "global_step3", expert_fixtures["dsmoe-ep2-z2-fp32"].tag_dir, values=False,
+                     ignore=("global_samples",))
+
+
+def test_deepspeed_moe_zero0_refusals(expert_fixtures, tmp_path: Path) -> None:
+    index = load_index(str(expert_fixtures["dsmoe-ep2-z0-fp32"].dir))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 4 ranks, ep4: ckptflow writes a deepspeed.moe ZeRO-0 "
+                                                         r"checkpoint at ZeRO-1 or ZeRO-2 at another expert-parallel "
+                                                         r"degree, not at ZeRO-0, whose expp_rank files it does not "
+                                                         r"write; shapes it can write at 4 ranks: ZeRO-1 dp4 \(4 ranks\), "
+                                                         r"ZeRO-1 ep2 x edp2 \(4 ranks\), ZeRO-1 ep4 x edp1 \(4 "
+                                                         r"ranks\), ZeRO-2 dp4 \(4 ranks\), ZeRO-2 ep2 x edp2 \(4 "
+                                                         r"ranks\), ZeRO-2 ep4 x edp1 \(4 ranks\)$"):
+        plan_reshard(index, Target(world_size=4, ep=4))
+    with pytest.raises(UnsupportedCheckpointError, match="DeepSpeed refuses deepspeed.moe layers at ZeRO-3"):
+        plan_reshard(index, Target(world_size=2, stage=3))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: it was trained in bf16, whose "
+                                                         r"FP16_Optimizer keeps flat fp32 masters per param group in "
+                                                         r"each expp_rank file; ckptflow names a deepspeed.moe ZeRO-0 "
+                                                         r"optimizer of an fp32 run only"):
+        plan_reshard(replace(index, precision="bf16"), Target(world_size=2, stage=1))
+    ckpt = _copy(expert_fixtures["dsmoe-ep2-z0-fp32"], tmp_path)
+
+    def drop_one_state(obj: dict[str, Any]) -> None:  # the state of position 12: a layer-0 expert weight
+        del obj["optimizer"]["state"][12]
+
+    _rewrite(ckpt / "global_step3" / "expp_rank_1_mp_rank_00_optim_states.pt", drop_one_state)
+    with pytest.raises(UnsupportedCheckpointError, match=r"expert-parallel rank 1's expert parameters: "
+                                                         r"moe0\.deepspeed_moe\.experts\.deepspeed_experts\.1\.fc1\."
+                                                         r"weight has no optimizer state while the rest of its param "
+                                                         r"group has"):
+        reshard(str(ckpt), str(tmp_path / "out"), world_size=2, stage=1)
+    assert not (tmp_path / "out").exists()

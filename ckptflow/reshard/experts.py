@@ -45,7 +45,9 @@ builds it at the target from the recorded config, `flats.target_optimizer`: it p
 group over its expert data-parallel group, as DeepSpeedZeroOptimizer does), `plan_expert_from_zero3`
 from AutoEP ZeRO-3 to ZeRO-1/2 (each expert's own file written again, by the target expert-parallel rank
 holding it; BF16_Optimizer's at ZeRO-1 where the recorded config gets it) and
-`stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree). Refused
+`stage.plan_expert_zero3` to AutoEP ZeRO-3 (from ZeRO-1/2, or from ZeRO-3 at another degree), and
+`plan_moe_zero0` from deepspeed.moe ZeRO-0 to ZeRO-1/2 (its optimizer state named first,
+`readers.moe.zero0_index`: the virtual source whose partitions are its masters). Refused
 in one line: `deepspeed.moe` at ZeRO-3 (DeepSpeed refuses it), a placement other than DeepSpeed's
 uniform one, degrees that do not divide every layer's experts, and a source
 whose cuts leave the size limit open where the limits they allow cut the target differently.
@@ -63,9 +65,10 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.config import is_set
 from ckptflow.formats.deepspeed.model import Fragment, Param, ParamGroup, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import UC_INFO, expert_file_name, model_file_name, optim_file_name
-from ckptflow.formats.deepspeed.partition import BF16, Copy
+from ckptflow.formats.deepspeed.partition import BF16, ZERO0, Copy
 from ckptflow.formats.deepspeed.readers.autoep import ROUTER, WEIGHTS
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
+from ckptflow.formats.deepspeed.readers.moe import zero0_index
 from ckptflow.formats.deepspeed.runs import Run, slice_runs
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES
 from ckptflow.reshard.data_parallel import check_expert_stage, plan_expert_parallel
@@ -226,6 +229,28 @@ def plan_expert_degree(source: ExpertCheckpoint, shape: Shape) -> DataParallelPl
         check_expert_stage(source, shape.stage)
     plan_expert_parallel(source, zero.world_size)  # the source is laid out as DeepSpeed's arithmetic says, or refused
     return _plan(source, zero, at_degree(source, shape), shape)
+
+
+def plan_moe_zero0(source: ExpertCheckpoint, shape: Shape) -> DataParallelPlan:
+    """The plan that writes the deepspeed.moe ZeRO-0 checkpoint `source` at ZeRO-1 or ZeRO-2 (`shape.stage`),
+    at its own expert-parallel degree or another, on any number of ranks it divides; reads nothing. Its
+    optimizer state named (`readers.moe.zero0_index`: a virtual ZeRO index, every master a partition of
+    its own), then laid out as from a ZeRO-1/2 source (`at_degree`, `_plan`): the module the source's,
+    the optimizer files re-keyed as ZeRO-1/2 saves them (`files._other_optimizer`), the expert files
+    carried. `UnsupportedCheckpointError` where the state cannot be named."""
+    assert source.kind == "moe" and source.stage == 0 and shape.stage in (1, 2), "the shape check refuses the rest"
+    if shape.tp != 1 or shape.pp != 1:
+        raise _refuse(source, shape, "ckptflow does not change the expert-parallel degree together with other "
+                      "degrees", "change one at a time")
+    zero = zero0_index(source)
+    if isinstance(zero, str):
+        raise UnsupportedCheckpointError(f"cannot write {source.tag_uri} ({source.layout}) at ZeRO-{shape.stage}: "
+                                         f"{zero}", code="unsupported-shape", uri=source.root,
+                                         hint="consolidate its weights (`ckptflow consolidate`) and start the "
+                                              "optimizer afresh, or resume it at ZeRO-0")
+    virtual = replace(source, zero=zero)
+    plan = _plan(virtual, zero, at_degree(virtual, shape), shape)
+    return replace(plan, source_world_size=source.world_size, source_optimizer=ZERO0)
 
 
 def at_degree(source: ExpertCheckpoint, shape: Shape) -> ZeroCheckpoint:
@@ -538,4 +563,4 @@ def _virtual_source(zero: ZeroCheckpoint, groups: Sequence[tuple[_TargetGroup, i
                    optim_states=tuple(_optim_states(o, ep, regroup) for o in zero.optim_states))
 
 
-__all__ = ["plan_expert_degree", "plan_expert_from_zero3"]
+__all__ = ["plan_expert_degree", "plan_expert_from_zero3", "plan_moe_zero0"]

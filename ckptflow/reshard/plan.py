@@ -34,7 +34,7 @@ from ckptflow.reshard.data_parallel import (
     plan_model_parallel,
     plan_shard_folder,
 )
-from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3
+from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3, plan_moe_zero0
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
@@ -187,7 +187,10 @@ def _named_splits(index: ModelParallelCheckpoint, tp: int, known: SplitsByDegree
 
 
 def _expert_stage(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
-    """The stage changes, and maybe the expert-parallel degree with it."""
+    """The stage changes, and maybe the expert-parallel degree with it (from deepspeed.moe ZeRO-0 too: its
+    optimizer state named first, `experts.plan_moe_zero0`)."""
+    if ask.source.stage == 0:
+        return plan_moe_zero0(index, ask.shape)
     if ask.shape.stage == 3:
         return plan_expert_zero3(index, ask.shape)
     if ask.source.stage == 3:

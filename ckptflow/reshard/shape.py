@@ -25,17 +25,20 @@ ZeRO-0 checkpoint goes to ZeRO-1/2/3 at its own tensor-parallel degree where its
 named (`readers.zero0.named_groups`), in fp32, bf16 and fp16, fp16's FP16_Optimizer loss scale carried
 into the target's loss scaler (`readers.zero0.zero_loss_scaler`; checked against DeepSpeed on an fp16
 ZeRO-0 checkpoint written by DeepSpeed's own fp16 code on CPU ranks with the CPU accelerator's fp16
-check lifted, `tests/test_fp16_zero0.py`).
+check lifted, `tests/test_fp16_zero0.py`). A deepspeed.moe ZeRO-0 checkpoint (fp32) goes to ZeRO-1/2 at its own
+expert-parallel degree or another (`readers.moe.zero0_index` names each expert-parallel rank's optimizer,
+`experts.plan_moe_zero0` writes it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.qkv import check_layout
+from ckptflow.formats.deepspeed.readers.moe import zero0_index
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV_WHY,
     TIED_WHY,
@@ -278,13 +281,16 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
     if source.stage == 0:
         if (shape.stage, shape.tp, shape.pp, shape.ep) == (source.stage, source.tp, source.pp, source.ep):
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
+        if kind == "moe" and (shape.tp, shape.pp) == (source.tp, source.pp):
+            return _why_not_moe_zero0(index, source, shape)
         if shape.stage == 0:
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
                     "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
         if (shape.pp, shape.ep) != (source.pp, source.ep) or (shape.tp != source.tp and kind != "autotp"):
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter; ckptflow "
-                    "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones, not with "
-                    "another pipeline- or expert-parallel degree (its weights can still be consolidated)")
+                    "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones and another "
+                    "expert-parallel one for deepspeed.moe ones, not with another pipeline degree (its weights can "
+                    "still be consolidated)")
         if kind not in ("zero0", "autotp"):
             return (f"ckptflow changes the ZeRO stage of data-parallel and AutoTP ZeRO-0 checkpoints only, not of "
                     f"{name} ones yet")
@@ -354,6 +360,21 @@ def why_not_zero0(index: Zero0Checkpoint) -> str | None:
         return scaler
     named = named_groups(index)
     return named if isinstance(named, str) else None
+
+
+def _why_not_moe_zero0(index: Any, source: Shape, shape: Shape) -> str | None:
+    """Why ckptflow cannot write the deepspeed.moe ZeRO-0 checkpoint `index` at `shape` (ZeRO-1 or 2, its own
+    expert-parallel degree or another), or None: its optimizer state named (`readers.moe.zero0_index`),
+    then as a ZeRO-1/2 source's (`experts.plan_moe_zero0`)."""
+    if shape.stage == 0:
+        return ("ckptflow writes a deepspeed.moe ZeRO-0 checkpoint at ZeRO-1 or ZeRO-2 at another expert-parallel "
+                "degree, not at ZeRO-0, whose expp_rank files it does not write")
+    if (why := why_not_expert_stage("moe", shape.stage)) is not None:
+        return why
+    zero = zero0_index(index)
+    if isinstance(zero, str):
+        return zero
+    return _why_not_ep(replace(index, zero=zero), "moe", source, shape) if shape.ep != source.ep else None
 
 
 def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | None:

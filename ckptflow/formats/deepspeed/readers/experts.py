@@ -30,8 +30,9 @@ LAYOUT_NAMES = {"autoep": "AutoEP", "moe": "deepspeed.moe"}
 @dataclass(frozen=True)
 class ExpertCheckpoint:
     """The index of an AutoEP or deepspeed.moe checkpoint: the model's tensors under the model's own
-    names (`model_tensors`), and what a reshard needs: the ZeRO index (`zero`, None at ZeRO-0) and the
-    per-expert files, which are the same at any data-parallel size (`expert_files`, tag-relative)."""
+    names (`model_tensors`), and what a reshard needs: the ZeRO index (`zero`; None at ZeRO-0, whose
+    deepspeed.moe model states and optimizers `model0` and `expp` hold) and the per-expert files, which are
+    the same at any data-parallel size (`expert_files`, tag-relative)."""
 
     root: str
     tag: str
@@ -47,6 +48,10 @@ class ExpertCheckpoint:
     zero: ZeroCheckpoint | None = field(repr=False, compare=False)
     expert_files: tuple[str, ...] = ()
     experts: int = 0  # experts over all MoE layers
+    # deepspeed.moe at ZeRO-0: rank 0's model states (the whole non-expert module, the recorded config) and
+    # each expert-parallel rank's `expp_rank` optimizer, by position (`readers.moe.zero0_index` names it).
+    model0: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    expp: tuple[Mapping[str, Any], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def tag_uri(self) -> str:

@@ -7,7 +7,8 @@ model's tensors under the module's names with **global** expert ids: the names o
   expert-parallel rank under **local** ids, partitioned over its expert data-parallel group (`index`),
   and `layer_{L}_expert_{E}` files (module-dtype weights, global ids).
 - ZeRO-0: `module` holds the dense weights (the training dtype's masters), the expert files the
-  experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no names).
+  experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no names; a
+  reshard names it: `zero0_index`).
 
 Nothing records the placement but the group names, `num_experts` and DeepSpeed's default topology:
 local expert i of expert-parallel rank e in MoE layer L is global expert `e * num_experts[L] / N + i`,
@@ -23,13 +24,23 @@ from typing import Any
 
 from ckptflow.formats.deepspeed.config import precision_of
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing
-from ckptflow.formats.deepspeed.model import ModelTensor, ZeroCheckpoint
+from ckptflow.formats.deepspeed.model import (
+    Buffer,
+    Fragment,
+    ModelTensor,
+    Param,
+    ParamGroup,
+    Partition,
+    RankFiles,
+    ZeroCheckpoint,
+)
 from ckptflow.formats.deepspeed.names import (
     EXPERT_FILE_RE,
     EXPP_FILE_RE,
     expert_file_name,
     expert_group_degree,
     expp_file_name,
+    model_file_name,
 )
 from ckptflow.formats.deepspeed.readers.experts import (
     ExpertCheckpoint,
@@ -39,6 +50,7 @@ from ckptflow.formats.deepspeed.readers.experts import (
     ordered,
 )
 from ckptflow.formats.deepspeed.readers.zero import read_zero
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -273,8 +285,139 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
         root=st.root, tag=st.tag, kind="moe", stage=0, world_size=world_size, ep=ep, precision=precision,
         step=model0.get("global_steps", 0), ds_version=str(model0.get("ds_version", "unknown")),
         tensors=ordered(list(module), out, _follow(layers, experts, out)), tied={}, zero=None,
-        expert_files=tuple(expected), experts=sum(experts),
+        expert_files=tuple(expected), experts=sum(experts), model0=model0,
+        expp=tuple(expp[expp_file_name(e)]["optimizer"] for e in range(ep)),
     )
 
 
-__all__ = ["read_moe"]
+# ---- ZeRO-0's optimizer state named, as a ZeRO index ------------------------------------------------------
+
+
+def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
+    """The deepspeed.moe ZeRO-0 checkpoint `source` as a virtual ZeRO index of its named optimizer state
+    (what `reshard` lays out at ZeRO-1/2), or why its state cannot be named.
+
+    DeepSpeed 0.19.8 saves at ZeRO-0 (`engine._save_moe_checkpoint`) each expert-parallel rank's
+    `optimizer.state_dict()`: a torch optimizer over the groups
+    `split_params_into_different_moe_groups_for_optimizer` built from the client's, each client group
+    with its expert parameters taken out, then one `ep_size_N` group (`moe: True`) per client group with
+    those, cut by size; the state keyed by position over all groups. Rank e's expert parameters are its
+    local experts `deepspeed_experts.{i}` (global expert `e * E/N + i`, the file holding it). So the
+    premise of `readers.zero0.named_groups` (each group in the module's order) names them: the dense
+    groups over the module's weights, the expert groups over rank e's local experts, apart (a dense and an
+    expert parameter of one shape are never mistaken), by their Adam moments' shapes. The dense groups'
+    state is the same on every rank (their gradients are averaged over all): rank 0's is taken.
+
+    The index is as `reshard.stage` builds one from a data-parallel ZeRO-0 checkpoint: every master a
+    partition of its own at one virtual rank k (a group with fewer repeats its last, which no copy
+    reads), each expert group with one copy per expert-parallel rank under local names (`Param.shard`),
+    its optimizer file's base state rank 0's (the step the group's), its model states the source's with
+    no `optimizer`."""
+    model0 = source.model0
+    if source.precision != "fp32":
+        return (f"it was trained in {source.precision}, whose FP16_Optimizer keeps flat fp32 masters per param group "
+                "in each expp_rank file; ckptflow names a deepspeed.moe ZeRO-0 optimizer of an fp32 run only")
+    named = [_named_rank(source, e) for e in range(source.ep)]
+    bad = next((n for n in named if isinstance(n, str)), None)
+    if bad is not None:
+        return bad
+    ranks = [n for n in named if not isinstance(n, str)]
+    first = ranks[0]
+    if any([(g.hyper, g.params) for g in r] != [(g.hyper, g.params) for g in first] for r in ranks):
+        return ("its expp_rank files' param groups differ in hyper-parameters or in which local experts they hold, "
+                "which one deepspeed.moe run does not save")
+    masters: list[list[tuple[int, Zero0Group, int]]] = []  # per group: (expert-parallel rank, group, position)
+    for g, group in enumerate(first):
+        shards = range(source.ep) if group.hyper.get("moe") else range(1)
+        masters.append([(e, ranks[e][g], j) for e in shards for j in range(len(group.params))])
+    width = max(len(m) for m in masters)
+
+    def partition(k: int, g: int) -> Partition:
+        _, group, j = masters[g][min(k, len(masters[g]) - 1)]
+        return Partition(rank=k, group=g, numel=group.masters[j].numel, padding=0, fp32=group.masters[j],
+                         state=group.states[j])
+
+    partitions = tuple(tuple(partition(k, g) for g in range(len(masters))) for k in range(width))
+    shapes = {t.name: t.shape for t in source.tensors}
+    local = {t.name: t.shape for t in _local_experts(source, 0)}
+    params = []
+    for g, m in enumerate(masters):
+        for k, (e, group, j) in enumerate(m):
+            name = group.params[j]
+            shape = local[name] if group.hyper.get("moe") else shapes[name]
+            params.append(Param(name, shape, "float32", g, (Fragment(rank=k, group=g, offset=0,
+                                                                      numel=partitions[k][g].numel, param_offset=0),),
+                                shard=e))
+    order = {n: i for i, n in enumerate(model0["module"])}
+    params.sort(key=lambda p: (p.shard, order.get(p.name, len(order))))
+    base_state = {g: {k: group.step if k == "step" else v for k, v in partitions[0][g].state.items()}
+                  for g, group in enumerate(first) if partitions[0][g].state}
+    osd = {"base_optimizer_state": {"state": base_state,
+                                    "param_groups": [{**group.hyper, "params": [g]} for g, group in enumerate(first)]},
+           "ds_version": model0.get("ds_version")}
+    buffers = set(model0.get("buffer_names") or [])
+    uri = join(source.tag_uri, expp_file_name(0))
+    return ZeroCheckpoint(
+        root=source.root, tag=source.tag, stage=0, world_size=1, precision=source.precision, step=source.step,
+        ds_version=source.ds_version, files=(RankFiles(0, uri, join(source.tag_uri, model_file_name(0, 0))),),
+        params=tuple(params), buffers=tuple(Buffer(n, r) for n, r in model0["module"].items() if n in buffers),
+        tied={}, groups=tuple(ParamGroup(g, group.hyper, group.params, ep=source.ep if group.hyper.get("moe") else 1)
+                              for g, group in enumerate(first)),
+        partitions=partitions, module_order=tuple(order),
+        model_states=({k: None if k == "optimizer" else {} if k == "shared_params" else v for k, v in model0.items()},),
+        optim_states=({"optimizer_state_dict": osd, "ds_config": model0.get("ds_config"),
+                       "ds_version": model0.get("ds_version")},),
+    )
+
+
+def _local_experts(source: ExpertCheckpoint, e: int) -> list[ModelTensor]:
+    """Expert-parallel rank e's experts' tensors under their local names (`deepspeed_experts.{i}`), in order."""
+    experts = source.model0["num_experts"]
+    layers = [m.group("layer") for name in source.model0["module"] if (m := GATE_RE.match(name))]
+    out = []
+    for t in source.tensors:
+        m = EXPERT_RE.match(t.name)
+        if m is None:
+            continue
+        count = experts[layers.index(m.group("layer"))] // source.ep
+        expert = int(m.group("id"))
+        if e * count <= expert < (e + 1) * count:
+            name = f"{m.group('layer')}.deepspeed_moe.experts.deepspeed_experts.{expert - e * count}.{m.group('rest')}"
+            out.append(ModelTensor(name, t.shape, t.dtype, "param", t.runs))
+    return out
+
+
+def _named_rank(source: ExpertCheckpoint, e: int) -> tuple[Zero0Group, ...] | str:
+    """Expert-parallel rank e's param groups named, in the optimizer's order (`zero0_index`)."""
+    model0 = source.model0
+    optimizer = source.expp[e]
+    groups = optimizer["param_groups"]
+    state = optimizer.get("state") or {}
+    if not isinstance(state, Mapping) or not all(isinstance(g.get("params"), list) for g in groups):
+        return (f"{expp_file_name(e)} holds no torch optimizer state dict (`state` by position, param groups listing "
+                "their positions); the file is damaged or was written by another tool")
+    buffers = set(model0.get("buffer_names") or [])
+    dense = [t for t in source.tensors if t.name in model0["module"] and t.name not in buffers]
+    mine = _local_experts(source, e)
+    out: dict[int, Zero0Group] = {}
+    for moe, tensors in ((False, dense), (True, mine)):
+        picked = [g for g, group in enumerate(groups) if bool(group.get("moe")) == moe]
+        view = Zero0Checkpoint(
+            root=source.root, tag=source.tag, world_size=source.world_size, precision=source.precision,
+            step=source.step, ds_version=source.ds_version, model_file=join(source.tag_uri, expp_file_name(e)),
+            tensors=tuple(tensors), tied={}, optimizer_params=sum(len(groups[g]["params"]) for g in picked),
+            optimizer_groups=len(picked), optimizer_step=0,
+            model_states={"module": {t.name: t.runs[0].ref for t in tensors},
+                          "optimizer": {"state": state, "param_groups": [groups[g] for g in picked]}})
+        named = named_groups(view)
+        what = "expert" if moe else "dense"
+        if isinstance(named, str):
+            return f"expert-parallel rank {e}'s {what} parameters: {named}"
+        if named[1]:
+            return (f"{named[1][0]} is in none of expert-parallel rank {e}'s param groups (frozen); ckptflow does not "
+                    "write a deepspeed.moe ZeRO-0 checkpoint with frozen parameters at another stage yet")
+        out.update(zip(picked, named[0]))
+    return tuple(out[g] for g in range(len(groups)))
+
+
+__all__ = ["read_moe", "zero0_index"]
