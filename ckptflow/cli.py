@@ -80,6 +80,7 @@ FLAGS = {
     "config": "--config", "config_revision": "--config-revision", "max_shard_size": "--max-shard-size",
     "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
     "partition_method": "--partition-method", "pipeline_layers": "--pipeline-layers", "qkv_layout": "--qkv-layout",
+    "tied_modules": "--tied-modules",
     "strict_pickle": "--strict-pickle", "break_lease": "--break-lease",
     "cluster": "--cluster",
 }
@@ -431,6 +432,10 @@ def reshard_command(
         help="With --tp, of a Megatron-DeepSpeed checkpoint: how each rank holds query_key_value's rows, which "
              "no file records: blocks ([q | k | v] of its heads; Megatron-DeepSpeed since December 2024) or groups "
              "(key/value group by group; before)."),
+    tied_modules: Optional[str] = typer.Option(
+        None, "--tied-modules", metavar="KEY=LAYER[,...]",
+        help="With --zero-stage 1, of a ZeRO-0 PipelineModule: each TiedLayerSpec key and the first layer that uses "
+             "it, which no ZeRO-0 file records (e.g. embed=0)."),
     plan: bool = typer.Option(False, "--plan",
                               help="List the shapes at --world-size ranks with their per-GPU memory; write nothing."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Tag to reshard instead of the one `latest` names."),
@@ -454,6 +459,7 @@ def reshard_command(
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import ReshardOptions, reshard
     from ckptflow.reshard.pipeline_layers import check_method
+    from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
     from ckptflow.reshard.rng import describe_families
 
     if tag is not None and check_tag(tag, "--tag"):
@@ -471,9 +477,14 @@ def reshard_command(
             check_method(partition_method)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--partition-method") from None
+    if tied_modules is not None:
+        try:
+            parse_tied(tied_modules)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tied-modules") from None
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
                              strict_pickle=strict_pickle, partition_method=partition_method,
-                             pipeline_layers=pipeline_layers, qkv_layout=layout)
+                             pipeline_layers=pipeline_layers, qkv_layout=layout, tied_modules=tied_modules)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)

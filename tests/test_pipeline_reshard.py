@@ -254,6 +254,15 @@ NEXT_LOSS_AT_PP4 = ("pipe-pp2-z1-fp32", 4, 1, None, "parameters", 6)
 PP2_SOURCE = NEXT_LOSS_AT_PP4[0]
 
 
+# A ZeRO-0 PipelineModule at ZeRO-1 at its own number of stages (fixture, data-parallel size, tied modules): its
+# tied embedding's key, which no ZeRO-0 file records, given as the user would. Rides `split_oracle`'s launch.
+ZERO0 = ("pipe-pp2-z0-fp32", 2, "embed=0")
+
+
+def zero0_id(case: tuple[str, int, str]) -> str:
+    return f"{case[0]}-to-z1-pp2-dp{case[1]}"
+
+
 def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
     name, pp, dp, via, method, layers = case
     return f"{name}{f'-via-pp{via}' if via else ''}-to-pp{pp}-dp{dp}-{method}{f'-{layers}' if layers else ''}"
@@ -261,8 +270,9 @@ def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
 
 @pytest.fixture(scope="session")
 def pipe_fixtures(parallel_fixtures: Mapping[str, ParallelFixture], holdout_fixtures: Mapping[str, ParallelFixture],
-                  pipe_rr_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
-    return {**parallel_fixtures, **holdout_fixtures, **pipe_rr_fixtures}
+                  pipe_rr_fixtures: Mapping[str, ParallelFixture],
+                  parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> Mapping[str, ParallelFixture]:
+    return {**parallel_fixtures, **holdout_fixtures, **pipe_rr_fixtures, **parallel_extra_fixtures}
 
 
 @pytest.fixture(scope="session")
@@ -288,6 +298,16 @@ def split_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
                      "save": str(resaved[case]), "expected": str(fixture.expected_path),
                      "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": method,
                      "next_loss": (bool(via) and name != RR) or case == NEXT_LOSS_AT_PP4, **source_sections(fixture)})
+    name, dp, tied = ZERO0  # ZeRO-0 -> ZeRO-1 at the source's own stages, riding this launch
+    fixture = pipe_fixtures[name]
+    spec = dataclasses.replace(fixture.parallel_spec, stage=1, world_size=fixture.parallel_spec.pp * dp)
+    outs[ZERO0] = root / "out" / zero0_id(ZERO0)
+    reshard(str(fixture.dir), str(outs[ZERO0]), world_size=spec.world_size, stage=1, tied_modules=tied, workers=2)
+    resaved[ZERO0] = root / "resaved" / zero0_id(ZERO0)
+    results[ZERO0] = root / "results" / f"{zero0_id(ZERO0)}.json"
+    jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[ZERO0]),
+                 "save": str(resaved[ZERO0]), "expected": str(fixture.expected_path),
+                 "buffers": str(fixture.buffers_path), "result": str(results[ZERO0]), **source_sections(fixture)})
     regrouped = pipe_fixtures["pipe-pp2dp2-z1-fp32"]  # the source of the regroup, as DeepSpeed saved it
     jobs.append({"spec": regrouped.parallel_spec.to_json(), "load": str(regrouped.dir), "save": None,
                  "expected": str(regrouped.expected_path), "buffers": str(regrouped.buffers_path),
@@ -389,3 +409,63 @@ def test_a_stage_count_the_files_do_not_determine_is_refused(parallel_fixtures: 
             r"layer's class; use `parameters` or `uniform`$")):
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4, partition_method="type:Block")
     assert not (tmp_path / "out").exists()
+
+
+# ---- ZeRO-0 at ZeRO-1 (issue 24) --------------------------------------------------------------------------
+
+
+def test_deepspeed_loads_a_zero0_pipeline_at_zero1_holding_the_source_state(
+        split_oracle: dict[str, Any], pipe_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """pipe-toy trained at ZeRO-0 on 2 stages, written by ckptflow at ZeRO-1 on 2 stages x 2 data-parallel
+    ranks (its tied embedding's key given): DeepSpeed's PipelineEngine at that shape loads it natively and
+    holds the source's fp32 weights, both Adam moments and buffers bit for bit, and saves exactly ckptflow's
+    files (layer files, param_shapes and the step included)."""
+    check_loaded_state(split_oracle, ZERO0, pipe_fixtures[ZERO0[0]])
+    check_same_files(split_oracle, ZERO0)
+    report = validate(str(split_oracle["outs"][ZERO0]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    assert (report.summary()["stage"], report.summary()["pp"], report.summary()["world_size"]) == (1, 2, 2)
+
+
+def test_a_zero0_pipeline_s_stages_are_named_from_its_layer_files(
+        parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Pure: each stage's module is its tied module first, then its layers; its groups DeepSpeed's ZeRO-1
+    order (the fixture's ZeRO-1 twin, `pipe-pp2-z1-fp32`, records the same param_shapes); the layer
+    files carried."""
+    index = load_index(str(parallel_extra_fixtures["pipe-pp2-z0-fp32"].dir))
+    plan = plan_reshard(index, Target(world_size=6, stage=1, tied_modules="embed=0"))
+    assert (str(plan.source_shape), str(plan.shape)) == ("ZeRO-0 pp2 x dp1 (2 ranks)", "ZeRO-1 pp2 x dp3 (6 ranks)")
+    assert [[[n for n, _ in g] for g in part.flat_shapes] for part in plan.parts] == [
+        [["tied_modules.embed.weight", "1.fc1.weight", "1.fc2.weight", "2.fc1.weight", "2.fc2.weight"],
+         ["1.norm.weight", "1.norm.bias", "1.fc1.bias", "1.fc2.bias", "2.norm.weight", "2.norm.bias", "2.fc1.bias",
+          "2.fc2.bias"]],
+        [["tied_modules.embed.weight", "3.fc1.weight", "3.fc2.weight"],
+         ["3.norm.weight", "3.norm.bias", "3.fc1.bias", "3.fc2.bias", "4.weight", "4.bias"]]]
+    assert [[u.optim_file for u in part.units] for part in plan.parts] == [
+        [f"zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(3)] for s in range(2)]
+    assert all(part.index.model_states[0]["module"] is None for part in plan.parts)
+    assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
+
+
+@pytest.mark.parametrize("tied,why", [
+    (None, r"no assignment of its layer files to its 2 stages gives each stage its buffer_names and the shapes of "
+           r"its Adam moments in module order, with no frozen parameter; if its PipelineModule ties modules "
+           r"\(TiedLayerSpec\), name each with `tied_modules` KEY=LAYER \(its key and the first layer that uses it\), "
+           r"which no ZeRO-0 file records; consolidate its weights"),
+    ("embed=1", r"no assignment of its layer files to its 2 stages with the tied modules given \(embed=1\) gives each "
+                r"stage its buffer_names and the shapes of its Adam moments in module order, with no frozen parameter; "),
+    ("embed=7", r"layer_07-model_states.pt is missing, which the tied modules given \(embed=7\) say holds one of them; "),
+])
+def test_a_zero0_pipeline_whose_stages_cannot_be_named_is_refused(
+        parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path, tied: str | None, why: str) -> None:
+    zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"global_step3: (ZeRO-0 saves its pipeline stages' optimizer "
+                       r"state by index and no parameter name, and )?" + why):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, stage=1, tied_modules=tied)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text", ["embed", "embed=0,embed=2", "embed=0,head=0", "em bed=0", "embed=-1"])
+def test_tied_modules_that_do_not_parse_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="tied modules"):
+        Target(world_size=2, stage=1, tied_modules=text)

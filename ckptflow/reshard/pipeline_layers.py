@@ -179,5 +179,30 @@ def describe(layers: Sequence[Layer]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["Evidence", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists", "partition", "partition_balanced",
-           "partition_uniform", "target_stages"]
+MAX_TIED = 64  # tied modules a user names (`tied_modules`)
+_TIED_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]{0,99})=([0-9]{1,6})")
+
+
+def tied_modules(text: str) -> dict[str, int]:
+    """The tied modules a user names, "KEY=LAYER[,KEY=LAYER...]": each `TiedLayerSpec` key and the index
+    of the first layer that uses it, whose `layer_XX-model_states.pt` holds it (what a ZeRO-0
+    PipelineModule's files do not record). `ValueError` for anything else."""
+    if not isinstance(text, str):
+        raise ValueError(f"the tied modules must be a string KEY=LAYER[,KEY=LAYER...]; got a {type(text).__name__}")
+    out: dict[str, int] = {}
+    for item in text.split(",")[:MAX_TIED + 1]:
+        match = _TIED_RE.fullmatch(item.strip())
+        if match is None:
+            raise ValueError(f"the tied modules must be KEY=LAYER[,KEY=LAYER...] (a TiedLayerSpec key and the index of "
+                             f"the first layer that uses it); got {item.strip()[:60]!r}")
+        key, layer = match.group(1), int(match.group(2))
+        if key in out or layer in out.values():
+            raise ValueError(f"the tied modules name {key!r} or layer {layer} twice")
+        out[key] = layer
+    if len(out) > MAX_TIED:
+        raise ValueError(f"the tied modules name more than {MAX_TIED} keys")
+    return out
+
+
+__all__ = ["Evidence", "MAX_TIED", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists", "partition",
+           "partition_balanced", "partition_uniform", "target_stages", "tied_modules"]

@@ -38,6 +38,7 @@ from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3,
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
+from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline
 from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
@@ -53,7 +54,8 @@ class ReshardOptions:
     `world_size` is the number of ranks DeepSpeed runs the output at (what the launcher starts);
     `stage`, `tp`, `pp` and `ep` the ZeRO stage and parallel degrees that change (None: the source's),
     the data parallelism being what is left; `partition_method`, `pipeline_layers` and `qkv_layout` what a
-    new number of pipeline stages or tensor-parallel degree needs of some models (`Target`). `workers`
+    new number of pipeline stages or tensor-parallel degree needs of some models, `tied_modules` what a
+    ZeRO-0 PipelineModule at ZeRO-1 needs (`Target`). `workers`
     threads write at once (one per target rank while there are more ranks than workers, the rest sharing
     a rank's files: `reshard.run.write_threads`); `durable` flushes every file to disk before the commit;
     `strict_pickle` refuses a source whose pickles name any class outside DeepSpeed's allow-list
@@ -68,6 +70,7 @@ class ReshardOptions:
     partition_method: str | None = None
     pipeline_layers: int | None = None
     qkv_layout: str | None = None
+    tied_modules: str | None = None
     workers: int = 4
     durable: bool = True
     strict_pickle: bool = False
@@ -81,7 +84,7 @@ class ReshardOptions:
     def target(self) -> Target:
         return Target(world_size=self.world_size, stage=self.stage, tp=self.tp, pp=self.pp, ep=self.ep,
                       partition_method=self.partition_method, pipeline_layers=self.pipeline_layers,
-                      qkv_layout=self.qkv_layout)
+                      qkv_layout=self.qkv_layout, tied_modules=self.tied_modules)
 
 
 def _is_count(value: Any) -> bool:
@@ -108,20 +111,21 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
     plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers,
-                      qkv_layout=target.qkv_layout)
+                      qkv_layout=target.qkv_layout, tied_modules=target.tied_modules)
     return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
 def plan_shape(index: Partitioned, shape: Shape, config: Mapping[str, Any] | None = None, *,
                partition_method: str | None = None, layers: int | None = None,
-               qkv_layout: str | None = None) -> ReshardPlan:
+               qkv_layout: str | None = None, tied_modules: str | None = None) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
     `config.json`, which a tensor-parallel split needs; `partition_method`: a PipelineModule's, which a
     new number of pipeline stages needs, None for its default; `layers`: its layer list's length, where
     the files leave it open; `qkv_layout`: the layout the user declares of a Megatron fused
-    `query_key_value`, which a new tensor-parallel degree needs, `reshard.qkv`): the planner `PLANNERS`
+    `query_key_value`, which a new tensor-parallel degree needs, `reshard.qkv`; `tied_modules`: a ZeRO-0
+    PipelineModule's tied module keys, which ZeRO-1 needs, `pipeline_zero0`): the planner `PLANNERS`
     names for the index's kind and the axis that changes (`changed_axis`)."""
-    ask = Ask(source_shape(index), shape, config, partition_method, layers, qkv_layout)
+    ask = Ask(source_shape(index), shape, config, partition_method, layers, qkv_layout, tied_modules)
     axis = ask.changed_axis
     entry = PLANNERS.get((index.kind, axis))
     if entry is None:
@@ -147,6 +151,7 @@ class Ask:
     partition_method: str | None = None
     layers: int | None = None
     qkv_layout: str | None = None
+    tied_modules: str | None = None
 
     @property
     def changed_axis(self) -> str:
@@ -233,6 +238,8 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
     ("autotp", "stage"): (ModelParallelCheckpoint,
                           lambda index, ask: plan_model_parallel_stage(index, ask.shape.dp, ask.shape.stage)),
     ("pipeline", "dp"): (ModelParallelCheckpoint, _model_parallel),
+    ("pipeline", "stage"): (ModelParallelCheckpoint,  # from ZeRO-0, at its own number of stages
+                            lambda index, ask: plan_zero0_pipeline(index, ask.shape, ask.tied_modules)),
     ("pipeline", "pp"): (ModelParallelCheckpoint,
                          lambda index, ask: plan_pipeline(index, ask.shape, ask.partition_method, ask.layers)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),

@@ -51,6 +51,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups, zero_loss_scaler
 from ckptflow.reshard.moe_cut import plan_recut
 from ckptflow.reshard.pipeline_layers import check_method
+from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.vocabulary import vocab_rows_at
 
@@ -113,10 +114,13 @@ class Target:
     partition_method: str | None = None  # PipelineModule's, for a new stage count (None: its default)
     pipeline_layers: int | None = None  # the length of a PipelineModule's layer list, when the files leave it open
     qkv_layout: str | None = None  # a fused query_key_value's, for a new tensor-parallel degree (`reshard.qkv`)
+    tied_modules: str | None = None  # a ZeRO-0 PipelineModule's, "KEY=LAYER,...": `pipeline_layers.tied_modules`
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
         check_layout(self.qkv_layout)
+        if self.tied_modules is not None:
+            parse_tied(self.tied_modules)
         if self.partition_method is not None:
             check_method(self.partition_method)
         if self.stage is not None and self.stage not in STAGES:
@@ -291,9 +295,11 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
                     "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones and another "
                     "expert-parallel one for deepspeed.moe ones, not with another pipeline degree (its weights can "
                     "still be consolidated)")
+        if kind == "pipeline":  # each stage's state named from its layer files by the planner (`pipeline_zero0`)
+            return None
         if kind not in ("zero0", "autotp"):
-            return (f"ckptflow changes the ZeRO stage of data-parallel and AutoTP ZeRO-0 checkpoints only, not of "
-                    f"{name} ones yet")
+            return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP and PipelineModule ZeRO-0 checkpoints "
+                    f"only, not of {name} ones yet")
         for rank in getattr(index, "ranks", None) or (index,):
             why = why_not_zero0(rank)
             if why is not None:

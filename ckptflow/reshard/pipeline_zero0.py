@@ -1,0 +1,178 @@
+"""A ZeRO-0 PipelineModule checkpoint at ZeRO-1, at its own number of pipeline stages. Pure.
+
+At ZeRO-0 a PipelineModule saves its weights in the layer files (`layer_XX-model_states.pt`, whole,
+under each layer's local names) and each stage's optimizer in `mp_rank_{stage:02d}_model_states.pt` by
+index, with `buffer_names` but no `param_shapes` (`readers.pipeline`). What ZeRO-1 needs of each stage,
+its parameters named in the stage module's `parameters()` order, is rebuilt from those files: the stage
+module is its tied modules first (`tied_modules.{key}.{name}`, the ModuleDict registered before the
+layers, each key where the stage first uses it), then its own layers `{layer}.{name}` in layer order, a
+layer's tensors in its file's order; the stages hold contiguous runs of the layer files that are not tied
+modules. `stage_modules` tries every such assignment (each stage's run and the tied modules it uses) and
+keeps those that give every stage exactly its `buffer_names`, as many trainable tensors as its
+optimizer holds (frozen parameters are refused) and one naming of its optimizer state
+(`readers.zero0.named_groups`: the Adam moments' shapes, in module order); it answers only when exactly
+one assignment is left.
+
+The keys of the tied modules (`TiedLayerSpec(key, ...)`) are recorded in no ZeRO-0 file, and ZeRO-1
+records them in every stage's `param_shapes` and `param_slice_mappings`: the user names them, with the
+layer whose file holds each (`pipeline_layers.tied_modules`, `--tied-modules embed=0`); a pipeline
+without tied modules needs nothing. Each stage is then a ZeRO-0 checkpoint with a module and goes to
+ZeRO-1 as a data-parallel one does (`stage.plan_zero0_stage`: the fp32 masters the layer files' weights,
+the moments and step the stage's own), its model-states file keeping `module: None` as a PipelineModule
+saves it; the layer files are carried as they are (ZeRO-1 saves the same ones).
+
+A tied module's weights come from the one layer file DeepSpeed saved them in, on every stage that uses
+it (DeepSpeed keeps the copies equal: their gradients are summed over the stages before each step); its
+moments are each stage's own. 16-bit ZeRO-0 pipelines (BF16_Optimizer) are not read (`readers.pipeline`),
+and another number of pipeline stages is refused (`shape.why_not`): write ZeRO-1 first, then reshard that.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.names import layer_file_name
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
+from ckptflow.formats.deepspeed.runs import whole_run
+from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
+from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
+from ckptflow.reshard.shape import Shape
+from ckptflow.reshard.stage import plan_zero0_stage
+from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan
+
+TIED = "tied_modules."
+MAX_TRIES = 20_000  # stage modules named (`named_groups`) before the search is refused
+
+
+def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None) -> ModelParallelPlan:
+    """The plan that writes the ZeRO-0 PipelineModule checkpoint `index` at ZeRO-1 on `shape.dp`
+    data-parallel ranks per stage, at its own number of stages (`tied`: its tied modules, "KEY=LAYER,...",
+    which its files do not record); reads nothing. `UnsupportedCheckpointError` where its stages'
+    optimizer state cannot be named."""
+    assert index.kind == "pipeline" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
+    assert shape.pp == index.pp and shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
+    stages = stage_modules(index, parse_tied(tied) if tied else {})
+    if isinstance(stages, str):
+        raise UnsupportedCheckpointError(f"{index.tag_uri}: {stages}", uri=index.root,
+                                         hint="consolidate its weights (`ckptflow consolidate`) and start the "
+                                              "optimizer afresh, or resume it at ZeRO-0")
+    parts = tuple(_at_zero1(stage, shape.dp) for stage in stages)
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
+        world_size=shape.dp, parts=parts, carried=index.carried, index=index,
+    )
+
+
+def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
+    """One stage (a ZeRO-0 checkpoint whose module `stage_modules` rebuilt) at ZeRO-1, its model-states
+    file with no module, as a PipelineModule saves it."""
+    plan = plan_zero0_stage(stage, world_size, 1)
+    states = tuple({**m, "module": None} for m in plan.index.model_states)
+    units = tuple(replace(u, read_bytes=u.read_bytes - _module_bytes(stage) if u.model_file else u.read_bytes,
+                          write_bytes=u.write_bytes - _module_bytes(stage) if u.model_file else u.write_bytes)
+                  for u in plan.units)
+    return replace(plan, index=replace(plan.index, model_states=states), module=(), units=units)
+
+
+def _module_bytes(stage: Zero0Checkpoint) -> int:
+    return sum(t.numel * DTYPE_SIZES[t.dtype] for t in stage.tensors)
+
+
+# ---- each stage's module -------------------------------------------------------------------------------
+
+
+def stage_modules(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tuple[Zero0Checkpoint, ...] | str:
+    """Each stage of the ZeRO-0 PipelineModule checkpoint `index` with its module rebuilt from the layer
+    files (`tied`: each tied module's key and the layer whose file holds it), or why not: no assignment of
+    the layer files to its stages fits every stage's files, or more than one does (the module docstring)."""
+    layers = {layer: content for (layer, t), content in index.layers.items() if t == 0}
+    missing = sorted(layer for layer in tied.values() if layer not in layers)
+    if missing:
+        return (f"{layer_file_name(missing[0], None)} is missing, which the tied modules given "
+                f"({_tied_text(tied)}) say holds one of them")
+    own = sorted(layer for layer in layers if layer not in tied.values())
+    keys = sorted(tied, key=tied.__getitem__)
+    uses = [perm for n in range(len(keys) + 1) for chosen in itertools.combinations(keys, n)
+            for perm in itertools.permutations(chosen)]
+    ranks: Sequence[Zero0Checkpoint] = index.ranks
+    buffers = [frozenset(n for n in r.model_states.get("buffer_names") or () if isinstance(n, str)) for r in ranks]
+    every_buffer = frozenset().union(*buffers)
+    tries = 0
+    fits: dict[tuple[int, int, int, tuple[str, ...]], Zero0Checkpoint | None] = {}
+
+    def fit(s: int, first: int, last: int, use: tuple[str, ...]) -> Zero0Checkpoint | None:
+        nonlocal tries
+        key = (s, first, last, use)
+        if key not in fits:
+            module = {f"{TIED}{k}.{local}": ref for k in use for local, ref in layers[tied[k]].items()}
+            module.update({f"{layer}.{local}": ref for layer in own[first:last] for local, ref in layers[layer].items()})
+            if tries >= MAX_TRIES:
+                raise _TooMany
+            tries += 1
+            fits[key] = _named_stage(ranks[s], module, buffers[s], every_buffer)
+        return fits[key]
+
+    def assignments(s: int, first: int) -> Iterator[list[Zero0Checkpoint]]:
+        if s == len(ranks):
+            if first == len(own):
+                yield []
+            return
+        ends = [len(own)] if s == len(ranks) - 1 else range(first, len(own) + 1)
+        for last in ends:
+            for use in uses:
+                stage = fit(s, first, last, use)
+                if stage is not None:
+                    for rest in assignments(s + 1, last):
+                        yield [stage, *rest]
+
+    try:
+        found = list(itertools.islice(assignments(0, 0), 2))
+    except _TooMany:
+        return (f"its {len(ranks)} pipeline stages' optimizer state could be named in too many ways to check (more "
+                f"than {MAX_TRIES:,} stage modules tried)")
+    given = f" with the tied modules given ({_tied_text(tied)})" if tied else ""
+    if not found:
+        hint = "" if tied else (f"; if its PipelineModule ties modules (TiedLayerSpec), name each with "
+                                f"{option('tied_modules')} KEY=LAYER (its key and the first layer that uses it), "
+                                "which no ZeRO-0 file records")
+        return (f"ZeRO-0 saves its pipeline stages' optimizer state by index and no parameter name, and no "
+                f"assignment of its layer files to its {len(ranks)} stages{given} gives each stage its "
+                f"buffer_names and the shapes of its Adam moments in module order, with no frozen parameter{hint}")
+    if len(found) > 1:
+        return (f"ZeRO-0 saves its pipeline stages' optimizer state by index and no parameter name, and more than "
+                f"one assignment of its layer files to its {len(ranks)} stages{given} gives each stage its "
+                "buffer_names and the shapes of its Adam moments in module order")
+    return tuple(found[0])
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _named_stage(rank: Zero0Checkpoint, module: dict[str, TensorRef], buffers: frozenset[str],
+                 every_buffer: frozenset[str]) -> Zero0Checkpoint | None:
+    """`rank` with `module` as its module, if it fits: its buffers exactly the stage's `buffer_names`, as
+    many trainable tensors as the optimizer holds (none frozen), and its optimizer state named one way."""
+    if {n for n in module if n in every_buffer} != buffers or not buffers <= module.keys():
+        return None
+    weights = [n for n in module if n not in buffers]
+    if rank.precision != "fp32" or len(weights) != rank.optimizer_params:
+        return None
+    tensors = tuple(ModelTensor(n, ref.shape, ref.dtype, "buffer" if n in buffers else "param", (whole_run(ref, n),))
+                    for n, ref in module.items())
+    stage = replace(rank, tensors=tensors, model_states={**rank.model_states, "module": module})
+    named = named_groups(stage)
+    return None if isinstance(named, str) or named[1] else stage
+
+
+def _tied_text(tied: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={layer}" for k, layer in tied.items())
+
+
+__all__ = ["plan_zero0_pipeline", "stage_modules"]
