@@ -13,6 +13,10 @@ And to another number of stages above one (``--pp 4``, ``--partition-method unif
 same way; from ckptflow's pp4 (split by ``parameters``) and its pp2 out of pp3 and pp4, DeepSpeed trains one more
 step to the loss its own checkpoint trains to, bit for bit. Stage counts the files do not determine are refused, as is ZeRO-0, each in one line that says why
 (Megatron-style pipelines: `tests/test_megatron_stages.py`).
+
+A ZeRO-0 PipelineModule goes to ZeRO-1 at its own number of stages (issue 24; its tied module's key given,
+which no ZeRO-0 file records), checked the same way on the 4-rank launch of the splits; stages that cannot
+be named are refused in one line.
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.model import ModelTensor
@@ -111,7 +110,8 @@ def stage_modules(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tu
         key = (s, first, last, use)
         if key not in fits:
             module = {f"{TIED}{k}.{local}": ref for k in use for local, ref in layers[tied[k]].items()}
-            module.update({f"{layer}.{local}": ref for layer in own[first:last] for local, ref in layers[layer].items()})
+            module.update({f"{layer}.{local}": ref for layer in own[first:last]
+                           for local, ref in layers[layer].items()})
             if tries >= MAX_TRIES:
                 raise _TooMany
             tries += 1

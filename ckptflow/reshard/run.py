@@ -581,7 +581,8 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
             options: ReshardOptions | None = None, workers: int | None = None, durable: bool = True,
             stage: int | None = None, tp: int | None = None, pp: int | None = None, ep: int | None = None,
             partition_method: str | None = None, pipeline_layers: int | None = None, qkv_layout: str | None = None,
-            tied_modules: str | None = None, progress: Progress | None = None, executor: Executor | None = None) -> ReshardResult:
+            tied_modules: str | None = None, progress: Progress | None = None,
+            executor: Executor | None = None) -> ReshardResult:
     """Reshard the checkpoint at `src` into the new folder `out` as `options` say: for
     `options.world_size` ranks, at the ZeRO stage and tensor-, pipeline- and expert-parallel degrees
     given (every one not given is the source's; the data parallelism is what is left). The options may

@@ -28,6 +28,8 @@ model-states files hold (`formats.deepspeed.partition` for the arithmetic):
   apply, the ZeRO-1/2 module copy the source module's own weights. An AutoTP one with another
   tensor-parallel degree too: each rank so named and read as partitions (`zero0_partitioned`), then
   split or merged by `tensor_parallel`.
+  A ZeRO-0 PipelineModule goes to ZeRO-1 stage by stage the same way, each stage's module rebuilt from
+  its layer files first (`pipeline_zero0`).
 
 With `round_robin_gradients`, DeepSpeedZeroOptimizer flattens each group in round-robin order over its
 ranks (an expert group's over its expert data-parallel group): ZeRO-3 takes the parameters in the
