@@ -36,6 +36,8 @@ from safetensors.torch import load_file
 
 from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed import load_index
+from ckptflow.formats.deepspeed.names import ALLOWED
+from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.reshard import reshard
 from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
@@ -52,6 +54,7 @@ from tests.test_model_parallel_reshard import (
     source_sections,
 )
 from tests.test_parallel_fixtures import STATES, universal_tensor
+from tests.test_reshard import _differences, _plain
 
 # (fixture, data-parallel size at one stage): pp2 x dp1 -> dp2 (same ranks), pp2 x dp2 -> dp3, bf16; and
 # pp2 x dp2 trained with round_robin_gradients (`specs.pipe_round_robin`) -> dp3 (by default) and -> dp2.
@@ -92,6 +95,17 @@ def pipe_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
             "spec": spec.to_json(), "load": str(outs[case]), "save": str(resaved[case]),
             "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(results[case]),
             **source_sections(fixture)})
+    name, dp, tied, _ = ZERO0_MERGED  # ZeRO-0 pp2 -> ZeRO-1 pp1 x dp2, riding the 2-rank launch
+    fixture = pipe_fixtures[name]
+    outs[ZERO0_MERGED] = root / "out" / zero0_id(ZERO0_MERGED)
+    reshard(str(fixture.dir), str(outs[ZERO0_MERGED]), world_size=dp, pp=1, stage=1, tied_modules=tied, workers=2)
+    resaved[ZERO0_MERGED] = root / "resaved" / zero0_id(ZERO0_MERGED)
+    results[ZERO0_MERGED] = root / "results" / f"{zero0_id(ZERO0_MERGED)}.json"
+    launches[dp].append({
+        "spec": dataclasses.replace(fixture.parallel_spec, pp=1, stage=1, world_size=dp).to_json(),
+        "source": fixture.parallel_spec.to_json(), "load": str(outs[ZERO0_MERGED]),
+        "save": str(resaved[ZERO0_MERGED]), "expected": str(fixture.expected_path),
+        "buffers": str(fixture.buffers_path), "result": str(results[ZERO0_MERGED]), **source_sections(fixture)})
     source = pipe_fixtures[PP2_SOURCE]
     source_result = root / "results" / f"{PP2_SOURCE}.json"
     launches[source.parallel_spec.world_size].append({
@@ -261,10 +275,12 @@ PP2_SOURCE = NEXT_LOSS_AT_PP4[0]
 # A ZeRO-0 PipelineModule at ZeRO-1 at its own number of stages (fixture, data-parallel size, tied modules): its
 # tied embedding's key, which no ZeRO-0 file records, given as the user would. Rides `split_oracle`'s launch.
 ZERO0 = ("pipe-pp2-z0-fp32", 2, "embed=0")
+# ... and merged to one stage at dp2 (fixture, dp, tied modules, "pp1"): rides `pipe_oracle`'s 2-rank launch.
+ZERO0_MERGED = ("pipe-pp2-z0-fp32", 2, "embed=0", "pp1")
 
 
-def zero0_id(case: tuple[str, int, str]) -> str:
-    return f"{case[0]}-to-z1-pp2-dp{case[1]}"
+def zero0_id(case: tuple[str, ...]) -> str:
+    return f"{case[0]}-to-z1-{case[3] if len(case) > 3 else 'pp2'}-dp{case[1]}"
 
 
 def split_id(case: tuple[str, int, int, int | None, str, int | None]) -> str:
@@ -449,6 +465,36 @@ def test_a_zero0_pipeline_s_stages_are_named_from_its_layer_files(
         [f"zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(3)] for s in range(2)]
     assert all(part.index.model_states[0]["module"] is None for part in plan.parts)
     assert set(plan.carried) == {f"layer_{i:02d}-model_states.pt" for i in range(5)}
+
+
+def test_deepspeed_loads_a_zero0_pipeline_merged_at_zero1_holding_the_source_state(
+        pipe_oracle: dict[str, Any], pipe_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """The same ZeRO-0 pp2 checkpoint at ZeRO-1 on one stage x 2 data-parallel ranks in one command (its stages
+    named, then merged as ZeRO-1 stages are): DeepSpeed at that shape loads it natively holding the source's
+    state bit for bit and saves exactly ckptflow's files."""
+    check_loaded_state(pipe_oracle, ZERO0_MERGED, pipe_fixtures[ZERO0_MERGED[0]])
+    check_same_files(pipe_oracle, ZERO0_MERGED)
+
+
+@pytest.mark.parametrize("target", [{"world_size": 2, "pp": 1}, {"world_size": 3, "pp": 1},
+                                    {"world_size": 4, "pp": 4, "partition_method": "uniform"}])
+def test_a_zero0_pipeline_at_another_stage_count_is_its_zero1_regrouped(
+        parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path, target: dict[str, Any]) -> None:
+    """ZeRO-0 pp2 to ZeRO-1 at another stage count in one command writes the same files (object trees and tensor
+    bytes) as the two steps DeepSpeed checks apart: ZeRO-1 at pp2 (`test_deepspeed_loads_a_zero0_pipeline_at_zero1_
+    holding_the_source_state`), then that regrouped (the splits and merges above). No launch."""
+    source = str(parallel_extra_fixtures["pipe-pp2-z0-fp32"].dir)
+    reshard(source, str(tmp_path / "direct"), stage=1, tied_modules="embed=0", workers=2, **target)
+    reshard(source, str(tmp_path / "z1"), world_size=2, stage=1, tied_modules="embed=0", workers=2)
+    reshard(str(tmp_path / "z1"), str(tmp_path / "via"), workers=2, **target)
+    tag = (tmp_path / "direct" / "latest").read_text()
+    names = sorted(p.name for p in (tmp_path / "direct" / tag).iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "via" / tag).iterdir())
+    assert sum(name.startswith("layer_") for name in names) == 5
+    for name in names:
+        diffs = _differences(_plain(open_archive(str(tmp_path / "direct" / tag / name), ALLOWED).obj),
+                             _plain(open_archive(str(tmp_path / "via" / tag / name), ALLOWED).obj))
+        assert not diffs, f"{name}: " + "; ".join(diffs[:5])
 
 
 @pytest.mark.parametrize("tied,why", [

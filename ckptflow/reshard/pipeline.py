@@ -111,7 +111,8 @@ def check_stages(index: ModelParallelCheckpoint) -> list[str]:
     where = f"{index.root}/{index.tag}"
     ranks: Sequence[ZeroCheckpoint] = index.ranks
     for rank in ranks:  # the source's layout must be DeepSpeed's arithmetic at its size (refused otherwise)
-        plan_data_parallel(rank, rank.world_size)
+        if rank.stage != 0:  # a ZeRO-0 stage's virtual source (`pipeline_zero0`) holds a master per virtual rank
+            plan_data_parallel(rank, rank.world_size)
     first = ranks[0]
     frozen = [p.name for rank in ranks for p in rank.params if p.frozen]
     if frozen:

@@ -32,35 +32,44 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from ckptflow.errors import UnsupportedCheckpointError, option
-from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.model import ModelTensor, Partition, ZeroCheckpoint
 from ckptflow.formats.deepspeed.names import layer_file_name
+from ckptflow.formats.deepspeed.partition import ZERO0
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
+from ckptflow.reshard.flats import ModelRuns
+from ckptflow.reshard.pipeline import check_stages, plan_stage, stage_source, stages_at
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Shape
-from ckptflow.reshard.stage import plan_zero0_stage
+from ckptflow.reshard.stage import _zero0_source, plan_zero0_stage
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan
 
 TIED = "tied_modules."
 MAX_TRIES = 20_000  # stage modules named (`named_groups`) before the search is refused
 
 
-def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None) -> ModelParallelPlan:
-    """The plan that writes the ZeRO-0 PipelineModule checkpoint `index` at ZeRO-1 on `shape.dp`
-    data-parallel ranks per stage, at its own number of stages (`tied`: its tied modules, "KEY=LAYER,...",
-    which its files do not record); reads nothing. `UnsupportedCheckpointError` where its stages'
-    optimizer state cannot be named."""
+def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None, *,
+                        partition_method: str | None = None, layers: int | None = None) -> ModelParallelPlan:
+    """The plan that writes the ZeRO-0 PipelineModule checkpoint `index` at ZeRO-1 at `shape` (`tied`: its
+    tied modules, "KEY=LAYER,...", which its files do not record); reads nothing. At its own number of
+    stages each stage goes alone; at another, the stages named here are regrouped as `pipeline` regroups
+    ZeRO-1 stages (`partition_method`, `layers`: as `pipeline.plan_pipeline`'s), over a virtual ZeRO-1
+    source (`_virtual_source`). `UnsupportedCheckpointError` where its stages' optimizer state cannot be
+    named, or the target's stages not told."""
     assert index.kind == "pipeline" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
-    assert shape.pp == index.pp and shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
+    assert shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
     stages = stage_modules(index, parse_tied(tied) if tied else {})
     if isinstance(stages, str):
         raise UnsupportedCheckpointError(f"{index.tag_uri}: {stages}", uri=index.root,
                                          hint="consolidate its weights (`ckptflow consolidate`) and start the "
                                               "optimizer afresh, or resume it at ZeRO-0")
+    if shape.pp != index.pp:
+        return _regrouped(index, stages, parse_tied(tied) if tied else {}, shape, partition_method, layers)
     parts = tuple(_at_zero1(stage, shape.dp) for stage in stages)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
@@ -77,6 +86,57 @@ def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
                           write_bytes=u.write_bytes - _module_bytes(stage) if u.model_file else u.write_bytes)
                   for u in plan.units)
     return replace(plan, index=replace(plan.index, model_states=states), module=(), units=units)
+
+
+def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint], tied: Mapping[str, int],
+               shape: Shape, partition_method: str | None, layers: int | None) -> ModelParallelPlan:
+    """The named `stages` regrouped at `shape.pp` stages by the ZeRO-1 pipeline planner's functions."""
+    source = _virtual_source(index, stages, tied)
+    groups = check_stages(source)
+    targets = stages_at(source, shape.pp, partition_method, layers)
+    runs = ModelRuns(source)
+    parts = tuple(replace(plan_stage(source, replace(stage_source(source, groups, target, shape), stage=1), shape.dp,
+                                     mp_rank=t, runs=runs), source_world_size=index.world_size, source_optimizer=ZERO0)
+                  for t, target in enumerate(targets))
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
+        world_size=shape.dp, parts=parts, carried=index.carried, index=index,
+    )
+
+
+def _virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint],
+                    tied: Mapping[str, int]) -> ModelParallelCheckpoint:
+    """`index` as a ZeRO-0 pipeline whose stages are `stage._zero0_source`'s virtual data-parallel indexes
+    (a master per virtual rank), each over as many virtual ranks as the largest has (a smaller one repeats its
+    last, which no copy reads; its optimizer fields on every one, recording the ZeRO stage so that the
+    regrouped stage is DeepSpeedZeroOptimizer's); the full tensors under the stage modules' names."""
+    sources = []
+    for stage in stages:
+        named = named_groups(stage)
+        assert not isinstance(named, str), "stage_modules named it"
+        sources.append(_zero0_source(replace(stage, model_states={**stage.model_states, "module": None}), *named))
+    width = max(len(s.partitions) for s in sources)
+    ranks = []
+    for s in sources:
+        partitions = s.partitions + (s.partitions[-1],) * (width - len(s.partitions))
+        ranks.append(replace(s, world_size=width, partitions=partitions,
+                             optim_states=tuple(_optim_state(s, part) for part in partitions),
+                             files=s.files * width, model_states=s.model_states * width))
+    tensors = {t.name: t for stage in stages for t in stage.tensors}
+    return replace(index, world_size=width, ranks=tuple(ranks), tensors=tuple(tensors.values()), replicas=(),
+                   tied_layers=tuple(sorted(tied.items())))
+
+
+def _optim_state(source: ZeroCheckpoint, partitions: Sequence[Partition]) -> dict[str, Any]:
+    """`source`'s optimizer file as a virtual rank holding `partitions` saves it: each group's state over
+    its own master (the group's step), and the ZeRO stage DeepSpeedZeroOptimizer records."""
+    optim = source.optim_states[0]
+    osd = optim["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    state = {g: {k: base["state"][g].get(k) if k == "step" else v for k, v in part.state.items()}
+             for g, part in enumerate(partitions) if g in base["state"]}
+    return {**optim, "optimizer_state_dict": {**osd, "base_optimizer_state": {**base, "state": state},
+                                              "zero_stage": 1}}
 
 
 def _module_bytes(stage: Zero0Checkpoint) -> int:

@@ -224,6 +224,11 @@ def _model_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_model_parallel(index, ask.shape.dp)
 
 
+def _zero0_pipeline(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
+    return plan_zero0_pipeline(index, ask.shape, ask.tied_modules, partition_method=ask.partition_method,
+                               layers=ask.layers)
+
+
 def _experts(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
 
@@ -238,10 +243,10 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
     ("autotp", "stage"): (ModelParallelCheckpoint,
                           lambda index, ask: plan_model_parallel_stage(index, ask.shape.dp, ask.shape.stage)),
     ("pipeline", "dp"): (ModelParallelCheckpoint, _model_parallel),
-    ("pipeline", "stage"): (ModelParallelCheckpoint,  # from ZeRO-0, at its own number of stages
-                            lambda index, ask: plan_zero0_pipeline(index, ask.shape, ask.tied_modules)),
+    ("pipeline", "stage"): (ModelParallelCheckpoint, _zero0_pipeline),  # from ZeRO-0 to ZeRO-1
     ("pipeline", "pp"): (ModelParallelCheckpoint,
-                         lambda index, ask: plan_pipeline(index, ask.shape, ask.partition_method, ask.layers)),
+                         lambda index, ask: _zero0_pipeline(index, ask) if index.stage == 0 else
+                         plan_pipeline(index, ask.shape, ask.partition_method, ask.layers)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
     ("megatron", "tp"): (ModelParallelCheckpoint,
                          lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),

@@ -292,11 +292,15 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if shape.stage == 0:
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
                     "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
+        if kind == "pipeline" and shape.pp != source.pp:  # named, then regrouped: `pipeline_zero0`
+            layers = pipeline_layers(index)
+            return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages" \
+                if layers and shape.pp > layers else None
         if (shape.pp, shape.ep) != (source.pp, source.ep) or (shape.tp != source.tp and kind != "autotp"):
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter; ckptflow "
-                    "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones and another "
-                    "expert-parallel one for deepspeed.moe ones, not with another pipeline degree (its weights can "
-                    "still be consolidated)")
+                    "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones, another "
+                    "expert-parallel one for deepspeed.moe ones and another pipeline degree for PipelineModule ones, "
+                    "not otherwise (its weights can still be consolidated)")
         if kind == "pipeline":  # each stage's state named from its layer files by the planner (`pipeline_zero0`)
             return None
         if kind not in ("zero0", "autotp"):
