@@ -11,12 +11,13 @@ job), loads the output natively (``engine.load_checkpoint``, no universal checkp
 
 And to another number of stages above one (``--pp 4``, ``--partition-method uniform``, the fixture's), checked the
 same way; from ckptflow's pp4 (split by ``parameters``) and its pp2 out of pp3 and pp4, DeepSpeed trains one more
-step to the loss its own checkpoint trains to, bit for bit. Stage counts the files do not determine are refused, as is ZeRO-0, each in one line that says why
+step to the loss its own checkpoint trains to, bit for bit. Stage counts the files do not determine are refused, as is ZeRO-0 kept at ZeRO-0, each in one line that says why
 (Megatron-style pipelines: `tests/test_megatron_stages.py`).
 
 A ZeRO-0 PipelineModule goes to ZeRO-1 at its own number of stages (issue 24; its tied module's key given,
-which no ZeRO-0 file records), checked the same way on the 4-rank launch of the splits; stages that cannot
-be named are refused in one line.
+which no ZeRO-0 file records), checked the same way on the 4-rank launch of the splits, and merged to one stage
+in the same command, on the 2-rank launch of the merges; at other stage counts it writes what those two steps
+write; stages that cannot be named are refused in one line.
 """
 
 from __future__ import annotations
@@ -519,3 +520,27 @@ def test_a_zero0_pipeline_whose_stages_cannot_be_named_is_refused(
 def test_tied_modules_that_do_not_parse_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="tied modules"):
         Target(world_size=2, stage=1, tied_modules=text)
+
+
+def test_the_cli_names_a_zero0_pipeline_s_tied_modules(parallel_extra_fixtures: Mapping[str, ParallelFixture],
+                                                     tmp_path: Path) -> None:
+    """Without `--tied-modules` the refusal says, in one line, to give them; given, the stages are written; a
+    value that does not parse is a usage error naming the flag."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+
+    runner = CliRunner()
+    src = str(parallel_extra_fixtures["pipe-pp2-z0-fp32"].dir)
+    refused = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--zero-stage", "1"],
+                            env={"COLUMNS": "400"})
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert "name each with --tied-modules KEY=LAYER (its key and the first layer that uses it)" in refused.output
+    assert not (tmp_path / "out").exists()
+    done = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--zero-stage", "1",
+                               "--tied-modules", "embed=0"], env={"COLUMNS": "400"})
+    assert done.exit_code == 0, done.output
+    assert "ZeRO-0 pp2 x dp1 (2 ranks) -> ZeRO-1 pp2 x dp2 (4 ranks)" in done.output
+    bad = runner.invoke(app, ["reshard", src, str(tmp_path / "bad"), "--world-size", "4", "--zero-stage", "1",
+                              "--tied-modules", "embed"], env={"COLUMNS": "400"})
+    assert bad.exit_code == 2 and "--tied-modules" in bad.output and not (tmp_path / "bad").exists()

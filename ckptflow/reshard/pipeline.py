@@ -33,9 +33,9 @@ before the target stages' parameters are listed, and each target stage's groups 
 again over its E ranks (`flats.zero12_flats`), where the target runs the optimizer that does so
 (`ZeroCheckpoint.flattens_round_robin` of the optimizer the stage keeps: BF16_Optimizer ignores the
 setting). The stage's virtual source lists its groups in the optimizer's order (`optimizer_ordered`).
-ZeRO-0 and frozen parameters are refused. A Megatron-style checkpoint (tensor parallelism inside the
-stages) is regrouped by the same functions, one target tensor-parallel rank at a time
-(`megatron.plan_megatron_stages`, round-robin sources included).
+Frozen parameters are refused; a ZeRO-0 source is named stage by stage first (`pipeline_zero0`). A
+Megatron-style checkpoint (tensor parallelism inside the stages) is regrouped by the same functions, one
+target tensor-parallel rank at a time (`megatron.plan_megatron_stages`, round-robin sources included).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A ZeRO-0 PipelineModule checkpoint at ZeRO-1, at its own number of pipeline stages. Pure.
+"""A ZeRO-0 PipelineModule checkpoint at ZeRO-1, at its own number of pipeline stages or another. Pure.
 
 At ZeRO-0 a PipelineModule saves its weights in the layer files (`layer_XX-model_states.pt`, whole,
 under each layer's local names) and each stage's optimizer in `mp_rank_{stage:02d}_model_states.pt` by
@@ -23,8 +23,14 @@ saves it; the layer files are carried as they are (ZeRO-1 saves the same ones).
 
 A tied module's weights come from the one layer file DeepSpeed saved them in, on every stage that uses
 it (DeepSpeed keeps the copies equal: their gradients are summed over the stages before each step); its
-moments are each stage's own. 16-bit ZeRO-0 pipelines (BF16_Optimizer) are not read (`readers.pipeline`),
-and another number of pipeline stages is refused (`shape.why_not`): write ZeRO-1 first, then reshard that.
+moments are each stage's own.
+
+At another number of stages, the named stages are a virtual ZeRO-1 source (`_virtual_source`: each stage
+`stage._zero0_source`'s index, a master per virtual rank) regrouped by the ZeRO-1 pipeline planner's own
+functions (`pipeline.check_stages`, `stages_at`, `stage_source`, `plan_stage`: the layers each target stage
+holds, its groups in `parameters()` order, each parameter's masters and moments copied from the stage that
+trained it), so it writes what ZeRO-1 at the source's stages, then `--pp`, writes. 16-bit ZeRO-0 pipelines
+(BF16_Optimizer) are not read (`readers.pipeline`).
 """
 
 from __future__ import annotations
