@@ -544,3 +544,17 @@ def test_the_cli_names_a_zero0_pipeline_s_tied_modules(parallel_extra_fixtures: 
     bad = runner.invoke(app, ["reshard", src, str(tmp_path / "bad"), "--world-size", "4", "--zero-stage", "1",
                               "--tied-modules", "embed"], env={"COLUMNS": "400"})
     assert bad.exit_code == 2 and "--tied-modules" in bad.output and not (tmp_path / "bad").exists()
+
+
+def test_the_plan_tells_a_zero0_pipeline_s_stage_counts(parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Pure: `--plan` asks of a ZeRO-0 pipeline's stage counts what it asks of a ZeRO-1 one's, its stages named
+    with its one tied module under a placeholder key (its files fit no other), so pp4 under the default method
+    is refused as pipe-toy's ZeRO-1 checkpoint's is."""
+    from ckptflow.reshard.plan import why_not_stages
+    from ckptflow.reshard.shape import Shape
+
+    index = load_index(str(parallel_extra_fixtures["pipe-pp2-z0-fp32"].dir))
+    why = why_not_stages(index, Shape(world_size=4, stage=1, pp=4))
+    assert why is not None and why.startswith("cannot tell which layers each of 4 pipeline stages of ")
+    assert "(0 tied, 1-4 module, 5 tied; or 0 tied, 1-4 module, 5-6 tied)" in why
+    assert why_not_stages(index, Shape(world_size=2, stage=1, pp=1)) is None

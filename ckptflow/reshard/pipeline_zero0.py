@@ -94,6 +94,27 @@ def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
     return replace(plan, index=replace(plan.index, model_states=states), module=(), units=units)
 
 
+def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int) -> str | None:
+    """Why PipelineModule's default partition method does not say which layers each of `pp` stages of the
+    ZeRO-0 PipelineModule checkpoint `index` holds, or None: it does, or it cannot be told before the user
+    names its tied modules (the planner then refuses what it cannot write). Without them, its stages are named
+    as if it tied no module, or one whose file is any one layer file (a placeholder key: the key does not
+    move a layer), where exactly one of those fits."""
+    found = []
+    for tied in [{}, *({"tied": layer} for (layer, t) in sorted(index.layers) if t == 0)]:
+        stages = stage_modules(index, tied)
+        if not isinstance(stages, str):
+            found.append((tied, stages))
+    if len(found) != 1:
+        return None
+    tied, stages = found[0]
+    try:
+        stages_at(_virtual_source(index, stages, tied), pp)
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint], tied: Mapping[str, int],
                shape: Shape, partition_method: str | None, layers: int | None) -> ModelParallelPlan:
     """The named `stages` regrouped at `shape.pp` stages by the ZeRO-1 pipeline planner's functions."""
@@ -241,4 +262,4 @@ def _tied_text(tied: Mapping[str, int]) -> str:
     return ",".join(f"{k}={layer}" for k, layer in tied.items())
 
 
-__all__ = ["plan_zero0_pipeline", "stage_modules"]
+__all__ = ["plan_zero0_pipeline", "stage_modules", "why_not_stages_zero0"]

@@ -38,7 +38,7 @@ from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3,
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
-from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline
+from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
@@ -177,6 +177,8 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
     try:
         if index.kind == "megatron":
             megatron_stages(index, shape, splits=_named_splits(index, shape.tp, splits))
+        elif index.stage == 0:
+            return why_not_stages_zero0(index, shape.pp)
         else:
             stages_at(index, shape.pp)
     except UnsupportedCheckpointError as exc:
