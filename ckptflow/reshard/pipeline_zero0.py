@@ -87,11 +87,12 @@ def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
     """One stage (a ZeRO-0 checkpoint whose module `stage_modules` rebuilt) at ZeRO-1, its model-states
     file with no module, as a PipelineModule saves it."""
     plan = plan_zero0_stage(stage, world_size, 1)
-    states = tuple({**m, "module": None} for m in plan.index.model_states)
-    units = tuple(replace(u, read_bytes=u.read_bytes - _module_bytes(stage) if u.model_file else u.read_bytes,
-                          write_bytes=u.write_bytes - _module_bytes(stage) if u.model_file else u.write_bytes)
-                  for u in plan.units)
-    return replace(plan, index=replace(plan.index, model_states=states), module=(), units=units)
+    index = plan.index
+    states = tuple({**m, "module": None} for m in index.model_states)
+    module = sum(p.numel * DTYPE_SIZES[p.dtype] for p in index.params) + index.buffer_bytes  # not written: none
+    units = tuple(replace(u, read_bytes=u.read_bytes - module, write_bytes=u.write_bytes - module) if u.model_file
+                  else u for u in plan.units)
+    return replace(plan, index=replace(index, model_states=states), module=(), units=units)
 
 
 def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int) -> str | None:
@@ -164,10 +165,6 @@ def _optim_state(source: ZeroCheckpoint, partitions: Sequence[Partition]) -> dic
              for g, part in enumerate(partitions) if g in base["state"]}
     return {**optim, "optimizer_state_dict": {**osd, "base_optimizer_state": {**base, "state": state},
                                               "zero_stage": 1}}
-
-
-def _module_bytes(stage: Zero0Checkpoint) -> int:
-    return sum(t.numel * DTYPE_SIZES[t.dtype] for t in stage.tensors)
 
 
 # ---- each stage's module -------------------------------------------------------------------------------
