@@ -186,8 +186,9 @@ def test_other_stage_counts_are_refused(parallel_extra_fixtures: Mapping[str, Pa
                                         tmp_path: Path) -> None:
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=(
-            r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter, "
-            r"so it cannot be moved to another shape")):
+            r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at "
+            r"another shape at ZeRO-1, 2 or 3 only \(its weights can still be consolidated\); shapes it can write at 2 "
+            r"ranks: ZeRO-1 dp2 \(2 ranks\), ZeRO-1 pp2 x dp1 \(2 ranks\)$")):
         reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, pp=1)
     assert not (tmp_path / "out").exists()
 

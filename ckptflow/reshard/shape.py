@@ -27,9 +27,9 @@ into the target's loss scaler (`readers.zero0.zero_loss_scaler`; checked against
 ZeRO-0 checkpoint written by DeepSpeed's own fp16 code on CPU ranks with the CPU accelerator's fp16
 check lifted, `tests/test_fp16_zero0.py`). A deepspeed.moe ZeRO-0 checkpoint (fp32) goes to ZeRO-1/2 at its own
 expert-parallel degree or another (`readers.moe.zero0_index` names each expert-parallel rank's optimizer,
-`experts.plan_moe_zero0` writes it). A ZeRO-0 PipelineModule (fp32)
-goes to ZeRO-1 at its own number of stages or another, each stage's module rebuilt from its layer files (`pipeline_zero0`,
-which refuses what it cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file records).
+`experts.plan_moe_zero0` writes it). A ZeRO-0 PipelineModule (fp32) goes to ZeRO-1 at its own number of
+stages or another, each stage's module rebuilt from its layer files (`pipeline_zero0`, which refuses what it
+cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file records).
 """
 
 from __future__ import annotations
