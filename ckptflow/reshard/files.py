@@ -328,7 +328,7 @@ _KEYS = {ZERO: _ZERO12_KEYS, ZERO3: _ZERO3_KEYS, BF16: _BF16_KEYS}
 def _other_optimizer(plan: DataParallelPlan, osd: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
     """The source optimizer's state dict re-keyed as the target stage's optimizer saves it (`_KEYS`;
     BF16_Optimizer's holds no loss scaler and no ZeRO stage): the loss scaler's fields carried (an fp16
-    ZeRO-0 source's FP16_Optimizer scale among them, which `stage._zero0_source` puts there; a static
+    ZeRO-0 source's FP16_Optimizer scale among them, which `stage.zero0_source` puts there; a static
     scale of 1 where the source keeps none: BF16_Optimizer, ZeRO-0 in fp32 or bf16), the base state
     under its new key, placeholders for what `optim_states` rewrites anyway; `clip_grad` (which ZeRO-3
     does not save) from the recorded `gradient_clipping`."""

@@ -26,7 +26,7 @@ it (DeepSpeed keeps the copies equal: their gradients are summed over the stages
 moments are each stage's own.
 
 At another number of stages, the named stages are a virtual ZeRO-1 source (`_virtual_source`: each stage
-`stage._zero0_source`'s index, a master per virtual rank) regrouped by the ZeRO-1 pipeline planner's own
+`stage.zero0_source`'s index, a master per virtual rank) regrouped by the ZeRO-1 pipeline planner's own
 functions (`pipeline.check_stages`, `stages_at`, `stage_source`, `plan_stage`: the layers each target stage
 holds, its groups in `parameters()` order, each parameter's masters and moments copied from the stage that
 trained it), so it writes what ZeRO-1 at the source's stages, then `--pp`, writes. 16-bit ZeRO-0 pipelines
@@ -52,7 +52,7 @@ from ckptflow.reshard.flats import ModelRuns
 from ckptflow.reshard.pipeline import check_stages, plan_stage, stage_source, stages_at
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Shape
-from ckptflow.reshard.stage import _zero0_source, plan_zero0_stage
+from ckptflow.reshard.stage import plan_zero0_stage, zero0_source
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan
 
 TIED = "tied_modules."
@@ -134,7 +134,7 @@ def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint]
 
 def _virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint],
                     tied: Mapping[str, int]) -> ModelParallelCheckpoint:
-    """`index` as a ZeRO-0 pipeline whose stages are `stage._zero0_source`'s virtual data-parallel indexes
+    """`index` as a ZeRO-0 pipeline whose stages are `stage.zero0_source`'s virtual data-parallel indexes
     (a master per virtual rank), each over as many virtual ranks as the largest has (a smaller one repeats its
     last, which no copy reads; its optimizer fields on every one, recording the ZeRO stage so that the
     regrouped stage is DeepSpeedZeroOptimizer's); the full tensors under the stage modules' names."""
@@ -142,7 +142,7 @@ def _virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkp
     for stage in stages:
         named = named_groups(stage)
         assert not isinstance(named, str), "stage_modules named it"
-        sources.append(_zero0_source(replace(stage, model_states={**stage.model_states, "module": None}), *named))
+        sources.append(zero0_source(replace(stage, model_states={**stage.model_states, "module": None}), *named))
     width = max(len(s.partitions) for s in sources)
     ranks = []
     for s in sources:

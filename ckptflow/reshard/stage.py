@@ -101,13 +101,13 @@ def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> Dat
     """The plan that writes the ZeRO-0 checkpoint `index` at ZeRO `stage` on `world_size` ranks: its
     optimizer state named (`readers.zero0.named_groups`; `UnsupportedCheckpointError` where it cannot
     be), then laid out as from a source whose every parameter is a partition of its own
-    (`_zero0_source`): the fp32 masters the module's weights (an fp32 run) or FP16_Optimizer's flat
+    (`zero0_source`): the fp32 masters the module's weights (an fp32 run) or FP16_Optimizer's flat
     masters (bf16), the moments and each group's step the optimizer's. The module's own weights are
     the ZeRO-1/2 target's 16-bit (or fp32) copies."""
     _check_zero0(index)
     named = named_groups(index)
     assert not isinstance(named, str), "why_not_zero0 names them"
-    source = _zero0_source(index, *named)
+    source = zero0_source(index, *named)
     optimizer = target_optimizer(ZERO0, 0, stage, source.ds_config)  # the one the recorded config gets there
     plan = _to_zero3(source, world_size) if stage == 3 else _to_zero12(source, world_size, stage, optimizer=optimizer)
     return replace(plan, source_world_size=index.world_size, source_optimizer=ZERO0)
@@ -116,7 +116,7 @@ def plan_zero0_stage(index: Zero0Checkpoint, world_size: int, stage: int) -> Dat
 def zero0_partitioned(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint:
     """The ZeRO-0 AutoTP checkpoint `index` as the tensor-parallel planners read a ZeRO-1/2/3 one: each
     tensor-parallel rank's optimizer state named (`UnsupportedCheckpointError` where it cannot be, as
-    `plan_zero0_stage`), the rank the partitioned checkpoint `_zero0_source` makes of it (one copy of
+    `plan_zero0_stage`), the rank the partitioned checkpoint `zero0_source` makes of it (one copy of
     the state: data-parallel size 1), the full tensors joined again from its masters
     (`readers.autotp.rejoined`). A plan made from it records the source's own data-parallel size and
     optimizer (`partition.ZERO0`)."""
@@ -125,7 +125,7 @@ def zero0_partitioned(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint
         _check_zero0(rank)
         named = named_groups(rank)
         assert not isinstance(named, str), "why_not_zero0 names them"
-        ranks.append(_zero0_source(rank, *named))
+        ranks.append(zero0_source(rank, *named))
     return replace(rejoined(index, ranks), world_size=1)
 
 
@@ -137,7 +137,7 @@ def _check_zero0(index: Zero0Checkpoint) -> None:
                                               "optimizer afresh, or resume it at ZeRO-0")
 
 
-def _zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: Sequence[str]) -> ZeroCheckpoint:
+def zero0_source(index: Zero0Checkpoint, groups: Sequence[Zero0Group], frozen: Sequence[str]) -> ZeroCheckpoint:
     """`index` as a data-parallel ZeRO index at one rank, for the ZeRO-3 and ZeRO-1/2 layouts above: its
     masters are the partitions, virtual rank k's partition of group g the group's k-th master (a group
     with fewer repeats its last, which no copy reads), each parameter one fragment of its master
@@ -339,4 +339,4 @@ def _to_zero12(index: ZeroCheckpoint, world_size: int, stage: int, *, optimizer:
 
 
 __all__ = ["plan_expert_zero3", "plan_model_parallel_stage", "plan_stage_change", "plan_zero0_stage",
-           "zero0_partitioned"]
+           "zero0_partitioned", "zero0_source"]
