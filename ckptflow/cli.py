@@ -81,6 +81,7 @@ FLAGS = {
     "world_size": "--world-size", "stage": "--zero-stage", "tp": "--tp", "pp": "--pp", "ep": "--ep",
     "partition_method": "--partition-method", "pipeline_layers": "--pipeline-layers", "qkv_layout": "--qkv-layout",
     "tied_modules": "--tied-modules",
+    "layer_types": "--layer-types",
     "strict_pickle": "--strict-pickle", "break_lease": "--break-lease",
     "cluster": "--cluster",
 }
@@ -423,7 +424,13 @@ def reshard_command(
     partition_method: Optional[str] = typer.Option(
         None, "--partition-method", metavar="METHOD",
         help="With --pp: the PipelineModule's partition_method (parameters, its default, or uniform; "
-             "type:transformer for a Megatron-style one, Megatron-DeepSpeed GPT's default)."),
+             "type:REGEX with --layer-types; type:transformer for a Megatron-style one, Megatron-DeepSpeed GPT's "
+             "default)."),
+    layer_types: Optional[str] = typer.Option(
+        None, "--layer-types", metavar="NAMES",
+        help="With --pp and --partition-method type:REGEX: the class (or function) name of each entry of the "
+             "PipelineModule's layer list, in order, which no file records; comma-separated, NAME*N for N in a row "
+             "(e.g. Embed,Block*3,LayerNorm,Embed)."),
     pipeline_layers: Optional[int] = typer.Option(
         None, "--pipeline-layers", min=1, metavar="N",
         help="With --pp: the length of the PipelineModule's layer list, where its files leave it open."),
@@ -458,7 +465,7 @@ def reshard_command(
     from ckptflow.formats.deepspeed.tag import check_tag
     from ckptflow.plumbing.sizes import format_size
     from ckptflow.reshard import ReshardOptions, reshard
-    from ckptflow.reshard.pipeline_layers import check_method
+    from ckptflow.reshard.pipeline_layers import check_method, parse_layer_types
     from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
     from ckptflow.reshard.rng import describe_families
 
@@ -482,9 +489,15 @@ def reshard_command(
             parse_tied(tied_modules)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tied-modules") from None
+    if layer_types is not None:
+        try:
+            parse_layer_types(layer_types)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--layer-types") from None
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
                              strict_pickle=strict_pickle, partition_method=partition_method,
-                             pipeline_layers=pipeline_layers, qkv_layout=layout, tied_modules=tied_modules)
+                             pipeline_layers=pipeline_layers, qkv_layout=layout, tied_modules=tied_modules,
+                             layer_types=layer_types)
     result = with_bar("resharding", lambda progress, executor: reshard(src, dest, tag=tag, options=options,
                                                                       executor=executor, progress=progress),
                       cluster=cluster)

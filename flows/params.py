@@ -22,7 +22,7 @@ from prefect.blocks.system import Secret
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from ckptflow import DEFAULT_DTYPE
-from ckptflow.reshard.pipeline_layers import check_method
+from ckptflow.reshard.pipeline_layers import MAX_TYPES_TEXT, check_method, parse_layer_types
 from ckptflow.reshard.shape import Target
 
 # A size such as '5GB', '500MB', '2GiB' or a byte count, as a JSON-schema pattern (no regex flags there).
@@ -214,7 +214,8 @@ class ReshardForm(_Form):
         default="",
         title="Pipeline partition method",
         description="With another number of pipeline stages: the PipelineModule's partition_method, as in "
-        "training (parameters, uniform, or type:transformer for a Megatron-DeepSpeed GPT); the layers are assigned "
+        "training (parameters, uniform, type:REGEX with the layer types below, or type:transformer for a "
+        "Megatron-DeepSpeed GPT); the layers are assigned "
         "to the stages as it assigns them. Empty: the one the model's own run uses (PipelineModule's parameters; "
         "a Megatron-DeepSpeed GPT's type:transformer, or the pp_partition_method its args record).",
         max_length=200,
@@ -224,6 +225,14 @@ class ReshardForm(_Form):
         title="Pipeline layers",
         description="With another number of pipeline stages: the length of the PipelineModule's layer list, where "
         "its files leave it open (layers that are functions save none); 0: what the files allow.",
+    )
+    layer_types: str = Field(
+        default="",
+        title="Pipeline layer types",
+        description="With another number of pipeline stages and a type:REGEX partition method: the class (or "
+        "function) name of each entry of the PipelineModule's layer list, in order, which no file records; "
+        "comma-separated, NAME*N for N in a row (e.g. Embed,Block*3,LayerNorm,Embed). Empty: none declared.",
+        max_length=MAX_TYPES_TEXT,
     )
     qkv_layout: QkvLayout = _qkv_layout("With another tensor-parallel degree of a Megatron-DeepSpeed checkpoint",
                                         "such a change")
@@ -247,7 +256,8 @@ class ReshardForm(_Form):
 
     def targets(self) -> list[Target]:
         """One target shape per world size."""
-        pipeline = {"partition_method": self.partition_method or None, "pipeline_layers": self.pipeline_layers or None}
+        pipeline = {"partition_method": self.partition_method or None, "pipeline_layers": self.pipeline_layers or None,
+                    "layer_types": self.layer_types or None}
         return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
                        pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None,
                        qkv_layout=declared(self.qkv_layout), **pipeline)
@@ -265,6 +275,13 @@ class ReshardForm(_Form):
     def _a_partition_method(cls, value: str) -> str:
         if value:
             check_method(value)
+        return value
+
+    @field_validator("layer_types")
+    @classmethod
+    def _layer_types(cls, value: str) -> str:
+        if value:
+            parse_layer_types(value)
         return value
 
     @field_validator("world_sizes")

@@ -33,7 +33,8 @@ WHERE_IT_RUNS = frozenset({"cluster"})
 ADDED_LATER: dict[str, tuple[Any, ...]] = {"tensor_parallel": (None,), "stage": (None,), "config": (None, ""),
                                            "config_revision": (None, ""), "pipeline_parallel": (None,),
                                            "expert_parallel": (None,), "partition_method": (None,),
-                                           "pipeline_layers": (None,), "qkv_layout": (None, "unknown")}
+                                           "pipeline_layers": (None,), "qkv_layout": (None, "unknown"),
+                                           "layer_types": (None, "")}
 
 
 def _unset(name: str, value: Any) -> bool:

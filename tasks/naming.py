@@ -29,6 +29,7 @@ FORM_FIELDS = {
     "ep": "Expert-parallel degree",
     "partition_method": "Pipeline partition method",
     "pipeline_layers": "Pipeline layers",
+    "layer_types": "Pipeline layer types",
     "qkv_layout": "Megatron query_key_value layout",
     "cluster": "Dask cluster",
 }

@@ -12,7 +12,8 @@ group left with no parameter on a stage is dropped there (DeepSpeed's optimizer 
 Which layers a target stage holds is what `PipelineModule._partition_layers` decides at M from the layer
 list, which no file records; `pipeline_layers` rebuilds the lists the files allow, keeps those whose
 partition at N gives each source stage what it holds (`--partition-method`, DeepSpeed's default
-"parameters", or "uniform"; a "type:" one where the caller knows the layers of its class, `LayerFacts`),
+"parameters", or "uniform"; a "type:" one where the caller knows the layers of its class, `LayerFacts`:
+from the names of the layer list's entries the user declares, `declared`, or Megatron's known layers),
 and answers only when all give every target stage the same layers and tied modules. Merging every stage
 into one (pp1) needs none of it.
 
@@ -61,8 +62,10 @@ from ckptflow.reshard.pipeline_layers import (
     TargetStage,
     describe,
     layer_lists,
+    parse_layer_types,
     partition,
     target_stages,
+    typed_layers,
 )
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan, RankUnit
@@ -72,10 +75,12 @@ DEFAULT_METHOD = "parameters"  # PipelineModule's own default
 
 
 def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
-                  layers: int | None = None) -> ModelParallelPlan:
+                  layers: int | None = None, layer_types: str | None = None) -> ModelParallelPlan:
     """The plan that writes the PipelineModule checkpoint `index` at `shape` (pp M x dp E), its layers
     assigned to the M stages as `PipelineModule(partition_method=...)` would (`layers`: the length of its
-    layer list, when the user knows it; None: what the files allow); reads nothing.
+    layer list, when the user knows it; None: what the files allow; `layer_types`: its entries' class or
+    function names as the user declares them, `pipeline_layers.parse_layer_types`, which a "type:" method
+    weighs by, `declared`); reads nothing.
     `UnsupportedCheckpointError`, in one line saying why and what would work, for anything else."""
     where = f"{index.root}/{index.tag}"
     assert index.kind == "pipeline", "reshard.plan.PLANNERS gives this planner plain PipelineModule checkpoints only"
@@ -87,7 +92,10 @@ def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method
             f"{where} is a ZeRO-{index.stage} PipelineModule checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
             "ones between stages (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
     groups = check_stages(index)
-    stages = stages_at(index, shape.pp, partition_method, layers)
+    facts = None
+    if layer_types is not None:
+        layers, facts = declared(index, shape.pp, partition_method, parse_layer_types(layer_types), layers)
+    stages = stages_at(index, shape.pp, partition_method, layers, facts=facts)
     runs = ModelRuns(index)
     parts = tuple(plan_stage(index, stage_source(index, groups, stage, shape), shape.dp, mp_rank=t, runs=runs)
                   for t, stage in enumerate(stages))
@@ -208,7 +216,7 @@ def evidence(index: ModelParallelCheckpoint, typed: frozenset[int] | None = None
     return Evidence(known=known, stage_layers=tuple(frozenset(_named_layers(r)) for r in ranks),
                     stage_tied=tuple(frozenset(_tied_key(p.name) for p in r.params if p.name.startswith(TIED))
                                      for r in ranks),
-                    tied=sizes)
+                    tied=sizes, typed=typed)
 
 
 # A layer list's weights at the target (`PipelineModule` counts the parameters of each layer as built on
@@ -227,6 +235,44 @@ class LayerFacts:
     cls: str
     typed: frozenset[int]
     keys: tuple[str, ...] | None = None
+
+
+def declared(index: ModelParallelCheckpoint, pp: int, method: str | None, names: Sequence[str],
+             count: int | None = None) -> tuple[int, LayerFacts | None]:
+    """What the layer list's `names` the user declares (one per entry, `PipelineModule._find_layer_type`'s)
+    tell of `index`'s layers: its length, and for a "type:" `method` the layers it weighs (`LayerFacts`,
+    for `stages_at` at `pp` stages). `UnsupportedCheckpointError` where they disagree with `count` (the
+    length the user gives besides) or with the files (a layer that saved a file past their end), or where
+    the method matches none of them (DeepSpeed builds no such PipelineModule)."""
+    where = f"{index.root}/{index.tag}"
+    hint = f"give {option('layer_types')} one name per entry of the model's layer list, in order"
+    if count is not None and count != len(names):
+        raise UnsupportedCheckpointError(
+            f"{option('layer_types')} names {len(names)} layers and {option('pipeline_layers')} gives {count}",
+            code="unsupported-shape", uri=index.root, hint=f"give one of {option('layer_types')} and "
+                                                           f"{option('pipeline_layers')}, or make them agree")
+    files = {int(m.group(1)): name for name in index.carried if (m := LAYER_FILE_RE.match(name))}
+    past = sorted(i for i in {*files, *(i for r in index.ranks for i in _named_layers(r))} if i >= len(names))
+    if past:
+        saved = f"saved {files[past[0]]}" if past[0] in files else "holds parameters"
+        raise UnsupportedCheckpointError(
+            f"{where}: layer {past[0]} {saved}, and {option('layer_types')} names {len(names)} layers "
+            f"(0-{len(names) - 1})", code="unsupported-shape", uri=index.root, hint=hint)
+    if method is None or not method.lower().startswith(TYPE):
+        return len(names), None
+    try:
+        typed = typed_layers(method, names)
+    except ValueError as exc:
+        raise UnsupportedCheckpointError(f"cannot tell which layers each of {pp} pipeline stages of {where} holds: "
+                                         f"{exc}", code="unsupported-shape", uri=index.root,
+                                         hint=f"give the {option('partition_method')} the model was trained with")
+    if not typed:
+        raise UnsupportedCheckpointError(
+            f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
+            f"{excerpt(method)} matches none of the {len(names)} layer names {option('layer_types')} gives "
+            "(DeepSpeed finds no layer to partition)", code="unsupported-shape", uri=index.root,
+            hint=f"give the {option('partition_method')} the model was trained with, or check {option('layer_types')}")
+    return len(names), LayerFacts(method=method.lower(), cls=method.lower().split(":")[1], typed=typed)
 
 
 def stages_at(index: ModelParallelCheckpoint, pp: int, partition_method: str | None = None,
@@ -261,7 +307,9 @@ def _split(index: ModelParallelCheckpoint, ranks: Sequence[ZeroCheckpoint], pp: 
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
             f"{excerpt(given)} {what}", code="unsupported-shape", uri=index.root,
-            hint="use " + ", ".join(f"`{m}`" for m in computable[:-1]) + f" or `{computable[-1]}`")
+            hint=(f"declare the class of each entry of its layer list with {option('layer_types')} (as "
+                  f"'Embed,Block*3,LayerNorm'), or use " if facts is None and method.startswith(TYPE) else "use ")
+            + ", ".join(f"`{m}`" for m in computable[:-1]) + f" or `{computable[-1]}`")
     if facts is not None and method == facts.method and not facts.typed:
         raise UnsupportedCheckpointError(
             f"cannot tell which layers each of {pp} pipeline stages of {where} holds: partition method "
@@ -471,5 +519,5 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
     )
 
 
-__all__ = ["TIED", "LayerFacts", "Weigh", "check_stages", "evidence", "plan_pipeline", "plan_stage", "stage_source",
-           "stages_at"]
+__all__ = ["TIED", "LayerFacts", "Weigh", "check_stages", "declared", "evidence", "plan_pipeline", "plan_stage",
+           "stage_source", "stages_at"]

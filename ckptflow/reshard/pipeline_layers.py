@@ -7,7 +7,8 @@ trainable elements, a `TiedLayerSpec` counted at every use, a function as 0), "u
 whose class name matches, case-insensitively, 0 for the others and for functions). `partition_uniform`
 and `partition_balanced` below are ports of DeepSpeed's. No file records a layer's class: a "type:"
 method is computed where the caller knows which layers match (`Layer`'s count is then that 0 or 1;
-`megatron`: Megatron-DeepSpeed's transformer layers, known by their parameters).
+`megatron`: Megatron-DeepSpeed's transformer layers, known by their parameters; a plain PipelineModule's
+from the names of its layer list's entries the user declares, `parse_layer_types`, `typed_layers`).
 
 No file records the layer list. What the files say (`Evidence`): each layer that is a module saved
 `layer_XX-model_states.pt` under its global index; each stage's `param_shapes` and `buffer_names` name
@@ -49,6 +50,51 @@ def check_method(method: str) -> None:
         re.compile(method[len(TYPE):], re.IGNORECASE)
     except re.error as exc:
         raise ValueError(f"the partition method's regular expression does not compile: {exc}") from None
+
+
+# `--layer-types`: the layer list's names as `PipelineModule._find_layer_type` reads them, which no file records.
+MAX_TYPES_TEXT = 20_000  # characters of a declared list
+MAX_LAYERS = 10_000  # layers a declared list names, repeats counted
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}|<lambda>")  # a class's or a function's `__name__`
+_ENTRY = re.compile(r"(?P<name>[^*]*?)\s*(?:\*\s*(?P<times>[0-9]{1,6}))?")
+
+
+def parse_layer_types(text: str) -> tuple[str, ...]:
+    """The layer list's names, one per layer in order, as `text` declares them: comma-separated names
+    (a `LayerSpec`'s class, a module's class, a function's `__name__`), `NAME*N` for N of them in a row.
+    `ValueError`, in one line, unless the list is well formed (at most `MAX_TYPES_TEXT` characters, 1 to
+    `MAX_LAYERS` layers)."""
+    if not isinstance(text, str):
+        raise ValueError(f"the layer types must be a string; got a {type(text).__name__}")
+    if len(text) > MAX_TYPES_TEXT:
+        raise ValueError(f"the layer types are {len(text)} characters long, more than {MAX_TYPES_TEXT}")
+    names: list[str] = []
+    for at, entry in enumerate(text.split(",")):
+        match = _ENTRY.fullmatch(entry.strip())
+        name = match.group("name") if match else ""
+        if match is None or not _NAME.fullmatch(name):
+            raise ValueError(f"layer types entry {at + 1} ({entry.strip()[:60]!r}) is not NAME or NAME*N, NAME a "
+                             "class or function name (letters, digits, _; or <lambda>)")
+        times = int(match.group("times")) if match.group("times") is not None else 1
+        if times < 1 or len(names) + times > MAX_LAYERS:
+            raise ValueError(f"layer types entry {at + 1} ({entry.strip()[:60]!r}) repeats a name "
+                             f"{'less than once' if times < 1 else f'past {MAX_LAYERS} layers in all'}")
+        names += [name] * times
+    return tuple(names)
+
+
+def typed_layers(method: str, names: Sequence[str]) -> frozenset[int]:
+    """The layers a "type:" partition `method` weighs 1, as `PipelineModule` finds them: the regular
+    expression after "type:" (of the method lowered, up to a second ":", as DeepSpeed splits it) searched
+    in each of the layer list's `names`, ignoring case. `ValueError` where it does not compile."""
+    regex = method.lower().split(":")[1]
+    try:
+        found = re.compile(regex, re.IGNORECASE)
+    except re.error as exc:
+        raise ValueError(f"the partition method's regular expression {regex[:60]!r} does not compile: {exc}") from None
+    return frozenset(i for i, name in enumerate(names) if found.search(name))
+
+
 SPAN = 8  # layers without files tried after the last layer file
 MAX_LISTS = 4096  # layer lists tried at most
 
@@ -103,12 +149,15 @@ def partition(method: str, layers: Sequence[Layer], num_stages: int) -> list[int
 class Evidence:
     """What a PipelineModule checkpoint's files say about its layer list: `known`, the layers that saved
     a file (layer -> (tied key or "", trainable elements)); per source stage, the layers it names
-    (`stage_layers`) and the tied modules it uses (`stage_tied`); each tied module's elements (`tied`)."""
+    (`stage_layers`) and the tied modules it uses (`stage_tied`); each tied module's elements (`tied`);
+    for a "type:" method, the layers its class matches (`typed`: each weighs 1, every other 0, whatever
+    it is; None: the elements weigh)."""
 
     known: dict[int, Layer]
     stage_layers: tuple[frozenset[int], ...]
     stage_tied: tuple[frozenset[str], ...]
     tied: dict[str, int]
+    typed: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +185,8 @@ def layer_lists(evidence: Evidence, method: str, count: int | None = None) -> It
             layers = [evidence.known.get(i, ("", 0)) for i in range(count)]
             for i, layer in zip(unknown, filling):
                 layers[i] = layer
+            if evidence.typed is not None:
+                layers = [(key, int(i in evidence.typed)) for i, (key, _) in enumerate(layers)]
             if _holds_the_source(evidence, layers, partition(method, layers, len(evidence.stage_layers))):
                 yield layers
 
@@ -204,5 +255,5 @@ def tied_modules(text: str) -> dict[str, int]:
     return out
 
 
-__all__ = ["Evidence", "MAX_TIED", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists", "partition",
-           "partition_balanced", "partition_uniform", "target_stages", "tied_modules"]
+__all__ = ["Evidence", "MAX_TIED", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists", "parse_layer_types",
+           "partition", "partition_balanced", "partition_uniform", "target_stages", "tied_modules", "typed_layers"]

@@ -53,9 +53,9 @@ class ReshardOptions:
 
     `world_size` is the number of ranks DeepSpeed runs the output at (what the launcher starts);
     `stage`, `tp`, `pp` and `ep` the ZeRO stage and parallel degrees that change (None: the source's),
-    the data parallelism being what is left; `partition_method`, `pipeline_layers` and `qkv_layout` what a
-    new number of pipeline stages or tensor-parallel degree needs of some models, `tied_modules` what a
-    ZeRO-0 PipelineModule at ZeRO-1 needs (`Target`). `workers`
+    the data parallelism being what is left; `partition_method`, `pipeline_layers`, `layer_types` and
+    `qkv_layout` what a new number of pipeline stages or tensor-parallel degree needs of some models,
+    `tied_modules` what a ZeRO-0 PipelineModule at ZeRO-1 needs (`Target`). `workers`
     threads write at once (one per target rank while there are more ranks than workers, the rest sharing
     a rank's files: `reshard.run.write_threads`); `durable` flushes every file to disk before the commit;
     `strict_pickle` refuses a source whose pickles name any class outside DeepSpeed's allow-list
@@ -71,6 +71,7 @@ class ReshardOptions:
     pipeline_layers: int | None = None
     qkv_layout: str | None = None
     tied_modules: str | None = None
+    layer_types: str | None = None
     workers: int = 4
     durable: bool = True
     strict_pickle: bool = False
@@ -84,7 +85,7 @@ class ReshardOptions:
     def target(self) -> Target:
         return Target(world_size=self.world_size, stage=self.stage, tp=self.tp, pp=self.pp, ep=self.ep,
                       partition_method=self.partition_method, pipeline_layers=self.pipeline_layers,
-                      qkv_layout=self.qkv_layout, tied_modules=self.tied_modules)
+                      qkv_layout=self.qkv_layout, tied_modules=self.tied_modules, layer_types=self.layer_types)
 
 
 def _is_count(value: Any) -> bool:
@@ -111,21 +112,23 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
         _nothing_to_do(index, target)
     shape = resolve(index, target, config)
     plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers,
-                      qkv_layout=target.qkv_layout, tied_modules=target.tied_modules)
+                      qkv_layout=target.qkv_layout, tied_modules=target.tied_modules, layer_types=target.layer_types)
     return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
 def plan_shape(index: Partitioned, shape: Shape, config: Mapping[str, Any] | None = None, *,
                partition_method: str | None = None, layers: int | None = None,
-               qkv_layout: str | None = None, tied_modules: str | None = None) -> ReshardPlan:
+               qkv_layout: str | None = None, tied_modules: str | None = None,
+               layer_types: str | None = None) -> ReshardPlan:
     """The plan that writes `index` at `shape`, which `resolve` accepted (`config`: the model's
     `config.json`, which a tensor-parallel split needs; `partition_method`: a PipelineModule's, which a
     new number of pipeline stages needs, None for its default; `layers`: its layer list's length, where
     the files leave it open; `qkv_layout`: the layout the user declares of a Megatron fused
     `query_key_value`, which a new tensor-parallel degree needs, `reshard.qkv`; `tied_modules`: a ZeRO-0
-    PipelineModule's tied module keys, which ZeRO-1 needs, `pipeline_zero0`): the planner `PLANNERS`
-    names for the index's kind and the axis that changes (`changed_axis`)."""
-    ask = Ask(source_shape(index), shape, config, partition_method, layers, qkv_layout, tied_modules)
+    PipelineModule's tied module keys, which ZeRO-1 needs, `pipeline_zero0`; `layer_types`: the names of a
+    PipelineModule's layer list's entries the user declares, which a "type:" method needs): the planner
+    `PLANNERS` names for the index's kind and the axis that changes (`changed_axis`)."""
+    ask = Ask(source_shape(index), shape, config, partition_method, layers, qkv_layout, tied_modules, layer_types)
     axis = ask.changed_axis
     entry = PLANNERS.get((index.kind, axis))
     if entry is None:
@@ -152,6 +155,7 @@ class Ask:
     layers: int | None = None
     qkv_layout: str | None = None
     tied_modules: str | None = None
+    layer_types: str | None = None
 
     @property
     def changed_axis(self) -> str:
@@ -248,16 +252,25 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
     ("pipeline", "stage"): (ModelParallelCheckpoint, _zero0_pipeline),  # from ZeRO-0 to ZeRO-1
     ("pipeline", "pp"): (ModelParallelCheckpoint,
                          lambda index, ask: _zero0_pipeline(index, ask) if index.stage == 0 else
-                         plan_pipeline(index, ask.shape, ask.partition_method, ask.layers)),
+                         plan_pipeline(index, ask.shape, ask.partition_method, ask.layers, ask.layer_types)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
     ("megatron", "tp"): (ModelParallelCheckpoint,
                          lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
     ("megatron", "pp"): (ModelParallelCheckpoint,  # the tensor-parallel degree may change with the stages
-                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method, ask.layers,
-                                                                 ask.qkv_layout)),
+                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method,
+                                                                 ask.layers, ask.qkv_layout)
+                         if ask.layer_types is None else _megatron_layer_types(index)),
     **{(kind, axis): (ExpertCheckpoint, planner) for kind in ("autoep", "moe")
        for axis, planner in (("dp", _experts), ("stage", _expert_stage), ("ep", _expert_degree))},
 }
+
+
+def _megatron_layer_types(index: Partitioned) -> ReshardPlan:
+    """A Megatron-style checkpoint's layer classes are known (`megatron.layer_facts`): declared ones are refused."""
+    raise UnsupportedCheckpointError(
+        f"{index.root}/{index.tag} is a Megatron-style checkpoint, whose transformer layers ckptflow knows by their "
+        f"parameters; {option('layer_types')} declares a plain PipelineModule's layer names", code="unsupported-shape",
+        uri=index.root, hint=f"leave {option('layer_types')} out")
 
 
 def _refusal(index: Partitioned, axis: str) -> UnsupportedCheckpointError:

@@ -581,7 +581,7 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
             options: ReshardOptions | None = None, workers: int | None = None, durable: bool = True,
             stage: int | None = None, tp: int | None = None, pp: int | None = None, ep: int | None = None,
             partition_method: str | None = None, pipeline_layers: int | None = None, qkv_layout: str | None = None,
-            tied_modules: str | None = None, progress: Progress | None = None,
+            tied_modules: str | None = None, layer_types: str | None = None, progress: Progress | None = None,
             executor: Executor | None = None) -> ReshardResult:
     """Reshard the checkpoint at `src` into the new folder `out` as `options` say: for
     `options.world_size` ranks, at the ZeRO stage and tensor-, pipeline- and expert-parallel degrees
@@ -597,7 +597,7 @@ def reshard(src: str, out: str, *, world_size: int | None = None, tag: str | Non
     started = time.monotonic()
     asked = {"world_size": world_size, "stage": stage, "tp": tp, "pp": pp, "ep": ep, "workers": workers,
              "partition_method": partition_method, "pipeline_layers": pipeline_layers, "qkv_layout": qkv_layout,
-             "tied_modules": tied_modules}
+             "tied_modules": tied_modules, "layer_types": layer_types}
     options = _options(options, asked, durable=durable)
     plan = plan_output(src, out, target=options.target, tag=tag, strict_pickle=options.strict_pickle)
     threads = write_threads(options.workers, len(plan.units)) if executor is None else 1

@@ -52,7 +52,7 @@ from ckptflow.formats.deepspeed.readers.pipeline import (
 )
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups, zero_loss_scaler
 from ckptflow.reshard.moe_cut import plan_recut
-from ckptflow.reshard.pipeline_layers import check_method
+from ckptflow.reshard.pipeline_layers import check_method, parse_layer_types
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.qkv import in_layout
 from ckptflow.reshard.vocabulary import vocab_rows_at
@@ -117,6 +117,7 @@ class Target:
     pipeline_layers: int | None = None  # the length of a PipelineModule's layer list, when the files leave it open
     qkv_layout: str | None = None  # a fused query_key_value's, for a new tensor-parallel degree (`reshard.qkv`)
     tied_modules: str | None = None  # a ZeRO-0 PipelineModule's, "KEY=LAYER,...": `pipeline_layers.tied_modules`
+    layer_types: str | None = None  # a PipelineModule's layer names, for a "type:" method (`parse_layer_types`)
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
@@ -125,6 +126,8 @@ class Target:
             parse_tied(self.tied_modules)
         if self.partition_method is not None:
             check_method(self.partition_method)
+        if self.layer_types is not None:
+            parse_layer_types(self.layer_types)
         if self.stage is not None and self.stage not in STAGES:
             raise ValueError(f"the ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         if self.pipeline_layers is not None and not _is_count(self.pipeline_layers):
