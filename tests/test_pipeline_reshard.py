@@ -428,7 +428,8 @@ def test_a_stage_count_the_files_do_not_determine_is_refused(parallel_fixtures: 
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4)
     with pytest.raises(UnsupportedCheckpointError, match=(
             r"partition method 'type:Block' weighs the layers whose class name matches, and no file records a "
-            r"layer's class; use `parameters` or `uniform`$")):
+            r"layer's class; declare the class of each entry of its layer list with `layer_types` \(as "
+            r"'Embed,Block\*3,LayerNorm'\), or use `parameters` or `uniform`$")):
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, pp=4, partition_method="type:Block")
     assert not (tmp_path / "out").exists()
 
@@ -559,3 +560,64 @@ def test_the_plan_tells_a_zero0_pipeline_s_stage_counts(parallel_extra_fixtures:
     assert why is not None and why.startswith("cannot tell which layers each of 4 pipeline stages of ")
     assert "(0 tied, 1-4 module, 5 tied; or 0 tied, 1-4 module, 5-6 tied)" in why
     assert why_not_stages(index, Shape(world_size=2, stage=1, pp=1)) is None
+
+
+# ---- a "type:" method over the layer types the user declares ----------------------------------------------
+
+PIPE_TYPES = "PipeEmbed,PipeBlock*3,LayerNorm,PipeEmbed"  # `pipe_layer_specs`' classes, as DeepSpeed names them
+
+
+@pytest.mark.parametrize("pp,stages", [(3, "1+embed | 2 | 3+4+embed"), (4, "1+embed | 2 | 3+4 | embed")])
+def test_a_type_method_cuts_the_stages_by_the_declared_layer_types(
+        parallel_fixtures: Mapping[str, ParallelFixture], pp: int, stages: str) -> None:
+    """pipe-toy, trained "uniform" at pp2 (which type:PipeBlock cuts the same: 0-2 | 3-5), at `pp` stages by
+    type:PipeBlock: DeepSpeed's `partition_balanced` over weights 1 for the three blocks, 0 for the rest
+    (pure: no byte read). The plan's stages hold those layers' parameters; the names also give the list's
+    length, which "parameters" needs (the same stages as `pipeline_layers` 6)."""
+    from deepspeed.runtime import utils
+
+    from ckptflow.reshard.pipeline import _stages_text, declared, stages_at
+    from ckptflow.reshard.pipeline_layers import parse_layer_types
+
+    index = load_index(str(parallel_fixtures["pipe-pp2-z1-fp32"].dir))
+    count, facts = declared(index, pp, "type:PipeBlock", parse_layer_types(PIPE_TYPES))
+    assert count == 6 and facts is not None and facts.typed == {1, 2, 3}
+    assert [int(x) for x in utils.partition_balanced([0, 1, 1, 1, 0, 0], 2)] == [0, 3, 6]
+    found = stages_at(index, pp, "type:PipeBlock", count, facts=facts)
+    assert _stages_text(found) == stages
+    parts = [int(x) for x in utils.partition_balanced([0, 1, 1, 1, 0, 0], pp)]  # modules 1-4, embed at 0 and 5
+    assert [s.layers for s in found] == [tuple(i for i in range(a, b) if 1 <= i <= 4) for a, b in zip(parts, parts[1:])]
+    assert [s.tied for s in found] == [("embed",) if {0, 5} & set(range(a, b)) else () for a, b in zip(parts, parts[1:])]
+    plan = plan_reshard(index, Target(world_size=pp, pp=pp, partition_method="type:PipeBlock", layer_types=PIPE_TYPES))
+    held = [sorted({n.split(".")[0] if not n.startswith("tied_") else "embed" for g in part.flat_shapes for n, _ in g})
+            for part in plan.parts]
+    assert held == [sorted([*map(str, s.layers), *s.tied]) for s in found]
+    by_count = plan_reshard(index, Target(world_size=4, pp=4, pipeline_layers=6))
+    by_names = plan_reshard(index, Target(world_size=4, pp=4, layer_types=PIPE_TYPES))
+    assert [p.flat_shapes for p in by_names.parts] == [p.flat_shapes for p in by_count.parts]
+
+
+def test_declared_layer_types_the_files_contradict_are_refused(parallel_fixtures: Mapping[str, ParallelFixture],
+                                                               tmp_path: Path) -> None:
+    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
+    out = str(tmp_path / "out")
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"^.*global_step3: layer 4 saved layer_04-model_states.pt, and `layer_types` names 4 layers \(0-3\); "
+            r"give `layer_types` one name per entry of the model's layer list, in order$")):
+        reshard(str(pipe.dir), out, world_size=3, pp=3, partition_method="type:PipeBlock",
+                layer_types="PipeEmbed,PipeBlock*3")
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"^`layer_types` names 6 layers and `pipeline_layers` gives 7; give one of `layer_types` and "
+            r"`pipeline_layers`, or make them agree$")):
+        reshard(str(pipe.dir), out, world_size=3, pp=3, partition_method="type:PipeBlock", layer_types=PIPE_TYPES,
+                pipeline_layers=7)
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"^cannot tell which layers each of 3 pipeline stages of .*global_step3 holds: partition method "
+            r"'type:Attention' matches none of the 6 layer names `layer_types` gives \(DeepSpeed finds no layer to "
+            r"partition\); give the `partition_method` the model was trained with, or check `layer_types`$")):
+        reshard(str(pipe.dir), out, world_size=3, pp=3, partition_method="type:Attention", layer_types=PIPE_TYPES)
+    with pytest.raises(UnsupportedCheckpointError, match=(
+            r"^.*global_step3: no layer list of 6 layers the files allow gives its 2 pipeline stages the layers they "
+            r"hold under partition method 'type:LayerNorm'")):
+        reshard(str(pipe.dir), out, world_size=3, pp=3, partition_method="type:LayerNorm", layer_types=PIPE_TYPES)
+    assert not (tmp_path / "out").exists()
