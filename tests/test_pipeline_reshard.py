@@ -621,3 +621,60 @@ def test_declared_layer_types_the_files_contradict_are_refused(parallel_fixtures
             r"hold under partition method 'type:LayerNorm'")):
         reshard(str(pipe.dir), out, world_size=3, pp=3, partition_method="type:LayerNorm", layer_types=PIPE_TYPES)
     assert not (tmp_path / "out").exists()
+
+
+# (fixture, pp, dp): pipe-toy split by type:PipeBlock over the declared layer types at pp3 (0-1 | 2 | 3-5, where
+# "uniform" puts 0-1 | 2-3 | 4-5), fp32 and bf16 (BF16_Optimizer): DeepSpeed builds the PipelineModule with
+# partition_method="type:PipeBlock" at 3 ranks, loads ckptflow's output natively, saves it again and (fp32)
+# trains one step. Long mode only: one 3-rank launch.
+TYPE_METHOD = "type:PipeBlock"
+TYPE_SPLITS = sample((("pipe-pp2-z1-fp32", 3, 1), ("pipe-pp2-z1-bf16", 3, 1)), keep=())
+
+
+def type_id(case: tuple[str, int, int]) -> str:
+    return f"{case[0]}-to-pp{case[1]}-dp{case[2]}-type"
+
+
+@pytest.fixture(scope="session")
+def type_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pipe-type-oracle")
+    outs, resaved, results, jobs = {}, {}, {}, []
+    for case in TYPE_SPLITS:
+        name, pp, dp = case
+        fixture = pipe_fixtures[name]
+        outs[case] = root / "out" / type_id(case)
+        reshard(str(fixture.dir), str(outs[case]), world_size=pp * dp, pp=pp, partition_method=TYPE_METHOD,
+                layer_types=PIPE_TYPES, workers=2)
+        resaved[case] = root / "resaved" / type_id(case)
+        results[case] = root / "results" / f"{type_id(case)}.json"
+        results[case].parent.mkdir(parents=True, exist_ok=True)
+        spec = dataclasses.replace(fixture.parallel_spec, pp=pp, world_size=pp * dp)
+        jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
+                     "save": str(resaved[case]), "expected": str(fixture.expected_path),
+                     "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": TYPE_METHOD,
+                     "next_loss": name == PP2_SOURCE, **source_sections(fixture)})
+    launch_oracle(3, jobs, root, "3-pipe-type")
+    return {"outs": outs, "resaved": resaved, "results": results}
+
+
+@pytest.mark.parametrize("case", TYPE_SPLITS, ids=type_id)
+def test_deepspeed_loads_the_stages_a_type_method_cuts_holding_the_source_state(
+        type_oracle: dict[str, Any], case: tuple[str, int, int],
+        pipe_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """DeepSpeed's PipelineModule(partition_method="type:PipeBlock") at pp3 loads ckptflow's output natively,
+    holding the source's fp32 weights, moments and buffers bit for bit, and saves the same files again."""
+    check_loaded_state(type_oracle, case, pipe_fixtures[case[0]])
+    check_same_files(type_oracle, case)
+    report = validate(str(type_oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+
+
+@pytest.mark.skipif(not any(case[0] == PP2_SOURCE for case in TYPE_SPLITS), reason="long mode")
+def test_the_next_loss_at_three_stages_by_type_is_the_sources(pipe_oracle: dict[str, Any],
+                                                              type_oracle: dict[str, Any]) -> None:
+    """One more step from pipe-toy at pp2 (`pipe_oracle`'s 2-rank launch) and from ckptflow's pp3 split by
+    type:PipeBlock out of it, on the same batches: the same loss, bit for bit."""
+    source = json.loads(pipe_oracle["source_result"].read_text())["next_loss"]
+    assert isinstance(source, float)
+    assert json.loads(type_oracle["results"][(PP2_SOURCE, 3, 1)].read_text())["next_loss"] == source
