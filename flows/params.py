@@ -19,7 +19,16 @@ import re
 from typing import Annotated, Any, Literal
 
 from prefect.blocks.system import Secret
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ckptflow import DEFAULT_DTYPE
 from ckptflow.reshard.pipeline_layers import MAX_TYPES_TEXT, check_method, parse_layer_types
@@ -270,18 +279,11 @@ class ReshardForm(_Form):
                              f"tensor_parallel_degree is {self.tensor_parallel_degree}: set one of them")
         return self
 
-    @field_validator("partition_method")
+    @field_validator("partition_method", "layer_types")
     @classmethod
-    def _a_partition_method(cls, value: str) -> str:
-        if value:
-            check_method(value)
-        return value
-
-    @field_validator("layer_types")
-    @classmethod
-    def _layer_types(cls, value: str) -> str:
-        if value:
-            parse_layer_types(value)
+    def _pipeline_choice(cls, value: str, info: ValidationInfo) -> str:
+        if value:  # `ValueError` in one line where malformed
+            (check_method if info.field_name == "partition_method" else parse_layer_types)(value)
         return value
 
     @field_validator("world_sizes")

@@ -297,6 +297,19 @@ def pipe_fixtures(parallel_fixtures: Mapping[str, ParallelFixture], holdout_fixt
     return {**parallel_fixtures, **holdout_fixtures, **pipe_rr_fixtures, **parallel_extra_fixtures}
 
 
+def stages_job(fixture: ParallelFixture, root: Path, label: str, pp: int, dp: int, method: str, *,
+               next_loss: bool) -> tuple[Path, Path, Path, dict[str, Any]]:
+    """Where ckptflow writes `fixture` at pp x dp under `root` (`label`), where DeepSpeed re-saves it and its
+    findings, and the oracle job that loads it, built with `method`."""
+    out, resaved, result = root / "out" / label, root / "resaved" / label, root / "results" / f"{label}.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    spec = dataclasses.replace(fixture.parallel_spec, pp=pp, world_size=pp * dp)
+    return out, resaved, result, {
+        "spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(out), "save": str(resaved),
+        "expected": str(fixture.expected_path), "buffers": str(fixture.buffers_path), "result": str(result),
+        "partition_method": method, "next_loss": next_loss, **source_sections(fixture)}
+
+
 @pytest.fixture(scope="session")
 def split_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -309,17 +322,11 @@ def split_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
         if via:
             source = str(root / "via" / split_id(case))
             reshard(str(fixture.dir), source, world_size=via, pp=via, partition_method=method, workers=2)
-        outs[case] = root / "out" / split_id(case)
+        outs[case], resaved[case], results[case], job = stages_job(
+            fixture, root, split_id(case), pp, dp, method, next_loss=(bool(via) and name != RR) or case == NEXT_LOSS_AT_PP4)
         reshard(source, str(outs[case]), world_size=pp * dp, pp=pp, partition_method=method, pipeline_layers=layers,
                 workers=2)
-        resaved[case] = root / "resaved" / split_id(case)
-        results[case] = root / "results" / f"{split_id(case)}.json"
-        results[case].parent.mkdir(parents=True, exist_ok=True)
-        spec = dataclasses.replace(fixture.parallel_spec, pp=pp, world_size=pp * dp)
-        jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
-                     "save": str(resaved[case]), "expected": str(fixture.expected_path),
-                     "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": method,
-                     "next_loss": (bool(via) and name != RR) or case == NEXT_LOSS_AT_PP4, **source_sections(fixture)})
+        jobs.append(job)
     name, dp, tied = ZERO0  # ZeRO-0 -> ZeRO-1 at the source's own stages, riding this launch
     fixture = pipe_fixtures[name]
     spec = dataclasses.replace(fixture.parallel_spec, stage=1, world_size=fixture.parallel_spec.pp * dp)
@@ -643,17 +650,11 @@ def type_oracle(pipe_fixtures: Mapping[str, ParallelFixture],
     for case in TYPE_SPLITS:
         name, pp, dp = case
         fixture = pipe_fixtures[name]
-        outs[case] = root / "out" / type_id(case)
+        outs[case], resaved[case], results[case], job = stages_job(fixture, root, type_id(case), pp, dp, TYPE_METHOD,
+                                                                   next_loss=name == PP2_SOURCE)
         reshard(str(fixture.dir), str(outs[case]), world_size=pp * dp, pp=pp, partition_method=TYPE_METHOD,
                 layer_types=PIPE_TYPES, workers=2)
-        resaved[case] = root / "resaved" / type_id(case)
-        results[case] = root / "results" / f"{type_id(case)}.json"
-        results[case].parent.mkdir(parents=True, exist_ok=True)
-        spec = dataclasses.replace(fixture.parallel_spec, pp=pp, world_size=pp * dp)
-        jobs.append({"spec": spec.to_json(), "source": fixture.parallel_spec.to_json(), "load": str(outs[case]),
-                     "save": str(resaved[case]), "expected": str(fixture.expected_path),
-                     "buffers": str(fixture.buffers_path), "result": str(results[case]), "partition_method": TYPE_METHOD,
-                     "next_loss": name == PP2_SOURCE, **source_sections(fixture)})
+        jobs.append(job)
     launch_oracle(3, jobs, root, "3-pipe-type")
     return {"outs": outs, "resaved": resaved, "results": results}
 
