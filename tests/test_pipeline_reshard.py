@@ -574,28 +574,33 @@ def test_the_plan_tells_a_zero0_pipeline_s_stage_counts(parallel_extra_fixtures:
 PIPE_TYPES = "PipeEmbed,PipeBlock*3,LayerNorm,PipeEmbed"  # `pipe_layer_specs`' classes, as DeepSpeed names them
 
 
-@pytest.mark.parametrize("pp,stages", [(3, "1+embed | 2 | 3+4+embed"), (4, "1+embed | 2 | 3+4 | embed")])
+@pytest.mark.parametrize("method,weights,pp,stages", [
+    ("type:PipeBlock", [0, 1, 1, 1, 0, 0], 3, "1+embed | 2 | 3+4+embed"),
+    ("type:PipeBlock", [0, 1, 1, 1, 0, 0], 4, "1+embed | 2 | 3+4 | embed"),
+    ("type:^pipe", [1, 1, 1, 1, 0, 1], 3, "1+embed | 2+3+4 | embed"),  # the tied uses weigh 1 too
+])
 def test_a_type_method_cuts_the_stages_by_the_declared_layer_types(
-        parallel_fixtures: Mapping[str, ParallelFixture], pp: int, stages: str) -> None:
-    """pipe-toy, trained "uniform" at pp2 (which type:PipeBlock cuts the same: 0-2 | 3-5), at `pp` stages by
-    type:PipeBlock: DeepSpeed's `partition_balanced` over weights 1 for the three blocks, 0 for the rest
-    (pure: no byte read). The plan's stages hold those layers' parameters; the names also give the list's
-    length, which "parameters" needs (the same stages as `pipeline_layers` 6)."""
+        parallel_fixtures: Mapping[str, ParallelFixture], method: str, weights: list[int], pp: int, stages: str) -> None:
+    """pipe-toy, trained "uniform" at pp2 (which both methods cut the same: 0-2 | 3-5), at `pp` stages by
+    `method`: DeepSpeed's `partition_balanced` over weights 1 for the layers whose declared name it matches
+    (a tied module's uses included), 0 for the rest (pure: no byte read). The plan's stages hold those
+    layers' parameters; the names also give the list's length, which "parameters" needs (the same stages as
+    `pipeline_layers` 6)."""
     from deepspeed.runtime import utils
 
     from ckptflow.reshard.pipeline import _stages_text, declared, stages_at
     from ckptflow.reshard.pipeline_layers import parse_layer_types
 
     index = load_index(str(parallel_fixtures["pipe-pp2-z1-fp32"].dir))
-    count, facts = declared(index, pp, "type:PipeBlock", parse_layer_types(PIPE_TYPES))
-    assert count == 6 and facts is not None and facts.typed == {1, 2, 3}
-    assert [int(x) for x in utils.partition_balanced([0, 1, 1, 1, 0, 0], 2)] == [0, 3, 6]
-    found = stages_at(index, pp, "type:PipeBlock", count, facts=facts)
+    count, facts = declared(index, pp, method, parse_layer_types(PIPE_TYPES))
+    assert count == 6 and facts is not None and facts.typed == {i for i, w in enumerate(weights) if w}
+    assert [int(x) for x in utils.partition_balanced(weights, 2)] == [0, 3, 6]
+    found = stages_at(index, pp, method, count, facts=facts)
     assert _stages_text(found) == stages
-    parts = [int(x) for x in utils.partition_balanced([0, 1, 1, 1, 0, 0], pp)]  # modules 1-4, embed at 0 and 5
+    parts = [int(x) for x in utils.partition_balanced(weights, pp)]  # modules 1-4, embed at 0 and 5
     assert [s.layers for s in found] == [tuple(i for i in range(a, b) if 1 <= i <= 4) for a, b in zip(parts, parts[1:])]
     assert [s.tied for s in found] == [("embed",) if {0, 5} & set(range(a, b)) else () for a, b in zip(parts, parts[1:])]
-    plan = plan_reshard(index, Target(world_size=pp, pp=pp, partition_method="type:PipeBlock", layer_types=PIPE_TYPES))
+    plan = plan_reshard(index, Target(world_size=pp, pp=pp, partition_method=method, layer_types=PIPE_TYPES))
     held = [sorted({n.split(".")[0] if not n.startswith("tied_") else "embed" for g in part.flat_shapes for n, _ in g})
             for part in plan.parts]
     assert held == [sorted([*map(str, s.layers), *s.tied]) for s in found]
