@@ -487,7 +487,9 @@ def test_deepspeed_loads_a_zero0_pipeline_merged_at_zero1_holding_the_source_sta
 
 
 @pytest.mark.parametrize("target", [{"world_size": 2, "pp": 1}, {"world_size": 3, "pp": 1},
-                                    {"world_size": 4, "pp": 4, "partition_method": "uniform"}])
+                                    {"world_size": 4, "pp": 4, "partition_method": "uniform"},
+                                    {"world_size": 3, "pp": 3, "partition_method": "type:PipeBlock",
+                                     "layer_types": "PipeEmbed,PipeBlock*3,LayerNorm,PipeEmbed"}])
 def test_a_zero0_pipeline_at_another_stage_count_is_its_zero1_regrouped(
         parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path, target: dict[str, Any]) -> None:
     """ZeRO-0 pp2 to ZeRO-1 at another stage count in one command writes the same files (object trees and tensor

@@ -49,7 +49,8 @@ from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_grou
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.reshard.flats import ModelRuns
-from ckptflow.reshard.pipeline import check_stages, plan_stage, stage_source, stages_at
+from ckptflow.reshard.pipeline import check_stages, declared, plan_stage, stage_source, stages_at
+from ckptflow.reshard.pipeline_layers import parse_layer_types
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.stage import plan_zero0_stage, zero0_source
@@ -60,11 +61,12 @@ MAX_TRIES = 20_000  # stage modules named (`named_groups`) before the search is 
 
 
 def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None, *,
-                        partition_method: str | None = None, layers: int | None = None) -> ModelParallelPlan:
+                        partition_method: str | None = None, layers: int | None = None,
+                        layer_types: str | None = None) -> ModelParallelPlan:
     """The plan that writes the ZeRO-0 PipelineModule checkpoint `index` at ZeRO-1 at `shape` (`tied`: its
     tied modules, "KEY=LAYER,...", which its files do not record); reads nothing. At its own number of
     stages each stage goes alone; at another, the stages named here are regrouped as `pipeline` regroups
-    ZeRO-1 stages (`partition_method`, `layers`: as `pipeline.plan_pipeline`'s), over a virtual ZeRO-1
+    ZeRO-1 stages (`partition_method`, `layers`, `layer_types`: as `pipeline.plan_pipeline`'s), over a virtual ZeRO-1
     source (`_virtual_source`). `UnsupportedCheckpointError` where its stages' optimizer state cannot be
     named, or the target's stages not told."""
     assert index.kind == "pipeline" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
@@ -75,7 +77,8 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
                                          hint="consolidate its weights (`ckptflow consolidate`) and start the "
                                               "optimizer afresh, or resume it at ZeRO-0")
     if shape.pp != index.pp:
-        return _regrouped(index, stages, parse_tied(tied) if tied else {}, shape, partition_method, layers)
+        return _regrouped(index, stages, parse_tied(tied) if tied else {}, shape, partition_method, layers,
+                          layer_types)
     parts = tuple(_at_zero1(stage, shape.dp) for stage in stages)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
@@ -117,11 +120,15 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int) -> str | None:
 
 
 def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint], tied: Mapping[str, int],
-               shape: Shape, partition_method: str | None, layers: int | None) -> ModelParallelPlan:
+               shape: Shape, partition_method: str | None, layers: int | None,
+               layer_types: str | None = None) -> ModelParallelPlan:
     """The named `stages` regrouped at `shape.pp` stages by the ZeRO-1 pipeline planner's functions."""
     source = _virtual_source(index, stages, tied)
     groups = check_stages(source)
-    targets = stages_at(source, shape.pp, partition_method, layers)
+    facts = None
+    if layer_types is not None:
+        layers, facts = declared(source, shape.pp, partition_method, parse_layer_types(layer_types), layers)
+    targets = stages_at(source, shape.pp, partition_method, layers, facts=facts)
     runs = ModelRuns(source)
     parts = tuple(replace(plan_stage(source, replace(stage_source(source, groups, target, shape), stage=1), shape.dp,
                                      mp_rank=t, runs=runs), source_world_size=index.world_size, source_optimizer=ZERO0)

@@ -232,7 +232,7 @@ def _model_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
 
 def _zero0_pipeline(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_zero0_pipeline(index, ask.shape, ask.tied_modules, partition_method=ask.partition_method,
-                               layers=ask.layers)
+                               layers=ask.layers, layer_types=ask.layer_types)
 
 
 def _experts(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
