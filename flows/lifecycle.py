@@ -184,7 +184,8 @@ def checkpoint_lifecycle(
         reshard_futures[n] = reshard_checkpoint.with_options(**build_options(out)).submit(
             checkpoint, out, n, cluster=cluster or None, tensor_parallel=target.tp, stage=target.stage,
             pipeline_parallel=target.pp, expert_parallel=target.ep, partition_method=target.partition_method,
-            pipeline_layers=target.pipeline_layers, qkv_layout=target.qkv_layout, layer_types=target.layer_types)
+            pipeline_layers=target.pipeline_layers, qkv_layout=target.qkv_layout, layer_types=target.layer_types,
+            tied_modules=target.tied_modules)
 
     failures: list[str] = []
     model = _outcome(model_future, "consolidation", failures)

@@ -31,7 +31,8 @@ from pydantic import (
 )
 
 from ckptflow import DEFAULT_DTYPE
-from ckptflow.reshard.pipeline_layers import MAX_TYPES_TEXT, check_method, parse_layer_types
+from ckptflow.reshard.pipeline_layers import MAX_TIED_TEXT, MAX_TYPES_TEXT, check_method, parse_layer_types
+from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Target
 
 # A size such as '5GB', '500MB', '2GiB' or a byte count, as a JSON-schema pattern (no regex flags there).
@@ -243,6 +244,14 @@ class ReshardForm(_Form):
         "comma-separated, NAME*N for N in a row (e.g. Embed,Block*3,LayerNorm,Embed). Empty: none declared.",
         max_length=MAX_TYPES_TEXT,
     )
+    tied_modules: str = Field(
+        default="",
+        title="Pipeline tied modules",
+        description="Of a ZeRO-0 PipelineModule written at ZeRO-1: each TiedLayerSpec key and the index of the "
+        "first layer that uses it (whose layer file holds it), which no ZeRO-0 file records; comma-separated "
+        "KEY=LAYER (e.g. embed=0). Empty: none declared (a pipeline without tied modules needs none).",
+        max_length=MAX_TIED_TEXT,
+    )
     qkv_layout: QkvLayout = _qkv_layout("With another tensor-parallel degree of a Megatron-DeepSpeed checkpoint",
                                         "such a change")
     expert_parallel_degree: Degree = Field(
@@ -266,7 +275,7 @@ class ReshardForm(_Form):
     def targets(self) -> list[Target]:
         """One target shape per world size."""
         pipeline = {"partition_method": self.partition_method or None, "pipeline_layers": self.pipeline_layers or None,
-                    "layer_types": self.layer_types or None}
+                    "layer_types": self.layer_types or None, "tied_modules": self.tied_modules or None}
         return [Target(world_size=n, stage=self.stage, tp=self.tensor_parallel,
                        pp=self.pipeline_parallel_degree or None, ep=self.expert_parallel_degree or None,
                        qkv_layout=declared(self.qkv_layout), **pipeline)
@@ -279,11 +288,12 @@ class ReshardForm(_Form):
                              f"tensor_parallel_degree is {self.tensor_parallel_degree}: set one of them")
         return self
 
-    @field_validator("partition_method", "layer_types")
+    @field_validator("partition_method", "layer_types", "tied_modules")
     @classmethod
     def _pipeline_choice(cls, value: str, info: ValidationInfo) -> str:
         if value:  # `ValueError` in one line where malformed
-            (check_method if info.field_name == "partition_method" else parse_layer_types)(value)
+            {"partition_method": check_method, "layer_types": parse_layer_types,
+             "tied_modules": parse_tied}[info.field_name or ""](value)
         return value
 
     @field_validator("world_sizes")

@@ -68,9 +68,9 @@ def reshard_name(target: Target) -> str:
     Then the choices that change the bytes written along an axis that changes, so two of them never share
     a folder (which `committed_output` could not tell apart: the same files at the same sizes): with the
     pipeline stages, the partition method, layer count and declared layer types ('-uniform-L6', '-types-' and
-    a digest of them); with the tensor-parallel
-    degree, the declared query_key_value layout ('-qkv-blocks'). Only characters a path part and a git
-    ref take: a method that is not one word is named by a digest."""
+    a digest of them); the declared tied modules of a ZeRO-0 PipelineModule ('-tied-' and a digest); with
+    the tensor-parallel degree, the declared query_key_value layout ('-qkv-blocks'). Only characters a path
+    part and a git ref take: a method that is not one word is named by a digest."""
     degrees = "".join(f"-{axis}{degree}" for axis, degree in (("tp", target.tp), ("pp", target.pp), ("ep", target.ep))
                       if degree is not None)
     name = f"zero-ws{target.world_size}{degrees}" + (f"-z{target.stage}" if target.stage is not None else "")
@@ -80,6 +80,8 @@ def reshard_name(target: Target) -> str:
         name += f"-L{target.pipeline_layers}"
     if target.pp is not None and target.layer_types is not None:
         name += f"-types-{hashlib.sha256(target.layer_types.encode()).hexdigest()[:8]}"
+    if target.tied_modules is not None:
+        name += f"-tied-{hashlib.sha256(target.tied_modules.encode()).hexdigest()[:8]}"
     if target.tp is not None and target.qkv_layout is not None:
         name += f"-qkv-{target.qkv_layout}"
     return name

@@ -34,7 +34,7 @@ ADDED_LATER: dict[str, tuple[Any, ...]] = {"tensor_parallel": (None,), "stage": 
                                            "config_revision": (None, ""), "pipeline_parallel": (None,),
                                            "expert_parallel": (None,), "partition_method": (None,),
                                            "pipeline_layers": (None,), "qkv_layout": (None, "unknown"),
-                                           "layer_types": (None, "")}
+                                           "layer_types": (None, ""), "tied_modules": (None, "")}
 
 
 def _unset(name: str, value: Any) -> bool:

@@ -30,6 +30,7 @@ FORM_FIELDS = {
     "partition_method": "Pipeline partition method",
     "pipeline_layers": "Pipeline layers",
     "layer_types": "Pipeline layer types",
+    "tied_modules": "Pipeline tied modules",
     "qkv_layout": "Megatron query_key_value layout",
     "cluster": "Dask cluster",
 }

@@ -85,18 +85,19 @@ def reshard_checkpoint(checkpoint: Checkpoint, out: str, world_size: int, worker
                        stage: int | None = None, pipeline_parallel: int | None = None,
                        expert_parallel: int | None = None, partition_method: str | None = None,
                        pipeline_layers: int | None = None, qkv_layout: str | None = None,
-                       layer_types: str | None = None) -> Output:
+                       layer_types: str | None = None, tied_modules: str | None = None) -> Output:
     """Rewrite `checkpoint` for `world_size` ranks into the new folder `out`, at ZeRO `stage` and the
     tensor-, pipeline- and expert-parallel degrees given (None keeps the source's; data parallelism is
     what is left; a PipelineModule's layers assigned to new stages by `partition_method`, with
-    `pipeline_layers` layers where the files leave it open, a "type:" method over the `layer_types` names the user
-    declares; a Megatron fused `query_key_value` at another
-    tensor-parallel degree in the `qkv_layout` the user declares); the ranks on the Dask cluster at `cluster`
+    `pipeline_layers` layers where the files leave it open, a "type:" method over the `layer_types` names the
+    user declares; a ZeRO-0 PipelineModule's tied modules as `tied_modules` declares them; a Megatron fused
+    `query_key_value` at another tensor-parallel degree in the `qkv_layout` the user declares); the ranks on
+    the Dask cluster at `cluster`
     (or `$CKPTFLOW_CLUSTER`) when one is given."""
     logger = get_run_logger()
     target = Target(world_size=world_size, tp=tensor_parallel, stage=stage, pp=pipeline_parallel, ep=expert_parallel,
                     partition_method=partition_method, pipeline_layers=pipeline_layers, qkv_layout=qkv_layout,
-                    layer_types=layer_types)
+                    layer_types=layer_types, tied_modules=tied_modules)
     plan = plan_output(checkpoint.root, out, target=target, tag=checkpoint.tag)
     logger.info("%s: %d -> %d ranks, %s to write", checkpoint.uri, plan.source_world_size, world_size,
                 format_size(plan.write_bytes))

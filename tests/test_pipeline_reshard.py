@@ -686,3 +686,19 @@ def test_the_next_loss_at_three_stages_by_type_is_the_sources(pipe_oracle: dict[
     source = json.loads(pipe_oracle["source_result"].read_text())["next_loss"]
     assert isinstance(source, float)
     assert json.loads(type_oracle["results"][(PP2_SOURCE, 3, 1)].read_text())["next_loss"] == source
+
+
+def test_the_form_takes_the_tied_modules_and_names_the_folder_by_them() -> None:
+    """The Prefect reshard form carries a ZeRO-0 PipelineModule's declared tied modules to its target, the
+    folder named by them (another declaration, another folder), and refuses a malformed one in one line."""
+    from flows import paths
+    from flows.params import ReshardForm
+
+    [target] = ReshardForm(world_sizes=[2], zero_stage="1", tied_modules="embed=0").targets()
+    assert target == Target(world_size=2, stage=1, tied_modules="embed=0")
+    name = paths.reshard_name(target)
+    assert name.startswith("zero-ws2-z1-tied-") and len(name) == len("zero-ws2-z1-tied-") + 8
+    assert paths.reshard_name(Target(world_size=2, stage=1, tied_modules="embed=5")) != name
+    assert paths.reshard_name(Target(world_size=2, stage=1)) == "zero-ws2-z1"
+    with pytest.raises(ValueError, match=r"the tied modules must be KEY=LAYER\[,KEY=LAYER\.\.\.\]"):
+        ReshardForm(world_sizes=[2], tied_modules="embed")

@@ -231,6 +231,7 @@ def describe(layers: Sequence[Layer]) -> str:
 
 
 MAX_TIED = 64  # tied modules a user names (`tied_modules`)
+MAX_TIED_TEXT = 4096  # characters of their list
 _TIED_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]{0,99})=([0-9]{1,6})")
 
 
@@ -240,6 +241,8 @@ def tied_modules(text: str) -> dict[str, int]:
     PipelineModule's files do not record). `ValueError` for anything else."""
     if not isinstance(text, str):
         raise ValueError(f"the tied modules must be a string KEY=LAYER[,KEY=LAYER...]; got a {type(text).__name__}")
+    if len(text) > MAX_TIED_TEXT:
+        raise ValueError(f"the tied modules are {len(text)} characters long, more than {MAX_TIED_TEXT}")
     out: dict[str, int] = {}
     for item in text.split(",")[:MAX_TIED + 1]:
         match = _TIED_RE.fullmatch(item.strip())
@@ -255,5 +258,6 @@ def tied_modules(text: str) -> dict[str, int]:
     return out
 
 
-__all__ = ["Evidence", "MAX_TIED", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists", "parse_layer_types",
-           "partition", "partition_balanced", "partition_uniform", "target_stages", "tied_modules", "typed_layers"]
+__all__ = ["Evidence", "MAX_TIED", "MAX_TIED_TEXT", "METHODS", "TYPE", "TargetStage", "describe", "layer_lists",
+           "parse_layer_types", "partition", "partition_balanced", "partition_uniform", "target_stages", "tied_modules",
+           "typed_layers"]
