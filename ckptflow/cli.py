@@ -472,10 +472,15 @@ def reshard_command(
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
     layout = qkv_layout.value if qkv_layout is not None else None
+    if tied_modules is not None:
+        try:
+            parse_tied(tied_modules)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tied-modules") from None
     if plan:
         if dest is not None:
             raise typer.BadParameter("--plan writes nothing: leave OUT out", param_hint="OUT")
-        render_shapes(src, world_size, tag, layout)
+        render_shapes(src, world_size, tag, layout, tied_modules)
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
@@ -484,11 +489,6 @@ def reshard_command(
             check_method(partition_method)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--partition-method") from None
-    if tied_modules is not None:
-        try:
-            parse_tied(tied_modules)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--tied-modules") from None
     if layer_types is not None:
         try:
             parse_layer_types(layer_types)
@@ -511,7 +511,8 @@ def reshard_command(
         line(f"  note: {note}")
 
 
-def render_shapes(src: str, world_size: int, tag: str | None, qkv_layout: str | None = None) -> None:
+def render_shapes(src: str, world_size: int, tag: str | None, qkv_layout: str | None = None,
+                  tied_modules: str | None = None) -> None:
     """`reshard --plan`: the source's shape and the shapes at `world_size` ranks, per-GPU bytes each."""
     from rich.table import Table
 
@@ -519,7 +520,7 @@ def render_shapes(src: str, world_size: int, tag: str | None, qkv_layout: str | 
     from ckptflow.reshard.run import plan_shapes
 
     try:
-        shapes = plan_shapes(src, world_size, tag=tag, qkv_layout=qkv_layout)
+        shapes = plan_shapes(src, world_size, tag=tag, qkv_layout=qkv_layout, tied_modules=tied_modules)
     except CkptflowError as exc:
         raise fail(exc) from None
     table = Table(box=None, pad_edge=False)

@@ -510,10 +510,9 @@ def test_a_zero0_pipeline_at_another_stage_count_is_its_zero1_regrouped(
 
 
 @pytest.mark.parametrize("tied,why", [
-    (None, r"no assignment of its layer files to its 2 stages gives each stage its buffer_names and the shapes of "
-           r"its Adam moments in module order, with no frozen parameter; if its PipelineModule ties modules "
-           r"\(TiedLayerSpec\), name each with `tied_modules` KEY=LAYER \(its key and the first layer that uses it\), "
-           r"which no ZeRO-0 file records; consolidate its weights"),
+    # the stages fit one tied module held in layer 0's file, and nothing else: that layer named, its key asked for
+    (None, r"its stages use a tied module held in layer_00-model_states.pt, whose TiedLayerSpec key no ZeRO-0 file "
+           r"records: give it with `tied_modules` KEY=0$"),
     ("embed=1", r"no assignment of its layer files to its 2 stages with the tied modules given \(embed=1\) gives each "
                 r"stage its buffer_names and the shapes of its Adam moments in module order, with no frozen parameter; "),
     ("embed=7", r"layer_07-model_states.pt is missing, which the tied modules given \(embed=7\) say holds one of them; "),
@@ -546,7 +545,8 @@ def test_the_cli_names_a_zero0_pipeline_s_tied_modules(parallel_extra_fixtures: 
     refused = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--zero-stage", "1"],
                             env={"COLUMNS": "400"})
     assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1, refused.output
-    assert "name each with --tied-modules KEY=LAYER (its key and the first layer that uses it)" in refused.output
+    assert "held in layer_00-model_states.pt, whose TiedLayerSpec key no ZeRO-0 file records: give it with " \
+           "--tied-modules KEY=0" in refused.output
     assert not (tmp_path / "out").exists()
     done = runner.invoke(app, ["reshard", src, str(tmp_path / "out"), "--world-size", "4", "--zero-stage", "1",
                                "--tied-modules", "embed=0"], env={"COLUMNS": "400"})
@@ -558,17 +558,25 @@ def test_the_cli_names_a_zero0_pipeline_s_tied_modules(parallel_extra_fixtures: 
 
 
 def test_the_plan_tells_a_zero0_pipeline_s_stage_counts(parallel_extra_fixtures: Mapping[str, ParallelFixture]) -> None:
-    """Pure: `--plan` asks of a ZeRO-0 pipeline's stage counts what it asks of a ZeRO-1 one's, its stages named
-    with its one tied module under a placeholder key (its files fit no other), so pp4 under the default method
-    is refused as pipe-toy's ZeRO-1 checkpoint's is."""
+    """Pure: `--plan` of a ZeRO-0 pipeline whose stages fit one tied module (in layer 0's file) and nothing
+    else asks for its key at every ZeRO-1 shape; with `--tied-modules`, it asks of the stage counts what it
+    asks of a ZeRO-1 one's, so pp4 under the default method is refused as pipe-toy's ZeRO-1 checkpoint's is."""
     from ckptflow.reshard.plan import why_not_stages
     from ckptflow.reshard.shape import Shape
 
     index = load_index(str(parallel_extra_fixtures["pipe-pp2-z0-fp32"].dir))
-    why = why_not_stages(index, Shape(world_size=4, stage=1, pp=4))
+    ask = ("its stages use a tied module held in layer_00-model_states.pt, whose TiedLayerSpec key no ZeRO-0 file "
+           "records: give it with `tied_modules` KEY=0")
+    for pp in (1, 2, 4):
+        assert why_not_stages(index, Shape(world_size=4, stage=1, pp=pp)) == ask
+    why = why_not_stages(index, Shape(world_size=4, stage=1, pp=4), tied_modules="embed=0")
     assert why is not None and why.startswith("cannot tell which layers each of 4 pipeline stages of ")
-    assert "(0 tied, 1-4 module, 5 tied; or 0 tied, 1-4 module, 5-6 tied)" in why
-    assert why_not_stages(index, Shape(world_size=2, stage=1, pp=1)) is None
+    assert "(0 embed, 1-4 module, 5 embed; or 0 embed, 1-4 module, 5-6 embed)" in why
+    for pp in (1, 2):
+        assert why_not_stages(index, Shape(world_size=4, stage=1, pp=pp), tied_modules="embed=0") is None
+    assert why_not_stages(index, Shape(world_size=2, stage=1, pp=2), tied_modules="embed=1").startswith(
+        "ZeRO-0 saves its pipeline stages' optimizer state by index and no parameter name, and no assignment of its "
+        "layer files to its 2 stages with the tied modules given (embed=1)")
 
 
 # ---- a "type:" method over the layer types the user declares ----------------------------------------------

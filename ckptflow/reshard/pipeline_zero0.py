@@ -73,9 +73,10 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     assert shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
     stages = stage_modules(index, parse_tied(tied) if tied else {})
     if isinstance(stages, str):
-        raise UnsupportedCheckpointError(f"{index.tag_uri}: {stages}", uri=index.root,
-                                         hint="consolidate its weights (`ckptflow consolidate`) and start the "
-                                              "optimizer afresh, or resume it at ZeRO-0")
+        guessed = why_not_stages_zero0(index, index.pp) if not tied else None  # the layer holding a tied module
+        raise UnsupportedCheckpointError(f"{index.tag_uri}: {guessed or stages}", uri=index.root,
+                                         hint=None if guessed else "consolidate its weights (`ckptflow consolidate`) "
+                                         "and start the optimizer afresh, or resume it at ZeRO-0")
     if shape.pp != index.pp:
         return _regrouped(index, stages, parse_tied(tied) if tied else {}, shape, partition_method, layers,
                           layer_types)
@@ -98,22 +99,37 @@ def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
     return replace(plan, index=replace(index, model_states=states), module=(), units=units)
 
 
-def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int) -> str | None:
-    """Why PipelineModule's default partition method does not say which layers each of `pp` stages of the
-    ZeRO-0 PipelineModule checkpoint `index` holds, or None: it does, or it cannot be told before the user
-    names its tied modules (the planner then refuses what it cannot write). Without them, its stages are named
-    as if it tied no module, or one whose file is any one layer file (a placeholder key: the key does not
-    move a layer), where exactly one of those fits."""
-    found = []
-    for tied in [{}, *({"tied": layer} for (layer, t) in sorted(index.layers) if t == 0)]:
-        stages = stage_modules(index, tied)
-        if not isinstance(stages, str):
-            found.append((tied, stages))
-    if len(found) != 1:
+def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | None = None) -> str | None:
+    """Why ckptflow cannot write the ZeRO-0 PipelineModule checkpoint `index` at ZeRO-1 with `pp` stages
+    (`tied`: its tied modules as the user names them, "KEY=LAYER,...", or None), or None where it can, or
+    cannot tell before writing (the planner then refuses what it cannot write): its stages not named with
+    those tied modules (`stage_modules`), or PipelineModule's default partition method not saying which
+    layers each of `pp` stages holds. Without `tied`, its stages are named as if it tied no module, or one
+    whose file is any one layer file; where exactly one of those fits and it ties a module, the reason
+    names that layer and asks for the module's key, which no ZeRO-0 file records."""
+    if tied is not None:
+        given = parse_tied(tied)
+        named = stage_modules(index, given)
+        if isinstance(named, str):
+            return named
+        found = [(given, named)]
+    else:
+        found = []
+        for guess in [{}, *({"tied": layer} for (layer, t) in sorted(index.layers) if t == 0)]:
+            stages = stage_modules(index, guess)
+            if not isinstance(stages, str):
+                found.append((guess, stages))
+        if len(found) != 1:
+            return None
+        if found[0][0]:
+            layer = found[0][0]["tied"]
+            return (f"its stages use a tied module held in {layer_file_name(layer, None)}, whose TiedLayerSpec key no "
+                    f"ZeRO-0 file records: give it with {option('tied_modules')} KEY={layer}")
+    keys, stages = found[0]
+    if pp in (1, index.pp):
         return None
-    tied, stages = found[0]
     try:
-        stages_at(_virtual_source(index, stages, tied), pp)
+        stages_at(_virtual_source(index, stages, keys), pp)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None

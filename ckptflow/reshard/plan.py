@@ -171,18 +171,22 @@ def _tensor_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=ask.config)
 
 
-def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None) -> str | None:
+def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None,
+                   tied_modules: str | None = None) -> str | None:
     """Why PipelineModule's default partition method does not say which layers each of `shape.pp` stages of
     `index` holds (the message of the planner's refusal, which says what would), or None: it does, or the
-    number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts, with
-    the `splits` it computed for them (`shape.tensor_splits`)."""
-    if not isinstance(index, ModelParallelCheckpoint) or shape.pp in (1, index.pp):
+    number of stages is kept or one; of a ZeRO-0 PipelineModule, also why its stages cannot be named with the
+    `tied_modules` the user names (`pipeline_zero0.why_not_stages_zero0`). `reshard --plan` asks it of the
+    shapes `shape.why_not` accepts, with the `splits` it computed for them (`shape.tensor_splits`)."""
+    if not isinstance(index, ModelParallelCheckpoint):
+        return None
+    if index.kind == "pipeline" and index.stage == 0:
+        return why_not_stages_zero0(index, shape.pp, tied_modules)
+    if shape.pp in (1, index.pp):
         return None
     try:
         if index.kind == "megatron":
             megatron_stages(index, shape, splits=_named_splits(index, shape.tp, splits))
-        elif index.stage == 0:
-            return why_not_stages_zero0(index, shape.pp)
         else:
             stages_at(index, shape.pp)
     except UnsupportedCheckpointError as exc:
