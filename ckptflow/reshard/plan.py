@@ -39,7 +39,16 @@ from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
-from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
+from ckptflow.reshard.shape import (
+    Shape,
+    SplitsByDegree,
+    Target,
+    check_world_size,
+    is_positive,
+    resolve,
+    source_shape,
+    tensor_splits,
+)
 from ckptflow.reshard.stage import plan_expert_zero3, plan_model_parallel_stage, plan_stage_change, plan_zero0_stage
 from ckptflow.reshard.tensor_parallel import plan_tensor_parallel_merge, plan_tensor_parallel_split
 from ckptflow.reshard.units import ReshardPlan
@@ -78,7 +87,7 @@ class ReshardOptions:
 
     def __post_init__(self) -> None:
         self.target  # noqa: B018 - checks the shape's fields
-        if not _is_count(self.workers):
+        if not is_positive(self.workers):
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
 
     @property
@@ -87,9 +96,6 @@ class ReshardOptions:
                       partition_method=self.partition_method, pipeline_layers=self.pipeline_layers,
                       qkv_layout=self.qkv_layout, tied_modules=self.tied_modules, layer_types=self.layer_types)
 
-
-def _is_count(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 # ---- the dispatcher ----------------------------------------------------------------------------------

@@ -60,13 +60,14 @@ from ckptflow.reshard.vocabulary import vocab_rows_at
 STAGES = (1, 2, 3)  # the ZeRO stages a reshard writes
 
 
-def _is_count(value: Any) -> bool:
+def is_positive(value: Any) -> bool:
+    """Whether `value` is a whole number of at least 1 (not a bool): a count of ranks, layers or workers."""
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 def check_world_size(world_size: Any) -> None:
     """`ValueError` unless `world_size` is a whole number of ranks, at least 1."""
-    if not _is_count(world_size):
+    if not is_positive(world_size):
         raise ValueError(f"the world size must be a whole number of ranks, at least 1; got {world_size!r}")
 
 
@@ -130,11 +131,11 @@ class Target:
             parse_layer_types(self.layer_types)
         if self.stage is not None and self.stage not in STAGES:
             raise ValueError(f"the ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
-        if self.pipeline_layers is not None and not _is_count(self.pipeline_layers):
+        if self.pipeline_layers is not None and not is_positive(self.pipeline_layers):
             raise ValueError(f"a layer list's length must be a positive whole number; got {self.pipeline_layers!r}")
         for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
-            if value is not None and not _is_count(value):
+            if value is not None and not is_positive(value):
                 raise ValueError(f"the {_AXES[name]} degree must be a positive whole number; got {value!r}")
 
     @property
@@ -200,7 +201,7 @@ def _model(index: Any, config: Mapping[str, Any] | None) -> Model:
     def count(*keys: str) -> int:
         for key in keys:
             value = config.get(key)
-            if isinstance(value, int) and _is_count(value):
+            if isinstance(value, int) and is_positive(value):
                 return value
         return 0
 
@@ -574,6 +575,6 @@ def _moments(index: Any) -> int:
     return 2
 
 
-__all__ = ["STAGES", "Memory", "Shape", "SplitsByDegree", "Target", "check_world_size", "expert_counts", "kind_of",
-           "memory", "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed", "tensor_splits",
-           "why_not", "why_not_expert_stage", "why_not_zero0"]
+__all__ = ["STAGES", "Memory", "Shape", "SplitsByDegree", "Target", "check_world_size", "expert_counts", "is_positive",
+           "kind_of", "memory", "parameter_counts", "resolve", "shapes_at", "source_shape", "stages_allowed",
+           "tensor_splits", "why_not", "why_not_expert_stage", "why_not_zero0"]
