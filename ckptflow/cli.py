@@ -472,11 +472,13 @@ def reshard_command(
     if tag is not None and check_tag(tag, "--tag"):
         raise typer.BadParameter(str(check_tag(tag, "--tag")), param_hint="--tag")
     layout = qkv_layout.value if qkv_layout is not None else None
-    if tied_modules is not None:
+    for value, check, flag in ((tied_modules, parse_tied, "--tied-modules"), (partition_method, check_method,
+                               "--partition-method"), (layer_types, parse_layer_types, "--layer-types")):
         try:
-            parse_tied(tied_modules)
+            if value is not None:
+                check(value)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--tied-modules") from None
+            raise typer.BadParameter(str(exc), param_hint=flag) from None
     if plan:
         if dest is not None:
             raise typer.BadParameter("--plan writes nothing: leave OUT out", param_hint="OUT")
@@ -484,16 +486,6 @@ def reshard_command(
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
-    if partition_method is not None:
-        try:
-            check_method(partition_method)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--partition-method") from None
-    if layer_types is not None:
-        try:
-            parse_layer_types(layer_types)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--layer-types") from None
     options = ReshardOptions(world_size=world_size, stage=stage, tp=tp, pp=pp, ep=ep, workers=workers, durable=fsync,
                              strict_pickle=strict_pickle, partition_method=partition_method,
                              pipeline_layers=pipeline_layers, qkv_layout=layout, tied_modules=tied_modules,

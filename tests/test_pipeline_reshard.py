@@ -184,12 +184,43 @@ def test_a_round_robin_source_s_stages_are_laid_out_again_round_robin(
 
 def test_other_stage_counts_are_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture],
                                         tmp_path: Path) -> None:
+    """A ZeRO-0 PipelineModule kept at ZeRO-0 with another stage count is refused, naming the shapes it writes
+    with its tied module named; without it, the one thing every shape lacks, in the same line."""
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=(
-            r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at "
-            r"another shape at ZeRO-1, 2 or 3 only \(its weights can still be consolidated\); shapes it can write at 2 "
-            r"ranks: ZeRO-1 dp2 \(2 ranks\), ZeRO-1 pp2 x dp1 \(2 ranks\)$")):
+    refused = (r"to 2 ranks, pp1: a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at "
+               r"another shape at ZeRO-1, 2 or 3 only \(its weights can still be consolidated\); ")
+    with pytest.raises(UnsupportedCheckpointError, match=refused + (
+            r"shapes it can write at 2 ranks: ZeRO-1 dp2 \(2 ranks\), ZeRO-1 pp2 x dp1 \(2 ranks\)$")):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, pp=1, tied_modules="embed=0")
+    with pytest.raises(UnsupportedCheckpointError, match=refused + (
+            r"ckptflow can write no shape of it at 2 ranks as things stand: its stages use a tied module held in "
+            r"layer_00-model_states.pt, whose TiedLayerSpec key no ZeRO-0 file records: give it with `tied_modules` "
+            r"KEY=0$")):
         reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, pp=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_declared_facts_a_reshard_has_no_use_for_are_refused(
+        parallel_fixtures: Mapping[str, ParallelFixture], parallel_extra_fixtures: Mapping[str, ParallelFixture],
+        tmp_path: Path) -> None:
+    """Tied modules given for a checkpoint that records them, layer types for a reshard that keeps the stage
+    count: refused in one line, not taken silently (nor naming a folder of their own in the Prefect form)."""
+    pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"is a checkpoint in the PipelineModule .*; `tied_modules` names "
+                                                         r"the tied modules of a ZeRO-0 PipelineModule checkpoint, whose "
+                                                         r"files do not record them, and this one's have no use for "
+                                                         r"them; leave `tied_modules` out$"):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, tied_modules="embed=0")
+    with pytest.raises(UnsupportedCheckpointError, match=r"global_step3: `layer_types` weighs the layers of a "
+                                                         r"PipelineModule cut into another number of pipeline stages, "
+                                                         r"and this reshard keeps its 2; leave `layer_types` out, or "
+                                                         r"give `pp`$"):
+        reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, partition_method="type:PipeBlock",
+                layer_types="PipeEmbed,PipeBlock*3,LayerNorm,PipeEmbed")
+    zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
+    with pytest.raises(UnsupportedCheckpointError, match="leave `layer_types` out"):
+        reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, stage=1, tied_modules="embed=0",
+                layer_types="A,B")
     assert not (tmp_path / "out").exists()
 
 
@@ -526,7 +557,8 @@ def test_a_zero0_pipeline_whose_stages_cannot_be_named_is_refused(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("text", ["embed", "embed=0,embed=2", "embed=0,head=0", "em bed=0", "embed=-1"])
+@pytest.mark.parametrize("text", ["embed", "embed=0,embed=2", "embed=0,head=0", "em bed=0", "embed=-1",
+                                  ",".join(f"k{i}={i}" for i in range(7))])  # more than MAX_TIED
 def test_tied_modules_that_do_not_parse_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="tied modules"):
         Target(world_size=2, stage=1, tied_modules=text)

@@ -87,10 +87,7 @@ def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method
     if shape.tp != 1:
         raise UnsupportedCheckpointError(f"cannot write {where} at {shape}: a PipelineModule checkpoint has no "
                                          "tensor parallelism", code="unsupported-shape", uri=index.root)
-    if index.stage != 1:
-        raise UnsupportedCheckpointError(
-            f"{where} is a ZeRO-{index.stage} PipelineModule checkpoint; ckptflow moves the optimizer state of ZeRO-1 "
-            "ones between stages (a ZeRO-0 optimizer state names no parameter)", uri=index.root)
+    assert index.stage == 1, "PipelineEngine trains at ZeRO-0 and 1; a ZeRO-0 source goes to `pipeline_zero0`"
     groups = check_stages(index)
     facts = None
     if layer_types is not None:

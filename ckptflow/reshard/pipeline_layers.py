@@ -230,7 +230,7 @@ def describe(layers: Sequence[Layer]) -> str:
     return ", ".join(out)
 
 
-MAX_TIED = 64  # tied modules a user names (`tied_modules`)
+MAX_TIED = 6  # tied modules a user names (`tied_modules`): the stages are tried with every ordered subset of them
 MAX_TIED_TEXT = 4096  # characters of their list
 _TIED_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]{0,99})=([0-9]{1,6})")
 

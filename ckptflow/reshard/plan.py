@@ -116,10 +116,29 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
     if source.stage == 0 and all(getattr(target, axis) in (None, getattr(source, axis))
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
-    shape = resolve(index, target, config)
+    shape = resolve(index, target, config,
+                    stages=lambda shape: why_not_stages(index, shape, tied_modules=target.tied_modules))
+    _check_declared(index, source, shape, target)
     plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers,
                       qkv_layout=target.qkv_layout, tied_modules=target.tied_modules, layer_types=target.layer_types)
     return replace(plan, source_shape=source_shape(index), shape=shape)
+
+
+def _check_declared(index: Partitioned, source: Shape, shape: Shape, target: Target) -> None:
+    """`UnsupportedCheckpointError`, in one line, for a fact the user declares that this reshard has no use
+    for (so it is not taken silently, nor names an output folder of its own): tied modules but of a ZeRO-0
+    PipelineModule, layer types without another number of pipeline stages."""
+    where = f"{index.root}/{index.tag}" if index.tag else index.root
+    if target.tied_modules is not None and not (index.kind == "pipeline" and source.stage == 0):
+        raise UnsupportedCheckpointError(
+            f"{where} is a checkpoint in the {index.layout} layout; {option('tied_modules')} names the tied modules "
+            "of a ZeRO-0 PipelineModule checkpoint, whose files do not record them, and this one's have no use for "
+            "them", code="unsupported-shape", uri=index.root, hint=f"leave {option('tied_modules')} out")
+    if target.layer_types is not None and shape.pp == source.pp:
+        raise UnsupportedCheckpointError(
+            f"{where}: {option('layer_types')} weighs the layers of a PipelineModule cut into another number of "
+            f"pipeline stages, and this reshard keeps its {source.pp}", code="unsupported-shape", uri=index.root,
+            hint=f"leave {option('layer_types')} out, or give {option('pp')}")
 
 
 def plan_shape(index: Partitioned, shape: Shape, config: Mapping[str, Any] | None = None, *,

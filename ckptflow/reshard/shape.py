@@ -34,7 +34,7 @@ cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -430,10 +430,12 @@ def why_not_expert_stage(kind: str, target: int) -> str | None:
     return None
 
 
-def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None) -> Shape:
+def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None, *,
+            stages: Callable[[Shape], str | None] | None = None) -> Shape:
     """The shape `target` means for `index`: every degree not given is the source's, the data-parallel
     degree what is left. `UnsupportedCheckpointError`, naming the shapes ckptflow can write at that many
-    ranks, when the shape does not divide, the layout forbids it, or ckptflow cannot write it yet."""
+    ranks, when the shape does not divide, the layout forbids it, or ckptflow cannot write it yet (the
+    shapes named those `stages` does not refuse too: `plan.why_not_stages`, which `--plan` asks)."""
     source = source_shape(index)
     shape = Shape(world_size=target.world_size,
                   stage=target.stage if target.stage is not None else source.stage,
@@ -443,16 +445,22 @@ def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None)
     where = f"{index.root}/{index.tag}" if index.tag else index.root  # optimizer shards: no tag
     allowed = shapes_at(index, target.world_size, config, target.qkv_layout)
     writable = [s for s, reason in allowed if reason is None]
-    nearby = [] if writable else _nearby(index, target.world_size, config, target.qkv_layout)
     problem = _divides(shape, source)
     if problem is None and shape not in [s for s, _ in allowed]:
         problem = _forbidden(index, shape)
     if problem is None:
         problem = dict(allowed).get(shape)
     if problem is not None:
+        staged = {s: stages(s) if stages is not None else None for s in writable}
+        writable = [s for s, why in staged.items() if why is None]
+        common = set(staged.values())  # one reason refuses every shape the layout allows: it says what to give
+        if not writable and len(common) == 1 and None not in common:
+            listing = f"ckptflow can write no shape of it at {target.world_size} ranks as things stand: {common.pop()}"
+        else:
+            nearby = [] if writable else _nearby(index, target.world_size, config, target.qkv_layout, stages)
+            listing = _listing(writable, target.world_size, nearby)
         raise UnsupportedCheckpointError(
-            f"cannot reshard {where} ({source}) to {target.changes}: {problem}; "
-            f"{_listing(writable, target.world_size, nearby)}",
+            f"cannot reshard {where} ({source}) to {target.changes}: {problem}; {listing}",
             code="unsupported-shape", uri=index.root, expected=[str(s) for s in writable], actual=str(shape))
     return shape
 
@@ -495,10 +503,13 @@ def _forbidden_stage(kind: str, stage: int) -> str:
     return f"DeepSpeed trains {name} models at ZeRO stage {stages} only"
 
 
-def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None, qkv_layout: str | None) -> list[int]:
-    """The world sizes closest to `world_size` (at most twice it) at which ckptflow writes some shape of `index`."""
+def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None, qkv_layout: str | None,
+            stages: Callable[[Shape], str | None] | None = None) -> list[int]:
+    """The world sizes closest to `world_size` (at most twice it) at which ckptflow writes some shape of `index`
+    (that `stages`, where given, does not refuse either)."""
     sizes = sorted(range(1, 2 * world_size + 1), key=lambda n: (abs(n - world_size), n))
-    found = [n for n in sizes[1:] if any(reason is None for _, reason in shapes_at(index, n, config, qkv_layout))]
+    found = [n for n in sizes[1:] if any(reason is None and (stages is None or stages(shape) is None)
+                                         for shape, reason in shapes_at(index, n, config, qkv_layout))]
     return sorted(found[:2])
 
 
