@@ -17,7 +17,9 @@ step to the loss its own checkpoint trains to, bit for bit. Stage counts the fil
 A ZeRO-0 PipelineModule goes to ZeRO-1 at its own number of stages (issue 24; its tied module's key given,
 which no ZeRO-0 file records), checked the same way on the 4-rank launch of the splits, and merged to one stage
 in the same command, on the 2-rank launch of the merges; at other stage counts it writes what those two steps
-write; stages that cannot be named are refused in one line.
+write; stages that cannot be named are refused in one line. Trained in bf16 at ZeRO-0 (BF16_Optimizer, whose
+checkpoint DeepSpeed cannot load back), its stages are named by its files and it goes to ZeRO-1 at pp2, pp1 and
+pp4 (checked against DeepSpeed in the long mode; by default pure tests against its two-step route).
 """
 
 from __future__ import annotations
