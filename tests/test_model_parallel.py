@@ -424,30 +424,49 @@ def test_zero0_in_bf16_is_written_in_bf16_only(name: str, parallel_extra_fixture
     assert again.value.code == "unsupported-precision" and not out.exists()
 
 
-def test_a_zero0_pipeline_in_bf16_is_named_and_refused(parallel_extra_fixtures: Mapping[str, ParallelFixture],
-                                                       tmp_path: Path) -> None:
+def test_a_zero0_pipeline_in_bf16_is_read_by_its_optimizer_s_names(
+        parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
     """A PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose ZeRO-0 checkpoint
-    DeepSpeed 0.19.8 cannot load back (the writer checked that its load fails). ckptflow names the layout
-    and what to do, in one line, and writes nothing: not "damaged"."""
+    DeepSpeed 0.19.8 cannot load back (the writer checked that its load fails). Its optimizer names every
+    parameter (`param_slice_mappings`): ckptflow reads it as ZeRO-0 holding BF16_Optimizer's partitions, says
+    so and how to resume it (`ckptflow reshard --zero-stage 1`, `tests/test_pipeline_reshard.py`), and
+    consolidates its masters in bf16 (rounded as the training rounds them) and in fp32 (the masters). A stage
+    whose optimizer names none is refused in one line that names the layout and what to do, writing nothing."""
     from typer.testing import CliRunner
 
     from ckptflow.cli import app
+    from ckptflow.formats.deepspeed.readers.pipeline import BF16_ZERO0_NOTE
 
     fixture = parallel_extra_fixtures["pipe-pp2-z0-bf16"]
     assert fixture.spec["optimizer"] == "BF16_Optimizer"
     assert fixture.spec["checks"]["reload"]["deepspeed_load_error"] == "KeyError: 0"
-    def message(stage: int) -> str:
-        return (f"{fixture.dir}/global_step3/mp_rank_0{stage}_model_states.pt (pipeline stage {stage} of 2) is a "
-                "ZeRO-0 checkpoint whose optimizer is DeepSpeed's BF16_Optimizer (what a PipelineModule trained in "
-                "bf16 gets at ZeRO-0); ckptflow does not read that layout, and DeepSpeed 0.19.8 cannot load it back "
-                "either (its loader fails with KeyError 0): train with ZeRO-1, whose BF16_Optimizer files ckptflow "
-                "reads, or save the 16-bit weights with `engine.save_16bit_model()`")
+    report = validate(str(fixture.dir), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    summary = report.summary()
+    assert (summary["stage"], summary["pp"], summary["precision"]) == (0, 2, "bf16")
+    assert BF16_ZERO0_NOTE in summary["notes"]
+    masters = {k.removeprefix("fp32/"): v for k, v in load_file(fixture.expected_path).items() if k.startswith("fp32/")}
+    assert len(masters) == len(fixture.spec["params"])
+    for dtype in ("bf16", "fp32"):
+        done = CliRunner().invoke(app, ["consolidate", str(fixture.dir), str(tmp_path / dtype), "--dtype", dtype])
+        assert done.exit_code == 0, done.output
+        got = load_file(tmp_path / dtype / "model.safetensors")
+        assert set(got) == set(masters) | set(fixture.spec["buffers"])
+        assert all(torch.equal(got[name], master.to(DTYPES[dtype])) for name, master in masters.items())
 
-    assert messages(fixture.dir) == [("unsupported-layout", message(0)), ("unsupported-layout", message(1))]
+    ckpt = copy_checkpoint(fixture, tmp_path)
+    model = ckpt / "global_step3" / "mp_rank_01_model_states.pt"
+    rewrite(model, lambda state: state["optimizer"].pop("param_slice_mappings"))
+    message = (f"{model} (pipeline stage 1 of 2) is a ZeRO-0 checkpoint whose optimizer is DeepSpeed's BF16_Optimizer "
+               "(what a PipelineModule trained in bf16 gets at ZeRO-0), which DeepSpeed 0.19.8 cannot load back (its "
+               "loader fails with KeyError 0); ckptflow reads that layout where the optimizer in the model states "
+               "names a plain PipelineModule's parameters (param_slice_mappings), not here: train with ZeRO-1, whose "
+               "BF16_Optimizer files ckptflow reads, or save the 16-bit weights with `engine.save_16bit_model()`")
+    assert messages(ckpt) == [("unsupported-layout", message)]
     out = tmp_path / "out"
-    refused = CliRunner().invoke(app, ["consolidate", str(fixture.dir), str(out), "--dtype", "bf16"])
+    refused = CliRunner().invoke(app, ["consolidate", str(ckpt), str(out), "--dtype", "bf16"])
     assert refused.exit_code == 1 and "\n" not in refused.output.strip(), refused.output
-    assert message(0) in " ".join(refused.output.split()), refused.output
+    assert message in " ".join(refused.output.split()), refused.output
     assert not out.exists()
 
 

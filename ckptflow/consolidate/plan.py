@@ -21,6 +21,7 @@ from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheck
 from ckptflow.formats.deepspeed.readers.pipeline import (
     FUSED_QKV,
     FUSED_QKV_WHY,
+    bf16_zero0,
     declare_qkv_layout,
     fused_heads,
     fused_qkv,
@@ -274,9 +275,11 @@ def _in_layout(index: Partitioned, tensors: Sequence[ModelTensor], qkv_layout: s
 
 def _check_exact(index: Partitioned, options: ConsolidateOptions) -> None:
     """ZeRO-0 in bf16 or fp16 names only its 16-bit weights (formats/deepspeed/zero0.py): a model in that
-    dtype is exact, one in another dtype would be made from rounded weights, not from the masters."""
+    dtype is exact, one in another dtype would be made from rounded weights, not from the masters. A
+    PipelineModule's BF16_Optimizer names its masters (`readers.pipeline.bf16_zero0`): any dtype."""
     trained = hf.OUTPUT_DTYPES.get(index.precision)
-    if index.stage != 0 or index.precision == "fp32" or trained is None or options.torch_dtype == trained:
+    if index.stage != 0 or index.precision == "fp32" or trained is None or options.torch_dtype == trained \
+            or bf16_zero0(index):  # BF16_Optimizer's partitions name its masters
         return
     raise UnsupportedCheckpointError(
         f"{index.root}/{index.tag} is a {index.layout} checkpoint trained in {index.precision}: it names its weights "

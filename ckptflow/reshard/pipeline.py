@@ -176,6 +176,11 @@ def _merged(ranks: Sequence[ZeroCheckpoint]) -> TargetStage:
     return TargetStage(tuple(sorted(layers)), tuple(sorted(first_use, key=first_use.__getitem__)))
 
 
+def own_stages(index: ModelParallelCheckpoint) -> tuple[TargetStage, ...]:
+    """Each stage of `index` as a target stage: the layers and tied modules it holds."""
+    return tuple(_merged([rank]) for rank in index.ranks)
+
+
 def _named_layers(rank: ZeroCheckpoint) -> set[int]:
     names = [p.name for p in rank.params] + [n for n in rank.model_states[0].get("buffer_names") or []
                                              if isinstance(n, str)]
@@ -472,15 +477,17 @@ def stage_source(index: ModelParallelCheckpoint, groups: list[str], stage: Targe
 
 
 def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_size: int, *, mp_rank: int,
-               local: Callable[[Copies], Copies] | None = None, runs: ModelRuns | None = None) -> DataParallelPlan:
+               local: Callable[[Copies], Copies] | None = None, runs: ModelRuns | None = None,
+               optimizer: str | None = None) -> DataParallelPlan:
     """The target stage's ZeRO-1 files (`source`: `stage_source`) at `world_size` data-parallel ranks: each
     group flattened from its parameters in order, partitioned by DeepSpeed's arithmetic, filled by copies
     from the source stages (of the full tensors; `local` turns those into copies of a target shard's). A
     tied parameter is read from the lowest source stage that trains it, or from the one `runs.stages` names
     (a Megatron-style checkpoint's stages keep their own copies: `flats.ModelRuns`; None: `ModelRuns(index)`,
-    which its caller builds once for every stage and tensor-parallel rank that reads alike)."""
+    which its caller builds once for every stage and tensor-parallel rank that reads alike). `optimizer`: the
+    one the target stage runs (`partition.ZERO`, `BF16`), where it is not the source's."""
     by_name = source.param_by_name
-    optimizer = source.optimizer_kind
+    optimizer = source.optimizer_kind if optimizer is None else optimizer
     n_tensors = source.tensors_per_partition
     runs = ModelRuns(index) if runs is None else runs
     held: dict[str, int] = {}  # a parameter's group in the source stage it is read from
@@ -516,5 +523,5 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
     )
 
 
-__all__ = ["TIED", "LayerFacts", "Weigh", "check_stages", "declared", "evidence", "plan_pipeline", "plan_stage",
-           "stage_source", "stages_at"]
+__all__ = ["TIED", "LayerFacts", "Weigh", "check_stages", "declared", "evidence", "own_stages", "plan_pipeline",
+           "plan_stage", "stage_source", "stages_at"]

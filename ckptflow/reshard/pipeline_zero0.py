@@ -29,8 +29,14 @@ At another number of stages, the named stages are a virtual ZeRO-1 source (`_vir
 `stage.zero0_source`'s index, a master per virtual rank) regrouped by the ZeRO-1 pipeline planner's own
 functions (`pipeline.check_stages`, `stages_at`, `stage_source`, `plan_stage`: the layers each target stage
 holds, its groups in `parameters()` order, each parameter's masters and moments copied from the stage that
-trained it), so it writes what ZeRO-1 at the source's stages, then `--pp`, writes. 16-bit ZeRO-0 pipelines
-(BF16_Optimizer) are not read (`readers.pipeline`).
+trained it), so it writes what ZeRO-1 at the source's stages, then `--pp`, writes.
+
+Trained in bf16, a ZeRO-0 PipelineModule gets BF16_Optimizer, whose own files name every parameter (its
+`param_slice_mappings`, tied modules' keys included): the reader reads its stages as BF16_Optimizer's ZeRO-1
+partitions under a ZeRO-0 index (`readers.pipeline.bf16_zero0`), and `_from_bf16` regroups them as the ZeRO-1
+planner does (at its own stages, each keeps what it holds; no `--tied-modules`), laid out for the optimizer the
+same config gets at ZeRO-1 (DeepSpeedZeroOptimizer), the model-states files without the `optimizer` ZeRO-0
+saved there.
 """
 
 from __future__ import annotations
@@ -45,11 +51,12 @@ from ckptflow.formats.deepspeed.model import ModelTensor, Partition, ZeroCheckpo
 from ckptflow.formats.deepspeed.names import layer_file_name
 from ckptflow.formats.deepspeed.partition import ZERO0
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.pipeline import bf16_zero0
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
-from ckptflow.reshard.flats import ModelRuns
-from ckptflow.reshard.pipeline import check_stages, declared, plan_stage, stage_source, stages_at
+from ckptflow.reshard.flats import ModelRuns, target_optimizer
+from ckptflow.reshard.pipeline import check_stages, declared, own_stages, plan_stage, stage_source, stages_at
 from ckptflow.reshard.pipeline_layers import parse_layer_types
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Shape
@@ -71,6 +78,8 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     named, or the target's stages not told."""
     assert index.kind == "pipeline" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
     assert shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
+    if bf16_zero0(index):
+        return _from_bf16(index, shape, tied, partition_method, layers, layer_types)
     stages = stage_modules(index, parse_tied(tied) if tied else {})
     if isinstance(stages, str):
         guessed = why_not_stages_zero0(index, index.pp) if not tied else None  # the layer holding a tied module
@@ -85,6 +94,46 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
         world_size=shape.dp, parts=parts, carried=index.carried, index=index,
     )
+
+
+def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, partition_method: str | None,
+               layers: int | None, layer_types: str | None) -> ModelParallelPlan:
+    """The ZeRO-0 BF16_Optimizer pipeline `index` (`readers.pipeline.bf16_zero0`) at ZeRO-1: its stages, named
+    by its files, regrouped as ZeRO-1 stages are (`pipeline`; at its own number of stages each keeps what it
+    holds), laid out for the optimizer the recorded config gets at ZeRO-1 (`flats.target_optimizer`:
+    DeepSpeedZeroOptimizer, since a bf16 pipeline at ZeRO-0 accumulates its gradients in bf16), the model-states
+    files as ZeRO-1 saves them (no `optimizer`; `shared_params` a mapping, `param_shapes` the target's)."""
+    named = dict(index.tied_layers)
+    if tied is not None and parse_tied(tied) != named:
+        raise UnsupportedCheckpointError(
+            f"{index.tag_uri}: its optimizer files name its tied modules ({_tied_text(named) or 'none'}), and "
+            f"{option('tied_modules')} gives {tied}", code="unsupported-shape", uri=index.root,
+            hint=f"leave {option('tied_modules')} out")
+    groups = check_stages(index)
+    if shape.pp == index.pp:
+        targets = own_stages(index)
+    else:
+        facts = None
+        if layer_types is not None:
+            layers, facts = declared(index, shape.pp, partition_method, parse_layer_types(layer_types), layers)
+        targets = stages_at(index, shape.pp, partition_method, layers, facts=facts)
+    first = index.ranks[0]
+    optimizer = target_optimizer(first.optimizer_kind, 0, 1, first.ds_config)
+    runs = ModelRuns(index)
+    parts = tuple(replace(plan_stage(index, stage_source(index, groups, target, shape, restate=_zero1_states),
+                                     shape.dp, mp_rank=t, runs=runs, optimizer=optimizer),
+                          source_optimizer=first.optimizer_kind)
+                  for t, target in enumerate(targets))
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
+        world_size=shape.dp, parts=parts, carried=index.carried, index=index,
+    )
+
+
+def _zero1_states(states: Mapping[str, Any]) -> dict[str, Any]:
+    """A ZeRO-0 stage's model states as ZeRO-1 saves them: the optimizer in its own files, not here, and the
+    tied aliases a mapping (a PipelineModule's stage module aliases none)."""
+    return {**states, "optimizer": None, "shared_params": {}}
 
 
 def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
@@ -106,7 +155,14 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | No
     those tied modules (`stage_modules`), or PipelineModule's default partition method not saying which
     layers each of `pp` stages holds. Without `tied`, its stages are named as if it tied no module, or one
     whose file is any one layer file; where exactly one of those fits and it ties a module, the reason
-    names that layer and asks for the module's key, which no ZeRO-0 file records."""
+    names that layer and asks for the module's key, which no ZeRO-0 file records. Trained in bf16
+    (`readers.pipeline.bf16_zero0`), its stages are those its files name (`tied` is checked by the planner)."""
+    if bf16_zero0(index):
+        try:
+            stages_at(index, pp)
+        except UnsupportedCheckpointError as exc:
+            return str(exc)
+        return None
     if tied is not None:
         given = parse_tied(tied)
         named = stage_modules(index, given)

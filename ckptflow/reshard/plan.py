@@ -26,7 +26,7 @@ from ckptflow.formats.deepspeed.partition import BF16
 from ckptflow.formats.deepspeed.readers.experts import ExpertCheckpoint
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.optimizer_shards import OptimizerShards
-from ckptflow.formats.deepspeed.readers.pipeline import Split
+from ckptflow.formats.deepspeed.readers.pipeline import BF16_ZERO0_LOAD, Split, bf16_zero0
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.reshard.data_parallel import (
     plan_data_parallel,
@@ -337,6 +337,10 @@ def _nothing_to_do(index: Partitioned, target: Target) -> None:
             f"degree ({ep}), since every rank reads the whole module, the expert files of its expert-parallel "
             "rank and that rank's expp_rank optimizer file", code="reshard-not-needed", uri=index.root,
             hint=f"load it as it is with any multiple of {ep} ranks")
+    if bf16_zero0(index):
+        raise UnsupportedCheckpointError(f"{index.root}/{index.tag} is a checkpoint in the {index.layout} layout: "
+                                         f"{BF16_ZERO0_LOAD}", code="unsupported-shape", uri=index.root,
+                                         hint=f"add {option('stage')} 1")
     mp = index.degrees.tp * index.degrees.pp
     ranks = (f"any multiple of its {mp} model-parallel ranks" if mp > 1 else
              f"{target.world_size} rank{'s' if target.world_size != 1 else ''}")

@@ -42,9 +42,11 @@ from ckptflow.errors import UnsupportedCheckpointError
 from ckptflow.formats.deepspeed.qkv import check_layout
 from ckptflow.formats.deepspeed.readers.moe import zero0_index
 from ckptflow.formats.deepspeed.readers.pipeline import (
+    BF16_ZERO0_LOAD,
     FUSED_QKV_WHY,
     TIED_WHY,
     Split,
+    bf16_zero0,
     declare_qkv_layout,
     fused_qkv,
     splits_at,
@@ -289,6 +291,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
     kind = kind_of(index)
     name = NAMES.get(kind, kind)
     if source.stage == 0:
+        if shape.stage == 0 and bf16_zero0(index):
+            return BF16_ZERO0_LOAD
         if (shape.stage, shape.tp, shape.pp, shape.ep) == (source.stage, source.tp, source.pp, source.ep):
             return "nothing to reshard: DeepSpeed loads a ZeRO-0 checkpoint as it is at any data-parallel size"
         if kind == "moe" and (shape.tp, shape.pp) == (source.tp, source.pp):

@@ -30,7 +30,13 @@ vocabulary parameters then cut to `original_vocab_size` rows (at tp1 too, where 
 lists them (Megatron-DeepSpeed lists the tied one only; `POSITION_EMBEDDINGS`), with a note.
 
 At ZeRO-0 no file names a parameter (no `param_shapes`): every tensor is read from its layer file and
-named `{layer}.{name}`, a tied module under the first layer that uses it.
+named `{layer}.{name}`, a tied module under the first layer that uses it. Except in bf16: a PipelineModule
+then gets DeepSpeed's BF16_Optimizer at ZeRO-0, which writes its own files (`bf16_zero_pp_rank_*`, also the
+model states' `optimizer`) naming every parameter by `param_slice_mappings`, and DeepSpeed 0.19.8 cannot
+load that checkpoint back. Each stage's `param_shapes` is rebuilt from those names and the layer files'
+shapes (`_named_head`), it is read as a ZeRO-1 BF16_Optimizer stage, and the index records ZeRO-0
+(`bf16_zero0`: the reshard planner writes it at ZeRO-1, `reshard.pipeline_zero0`), with a note saying so.
+A Megatron-style one is refused (`readers.zero`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.client_state import namespace_state
-from ckptflow.formats.deepspeed.inspection import Inspection, Listing
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing, is_count
 from ckptflow.formats.deepspeed.model import ModelTensor
 from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.qkv import Heads, check_degree, heads_from_args
@@ -61,10 +67,12 @@ from ckptflow.formats.deepspeed.readers.model_parallel import (
     row_major,
     stop_on_new,
 )
+from ckptflow.formats.deepspeed.readers.zero import zero0_bf16_optimizer
 from ckptflow.formats.deepspeed.readers.zero0 import UNNAMED_OPTIMIZER, Zero0Checkpoint, masters_note
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.formats.torch.unpickler import PickledObject
 from ckptflow.formats.torch.zipdir import open_archive
 from ckptflow.plumbing.redaction import describe
 from ckptflow.plumbing.storage import join as join_uri
@@ -75,6 +83,13 @@ TIED = "tied_modules."
 NAMES_NOTE = ("a PipelineModule has no Hugging Face config: the tensors keep its own names ({layer}.{name}, "
               "tied_modules.{key}.{name}), those of its state_dict; load them with safetensors.torch.load_file and "
               "load_state_dict on the same PipelineModule built as one stage, or rename them for your model")
+BF16_ZERO0_NOTE = ("a PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose checkpoint "
+                   "DeepSpeed 0.19.8 cannot load back (its loader fails with KeyError 0); its optimizer files name "
+                   "every parameter, so `ckptflow reshard SRC OUT --zero-stage 1` writes it at ZeRO-1, which "
+                   "DeepSpeed loads")
+BF16_ZERO0_LOAD = ("its optimizer is DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at "
+                   "ZeRO-0), which DeepSpeed 0.19.8 cannot load back (its loader fails with KeyError 0); ckptflow "
+                   "writes it at ZeRO-1, which DeepSpeed loads")
 NO_UC_INFO = ("nothing in it says how each parameter is split over the {tp} tensor-parallel ranks, and ckptflow does "
               "not guess (DeepSpeed's universal converter does when told to inject the state it lacks, and writes "
               "wrong tensors for row-parallel, replicated and vocabulary-padded parameters); save the checkpoint with "
@@ -114,6 +129,9 @@ def read_pipeline(
     layers = _open_layers(st, listing, layer_names)
     stop_on_new(st, left_over)
     zero0 = topology.stage == 0
+    bf16_zero0 = not zero0 and not megatron and all(zero0_bf16_optimizer(head) for head in heads)
+    if bf16_zero0:  # BF16_Optimizer at ZeRO-0: each stage named by its param_slice_mappings
+        heads = [_named_head(head, layers, heads) for head in heads]
     plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
     stop_on_new(st, left_over)
     ranks = read_ranks(st, listing, heads, topology.stage, label, plan.modules if plan else [{}] * count)
@@ -136,16 +154,27 @@ def read_pipeline(
                  "named by their layer file ({layer}.{name}), a tied module under the first layer that uses it (its "
                  "state_dict calls it tied_modules.{key}.{name}: rename it before load_state_dict)",
                  *([masters_note(first.precision)] if first.masters_unnamed else []))
+    if bf16_zero0:
+        notes += (BF16_ZERO0_NOTE,)
     note = position_note(info, [t.name for t in tensors]) if tp > 1 else None
     notes += (note,) if note else ()
+    stage = 0 if bf16_zero0 else first.stage  # BF16_Optimizer's partitions, saved by a ZeRO-0 run
     return ModelParallelCheckpoint(
-        root=st.root, tag=st.tag, stage=first.stage, world_size=first.world_size, precision=first.precision,
+        root=st.root, tag=st.tag, stage=stage, world_size=first.world_size, precision=first.precision,
         step=first.step, ds_version=first.ds_version, kind=topology.kind,
-        description=Topology(topology.kind, first.stage, topology.dp, tp=topology.tp, pp=pp).description, tp=tp, pp=pp,
+        description=Topology(topology.kind, stage, topology.dp, tp=topology.tp, pp=pp).description, tp=tp, pp=pp,
         ranks=tuple(ranks), tensors=tuple(tensors), tied={}, replicas=tuple(replicas), stage_copies=copies,
         carried=tuple(sorted(layer_names.values())), notes=notes, layers=layers,
         tied_layers=tuple(sorted(plan.tied_owner.items())) if plan else (),
     )
+
+
+def bf16_zero0(index: Any) -> bool:
+    """Whether `index` is a plain PipelineModule checkpoint saved at ZeRO-0 by BF16_Optimizer (trained in bf16):
+    its stages hold BF16_Optimizer's partitions, named by its `param_slice_mappings` (`ZeroCheckpoint`s), not an
+    optimizer saved by index (`Zero0Checkpoint`s)."""
+    return (isinstance(index, ModelParallelCheckpoint) and index.kind == "pipeline" and index.stage == 0
+            and not any(isinstance(rank, Zero0Checkpoint) for rank in index.ranks))
 
 
 # ---- files -------------------------------------------------------------------------------------------
@@ -214,10 +243,49 @@ def _open_layers(
 # ---- which layer files each stage's parameters come from ---------------------------------------------
 
 
+def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mapping[str, TensorRef]],
+                heads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A ZeRO-0 BF16_Optimizer stage's model states (`readers.zero.zero0_bf16_optimizer`) with the
+    `param_shapes` ZeRO-1 records: BF16_Optimizer's `param_slice_mappings` (its `optimizer` here, the same
+    state dict as its optimizer file's) name each group's parameters in flattening order, the layer files
+    give their shapes (a tied module's: the one layer file no stage names that holds a tensor of its local
+    name and size). A name no file gives a shape keeps its size alone, as a vector: `_StageModules` then
+    names the file it misses, and `read_zero` checks every name against the optimizer file's own mappings."""
+    mappings = _slice_mappings(head)
+    if mappings is None:
+        return dict(head)  # read_zero names what is missing
+    owned = {layer for h in heads for m in _slice_mappings(h) or () for n in m
+             if isinstance(n, str) and (layer := _layer_of(n)) is not None}
+
+    def shape(name: str, numel: Any) -> tuple[int, ...]:
+        if name.startswith(TIED):
+            local = name[len(TIED):].partition(".")[2]
+            found = {tuple(content[local].shape) for (layer, t), content in layers.items()
+                     if layer not in owned and t == 0 and local in content and content[local].numel == numel}
+        else:
+            layer, local = _layer_of(name), name.partition(".")[2]
+            ref = layers.get((layer, 0), {}).get(local) if layer is not None else None
+            found = {tuple(ref.shape)} if ref is not None and ref.numel == numel else set()
+        return found.pop() if len(found) == 1 else (numel if is_count(numel) else 0,)
+
+    shapes = [{n: shape(n, addr.get("numel") if isinstance(addr, PickledObject) else None)
+               for n, addr in group.items() if isinstance(n, str)} for group in mappings]
+    return {**head, "param_shapes": shapes}
+
+
 def _names(head: Mapping[str, Any]) -> list[str]:
     shapes = head.get("param_shapes") or []
     names = [n for group in shapes if isinstance(group, Mapping) for n in group]
     return names + [n for n in head.get("buffer_names") or [] if isinstance(n, str)]
+
+
+def _slice_mappings(head: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """The `param_slice_mappings` of the optimizer a ZeRO-0 stage's model states hold, or None."""
+    optimizer = head.get("optimizer")
+    mappings = optimizer.get("param_slice_mappings") if isinstance(optimizer, Mapping) else None
+    if not isinstance(mappings, list) or not all(isinstance(m, Mapping) for m in mappings):
+        return None
+    return mappings
 
 
 def _layer_of(name: str) -> int | None:
@@ -772,6 +840,7 @@ def fused_heads(index: ModelParallelCheckpoint, name: str, rows: int) -> Heads:
     return heads
 
 
-__all__ = ["FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY", "TRANSFORMER_LAYER",
-           "declare_qkv_layout", "fused_heads", "fused_qkv", "position_note", "read_pipeline", "row_join_problem",
-           "shard_shapes", "split_pieces", "splits_at", "tied_module", "transformer_layers", "vocabulary_rows"]
+__all__ = ["BF16_ZERO0_LOAD", "FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY",
+           "TRANSFORMER_LAYER", "bf16_zero0", "declare_qkv_layout", "fused_heads", "fused_qkv", "position_note",
+           "read_pipeline", "row_join_problem", "shard_shapes", "split_pieces", "splits_at", "tied_module",
+           "transformer_layers", "vocabulary_rows"]

@@ -213,19 +213,29 @@ def _check_agreement(st: Inspection, listing: Listing, head: ModelHead, models: 
     return stage
 
 
-def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: str, where: str | None) -> None:
-    """A PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose files look like
-    ZeRO-1's (`bf16_zero_pp_rank_*`), while the model states, written as ZeRO-0's, record no
-    `param_shapes`. DeepSpeed 0.19.8 cannot load that checkpoint back (`tests/fixtures/parallel_extra.py`)."""
+def zero0_bf16_optimizer(model0: Mapping[str, Any]) -> bool:
+    """Whether the model states `model0` are a ZeRO-0 save whose optimizer is DeepSpeed's BF16_Optimizer:
+    what a PipelineModule trained in bf16 gets at ZeRO-0. Its files look like ZeRO-1's
+    (`bf16_zero_pp_rank_*`, BF16_Optimizer's own state dict, also the model states' `optimizer`), while the
+    model states, written as ZeRO-0's, record no `param_shapes`. DeepSpeed 0.19.8 cannot load that checkpoint
+    back (`tests/fixtures/specs/extra.py`); the PipelineModule reader names its stages from BF16_Optimizer's
+    `param_slice_mappings` (`readers.pipeline`)."""
     config = model0.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    if model0.get("param_shapes") is not None or stage != 0:
+    return model0.get("param_shapes") is None and stage == 0
+
+
+def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: str, where: str | None) -> None:
+    """The ZeRO-0 BF16_Optimizer layout (`zero0_bf16_optimizer`) outside a plain PipelineModule, which
+    names its stages' parameters before this reads them (a Megatron-style one does not): refused."""
+    if not zero0_bf16_optimizer(model0):
         return
     st.add("unsupported-layout", f"{uri}{f' ({where})' if where else ''} is a ZeRO-0 checkpoint whose optimizer is "
-           "DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at ZeRO-0); ckptflow does not read "
-           "that layout, and DeepSpeed 0.19.8 cannot load it back either (its loader fails with KeyError 0): train "
-           "with ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save the 16-bit weights with "
+           "DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at ZeRO-0), which DeepSpeed 0.19.8 "
+           "cannot load back (its loader fails with KeyError 0); ckptflow reads that layout where the optimizer in "
+           "the model states names a plain PipelineModule's parameters (param_slice_mappings), not here: train with "
+           "ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save the 16-bit weights with "
            "`engine.save_16bit_model()`", file=uri)
     st.stop_if_any()
 
