@@ -79,14 +79,14 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     if shape.pp != index.pp:
         return _regrouped(index, stages, parse_tied(tied) if tied else {}, shape, partition_method, layers,
                           layer_types)
-    parts = tuple(_at_zero1(stage, shape.dp) for stage in stages)
+    parts = tuple(at_zero1(stage, shape.dp) for stage in stages)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
         world_size=shape.dp, parts=parts, carried=index.carried, index=index,
     )
 
 
-def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
+def at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
     """One stage (a ZeRO-0 checkpoint whose module `stage_modules` rebuilt) at ZeRO-1, its model-states
     file with no module, as a PipelineModule saves it."""
     plan = plan_zero0_stage(stage, world_size, 1)
@@ -185,7 +185,7 @@ def stage_modules(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tu
     missing = sorted(layer for layer in tied.values() if layer not in layers)
     if missing:
         return (f"{layer_file_name(missing[0], None)} is missing, which the tied modules given "
-                f"({_tied_text(tied)}) say holds one of them")
+                f"({tied_text(tied)}) say holds one of them")
     own = sorted(layer for layer in layers if layer not in tied.values())
     keys = sorted(tied, key=tied.__getitem__)
     uses = [perm for n in range(len(keys) + 1) for chosen in itertools.combinations(keys, n)
@@ -227,7 +227,7 @@ def stage_modules(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tu
     except _TooMany:
         return (f"its {len(ranks)} pipeline stages' optimizer state could be named in too many ways to check (more "
                 f"than {MAX_TRIES:,} stage modules tried)")
-    given = f" with the tied modules given ({_tied_text(tied)})" if tied else ""
+    given = f" with the tied modules given ({tied_text(tied)})" if tied else ""
     if not found:
         hint = "" if tied else (f"; if its PipelineModule ties modules (TiedLayerSpec), name each with "
                                 f"{option('tied_modules')} KEY=LAYER (its key and the first layer that uses it), "
@@ -262,8 +262,8 @@ def _named_stage(rank: Zero0Checkpoint, module: dict[str, TensorRef], buffers: f
     return None if isinstance(named, str) or named[1] else stage
 
 
-def _tied_text(tied: Mapping[str, int]) -> str:
+def tied_text(tied: Mapping[str, int]) -> str:
     return ",".join(f"{k}={layer}" for k, layer in tied.items())
 
 
-__all__ = ["plan_zero0_pipeline", "stage_modules", "why_not_stages_zero0"]
+__all__ = ["at_zero1", "plan_zero0_pipeline", "stage_modules", "tied_text", "why_not_stages_zero0"]

@@ -37,6 +37,7 @@ from ckptflow.reshard.data_parallel import (
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3, plan_moe_zero0
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
+from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
@@ -254,6 +255,8 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
                          lambda index, ask: _zero0_pipeline(index, ask) if index.stage == 0 else
                          plan_pipeline(index, ask.shape, ask.partition_method, ask.layers, ask.layer_types)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
+    ("megatron", "stage"): (ModelParallelCheckpoint,  # from ZeRO-0 to ZeRO-1
+                            lambda index, ask: plan_zero0_megatron(index, ask.shape, ask.tied_modules)),
     ("megatron", "tp"): (ModelParallelCheckpoint,
                          lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
     ("megatron", "pp"): (ModelParallelCheckpoint,  # the tensor-parallel degree may change with the stages

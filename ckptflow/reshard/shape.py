@@ -304,11 +304,11 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
                     "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones, another "
                     "expert-parallel one for deepspeed.moe ones and another pipeline degree for PipelineModule ones, "
                     "not otherwise (its weights can still be consolidated)")
-        if kind == "pipeline":  # each stage's state named from its layer files by the planner (`pipeline_zero0`)
-            return None
+        if kind in ("pipeline", "megatron"):  # each stage's state named from its layer files (`pipeline_zero0`,
+            return None  # `megatron_zero0`)
         if kind not in ("zero0", "autotp"):
-            return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP and PipelineModule ZeRO-0 checkpoints "
-                    f"only, not of {name} ones yet")
+            return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP, PipelineModule and Megatron-style "
+                    f"ZeRO-0 checkpoints only, not of {name} ones yet")
         for rank in getattr(index, "ranks", None) or (index,):
             why = why_not_zero0(rank)
             if why is not None:

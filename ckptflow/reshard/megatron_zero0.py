@@ -1,0 +1,97 @@
+"""A ZeRO-0 Megatron-style checkpoint at ZeRO-1, at its own tensor-parallel degree and pipeline stages. Pure.
+
+A Megatron-style checkpoint (a PipelineModule whose layers split over a tensor-parallel group,
+`readers.pipeline`) at ZeRO-0 saves each model-parallel rank's weights in the layer files of its
+tensor-parallel rank (`layer_XX-model_{tp:02d}-model_states.pt`, whole shards under each layer's local
+names) and its optimizer by index in `mp_rank_{MM}_model_states.pt`, with `buffer_names` but no
+`param_shapes`, as a plain PipelineModule does stage by stage. So each tensor-parallel rank t is named
+as a plain ZeRO-0 PipelineModule is (`pipeline_zero0.stage_modules` over its stages' model-states files
+and its own layer files: the layer runs and tied modules that give every stage exactly its buffers and
+the shapes of its Adam moments), every tensor-parallel rank's stages holding the same layers; then each
+model-parallel rank goes to ZeRO-1 alone (`pipeline_zero0.at_zero1`: `stage.plan_zero0_stage`, its
+model-states file with no module), its layer files carried as they are.
+
+The client's `universal_checkpoint_info` is in every model-states file at ZeRO-0 too, and carried; its
+patterns say how each parameter splits, not which keys the PipelineModule's tied modules have: those the
+user names (`--tied-modules KEY=LAYER`), as for a plain PipelineModule; a model without tied modules needs
+nothing. Another tensor-parallel degree or number of stages is refused (`shape.why_not`): go to ZeRO-1
+first, then reshard that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.formats.deepspeed.names import layer_file_name
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
+from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
+from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text
+from ckptflow.reshard.shape import Shape
+from ckptflow.reshard.units import ModelParallelPlan
+
+
+def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None) -> ModelParallelPlan:
+    """The plan that writes the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape` (its own
+    tensor-parallel degree and stages, any data-parallel size; `tied`: its tied modules, "KEY=LAYER,...",
+    which its files do not record); reads nothing. `UnsupportedCheckpointError` where a model-parallel rank's
+    optimizer state cannot be named."""
+    assert index.kind == "megatron" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
+    assert (shape.tp, shape.pp, shape.stage) == (index.tp, index.pp, 1), "shape.why_not refuses other shapes"
+    ranks = named_ranks(index, tied)
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
+        world_size=shape.dp, parts=tuple(at_zero1(rank, shape.dp) for rank in ranks), carried=index.carried,
+        index=index,
+    )
+
+
+def named_ranks(index: ModelParallelCheckpoint, tied: str | None = None) -> tuple[Zero0Checkpoint, ...]:
+    """Each model-parallel rank of the ZeRO-0 Megatron-style checkpoint `index` with its module rebuilt from
+    its tensor-parallel rank's layer files (`pipeline_zero0.stage_modules`), in model-parallel order;
+    `UnsupportedCheckpointError` where a tensor-parallel rank's stages cannot be named one way, or two
+    tensor-parallel ranks' stages hold other layers."""
+    given = parse_tied(tied) if tied else {}
+    per_rank = []
+    for t in range(index.tp):
+        missing = sorted(layer for layer in given.values() if (layer, t) not in index.layers)
+        if missing:
+            raise UnsupportedCheckpointError(
+                f"{index.tag_uri}: {layer_file_name(missing[0], t)} is missing, which the tied modules given "
+                f"({tied_text(given)}) say holds one of them", uri=index.root,
+                hint=f"name each tied module with the first layer that uses it ({option('tied_modules')} KEY=LAYER), "
+                     "or leave it out if the model ties none")
+        view = replace(index, ranks=index.ranks[t::index.tp],
+                       layers={(layer, 0): content for (layer, u), content in index.layers.items() if u == t})
+        stages = stage_modules(view, given)
+        if isinstance(stages, str):
+            raise UnsupportedCheckpointError(
+                f"{index.tag_uri}: tensor-parallel rank {t} of {index.tp}: {stages}", uri=index.root,
+                hint="consolidate its weights (`ckptflow consolidate`) and start the optimizer afresh, or resume "
+                     "it at ZeRO-0")
+        per_rank.append(stages)
+    for t, stages in enumerate(per_rank[1:], 1):
+        for s, (stage, first) in enumerate(zip(stages, per_rank[0])):
+            if _layers(stage) != _layers(first):
+                raise UnsupportedCheckpointError(
+                    f"{index.tag_uri}: pipeline stage {s} of {index.pp} holds layers {_text(_layers(stage))} on "
+                    f"tensor-parallel rank {t} but {_text(_layers(first))} on rank 0, by the only assignment of "
+                    "each rank's layer files to the stages that fits its optimizer state; every tensor-parallel "
+                    "rank of a stage builds the same layers: the folder mixes saves, re-copy it from one save",
+                    uri=index.root)
+    return tuple(per_rank[t][s] for s in range(index.pp) for t in range(index.tp))
+
+
+def _layers(stage: Zero0Checkpoint) -> tuple[str, ...]:
+    """The layers (and tied module keys) a named stage's module holds."""
+    return tuple(dict.fromkeys(
+        ".".join(t.name.split(".", 2)[:2]) if t.name.startswith(TIED) else t.name.split(".", 1)[0]
+        for t in stage.tensors))
+
+
+def _text(layers: tuple[str, ...]) -> str:
+    return ", ".join(layers) or "none"
+
+
+__all__ = ["named_ranks", "plan_zero0_megatron"]
