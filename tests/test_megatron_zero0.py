@@ -16,6 +16,7 @@ The fixture is a 4-rank launch and the oracle another: long mode (`CKPTFLOW_LONG
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,14 @@ pytestmark = pytest.mark.skipif(not long_mode(), reason="DeepSpeed launches of t
                                 "long mode (CKPTFLOW_LONG=1)")
 
 ZERO0 = "megatron-pp2tp2-z0-fp32-ucinfo"
-CASE = (ZERO0, 2, 2, 1)  # (fixture, pp, tp, dp) at ZeRO-1
+# (fixture, pp, tp, dp, partition method) at ZeRO-1: its own degree and stages; the degree alone, the stages alone and
+# both; the stages cut again ("uniform", as the writer builds it).
+CASES = ((ZERO0, 2, 2, 1, None), (ZERO0, 2, 1, 1, None), (ZERO0, 1, 2, 1, None), (ZERO0, 1, 1, 2, None),
+         (ZERO0, 4, 1, 1, "uniform"))
+
+
+def case_id(case: tuple) -> str:
+    return f"to-pp{case[1]}-tp{case[2]}-dp{case[3]}"
 
 
 @pytest.fixture(scope="module")
@@ -46,33 +54,42 @@ def zero0_fixture() -> ParallelFixture:
 
 @pytest.fixture(scope="module")
 def zero0_oracle(zero0_fixture: ParallelFixture, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """ckptflow writes the fixture at ZeRO-1; one 4-rank DeepSpeed launch loads, checks and saves it."""
+    """ckptflow writes the fixture at ZeRO-1 at each target; one DeepSpeed launch per target (world size, pp, tp)
+    loads, checks and saves it."""
     root = tmp_path_factory.mktemp("megatron-zero0-oracle")
-    _, pp, tp, dp = CASE
-    spec = dataclasses.replace(zero0_fixture.parallel_spec, stage=1, world_size=pp * tp * dp)
-    out, resaved, result = root / "out", root / "resaved", root / "results" / "zero1.json"
-    result.parent.mkdir(parents=True)
-    reshard(str(zero0_fixture.dir), str(out), world_size=spec.world_size, stage=1, workers=2)
-    launch_oracle(spec.world_size, [{
-        "spec": spec.to_json(), "source": zero0_fixture.parallel_spec.to_json(), "load": str(out),
-        "save": str(resaved), "expected": str(zero0_fixture.expected_path), "buffers": str(zero0_fixture.buffers_path),
-        "result": str(result), **source_sections(zero0_fixture)}], root, "zero1")
-    return {"outs": {CASE: out}, "resaved": {CASE: resaved}, "results": {CASE: result}}
+    outs, resaved, results = {}, {}, {}
+    launches: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    for case in CASES:
+        _, pp, tp, dp, method = case
+        spec = dataclasses.replace(zero0_fixture.parallel_spec, stage=1, pp=pp, tp=tp, world_size=pp * tp * dp)
+        outs[case], resaved[case] = root / "out" / case_id(case), root / "resaved" / case_id(case)
+        results[case] = root / "results" / f"{case_id(case)}.json"
+        results[case].parent.mkdir(parents=True, exist_ok=True)
+        reshard(str(zero0_fixture.dir), str(outs[case]), world_size=spec.world_size, stage=1, pp=pp, tp=tp,
+                partition_method=method, workers=2)
+        launches.setdefault((spec.world_size, pp, tp), []).append({
+            "spec": spec.to_json(), "source": zero0_fixture.parallel_spec.to_json(), "load": str(outs[case]),
+            "save": str(resaved[case]), "expected": str(zero0_fixture.expected_path),
+            "buffers": str(zero0_fixture.buffers_path), "result": str(results[case]), **source_sections(zero0_fixture),
+            **({"partition_method": method} if method else {})})
+    for (world_size, pp, tp), jobs in sorted(launches.items()):
+        launch_oracle(world_size, jobs, root, f"{world_size}-pp{pp}-tp{tp}")
+    return {"outs": outs, "resaved": resaved, "results": results}
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_deepspeed_loads_a_zero0_megatron_checkpoint_at_zero1_holding_the_source_state(
-        zero0_oracle: dict[str, Any], zero0_fixture: ParallelFixture) -> None:
-    """DeepSpeed's PipelineEngine at ZeRO-1 pp2 x tp2 loads ckptflow's output natively, holds the source's state
-    bit for bit, the client state (`universal_checkpoint_info`) included, and saves exactly ckptflow's files."""
-    import json
-
-    check_loaded_state(zero0_oracle, CASE, zero0_fixture)
-    assert json.loads(zero0_oracle["results"][CASE].read_text())["client_state_differ"] == []
-    check_same_files(zero0_oracle, CASE)
-    report = validate(str(zero0_oracle["outs"][CASE]), deep=True)
+        zero0_oracle: dict[str, Any], zero0_fixture: ParallelFixture, case: tuple) -> None:
+    """DeepSpeed's PipelineEngine at ZeRO-1 at the target shape loads ckptflow's output natively, holds the source's
+    state bit for bit, the client state (`universal_checkpoint_info`) included, and saves exactly ckptflow's files."""
+    check_loaded_state(zero0_oracle, case, zero0_fixture)
+    assert json.loads(zero0_oracle["results"][case].read_text())["client_state_differ"] == []
+    check_same_files(zero0_oracle, case)
+    report = validate(str(zero0_oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
     summary, source = report.summary(), validate(str(zero0_fixture.dir)).summary()
-    assert (summary["stage"], summary["pp"], summary["tp"], summary["world_size"]) == (1, 2, 2, 1)
+    assert (summary["stage"], summary["pp"], summary.get("tp", 1), summary["world_size"]) == \
+        (1, case[1], case[2], case[3])
     assert {k: summary[k] for k in ("step", "params", "numel")} == {k: source[k] for k in ("step", "params", "numel")}
 
 
@@ -97,18 +114,12 @@ def test_each_model_parallel_rank_is_named_from_its_own_layer_files(zero0_fixtur
 
 
 @pytest.mark.parametrize(("target", "why"), [
-    ({"world_size": 2, "stage": 1, "tp": 1},
-     "a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter; ckptflow names it for "
-     "another ZeRO stage, with another tensor-parallel degree for AutoTP ones, another expert-parallel one for "
-     "deepspeed.moe ones and another pipeline degree for PipelineModule ones, not otherwise (its weights can still "
-     "be consolidated)"),
-    ({"world_size": 2, "stage": 1, "pp": 1},
-     "a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter; ckptflow names it for "
-     "another ZeRO stage, with another tensor-parallel degree for AutoTP ones, another expert-parallel one for "
-     "deepspeed.moe ones and another pipeline degree for PipelineModule ones, not otherwise (its weights can still "
-     "be consolidated)"),
-    ({"world_size": 4, "stage": 2},
-     "DeepSpeed trains Megatron-style PipelineModule models at ZeRO stage 1 only"),
+    ({"world_size": 4, "stage": 2}, "DeepSpeed trains Megatron-style PipelineModule models at ZeRO stage 1 only"),
+    ({"world_size": 2, "tp": 1}, "a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it "
+     "at another shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)"),
+    ({"world_size": 2, "stage": 1, "tp": 1, "tied_modules": "embed=0"},
+     "global_step3: ckptflow writes a ZeRO-0 Megatron-style checkpoint with tied modules (embed=0) at ZeRO-1 at its "
+     "own tensor-parallel degree (2) and pipeline stages (2) only"),
 ])
 def test_what_cannot_move_with_the_stage_is_refused(zero0_fixture: ParallelFixture, tmp_path: Path,
                                                     target: Mapping[str, Any], why: str) -> None:

@@ -20,25 +20,45 @@ first, then reshard that.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ckptflow.errors import UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.names import layer_file_name
+from ckptflow.formats.deepspeed.partition import ZERO0
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
+from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
-from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text
-from ckptflow.reshard.shape import Shape
+from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text, virtual_source
+from ckptflow.reshard.shape import Shape, SplitsByDegree, why_not
 from ckptflow.reshard.units import ModelParallelPlan
 
 
-def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None) -> ModelParallelPlan:
-    """The plan that writes the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape` (its own
-    tensor-parallel degree and stages, any data-parallel size; `tied`: its tied modules, "KEY=LAYER,...",
-    which its files do not record); reads nothing. `UnsupportedCheckpointError` where a model-parallel rank's
-    optimizer state cannot be named."""
+def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None, *,
+                        partition_method: str | None = None, layers: int | None = None,
+                        qkv_layout: str | None = None) -> ModelParallelPlan:
+    """The plan that writes the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape` (any
+    tensor-parallel degree, stages and data-parallel size; `tied`: its tied modules, "KEY=LAYER,...", which
+    its files do not record); reads nothing. At its own degree and stages each model-parallel rank goes
+    alone; at another, the named ranks are a virtual ZeRO-1 source (`zero1_view`) handed to the Megatron-style
+    planners (`partition_method`, `layers`, `qkv_layout`: as theirs). `UnsupportedCheckpointError` where a
+    model-parallel rank's optimizer state cannot be named, or the planners refuse the target."""
     assert index.kind == "megatron" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
-    assert (shape.tp, shape.pp, shape.stage) == (index.tp, index.pp, 1), "shape.why_not refuses other shapes"
+    assert shape.stage == 1, "shape.why_not refuses other stages"
+    if (shape.tp, shape.pp) != (index.tp, index.pp):
+        if tied:
+            raise UnsupportedCheckpointError(
+                f"{index.tag_uri}: ckptflow writes a ZeRO-0 Megatron-style checkpoint with tied modules "
+                f"({tied_text(parse_tied(tied))}) at ZeRO-1 at its own tensor-parallel degree ({index.tp}) and "
+                f"pipeline stages ({index.pp}) only", code="unsupported-shape", uri=index.root,
+                hint=f"write it at ZeRO-1 first (leave {option('tp')} and {option('pp')} out), then reshard that")
+        source = zero1_view(index, named_ranks(index))
+        plan = (plan_megatron_stages(source, shape, partition_method, layers, qkv_layout) if shape.pp != index.pp
+                else plan_megatron_tensor_parallel(source, shape, qkv_layout))
+        parts = tuple(replace(part, stage=1, source_world_size=index.world_size, source_optimizer=ZERO0)
+                      for part in plan.parts)
+        return replace(plan, parts=parts, source_world_size=index.world_size, index=index)
     ranks = named_ranks(index, tied)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
@@ -83,6 +103,35 @@ def named_ranks(index: ModelParallelCheckpoint, tied: str | None = None) -> tupl
     return tuple(per_rank[t][s] for s in range(index.pp) for t in range(index.tp))
 
 
+def zero1_view(index: ModelParallelCheckpoint, ranks: Sequence[Zero0Checkpoint]) -> ModelParallelCheckpoint:
+    """`index` as a ZeRO-1 Megatron-style checkpoint whose model-parallel ranks are the named `ranks` (no tied
+    module: the reader names one by its layer file at ZeRO-0, not as the stages' `tied_modules.{key}`) as virtual
+    data-parallel ones (`pipeline_zero0.virtual_source`: a master per virtual rank), its full tensors the
+    reader's, joined over the tensor-parallel ranks."""
+    virtual = virtual_source(index, ranks, {})
+    return replace(virtual, stage=1, tensors=index.tensors, replicas=index.replicas)
+
+
+def untied_view(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint | str:
+    """`zero1_view` of the ZeRO-0 Megatron-style checkpoint `index` named without tied modules (what another
+    tensor-parallel degree or number of stages takes), or why it cannot be."""
+    try:
+        return zero1_view(index, named_ranks(index))
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
+
+
+def why_not_zero0_megatron(index: ModelParallelCheckpoint, source: Shape, shape: Shape, qkv_layout: str | None = None,
+                           *, splits: SplitsByDegree | None = None) -> str | None:
+    """Why ckptflow cannot write the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape`, or None: at
+    its own degree and stages the planner names it (with the tied modules the user gives); at another, it is named
+    without tied modules and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`)."""
+    if (shape.tp, shape.pp) == (source.tp, source.pp):
+        return None
+    view = untied_view(index)
+    return view if isinstance(view, str) else why_not(view, replace(source, stage=1), shape, qkv_layout, splits=splits)
+
+
 def _layers(stage: Zero0Checkpoint) -> tuple[str, ...]:
     """The layers (and tied module keys) a named stage's module holds."""
     return tuple(dict.fromkeys(
@@ -94,4 +143,4 @@ def _text(layers: tuple[str, ...]) -> str:
     return ", ".join(layers) or "none"
 
 
-__all__ = ["named_ranks", "plan_zero0_megatron"]
+__all__ = ["named_ranks", "plan_zero0_megatron", "untied_view", "why_not_zero0_megatron", "zero1_view"]

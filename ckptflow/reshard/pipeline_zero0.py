@@ -25,7 +25,7 @@ A tied module's weights come from the one layer file DeepSpeed saved them in, on
 it (DeepSpeed keeps the copies equal: their gradients are summed over the stages before each step); its
 moments are each stage's own.
 
-At another number of stages, the named stages are a virtual ZeRO-1 source (`_virtual_source`: each stage
+At another number of stages, the named stages are a virtual ZeRO-1 source (`virtual_source`: each stage
 `stage.zero0_source`'s index, a master per virtual rank) regrouped by the ZeRO-1 pipeline planner's own
 functions (`pipeline.check_stages`, `stages_at`, `stage_source`, `plan_stage`: the layers each target stage
 holds, its groups in `parameters()` order, each parameter's masters and moments copied from the stage that
@@ -67,7 +67,7 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     tied modules, "KEY=LAYER,...", which its files do not record); reads nothing. At its own number of
     stages each stage goes alone; at another, the stages named here are regrouped as `pipeline` regroups
     ZeRO-1 stages (`partition_method`, `layers`, `layer_types`: as `pipeline.plan_pipeline`'s), over a virtual ZeRO-1
-    source (`_virtual_source`). `UnsupportedCheckpointError` where its stages' optimizer state cannot be
+    source (`virtual_source`). `UnsupportedCheckpointError` where its stages' optimizer state cannot be
     named, or the target's stages not told."""
     assert index.kind == "pipeline" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
     assert shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
@@ -113,7 +113,7 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int) -> str | None:
         return None
     tied, stages = found[0]
     try:
-        stages_at(_virtual_source(index, stages, tied), pp)
+        stages_at(virtual_source(index, stages, tied), pp)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None
@@ -123,7 +123,7 @@ def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint]
                shape: Shape, partition_method: str | None, layers: int | None,
                layer_types: str | None = None) -> ModelParallelPlan:
     """The named `stages` regrouped at `shape.pp` stages by the ZeRO-1 pipeline planner's functions."""
-    source = _virtual_source(index, stages, tied)
+    source = virtual_source(index, stages, tied)
     groups = check_stages(source)
     facts = None
     if layer_types is not None:
@@ -139,7 +139,7 @@ def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint]
     )
 
 
-def _virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint],
+def virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint],
                     tied: Mapping[str, int]) -> ModelParallelCheckpoint:
     """`index` as a ZeRO-0 pipeline whose stages are `stage.zero0_source`'s virtual data-parallel indexes
     (a master per virtual rank), each over as many virtual ranks as the largest has (a smaller one repeats its
@@ -266,4 +266,4 @@ def tied_text(tied: Mapping[str, int]) -> str:
     return ",".join(f"{k}={layer}" for k, layer in tied.items())
 
 
-__all__ = ["at_zero1", "plan_zero0_pipeline", "stage_modules", "tied_text", "why_not_stages_zero0"]
+__all__ = ["at_zero1", "plan_zero0_pipeline", "stage_modules", "tied_text", "virtual_source", "why_not_stages_zero0"]

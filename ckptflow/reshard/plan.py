@@ -37,7 +37,7 @@ from ckptflow.reshard.data_parallel import (
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3, plan_moe_zero0
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
-from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron
+from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron, untied_view
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
@@ -179,6 +179,11 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
     the `splits` it computed for them (`shape.tensor_splits`)."""
     if not isinstance(index, ModelParallelCheckpoint) or shape.pp in (1, index.pp):
         return None
+    if index.kind == "megatron" and index.stage == 0:  # asked of the ZeRO-1 checkpoint it is once named
+        view = untied_view(index)
+        if isinstance(view, str):
+            return view
+        index = view
     try:
         if index.kind == "megatron":
             megatron_stages(index, shape, splits=_named_splits(index, shape.tp, splits))
@@ -236,6 +241,11 @@ def _zero0_pipeline(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
                                layers=ask.layers, layer_types=ask.layer_types)
 
 
+def _zero0_megatron(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
+    return plan_zero0_megatron(index, ask.shape, ask.tied_modules, partition_method=ask.partition_method,
+                               layers=ask.layers, qkv_layout=ask.qkv_layout)
+
+
 def _experts(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
 
@@ -255,14 +265,14 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
                          lambda index, ask: _zero0_pipeline(index, ask) if index.stage == 0 else
                          plan_pipeline(index, ask.shape, ask.partition_method, ask.layers, ask.layer_types)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
-    ("megatron", "stage"): (ModelParallelCheckpoint,  # from ZeRO-0 to ZeRO-1
-                            lambda index, ask: plan_zero0_megatron(index, ask.shape, ask.tied_modules)),
+    ("megatron", "stage"): (ModelParallelCheckpoint, _zero0_megatron),  # from ZeRO-0 to ZeRO-1
     ("megatron", "tp"): (ModelParallelCheckpoint,
-                         lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
+                         lambda index, ask: _zero0_megatron(index, ask) if index.stage == 0 else
+                         plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
     ("megatron", "pp"): (ModelParallelCheckpoint,  # the tensor-parallel degree may change with the stages
-                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method,
-                                                                 ask.layers, ask.qkv_layout)
-                         if ask.layer_types is None else _megatron_layer_types(index)),
+                         lambda index, ask: _megatron_layer_types(index) if ask.layer_types is not None else
+                         _zero0_megatron(index, ask) if index.stage == 0 else
+                         plan_megatron_stages(index, ask.shape, ask.partition_method, ask.layers, ask.qkv_layout)),
     **{(kind, axis): (ExpertCheckpoint, planner) for kind in ("autoep", "moe")
        for axis, planner in (("dp", _experts), ("stage", _expert_stage), ("ep", _expert_degree))},
 }

@@ -295,6 +295,10 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if shape.stage == 0:
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
                     "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
+        if kind == "megatron":  # named per model-parallel rank, then as a ZeRO-1 one: `megatron_zero0`
+            from ckptflow.reshard.megatron_zero0 import why_not_zero0_megatron  # it builds on this module
+
+            return why_not_zero0_megatron(index, source, shape, qkv_layout, splits=splits)
         if kind == "pipeline" and shape.pp != source.pp:  # named, then regrouped: `pipeline_zero0`
             layers = pipeline_layers(index)
             return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages" \
@@ -304,8 +308,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
                     "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones, another "
                     "expert-parallel one for deepspeed.moe ones and another pipeline degree for PipelineModule ones, "
                     "not otherwise (its weights can still be consolidated)")
-        if kind in ("pipeline", "megatron"):  # each stage's state named from its layer files (`pipeline_zero0`,
-            return None  # `megatron_zero0`)
+        if kind == "pipeline":  # each stage's state named from its layer files by the planner (`pipeline_zero0`)
+            return None
         if kind not in ("zero0", "autotp"):
             return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP, PipelineModule and Megatron-style "
                     f"ZeRO-0 checkpoints only, not of {name} ones yet")
