@@ -138,3 +138,19 @@ def test_a_tied_module_key_that_names_no_layer_file_is_refused(zero0_fixture: Pa
         "the tied modules given (embed=9) say holds one of them; name each tied module with the first layer that uses "
         "it (`tied_modules` KEY=LAYER), or leave it out if the model ties none")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_lists_the_zero1_shapes_it_writes(zero0_fixture: ParallelFixture, tmp_path: Path) -> None:
+    """`reshard --plan`: every ZeRO-1 shape at 4 ranks is written, as from the ZeRO-1 checkpoint it is once named,
+    but tp4, whose padded vocabulary does not split four ways (the ZeRO-1 planner's own refusal)."""
+    from ckptflow.reshard.run import plan_shapes
+
+    options = {str(o.shape): o.reason for o in plan_shapes(str(zero0_fixture.dir), 4).options if o.shape.stage == 1}
+    assert options == {
+        "ZeRO-1 dp4 (4 ranks)": None, "ZeRO-1 pp2 x dp2 (4 ranks)": None, "ZeRO-1 pp4 x dp1 (4 ranks)": None,
+        "ZeRO-1 tp2 x dp2 (4 ranks)": None, "ZeRO-1 pp2 x tp2 x dp1 (4 ranks)": None,
+        "ZeRO-1 tp4 x dp1 (4 ranks)": "0.weight does not split at tensor-parallel degree 4: the padded vocabulary's "
+                                      "38 rows do not split into 4 equal blocks"}
+    with pytest.raises(UnsupportedCheckpointError, match=r"0\.weight does not split at tensor-parallel degree 4"):
+        reshard(str(zero0_fixture.dir), str(tmp_path / "out"), world_size=4, stage=1, tp=4, pp=1)
+    assert not (tmp_path / "out").exists()

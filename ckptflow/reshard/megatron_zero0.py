@@ -31,7 +31,7 @@ from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text, virtual_source
-from ckptflow.reshard.shape import Shape, SplitsByDegree, why_not
+from ckptflow.reshard.shape import Shape, SplitsByDegree, source_shape, why_not
 from ckptflow.reshard.units import ModelParallelPlan
 
 
@@ -53,6 +53,10 @@ def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str 
                 f"({tied_text(parse_tied(tied))}) at ZeRO-1 at its own tensor-parallel degree ({index.tp}) and "
                 f"pipeline stages ({index.pp}) only", code="unsupported-shape", uri=index.root,
                 hint=f"write it at ZeRO-1 first (leave {option('tp')} and {option('pp')} out), then reshard that")
+        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout)
+        if why is not None:
+            raise UnsupportedCheckpointError(f"cannot write {index.tag_uri} ({source_shape(index)}) at {shape}: {why}",
+                                             code="unsupported-shape", uri=index.root)
         source = zero1_view(index, named_ranks(index))
         plan = (plan_megatron_stages(source, shape, partition_method, layers, qkv_layout) if shape.pp != index.pp
                 else plan_megatron_tensor_parallel(source, shape, qkv_layout))

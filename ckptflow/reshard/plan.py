@@ -37,7 +37,7 @@ from ckptflow.reshard.data_parallel import (
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3, plan_moe_zero0
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
-from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron, untied_view
+from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron, untied_view, why_not_zero0_megatron
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import Shape, SplitsByDegree, Target, check_world_size, resolve, source_shape, tensor_splits
@@ -172,18 +172,23 @@ def _tensor_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_tensor_parallel_split(index, shape.dp, shape.tp, stage=shape.stage, config=ask.config)
 
 
-def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None) -> str | None:
+def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None,
+                   qkv_layout: str | None = None) -> str | None:
     """Why PipelineModule's default partition method does not say which layers each of `shape.pp` stages of
     `index` holds (the message of the planner's refusal, which says what would), or None: it does, or the
     number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts, with
-    the `splits` it computed for them (`shape.tensor_splits`)."""
+    the `splits` it computed for them (`shape.tensor_splits`); of a ZeRO-0 Megatron-style checkpoint, which
+    `shape.why_not` leaves to its planner, first what `megatron_zero0.why_not_zero0_megatron` says
+    (`qkv_layout`: as `shape.why_not`'s)."""
+    if isinstance(index, ModelParallelCheckpoint) and index.kind == "megatron" and index.stage == 0:
+        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout, splits=splits)
+        if why is not None or shape.pp in (1, index.pp):
+            return why
+        view = untied_view(index)  # asked of the ZeRO-1 checkpoint it is once named
+        assert not isinstance(view, str), "why_not_zero0_megatron names it"
+        index = view
     if not isinstance(index, ModelParallelCheckpoint) or shape.pp in (1, index.pp):
         return None
-    if index.kind == "megatron" and index.stage == 0:  # asked of the ZeRO-1 checkpoint it is once named
-        view = untied_view(index)
-        if isinstance(view, str):
-            return view
-        index = view
     try:
         if index.kind == "megatron":
             megatron_stages(index, shape, splits=_named_splits(index, shape.tp, splits))

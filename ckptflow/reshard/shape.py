@@ -295,10 +295,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if shape.stage == 0:
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
                     "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
-        if kind == "megatron":  # named per model-parallel rank, then as a ZeRO-1 one: `megatron_zero0`
-            from ckptflow.reshard.megatron_zero0 import why_not_zero0_megatron  # it builds on this module
-
-            return why_not_zero0_megatron(index, source, shape, qkv_layout, splits=splits)
+        if kind == "megatron":  # named per model-parallel rank, then asked as ZeRO-1 (`megatron_zero0`, `--plan`)
+            return None
         if kind == "pipeline" and shape.pp != source.pp:  # named, then regrouped: `pipeline_zero0`
             layers = pipeline_layers(index)
             return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages" \
