@@ -1,4 +1,4 @@
-"""A ZeRO-0 Megatron-style checkpoint at ZeRO-1, at its own tensor-parallel degree and pipeline stages. Pure.
+"""A ZeRO-0 Megatron-style checkpoint at ZeRO-1, at its own tensor-parallel degree and stages or others. Pure.
 
 A Megatron-style checkpoint (a PipelineModule whose layers split over a tensor-parallel group,
 `readers.pipeline`) at ZeRO-0 saves each model-parallel rank's weights in the layer files of its
@@ -14,8 +14,16 @@ model-states file with no module), its layer files carried as they are.
 The client's `universal_checkpoint_info` is in every model-states file at ZeRO-0 too, and carried; its
 patterns say how each parameter splits, not which keys the PipelineModule's tied modules have: those the
 user names (`--tied-modules KEY=LAYER`), as for a plain PipelineModule; a model without tied modules needs
-nothing. Another tensor-parallel degree or number of stages is refused (`shape.why_not`): go to ZeRO-1
-first, then reshard that.
+nothing.
+
+At another tensor-parallel degree or number of stages, the named ranks are the ZeRO-1 checkpoint they would
+be (`zero1_view`: each model-parallel rank `pipeline_zero0.virtual_source`'s, a master per virtual
+data-parallel rank; the full tensors the reader's, joined over the tensor-parallel ranks), asked what
+`shape.why_not` asks of a ZeRO-1 one (`why_not_zero0_megatron`: `shape.why_not` itself leaves a ZeRO-0
+Megatron-style checkpoint to this module, which builds on it) and written by the Megatron-style planners
+(`megatron.plan_megatron_tensor_parallel`, `plan_megatron_stages`): the same files as ZeRO-1 at the source's
+shape, then resharded. Tied modules are refused there: at ZeRO-0 the reader names a tied module by its
+layer file (`{layer}.{name}`), not as the stages' `tied_modules.{key}.{name}` the planners move.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ At another number of stages, the named stages are a virtual ZeRO-1 source (`virt
 functions (`pipeline.check_stages`, `stages_at`, `stage_source`, `plan_stage`: the layers each target stage
 holds, its groups in `parameters()` order, each parameter's masters and moments copied from the stage that
 trained it), so it writes what ZeRO-1 at the source's stages, then `--pp`, writes. 16-bit ZeRO-0 pipelines
-(BF16_Optimizer) are not read (`readers.pipeline`).
+(BF16_Optimizer) are not read (`readers.pipeline`). A Megatron-style one is named the same way per
+tensor-parallel rank (`megatron_zero0`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: mer
 any degree), the pipeline one (`pipeline`: PipelineModule stages merged or cut again), the
 expert-parallel one (`experts`: another expert-parallel degree, at any stage AutoEP trains at), the
 Megatron-style one (`megatron`: another tensor-parallel degree by the client's
-`universal_checkpoint_info`, another number of pipeline stages with it or alone). Which one is one table,
+`universal_checkpoint_info`, another number of pipeline stages with it or alone; from ZeRO-0, named first:
+`megatron_zero0`). Which one is one table,
 `PLANNERS`: (the index's layout kind, the first axis that changes) -> planner, each entry naming the
 reader's type its planner takes; a pair not in it is refused in one line. Every planner returns a
 `ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.

@@ -29,7 +29,9 @@ check lifted, `tests/test_fp16_zero0.py`). A deepspeed.moe ZeRO-0 checkpoint (fp
 expert-parallel degree or another (`readers.moe.zero0_index` names each expert-parallel rank's optimizer,
 `experts.plan_moe_zero0` writes it). A ZeRO-0 PipelineModule (fp32) goes to ZeRO-1 at its own number of
 stages or another, each stage's module rebuilt from its layer files (`pipeline_zero0`, which refuses what it
-cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file records).
+cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file records), and a Megatron-style
+one at any tensor-parallel degree and stages, named per model-parallel rank and asked as the ZeRO-1 checkpoint it
+then is (`megatron_zero0`, which `why_not` leaves it to).
 """
 
 from __future__ import annotations
