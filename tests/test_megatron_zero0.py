@@ -4,13 +4,17 @@
 by position per model-parallel rank. Each tensor-parallel rank's stages are named from its own layer files
 (`reshard.megatron_zero0`), then each model-parallel rank goes to ZeRO-1 alone:
 
-- DeepSpeed builds `megatron-toy` at ZeRO-1 pp2 x tp2 x dp1 (the fixture writer's own Megatron job), loads OUT
+- DeepSpeed builds `megatron-toy` at ZeRO-1 at the target (the fixture writer's own Megatron job), loads OUT
   natively (`engine.load_checkpoint`, no universal flag) and holds the source's fp32 weights, both Adam moments
-  and buffers bit for bit (`oracles.parallel_reshard`); saved again, it writes exactly ckptflow's files;
-- the plan names each model-parallel rank's groups as DeepSpeed's ZeRO-1 lists them, at any data-parallel size;
-- what cannot move yet (another tensor-parallel degree or number of stages with the stage) is refused in one line.
+  and buffers bit for bit (`oracles.parallel_reshard`); saved again, it writes exactly ckptflow's files. Targets:
+  pp2 x tp2 x dp1 and x dp2 (each model-parallel rank alone), and, through the ZeRO-1 checkpoint the named ranks
+  are (`megatron_zero0.zero1_view`), tp1 alone, pp1 alone, both (x dp2), and pp4 "uniform";
+- the plan names each model-parallel rank's groups as DeepSpeed's ZeRO-1 lists them, at any data-parallel size,
+  and `--plan` lists the ZeRO-1 shapes as from that ZeRO-1 checkpoint;
+- what cannot move (ZeRO-2, another shape at ZeRO-0, tied modules at another shape, a tied module's layer file
+  that does not exist) is refused in one line.
 
-The fixture is a 4-rank launch and the oracle another: long mode (`CKPTFLOW_LONG=1`).
+The fixture is a 4-rank launch and the oracle five more (2, 4 and 8 ranks): long mode (`CKPTFLOW_LONG=1`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ pytestmark = pytest.mark.skipif(not long_mode(), reason="DeepSpeed launches of t
                                 "long mode (CKPTFLOW_LONG=1)")
 
 ZERO0 = "megatron-pp2tp2-z0-fp32-ucinfo"
-# (fixture, pp, tp, dp, partition method) at ZeRO-1: its own degree and stages; the degree alone, the stages alone and
-# both; the stages cut again ("uniform", as the writer builds it).
-CASES = ((ZERO0, 2, 2, 1, None), (ZERO0, 2, 1, 1, None), (ZERO0, 1, 2, 1, None), (ZERO0, 1, 1, 2, None),
-         (ZERO0, 4, 1, 1, "uniform"))
+# (fixture, pp, tp, dp, partition method) at ZeRO-1: its own degree and stages (dp1, and dp2: 8 ranks); the degree
+# alone, the stages alone and both; the stages cut again ("uniform", as the writer builds it).
+CASES = ((ZERO0, 2, 2, 1, None), (ZERO0, 2, 2, 2, None), (ZERO0, 2, 1, 1, None), (ZERO0, 1, 2, 1, None),
+         (ZERO0, 1, 1, 2, None), (ZERO0, 4, 1, 1, "uniform"))
 
 
 def case_id(case: tuple) -> str:
