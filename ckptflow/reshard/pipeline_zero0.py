@@ -25,7 +25,7 @@ A tied module's weights come from the one layer file DeepSpeed saved them in, on
 it (DeepSpeed keeps the copies equal: their gradients are summed over the stages before each step); its
 moments are each stage's own.
 
-At another number of stages, the named stages are a virtual ZeRO-1 source (`_virtual_source`: each stage
+At another number of stages, the named stages are a virtual ZeRO-1 source (`virtual_source`: each stage
 `stage.zero0_source`'s index, a master per virtual rank) regrouped by the ZeRO-1 pipeline planner's own
 functions (`pipeline.check_stages`, `stages_at`, `stage_source`, `plan_stage`: the layers each target stage
 holds, its groups in `parameters()` order, each parameter's masters and moments copied from the stage that
@@ -37,6 +37,7 @@ partitions under a ZeRO-0 index (`readers.pipeline.bf16_zero0`), and `_from_bf16
 planner does (at its own stages, each keeps what it holds; no `--tied-modules`), laid out for the optimizer the
 same config gets at ZeRO-1 (DeepSpeedZeroOptimizer), the model-states files without the `optimizer` ZeRO-0
 saved there.
+A Megatron-style one is named the same way per tensor-parallel rank (`megatron_zero0`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     tied modules, "KEY=LAYER,...", which its files do not record); reads nothing. At its own number of
     stages each stage goes alone; at another, the stages named here are regrouped as `pipeline` regroups
     ZeRO-1 stages (`partition_method`, `layers`, `layer_types`: as `pipeline.plan_pipeline`'s), over a virtual ZeRO-1
-    source (`_virtual_source`). `UnsupportedCheckpointError` where its stages' optimizer state cannot be
+    source (`virtual_source`). `UnsupportedCheckpointError` where its stages' optimizer state cannot be
     named, or the target's stages not told."""
     assert index.kind == "pipeline" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
     assert shape.tp == 1 and shape.stage == 1, "shape.why_not refuses other shapes"
@@ -89,7 +90,7 @@ def plan_zero0_pipeline(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     if shape.pp != index.pp:
         return _regrouped(index, stages, parse_tied(tied) if tied else {}, shape, partition_method, layers,
                           layer_types)
-    parts = tuple(_at_zero1(stage, shape.dp) for stage in stages)
+    parts = tuple(at_zero1(stage, shape.dp) for stage in stages)
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
         world_size=shape.dp, parts=parts, carried=index.carried, index=index,
@@ -106,7 +107,7 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
     named = dict(index.tied_layers)
     if tied is not None and parse_tied(tied) != named:
         raise UnsupportedCheckpointError(
-            f"{index.tag_uri}: its optimizer files name its tied modules ({_tied_text(named) or 'none'}), and "
+            f"{index.tag_uri}: its optimizer files name its tied modules ({tied_text(named) or 'none'}), and "
             f"{option('tied_modules')} gives {tied}", code="unsupported-shape", uri=index.root,
             hint=f"leave {option('tied_modules')} out")
     groups = check_stages(index)
@@ -136,7 +137,7 @@ def _zero1_states(states: Mapping[str, Any]) -> dict[str, Any]:
     return {**states, "optimizer": None, "shared_params": {}}
 
 
-def _at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
+def at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
     """One stage (a ZeRO-0 checkpoint whose module `stage_modules` rebuilt) at ZeRO-1, its model-states
     file with no module, as a PipelineModule saves it."""
     plan = plan_zero0_stage(stage, world_size, 1)
@@ -185,7 +186,7 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | No
     if pp in (1, index.pp):
         return None
     try:
-        stages_at(_virtual_source(index, stages, keys), pp)
+        stages_at(virtual_source(index, stages, keys), pp)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None
@@ -195,7 +196,7 @@ def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint]
                shape: Shape, partition_method: str | None, layers: int | None,
                layer_types: str | None = None) -> ModelParallelPlan:
     """The named `stages` regrouped at `shape.pp` stages by the ZeRO-1 pipeline planner's functions."""
-    source = _virtual_source(index, stages, tied)
+    source = virtual_source(index, stages, tied)
     groups = check_stages(source)
     facts = None
     if layer_types is not None:
@@ -211,7 +212,7 @@ def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint]
     )
 
 
-def _virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint],
+def virtual_source(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint],
                     tied: Mapping[str, int]) -> ModelParallelCheckpoint:
     """`index` as a ZeRO-0 pipeline whose stages are `stage.zero0_source`'s virtual data-parallel indexes
     (a master per virtual rank), each over as many virtual ranks as the largest has (a smaller one repeats its
@@ -257,7 +258,7 @@ def stage_modules(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tu
     missing = sorted(layer for layer in tied.values() if layer not in layers)
     if missing:
         return (f"{layer_file_name(missing[0], None)} is missing, which the tied modules given "
-                f"({_tied_text(tied)}) say holds one of them")
+                f"({tied_text(tied)}) say holds one of them")
     own = sorted(layer for layer in layers if layer not in tied.values())
     keys = sorted(tied, key=tied.__getitem__)
     uses = [perm for n in range(len(keys) + 1) for chosen in itertools.combinations(keys, n)
@@ -299,7 +300,7 @@ def stage_modules(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tu
     except _TooMany:
         return (f"its {len(ranks)} pipeline stages' optimizer state could be named in too many ways to check (more "
                 f"than {MAX_TRIES:,} stage modules tried)")
-    given = f" with the tied modules given ({_tied_text(tied)})" if tied else ""
+    given = f" with the tied modules given ({tied_text(tied)})" if tied else ""
     if not found:
         hint = "" if tied else (f"; if its PipelineModule ties modules (TiedLayerSpec), name each with "
                                 f"{option('tied_modules')} KEY=LAYER (its key and the first layer that uses it), "
@@ -334,8 +335,8 @@ def _named_stage(rank: Zero0Checkpoint, module: dict[str, TensorRef], buffers: f
     return None if isinstance(named, str) or named[1] else stage
 
 
-def _tied_text(tied: Mapping[str, int]) -> str:
+def tied_text(tied: Mapping[str, int]) -> str:
     return ",".join(f"{k}={layer}" for k, layer in tied.items())
 
 
-__all__ = ["plan_zero0_pipeline", "stage_modules", "why_not_stages_zero0"]
+__all__ = ["at_zero1", "plan_zero0_pipeline", "stage_modules", "tied_text", "virtual_source", "why_not_stages_zero0"]

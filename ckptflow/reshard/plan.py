@@ -8,7 +8,8 @@ parallelism and the ZeRO stage), the tensor-parallel one (`tensor_parallel`: mer
 any degree), the pipeline one (`pipeline`: PipelineModule stages merged or cut again), the
 expert-parallel one (`experts`: another expert-parallel degree, at any stage AutoEP trains at), the
 Megatron-style one (`megatron`: another tensor-parallel degree by the client's
-`universal_checkpoint_info`, another number of pipeline stages with it or alone). Which one is one table,
+`universal_checkpoint_info`, another number of pipeline stages with it or alone; from ZeRO-0, named first:
+`megatron_zero0`). Which one is one table,
 `PLANNERS`: (the index's layout kind, the first axis that changes) -> planner, each entry naming the
 reader's type its planner takes; a pair not in it is refused in one line. Every planner returns a
 `ReshardPlan` (`units`) that `reshard.files` and `reshard.run` write. Nothing here reads a byte.
@@ -37,6 +38,7 @@ from ckptflow.reshard.data_parallel import (
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3, plan_moe_zero0
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
+from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron, untied_view, why_not_zero0_megatron
 from ckptflow.reshard.pipeline import plan_pipeline, stages_at
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import (
@@ -127,9 +129,9 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
 def _check_declared(index: Partitioned, source: Shape, shape: Shape, target: Target) -> None:
     """`UnsupportedCheckpointError`, in one line, for a fact the user declares that this reshard has no use
     for (so it is not taken silently, nor names an output folder of its own): tied modules but of a ZeRO-0
-    PipelineModule, layer types without another number of pipeline stages."""
+    PipelineModule (plain or Megatron-style), layer types without another number of pipeline stages."""
     where = f"{index.root}/{index.tag}" if index.tag else index.root
-    if target.tied_modules is not None and not (index.kind == "pipeline" and source.stage == 0):
+    if target.tied_modules is not None and not (index.kind in ("pipeline", "megatron") and source.stage == 0):
         raise UnsupportedCheckpointError(
             f"{where} is a checkpoint in the {index.layout} layout; {option('tied_modules')} names the tied modules "
             "of a ZeRO-0 PipelineModule checkpoint, whose files do not record them, and this one's have no use for "
@@ -197,16 +199,25 @@ def _tensor_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
 
 
 def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None,
-                   tied_modules: str | None = None) -> str | None:
+                   tied_modules: str | None = None, qkv_layout: str | None = None) -> str | None:
     """Why PipelineModule's default partition method does not say which layers each of `shape.pp` stages of
     `index` holds (the message of the planner's refusal, which says what would), or None: it does, or the
-    number of stages is kept or one; of a ZeRO-0 PipelineModule, also why its stages cannot be named with the
-    `tied_modules` the user names (`pipeline_zero0.why_not_stages_zero0`). `reshard --plan` asks it of the
-    shapes `shape.why_not` accepts, with the `splits` it computed for them (`shape.tensor_splits`)."""
+    number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts, with
+    the `splits` it computed for them (`shape.tensor_splits`); of a ZeRO-0 PipelineModule, also why its
+    stages cannot be named with the `tied_modules` the user names (`pipeline_zero0.why_not_stages_zero0`);
+    of a ZeRO-0 Megatron-style checkpoint, which `shape.why_not` leaves to its planner, first what
+    `megatron_zero0.why_not_zero0_megatron` says (`qkv_layout`: as `shape.why_not`'s)."""
     if not isinstance(index, ModelParallelCheckpoint):
         return None
     if index.kind == "pipeline" and index.stage == 0:
         return why_not_stages_zero0(index, shape.pp, tied_modules)
+    if index.kind == "megatron" and index.stage == 0:
+        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout, splits=splits)
+        if why is not None or shape.pp in (1, index.pp):
+            return why
+        view = untied_view(index)  # asked of the ZeRO-1 checkpoint it is once named
+        assert not isinstance(view, str), "why_not_zero0_megatron names it"
+        index = view
     if shape.pp in (1, index.pp):
         return None
     try:
@@ -264,6 +275,11 @@ def _zero0_pipeline(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
                                layers=ask.layers, layer_types=ask.layer_types)
 
 
+def _zero0_megatron(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
+    return plan_zero0_megatron(index, ask.shape, ask.tied_modules, partition_method=ask.partition_method,
+                               layers=ask.layers, qkv_layout=ask.qkv_layout)
+
+
 def _experts(index: ExpertCheckpoint, ask: Ask) -> ReshardPlan:
     return plan_expert_parallel(index, ask.shape.dp, ask.shape.stage)
 
@@ -283,12 +299,14 @@ PLANNERS: dict[tuple[str, str], tuple[type, Planner]] = {
                          lambda index, ask: _zero0_pipeline(index, ask) if index.stage == 0 else
                          plan_pipeline(index, ask.shape, ask.partition_method, ask.layers, ask.layer_types)),
     ("megatron", "dp"): (ModelParallelCheckpoint, _model_parallel),
+    ("megatron", "stage"): (ModelParallelCheckpoint, _zero0_megatron),  # from ZeRO-0 to ZeRO-1
     ("megatron", "tp"): (ModelParallelCheckpoint,
-                         lambda index, ask: plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
+                         lambda index, ask: _zero0_megatron(index, ask) if index.stage == 0 else
+                         plan_megatron_tensor_parallel(index, ask.shape, ask.qkv_layout)),
     ("megatron", "pp"): (ModelParallelCheckpoint,  # the tensor-parallel degree may change with the stages
-                         lambda index, ask: plan_megatron_stages(index, ask.shape, ask.partition_method,
-                                                                 ask.layers, ask.qkv_layout)
-                         if ask.layer_types is None else _megatron_layer_types(index)),
+                         lambda index, ask: _megatron_layer_types(index) if ask.layer_types is not None else
+                         _zero0_megatron(index, ask) if index.stage == 0 else
+                         plan_megatron_stages(index, ask.shape, ask.partition_method, ask.layers, ask.qkv_layout)),
     **{(kind, axis): (ExpertCheckpoint, planner) for kind in ("autoep", "moe")
        for axis, planner in (("dp", _experts), ("stage", _expert_stage), ("ep", _expert_degree))},
 }

@@ -162,7 +162,8 @@ def plan_shapes(src: str, world_size: int, *, tag: str | None = None, qkv_layout
     splits: SplitsByDegree = {}  # this listing's, each tensor-parallel degree's computed once
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape),
                                 reason=reason if reason is not None else why_not_stages(index, shape, splits=splits,
-                                                                                       tied_modules=tied_modules))
+                                                                                       tied_modules=tied_modules,
+                                                                                       qkv_layout=qkv_layout))
                     for shape, reason in shapes_at(index, world_size, model_config(index.root), qkv_layout,
                                                    splits=splits))
     return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,

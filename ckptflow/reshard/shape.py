@@ -29,7 +29,9 @@ check lifted, `tests/test_fp16_zero0.py`). A deepspeed.moe ZeRO-0 checkpoint (fp
 expert-parallel degree or another (`readers.moe.zero0_index` names each expert-parallel rank's optimizer,
 `experts.plan_moe_zero0` writes it). A ZeRO-0 PipelineModule (fp32) goes to ZeRO-1 at its own number of
 stages or another, each stage's module rebuilt from its layer files (`pipeline_zero0`, which refuses what it
-cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file records).
+cannot name; `Target.tied_modules` names its tied modules, which no ZeRO-0 file records), and a Megatron-style
+one at any tensor-parallel degree and stages, named per model-parallel rank and asked as the ZeRO-1 checkpoint it
+then is (`megatron_zero0`, which `why_not` leaves it to).
 """
 
 from __future__ import annotations
@@ -300,6 +302,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if shape.stage == 0:
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
                     "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
+        if kind == "megatron":  # named per model-parallel rank, then asked as ZeRO-1 (`megatron_zero0`, `--plan`)
+            return None
         if kind == "pipeline" and shape.pp != source.pp:  # named, then regrouped: `pipeline_zero0`
             layers = pipeline_layers(index)
             return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages" \
@@ -312,8 +316,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if kind == "pipeline":  # each stage's state named from its layer files by the planner (`pipeline_zero0`)
             return None
         if kind not in ("zero0", "autotp"):
-            return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP and PipelineModule ZeRO-0 checkpoints "
-                    f"only, not of {name} ones yet")
+            return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP, PipelineModule and Megatron-style "
+                    f"ZeRO-0 checkpoints only, not of {name} ones yet")
         for rank in getattr(index, "ranks", None) or (index,):
             why = why_not_zero0(rank)
             if why is not None:

@@ -1,0 +1,158 @@
+"""A ZeRO-0 Megatron-style checkpoint at ZeRO-1, at its own tensor-parallel degree and stages or others. Pure.
+
+A Megatron-style checkpoint (a PipelineModule whose layers split over a tensor-parallel group,
+`readers.pipeline`) at ZeRO-0 saves each model-parallel rank's weights in the layer files of its
+tensor-parallel rank (`layer_XX-model_{tp:02d}-model_states.pt`, whole shards under each layer's local
+names) and its optimizer by index in `mp_rank_{MM}_model_states.pt`, with `buffer_names` but no
+`param_shapes`, as a plain PipelineModule does stage by stage. So each tensor-parallel rank t is named
+as a plain ZeRO-0 PipelineModule is (`pipeline_zero0.stage_modules` over its stages' model-states files
+and its own layer files: the layer runs and tied modules that give every stage exactly its buffers and
+the shapes of its Adam moments), every tensor-parallel rank's stages holding the same layers; then each
+model-parallel rank goes to ZeRO-1 alone (`pipeline_zero0.at_zero1`: `stage.plan_zero0_stage`, its
+model-states file with no module), its layer files carried as they are.
+
+The client's `universal_checkpoint_info` is in every model-states file at ZeRO-0 too, and carried; its
+patterns say how each parameter splits, not which keys the PipelineModule's tied modules have: those the
+user names (`--tied-modules KEY=LAYER`), as for a plain PipelineModule; a model without tied modules needs
+nothing.
+
+At another tensor-parallel degree or number of stages, the named ranks are the ZeRO-1 checkpoint they would
+be (`zero1_view`: each model-parallel rank `pipeline_zero0.virtual_source`'s, a master per virtual
+data-parallel rank; the full tensors the reader's, joined over the tensor-parallel ranks), asked what
+`shape.why_not` asks of a ZeRO-1 one (`why_not_zero0_megatron`: `shape.why_not` itself leaves a ZeRO-0
+Megatron-style checkpoint to this module, which builds on it) and written by the Megatron-style planners
+(`megatron.plan_megatron_tensor_parallel`, `plan_megatron_stages`): the same files as ZeRO-1 at the source's
+shape, then resharded. Tied modules are refused there: at ZeRO-0 the reader names a tied module by its
+layer file (`{layer}.{name}`), not as the stages' `tied_modules.{key}.{name}` the planners move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ckptflow.errors import UnsupportedCheckpointError, option
+from ckptflow.formats.deepspeed.names import layer_file_name
+from ckptflow.formats.deepspeed.partition import ZERO0
+from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
+from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
+from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
+from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text, virtual_source
+from ckptflow.reshard.shape import Shape, SplitsByDegree, source_shape, why_not
+from ckptflow.reshard.units import ModelParallelPlan
+
+
+def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str | None = None, *,
+                        partition_method: str | None = None, layers: int | None = None,
+                        qkv_layout: str | None = None) -> ModelParallelPlan:
+    """The plan that writes the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape` (any
+    tensor-parallel degree, stages and data-parallel size; `tied`: its tied modules, "KEY=LAYER,...", which
+    its files do not record); reads nothing. At its own degree and stages each model-parallel rank goes
+    alone; at another, the named ranks are a virtual ZeRO-1 source (`zero1_view`) handed to the Megatron-style
+    planners (`partition_method`, `layers`, `qkv_layout`: as theirs). `UnsupportedCheckpointError` where a
+    model-parallel rank's optimizer state cannot be named, or the planners refuse the target."""
+    assert index.kind == "megatron" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
+    assert shape.stage == 1, "shape.why_not refuses other stages"
+    if (shape.tp, shape.pp) != (index.tp, index.pp):
+        if tied:
+            raise UnsupportedCheckpointError(
+                f"{index.tag_uri}: ckptflow writes a ZeRO-0 Megatron-style checkpoint with tied modules "
+                f"({tied_text(parse_tied(tied))}) at ZeRO-1 at its own tensor-parallel degree ({index.tp}) and "
+                f"pipeline stages ({index.pp}) only", code="unsupported-shape", uri=index.root,
+                hint=f"write it at ZeRO-1 first (leave {option('tp')} and {option('pp')} out), then reshard that")
+        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout)
+        if why is not None:
+            raise UnsupportedCheckpointError(f"cannot write {index.tag_uri} ({source_shape(index)}) at {shape}: {why}",
+                                             code="unsupported-shape", uri=index.root)
+        source = zero1_view(index, named_ranks(index))
+        plan = (plan_megatron_stages(source, shape, partition_method, layers, qkv_layout) if shape.pp != index.pp
+                else plan_megatron_tensor_parallel(source, shape, qkv_layout))
+        parts = tuple(replace(part, stage=1, source_world_size=index.world_size, source_optimizer=ZERO0)
+                      for part in plan.parts)
+        return replace(plan, parts=parts, source_world_size=index.world_size, index=index)
+    ranks = named_ranks(index, tied)
+    return ModelParallelPlan(
+        root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
+        world_size=shape.dp, parts=tuple(at_zero1(rank, shape.dp) for rank in ranks), carried=index.carried,
+        index=index,
+    )
+
+
+def named_ranks(index: ModelParallelCheckpoint, tied: str | None = None) -> tuple[Zero0Checkpoint, ...]:
+    """Each model-parallel rank of the ZeRO-0 Megatron-style checkpoint `index` with its module rebuilt from
+    its tensor-parallel rank's layer files (`pipeline_zero0.stage_modules`), in model-parallel order;
+    `UnsupportedCheckpointError` where a tensor-parallel rank's stages cannot be named one way, or two
+    tensor-parallel ranks' stages hold other layers."""
+    given = parse_tied(tied) if tied else {}
+    per_rank = []
+    for t in range(index.tp):
+        missing = sorted(layer for layer in given.values() if (layer, t) not in index.layers)
+        if missing:
+            raise UnsupportedCheckpointError(
+                f"{index.tag_uri}: {layer_file_name(missing[0], t)} is missing, which the tied modules given "
+                f"({tied_text(given)}) say holds one of them", uri=index.root,
+                hint=f"name each tied module with the first layer that uses it ({option('tied_modules')} KEY=LAYER), "
+                     "or leave it out if the model ties none")
+        view = replace(index, ranks=index.ranks[t::index.tp],
+                       layers={(layer, 0): content for (layer, u), content in index.layers.items() if u == t})
+        stages = stage_modules(view, given)
+        if isinstance(stages, str):
+            raise UnsupportedCheckpointError(
+                f"{index.tag_uri}: tensor-parallel rank {t} of {index.tp}: {stages}", uri=index.root,
+                hint="consolidate its weights (`ckptflow consolidate`) and start the optimizer afresh, or resume "
+                     "it at ZeRO-0")
+        per_rank.append(stages)
+    for t, stages in enumerate(per_rank[1:], 1):
+        for s, (stage, first) in enumerate(zip(stages, per_rank[0])):
+            if _layers(stage) != _layers(first):
+                raise UnsupportedCheckpointError(
+                    f"{index.tag_uri}: pipeline stage {s} of {index.pp} holds layers {_text(_layers(stage))} on "
+                    f"tensor-parallel rank {t} but {_text(_layers(first))} on rank 0, by the only assignment of "
+                    "each rank's layer files to the stages that fits its optimizer state; every tensor-parallel "
+                    "rank of a stage builds the same layers: the folder mixes saves, re-copy it from one save",
+                    uri=index.root)
+    return tuple(per_rank[t][s] for s in range(index.pp) for t in range(index.tp))
+
+
+def zero1_view(index: ModelParallelCheckpoint, ranks: Sequence[Zero0Checkpoint]) -> ModelParallelCheckpoint:
+    """`index` as a ZeRO-1 Megatron-style checkpoint whose model-parallel ranks are the named `ranks` (no tied
+    module: the reader names one by its layer file at ZeRO-0, not as the stages' `tied_modules.{key}`) as virtual
+    data-parallel ones (`pipeline_zero0.virtual_source`: a master per virtual rank), its full tensors the
+    reader's, joined over the tensor-parallel ranks."""
+    virtual = virtual_source(index, ranks, {})
+    return replace(virtual, stage=1, tensors=index.tensors, replicas=index.replicas)
+
+
+def untied_view(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint | str:
+    """`zero1_view` of the ZeRO-0 Megatron-style checkpoint `index` named without tied modules (what another
+    tensor-parallel degree or number of stages takes), or why it cannot be."""
+    try:
+        return zero1_view(index, named_ranks(index))
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
+
+
+def why_not_zero0_megatron(index: ModelParallelCheckpoint, source: Shape, shape: Shape, qkv_layout: str | None = None,
+                           *, splits: SplitsByDegree | None = None) -> str | None:
+    """Why ckptflow cannot write the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape`, or None: at
+    its own degree and stages the planner names it (with the tied modules the user gives); at another, it is named
+    without tied modules and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`)."""
+    if (shape.tp, shape.pp) == (source.tp, source.pp):
+        return None
+    view = untied_view(index)
+    return view if isinstance(view, str) else why_not(view, replace(source, stage=1), shape, qkv_layout, splits=splits)
+
+
+def _layers(stage: Zero0Checkpoint) -> tuple[str, ...]:
+    """The layers (and tied module keys) a named stage's module holds."""
+    return tuple(dict.fromkeys(
+        ".".join(t.name.split(".", 2)[:2]) if t.name.startswith(TIED) else t.name.split(".", 1)[0]
+        for t in stage.tensors))
+
+
+def _text(layers: tuple[str, ...]) -> str:
+    return ", ".join(layers) or "none"
+
+
+__all__ = ["named_ranks", "plan_zero0_megatron", "untied_view", "why_not_zero0_megatron", "zero1_view"]
