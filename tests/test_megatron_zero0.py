@@ -120,7 +120,7 @@ def test_each_model_parallel_rank_is_named_from_its_own_layer_files(zero0_fixtur
 @pytest.mark.parametrize(("target", "why"), [
     ({"world_size": 4, "stage": 2}, "DeepSpeed trains Megatron-style PipelineModule models at ZeRO stage 1 only"),
     ({"world_size": 2, "tp": 1}, "a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it "
-     "at another shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)"),
+     "at another shape only at another ZeRO stage, where it is named (its weights can still be consolidated)"),
     ({"world_size": 2, "stage": 1, "tp": 1, "tied_modules": "embed=0"},
      "global_step3: ckptflow writes a ZeRO-0 Megatron-style checkpoint with tied modules (embed=0) at ZeRO-1 at its "
      "own tensor-parallel degree (2) and pipeline stages (2) only"),

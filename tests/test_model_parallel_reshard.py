@@ -497,8 +497,8 @@ def test_the_tensor_parallel_degree_can_only_be_merged_to_one(parallel_fixtures:
     zero0 = parallel_fixtures["autotp-tp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match=r"to 1 rank, tp1: a ZeRO-0 checkpoint's optimizer state is "
                                                          r"saved by position, and ckptflow writes it at another shape "
-                                                         r"at ZeRO-1, 2 or 3 only \(its weights can still be "
-                                                         r"consolidated\); shapes it can write at 1 rank: ZeRO-1 dp1 "
+                                                         r"only at another ZeRO stage, where it is named \(its weights "
+                                                         r"can still be consolidated\); shapes it can write at 1 rank: ZeRO-1 dp1 "
                                                          r"\(1 rank\), ZeRO-2 dp1 \(1 rank\), ZeRO-3 dp1 \(1 rank\)$"):
         reshard(str(zero0.dir), str(tmp_path / "out"), world_size=1, tp=1)
     assert not (tmp_path / "out").exists()

@@ -301,13 +301,11 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
             return _why_not_moe_zero0(index, source, shape)
         if shape.stage == 0:
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it at another "
-                    "shape at ZeRO-1, 2 or 3 only (its weights can still be consolidated)")
+                    "shape only at another ZeRO stage, where it is named (its weights can still be consolidated)")
         if kind == "megatron":  # named per model-parallel rank, then asked as ZeRO-1 (`megatron_zero0`, `--plan`)
             return None
         if kind == "pipeline" and shape.pp != source.pp:  # named, then regrouped: `pipeline_zero0`
-            layers = pipeline_layers(index)
-            return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages" \
-                if layers and shape.pp > layers else None
+            return _unfilled(index, shape.pp)
         if (shape.pp, shape.ep) != (source.pp, source.ep) or (shape.tp != source.tp and kind != "autotp"):
             return ("a ZeRO-0 checkpoint's optimizer state is saved by position and names no parameter; ckptflow "
                     "names it for another ZeRO stage, with another tensor-parallel degree for AutoTP ones, another "
@@ -336,13 +334,10 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if kind not in ("pipeline", "megatron"):
             return (f"ckptflow changes the number of pipeline stages of PipelineModule checkpoints only, "
                     f"not of {name} ones")
-        if source.stage != 1:
-            return "ckptflow changes the number of pipeline stages of ZeRO-1 PipelineModule checkpoints only"
         if kind == "megatron" and (tied := tied_module(index, shape.tp)) is not None:
             return f"{tied} {TIED_WHY}"
-        layers = pipeline_layers(index)
-        if layers and shape.pp > layers:
-            return f"its {layers} layers that save a file do not fill {shape.pp} pipeline stages"
+        if (unfilled := _unfilled(index, shape.pp)) is not None:
+            return unfilled
     if shape.ep != source.ep:
         if (why := _why_not_ep(index, kind, source, shape)) is not None:  # the stage with it too
             return why
@@ -416,6 +411,12 @@ def _why_not_ep(index: Any, kind: str, source: Shape, shape: Shape) -> str | Non
         experts = "/".join(map(str, counts))
         return f"{shape.ep} expert-parallel ranks do not split the {experts} experts of its MoE layers"
     return expert_group_cut(index, shape.ep)
+
+
+def _unfilled(index: Any, pp: int) -> str | None:
+    """Why `pp` pipeline stages cannot each hold a layer of the PipelineModule `index`, or None."""
+    layers = pipeline_layers(index)
+    return f"its {layers} layers that save a file do not fill {pp} pipeline stages" if layers and pp > layers else None
 
 
 def pipeline_layers(index: Any) -> int:
