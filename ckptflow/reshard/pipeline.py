@@ -89,10 +89,7 @@ def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method
                                          "tensor parallelism", code="unsupported-shape", uri=index.root)
     assert index.stage == 1, "PipelineEngine trains at ZeRO-0 and 1; a ZeRO-0 source goes to `pipeline_zero0`"
     groups = check_stages(index)
-    facts = None
-    if layer_types is not None:
-        layers, facts = declared(index, shape.pp, partition_method, parse_layer_types(layer_types), layers)
-    stages = stages_at(index, shape.pp, partition_method, layers, facts=facts)
+    stages = stages_by(index, shape.pp, partition_method, layers, layer_types)
     runs = ModelRuns(index)
     parts = tuple(plan_stage(index, stage_source(index, groups, stage, shape), shape.dp, mp_rank=t, runs=runs)
                   for t, stage in enumerate(stages))
@@ -100,6 +97,16 @@ def plan_pipeline(index: ModelParallelCheckpoint, shape: Shape, partition_method
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=shape.dp, parts=parts, carried=index.carried, index=index,
     )
+
+
+def stages_by(index: ModelParallelCheckpoint, pp: int, partition_method: str | None, layers: int | None,
+              layer_types: str | None) -> tuple[TargetStage, ...]:
+    """What each of `pp` target stages of `index` holds (`stages_at`), a "type:" method weighing the
+    `layer_types` the user declares (`declared`; None: none)."""
+    facts = None
+    if layer_types is not None:
+        layers, facts = declared(index, pp, partition_method, parse_layer_types(layer_types), layers)
+    return stages_at(index, pp, partition_method, layers, facts=facts)
 
 
 # ---- the source stages ---------------------------------------------------------------------------------
@@ -524,4 +531,4 @@ def plan_stage(index: ModelParallelCheckpoint, source: ZeroCheckpoint, world_siz
 
 
 __all__ = ["TIED", "LayerFacts", "Weigh", "check_stages", "declared", "evidence", "own_stages", "plan_pipeline",
-           "plan_stage", "stage_source", "stages_at"]
+           "plan_stage", "stage_source", "stages_at", "stages_by"]

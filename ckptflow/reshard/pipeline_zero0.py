@@ -57,8 +57,7 @@ from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_grou
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.reshard.flats import ModelRuns, target_optimizer
-from ckptflow.reshard.pipeline import check_stages, declared, own_stages, plan_stage, stage_source, stages_at
-from ckptflow.reshard.pipeline_layers import parse_layer_types
+from ckptflow.reshard.pipeline import check_stages, own_stages, plan_stage, stage_source, stages_at, stages_by
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.stage import plan_zero0_stage, zero0_source
@@ -111,13 +110,8 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
             f"{option('tied_modules')} gives {tied}", code="unsupported-shape", uri=index.root,
             hint=f"leave {option('tied_modules')} out")
     groups = check_stages(index)
-    if shape.pp == index.pp:
-        targets = own_stages(index)
-    else:
-        facts = None
-        if layer_types is not None:
-            layers, facts = declared(index, shape.pp, partition_method, parse_layer_types(layer_types), layers)
-        targets = stages_at(index, shape.pp, partition_method, layers, facts=facts)
+    targets = (own_stages(index) if shape.pp == index.pp
+               else stages_by(index, shape.pp, partition_method, layers, layer_types))
     first = index.ranks[0]
     optimizer = target_optimizer(first.optimizer_kind, 0, 1, first.ds_config)
     runs = ModelRuns(index)
@@ -198,10 +192,7 @@ def _regrouped(index: ModelParallelCheckpoint, stages: Sequence[Zero0Checkpoint]
     """The named `stages` regrouped at `shape.pp` stages by the ZeRO-1 pipeline planner's functions."""
     source = virtual_source(index, stages, tied)
     groups = check_stages(source)
-    facts = None
-    if layer_types is not None:
-        layers, facts = declared(source, shape.pp, partition_method, parse_layer_types(layer_types), layers)
-    targets = stages_at(source, shape.pp, partition_method, layers, facts=facts)
+    targets = stages_by(source, shape.pp, partition_method, layers, layer_types)
     runs = ModelRuns(source)
     parts = tuple(replace(plan_stage(source, replace(stage_source(source, groups, target, shape), stage=1), shape.dp,
                                      mp_rank=t, runs=runs), source_world_size=index.world_size, source_optimizer=ZERO0)
