@@ -482,7 +482,8 @@ def reshard_command(
     if plan:
         if dest is not None:
             raise typer.BadParameter("--plan writes nothing: leave OUT out", param_hint="OUT")
-        render_shapes(src, world_size, tag, layout, tied_modules)
+        render_shapes(src, world_size, tag, layout, tied_modules=tied_modules, partition_method=partition_method,
+                      pipeline_layers=pipeline_layers, layer_types=layer_types)
         return
     if dest is None:
         raise typer.BadParameter("give the folder to write (or --plan to list the shapes)", param_hint="OUT")
@@ -504,7 +505,7 @@ def reshard_command(
 
 
 def render_shapes(src: str, world_size: int, tag: str | None, qkv_layout: str | None = None,
-                  tied_modules: str | None = None) -> None:
+                  **declared: Any) -> None:
     """`reshard --plan`: the source's shape and the shapes at `world_size` ranks, per-GPU bytes each."""
     from rich.table import Table
 
@@ -512,7 +513,7 @@ def render_shapes(src: str, world_size: int, tag: str | None, qkv_layout: str | 
     from ckptflow.reshard.run import plan_shapes
 
     try:
-        shapes = plan_shapes(src, world_size, tag=tag, qkv_layout=qkv_layout, tied_modules=tied_modules)
+        shapes = plan_shapes(src, world_size, tag=tag, qkv_layout=qkv_layout, **declared)
     except CkptflowError as exc:
         raise fail(exc) from None
     table = Table(box=None, pad_edge=False)

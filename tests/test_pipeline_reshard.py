@@ -603,12 +603,12 @@ def test_the_plan_tells_a_zero0_pipeline_s_stage_counts(parallel_extra_fixtures:
            "records: give it with `tied_modules` KEY=0")
     for pp in (1, 2, 4):
         assert why_not_stages(index, Shape(world_size=4, stage=1, pp=pp)) == ask
-    why = why_not_stages(index, Shape(world_size=4, stage=1, pp=4), tied_modules="embed=0")
+    why = why_not_stages(index, Shape(world_size=4, stage=1, pp=4), asked=Target(world_size=4, tied_modules="embed=0"))
     assert why is not None and why.startswith("cannot tell which layers each of 4 pipeline stages of ")
     assert "(0 embed, 1-4 module, 5 embed; or 0 embed, 1-4 module, 5-6 embed)" in why
     for pp in (1, 2):
-        assert why_not_stages(index, Shape(world_size=4, stage=1, pp=pp), tied_modules="embed=0") is None
-    assert why_not_stages(index, Shape(world_size=2, stage=1, pp=2), tied_modules="embed=1").startswith(
+        assert why_not_stages(index, Shape(world_size=4, stage=1, pp=pp), asked=Target(world_size=4, tied_modules="embed=0")) is None
+    assert why_not_stages(index, Shape(world_size=2, stage=1, pp=2), asked=Target(world_size=2, tied_modules="embed=1")).startswith(
         "ZeRO-0 saves its pipeline stages' optimizer state by index and no parameter name, and no assignment of its "
         "layer files to its 2 stages with the tied modules given (embed=1)")
 
@@ -878,3 +878,21 @@ def test_a_bf16_zero0_pipeline_s_refusals(parallel_extra_fixtures: Mapping[str, 
                        r"\(embed=0\), and `tied_modules` gives embed=1; leave `tied_modules` out"):
         reshard(src, str(tmp_path / "out"), world_size=2, stage=1, tied_modules="embed=1")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_asks_the_stage_counts_of_the_method_given(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
+    """Pure: `--plan` (`plan_shapes`) answers for the partition method and layer types the user gives, as the
+    reshard would: pipe-toy's pp4 is open under its default method, written under `uniform`, and pp3 under
+    `type:PipeBlock` with its layer types declared."""
+    from ckptflow.reshard.run import plan_shapes
+
+    src = str(parallel_fixtures["pipe-pp2-z1-fp32"].dir)
+
+    def reason(world_size: int, pp: int, **declared: Any) -> str | None:
+        [option] = [o for o in plan_shapes(src, world_size, **declared).options if o.shape.pp == pp]
+        return option.reason
+
+    assert (reason(4, 4) or "").startswith("cannot tell which layers each of 4 pipeline stages of ")
+    assert reason(4, 4, partition_method="uniform") is None
+    assert (reason(3, 3) or "").startswith("cannot tell which layers each of 3 pipeline stages of ")
+    assert reason(3, 3, partition_method="type:PipeBlock", layer_types=PIPE_TYPES) is None

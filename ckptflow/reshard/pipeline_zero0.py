@@ -57,7 +57,7 @@ from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_grou
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
 from ckptflow.reshard.flats import ModelRuns, target_optimizer
-from ckptflow.reshard.pipeline import check_stages, own_stages, plan_stage, stage_source, stages_at, stages_by
+from ckptflow.reshard.pipeline import check_stages, own_stages, plan_stage, stage_source, stages_by
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.stage import plan_zero0_stage, zero0_source
@@ -143,18 +143,23 @@ def at_zero1(stage: Zero0Checkpoint, world_size: int) -> DataParallelPlan:
     return replace(plan, index=replace(index, model_states=states), module=(), units=units)
 
 
-def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | None = None) -> str | None:
+def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | None = None,
+                         partition_method: str | None = None, layers: int | None = None,
+                         layer_types: str | None = None) -> str | None:
     """Why ckptflow cannot write the ZeRO-0 PipelineModule checkpoint `index` at ZeRO-1 with `pp` stages
     (`tied`: its tied modules as the user names them, "KEY=LAYER,...", or None), or None where it can, or
     cannot tell before writing (the planner then refuses what it cannot write): its stages not named with
-    those tied modules (`stage_modules`), or PipelineModule's default partition method not saying which
-    layers each of `pp` stages holds. Without `tied`, its stages are named as if it tied no module, or one
-    whose file is any one layer file; where exactly one of those fits and it ties a module, the reason
-    names that layer and asks for the module's key, which no ZeRO-0 file records. Trained in bf16
-    (`readers.pipeline.bf16_zero0`), its stages are those its files name (`tied` is checked by the planner)."""
+    those tied modules (`stage_modules`), or the partition method (None: PipelineModule's default; `layers`,
+    `layer_types`: as `pipeline.stages_by`'s) not saying which layers each of `pp` stages holds. Without
+    `tied`, its stages are named as if it tied no module, or one whose file is any one layer file; where
+    exactly one of those fits and it ties a module, the reason names that layer and asks for the module's
+    key, which no ZeRO-0 file records. Trained in bf16 (`readers.pipeline.bf16_zero0`), its stages are
+    those its files name (`tied` is checked by the planner)."""
     if bf16_zero0(index):
+        if pp in (1, index.pp):
+            return None
         try:
-            stages_at(index, pp)
+            stages_by(index, pp, partition_method, layers, layer_types)
         except UnsupportedCheckpointError as exc:
             return str(exc)
         return None
@@ -180,7 +185,7 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | No
     if pp in (1, index.pp):
         return None
     try:
-        stages_at(virtual_source(index, stages, keys), pp)
+        stages_by(virtual_source(index, stages, keys), pp, partition_method, layers, layer_types)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None

@@ -39,7 +39,7 @@ from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3,
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron, untied_view, why_not_zero0_megatron
-from ckptflow.reshard.pipeline import plan_pipeline, stages_at
+from ckptflow.reshard.pipeline import plan_pipeline, stages_by
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import (
     Shape,
@@ -119,7 +119,7 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
                                  for axis in ("stage", "tp", "pp", "ep")):
         _nothing_to_do(index, target)
     shape = resolve(index, target, config,
-                    stages=lambda shape: why_not_stages(index, shape, tied_modules=target.tied_modules))
+                    stages=lambda shape: why_not_stages(index, shape, asked=target))
     _check_declared(index, source, shape, target)
     plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers,
                       qkv_layout=target.qkv_layout, tied_modules=target.tied_modules, layer_types=target.layer_types)
@@ -199,20 +199,24 @@ def _tensor_parallel(index: ModelParallelCheckpoint, ask: Ask) -> ReshardPlan:
 
 
 def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = None,
-                   tied_modules: str | None = None, qkv_layout: str | None = None) -> str | None:
-    """Why PipelineModule's default partition method does not say which layers each of `shape.pp` stages of
-    `index` holds (the message of the planner's refusal, which says what would), or None: it does, or the
-    number of stages is kept or one. `reshard --plan` asks it of the shapes `shape.why_not` accepts, with
-    the `splits` it computed for them (`shape.tensor_splits`); of a ZeRO-0 PipelineModule, also why its
-    stages cannot be named with the `tied_modules` the user names (`pipeline_zero0.why_not_stages_zero0`);
-    of a ZeRO-0 Megatron-style checkpoint, which `shape.why_not` leaves to its planner, first what
-    `megatron_zero0.why_not_zero0_megatron` says (`qkv_layout`: as `shape.why_not`'s)."""
+                   asked: Target | None = None) -> str | None:
+    """Why the partition method `asked` gives (None, or none given: the model's own run's) does not say which
+    layers each of `shape.pp` stages of `index` holds (the message of the planner's refusal, which says what
+    would), or None: it does, or the number of stages is kept or one. `asked` is what the user declares
+    besides (`Target`: the partition method, layer count and layer types; a ZeRO-0 PipelineModule's tied
+    modules; a fused `query_key_value`'s layout). `reshard --plan` asks it of the shapes `shape.why_not`
+    accepts, with the `splits` it computed for them (`shape.tensor_splits`), and a refusal of the shapes it
+    names; of a ZeRO-0 PipelineModule, also why its stages cannot be named with the tied modules given
+    (`pipeline_zero0.why_not_stages_zero0`); of a ZeRO-0 Megatron-style checkpoint, which `shape.why_not`
+    leaves to its planner, first what `megatron_zero0.why_not_zero0_megatron` says."""
+    asked = asked or Target(world_size=shape.world_size)
+    method, layers, types = asked.partition_method, asked.pipeline_layers, asked.layer_types
     if not isinstance(index, ModelParallelCheckpoint):
         return None
     if index.kind == "pipeline" and index.stage == 0:
-        return why_not_stages_zero0(index, shape.pp, tied_modules)
+        return why_not_stages_zero0(index, shape.pp, asked.tied_modules, method, layers, types)
     if index.kind == "megatron" and index.stage == 0:
-        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout, splits=splits)
+        why = why_not_zero0_megatron(index, source_shape(index), shape, asked.qkv_layout, splits=splits)
         if why is not None or shape.pp in (1, index.pp):
             return why
         view = untied_view(index)  # asked of the ZeRO-1 checkpoint it is once named
@@ -222,9 +226,9 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
         return None
     try:
         if index.kind == "megatron":
-            megatron_stages(index, shape, splits=_named_splits(index, shape.tp, splits))
+            megatron_stages(index, shape, method, layers, splits=_named_splits(index, shape.tp, splits))
         else:
-            stages_at(index, shape.pp)
+            stages_by(index, shape.pp, method, layers, types)
     except UnsupportedCheckpointError as exc:
         return str(exc)
     return None

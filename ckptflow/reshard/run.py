@@ -150,20 +150,23 @@ class ShapePlan:
 
 
 def plan_shapes(src: str, world_size: int, *, tag: str | None = None, qkv_layout: str | None = None,
-                tied_modules: str | None = None) -> ShapePlan:
+                tied_modules: str | None = None, partition_method: str | None = None,
+                pipeline_layers: int | None = None, layer_types: str | None = None) -> ShapePlan:
     """Every shape the checkpoint at `src` runs at on `world_size` ranks, with the per-GPU bytes each
     implies and whether ckptflow writes it (a Megatron fused `query_key_value` in the `qkv_layout` the user
-    declares, `reshard.qkv`; a ZeRO-0 PipelineModule's `tied_modules` as the user names them); reads the
-    checkpoint's index, writes nothing."""
+    declares, `reshard.qkv`; a ZeRO-0 PipelineModule's `tied_modules` as the user names them; another
+    number of pipeline stages cut by `partition_method`, with `pipeline_layers` and `layer_types` as a
+    reshard takes them); reads the checkpoint's index, writes nothing."""
     check_world_size(world_size)
     check_layout(qkv_layout)
+    asked = Target(world_size=world_size, qkv_layout=qkv_layout, tied_modules=tied_modules,
+                   partition_method=partition_method, pipeline_layers=pipeline_layers, layer_types=layer_types)
     index = _valid_index(src, tag, "plan a reshard of")
     source = source_shape(index)
     splits: SplitsByDegree = {}  # this listing's, each tensor-parallel degree's computed once
     options = tuple(ShapeOption(shape=shape, memory=memory(index, shape),
                                 reason=reason if reason is not None else why_not_stages(index, shape, splits=splits,
-                                                                                       tied_modules=tied_modules,
-                                                                                       qkv_layout=qkv_layout))
+                                                                                       asked=asked))
                     for shape, reason in shapes_at(index, world_size, model_config(index.root), qkv_layout,
                                                    splits=splits))
     return ShapePlan(where=f"{index.root}/{index.tag}" if index.tag else index.root, layout=index.layout, source=source,
