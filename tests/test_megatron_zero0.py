@@ -11,8 +11,9 @@ by position per model-parallel rank. Each tensor-parallel rank's stages are name
   are (`megatron_zero0.zero1_view`), tp1 alone, pp1 alone, both (x dp2), and pp4 "uniform";
 - the plan names each model-parallel rank's groups as DeepSpeed's ZeRO-1 lists them, at any data-parallel size,
   and `--plan` lists the ZeRO-1 shapes as from that ZeRO-1 checkpoint;
-- what cannot move (ZeRO-2, another shape at ZeRO-0, tied modules at another shape, a tied module's layer file
-  that does not exist) is refused in one line.
+- what cannot move (ZeRO-2, another shape at ZeRO-0, a tied module its patterns do not split at another shape, a
+  tied module's layer file that does not exist) is refused in one line; a tied module at another shape moves
+  (`test_megatron_zero0_tied.py`).
 
 The fixture is a 4-rank launch and the oracle five more (2, 4 and 8 ranks): long mode (`CKPTFLOW_LONG=1`).
 """
@@ -58,27 +59,49 @@ def zero0_fixture() -> ParallelFixture:
 
 @pytest.fixture(scope="module")
 def zero0_oracle(zero0_fixture: ParallelFixture, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """ckptflow writes the fixture at ZeRO-1 at each target; one DeepSpeed launch per target (world size, pp, tp)
-    loads, checks and saves it."""
-    root = tmp_path_factory.mktemp("megatron-zero0-oracle")
+    return run_zero0_oracle(zero0_fixture, CASES, tmp_path_factory.mktemp("megatron-zero0-oracle"))
+
+
+def run_zero0_oracle(fixture: ParallelFixture, cases: tuple, root: Path, *, name: str | None = None,
+                     tied_modules: str | None = None) -> dict[str, Any]:
+    """ckptflow writes `fixture` at ZeRO-1 at each case (fixture, pp, tp, dp, partition method; `tied_modules` as the
+    user gives them); one DeepSpeed launch per target (world size, pp, tp) loads, checks and saves it (the job the
+    oracle builds for a spec of that `name`, the fixture's by default, and the client state it checks its writer's)."""
+    source = dataclasses.replace(fixture.parallel_spec, name=name or fixture.parallel_spec.name)
     outs, resaved, results = {}, {}, {}
     launches: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
-    for case in CASES:
+    for case in cases:
         _, pp, tp, dp, method = case
-        spec = dataclasses.replace(zero0_fixture.parallel_spec, stage=1, pp=pp, tp=tp, world_size=pp * tp * dp)
+        spec = dataclasses.replace(source, stage=1, pp=pp, tp=tp, world_size=pp * tp * dp)
         outs[case], resaved[case] = root / "out" / case_id(case), root / "resaved" / case_id(case)
         results[case] = root / "results" / f"{case_id(case)}.json"
         results[case].parent.mkdir(parents=True, exist_ok=True)
-        reshard(str(zero0_fixture.dir), str(outs[case]), world_size=spec.world_size, stage=1, pp=pp, tp=tp,
-                partition_method=method, workers=2)
+        reshard(str(fixture.dir), str(outs[case]), world_size=spec.world_size, stage=1, pp=pp, tp=tp,
+                partition_method=method, tied_modules=tied_modules, workers=2)
         launches.setdefault((spec.world_size, pp, tp), []).append({
-            "spec": spec.to_json(), "source": zero0_fixture.parallel_spec.to_json(), "load": str(outs[case]),
-            "save": str(resaved[case]), "expected": str(zero0_fixture.expected_path),
-            "buffers": str(zero0_fixture.buffers_path), "result": str(results[case]), **source_sections(zero0_fixture),
+            "spec": spec.to_json(), "source": source.to_json(), "load": str(outs[case]),
+            "save": str(resaved[case]), "expected": str(fixture.expected_path),
+            "buffers": str(fixture.buffers_path), "result": str(results[case]), **source_sections(fixture),
             **({"partition_method": method} if method else {})})
     for (world_size, pp, tp), jobs in sorted(launches.items()):
         launch_oracle(world_size, jobs, root, f"{world_size}-pp{pp}-tp{tp}")
     return {"outs": outs, "resaved": resaved, "results": results}
+
+
+def check_zero0_output(oracle: dict[str, Any], case: tuple, fixture: ParallelFixture, padding: int = 0) -> None:
+    """DeepSpeed held the source's state and client state and saved ckptflow's files again; ckptflow's output
+    validates at the target shape with the source's step and parameters (less the `padding` elements the source's
+    index counts and the output's does not)."""
+    check_loaded_state(oracle, case, fixture)
+    assert json.loads(oracle["results"][case].read_text())["client_state_differ"] == []
+    check_same_files(oracle, case)
+    report = validate(str(oracle["outs"][case]), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    summary, source = report.summary(), validate(str(fixture.dir)).summary()
+    assert (summary["stage"], summary["pp"], summary.get("tp", 1), summary["world_size"]) == \
+        (1, case[1], case[2], case[3])
+    assert (summary["step"], summary["params"], summary["numel"]) == (source["step"], source["params"],
+                                                                      source["numel"] - padding)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -86,15 +109,7 @@ def test_deepspeed_loads_a_zero0_megatron_checkpoint_at_zero1_holding_the_source
         zero0_oracle: dict[str, Any], zero0_fixture: ParallelFixture, case: tuple) -> None:
     """DeepSpeed's PipelineEngine at ZeRO-1 at the target shape loads ckptflow's output natively, holds the source's
     state bit for bit, the client state (`universal_checkpoint_info`) included, and saves exactly ckptflow's files."""
-    check_loaded_state(zero0_oracle, case, zero0_fixture)
-    assert json.loads(zero0_oracle["results"][case].read_text())["client_state_differ"] == []
-    check_same_files(zero0_oracle, case)
-    report = validate(str(zero0_oracle["outs"][case]), deep=True)
-    assert report.ok, [p.message for p in report.problems]
-    summary, source = report.summary(), validate(str(zero0_fixture.dir)).summary()
-    assert (summary["stage"], summary["pp"], summary.get("tp", 1), summary["world_size"]) == \
-        (1, case[1], case[2], case[3])
-    assert {k: summary[k] for k in ("step", "params", "numel")} == {k: source[k] for k in ("step", "params", "numel")}
+    check_zero0_output(zero0_oracle, case, zero0_fixture)
 
 
 def test_each_model_parallel_rank_is_named_from_its_own_layer_files(zero0_fixture: ParallelFixture) -> None:
@@ -121,14 +136,19 @@ def test_each_model_parallel_rank_is_named_from_its_own_layer_files(zero0_fixtur
     ({"world_size": 4, "stage": 2}, "DeepSpeed trains Megatron-style PipelineModule models at ZeRO stage 1 only"),
     ({"world_size": 2, "tp": 1}, "a ZeRO-0 checkpoint's optimizer state is saved by position, and ckptflow writes it "
      "at another shape only at another ZeRO stage, where it is named (its weights can still be consolidated)"),
-    ({"world_size": 2, "stage": 1, "tp": 1, "tied_modules": "embed=0"},
-     "global_step3: ckptflow writes a ZeRO-0 Megatron-style checkpoint with tied modules (embed=0) at ZeRO-1 at its "
-     "own tensor-parallel degree (2) and pipeline stages (2) only"),
+    ({"world_size": 2, "stage": 1, "tp": 1, "tied_modules": "embed=0"},  # named so, the embedding is the tie's
+     "at ZeRO-1 pp2 x dp1 (2 ranks): tied_modules.embed.weight is a tied module's parameter (a TiedLayerSpec its "
+     "pipeline stages share) that is neither a vocabulary parameter nor a replicated one"),
 ])
 def test_what_cannot_move_with_the_stage_is_refused(zero0_fixture: ParallelFixture, tmp_path: Path,
                                                     target: Mapping[str, Any], why: str) -> None:
+    check_refused(zero0_fixture, tmp_path, target, why)
+
+
+def check_refused(fixture: ParallelFixture, tmp_path: Path, target: Mapping[str, Any], why: str) -> None:
+    """`reshard` of `fixture` at `target` is refused saying `why`, and writes nothing."""
     with pytest.raises(UnsupportedCheckpointError) as refused:
-        reshard(str(zero0_fixture.dir), str(tmp_path / "out"), **target)
+        reshard(str(fixture.dir), str(tmp_path / "out"), **target)
     assert why in str(refused.value)
     assert not (tmp_path / "out").exists()
 

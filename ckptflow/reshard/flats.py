@@ -109,17 +109,19 @@ def frozen_copies(param: Param, source_stage: int, source_ws: int, lo: int, hi: 
     return out
 
 
-def _partitions_of(index: ModelParallelCheckpoint) -> dict[tuple[str, str, int], tuple[int, int]]:
+def _partitions_of(index: ModelParallelCheckpoint, stage: int | None = None
+                   ) -> dict[tuple[str, str, int], tuple[int, int]]:
     """Each fp32 partition tensor -> (virtual rank, param group): the ranks' partitions numbered on, as
     `tensor_parallel` joins them (a ZeRO-0 rank's, `stage.zero0_partitioned`, may repeat a tensor: the
-    first holds it)."""
+    first holds it; with `stage`, that pipeline stage's ranks first: a ZeRO-0 pipeline's tied module is
+    every stage's master, read from one layer file, and each stage's optimizer state its own)."""
+    bases = list(itertools.accumulate((len(rank.partitions) for rank in index.ranks), initial=0))
+    order = sorted(range(len(index.ranks)), key=lambda mp: stage is None or mp // max(index.tp, 1) != stage)
     out: dict[tuple[str, str, int], tuple[int, int]] = {}
-    base = 0
-    for rank in index.ranks:
-        for d, parts in enumerate(rank.partitions):
+    for mp in order:
+        for d, parts in enumerate(index.ranks[mp].partitions):
             for part in parts:
-                out.setdefault((part.fp32.uri, part.fp32.key, part.fp32.storage_offset), (base + d, part.group))
-        base += len(rank.partitions)
+                out.setdefault((part.fp32.uri, part.fp32.key, part.fp32.storage_offset), (bases[mp] + d, part.group))
     return out
 
 
@@ -134,10 +136,15 @@ class ModelRuns:
         self.stages: Mapping[str, int] = dict(stages or {})
         self.sources = _partitions_of(index)
         self.runs = {t.name: t.runs for t in index.tensors}
+        self.own: dict[str, Mapping[tuple[str, str, int], tuple[int, int]]] = {}  # a stage copy's: its stage first
+        by_stage: dict[int, Mapping[tuple[str, str, int], tuple[int, int]]] = {}
         for name, stage in self.stages.items():
             copy = index.stage_copies.get((name, stage))
             if copy is not None:
                 self.runs[name] = copy.runs
+                if stage not in by_stage:
+                    by_stage[stage] = _partitions_of(index, stage)
+                self.own[name] = by_stage[stage]
         # The furthest element each run up to this one reaches: strided runs interleave, so a window
         # [first, last) starts its search at the first run reaching past `first`.
         self.reach = {name: list(itertools.accumulate((r.end for r in runs), max)) for name, runs in self.runs.items()}
@@ -151,7 +158,7 @@ class ModelRuns:
             if run.offset >= last:
                 break
             for part in run.within(first, last):
-                rank, g = self.sources[(part.ref.uri, part.ref.key, part.ref.storage_offset)]
+                rank, g = self.own.get(name, self.sources)[(part.ref.uri, part.ref.key, part.ref.storage_offset)]
                 if g != group:
                     raise UnsupportedCheckpointError(
                         f"{name}: its tensor-parallel shards sit in different param groups")

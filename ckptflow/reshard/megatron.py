@@ -87,8 +87,8 @@ groups flattened round-robin again at its own data-parallel size (`tensor_parall
 pp2 x tp2 x dp2 sources, each axis changing alone and both at once (`tests/test_megatron_stages.py`).
 
 Refused as well: frozen parameters, and another ZeRO stage at the same time (a PipelineModule trains at ZeRO-0
-and 1 only). A ZeRO-0 source's optimizer state names no parameter: `megatron_zero0` names it first and hands
-these planners the ZeRO-1 checkpoint it then is.
+and 1 only). A ZeRO-0 source's optimizer state names no parameter: `megatron_zero0` names it first (its tied
+modules by the keys the user gives) and hands these planners the ZeRO-1 checkpoint it then is.
 """
 
 from __future__ import annotations

@@ -22,20 +22,27 @@ data-parallel rank; the full tensors the reader's, joined over the tensor-parall
 `shape.why_not` asks of a ZeRO-1 one (`why_not_zero0_megatron`: `shape.why_not` itself leaves a ZeRO-0
 Megatron-style checkpoint to this module, which builds on it) and written by the Megatron-style planners
 (`megatron.plan_megatron_tensor_parallel`, `plan_megatron_stages`): the same files as ZeRO-1 at the source's
-shape, then resharded. Tied modules are refused there: at ZeRO-0 the reader names a tied module by its
-layer file (`{layer}.{name}`), not as the stages' `tied_modules.{key}.{name}` the planners move.
+shape, then resharded. A tied module there is named as the ZeRO-1 checkpoint names it (`zero1_view` with the user's
+`--tied-modules`): at ZeRO-0 the reader names it by its layer file (`{layer}.{name}`, joined over the
+tensor-parallel ranks by the patterns), the planners move `tied_modules.{key}.{name}`, joined again by the patterns
+under that name (`tied_tensors`), each later stage that uses it holding a copy of its own (`stage_copies`: the same
+layer file's bytes, DeepSpeed saving the module once, but that stage's optimizer state: `flats.ModelRuns` reads it
+from that stage's ranks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from ckptflow.errors import UnsupportedCheckpointError, option
-from ckptflow.formats.deepspeed.names import layer_file_name
+from ckptflow.errors import CkptflowError, UnsupportedCheckpointError, option
+from ckptflow.formats.deepspeed.model import ModelTensor
+from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.partition import ZERO0
-from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
+from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, Replica, about, join
+from ckptflow.formats.deepspeed.readers.pipeline import split_pieces
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
+from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text, virtual_source
@@ -49,23 +56,18 @@ def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     """The plan that writes the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape` (any
     tensor-parallel degree, stages and data-parallel size; `tied`: its tied modules, "KEY=LAYER,...", which
     its files do not record); reads nothing. At its own degree and stages each model-parallel rank goes
-    alone; at another, the named ranks are a virtual ZeRO-1 source (`zero1_view`) handed to the Megatron-style
-    planners (`partition_method`, `layers`, `qkv_layout`: as theirs). `UnsupportedCheckpointError` where a
-    model-parallel rank's optimizer state cannot be named, or the planners refuse the target."""
+    alone; at another, the named ranks are a virtual ZeRO-1 source (`zero1_view`, its tied modules named as ZeRO-1
+    names them) handed to the Megatron-style planners (`partition_method`, `layers`, `qkv_layout`: as theirs).
+    `UnsupportedCheckpointError` where a model-parallel rank's optimizer state cannot be named, or the planners
+    refuse the target."""
     assert index.kind == "megatron" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
     assert shape.stage == 1, "shape.why_not refuses other stages"
     if (shape.tp, shape.pp) != (index.tp, index.pp):
-        if tied:
-            raise UnsupportedCheckpointError(
-                f"{index.tag_uri}: ckptflow writes a ZeRO-0 Megatron-style checkpoint with tied modules "
-                f"({tied_text(parse_tied(tied))}) at ZeRO-1 at its own tensor-parallel degree ({index.tp}) and "
-                f"pipeline stages ({index.pp}) only", code="unsupported-shape", uri=index.root,
-                hint=f"write it at ZeRO-1 first (leave {option('tp')} and {option('pp')} out), then reshard that")
-        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout)
+        why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout, tied=tied)
         if why is not None:
             raise UnsupportedCheckpointError(f"cannot write {index.tag_uri} ({source_shape(index)}) at {shape}: {why}",
                                              code="unsupported-shape", uri=index.root)
-        source = zero1_view(index, named_ranks(index))
+        source = zero1_view(index, named_ranks(index, tied), parse_tied(tied) if tied else {})
         plan = (plan_megatron_stages(source, shape, partition_method, layers, qkv_layout) if shape.pp != index.pp
                 else plan_megatron_tensor_parallel(source, shape, qkv_layout))
         parts = tuple(replace(part, stage=1, source_world_size=index.world_size, source_optimizer=ZERO0)
@@ -115,32 +117,76 @@ def named_ranks(index: ModelParallelCheckpoint, tied: str | None = None) -> tupl
     return tuple(per_rank[t][s] for s in range(index.pp) for t in range(index.tp))
 
 
-def zero1_view(index: ModelParallelCheckpoint, ranks: Sequence[Zero0Checkpoint]) -> ModelParallelCheckpoint:
-    """`index` as a ZeRO-1 Megatron-style checkpoint whose model-parallel ranks are the named `ranks` (no tied
-    module: the reader names one by its layer file at ZeRO-0, not as the stages' `tied_modules.{key}`) as virtual
-    data-parallel ones (`pipeline_zero0.virtual_source`: a master per virtual rank), its full tensors the
-    reader's, joined over the tensor-parallel ranks."""
-    virtual = virtual_source(index, ranks, {})
-    return replace(virtual, stage=1, tensors=index.tensors, replicas=index.replicas)
+def zero1_view(index: ModelParallelCheckpoint, ranks: Sequence[Zero0Checkpoint],
+               tied: Mapping[str, int] | None = None) -> ModelParallelCheckpoint:
+    """`index` as a ZeRO-1 Megatron-style checkpoint whose model-parallel ranks are the named `ranks` (named with
+    the tied modules `tied`, key -> the layer whose files hold it) as virtual data-parallel ones
+    (`pipeline_zero0.virtual_source`: a master per virtual rank), its full tensors the reader's, joined over the
+    tensor-parallel ranks, a tied module's under its stages' names (`tied_tensors`), with `tied_layers` and a
+    `stage_copies` entry for each later stage that uses it, as the ZeRO-1 reader gives them."""
+    tied = dict(tied or {})
+    virtual = virtual_source(index, ranks, tied)
+    tensors, replicas = tied_tensors(index, tied)
+    uses = [_uses(ranks[s * index.tp]) for s in range(index.pp)]
+    copies = {}
+    for tensor in tensors:
+        holders = [s for s, keys in enumerate(uses) if tensor.name.startswith(TIED) and _tied_key(tensor.name) in keys]
+        copies.update({(tensor.name, s): tensor for s in holders[1:]})
+    return replace(virtual, stage=1, tensors=tensors, replicas=replicas, stage_copies=copies)
 
 
-def untied_view(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint | str:
-    """`zero1_view` of the ZeRO-0 Megatron-style checkpoint `index` named without tied modules (what another
-    tensor-parallel degree or number of stages takes), or why it cannot be."""
+def tied_tensors(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tuple[tuple[ModelTensor, ...],
+                                                                                   tuple[Replica, ...]]:
+    """The ZeRO-0 Megatron-style checkpoint `index`'s full tensors and replicas with each tied module's (`tied`: key
+    -> the layer whose files hold it) named `tied_modules.{key}.{name}` and joined over the tensor-parallel ranks
+    again under that name, by the rules the reader joins by (`readers.pipeline.split_pieces`: the patterns name the
+    tied module's parameters so); `UnsupportedCheckpointError` where they do not join."""
+    if not tied:
+        return index.tensors, index.replicas
+    owned = {layer: key for key, layer in tied.items()}
+    info = index.ranks[0].model_states.get(UC_INFO) or {}
+    ranks = range(index.tp)
+    tensors, replicas = [], [r for r in index.replicas if _layer(r.name) not in owned]
+    for old in index.tensors:
+        layer = _layer(old.name)
+        if layer not in owned:
+            tensors.append(old)
+            continue
+        local = old.name.split(".", 1)[1]
+        name = f"{TIED}{owned[layer]}.{local}"
+        refs = [index.layers[(layer, t)][local] for t in ranks]
+        pieces = {t: ModelTensor(name, ref.shape, ref.dtype, old.kind, (whole_run(ref, name),))
+                  for t, ref in zip(ranks, refs)}
+        try:
+            full, split, rows = split_pieces(name, [ref.shape for ref in refs], info, index.tp, old.kind)
+            tensor, pairs = join(name, full, old.kind, [Holding(t, name, tuple(p)) for t, p in zip(ranks, split)],
+                                 lambda t, _name: pieces[t], rows=rows)
+        except (CkptflowError, ValueError) as exc:
+            raise UnsupportedCheckpointError(f"{index.tag_uri}: {about(name, exc)}", uri=index.root,
+                                             tensor=name) from None
+        tensors.append(tensor)
+        replicas.extend(pairs)
+    return tuple(tensors), tuple(replicas)
+
+
+def named_view(index: ModelParallelCheckpoint, tied: str | None = None) -> ModelParallelCheckpoint | str:
+    """`zero1_view` of the ZeRO-0 Megatron-style checkpoint `index` named with the tied modules `tied`
+    ("KEY=LAYER,...", as the user gives them; None: none), what another tensor-parallel degree or number of stages
+    takes, or why it cannot be."""
     try:
-        return zero1_view(index, named_ranks(index))
+        return zero1_view(index, named_ranks(index, tied), parse_tied(tied) if tied else {})
     except UnsupportedCheckpointError as exc:
         return str(exc)
 
 
 def why_not_zero0_megatron(index: ModelParallelCheckpoint, source: Shape, shape: Shape, qkv_layout: str | None = None,
-                           *, splits: SplitsByDegree | None = None) -> str | None:
+                           *, splits: SplitsByDegree | None = None, tied: str | None = None) -> str | None:
     """Why ckptflow cannot write the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape`, or None: at
     its own degree and stages the planner names it (with the tied modules the user gives); at another, it is named
-    without tied modules and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`)."""
+    with them (`tied`, "KEY=LAYER,...") and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`)."""
     if (shape.tp, shape.pp) == (source.tp, source.pp):
         return None
-    view = untied_view(index)
+    view = named_view(index, tied)
     return view if isinstance(view, str) else why_not(view, replace(source, stage=1), shape, qkv_layout, splits=splits)
 
 
@@ -151,8 +197,24 @@ def _layers(stage: Zero0Checkpoint) -> tuple[str, ...]:
         for t in stage.tensors))
 
 
+def _layer(name: str) -> int | None:
+    """The layer whose file holds the reader's tensor `name` (`{layer}.{name}`)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _tied_key(name: str) -> str:
+    return name[len(TIED):].partition(".")[0]
+
+
+def _uses(stage: Zero0Checkpoint) -> frozenset[str]:
+    """The tied module keys a named stage's module holds."""
+    return frozenset(_tied_key(t.name) for t in stage.tensors if t.name.startswith(TIED))
+
+
 def _text(layers: tuple[str, ...]) -> str:
     return ", ".join(layers) or "none"
 
 
-__all__ = ["named_ranks", "plan_zero0_megatron", "untied_view", "why_not_zero0_megatron", "zero1_view"]
+__all__ = ["named_ranks", "named_view", "plan_zero0_megatron", "tied_tensors", "why_not_zero0_megatron",
+           "zero1_view"]

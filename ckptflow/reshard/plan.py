@@ -38,7 +38,7 @@ from ckptflow.reshard.data_parallel import (
 from ckptflow.reshard.experts import plan_expert_degree, plan_expert_from_zero3, plan_moe_zero0
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import megatron_stages, plan_megatron_stages, plan_megatron_tensor_parallel
-from ckptflow.reshard.megatron_zero0 import plan_zero0_megatron, untied_view, why_not_zero0_megatron
+from ckptflow.reshard.megatron_zero0 import named_view, plan_zero0_megatron, why_not_zero0_megatron
 from ckptflow.reshard.pipeline import plan_pipeline, stages_by
 from ckptflow.reshard.pipeline_zero0 import plan_zero0_pipeline, why_not_stages_zero0
 from ckptflow.reshard.shape import (
@@ -208,7 +208,8 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
     accepts, with the `splits` it computed for them (`shape.tensor_splits`), and a refusal of the shapes it
     names; of a ZeRO-0 PipelineModule, also why its stages cannot be named with the tied modules given
     (`pipeline_zero0.why_not_stages_zero0`); of a ZeRO-0 Megatron-style checkpoint, which `shape.why_not`
-    leaves to its planner, first what `megatron_zero0.why_not_zero0_megatron` says."""
+    leaves to its planner, first what `megatron_zero0.why_not_zero0_megatron` says (named with the tied modules
+    given)."""
     asked = asked or Target(world_size=shape.world_size)
     method, layers, types = asked.partition_method, asked.pipeline_layers, asked.layer_types
     if not isinstance(index, ModelParallelCheckpoint):
@@ -216,10 +217,11 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
     if index.kind == "pipeline" and index.stage == 0:
         return why_not_stages_zero0(index, shape.pp, asked.tied_modules, method, layers, types)
     if index.kind == "megatron" and index.stage == 0:
-        why = why_not_zero0_megatron(index, source_shape(index), shape, asked.qkv_layout, splits=splits)
+        why = why_not_zero0_megatron(index, source_shape(index), shape, asked.qkv_layout, splits=splits,
+                                     tied=asked.tied_modules)
         if why is not None or shape.pp in (1, index.pp):
             return why
-        view = untied_view(index)  # asked of the ZeRO-1 checkpoint it is once named
+        view = named_view(index, asked.tied_modules)  # asked of the ZeRO-1 checkpoint it is once named
         assert not isinstance(view, str), "why_not_zero0_megatron names it"
         index = view
     if shape.pp in (1, index.pp):
