@@ -247,9 +247,10 @@ class ReshardForm(_Form):
     tied_modules: str = Field(
         default="",
         title="Pipeline tied modules",
-        description="Of a ZeRO-0 PipelineModule written at ZeRO-1: each TiedLayerSpec key and the index of the "
-        "first layer that uses it (whose layer file holds it), which no ZeRO-0 file records; comma-separated "
-        "KEY=LAYER (e.g. embed=0). Empty: none declared (a pipeline without tied modules needs none).",
+        description="Of an fp32 ZeRO-0 PipelineModule (plain or Megatron-style) written at ZeRO-1: each "
+        "TiedLayerSpec key and the index of the first layer that uses it (whose layer file holds it), which no "
+        "ZeRO-0 file records; comma-separated KEY=LAYER (e.g. embed=0). Empty: none declared (a pipeline without "
+        "tied modules needs none, nor a bf16 one, whose optimizer files name them).",
         max_length=MAX_TIED_TEXT,
     )
     qkv_layout: QkvLayout = _qkv_layout("With another tensor-parallel degree of a Megatron-DeepSpeed checkpoint",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -206,24 +207,33 @@ def test_declared_facts_a_reshard_has_no_use_for_are_refused(
         parallel_fixtures: Mapping[str, ParallelFixture], parallel_extra_fixtures: Mapping[str, ParallelFixture],
         tmp_path: Path) -> None:
     """Tied modules given for a checkpoint that records them, layer types for a reshard that keeps the stage
-    count: refused in one line, not taken silently (nor naming a folder of their own in the Prefect form)."""
+    count, or that contradict the files at pp1: refused in one line, not taken silently (nor naming a folder
+    of their own in the Prefect form), and `--plan` says the same of those shapes."""
+    from ckptflow.reshard.run import plan_shapes
+
     pipe = parallel_fixtures["pipe-pp2-z1-fp32"]
-    with pytest.raises(UnsupportedCheckpointError, match=r"is a checkpoint in the PipelineModule .*; `tied_modules` names "
-                                                         r"the tied modules of a ZeRO-0 PipelineModule checkpoint, whose "
-                                                         r"files do not record them, and this one's have no use for "
-                                                         r"them; leave `tied_modules` out$"):
+    tied = (r"`tied_modules` names the tied modules of a ZeRO-0 PipelineModule checkpoint, whose files do not record "
+            r"them, and a PipelineModule .* checkpoint's have no use for them; leave `tied_modules` out")
+    with pytest.raises(UnsupportedCheckpointError, match=r"global_step3: " + tied + "$"):
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, tied_modules="embed=0")
-    with pytest.raises(UnsupportedCheckpointError, match=r"global_step3: `layer_types` weighs the layers of a "
-                                                         r"PipelineModule cut into another number of pipeline stages, "
-                                                         r"and this reshard keeps its 2; leave `layer_types` out, or "
-                                                         r"give `pp`$"):
+    kept = (r"`layer_types` weighs the layers of a PipelineModule cut into another number of pipeline stages, and "
+            r"this keeps its 2; leave `layer_types` out, or give `pp`")
+    with pytest.raises(UnsupportedCheckpointError, match=r"global_step3: " + kept + "$"):
         reshard(str(pipe.dir), str(tmp_path / "out"), world_size=4, partition_method="type:PipeBlock",
-                layer_types="PipeEmbed,PipeBlock*3,LayerNorm,PipeEmbed")
+                layer_types=PIPE_TYPES)
     zero0 = parallel_extra_fixtures["pipe-pp2-z0-fp32"]
     with pytest.raises(UnsupportedCheckpointError, match="leave `layer_types` out"):
         reshard(str(zero0.dir), str(tmp_path / "out"), world_size=2, stage=1, tied_modules="embed=0",
                 layer_types="A,B")
     assert not (tmp_path / "out").exists()
+    contradicted = ("global_step3: layer 2 saved layer_02-model_states.pt, and `layer_types` names 2 layers (0-1); "
+                    "give `layer_types` one name per entry of the model's layer list, in order")
+    reasons = {str(o.shape): o.reason for o in plan_shapes(str(pipe.dir), 4, layer_types="A,B").options}
+    assert reasons["ZeRO-1 pp2 x dp2 (4 ranks)"] == kept.replace("\\", "")
+    assert (reasons["ZeRO-1 dp4 (4 ranks)"] or "").endswith(contradicted)  # at pp1 too, as the reshard says
+    assert (reasons["ZeRO-1 pp4 x dp1 (4 ranks)"] or "").endswith(contradicted)
+    reasons = {str(o.shape): o.reason for o in plan_shapes(str(pipe.dir), 4, tied_modules="embed=0").options}
+    assert len(reasons) == 3 and all(re.fullmatch(tied, reason or "") for reason in reasons.values()), reasons
 
 
 def test_tied_modules_come_first_in_the_order_the_stages_first_use_them() -> None:

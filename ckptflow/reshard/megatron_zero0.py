@@ -185,6 +185,10 @@ def why_not_zero0_megatron(index: ModelParallelCheckpoint, source: Shape, shape:
     its own degree and stages the planner names it (with the tied modules the user gives); at another, it is named
     with them (`tied`, "KEY=LAYER,...") and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`)."""
     if (shape.tp, shape.pp) == (source.tp, source.pp):
+        try:
+            named_ranks(index, tied)  # what its planner names, with the tied modules given
+        except UnsupportedCheckpointError as exc:
+            return str(exc)
         return None
     view = named_view(index, tied)
     return view if isinstance(view, str) else why_not(view, replace(source, stage=1), shape, qkv_layout, splits=splits)

@@ -103,12 +103,8 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
     holds), laid out for the optimizer the recorded config gets at ZeRO-1 (`flats.target_optimizer`:
     DeepSpeedZeroOptimizer, since a bf16 pipeline at ZeRO-0 accumulates its gradients in bf16), the model-states
     files as ZeRO-1 saves them (no `optimizer`; `shared_params` a mapping, `param_shapes` the target's)."""
-    named = dict(index.tied_layers)
-    if tied is not None and parse_tied(tied) != named:
-        raise UnsupportedCheckpointError(
-            f"{index.tag_uri}: its optimizer files name its tied modules ({tied_text(named) or 'none'}), and "
-            f"{option('tied_modules')} gives {tied}", code="unsupported-shape", uri=index.root,
-            hint=f"leave {option('tied_modules')} out")
+    if (why := _bf16_tied_why(index, tied)) is not None:
+        raise UnsupportedCheckpointError(f"{index.tag_uri}: {why}", code="unsupported-shape", uri=index.root)
     groups = check_stages(index)
     targets = (own_stages(index) if shape.pp == index.pp
                else stages_by(index, shape.pp, partition_method, layers, layer_types))
@@ -123,6 +119,15 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
         root=index.root, tag=index.tag, stage=1, precision=index.precision, source_world_size=index.world_size,
         world_size=shape.dp, parts=parts, carried=index.carried, index=index,
     )
+
+
+def _bf16_tied_why(index: ModelParallelCheckpoint, tied: str | None) -> str | None:
+    """Why the tied modules the user gives (`tied`) are not those a BF16_Optimizer pipeline's files name, or None."""
+    named = dict(index.tied_layers)
+    if tied is None or parse_tied(tied) == named:
+        return None
+    return (f"its optimizer files name its tied modules ({tied_text(named) or 'none'}), and "
+            f"{option('tied_modules')} gives {tied}; leave {option('tied_modules')} out")
 
 
 def _zero1_states(states: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,10 +159,11 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | No
     `tied`, its stages are named as if it tied no module, or one whose file is any one layer file; where
     exactly one of those fits and it ties a module, the reason names that layer and asks for the module's
     key, which no ZeRO-0 file records. Trained in bf16 (`readers.pipeline.bf16_zero0`), its stages are
-    those its files name (`tied` is checked by the planner)."""
+    those its files name, `tied` checked against them."""
+    unchecked = pp == index.pp or (pp == 1 and layer_types is None)  # declared layer types are checked at pp1 too
     if bf16_zero0(index):
-        if pp in (1, index.pp):
-            return None
+        if (why := _bf16_tied_why(index, tied)) is not None or unchecked:
+            return why
         try:
             stages_by(index, pp, partition_method, layers, layer_types)
         except UnsupportedCheckpointError as exc:
@@ -182,7 +188,7 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | No
             return (f"its stages use a tied module held in {layer_file_name(layer, None)}, whose TiedLayerSpec key no "
                     f"ZeRO-0 file records: give it with {option('tied_modules')} KEY={layer}")
     keys, stages = found[0]
-    if pp in (1, index.pp):
+    if unchecked:
         return None
     try:
         stages_by(virtual_source(index, stages, keys), pp, partition_method, layers, layer_types)

@@ -120,27 +120,30 @@ def plan_reshard(index: Partitioned, target: Target | int, config: Mapping[str, 
         _nothing_to_do(index, target)
     shape = resolve(index, target, config,
                     stages=lambda shape: why_not_stages(index, shape, asked=target))
-    _check_declared(index, source, shape, target)
+    if (why := declared_why(index, source, shape, target)) is not None:
+        raise UnsupportedCheckpointError(f"{index.root}/{index.tag}: {why}", code="unsupported-shape", uri=index.root)
     plan = plan_shape(index, shape, config, partition_method=target.partition_method, layers=target.pipeline_layers,
                       qkv_layout=target.qkv_layout, tied_modules=target.tied_modules, layer_types=target.layer_types)
     return replace(plan, source_shape=source_shape(index), shape=shape)
 
 
-def _check_declared(index: Partitioned, source: Shape, shape: Shape, target: Target) -> None:
-    """`UnsupportedCheckpointError`, in one line, for a fact the user declares that this reshard has no use
-    for (so it is not taken silently, nor names an output folder of its own): tied modules but of a ZeRO-0
-    PipelineModule (plain or Megatron-style), layer types without another number of pipeline stages."""
-    where = f"{index.root}/{index.tag}" if index.tag else index.root
-    if target.tied_modules is not None and not (index.kind in ("pipeline", "megatron") and source.stage == 0):
-        raise UnsupportedCheckpointError(
-            f"{where} is a checkpoint in the {index.layout} layout; {option('tied_modules')} names the tied modules "
-            "of a ZeRO-0 PipelineModule checkpoint, whose files do not record them, and this one's have no use for "
-            "them", code="unsupported-shape", uri=index.root, hint=f"leave {option('tied_modules')} out")
-    if target.layer_types is not None and shape.pp == source.pp:
-        raise UnsupportedCheckpointError(
-            f"{where}: {option('layer_types')} weighs the layers of a PipelineModule cut into another number of "
-            f"pipeline stages, and this reshard keeps its {source.pp}", code="unsupported-shape", uri=index.root,
-            hint=f"leave {option('layer_types')} out, or give {option('pp')}")
+def declared_why(index: Any, source: Shape, shape: Shape, asked: Target) -> str | None:
+    """Why a fact the user declares (`asked`) has no use in writing `index` at `shape`, in one line saying
+    what to do, or None: it is refused, not taken silently (nor names an output folder of its own). Tied
+    modules but of an fp32 ZeRO-0 PipelineModule (plain or Megatron-style); layer types but of a plain
+    PipelineModule cut into another number of stages."""
+    if asked.tied_modules is not None and not (index.kind in ("pipeline", "megatron") and source.stage == 0):
+        return (f"{option('tied_modules')} names the tied modules of a ZeRO-0 PipelineModule checkpoint, whose files "
+                f"do not record them, and a {index.layout} checkpoint's have no use for them; leave "
+                f"{option('tied_modules')} out")
+    if asked.layer_types is not None and index.kind == "megatron":
+        return (f"{option('layer_types')} declares a plain PipelineModule's layer names, and ckptflow knows a "
+                f"Megatron-style checkpoint's transformer layers by their parameters; leave {option('layer_types')} "
+                "out")
+    if asked.layer_types is not None and shape.pp == source.pp:
+        return (f"{option('layer_types')} weighs the layers of a PipelineModule cut into another number of pipeline "
+                f"stages, and this keeps its {source.pp}; leave {option('layer_types')} out, or give {option('pp')}")
+    return None
 
 
 def plan_shape(index: Partitioned, shape: Shape, config: Mapping[str, Any] | None = None, *,
@@ -212,6 +215,8 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
     given)."""
     asked = asked or Target(world_size=shape.world_size)
     method, layers, types = asked.partition_method, asked.pipeline_layers, asked.layer_types
+    if (why := declared_why(index, source_shape(index), shape, asked)) is not None:
+        return why
     if not isinstance(index, ModelParallelCheckpoint):
         return None
     if index.kind == "pipeline" and index.stage == 0:
@@ -224,7 +229,7 @@ def why_not_stages(index: Any, shape: Shape, *, splits: SplitsByDegree | None = 
         view = named_view(index, asked.tied_modules)  # asked of the ZeRO-1 checkpoint it is once named
         assert not isinstance(view, str), "why_not_zero0_megatron names it"
         index = view
-    if shape.pp in (1, index.pp):
+    if shape.pp == index.pp or (shape.pp == 1 and types is None):  # declared layer types are checked at pp1 too
         return None
     try:
         if index.kind == "megatron":
