@@ -49,6 +49,7 @@ from tests.fixtures.sets import SETS, ParallelFixture, build_bf16_optimizer
 from tests.fixtures.specs.bf16_experts import BF16_EXPERTS_MATRIX, BF16_EXPERTS_SPECS
 from tests.fixtures.specs.bf16_optimizer import BF16_MATRIX, BF16_SPECS
 from tests.fixtures.specs.expert_holdout import HOLDOUT_MATRIX
+from tests.fixtures.specs.moe_zero0_16 import MOE_ZERO0_16_MATRIX, MOE_ZERO0_16_SPECS
 from tests.fixtures.specs.parallel import AUTOEP, DSMOE, PARALLEL_MATRIX
 from tests.fixtures.specs.round_robin import RR_MATRIX, RR_SPECS
 from tests.fixtures.specs.round_robin_ignored import RR_IGNORED_MATRIX, RR_IGNORED_SPECS
@@ -60,7 +61,7 @@ from tests.test_reshard import _differences
 MATRIX = [spec.name for spec in PARALLEL_MATRIX if spec.layout in (AUTOEP, DSMOE)]
 HOLDOUT = [spec.name for spec in HOLDOUT_MATRIX]
 SPECS = {spec.name: spec for spec in (*PARALLEL_MATRIX, *HOLDOUT_MATRIX, *BF16_MATRIX, *RR_MATRIX,
-                                     *RR_IGNORED_MATRIX, *BF16_EXPERTS_MATRIX)}
+                                     *RR_IGNORED_MATRIX, *BF16_EXPERTS_MATRIX, *MOE_ZERO0_16_MATRIX)}
 WRONG = ("damaged", "another model", "corrupt")
 
 
@@ -73,7 +74,7 @@ def expert_fixtures(request: pytest.FixtureRequest) -> Mapping[str, ParallelFixt
     class Lazy(dict):
         def __missing__(self, name: str) -> ParallelFixture:
             for set_name, specs in (("round-robin", RR_SPECS), ("round-robin-ignored", RR_IGNORED_SPECS),
-                                    ("bf16-experts", BF16_EXPERTS_SPECS)):
+                                    ("bf16-experts", BF16_EXPERTS_SPECS), ("moe-zero0-16", MOE_ZERO0_16_SPECS)):
                 if name in specs:
                     self.update(SETS[set_name].build([name]))
                     return self[name]
@@ -549,6 +550,10 @@ RR_RESHARDS = (
 ZERO0_RESHARDS = (
     ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2-z0-fp32", 2, 2, 2), ("dsmoe-ep2dp2-z0-fp32", 4, 2, 1),
     ("dsmoe-ep2dp2-z0-fp32", 2, 1, 2), ("dsmoe-ep2dp3-z0-fp32-s1", 2, 2, 1),
+    # Trained in bf16 (FP16_Optimizer's flat masters per group, `specs.moe_zero0_16`): ZeRO-1 at its own shape,
+    # ZeRO-2 ep4 on 4 ranks, ZeRO-1 ep1 on 2 ranks, ZeRO-2 ep2 x edp2 on 4 ranks.
+    ("dsmoe-ep2-z0-bf16", 2, 2, 1), ("dsmoe-ep2-z0-bf16", 4, 4, 2), ("dsmoe-ep2-z0-bf16", 2, 1, 1),
+    ("dsmoe-ep2-z0-bf16", 4, 2, 2),
 )
 RR_IGNORED_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z3-fp32-rr", 2, 1, 2), ("autoep-qwen3-moe-ep2-z3-fp32-rr", 4, 2, 2),
@@ -1426,7 +1431,8 @@ def _gathered_state(folder: Path, world_size: int, ep: int) -> dict[str, torch.T
     pieces: dict[str, list[torch.Tensor]] = {}
     experts = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["num_experts"]
     for r in range(world_size):
-        osd = torch.load(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", map_location="cpu",
+        name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"  # a bf16 run's: `bf16_` before it
+        osd = torch.load(folder / name if (folder / name).exists() else folder / f"bf16_{name}", map_location="cpu",
                          weights_only=False)["optimizer_state_dict"]
         base = osd["base_optimizer_state"]
         for g, mapping in enumerate(osd["param_slice_mappings"]):
@@ -1444,8 +1450,10 @@ def _gathered_state(folder: Path, world_size: int, ep: int) -> dict[str, torch.T
 
 
 
-@pytest.mark.parametrize(("name", "world_size", "ep", "stage"), [
-    ("dsmoe-ep2-z0-fp32", 4, 2, 2), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z0-fp32", 2, 1, 1)])
+@pytest.mark.parametrize(("name", "world_size", "ep", "stage"), sample([
+    ("dsmoe-ep2-z0-fp32", 4, 2, 2), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z0-fp32", 2, 1, 1),
+    ("dsmoe-ep2-z0-bf16", 2, 2, 2), ("dsmoe-ep2-z0-bf16", 4, 4, 1), ("dsmoe-ep2-z0-bf16", 2, 1, 2)],
+    [("dsmoe-ep2-z0-fp32", 4, 2, 2), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z0-fp32", 2, 1, 1)]))
 def test_a_deepspeed_moe_zero0_reshard_holds_each_parameter_s_master_and_moments(
         expert_fixtures, name: str, world_size: int, ep: int, stage: int, tmp_path: Path) -> None:
     """Every parameter's fp32 master and Adam moments in the ZeRO-1/2 files, joined by DeepSpeed's own
@@ -1480,11 +1488,16 @@ def test_deepspeed_moe_zero0_refusals(expert_fixtures, tmp_path: Path) -> None:
         plan_reshard(index, Target(world_size=4, ep=4))
     with pytest.raises(UnsupportedCheckpointError, match="DeepSpeed refuses deepspeed.moe layers at ZeRO-3"):
         plan_reshard(index, Target(world_size=2, stage=3))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: it was trained in bf16, whose "
-                                                         r"FP16_Optimizer keeps flat fp32 masters per param group in "
-                                                         r"each expp_rank file; ckptflow names a deepspeed.moe ZeRO-0 "
-                                                         r"optimizer of an fp32 run only"):
-        plan_reshard(replace(index, precision="bf16"), Target(world_size=2, stage=1))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: it was trained in fp16, whose "
+                                                         r"FP16_Optimizer's loss scale ckptflow does not carry from a "
+                                                         r"deepspeed.moe ZeRO-0 checkpoint yet \(fp32 and bf16 it "
+                                                         r"writes\); ckptflow can write no shape of "
+                                                         r"it at 2 ranks$"):
+        plan_reshard(replace(index, precision="fp16"), Target(world_size=2, stage=1))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: expp_rank_0_mp_rank_00_optim_states.pt "
+                                                         r"holds no torch optimizer state dict inside FP16_Optimizer's "
+                                                         r"`optimizer_state_dict`"):
+        plan_reshard(replace(index, precision="bf16"), Target(world_size=2, stage=1))  # fp32 files called bf16
     ckpt = _copy(expert_fixtures["dsmoe-ep2-z0-fp32"], tmp_path)
 
     def drop_one_state(obj: dict[str, Any]) -> None:  # the state of position 12: a layer-0 expert weight
