@@ -557,9 +557,10 @@ ZERO0_RESHARDS = (
     ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2-z0-fp32", 2, 2, 2), ("dsmoe-ep2dp2-z0-fp32", 4, 2, 1),
     ("dsmoe-ep2dp2-z0-fp32", 2, 1, 2), ("dsmoe-ep2dp3-z0-fp32-s1", 2, 2, 1),
     # Trained in bf16 (FP16_Optimizer's flat masters per group, `specs.moe_zero0_16`): ZeRO-1 at its own shape,
-    # ZeRO-2 ep4 on 4 ranks, ZeRO-1 ep1 on 2 ranks, ZeRO-2 ep2 x edp2 on 4 ranks.
+    # ZeRO-2 ep4 on 4 ranks, ZeRO-1 ep1 on 2 ranks, ZeRO-2 ep2 x edp2 on 4 ranks; ep2 x edp2 -> ZeRO-1 ep4 x edp1,
+    # -> ZeRO-2 ep1 on 2 ranks.
     ("dsmoe-ep2-z0-bf16", 2, 2, 1), ("dsmoe-ep2-z0-bf16", 4, 4, 2), ("dsmoe-ep2-z0-bf16", 2, 1, 1),
-    ("dsmoe-ep2-z0-bf16", 4, 2, 2),
+    ("dsmoe-ep2-z0-bf16", 4, 2, 2), ("dsmoe-ep2dp2-z0-bf16", 4, 4, 1), ("dsmoe-ep2dp2-z0-bf16", 2, 1, 2),
 )
 RR_IGNORED_RESHARDS = (
     ("autoep-qwen3-moe-ep2-z3-fp32-rr", 2, 1, 2), ("autoep-qwen3-moe-ep2-z3-fp32-rr", 4, 2, 2),
@@ -1462,7 +1463,8 @@ def _gathered_state(folder: Path, world_size: int, ep: int) -> dict[str, torch.T
 
 @pytest.mark.parametrize(("name", "world_size", "ep", "stage"), sample([
     ("dsmoe-ep2-z0-fp32", 4, 2, 2), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z0-fp32", 2, 1, 1),
-    ("dsmoe-ep2-z0-bf16", 2, 2, 2), ("dsmoe-ep2-z0-bf16", 4, 4, 1), ("dsmoe-ep2-z0-bf16", 2, 1, 2)],
+    ("dsmoe-ep2-z0-bf16", 2, 2, 2), ("dsmoe-ep2-z0-bf16", 4, 4, 1), ("dsmoe-ep2-z0-bf16", 2, 1, 2),
+    ("dsmoe-ep2dp2-z0-bf16", 2, 2, 1), ("dsmoe-ep2dp2-z0-bf16", 4, 1, 2)],
     [("dsmoe-ep2-z0-fp32", 4, 2, 2), ("dsmoe-ep2-z0-fp32", 4, 4, 1), ("dsmoe-ep2dp2-z0-fp32", 2, 1, 1)]))
 def test_a_deepspeed_moe_zero0_reshard_holds_each_parameter_s_master_and_moments(
         expert_fixtures, name: str, world_size: int, ep: int, stage: int, tmp_path: Path) -> None:
@@ -1478,12 +1480,13 @@ def test_a_deepspeed_moe_zero0_reshard_holds_each_parameter_s_master_and_moments
         assert torch.equal(state[key], tensor.reshape(-1)), key
 
 
-@pytest.mark.skipif(not long_mode(), reason="a fixture of the long mode's moe-zero0-16 set")
-def test_a_bf16_deepspeed_moe_zero0_checkpoint_validates_and_consolidates_in_bf16(expert_fixtures,
+@pytest.mark.skipif(not long_mode(), reason="fixtures of the long mode's moe-zero0-16 set")
+@pytest.mark.parametrize("name", ["dsmoe-ep2-z0-bf16", "dsmoe-ep2dp2-z0-bf16"])
+def test_a_bf16_deepspeed_moe_zero0_checkpoint_validates_and_consolidates_in_bf16(expert_fixtures, name: str,
                                                                                   tmp_path: Path) -> None:
     """Its files hold FP16_Optimizer's entry (the param groups inside `optimizer_state_dict`): valid, and its bf16
     weights are the live engine's fp32 masters rounded as DeepSpeed rounds them."""
-    fixture = expert_fixtures["dsmoe-ep2-z0-bf16"]
+    fixture = expert_fixtures[name]
     assert fixture.spec["optimizer"] == "FP16_Optimizer"
     assert validate(str(fixture.dir), deep=True).problems == ()
     consolidate(str(fixture.dir), str(tmp_path / "hf"), options=ConsolidateOptions(dtype="bf16", workers=2))
