@@ -6,9 +6,10 @@ model's tensors under the module's names with **global** expert ids: the names o
   groups (`ep_size_N`, possibly two of that name: weights and biases) hold the experts of the rank's
   expert-parallel rank under **local** ids, partitioned over its expert data-parallel group (`index`),
   and `layer_{L}_expert_{E}` files (module-dtype weights, global ids).
-- ZeRO-0: `module` holds the dense weights (the training dtype's masters), the expert files the
-  experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no names; a
-  reshard names it: `zero0_index`).
+- ZeRO-0: `module` holds the dense weights (fp32: the masters; bf16: their copies rounded), the expert
+  files the experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no
+  names; in bf16 FP16_Optimizer's, the base optimizer's state inside `optimizer_state_dict` and one flat
+  fp32 master per group; a reshard names it: `zero0_index`).
 
 Nothing records the placement but the group names, `num_experts` and DeepSpeed's default topology:
 local expert i of expert-parallel rank e in MoE layer L is global expert `e * num_experts[L] / N + i`,
@@ -54,6 +55,7 @@ from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
+from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join
 
 GATE_RE = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.gate\.wg\.weight$")  # one per MoE layer, in module order
@@ -227,8 +229,8 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     """ZeRO-0: weights from `module` and the expert files; the optimizer, in `expp_rank_*` files per
     expert-parallel rank, is checked for presence and shape only (it names no parameter)."""
     uri = listing.model0_uri
-    optimizer = model0.get("optimizer")
-    recorded = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    precision = precision_of(model0.get("ds_config"))
+    recorded = _param_groups(model0.get("optimizer"), precision)
     # not a list: no eps, which stops the reading below
     groups: list[Any] = recorded if isinstance(recorded, list) else []
     eps = [expert_group_degree(g) for g in groups]
@@ -259,8 +261,7 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     expp = open_files(st, listing.tag_uri, [expp_file_name(e) for e in range(ep)], lambda n: n.split("_mp_")[0])
     for e in range(ep):
         name = expp_file_name(e)
-        opt = expp.get(name, {}).get("optimizer")
-        got = opt.get("param_groups") if isinstance(opt, Mapping) else None
+        got = _param_groups(expp.get(name, {}).get("optimizer"), precision)
         if name in expp and (
                 not isinstance(got, list) or [g.get("name") for g in got] != [g.get("name") for g in groups]):
             st.add("ranks-disagree", f"expert-parallel rank {e}: {join(listing.tag_uri, name)} holds optimizer param "
@@ -280,7 +281,6 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
     for tensors in by_expert.values():
         for name, ref in tensors.items():
             out[name] = ModelTensor(name, ref.shape, ref.dtype, "param", (whole_run(ref, name),))
-    precision = precision_of(model0.get("ds_config"))
     return ExpertCheckpoint(
         root=st.root, tag=st.tag, kind="moe", stage=0, world_size=world_size, ep=ep, precision=precision,
         step=model0.get("global_steps", 0), ds_version=str(model0.get("ds_version", "unknown")),
@@ -288,6 +288,14 @@ def _read_zero0(st: Inspection, listing: Listing, model0: dict[str, Any], layers
         expert_files=tuple(expected), experts=sum(experts), model0=model0,
         expp=tuple(expp[expp_file_name(e)]["optimizer"] for e in range(ep)),
     )
+
+
+def _param_groups(optimizer: Any, precision: str) -> Any:
+    """The torch param groups of a saved ZeRO-0 optimizer: its own (fp32), or FP16_Optimizer's base
+    optimizer's (`optimizer_state_dict`, bf16 and fp16); None where there are none."""
+    sixteen = precision != "fp32" and isinstance(optimizer, Mapping)
+    inner = optimizer.get("optimizer_state_dict") if sixteen else optimizer
+    return inner.get("param_groups") if isinstance(inner, Mapping) else None
 
 
 # ---- ZeRO-0's optimizer state named, as a ZeRO index ------------------------------------------------------
@@ -301,22 +309,27 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     `optimizer.state_dict()`: a torch optimizer over the groups
     `split_params_into_different_moe_groups_for_optimizer` built from the client's, each client group
     with its expert parameters taken out, then one `ep_size_N` group (`moe: True`) per client group with
-    those, cut by size; the state keyed by position over all groups. Rank e's expert parameters are its
+    those, cut by size; the state keyed by position over all groups. In bf16 or fp16 (a model that is not
+    a PipelineModule) the optimizer is FP16_Optimizer's: the base optimizer's state by group
+    (`optimizer_state_dict`, one flat state per group) and one flat fp32 master per group
+    (`fp32_groups_flat`), as for a dense model (`readers.zero0`). Rank e's expert parameters are its
     local experts `deepspeed_experts.{i}` (global expert `e * E/N + i`, the file holding it). So the
     premise of `readers.zero0.named_groups` (each group in the module's order) names them: the dense
     groups over the module's weights, the expert groups over rank e's local experts, apart (a dense and an
-    expert parameter of one shape are never mistaken), by their Adam moments' shapes. The dense groups'
-    state is the same on every rank (their gradients are averaged over all): rank 0's is taken.
+    expert parameter of one shape are never mistaken), by their Adam moments' shapes (fp32) or their flat
+    masters' sizes (16-bit). The dense groups' state is the same on every rank (their gradients are
+    averaged over all): rank 0's is taken.
 
     The index is as `reshard.stage` builds one from a data-parallel ZeRO-0 checkpoint: every master a
     partition of its own at one virtual rank k (a group with fewer repeats its last, which no copy
-    reads), each expert group with one copy per expert-parallel rank under local names (`Param.shard`),
-    its optimizer file's base state rank 0's (the step the group's), its model states the source's with
-    no `optimizer`."""
+    reads; a 16-bit group's flat master holds its parameters end to end), each expert group with one copy
+    per expert-parallel rank under local names (`Param.shard`), its optimizer file's base state rank 0's
+    (the step the group's, FP16_Optimizer's `clip_grad` where it saved one), its model states the
+    source's with no `optimizer`."""
     model0 = source.model0
-    if source.precision != "fp32":
-        return (f"it was trained in {source.precision}, whose FP16_Optimizer keeps flat fp32 masters per param group "
-                "in each expp_rank file; ckptflow names a deepspeed.moe ZeRO-0 optimizer of an fp32 run only")
+    if source.precision == "fp16":
+        return ("it was trained in fp16, whose FP16_Optimizer's loss scale ckptflow does not carry from a "
+                "deepspeed.moe ZeRO-0 checkpoint yet (fp32 and bf16 it writes)")
     named = [_named_rank(source, e) for e in range(source.ep)]
     bad = next((n for n in named if isinstance(n, str)), None)
     if bad is not None:
@@ -329,7 +342,7 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     masters: list[list[tuple[int, Zero0Group, int]]] = []  # per group: (expert-parallel rank, group, position)
     for g, group in enumerate(first):
         shards = range(source.ep) if group.hyper.get("moe") else range(1)
-        masters.append([(e, ranks[e][g], j) for e in shards for j in range(len(group.params))])
+        masters.append([(e, ranks[e][g], j) for e in shards for j in range(len(group.masters))])
     width = max(len(m) for m in masters)
 
     def partition(k: int, g: int) -> Partition:
@@ -343,11 +356,13 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     params = []
     for g, m in enumerate(masters):
         for k, (e, group, j) in enumerate(m):
-            name = group.params[j]
-            shape = local[name] if group.hyper.get("moe") else shapes[name]
-            params.append(Param(name, shape, "float32", g, (Fragment(rank=k, group=g, offset=0,
-                                                                      numel=partitions[k][g].numel, param_offset=0),),
-                                shard=e))
+            offset = 0
+            for name in group.params if len(group.masters) == 1 else group.params[j:j + 1]:  # 16-bit: end to end
+                shape = local[name] if group.hyper.get("moe") else shapes[name]
+                numel = element_count(shape)
+                params.append(Param(name, shape, "float32", g, (Fragment(rank=k, group=g, offset=offset, numel=numel,
+                                                                          param_offset=0),), shard=e))
+                offset += numel
     order = {n: i for i, n in enumerate(model0["module"])}
     params.sort(key=lambda p: (p.shard, order.get(p.name, len(order))))
     base_state = {g: {k: group.step if k == "step" else v for k, v in partitions[0][g].state.items()}
@@ -355,6 +370,8 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     osd = {"base_optimizer_state": {"state": base_state,
                                     "param_groups": [{**group.hyper, "params": [g]} for g, group in enumerate(first)]},
            "ds_version": model0.get("ds_version")}
+    if "clip_grad" in source.expp[0]:  # FP16_Optimizer's; else `reshard.files` takes the recorded config's
+        osd["clip_grad"] = source.expp[0]["clip_grad"]
     buffers = set(model0.get("buffer_names") or [])
     uri = join(source.tag_uri, expp_file_name(0))
     return ZeroCheckpoint(
@@ -390,25 +407,42 @@ def _local_experts(source: ExpertCheckpoint, e: int) -> list[ModelTensor]:
 def _named_rank(source: ExpertCheckpoint, e: int) -> tuple[Zero0Group, ...] | str:
     """Expert-parallel rank e's param groups named, in the optimizer's order (`zero0_index`)."""
     model0 = source.model0
-    optimizer = source.expp[e]
-    groups = optimizer["param_groups"]
-    state = optimizer.get("state") or {}
-    if not isinstance(state, Mapping) or not all(isinstance(g.get("params"), list) for g in groups):
-        return (f"{expp_file_name(e)} holds no torch optimizer state dict (`state` by position, param groups listing "
-                "their positions); the file is damaged or was written by another tool")
+    sixteen = source.precision != "fp32"
+    saved = source.expp[e]
+    optimizer = saved.get("optimizer_state_dict") if sixteen else saved
+    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    state = (optimizer.get("state") or {}) if isinstance(optimizer, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(groups, list) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        inside = " inside FP16_Optimizer's `optimizer_state_dict`" if sixteen else ""
+        return (f"{expp_file_name(e)} holds no torch optimizer state dict{inside} (`state` by position, param groups "
+                "listing their positions); the file is damaged or was written by another tool")
+    flats: Any = saved.get("fp32_groups_flat") if sixteen else []
+    if sixteen and (not isinstance(flats, list) or len(flats) != len(groups) or not all(
+            isinstance(f, TensorRef) and f.dtype == "float32" and len(f.shape) == 1 for f in flats)):
+        return (f"{expp_file_name(e)} was saved in {source.precision}, but holds no flat fp32 master per param group "
+                f"(FP16_Optimizer's `fp32_groups_flat`, {len(groups)} expected); the file is damaged or was written "
+                "by another tool")
     buffers = set(model0.get("buffer_names") or [])
     dense = [t for t in source.tensors if t.name in model0["module"] and t.name not in buffers]
     mine = _local_experts(source, e)
     out: dict[int, Zero0Group] = {}
     for moe, tensors in ((False, dense), (True, mine)):
         picked = [g for g, group in enumerate(groups) if bool(group.get("moe")) == moe]
+        picked_state: Mapping[Any, Any] = state
+        if sixteen:  # FP16_Optimizer's base state: group g's one flat tensor at its own position; named by group
+            picked_state = {i: state.get(groups[g]["params"][0]) if groups[g]["params"] else None
+                            for i, g in enumerate(picked)}
+        saved_view: Mapping[str, Any] = {"state": picked_state, "param_groups": [groups[g] for g in picked]}
+        if sixteen:  # FP16_Optimizer's entry, as `readers.zero0` reads it
+            saved_view = {"optimizer_state_dict": saved_view, "fp32_groups_flat": [flats[g] for g in picked]}
         view = Zero0Checkpoint(
             root=source.root, tag=source.tag, world_size=source.world_size, precision=source.precision,
             step=source.step, ds_version=source.ds_version, model_file=join(source.tag_uri, expp_file_name(e)),
             tensors=tuple(tensors), tied={}, optimizer_params=sum(len(groups[g]["params"]) for g in picked),
             optimizer_groups=len(picked), optimizer_step=0,
             model_states={"module": {t.name: t.runs[0].ref for t in tensors},
-                          "optimizer": {"state": state, "param_groups": [groups[g] for g in picked]}})
+                          "optimizer": saved_view})
         named = named_groups(view)
         what = "expert" if moe else "dense"
         if isinstance(named, str):

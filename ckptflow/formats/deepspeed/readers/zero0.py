@@ -27,8 +27,10 @@ every training script that builds its param groups by walking the model (DeepSpe
 `model.parameters()`, the usual decay / no-decay split): each group holds its parameters in the
 module's order. Then the parameters are the module's, in order, each in one group (or in none: frozen),
 and what the file records pins down which: per index the shape of its Adam moments (fp32), or per group
-the size of its flat masters (16-bit). The assignment is used only where exactly one fits. In fp16 the
-target's loss scaler is FP16_Optimizer's carried (`zero_loss_scaler`).
+the size of its flat masters (16-bit; where the sizes fit several, also that each master, rounded to the
+training dtype, is its weight over the weight's first `PROBE` elements: `_Agrees`). The assignment is
+used only where exactly one fits. In fp16 the target's loss scaler is FP16_Optimizer's carried
+(`zero_loss_scaler`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
+from ckptflow.formats.casts import as_array, fp32_to_bf16, fp32_to_fp16
 from ckptflow.formats.deepspeed.config import is_set, section, zero_section
 from ckptflow.formats.deepspeed.inspection import Inspection, Listing, is_count, shown
 from ckptflow.formats.deepspeed.model import Degrees, ModelTensor
@@ -45,6 +50,7 @@ from ckptflow.formats.deepspeed.readers.zero import model_head
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import TensorRef
 from ckptflow.formats.torch.unpickler import PickledObject
+from ckptflow.plumbing.ranges import read_ranges
 from ckptflow.plumbing.sizes import element_count
 from ckptflow.plumbing.storage import join
 
@@ -258,6 +264,7 @@ class Zero0Group:
 
 # A model with more ways to check than this is refused rather than searched.
 MAX_ASSIGNMENTS = 200_000
+AMBIGUOUS = "fits them in more than one way"
 
 
 def named_groups(index: Zero0Checkpoint) -> tuple[tuple[Zero0Group, ...], tuple[str, ...]] | str:
@@ -280,6 +287,15 @@ def named_groups(index: Zero0Checkpoint) -> tuple[tuple[Zero0Group, ...], tuple[
                         lambda at, g, n: at[g] + n <= sizes[g] if g >= 0 else at[-1] + n <= spare,
                         lambda n: n, lambda at: list(at) == [*sizes, spare])
         what = "the sizes of its flat fp32 masters"
+        if found == AMBIGUOUS:  # the sizes alone allow several: the one whose masters round to the weights
+            agrees = _Agrees(masters, _module(index), index.precision)
+            found = _assign(list(range(len(weights))), len(groups),
+                            lambda at, g, i: (at[g] + weights[i].numel <= sizes[g]
+                                              and agrees(g, at[g], weights[i].name)) if g >= 0
+                            else at[-1] + weights[i].numel <= spare,
+                            lambda i: weights[i].numel, lambda at: list(at) == [*sizes, spare])
+            what = (f"the sizes of its flat fp32 masters, and their first {PROBE} elements at each place rounded to "
+                    f"{index.precision} against the weights")
     else:
         ids = [list(g["params"]) for g in groups]
         spare = len(weights) - sum(map(len, ids))
@@ -316,6 +332,36 @@ def named_groups(index: Zero0Checkpoint) -> tuple[tuple[Zero0Group, ...], tuple[
                                      tuple(_flat_state(s, r) for s, r in zip(states, refs)),
                                      _step(states[-1]) if states else None))
     return tuple(out_groups), frozen
+
+
+# How many elements of a weight `_Agrees` compares with its master's at a place.
+PROBE = 64
+
+
+class _Agrees:
+    """Whether the flat fp32 master of group g, read from element `at`, rounds to the 16-bit weight `name`
+    over its first `PROBE` elements (FP16_Optimizer copies each master into its weight after every step:
+    `masters_note`); each answer read once (two small byte ranges) and kept."""
+
+    def __init__(self, masters: Sequence[TensorRef], module: Mapping[str, TensorRef], precision: str) -> None:
+        self.masters, self.module = masters, module
+        self.cast = fp32_to_bf16 if precision == "bf16" else fp32_to_fp16
+        self.seen: dict[tuple[int, int, str], bool] = {}
+
+    def __call__(self, g: int, at: int, name: str) -> bool:
+        key = (g, at, name)
+        if key not in self.seen:
+            weight, master = self.module[name], self.masters[g]
+            n = min(PROBE, weight.numel)
+            if weight.itemsize != 2 or not weight.is_contiguous:
+                self.seen[key] = False
+            else:
+                fp32, sixteen = read_ranges([(master.uri, *master.element_range(at, n)),
+                                             (weight.uri, *weight.element_range(0, n))])
+                out = np.empty(n, dtype=np.uint16)
+                self.cast(as_array(fp32, np.uint32), out)
+                self.seen[key] = out.tobytes() == sixteen
+        return self.seen[key]
 
 
 def _module(index: Zero0Checkpoint) -> Mapping[str, TensorRef]:
@@ -378,7 +424,7 @@ def _assign(items: Sequence[Any], groups: int, fits: Callable[[tuple[int, ...], 
     if total == 0:
         return "fits none of them"
     if total > 1:
-        return "fits them in more than one way"
+        return AMBIGUOUS
     at = ends[0][0]
     out = []
     for layer in reversed(layers[1:]):
