@@ -464,7 +464,9 @@ def resolve(index: Any, target: Target, config: Mapping[str, Any] | None = None,
         writable = [s for s, why in staged.items() if why is None]
         common = set(staged.values())  # one reason refuses every shape the layout allows: it says what to give
         if not writable and len(common) == 1 and None not in common:
-            listing = f"ckptflow can write no shape of it at {target.world_size} ranks as things stand: {common.pop()}"
+            why = common.pop()
+            listing = (f"ckptflow can write no shape of it at {target.world_size} ranks as things stand"
+                       + ("" if why == problem else f": {why}"))
         else:
             nearby = [] if writable else _nearby(index, target.world_size, config, target.qkv_layout, stages)
             listing = _listing(writable, target.world_size, nearby)
@@ -517,9 +519,14 @@ def _nearby(index: Any, world_size: int, config: Mapping[str, Any] | None, qkv_l
     """The world sizes closest to `world_size` (at most twice it) at which ckptflow writes some shape of `index`
     (that `stages`, where given, does not refuse either)."""
     sizes = sorted(range(1, 2 * world_size + 1), key=lambda n: (abs(n - world_size), n))
-    found = [n for n in sizes[1:] if any(reason is None and (stages is None or stages(shape) is None)
-                                         for shape, reason in shapes_at(index, n, config, qkv_layout))]
-    return sorted(found[:2])
+    found: list[int] = []
+    for n in sizes[1:]:
+        if any(reason is None and (stages is None or stages(shape) is None)
+               for shape, reason in shapes_at(index, n, config, qkv_layout)):
+            found.append(n)
+            if len(found) == 2:
+                break
+    return sorted(found)
 
 
 def _listing(shapes: list[Shape], world_size: int, nearby: list[int]) -> str:
