@@ -28,6 +28,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -887,6 +888,33 @@ def test_a_bf16_zero0_pipeline_s_refusals(parallel_extra_fixtures: Mapping[str, 
     with pytest.raises(UnsupportedCheckpointError, match=r"global_step3: its optimizer files name its tied modules "
                        r"\(embed=0\), and `tied_modules` gives embed=1; leave `tied_modules` out"):
         reshard(src, str(tmp_path / "out"), world_size=2, stage=1, tied_modules="embed=1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_zero0_pipeline_saved_at_two_data_parallel_ranks_is_refused_in_one_line(
+        parallel_extra_fixtures: Mapping[str, ParallelFixture], tmp_path: Path) -> None:
+    """Pure: the bf16 ZeRO-0 pipeline with a second data-parallel rank (its rank 0's optimizer files copied, and
+    `dp_world_size` 2 in its model states, which hold rank 0's optimizer only) is refused in one line naming the model states and what is read,
+    not as a folder mixing saves, writing nothing."""
+    from typer.testing import CliRunner
+
+    from ckptflow.cli import app
+    from ckptflow.formats.deepspeed.readers.pipeline import BF16_ZERO0_DP
+
+    src = tmp_path / "src"
+    shutil.copytree(parallel_extra_fixtures[BF16_ZERO0].dir, src)
+    tag = src / (src / "latest").read_text().strip()
+    for stage in range(2):
+        states = torch.load(tag / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)  # trusted: our fixture
+        torch.save({**states, "dp_world_size": 2}, tag / f"mp_rank_{stage:02d}_model_states.pt")
+        shutil.copy(tag / f"bf16_zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt",
+                    tag / f"bf16_zero_pp_rank_1_mp_rank_{stage:02d}_optim_states.pt")
+    runner = CliRunner()
+    refused = runner.invoke(app, ["reshard", str(src), str(tmp_path / "out"), "--world-size", "4", "--zero-stage", "1"],
+                            env={"COLUMNS": "400"})
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert f"mp_rank_00_model_states.pt holds the optimizer of data-parallel rank 0 only: {BF16_ZERO0_DP}" in (
+        refused.output)
     assert not (tmp_path / "out").exists()
 
 

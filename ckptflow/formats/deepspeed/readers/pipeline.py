@@ -85,11 +85,15 @@ NAMES_NOTE = ("a PipelineModule has no Hugging Face config: the tensors keep its
               "load_state_dict on the same PipelineModule built as one stage, or rename them for your model")
 BF16_ZERO0_NOTE = ("a PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose checkpoint "
                    "DeepSpeed 0.19.8 cannot load back (its loader fails with KeyError 0); its optimizer files name "
-                   "every parameter, so `ckptflow reshard SRC OUT --zero-stage 1` writes it at ZeRO-1, which "
-                   "DeepSpeed loads")
+                   "every parameter, so `ckptflow reshard SRC OUT --world-size N --zero-stage 1` writes it at ZeRO-1, "
+                   "which DeepSpeed loads")
 BF16_ZERO0_LOAD = ("its optimizer is DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at "
                    "ZeRO-0), which DeepSpeed 0.19.8 cannot load back (its loader fails with KeyError 0); ckptflow "
                    "writes it at ZeRO-1, which DeepSpeed loads")
+BF16_ZERO0_DP = ("a PipelineModule trained in bf16 at ZeRO-0 (DeepSpeed's BF16_Optimizer, which DeepSpeed 0.19.8 "
+                 "cannot load back) saved at data-parallel size 2 or more is not read yet; ckptflow reads one saved "
+                 "at data-parallel size 1, or save it at ZeRO-1 (`zero_optimization.stage` 1), which DeepSpeed and "
+                 "ckptflow read at any data-parallel size")
 NO_UC_INFO = ("nothing in it says how each parameter is split over the {tp} tensor-parallel ranks, and ckptflow does "
               "not guess (DeepSpeed's universal converter does when told to inject the state it lacks, and writes "
               "wrong tensors for row-parallel, replicated and vocabulary-padded parameters); save the checkpoint with "
@@ -130,6 +134,10 @@ def read_pipeline(
     stop_on_new(st, left_over)
     zero0 = topology.stage == 0
     bf16_zero0 = not zero0 and not megatron and all(zero0_bf16_optimizer(head) for head in heads)
+    if bf16_zero0 and topology.dp > 1:
+        st.add("unsupported-layout", f"{listing.model_uri(0)} holds the optimizer of data-parallel rank 0 only: "
+               f"{BF16_ZERO0_DP}", file=listing.model_uri(0))
+        st.stop_if_any()
     if bf16_zero0:  # BF16_Optimizer at ZeRO-0: each stage named by its param_slice_mappings
         heads = [_named_head(head, layers, heads) for head in heads]
     plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
