@@ -808,11 +808,30 @@ def test_deepspeed_loads_a_bf16_zero0_pipeline_at_zero1_holding_the_source_state
     """DeepSpeed's PipelineEngine at ZeRO-1 (the source's bf16 config: DeepSpeedZeroOptimizer there) loads
     ckptflow's output natively, holds the source's fp32 masters, both Adam moments and buffers bit for bit, and
     saves exactly ckptflow's files (the step included); the output validates at its shape."""
-    check_loaded_state(bf16_zero0_oracle, case, parallel_extra_fixtures[BF16_ZERO0])
-    check_same_files(bf16_zero0_oracle, case)
-    report = validate(str(bf16_zero0_oracle["outs"][case]), deep=True)
+    check_zero1_output(bf16_zero0_oracle, case, parallel_extra_fixtures[BF16_ZERO0])
+
+
+def check_zero1_output(oracle: Mapping[str, Any], case: tuple[int, int, str | None], fixture: ParallelFixture) -> None:
+    """DeepSpeed loaded the ZeRO-1 output of `case` (pp, dp, method) holding `fixture`'s state and saved the same
+    files; the output validates at pp x dp, ZeRO-1."""
+    check_loaded_state(oracle, case, fixture)
+    check_same_files(oracle, case)
+    report = validate(str(oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
     assert (report.summary()["stage"], report.summary()["pp"], report.summary()["world_size"]) == (1, case[0], case[1])
+
+
+def check_fp32_masters(fixture: ParallelFixture, tmp_path: Path) -> None:
+    """`fixture` consolidated in fp32 holds every parameter's master as the live engine held it
+    (`expected.safetensors`), bit for bit."""
+    from ckptflow.consolidate import ConsolidateOptions, consolidate
+
+    consolidate(str(fixture.dir), str(tmp_path / "fp32"), options=ConsolidateOptions(dtype="fp32"))
+    expected = load_file(fixture.expected_path)
+    weights = load_file(tmp_path / "fp32" / "model.safetensors")
+    params = [name for name in weights if f"fp32/{name}" in expected]
+    assert sorted(params) == sorted(fixture.spec["params"])
+    assert all(torch.equal(weights[name], expected[f"fp32/{name}"]) for name in params)
 
 
 def test_a_bf16_zero0_pipeline_is_read_from_its_optimizer_s_names(
@@ -823,7 +842,6 @@ def test_a_bf16_zero0_pipeline_is_read_from_its_optimizer_s_names(
     as DeepSpeed's own ZeRO-1 bf16 pipe-toy checkpoint records them (`pipe-pp2-z1-bf16`: the same param_shapes,
     DeepSpeedZeroOptimizer's files), with no `optimizer` in the model states. Its fp32 masters consolidate to the
     live engine's (`expected.safetensors`) bit for bit."""
-    from ckptflow.consolidate import ConsolidateOptions, consolidate
     from ckptflow.formats.deepspeed.partition import BF16, ZERO
 
     fixture = parallel_extra_fixtures[BF16_ZERO0]
@@ -839,12 +857,7 @@ def test_a_bf16_zero0_pipeline_is_read_from_its_optimizer_s_names(
     assert [[u.optim_file for u in part.units] for part in plan.parts] == [
         [f"bf16_zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(2)] for s in range(2)]
     assert all(part.index.model_states[0]["optimizer"] is None for part in plan.parts)
-    consolidate(str(fixture.dir), str(tmp_path / "fp32"), options=ConsolidateOptions(dtype="fp32"))
-    expected = load_file(fixture.expected_path)
-    weights = load_file(tmp_path / "fp32" / "model.safetensors")
-    params = [name for name in weights if f"fp32/{name}" in expected]
-    assert len(params) == len(fixture.spec["params"])
-    assert all(torch.equal(weights[name], expected[f"fp32/{name}"]) for name in params)
+    check_fp32_masters(fixture, tmp_path)
 
 
 @pytest.mark.parametrize("target", [{"world_size": 2, "pp": 1}, {"world_size": 4, "pp": 4, "partition_method": "uniform"}])
@@ -929,11 +942,7 @@ def test_deepspeed_loads_a_bf16_zero0_pipeline_saved_at_dp2_at_zero1_holding_the
     """Saved at pp2 x dp2, the bf16 ZeRO-0 pipeline's stages are named by both ranks' optimizer files: DeepSpeed's
     PipelineEngine at ZeRO-1 loads ckptflow's output natively, holds the source's fp32 masters, both Adam moments
     and buffers bit for bit, and saves exactly ckptflow's files; the output validates at its shape."""
-    check_loaded_state(bf16_zero0_dp_oracle, case, bf16_zero0_dp_fixture)
-    check_same_files(bf16_zero0_dp_oracle, case)
-    report = validate(str(bf16_zero0_dp_oracle["outs"][case]), deep=True)
-    assert report.ok, [p.message for p in report.problems]
-    assert (report.summary()["stage"], report.summary()["pp"], report.summary()["world_size"]) == (1, case[0], case[1])
+    check_zero1_output(bf16_zero0_dp_oracle, case, bf16_zero0_dp_fixture)
 
 
 @pytest.mark.parametrize("name", sample([BF16_ZERO0_DP], keep=()))
@@ -942,7 +951,6 @@ def test_a_bf16_zero0_pipeline_saved_at_dp2_is_read_from_all_its_ranks_names(
     """Saved at pp2 x dp2 (DeepSpeed cannot load it back: the writer checked), the bf16 ZeRO-0 pipeline validates
     as ZeRO-0 pp2 x dp2 with the note saying how to resume it, a parameter spanning the ranks' partitions named once,
     and its fp32 masters consolidate to the live engine's (`expected.safetensors`) bit for bit."""
-    from ckptflow.consolidate import ConsolidateOptions, consolidate
     from ckptflow.formats.deepspeed.readers.pipeline import BF16_ZERO0_NOTE
 
     fixture = bf16_zero0_dp_fixture
@@ -955,12 +963,7 @@ def test_a_bf16_zero0_pipeline_saved_at_dp2_is_read_from_all_its_ranks_names(
     summary = report.summary()
     assert (summary["stage"], summary["pp"], summary["world_size"]) == (0, 2, 2)
     assert BF16_ZERO0_NOTE in summary["notes"]
-    consolidate(str(fixture.dir), str(tmp_path / "fp32"), options=ConsolidateOptions(dtype="fp32"))
-    expected = load_file(fixture.expected_path)
-    weights = load_file(tmp_path / "fp32" / "model.safetensors")
-    params = [n for n in weights if f"fp32/{n}" in expected]
-    assert sorted(params) == sorted(fixture.spec["params"])
-    assert all(torch.equal(weights[n], expected[f"fp32/{n}"]) for n in params)
+    check_fp32_masters(fixture, tmp_path)
 
 
 def test_the_plan_asks_the_stage_counts_of_the_method_given(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:
