@@ -431,7 +431,7 @@ def test_a_zero0_pipeline_in_bf16_is_read_by_its_optimizer_s_names(
     parameter (`param_slice_mappings`): ckptflow reads it as ZeRO-0 holding BF16_Optimizer's partitions, says
     so and how to resume it (`ckptflow reshard --zero-stage 1`, `tests/test_pipeline_reshard.py`), and
     consolidates its masters in bf16 (rounded as the training rounds them) and in fp32 (the masters). A stage
-    whose optimizer names none is refused in one line that names the layout and what to do, writing nothing."""
+    whose optimizer file names none is refused in one line that names the layout and what to do, writing nothing."""
     from typer.testing import CliRunner
 
     from ckptflow.cli import app
@@ -456,11 +456,12 @@ def test_a_zero0_pipeline_in_bf16_is_read_by_its_optimizer_s_names(
 
     ckpt = copy_checkpoint(fixture, tmp_path)
     model = ckpt / "global_step3" / "mp_rank_01_model_states.pt"
-    rewrite(model, lambda state: state["optimizer"].pop("param_slice_mappings"))
+    rewrite(ckpt / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+            lambda state: state["optimizer_state_dict"].pop("param_slice_mappings"))
     message = (f"{model} (pipeline stage 1 of 2) is a ZeRO-0 checkpoint whose optimizer is DeepSpeed's BF16_Optimizer "
                "(what a PipelineModule trained in bf16 gets at ZeRO-0), which DeepSpeed 0.19.8 cannot load back (its "
-               "loader fails with KeyError 0); ckptflow reads that layout where the optimizer in the model states "
-               "names a plain PipelineModule's parameters (param_slice_mappings), not here: train with ZeRO-1, whose "
+               "loader fails with KeyError 0); ckptflow reads that layout where its optimizer files name a plain "
+               "PipelineModule's parameters (param_slice_mappings), not here: train with ZeRO-1, whose "
                "BF16_Optimizer files ckptflow reads, or save the 16-bit weights with `engine.save_16bit_model()`")
     assert messages(ckpt) == [("unsupported-layout", message)]
     out = tmp_path / "out"

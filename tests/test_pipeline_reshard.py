@@ -30,7 +30,7 @@ import random
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -778,20 +778,26 @@ def bf16_zero0_oracle(parallel_extra_fixtures: Mapping[str, ParallelFixture],
                       tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """ckptflow writes the bf16 ZeRO-0 pipeline at each of `BF16_ZERO0_CASES`; one DeepSpeed launch per world
     size builds pipe-toy there at ZeRO-1 with the source's bf16 config, loads each natively and saves it again."""
-    root = tmp_path_factory.mktemp("pipe-bf16-zero0-oracle")
-    fixture = parallel_extra_fixtures[BF16_ZERO0]
+    return run_bf16_zero0_oracle(parallel_extra_fixtures[BF16_ZERO0], BF16_ZERO0_CASES, bf16_zero0_id,
+                                 tmp_path_factory.mktemp("pipe-bf16-zero0-oracle"))
+
+
+def run_bf16_zero0_oracle(fixture: ParallelFixture, cases: Sequence[tuple[int, int, str | None]],
+                          label: Callable[[tuple[int, int, str | None]], str], root: Path) -> dict[str, Any]:
+    """ckptflow writes the bf16 ZeRO-0 pipeline `fixture` at ZeRO-1 at each of `cases` (pp, dp, partition
+    method); one DeepSpeed launch per world size loads each natively and saves it again."""
     outs, resaved, results = {}, {}, {}
     launches: dict[int, list[dict[str, Any]]] = {}
-    for case in BF16_ZERO0_CASES:
+    for case in cases:
         pp, dp, method = case
         outs[case], resaved[case], results[case], job = stages_job(
-            fixture, root, bf16_zero0_id(case), pp, dp, method or "uniform", next_loss=False)
+            fixture, root, label(case), pp, dp, method or "uniform", next_loss=False)
         job["spec"] = dataclasses.replace(fixture.parallel_spec, pp=pp, stage=1, world_size=pp * dp).to_json()
         reshard(str(fixture.dir), str(outs[case]), world_size=pp * dp, pp=pp, stage=1, partition_method=method,
                 workers=2)
         launches.setdefault(pp * dp, []).append(job)
     for world_size, jobs in sorted(launches.items()):
-        launch_oracle(world_size, jobs, root, f"{world_size}-pipe-bf16-zero0")
+        launch_oracle(world_size, jobs, root, f"{world_size}-{fixture.name}")
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
@@ -802,11 +808,30 @@ def test_deepspeed_loads_a_bf16_zero0_pipeline_at_zero1_holding_the_source_state
     """DeepSpeed's PipelineEngine at ZeRO-1 (the source's bf16 config: DeepSpeedZeroOptimizer there) loads
     ckptflow's output natively, holds the source's fp32 masters, both Adam moments and buffers bit for bit, and
     saves exactly ckptflow's files (the step included); the output validates at its shape."""
-    check_loaded_state(bf16_zero0_oracle, case, parallel_extra_fixtures[BF16_ZERO0])
-    check_same_files(bf16_zero0_oracle, case)
-    report = validate(str(bf16_zero0_oracle["outs"][case]), deep=True)
+    check_zero1_output(bf16_zero0_oracle, case, parallel_extra_fixtures[BF16_ZERO0])
+
+
+def check_zero1_output(oracle: Mapping[str, Any], case: tuple[int, int, str | None], fixture: ParallelFixture) -> None:
+    """DeepSpeed loaded the ZeRO-1 output of `case` (pp, dp, method) holding `fixture`'s state and saved the same
+    files; the output validates at pp x dp, ZeRO-1."""
+    check_loaded_state(oracle, case, fixture)
+    check_same_files(oracle, case)
+    report = validate(str(oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
     assert (report.summary()["stage"], report.summary()["pp"], report.summary()["world_size"]) == (1, case[0], case[1])
+
+
+def check_fp32_masters(fixture: ParallelFixture, tmp_path: Path) -> None:
+    """`fixture` consolidated in fp32 holds every parameter's master as the live engine held it
+    (`expected.safetensors`), bit for bit."""
+    from ckptflow.consolidate import ConsolidateOptions, consolidate
+
+    consolidate(str(fixture.dir), str(tmp_path / "fp32"), options=ConsolidateOptions(dtype="fp32"))
+    expected = load_file(fixture.expected_path)
+    weights = load_file(tmp_path / "fp32" / "model.safetensors")
+    params = [name for name in weights if f"fp32/{name}" in expected]
+    assert sorted(params) == sorted(fixture.spec["params"])
+    assert all(torch.equal(weights[name], expected[f"fp32/{name}"]) for name in params)
 
 
 def test_a_bf16_zero0_pipeline_is_read_from_its_optimizer_s_names(
@@ -817,7 +842,6 @@ def test_a_bf16_zero0_pipeline_is_read_from_its_optimizer_s_names(
     as DeepSpeed's own ZeRO-1 bf16 pipe-toy checkpoint records them (`pipe-pp2-z1-bf16`: the same param_shapes,
     DeepSpeedZeroOptimizer's files), with no `optimizer` in the model states. Its fp32 masters consolidate to the
     live engine's (`expected.safetensors`) bit for bit."""
-    from ckptflow.consolidate import ConsolidateOptions, consolidate
     from ckptflow.formats.deepspeed.partition import BF16, ZERO
 
     fixture = parallel_extra_fixtures[BF16_ZERO0]
@@ -833,12 +857,7 @@ def test_a_bf16_zero0_pipeline_is_read_from_its_optimizer_s_names(
     assert [[u.optim_file for u in part.units] for part in plan.parts] == [
         [f"bf16_zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(2)] for s in range(2)]
     assert all(part.index.model_states[0]["optimizer"] is None for part in plan.parts)
-    consolidate(str(fixture.dir), str(tmp_path / "fp32"), options=ConsolidateOptions(dtype="fp32"))
-    expected = load_file(fixture.expected_path)
-    weights = load_file(tmp_path / "fp32" / "model.safetensors")
-    params = [name for name in weights if f"fp32/{name}" in expected]
-    assert len(params) == len(fixture.spec["params"])
-    assert all(torch.equal(weights[name], expected[f"fp32/{name}"]) for name in params)
+    check_fp32_masters(fixture, tmp_path)
 
 
 @pytest.mark.parametrize("target", [{"world_size": 2, "pp": 1}, {"world_size": 4, "pp": 4, "partition_method": "uniform"}])
@@ -888,6 +907,63 @@ def test_a_bf16_zero0_pipeline_s_refusals(parallel_extra_fixtures: Mapping[str, 
                        r"\(embed=0\), and `tied_modules` gives embed=1; leave `tied_modules` out"):
         reshard(src, str(tmp_path / "out"), world_size=2, stage=1, tied_modules="embed=1")
     assert not (tmp_path / "out").exists()
+
+
+# The same model trained so over two data-parallel ranks (`specs.pipe_bf16_zero0_dp`, its own 4-rank launch): each
+# stage's BF16_Optimizer partitions over its two ranks, and the model states hold rank 0's optimizer alone, which names
+# only the parameters rank 0's partition holds; ckptflow names each stage by all its ranks' optimizer files. Written
+# at ZeRO-1 at its own pp2 x dp2 and merged to pp1 x dp2 (one launch per world size). Long mode only.
+BF16_ZERO0_DP = "pipe-pp2dp2-z0-bf16"
+BF16_ZERO0_DP_CASES = sample(((2, 2, None), (1, 2, None)), keep=())
+
+
+def bf16_zero0_dp_id(case: tuple[int, int, str | None]) -> str:
+    pp, dp, _ = case
+    return f"{BF16_ZERO0_DP}-to-z1-pp{pp}-dp{dp}"
+
+
+@pytest.fixture(scope="session")
+def bf16_zero0_dp_fixture() -> ParallelFixture:
+    fixture: ParallelFixture = SETS["pipe-bf16-zero0-dp"].build([BF16_ZERO0_DP])[BF16_ZERO0_DP]
+    return fixture
+
+
+@pytest.fixture(scope="session")
+def bf16_zero0_dp_oracle(bf16_zero0_dp_fixture: ParallelFixture,
+                         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_bf16_zero0_oracle(bf16_zero0_dp_fixture, BF16_ZERO0_DP_CASES, bf16_zero0_dp_id,
+                                 tmp_path_factory.mktemp("pipe-bf16-zero0-dp-oracle"))
+
+
+@pytest.mark.parametrize("case", BF16_ZERO0_DP_CASES, ids=bf16_zero0_dp_id)
+def test_deepspeed_loads_a_bf16_zero0_pipeline_saved_at_dp2_at_zero1_holding_the_source_state(
+        bf16_zero0_dp_oracle: dict[str, Any], case: tuple[int, int, str | None],
+        bf16_zero0_dp_fixture: ParallelFixture) -> None:
+    """Saved at pp2 x dp2, the bf16 ZeRO-0 pipeline's stages are named by both ranks' optimizer files: DeepSpeed's
+    PipelineEngine at ZeRO-1 loads ckptflow's output natively, holds the source's fp32 masters, both Adam moments
+    and buffers bit for bit, and saves exactly ckptflow's files; the output validates at its shape."""
+    check_zero1_output(bf16_zero0_dp_oracle, case, bf16_zero0_dp_fixture)
+
+
+@pytest.mark.parametrize("name", sample([BF16_ZERO0_DP], keep=()))
+def test_a_bf16_zero0_pipeline_saved_at_dp2_is_read_from_all_its_ranks_names(
+        bf16_zero0_dp_fixture: ParallelFixture, tmp_path: Path, name: str) -> None:
+    """Saved at pp2 x dp2 (DeepSpeed cannot load it back: the writer checked), the bf16 ZeRO-0 pipeline validates
+    as ZeRO-0 pp2 x dp2 with the note saying how to resume it, a parameter spanning the ranks' partitions named once,
+    and its fp32 masters consolidate to the live engine's (`expected.safetensors`) bit for bit."""
+    from ckptflow.formats.deepspeed.readers.pipeline import BF16_ZERO0_NOTE
+
+    fixture = bf16_zero0_dp_fixture
+    assert fixture.spec["checks"]["reload"]["deepspeed_load_error"] == "KeyError: 0"
+    first = [set(open_archive(str(fixture.tag_dir / f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt"),
+                              ALLOWED).obj["optimizer_state_dict"]["param_slice_mappings"][0]) for d in range(2)]
+    assert first[0] & first[1], "no parameter spans stage 0's two partitions"
+    report = validate(str(fixture.dir), deep=True)
+    assert report.ok, [p.message for p in report.problems]
+    summary = report.summary()
+    assert (summary["stage"], summary["pp"], summary["world_size"]) == (0, 2, 2)
+    assert BF16_ZERO0_NOTE in summary["notes"]
+    check_fp32_masters(fixture, tmp_path)
 
 
 def test_the_plan_asks_the_stage_counts_of_the_method_given(parallel_fixtures: Mapping[str, ParallelFixture]) -> None:

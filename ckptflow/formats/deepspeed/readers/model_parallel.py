@@ -452,7 +452,7 @@ def read_ranks(st: Inspection, listing: Listing, heads: Sequence[dict[str, Any]]
     data-parallel size, precision, step and version. Stops at any problem."""
     out: list[RankIndex] = []
     for mp, head in enumerate(heads):
-        sub = Inspection(st.root, st.tag, explicit_tag=st.explicit_tag, allowed=st.allowed)
+        sub = Inspection(st.root, st.tag, explicit_tag=st.explicit_tag, allowed=st.allowed, cache=st.cache)
         module = modules[mp] if modules is not None else None
         try:
             reader = read_zero0 if stage == 0 else read_zero

@@ -31,10 +31,11 @@ lists them (Megatron-DeepSpeed lists the tied one only; `POSITION_EMBEDDINGS`), 
 
 At ZeRO-0 no file names a parameter (no `param_shapes`): every tensor is read from its layer file and
 named `{layer}.{name}`, a tied module under the first layer that uses it. Except in bf16: a PipelineModule
-then gets DeepSpeed's BF16_Optimizer at ZeRO-0, which writes its own files (`bf16_zero_pp_rank_*`, also the
-model states' `optimizer`) naming every parameter by `param_slice_mappings`, and DeepSpeed 0.19.8 cannot
-load that checkpoint back. Each stage's `param_shapes` is rebuilt from those names and the layer files'
-shapes (`_named_head`), it is read as a ZeRO-1 BF16_Optimizer stage, and the index records ZeRO-0
+then gets DeepSpeed's BF16_Optimizer at ZeRO-0, which writes its own files (`bf16_zero_pp_rank_*`, each
+naming the parameters its partition holds by `param_slice_mappings`; the model states' `optimizer` is
+data-parallel rank 0's alone), and DeepSpeed 0.19.8 cannot load that checkpoint back. Each stage's
+`param_shapes` is rebuilt from all its ranks' names (`_stage_mappings`) and the layer files' shapes
+(`_named_head`), it is read as a ZeRO-1 BF16_Optimizer stage, and the index records ZeRO-0
 (`bf16_zero0`: the reshard planner writes it at ZeRO-1, `reshard.pipeline_zero0`), with a note saying so.
 A Megatron-style one is refused (`readers.zero`).
 """
@@ -47,9 +48,9 @@ from typing import Any
 
 from ckptflow.errors import CkptflowError, UnsupportedCheckpointError, option
 from ckptflow.formats.deepspeed.client_state import namespace_state
-from ckptflow.formats.deepspeed.inspection import Inspection, Listing, is_count
+from ckptflow.formats.deepspeed.inspection import Inspection, Listing, is_count, open_rank_file
 from ckptflow.formats.deepspeed.model import ModelTensor
-from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, UC_INFO, layer_file_name
+from ckptflow.formats.deepspeed.names import LAYER_FILE_RE, UC_INFO, layer_file_name, optim_file_name
 from ckptflow.formats.deepspeed.qkv import Heads, check_degree, heads_from_args
 from ckptflow.formats.deepspeed.readers.model_parallel import (
     MAX_PATTERN,
@@ -85,8 +86,8 @@ NAMES_NOTE = ("a PipelineModule has no Hugging Face config: the tensors keep its
               "load_state_dict on the same PipelineModule built as one stage, or rename them for your model")
 BF16_ZERO0_NOTE = ("a PipelineModule trained in bf16 at ZeRO-0 gets DeepSpeed's BF16_Optimizer, whose checkpoint "
                    "DeepSpeed 0.19.8 cannot load back (its loader fails with KeyError 0); its optimizer files name "
-                   "every parameter, so `ckptflow reshard SRC OUT --zero-stage 1` writes it at ZeRO-1, which "
-                   "DeepSpeed loads")
+                   "every parameter, so `ckptflow reshard SRC OUT --world-size N --zero-stage 1` writes it at ZeRO-1, "
+                   "which DeepSpeed loads")
 BF16_ZERO0_LOAD = ("its optimizer is DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at "
                    "ZeRO-0), which DeepSpeed 0.19.8 cannot load back (its loader fails with KeyError 0); ckptflow "
                    "writes it at ZeRO-1, which DeepSpeed loads")
@@ -130,8 +131,9 @@ def read_pipeline(
     stop_on_new(st, left_over)
     zero0 = topology.stage == 0
     bf16_zero0 = not zero0 and not megatron and all(zero0_bf16_optimizer(head) for head in heads)
-    if bf16_zero0:  # BF16_Optimizer at ZeRO-0: each stage named by its param_slice_mappings
-        heads = [_named_head(head, layers, heads) for head in heads]
+    if bf16_zero0:  # BF16_Optimizer at ZeRO-0: each stage named by its ranks' param_slice_mappings
+        mappings = [_stage_mappings(st, listing, mp, topology.dp) for mp in range(count)]
+        heads = [_named_head(head, layers, mine, mappings) for head, mine in zip(heads, mappings)]
     plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
     stop_on_new(st, left_over)
     ranks = read_ranks(st, listing, heads, topology.stage, label, plan.modules if plan else [{}] * count)
@@ -244,20 +246,19 @@ def _open_layers(
 
 
 def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mapping[str, TensorRef]],
-                heads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                mappings: Sequence[Mapping[str, int]] | None,
+                stages: Sequence[Sequence[Mapping[str, int]] | None]) -> dict[str, Any]:
     """A ZeRO-0 BF16_Optimizer stage's model states (`readers.zero.zero0_bf16_optimizer`) with the
-    `param_shapes` ZeRO-1 records: BF16_Optimizer's `param_slice_mappings` (its `optimizer` here, the same
-    state dict as its optimizer file's) name each group's parameters in flattening order, the layer files
-    give their shapes (a tied module's: the one layer file no stage names that holds a tensor of its local
-    name and size). A name no file gives a shape keeps its size alone, as a vector: `_StageModules` then
-    names the file it misses, and `read_zero` checks every name against the optimizer file's own mappings."""
-    mappings = _slice_mappings(head)
+    `param_shapes` ZeRO-1 records: `mappings` (`_stage_mappings`: its ranks' `param_slice_mappings`) name each
+    group's parameters in flattening order with their sizes, the layer files give their shapes (a tied
+    module's: the one layer file no stage (`stages`) names that holds a tensor of its local name and size). A
+    name no file gives a shape keeps its size alone, as a vector: `_StageModules` then names the file it misses,
+    and `read_zero` checks every name against each optimizer file's own mappings."""
     if mappings is None:
         return dict(head)  # read_zero names what is missing
-    owned = {layer for h in heads for m in _slice_mappings(h) or () for n in m
-             if isinstance(n, str) and (layer := _layer_of(n)) is not None}
+    owned = {layer for stage in stages for m in stage or () for n in m if (layer := _layer_of(n)) is not None}
 
-    def shape(name: str, numel: Any) -> tuple[int, ...]:
+    def shape(name: str, numel: int) -> tuple[int, ...]:
         if name.startswith(TIED):
             local = name[len(TIED):].partition(".")[2]
             found = {tuple(content[local].shape) for (layer, t), content in layers.items()
@@ -266,11 +267,36 @@ def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mappin
             layer, local = _layer_of(name), name.partition(".")[2]
             ref = layers.get((layer, 0), {}).get(local) if layer is not None else None
             found = {tuple(ref.shape)} if ref is not None and ref.numel == numel else set()
-        return found.pop() if len(found) == 1 else (numel if is_count(numel) else 0,)
+        return found.pop() if len(found) == 1 else (numel,)
 
-    shapes = [{n: shape(n, addr.get("numel") if isinstance(addr, PickledObject) else None)
-               for n, addr in group.items() if isinstance(n, str)} for group in mappings]
-    return {**head, "param_shapes": shapes}
+    return {**head, "param_shapes": [{n: shape(n, numel) for n, numel in group.items()} for group in mappings]}
+
+
+def _stage_mappings(st: Inspection, listing: Listing, mp: int, dp: int) -> list[dict[str, int]] | None:
+    """Stage `mp`'s parameters by group in flattening order, each with its size: BF16_Optimizer's
+    `param_slice_mappings` in its `dp` optimizer files, in rank order. Each file lists only the parameters its
+    partition holds, with the size of the piece it holds; one spanning a partition boundary is listed by each
+    rank that holds a piece, kept once at its first, its pieces' sizes added. None where a file is missing or
+    unusable (`read_zero` reports it). The files are opened through `st.cache`, which `read_zero` shares, so
+    their pickles are not unpickled again."""
+    probe = Inspection(st.root, st.tag, explicit_tag=st.explicit_tag, allowed=st.allowed, cache=st.cache)
+    groups: list[dict[str, int]] = []
+    for d in range(dp):
+        name = optim_file_name("bf16", d, mp)
+        if name not in listing.optim_names:
+            return None
+        osd = open_rank_file(probe, join_uri(listing.tag_uri, name), d).get("optimizer_state_dict")
+        mappings = _slice_mappings(osd) if isinstance(osd, Mapping) else None
+        if mappings is None or (groups and len(mappings) != len(groups)):
+            return None
+        groups = groups or [{} for _ in mappings]
+        for group, mapping in zip(groups, mappings):
+            for n, addr in mapping.items():
+                numel = addr.get("numel") if isinstance(addr, PickledObject) else None
+                if not isinstance(n, str) or not isinstance(numel, int) or not is_count(numel):
+                    return None
+                group[n] = group.get(n, 0) + numel
+    return groups
 
 
 def _names(head: Mapping[str, Any]) -> list[str]:
@@ -279,10 +305,9 @@ def _names(head: Mapping[str, Any]) -> list[str]:
     return names + [n for n in head.get("buffer_names") or [] if isinstance(n, str)]
 
 
-def _slice_mappings(head: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
-    """The `param_slice_mappings` of the optimizer a ZeRO-0 stage's model states hold, or None."""
-    optimizer = head.get("optimizer")
-    mappings = optimizer.get("param_slice_mappings") if isinstance(optimizer, Mapping) else None
+def _slice_mappings(optimizer: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """The `param_slice_mappings` of a BF16_Optimizer state dict, or None."""
+    mappings = optimizer.get("param_slice_mappings")
     if not isinstance(mappings, list) or not all(isinstance(m, Mapping) for m in mappings):
         return None
     return mappings

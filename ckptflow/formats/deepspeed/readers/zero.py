@@ -233,8 +233,8 @@ def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: 
         return
     st.add("unsupported-layout", f"{uri}{f' ({where})' if where else ''} is a ZeRO-0 checkpoint whose optimizer is "
            "DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at ZeRO-0), which DeepSpeed 0.19.8 "
-           "cannot load back (its loader fails with KeyError 0); ckptflow reads that layout where the optimizer in "
-           "the model states names a plain PipelineModule's parameters (param_slice_mappings), not here: train with "
+           "cannot load back (its loader fails with KeyError 0); ckptflow reads that layout where its optimizer "
+           "files name a plain PipelineModule's parameters (param_slice_mappings), not here: train with "
            "ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save the 16-bit weights with "
            "`engine.save_16bit_model()`", file=uri)
     st.stop_if_any()
