@@ -121,15 +121,21 @@ def test_each_model_parallel_rank_is_named_from_its_own_layer_files(zero0_fixtur
     plan = plan_reshard(index, Target(world_size=12, stage=1))
     assert (str(plan.source_shape), str(plan.shape)) == ("ZeRO-0 pp2 x tp2 x dp1 (4 ranks)",
                                                          "ZeRO-1 pp2 x tp2 x dp3 (12 ranks)")
+    check_stage0_groups(plan)
+    assert [[u.optim_file for u in part.units] for part in plan.parts] == [
+        [f"zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt" for r in range(3)] for mp in range(4)]
+    assert all(part.index.model_states[0]["module"] is None for part in plan.parts)
+    assert set(plan.carried) == {f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(6) for t in range(2)}
+
+
+def check_stage0_groups(plan: Any) -> None:
+    """Every model-parallel rank's groups list its stage's layers in module order (weights, then the biases and
+    norms), the same names on both tensor-parallel ranks: `megatron-toy` at pp2 x tp2."""
     names = [[[n for n, _ in g] for g in part.flat_shapes] for part in plan.parts]
     assert names[0] == names[1] and names[2] == names[3]
     assert names[0] == [["0.weight", "1.fc1.weight", "1.fc2.weight", "2.fc1.weight", "2.fc2.weight"],
                         ["1.norm.weight", "1.norm.bias", "1.fc1.bias", "1.fc2.bias", "2.norm.weight", "2.norm.bias",
                          "2.fc1.bias", "2.fc2.bias"]]
-    assert [[u.optim_file for u in part.units] for part in plan.parts] == [
-        [f"zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt" for r in range(3)] for mp in range(4)]
-    assert all(part.index.model_states[0]["module"] is None for part in plan.parts)
-    assert set(plan.carried) == {f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(6) for t in range(2)}
 
 
 @pytest.mark.parametrize(("target", "why"), [

@@ -460,8 +460,9 @@ def test_a_zero0_pipeline_in_bf16_is_read_by_its_optimizer_s_names(
             lambda state: state["optimizer_state_dict"].pop("param_slice_mappings"))
     message = (f"{model} (pipeline stage 1 of 2) is a ZeRO-0 checkpoint whose optimizer is DeepSpeed's BF16_Optimizer "
                "(what a PipelineModule trained in bf16 gets at ZeRO-0), which DeepSpeed 0.19.8 cannot load back (its "
-               "loader fails with KeyError 0); ckptflow reads that layout where its optimizer files name a plain "
-               "PipelineModule's parameters (param_slice_mappings), not here: train with ZeRO-1, whose "
+               "loader fails with KeyError 0); ckptflow reads that layout where its optimizer files name a "
+               "PipelineModule's parameters, plain or Megatron-style (param_slice_mappings), not here: train with "
+               "ZeRO-1, whose "
                "BF16_Optimizer files ckptflow reads, or save the 16-bit weights with `engine.save_16bit_model()`")
     assert messages(ckpt) == [("unsupported-layout", message)]
     out = tmp_path / "out"

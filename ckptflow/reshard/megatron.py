@@ -139,11 +139,12 @@ GPT_METHOD = "type:transformer"  # GPTModelPipe's partition_method (megatron/mod
 PP_PARTITION_METHOD = "pp_partition_method"  # in BigScience Megatron-DeepSpeed's args: the method, None for GPT's
 
 
-def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
-                                  qkv_layout: str | None = None) -> ModelParallelPlan:
+def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape, qkv_layout: str | None = None, *,
+                                  optimizer: str | None = None) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape` (another tensor-parallel
     degree, the same pipeline stages and ZeRO stage; a fused `query_key_value` joined and cut in the
-    `qkv_layout` the user declares, `reshard.qkv`); reads nothing. `UnsupportedCheckpointError`, in one
+    `qkv_layout` the user declares, `reshard.qkv`); reads nothing. `optimizer`: the one the target runs
+    (`partition.ZERO`, `BF16`), where it is not the source's. `UnsupportedCheckpointError`, in one
     line saying why, for anything else (see the module's docstring)."""
     _check_source(index, shape, qkv_layout=qkv_layout)
     vocab_rows, splits = _splits(index, shape.tp, qkv_layout)
@@ -158,7 +159,8 @@ def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
             mp_rank = stage * shape.tp + t
             pieces = {name: split[1][t] for name, split in stage_splits.items()}
             source = _stage_source(index, stage, stage_splits, shape, t, _info_at(info, shape.tp, vocab_rows))
-            plan = plan_zero12(index, source, shape.dp, kind, local_copies(pieces, runs.copies), {}, mp_rank=mp_rank,
+            plan = plan_zero12(index, source, shape.dp, optimizer or kind, local_copies(pieces, runs.copies), {},
+                               mp_rank=mp_rank,
                                meta_base=stage * index.tp * index.world_size)
             # the layer files take the place of the module copy plan_zero12 counts in rank 0's bytes
             files = tuple(_layer_file(index, layer, t, stage_splits, module) for layer in layers)
@@ -172,7 +174,8 @@ def plan_megatron_tensor_parallel(index: ModelParallelCheckpoint, shape: Shape,
 
 
 def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition_method: str | None = None,
-                         layers: int | None = None, qkv_layout: str | None = None) -> ModelParallelPlan:
+                         layers: int | None = None, qkv_layout: str | None = None, *,
+                         optimizer: str | None = None) -> ModelParallelPlan:
     """The plan that writes the Megatron-style checkpoint `index` at `shape`: another number of pipeline
     stages, and the same or another tensor-parallel degree; reads nothing. The two act on different axes
     and compose: each target stage's parameters are those `pipeline.stages_at` gives it (weighed at the
@@ -180,8 +183,8 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
     target degree (`splits_at`); the stage's ZeRO-1 files are laid out as `pipeline.plan_stage` lays
     them, each element copied out of the full tensor (`local_copies`) from the source stage and
     tensor-parallel ranks that hold it; the layer files of its layers cut as `plan_megatron_tensor_parallel`
-    cuts them (a fused `query_key_value` in the `qkv_layout` the user declares). `UnsupportedCheckpointError`,
-    in one line saying why, for anything else."""
+    cuts them (a fused `query_key_value` in the `qkv_layout` the user declares; `optimizer`: as its).
+    `UnsupportedCheckpointError`, in one line saying why, for anything else."""
     _check_source(index, shape, stages=True, qkv_layout=qkv_layout)
     vocab_rows, stage_splits = _splits(index, shape.tp, qkv_layout)
     splits = {name: split for stage in stage_splits for name, split in stage.items()}
@@ -211,11 +214,13 @@ def plan_megatron_stages(index: ModelParallelCheckpoint, shape: Shape, partition
                 return local_copies(pieces, full)
 
             source = stage_source(index, groups, stage, shape, shapes=shapes, restate=restate)
-            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local, runs=runs[key])
+            plan = plan_stage(index, source, shape.dp, mp_rank=at * shape.tp + t, local=local, runs=runs[key],
+                              optimizer=optimizer)
             files = tuple(_layer_file(index, layer, t, splits, module)
                           for layer, owner in owners.items() if owner == at)
             first = replace(plan.units[0], tensor_files=files)
-            parts.append(replace(plan, units=(first, *plan.units[1:])))
+            parts.append(replace(plan, units=(first, *plan.units[1:]),
+                                 source_optimizer=index.ranks[0].optimizer_kind if optimizer else ""))
     return ModelParallelPlan(
         root=index.root, tag=index.tag, stage=index.stage, precision=index.precision,
         source_world_size=index.world_size, world_size=shape.dp, parts=tuple(parts), carried=(), index=index,

@@ -28,6 +28,12 @@ tensor-parallel ranks by the patterns), the planners move `tied_modules.{key}.{n
 under that name (`tied_tensors`), each later stage that uses it holding a copy of its own (`stage_copies`: the same
 layer file's bytes, DeepSpeed saving the module once, but that stage's optimizer state: `flats.ModelRuns` reads it
 from that stage's ranks).
+
+Trained in bf16, a Megatron-style checkpoint at ZeRO-0 gets BF16_Optimizer, which writes its own files per
+model-parallel rank (`bf16_zero_pp_rank_{D}_mp_rank_{MM}`, DeepSpeed 0.19.8 cannot load them back) naming every
+parameter: the reader names each model-parallel rank by them, as a plain PipelineModule's stages
+(`readers.pipeline.bf16_zero0`), so it is the ZeRO-1 checkpoint `bf16_view` gives, written by the Megatron-style
+planners at its own degree and stages or others (`_from_bf16`; no `--tied-modules` but those its files name).
 """
 
 from __future__ import annotations
@@ -40,12 +46,21 @@ from ckptflow.formats.deepspeed.model import ModelTensor
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.partition import ZERO0
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, Replica, about, join
-from ckptflow.formats.deepspeed.readers.pipeline import split_pieces
+from ckptflow.formats.deepspeed.readers.pipeline import bf16_zero0, split_pieces
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.formats.deepspeed.runs import whole_run
+from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
-from ckptflow.reshard.pipeline_zero0 import TIED, at_zero1, stage_modules, tied_text, virtual_source
+from ckptflow.reshard.pipeline_zero0 import (
+    TIED,
+    at_zero1,
+    bf16_tied_why,
+    stage_modules,
+    tied_text,
+    virtual_source,
+    zero1_states,
+)
 from ckptflow.reshard.shape import Shape, SplitsByDegree, source_shape, why_not
 from ckptflow.reshard.units import ModelParallelPlan
 
@@ -62,6 +77,8 @@ def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str 
     refuse the target."""
     assert index.kind == "megatron" and index.stage == 0, "reshard.plan.PLANNERS gives this planner these only"
     assert shape.stage == 1, "shape.why_not refuses other stages"
+    if bf16_zero0(index):
+        return _from_bf16(index, shape, tied, partition_method, layers, qkv_layout)
     if (shape.tp, shape.pp) != (index.tp, index.pp):
         why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout, tied=tied)
         if why is not None:
@@ -79,6 +96,34 @@ def plan_zero0_megatron(index: ModelParallelCheckpoint, shape: Shape, tied: str 
         world_size=shape.dp, parts=tuple(at_zero1(rank, shape.dp) for rank in ranks), carried=index.carried,
         index=index,
     )
+
+
+def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, partition_method: str | None,
+               layers: int | None, qkv_layout: str | None) -> ModelParallelPlan:
+    """The bf16 ZeRO-0 Megatron-style checkpoint `index` (`readers.pipeline.bf16_zero0`) at ZeRO-1 at `shape`:
+    the ZeRO-1 checkpoint it reads as (`bf16_view`) written by the Megatron-style planners, at its own degree and
+    stages too (each model-parallel rank's layer files cut again at that degree: the same bytes), laid out for the
+    optimizer the recorded config gets at ZeRO-1 (`flats.target_optimizer`: DeepSpeedZeroOptimizer, where the
+    pipeline accumulates its gradients in bf16)."""
+    why = why_not_zero0_megatron(index, source_shape(index), shape, qkv_layout, tied=tied)
+    if why is not None:
+        raise UnsupportedCheckpointError(f"cannot write {index.tag_uri} ({source_shape(index)}) at {shape}: {why}",
+                                         code="unsupported-shape", uri=index.root)
+    first = index.ranks[0]
+    optimizer = target_optimizer(first.optimizer_kind, 0, 1, first.ds_config)
+    view = bf16_view(index)
+    plan = (plan_megatron_stages(view, shape, partition_method, layers, qkv_layout, optimizer=optimizer)
+            if shape.pp != index.pp else plan_megatron_tensor_parallel(view, shape, qkv_layout, optimizer=optimizer))
+    return replace(plan, index=index)
+
+
+def bf16_view(index: ModelParallelCheckpoint) -> ModelParallelCheckpoint:
+    """The bf16 ZeRO-0 Megatron-style checkpoint `index` as the ZeRO-1 one it reads as: its model-parallel ranks
+    BF16_Optimizer's partitions, named by its files (`readers.pipeline`), each rank's model states as ZeRO-1
+    saves them (`pipeline_zero0.zero1_states`: no `optimizer`)."""
+    ranks = tuple(replace(rank, model_states=tuple(zero1_states(m) for m in rank.model_states))
+                  for rank in index.ranks)
+    return replace(index, stage=1, ranks=ranks)
 
 
 def named_ranks(index: ModelParallelCheckpoint, tied: str | None = None) -> tuple[Zero0Checkpoint, ...]:
@@ -172,7 +217,10 @@ def tied_tensors(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tup
 def named_view(index: ModelParallelCheckpoint, tied: str | None = None) -> ModelParallelCheckpoint | str:
     """`zero1_view` of the ZeRO-0 Megatron-style checkpoint `index` named with the tied modules `tied`
     ("KEY=LAYER,...", as the user gives them; None: none), what another tensor-parallel degree or number of stages
-    takes, or why it cannot be."""
+    takes, or why it cannot be; in bf16, `bf16_view` (its tied modules those its files name)."""
+    if bf16_zero0(index):
+        why = bf16_tied_why(index, tied)
+        return bf16_view(index) if why is None else why
     try:
         return zero1_view(index, named_ranks(index, tied), parse_tied(tied) if tied else {})
     except UnsupportedCheckpointError as exc:
@@ -183,7 +231,11 @@ def why_not_zero0_megatron(index: ModelParallelCheckpoint, source: Shape, shape:
                            *, splits: SplitsByDegree | None = None, tied: str | None = None) -> str | None:
     """Why ckptflow cannot write the ZeRO-0 Megatron-style checkpoint `index` at ZeRO-1 at `shape`, or None: at
     its own degree and stages the planner names it (with the tied modules the user gives); at another, it is named
-    with them (`tied`, "KEY=LAYER,...") and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`)."""
+    with them (`tied`, "KEY=LAYER,...") and asked as the ZeRO-1 checkpoint it then is (`shape.why_not`). In bf16
+    (`readers.pipeline.bf16_zero0`) its files name it: `tied` checked against them, and another degree or stages
+    asked of `bf16_view`."""
+    if bf16_zero0(index) and (shape.tp, shape.pp) == (source.tp, source.pp):
+        return bf16_tied_why(index, tied)
     if (shape.tp, shape.pp) == (source.tp, source.pp):
         try:
             named_ranks(index, tied)  # what its planner names, with the tied modules given
@@ -220,5 +272,5 @@ def _text(layers: tuple[str, ...]) -> str:
     return ", ".join(layers) or "none"
 
 
-__all__ = ["named_ranks", "named_view", "plan_zero0_megatron", "tied_tensors", "why_not_zero0_megatron",
+__all__ = ["bf16_view", "named_ranks", "named_view", "plan_zero0_megatron", "tied_tensors", "why_not_zero0_megatron",
            "zero1_view"]

@@ -37,7 +37,8 @@ partitions under a ZeRO-0 index (`readers.pipeline.bf16_zero0`), and `_from_bf16
 planner does (at its own stages, each keeps what it holds; no `--tied-modules`), laid out for the optimizer the
 same config gets at ZeRO-1 (DeepSpeedZeroOptimizer), the model-states files without the `optimizer` ZeRO-0
 saved there.
-A Megatron-style one is named the same way per tensor-parallel rank (`megatron_zero0`).
+A Megatron-style one is named the same way per tensor-parallel rank (`megatron_zero0`), and in bf16 read as
+BF16_Optimizer's ZeRO-1 partitions per model-parallel rank too (`megatron_zero0.bf16_view`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
     holds), laid out for the optimizer the recorded config gets at ZeRO-1 (`flats.target_optimizer`:
     DeepSpeedZeroOptimizer, since a bf16 pipeline at ZeRO-0 accumulates its gradients in bf16), the model-states
     files as ZeRO-1 saves them (no `optimizer`; `shared_params` a mapping, `param_shapes` the target's)."""
-    if (why := _bf16_tied_why(index, tied)) is not None:
+    if (why := bf16_tied_why(index, tied)) is not None:
         raise UnsupportedCheckpointError(f"{index.tag_uri}: {why}", code="unsupported-shape", uri=index.root)
     groups = check_stages(index)
     targets = (own_stages(index) if shape.pp == index.pp
@@ -111,7 +112,7 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
     first = index.ranks[0]
     optimizer = target_optimizer(first.optimizer_kind, 0, 1, first.ds_config)
     runs = ModelRuns(index)
-    parts = tuple(replace(plan_stage(index, stage_source(index, groups, target, shape, restate=_zero1_states),
+    parts = tuple(replace(plan_stage(index, stage_source(index, groups, target, shape, restate=zero1_states),
                                      shape.dp, mp_rank=t, runs=runs, optimizer=optimizer),
                           source_optimizer=first.optimizer_kind)
                   for t, target in enumerate(targets))
@@ -121,7 +122,7 @@ def _from_bf16(index: ModelParallelCheckpoint, shape: Shape, tied: str | None, p
     )
 
 
-def _bf16_tied_why(index: ModelParallelCheckpoint, tied: str | None) -> str | None:
+def bf16_tied_why(index: ModelParallelCheckpoint, tied: str | None) -> str | None:
     """Why the tied modules the user gives (`tied`) are not those a BF16_Optimizer pipeline's files name, or None."""
     named = dict(index.tied_layers)
     if tied is None or parse_tied(tied) == named:
@@ -130,7 +131,7 @@ def _bf16_tied_why(index: ModelParallelCheckpoint, tied: str | None) -> str | No
             f"{option('tied_modules')} gives {tied}; leave {option('tied_modules')} out")
 
 
-def _zero1_states(states: Mapping[str, Any]) -> dict[str, Any]:
+def zero1_states(states: Mapping[str, Any]) -> dict[str, Any]:
     """A ZeRO-0 stage's model states as ZeRO-1 saves them: the optimizer in its own files, not here, and the
     tied aliases a mapping (a PipelineModule's stage module aliases none)."""
     return {**states, "optimizer": None, "shared_params": {}}
@@ -162,7 +163,7 @@ def why_not_stages_zero0(index: ModelParallelCheckpoint, pp: int, tied: str | No
     those its files name, `tied` checked against them."""
     unchecked = pp == index.pp or (pp == 1 and layer_types is None)  # declared layer types are checked at pp1 too
     if bf16_zero0(index):
-        if (why := _bf16_tied_why(index, tied)) is not None or unchecked:
+        if (why := bf16_tied_why(index, tied)) is not None or unchecked:
             return why
         try:
             stages_by(index, pp, partition_method, layers, layer_types)
@@ -341,4 +342,5 @@ def tied_text(tied: Mapping[str, int]) -> str:
     return ",".join(f"{k}={layer}" for k, layer in tied.items())
 
 
-__all__ = ["at_zero1", "plan_zero0_pipeline", "stage_modules", "tied_text", "virtual_source", "why_not_stages_zero0"]
+__all__ = ["at_zero1", "bf16_tied_why", "plan_zero0_pipeline", "stage_modules", "tied_text", "virtual_source",
+           "why_not_stages_zero0", "zero1_states"]

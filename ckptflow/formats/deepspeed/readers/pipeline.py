@@ -37,7 +37,9 @@ data-parallel rank 0's alone), and DeepSpeed 0.19.8 cannot load that checkpoint 
 `param_shapes` is rebuilt from all its ranks' names (`_stage_mappings`) and the layer files' shapes
 (`_named_head`), it is read as a ZeRO-1 BF16_Optimizer stage, and the index records ZeRO-0
 (`bf16_zero0`: the reshard planner writes it at ZeRO-1, `reshard.pipeline_zero0`), with a note saying so.
-A Megatron-style one is refused (`readers.zero`).
+A Megatron-style one is read the same way per model-parallel rank (`bf16_zero_pp_rank_{D}_mp_rank_{MM}`, the
+shapes from the layer files of its tensor-parallel rank), its tensor-parallel pieces joined as ZeRO-1's are
+(`reshard.megatron_zero0` writes it at ZeRO-1).
 """
 
 from __future__ import annotations
@@ -130,10 +132,10 @@ def read_pipeline(
     layers = _open_layers(st, listing, layer_names)
     stop_on_new(st, left_over)
     zero0 = topology.stage == 0
-    bf16_zero0 = not zero0 and not megatron and all(zero0_bf16_optimizer(head) for head in heads)
-    if bf16_zero0:  # BF16_Optimizer at ZeRO-0: each stage named by its ranks' param_slice_mappings
+    bf16_zero0 = not zero0 and all(zero0_bf16_optimizer(head) for head in heads)
+    if bf16_zero0:  # BF16_Optimizer at ZeRO-0: each model-parallel rank named by its ranks' param_slice_mappings
         mappings = [_stage_mappings(st, listing, mp, topology.dp) for mp in range(count)]
-        heads = [_named_head(head, layers, mine, mappings) for head, mine in zip(heads, mappings)]
+        heads = [_named_head(head, layers, mappings[mp], mappings, mp % tp) for mp, head in enumerate(heads)]
     plan = _StageModules(st, listing, heads, layers, tp, label) if not zero0 else None
     stop_on_new(st, left_over)
     ranks = read_ranks(st, listing, heads, topology.stage, label, plan.modules if plan else [{}] * count)
@@ -172,10 +174,10 @@ def read_pipeline(
 
 
 def bf16_zero0(index: Any) -> bool:
-    """Whether `index` is a plain PipelineModule checkpoint saved at ZeRO-0 by BF16_Optimizer (trained in bf16):
-    its stages hold BF16_Optimizer's partitions, named by its `param_slice_mappings` (`ZeroCheckpoint`s), not an
-    optimizer saved by index (`Zero0Checkpoint`s)."""
-    return (isinstance(index, ModelParallelCheckpoint) and index.kind == "pipeline" and index.stage == 0
+    """Whether `index` is a PipelineModule checkpoint (plain or Megatron-style) saved at ZeRO-0 by BF16_Optimizer
+    (trained in bf16): its model-parallel ranks hold BF16_Optimizer's partitions, named by its
+    `param_slice_mappings` (`ZeroCheckpoint`s), not an optimizer saved by index (`Zero0Checkpoint`s)."""
+    return (isinstance(index, ModelParallelCheckpoint) and index.kind in ("pipeline", "megatron") and index.stage == 0
             and not any(isinstance(rank, Zero0Checkpoint) for rank in index.ranks))
 
 
@@ -247,11 +249,12 @@ def _open_layers(
 
 def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mapping[str, TensorRef]],
                 mappings: Sequence[Mapping[str, int]] | None,
-                stages: Sequence[Sequence[Mapping[str, int]] | None]) -> dict[str, Any]:
-    """A ZeRO-0 BF16_Optimizer stage's model states (`readers.zero.zero0_bf16_optimizer`) with the
+                stages: Sequence[Sequence[Mapping[str, int]] | None], t: int = 0) -> dict[str, Any]:
+    """A ZeRO-0 BF16_Optimizer model-parallel rank's model states (`readers.zero.zero0_bf16_optimizer`) with the
     `param_shapes` ZeRO-1 records: `mappings` (`_stage_mappings`: its ranks' `param_slice_mappings`) name each
-    group's parameters in flattening order with their sizes, the layer files give their shapes (a tied
-    module's: the one layer file no stage (`stages`) names that holds a tensor of its local name and size). A
+    group's parameters in flattening order with their sizes, the layer files of its tensor-parallel rank `t` give
+    their shapes (a tied module's: the one layer file no stage (`stages`) names that holds a tensor of its local
+    name and size). A
     name no file gives a shape keeps its size alone, as a vector: `_StageModules` then names the file it misses,
     and `read_zero` checks every name against each optimizer file's own mappings."""
     if mappings is None:
@@ -261,11 +264,11 @@ def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mappin
     def shape(name: str, numel: int) -> tuple[int, ...]:
         if name.startswith(TIED):
             local = name[len(TIED):].partition(".")[2]
-            found = {tuple(content[local].shape) for (layer, t), content in layers.items()
-                     if layer not in owned and t == 0 and local in content and content[local].numel == numel}
+            found = {tuple(content[local].shape) for (layer, u), content in layers.items()
+                     if layer not in owned and u == t and local in content and content[local].numel == numel}
         else:
             layer, local = _layer_of(name), name.partition(".")[2]
-            ref = layers.get((layer, 0), {}).get(local) if layer is not None else None
+            ref = layers.get((layer, t), {}).get(local) if layer is not None else None
             found = {tuple(ref.shape)} if ref is not None and ref.numel == numel else set()
         return found.pop() if len(found) == 1 else (numel,)
 

@@ -227,15 +227,16 @@ def zero0_bf16_optimizer(model0: Mapping[str, Any]) -> bool:
 
 
 def _check_zero0_bf16_optimizer(st: Inspection, model0: Mapping[str, Any], uri: str, where: str | None) -> None:
-    """The ZeRO-0 BF16_Optimizer layout (`zero0_bf16_optimizer`) outside a plain PipelineModule, which
-    names its stages' parameters before this reads them (a Megatron-style one does not): refused."""
+    """The ZeRO-0 BF16_Optimizer layout (`zero0_bf16_optimizer`) where its optimizer files name no parameter:
+    refused. A PipelineModule's, plain or Megatron-style, names each model-parallel rank's parameters from them
+    before this reads it (`readers.pipeline`)."""
     if not zero0_bf16_optimizer(model0):
         return
     st.add("unsupported-layout", f"{uri}{f' ({where})' if where else ''} is a ZeRO-0 checkpoint whose optimizer is "
            "DeepSpeed's BF16_Optimizer (what a PipelineModule trained in bf16 gets at ZeRO-0), which DeepSpeed 0.19.8 "
            "cannot load back (its loader fails with KeyError 0); ckptflow reads that layout where its optimizer "
-           "files name a plain PipelineModule's parameters (param_slice_mappings), not here: train with "
-           "ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save the 16-bit weights with "
+           "files name a PipelineModule's parameters, plain or Megatron-style (param_slice_mappings), not here: "
+           "train with ZeRO-1, whose BF16_Optimizer files ckptflow reads, or save the 16-bit weights with "
            "`engine.save_16bit_model()`", file=uri)
     st.stop_if_any()
 
