@@ -1515,12 +1515,29 @@ def test_deepspeed_moe_zero0_refusals(expert_fixtures, tmp_path: Path) -> None:
         plan_reshard(index, Target(world_size=4, ep=4))
     with pytest.raises(UnsupportedCheckpointError, match="DeepSpeed refuses deepspeed.moe layers at ZeRO-3"):
         plan_reshard(index, Target(world_size=2, stage=3))
-    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: it was trained in fp16, whose "
-                                                         r"FP16_Optimizer's loss scale ckptflow does not carry from a "
-                                                         r"deepspeed.moe ZeRO-0 checkpoint yet \(fp32 and bf16 it "
-                                                         r"writes\); ckptflow can write no shape of "
-                                                         r"it at 2 ranks$"):
-        plan_reshard(replace(index, precision="fp16"), Target(world_size=2, stage=1))
+    # fp16: each expp_rank file's FP16_Optimizer loss scale, carried where all agree (long mode: tests/test_moe_zero0_fp16.py)
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: expp_rank_0_mp_rank_00_optim_states.pt: "
+                                                         r"its FP16_Optimizer's loss scale state is not what DeepSpeed "
+                                                         r"0.19.8 saves \(dynamic_loss_scale=None, cur_scale=None, "
+                                                         r"cur_iter=None\), so the target's loss scaler cannot be "
+                                                         r"carried; ckptflow can write no shape of it at 2 ranks$"):
+        plan_reshard(replace(index, precision="fp16"), Target(world_size=2, stage=1))  # fp32 files called fp16
+    scale = {"dynamic_loss_scale": True, "cur_scale": 256.0, "cur_iter": 4, "last_overflow_iter": 1,
+             "scale_factor": 2.0, "scale_window": 2}
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: expp_rank_1_mp_rank_00_optim_states.pt "
+                                                         r"holds another FP16_Optimizer loss scale state than "
+                                                         r"expp_rank_0_mp_rank_00_optim_states.pt \(cur_scale=128.0, "
+                                                         r"cur_iter=4, last_overflow_iter=1, not cur_scale=256.0, "
+                                                         r"cur_iter=4, last_overflow_iter=1\), which one deepspeed.moe "
+                                                         r"run does not save; the folder mixes saves"):
+        plan_reshard(replace(index, precision="fp16", expp=({**index.expp[0], **scale},
+                                                            {**index.expp[1], **scale, "cur_scale": 128.0})),
+                     Target(world_size=2, stage=1))
+    with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: expp_rank_0_mp_rank_00_optim_states.pt "
+                                                         r"holds no torch optimizer state dict inside FP16_Optimizer's "
+                                                         r"`optimizer_state_dict`"):  # the scales agree: named next
+        plan_reshard(replace(index, precision="fp16", expp=tuple({**e, **scale} for e in index.expp)),
+                     Target(world_size=2, stage=1))
     with pytest.raises(UnsupportedCheckpointError, match=r"to 2 ranks, ZeRO-1: expp_rank_0_mp_rank_00_optim_states.pt "
                                                          r"holds no torch optimizer state dict inside FP16_Optimizer's "
                                                          r"`optimizer_state_dict`"):

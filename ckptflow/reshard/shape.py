@@ -25,7 +25,8 @@ ZeRO-0 checkpoint goes to ZeRO-1/2/3 at its own tensor-parallel degree where its
 named (`readers.zero0.named_groups`), in fp32, bf16 and fp16, fp16's FP16_Optimizer loss scale carried
 into the target's loss scaler (`readers.zero0.zero_loss_scaler`; checked against DeepSpeed on an fp16
 ZeRO-0 checkpoint written by DeepSpeed's own fp16 code on CPU ranks with the CPU accelerator's fp16
-check lifted, `tests/test_fp16_zero0.py`). A deepspeed.moe ZeRO-0 checkpoint (fp32, bf16) goes to ZeRO-1/2 at its own
+check lifted, `tests/test_fp16_zero0.py`). A deepspeed.moe ZeRO-0 checkpoint (fp32, bf16, fp16: each expp_rank
+file's loss scale, which must agree, carried alike) goes to ZeRO-1/2 at its own
 expert-parallel degree or another (`readers.moe.zero0_index` names each expert-parallel rank's optimizer,
 `experts.plan_moe_zero0` writes it). A ZeRO-0 PipelineModule (fp32) goes to ZeRO-1 at its own number of
 stages or another, each stage's module rebuilt from its layer files (`pipeline_zero0`, which refuses what it

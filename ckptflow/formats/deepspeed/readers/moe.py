@@ -6,10 +6,10 @@ model's tensors under the module's names with **global** expert ids: the names o
   groups (`ep_size_N`, possibly two of that name: weights and biases) hold the experts of the rank's
   expert-parallel rank under **local** ids, partitioned over its expert data-parallel group (`index`),
   and `layer_{L}_expert_{E}` files (module-dtype weights, global ids).
-- ZeRO-0: `module` holds the dense weights (fp32: the masters; bf16: their copies rounded), the expert
-  files the experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no
-  names; in bf16 FP16_Optimizer's, the base optimizer's state inside `optimizer_state_dict` and one flat
-  fp32 master per group; a reshard names it: `zero0_index`).
+- ZeRO-0: `module` holds the dense weights (fp32: the masters; bf16, fp16: their copies rounded), the
+  expert files the experts, and `expp_rank_{e}` the whole optimizer of expert-parallel rank e (indices, no
+  names; in bf16 and fp16 FP16_Optimizer's, the base optimizer's state inside `optimizer_state_dict` and
+  one flat fp32 master per group, in fp16 with its loss scale; a reshard names it: `zero0_index`).
 
 Nothing records the placement but the group names, `num_experts` and DeepSpeed's default topology:
 local expert i of expert-parallel rank e in MoE layer L is global expert `e * num_experts[L] / N + i`,
@@ -51,7 +51,7 @@ from ckptflow.formats.deepspeed.readers.experts import (
     ordered,
 )
 from ckptflow.formats.deepspeed.readers.zero import read_zero
-from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups
+from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, Zero0Group, named_groups, saved_loss_scaler
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.deepspeed.topology import Topology
 from ckptflow.formats.torch.tensorref import TensorRef
@@ -324,12 +324,13 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     partition of its own at one virtual rank k (a group with fewer repeats its last, which no copy
     reads; a 16-bit group's flat master holds its parameters end to end), each expert group with one copy
     per expert-parallel rank under local names (`Param.shard`), its optimizer file's base state rank 0's
-    (the step the group's, FP16_Optimizer's `clip_grad` where it saved one), its model states the
-    source's with no `optimizer`."""
+    (the step the group's, FP16_Optimizer's `clip_grad` where it saved one; in fp16 the loss scaler every
+    expp_rank file's FP16_Optimizer agrees on, as a ZeRO optimizer saves it: `_loss_scaler`), its model
+    states the source's with no `optimizer`."""
     model0 = source.model0
-    if source.precision == "fp16":
-        return ("it was trained in fp16, whose FP16_Optimizer's loss scale ckptflow does not carry from a "
-                "deepspeed.moe ZeRO-0 checkpoint yet (fp32 and bf16 it writes)")
+    scaler = _loss_scaler(source)
+    if isinstance(scaler, str):
+        return scaler
     named = [_named_rank(source, e) for e in range(source.ep)]
     bad = next((n for n in named if isinstance(n, str)), None)
     if bad is not None:
@@ -370,6 +371,7 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
     osd = {"base_optimizer_state": {"state": base_state,
                                     "param_groups": [{**group.hyper, "params": [g]} for g, group in enumerate(first)]},
            "ds_version": model0.get("ds_version")}
+    osd.update(scaler or {})  # fp16: FP16_Optimizer's scale carried; else `reshard.files` writes a static 1
     if "clip_grad" in source.expp[0]:  # FP16_Optimizer's; else `reshard.files` takes the recorded config's
         osd["clip_grad"] = source.expp[0]["clip_grad"]
     buffers = set(model0.get("buffer_names") or [])
@@ -385,6 +387,28 @@ def zero0_index(source: ExpertCheckpoint) -> ZeroCheckpoint | str:
         optim_states=({"optimizer_state_dict": osd, "ds_config": model0.get("ds_config"),
                        "ds_version": model0.get("ds_version")},),
     )
+
+
+def _loss_scaler(source: ExpertCheckpoint) -> dict[str, Any] | str | None:
+    """The fp16 source's loss scaler as a ZeRO optimizer saves it (`readers.zero0.saved_loss_scaler`), from
+    every expp_rank file's FP16_Optimizer, which must agree (DeepSpeed reduces the overflow over all ranks,
+    so one run's scales move together); None for fp32 and bf16, which keep none."""
+    if source.precision != "fp16":
+        return None
+    scalers = [saved_loss_scaler(saved, source.model0.get("ds_config")) for saved in source.expp]
+    for e, scaler in enumerate(scalers):
+        if isinstance(scaler, str):
+            return f"{expp_file_name(e)}: {scaler}"
+        if scaler != scalers[0]:
+            return (f"{expp_file_name(e)} holds another FP16_Optimizer loss scale state than {expp_file_name(0)} "
+                    f"({_scale_state(scaler)}, not {_scale_state(scalers[0])}), which one deepspeed.moe run does "
+                    "not save; the folder mixes saves")
+    return scalers[0]
+
+
+def _scale_state(scaler: Any) -> str:
+    state = scaler["loss_scaler"].state
+    return ", ".join(f"{k}={state[k]}" for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in state)
 
 
 def _local_experts(source: ExpertCheckpoint, e: int) -> list[ModelTensor]:

@@ -466,8 +466,13 @@ def zero_loss_scaler(index: Zero0Checkpoint) -> dict[str, Any] | str | None:
     A static scale is a `LossScaler` with FP16_Optimizer's `cur_scale`."""
     if index.precision != "fp16":
         return None
-    saved = index.model_states.get("optimizer")
-    saved = saved if isinstance(saved, Mapping) else {}
+    return saved_loss_scaler(index.model_states.get("optimizer"), index.model_states.get("ds_config"))
+
+
+def saved_loss_scaler(optimizer: Any, config: Any) -> dict[str, Any] | str:
+    """`zero_loss_scaler` of one saved `FP16_Optimizer.state_dict()` (`optimizer`), run with the recorded
+    DeepSpeed config `config`: what a ZeRO optimizer saves of its loss scaler, or why it cannot be carried."""
+    saved = optimizer if isinstance(optimizer, Mapping) else {}
     fields: tuple[str, ...] = ("dynamic_loss_scale", "cur_scale", "cur_iter")
     dynamic = saved.get("dynamic_loss_scale")
     if dynamic is True:
@@ -486,7 +491,7 @@ def zero_loss_scaler(index: Zero0Checkpoint) -> dict[str, Any] | str | None:
     if not dynamic:
         return {"loss_scaler": PickledObject(LOSS_SCALER, (), {"cur_scale": values["cur_scale"], "dynamic": False}),
                 "dynamic_loss_scale": False, "overflow": False}
-    fp16 = {**FP16_DEFAULTS, **section(index.model_states.get("ds_config"), "fp16")}
+    fp16 = {**FP16_DEFAULTS, **section(config, "fp16")}
     hysteresis, least = fp16["hysteresis"], fp16["min_loss_scale"]
     if not _at_least(hysteresis, 1) or not _scale(least):
         return (f"its recorded config's fp16 section sets hysteresis={shown(hysteresis)}, "
@@ -501,4 +506,4 @@ def zero_loss_scaler(index: Zero0Checkpoint) -> dict[str, Any] | str | None:
 
 
 __all__ = ["FP16_DEFAULTS", "MAX_ASSIGNMENTS", "UNNAMED_OPTIMIZER", "Zero0Checkpoint", "Zero0Group", "masters_note",
-           "named_groups", "read_zero0", "zero_loss_scaler"]
+           "named_groups", "read_zero0", "saved_loss_scaler", "zero_loss_scaler"]
