@@ -121,15 +121,21 @@ def run_stage_oracle(fixtures: Mapping[str, ParallelFixture], cases: tuple, root
     return {"outs": outs, "resaved": resaved, "results": results}
 
 
-def check_stage_output(oracle: dict[str, Any], case: tuple, fixture: ParallelFixture) -> None:
-    """DeepSpeed at the target held the source's state and client state and saved ckptflow's files again;
-    ckptflow's output validates at the target shape with the source's step, parameters and groups."""
+def checked_output(oracle: dict[str, Any], case: tuple, fixture: ParallelFixture
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DeepSpeed at the target held the source's state and client state and saved ckptflow's files again, and
+    ckptflow's output validates deep: its summary, and the source's."""
     check_loaded_state(oracle, case, fixture)
     assert json.loads(oracle["results"][case].read_text())["client_state_differ"] == []
     check_same_files(oracle, case)
     report = validate(str(oracle["outs"][case]), deep=True)
     assert report.ok, [p.message for p in report.problems]
-    summary, source = report.summary(), validate(str(fixture.dir)).summary()
+    return report.summary(), validate(str(fixture.dir)).summary()
+
+
+def check_stage_output(oracle: dict[str, Any], case: tuple, fixture: ParallelFixture) -> None:
+    """`checked_output`, at the target shape with the source's step, parameters and groups."""
+    summary, source = checked_output(oracle, case, fixture)
     assert (summary["pp"], summary.get("tp", 1), summary["world_size"]) == case[1:4]
     assert {k: summary[k] for k in ("stage", "step", "params", "numel", "param_groups")} == \
         {k: source[k] for k in ("stage", "step", "params", "numel", "param_groups")}

@@ -21,7 +21,6 @@ The fixture is a 4-rank launch and the oracle five more (2, 4 and 8 ranks): long
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,10 @@ from ckptflow.formats.deepspeed import load_index
 from ckptflow.reshard import reshard
 from ckptflow.reshard.plan import plan_reshard
 from ckptflow.reshard.shape import Target
-from ckptflow.validate import validate
 from tests.fixtures.sets import SETS, ParallelFixture
 from tests.sampling import long_mode
-from tests.test_model_parallel_reshard import check_loaded_state, check_same_files, launch_oracle, source_sections
+from tests.test_megatron_stages import checked_output
+from tests.test_model_parallel_reshard import launch_oracle, source_sections
 
 pytestmark = pytest.mark.skipif(not long_mode(), reason="DeepSpeed launches of their own (the fixture, the oracle): "
                                 "long mode (CKPTFLOW_LONG=1)")
@@ -92,12 +91,7 @@ def check_zero0_output(oracle: dict[str, Any], case: tuple, fixture: ParallelFix
     """DeepSpeed held the source's state and client state and saved ckptflow's files again; ckptflow's output
     validates at the target shape with the source's step and parameters (less the `padding` elements the source's
     index counts and the output's does not)."""
-    check_loaded_state(oracle, case, fixture)
-    assert json.loads(oracle["results"][case].read_text())["client_state_differ"] == []
-    check_same_files(oracle, case)
-    report = validate(str(oracle["outs"][case]), deep=True)
-    assert report.ok, [p.message for p in report.problems]
-    summary, source = report.summary(), validate(str(fixture.dir)).summary()
+    summary, source = checked_output(oracle, case, fixture)
     assert (summary["stage"], summary["pp"], summary.get("tp", 1), summary["world_size"]) == \
         (1, case[1], case[2], case[3])
     assert (summary["step"], summary["params"], summary["numel"]) == (source["step"], source["params"],
