@@ -315,8 +315,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if kind == "pipeline":  # each stage's state named from its layer files by the planner (`pipeline_zero0`)
             return None
         if kind not in ("zero0", "autotp"):
-            return (f"ckptflow changes the ZeRO stage of data-parallel, AutoTP, PipelineModule and Megatron-style "
-                    f"ZeRO-0 checkpoints only, not of {name} ones yet")
+            return (f"ckptflow changes the ZeRO stage of ZeRO-0 checkpoints of data-parallel ZeRO, AutoTP, "
+                    f"PipelineModule (plain or Megatron-style) and deepspeed.moe layouts, not of {name} ones yet")
         for rank in getattr(index, "ranks", None) or (index,):
             why = why_not_zero0(rank)
             if why is not None:
@@ -349,7 +349,8 @@ def why_not(index: Any, source: Shape, shape: Shape, qkv_layout: str | None = No
         if kind in ("moe", "autoep") and (why := why_not_expert_stage(kind, shape.stage)) is not None:
             return why
         if kind not in ("zero", "autotp", "moe", "autoep"):
-            return f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (data-parallel ZeRO and AutoTP)"
+            return (f"ckptflow does not change the ZeRO stage of {name} checkpoints yet (of data-parallel ZeRO, AutoTP "
+                    "and expert-parallel ones it does)")
     return None
 
 
