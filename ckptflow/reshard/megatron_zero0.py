@@ -46,14 +46,13 @@ from ckptflow.formats.deepspeed.model import ModelTensor
 from ckptflow.formats.deepspeed.names import UC_INFO, layer_file_name
 from ckptflow.formats.deepspeed.partition import ZERO0
 from ckptflow.formats.deepspeed.readers.model_parallel import Holding, ModelParallelCheckpoint, Replica, about, join
-from ckptflow.formats.deepspeed.readers.pipeline import bf16_zero0, split_pieces
+from ckptflow.formats.deepspeed.readers.pipeline import TIED, bf16_zero0, layer_of, split_pieces
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.reshard.flats import target_optimizer
 from ckptflow.reshard.megatron import plan_megatron_stages, plan_megatron_tensor_parallel
 from ckptflow.reshard.pipeline_layers import tied_modules as parse_tied
 from ckptflow.reshard.pipeline_zero0 import (
-    TIED,
     at_zero1,
     bf16_tied_why,
     stage_modules,
@@ -191,9 +190,9 @@ def tied_tensors(index: ModelParallelCheckpoint, tied: Mapping[str, int]) -> tup
     owned = {layer: key for key, layer in tied.items()}
     info = index.ranks[0].model_states.get(UC_INFO) or {}
     ranks = range(index.tp)
-    tensors, replicas = [], [r for r in index.replicas if _layer(r.name) not in owned]
+    tensors, replicas = [], [r for r in index.replicas if layer_of(r.name) not in owned]
     for old in index.tensors:
-        layer = _layer(old.name)
+        layer = layer_of(old.name)
         if layer not in owned:
             tensors.append(old)
             continue
@@ -251,12 +250,6 @@ def _layers(stage: Zero0Checkpoint) -> tuple[str, ...]:
     return tuple(dict.fromkeys(
         ".".join(t.name.split(".", 2)[:2]) if t.name.startswith(TIED) else t.name.split(".", 1)[0]
         for t in stage.tensors))
-
-
-def _layer(name: str) -> int | None:
-    """The layer whose file holds the reader's tensor `name` (`{layer}.{name}`)."""
-    head = name.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def _tied_key(name: str) -> str:

@@ -53,7 +53,7 @@ from ckptflow.formats.deepspeed.model import ModelTensor, Partition, ZeroCheckpo
 from ckptflow.formats.deepspeed.names import layer_file_name
 from ckptflow.formats.deepspeed.partition import ZERO0
 from ckptflow.formats.deepspeed.readers.model_parallel import ModelParallelCheckpoint
-from ckptflow.formats.deepspeed.readers.pipeline import bf16_zero0
+from ckptflow.formats.deepspeed.readers.pipeline import TIED, bf16_zero0
 from ckptflow.formats.deepspeed.readers.zero0 import Zero0Checkpoint, named_groups
 from ckptflow.formats.deepspeed.runs import whole_run
 from ckptflow.formats.torch.tensorref import DTYPE_SIZES, TensorRef
@@ -64,7 +64,6 @@ from ckptflow.reshard.shape import Shape
 from ckptflow.reshard.stage import plan_zero0_stage, zero0_source
 from ckptflow.reshard.units import DataParallelPlan, ModelParallelPlan
 
-TIED = "tied_modules."
 MAX_TRIES = 20_000  # stage modules named (`named_groups`) before the search is refused
 
 

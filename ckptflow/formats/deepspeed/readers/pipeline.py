@@ -259,7 +259,7 @@ def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mappin
     and `read_zero` checks every name against each optimizer file's own mappings."""
     if mappings is None:
         return dict(head)  # read_zero names what is missing
-    owned = {layer for stage in stages for m in stage or () for n in m if (layer := _layer_of(n)) is not None}
+    owned = {layer for stage in stages for m in stage or () for n in m if (layer := layer_of(n)) is not None}
 
     def shape(name: str, numel: int) -> tuple[int, ...]:
         if name.startswith(TIED):
@@ -267,7 +267,7 @@ def _named_head(head: Mapping[str, Any], layers: Mapping[tuple[int, int], Mappin
             found = {tuple(content[local].shape) for (layer, u), content in layers.items()
                      if layer not in owned and u == t and local in content and content[local].numel == numel}
         else:
-            layer, local = _layer_of(name), name.partition(".")[2]
+            layer, local = layer_of(name), name.partition(".")[2]
             ref = layers.get((layer, t), {}).get(local) if layer is not None else None
             found = {tuple(ref.shape)} if ref is not None and ref.numel == numel else set()
         return found.pop() if len(found) == 1 else (numel,)
@@ -316,7 +316,8 @@ def _slice_mappings(optimizer: Mapping[str, Any]) -> list[Mapping[str, Any]] | N
     return mappings
 
 
-def _layer_of(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The layer whose file holds the PipelineModule tensor `name` (`{layer}.{name}`), or None (a tied module's)."""
     head = name.split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
@@ -331,14 +332,14 @@ class _StageModules:
         self.modules: list[dict[str, TensorRef]] = []
         self.frozen: dict[int, dict[str, ModelTensor]] = {}
         self.tied_owner: dict[str, int] = {}  # tied module key -> the layer whose file holds it
-        owned = {layer for head in heads for n in _names(head) if (layer := _layer_of(n)) is not None}
+        owned = {layer for head in heads for n in _names(head) if (layer := layer_of(n)) is not None}
         tied_owner = self.tied_owner = self._tied_owners(st, heads, layers, owned)
         used: set[tuple[int, int, str]] = set()
         for mp, head in enumerate(heads):
             t = mp % tp
             module: dict[str, TensorRef] = {}
             for name in _names(head):
-                layer = _layer_of(name)
+                layer = layer_of(name)
                 if name.startswith(TIED):
                     key, _, local = name[len(TIED):].partition(".")
                     layer = tied_owner.get(key)
@@ -371,15 +372,15 @@ class _StageModules:
     @staticmethod
     def _ordered(module: dict[str, TensorRef]) -> dict[str, TensorRef]:
         """Layer order, tied modules where their layer is: the order a state dict would have."""
-        return dict(sorted(module.items(), key=lambda kv: (_layer_of(kv[0]) is None and not kv[0].startswith(TIED),
-                                                           _layer_of(kv[0]) or 0)))
+        return dict(sorted(module.items(), key=lambda kv: (layer_of(kv[0]) is None and not kv[0].startswith(TIED),
+                                                           layer_of(kv[0]) or 0)))
 
     @staticmethod
     def _stage_of(layer: int, heads: Sequence[Mapping[str, Any]], tp: int) -> int:
         """The stage whose layers surround `layer` (stages hold contiguous layer ranges)."""
         stage = 0
         for mp in range(0, len(heads), tp):
-            layers = [x for n in _names(heads[mp]) if (x := _layer_of(n)) is not None]
+            layers = [x for n in _names(heads[mp]) if (x := layer_of(n)) is not None]
             if layers and min(layers) <= layer:
                 stage = mp // tp
         return stage
@@ -868,7 +869,7 @@ def fused_heads(index: ModelParallelCheckpoint, name: str, rows: int) -> Heads:
     return heads
 
 
-__all__ = ["BF16_ZERO0_LOAD", "FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "Split", "TIED_WHY",
-           "TRANSFORMER_LAYER", "bf16_zero0", "declare_qkv_layout", "fused_heads", "fused_qkv", "position_note",
-           "read_pipeline", "row_join_problem", "shard_shapes", "split_pieces", "splits_at", "tied_module",
-           "transformer_layers", "vocabulary_rows"]
+__all__ = ["BF16_ZERO0_LOAD", "FUSED_QKV", "FUSED_QKV_WHY", "POSITION_EMBEDDINGS", "TIED", "TIED_WHY",
+           "TRANSFORMER_LAYER", "Split", "bf16_zero0", "declare_qkv_layout", "fused_heads", "fused_qkv", "layer_of",
+           "position_note", "read_pipeline", "row_join_problem", "shard_shapes", "split_pieces", "splits_at",
+           "tied_module", "transformer_layers", "vocabulary_rows"]
